@@ -1,0 +1,47 @@
+# Two commands: `make demo` and `make test`. Both set up .venv from the pinned
+# requirements on first use (only Python 3.11 and pip are needed), build the
+# package's C++ kernels, then run.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+DEPS_STAMP := $(VENV)/.deps-installed
+BUILD_STAMP := $(VENV)/.package-built
+CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
+PYTEST_ARGS ?=
+
+.PHONY: all demo test build bench clean distclean
+
+all: test
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(DEPS_STAMP): requirements.txt requirements-nodeps.txt | $(PY)
+	$(PIP) install --disable-pip-version-check -q -r requirements.txt
+	$(PIP) install --disable-pip-version-check -q --no-deps -r requirements-nodeps.txt
+	touch $@
+
+# --no-build-isolation: the extension builds against the pinned torch in .venv
+# (an isolated build would fetch the newest torch with CUDA packages).
+$(BUILD_STAMP): $(DEPS_STAMP) setup.py $(CSRC)
+	$(PIP) install --disable-pip-version-check -q --no-build-isolation --no-deps -e .
+	touch $@
+
+build: $(BUILD_STAMP)
+
+demo: $(BUILD_STAMP)
+	$(PY) examples/demo.py
+
+test: $(BUILD_STAMP)
+	$(PY) -m pytest test $(PYTEST_ARGS)
+
+bench: $(BUILD_STAMP)
+	$(PY) benchmark/benchmark_hash_table.py
+
+clean:
+	rm -rf build dynamicemb/*.so dynamicemb/*.egg-info *.egg-info $(BUILD_STAMP)
+
+distclean: clean
+	rm -rf $(VENV)
