@@ -1,0 +1,46 @@
+// Python bindings of the CPU kernels: the module dynamicemb._C, loaded only by
+// dynamicemb/_ops.py.
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace dynamicemb {
+namespace cpu {
+
+at::Tensor hash_keys(const at::Tensor& keys, const at::Tensor& tids);
+at::Tensor find(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+                const at::Tensor& tids);
+at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+                  const at::Tensor& tids, const at::Tensor& hashes,
+                  const c10::optional<at::Tensor>& given, int64_t rule, int64_t now,
+                  bool evicts, bool can_grow, const at::Tensor& pending,
+                  at::Tensor& slots, at::Tensor& status,
+                  const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys,
+                  at::Tensor& ev_tids, at::Tensor& ev_scores);
+void unpin(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& slots);
+void undo_upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& slots,
+                 const at::Tensor& status, const at::Tensor& prev_scores,
+                 const at::Tensor& ev_keys, const at::Tensor& ev_tids,
+                 const at::Tensor& ev_scores);
+at::Tensor grow(const std::vector<at::Tensor>& old_meta,
+                const std::vector<at::Tensor>& new_meta, int64_t bc);
+at::Tensor erase(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+                 const at::Tensor& tids);
+at::Tensor occupied_slots(const std::vector<at::Tensor>& meta, int64_t bc, int64_t start,
+                          int64_t end);
+
+}  // namespace cpu
+}  // namespace dynamicemb
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace c = dynamicemb::cpu;
+  m.doc() = "dynamicemb CPU kernels";
+  m.def("hash_keys", &c::hash_keys, "64-bit hash of (table id, key)");
+  m.def("find", &c::find, "slot of each key, -1 if absent");
+  m.def("upsert", &c::upsert, "one inserting pass; returns deferred positions");
+  m.def("unpin", &c::unpin, "clear the pinned bit of slots");
+  m.def("undo_upsert", &c::undo_upsert, "revert an inserting call");
+  m.def("grow", &c::grow, "rehash into twice the buckets");
+  m.def("erase", &c::erase, "erase keys");
+  m.def("occupied_slots", &c::occupied_slots, "occupied slots of a range");
+}

@@ -1,0 +1,397 @@
+// CPU bulk loops of the scored hash table (OpenMP), over the per-key
+// primitives of dynamicemb/hash_primitives.h. Python (dynamicemb/table) owns the
+// tensors and the policy; these functions only walk them.
+//
+// `meta` is always the list [keys, scores, tids, digests, occupied, pinned]
+// described in hash_primitives.h; `bc` is the bucket capacity.
+#include <omp.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cpu/probe.h"
+#include "dynamicemb/hash_primitives.h"
+
+namespace dynamicemb {
+namespace cpu {
+namespace {
+
+// Below this many keys one thread is faster than waking the pool.
+constexpr int64_t kParallelMinKeys = 4096;
+
+struct TableView {
+  int64_t* keys;
+  uint64_t* scores;
+  int16_t* tids;
+  uint8_t* digests;
+  uint64_t* occupied;
+  uint64_t* pinned;
+  int64_t num_buckets;
+  int bc;
+  int words;
+
+  uint64_t* occupied_of(int64_t b) const { return occupied + b * words; }
+  uint64_t* pinned_of(int64_t b) const { return pinned + b * words; }
+};
+
+void check_tensor(const at::Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " has dtype ", t.scalar_type(),
+              ", expected ", dtype);
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+TableView view_of(const std::vector<at::Tensor>& meta, int64_t bc) {
+  TORCH_CHECK(meta.size() == 6, "meta must hold 6 tensors, got ", meta.size());
+  check_tensor(meta[0], at::kLong, "keys");
+  check_tensor(meta[1], at::kLong, "scores");
+  check_tensor(meta[2], at::kShort, "tids");
+  check_tensor(meta[3], at::kByte, "digests");
+  check_tensor(meta[4], at::kLong, "occupied");
+  check_tensor(meta[5], at::kLong, "pinned");
+  TableView v;
+  v.bc = static_cast<int>(bc);
+  v.words = words_per_bucket(v.bc);
+  v.num_buckets = meta[0].numel() / bc;
+  TORCH_CHECK(v.num_buckets * bc == meta[0].numel(), "capacity not a multiple of bc");
+  TORCH_CHECK(meta[4].numel() == v.num_buckets * v.words, "occupied has wrong size");
+  v.keys = meta[0].data_ptr<int64_t>();
+  v.scores = reinterpret_cast<uint64_t*>(meta[1].data_ptr<int64_t>());
+  v.tids = meta[2].data_ptr<int16_t>();
+  v.digests = meta[3].data_ptr<uint8_t>();
+  v.occupied = reinterpret_cast<uint64_t*>(meta[4].data_ptr<int64_t>());
+  v.pinned = reinterpret_cast<uint64_t*>(meta[5].data_ptr<int64_t>());
+  return v;
+}
+
+void check_batch(const at::Tensor& keys, const at::Tensor& tids) {
+  check_tensor(keys, at::kLong, "keys");
+  check_tensor(tids, at::kShort, "table_ids");
+  TORCH_CHECK(keys.dim() == 1 && tids.sizes() == keys.sizes(),
+              "keys and table_ids must be 1-D of one length");
+}
+
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
+// Probe keys [lo, hi) (at most kChunk) in three phases so that the cache misses
+// of a chunk overlap: bucket lines, then the candidate key lines, then compare.
+constexpr int kChunk = 16;
+
+void find_chunk(const TableView& v, const int64_t* keys, const int16_t* tids,
+                int64_t lo, int64_t hi, int64_t* slots) {
+  uint64_t hashes[kChunk];
+  for (int64_t i = lo; i < hi; ++i) {
+    const uint64_t h = hash_key(keys[i], tids[i]);
+    hashes[i - lo] = h;
+    const int64_t base = bucket_of(h, v.num_buckets) * v.bc;
+    for (int g = 0; g < v.bc; g += 64) prefetch(v.digests + base + g);
+    prefetch(v.occupied_of(base / v.bc));
+  }
+  for (int64_t i = lo; i < hi; ++i) {
+    const uint64_t h = hashes[i - lo];
+    const int64_t b = bucket_of(h, v.num_buckets);
+    const int64_t base = b * v.bc;
+    const int j = probe_bucket(v.keys + base, v.tids + base, v.digests + base,
+                               v.occupied_of(b), v.bc, keys[i], tids[i], digest_of(h));
+    slots[i] = j < 0 ? -1 : base + j;
+  }
+}
+
+}  // namespace
+
+at::Tensor hash_keys(const at::Tensor& keys, const at::Tensor& tids) {
+  check_batch(keys, tids);
+  auto out = at::empty_like(keys);
+  const int64_t n = keys.numel();
+  const int64_t* k = keys.data_ptr<int64_t>();
+  const int16_t* t = tids.data_ptr<int16_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+#pragma omp parallel for schedule(static) if (n >= kParallelMinKeys)
+  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<int64_t>(hash_key(k[i], t[i]));
+  return out;
+}
+
+at::Tensor find(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+                const at::Tensor& tids) {
+  check_batch(keys, tids);
+  const TableView v = view_of(meta, bc);
+  auto slots = at::empty_like(keys);
+  const int64_t n = keys.numel();
+  const int64_t* k = keys.data_ptr<int64_t>();
+  const int16_t* t = tids.data_ptr<int16_t>();
+  int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) if (n >= kParallelMinKeys)
+  for (int64_t c = 0; c < chunks; ++c) {
+    find_chunk(v, k, t, c * kChunk, std::min(n, (c + 1) * kChunk), s);
+  }
+  return slots;
+}
+
+namespace {
+
+struct UpsertArgs {
+  const int64_t* keys;
+  const int16_t* tids;
+  const uint64_t* hashes;
+  const uint64_t* given;  // nullptr unless CUSTOMIZED
+  bool evicts;
+  bool can_grow;
+  int64_t* slots;
+  int8_t* status;
+  uint64_t* prev_scores;  // nullptr: not recorded
+  int64_t* ev_keys;
+  int16_t* ev_tids;
+  uint64_t* ev_scores;
+};
+
+// One key of an inserting call; the calling thread owns bucket b.
+template <class Rule>
+void upsert_one(const TableView& v, const UpsertArgs& a, const Rule& rule, int64_t i,
+                int64_t b, std::vector<uint8_t>& blocked, std::vector<int64_t>& deferred) {
+  if (blocked[b]) {
+    a.status[i] = kDeferred;
+    deferred.push_back(i);
+    return;
+  }
+  const int64_t base = b * v.bc;
+  const uint64_t h = a.hashes[i];
+  const uint64_t given = a.given ? a.given[i] : 0;
+  uint64_t* occupied = v.occupied_of(b);
+  uint64_t* pinned = v.pinned_of(b);
+  int j = probe_bucket(v.keys + base, v.tids + base, v.digests + base, occupied, v.bc,
+                       a.keys[i], a.tids[i], digest_of(h));
+  if (j >= 0) {
+    uint64_t& score = v.scores[base + j];
+    if (a.prev_scores) a.prev_scores[i] = score;
+    score = rule.on_hit(score, given);
+    set_bit(pinned, j);
+    a.slots[i] = base + j;
+    a.status[i] = kHit;
+    return;
+  }
+  int8_t outcome = kInserted;
+  j = lowest_clear_bit(occupied, v.bc);
+  if (j < 0) {
+    if (a.can_grow) {
+      blocked[b] = 1;
+      a.status[i] = kDeferred;
+      deferred.push_back(i);
+      return;
+    }
+    j = a.evicts ? choose_victim(v.scores + base, pinned, v.bc) : -1;
+    if (j < 0) {
+      a.slots[i] = -1;
+      a.status[i] = kFailed;
+      return;
+    }
+    a.ev_keys[i] = v.keys[base + j];
+    a.ev_tids[i] = v.tids[base + j];
+    a.ev_scores[i] = v.scores[base + j];
+    outcome = kEvictedAndInserted;
+  }
+  set_bit(occupied, j);
+  set_bit(pinned, j);
+  v.keys[base + j] = a.keys[i];
+  v.tids[base + j] = a.tids[i];
+  v.digests[base + j] = digest_of(h);
+  v.scores[base + j] = rule.on_insert(given);
+  a.slots[i] = base + j;
+  a.status[i] = outcome;
+}
+
+// Every thread walks all pending keys in order and takes those of its buckets.
+template <class Rule>
+std::vector<int64_t> upsert_all(const TableView& v, const UpsertArgs& a, const Rule& rule,
+                                const int64_t* pending, int64_t npending) {
+  std::vector<uint8_t> blocked(v.num_buckets, 0);
+  const int threads = npending >= kParallelMinKeys ? omp_get_max_threads() : 1;
+  std::vector<std::vector<int64_t>> deferred(threads);
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num();
+    const int nt = omp_get_num_threads();
+    for (int64_t p = 0; p < npending; ++p) {
+      const int64_t i = pending[p];
+      const int64_t b = bucket_of(a.hashes[i], v.num_buckets);
+      if (b % nt == t) upsert_one(v, a, rule, i, b, blocked, deferred[t]);
+    }
+  }
+  std::vector<int64_t> merged;
+  for (auto& d : deferred) merged.insert(merged.end(), d.begin(), d.end());
+  std::sort(merged.begin(), merged.end());
+  return merged;
+}
+
+template <class T>
+T* optional_ptr(const at::Tensor& t) {
+  return t.defined() && t.numel() > 0 ? reinterpret_cast<T*>(t.data_ptr()) : nullptr;
+}
+
+}  // namespace
+
+// Inserting pass over keys[pending]. Fills slots/status (and the optional
+// outputs) at the pending positions; returns the deferred positions (sorted).
+// rule: 0 clock (score = now), 1 count (LFU), 2 given (CUSTOMIZED).
+at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+                  const at::Tensor& tids, const at::Tensor& hashes,
+                  const c10::optional<at::Tensor>& given, int64_t rule, int64_t now,
+                  bool evicts, bool can_grow, const at::Tensor& pending,
+                  at::Tensor& slots, at::Tensor& status,
+                  const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys,
+                  at::Tensor& ev_tids, at::Tensor& ev_scores) {
+  check_batch(keys, tids);
+  check_tensor(hashes, at::kLong, "hashes");
+  check_tensor(pending, at::kLong, "pending");
+  check_tensor(slots, at::kLong, "slots");
+  check_tensor(status, at::kChar, "status");
+  const TableView v = view_of(meta, bc);
+  UpsertArgs a;
+  a.keys = keys.data_ptr<int64_t>();
+  a.tids = tids.data_ptr<int16_t>();
+  a.hashes = reinterpret_cast<const uint64_t*>(hashes.data_ptr<int64_t>());
+  a.given = given.has_value() ? optional_ptr<const uint64_t>(*given) : nullptr;
+  a.evicts = evicts;
+  a.can_grow = can_grow;
+  a.slots = slots.data_ptr<int64_t>();
+  a.status = status.data_ptr<int8_t>();
+  a.prev_scores = prev_scores.has_value() ? optional_ptr<uint64_t>(*prev_scores) : nullptr;
+  a.ev_keys = ev_keys.data_ptr<int64_t>();
+  a.ev_tids = ev_tids.data_ptr<int16_t>();
+  a.ev_scores = reinterpret_cast<uint64_t*>(ev_scores.data_ptr<int64_t>());
+  TORCH_CHECK(rule != 2 || a.given != nullptr, "the given-score rule needs scores");
+  const int64_t* p = pending.data_ptr<int64_t>();
+  const int64_t np = pending.numel();
+  std::vector<int64_t> deferred;
+  switch (rule) {
+    case 0: deferred = upsert_all(v, a, ClockScore{static_cast<uint64_t>(now)}, p, np); break;
+    case 1: deferred = upsert_all(v, a, CountScore{}, p, np); break;
+    case 2: deferred = upsert_all(v, a, GivenScore{}, p, np); break;
+    default: TORCH_CHECK(false, "unknown score rule ", rule);
+  }
+  auto out = at::empty({static_cast<int64_t>(deferred.size())}, keys.options());
+  std::copy(deferred.begin(), deferred.end(), out.data_ptr<int64_t>());
+  return out;
+}
+
+// Clears the pinned bit of every slot >= 0 in `slots`.
+void unpin(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& slots) {
+  check_tensor(slots, at::kLong, "slots");
+  const TableView v = view_of(meta, bc);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t n = slots.numel();
+#pragma omp parallel for schedule(static) if (n >= kParallelMinKeys)
+  for (int64_t i = 0; i < n; ++i) {
+    if (s[i] < 0) continue;
+    const int64_t b = s[i] / v.bc;
+    const int j = static_cast<int>(s[i] % v.bc);
+    __atomic_fetch_and(v.pinned_of(b) + (j >> 6), ~(1ull << (j & 63)), __ATOMIC_RELAXED);
+  }
+}
+
+// Reverts an inserting call whose positions were processed (ERROR mode), newest
+// first: restores victims, empties fresh slots, restores hit scores.
+void undo_upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& slots,
+                 const at::Tensor& status, const at::Tensor& prev_scores,
+                 const at::Tensor& ev_keys, const at::Tensor& ev_tids,
+                 const at::Tensor& ev_scores) {
+  const TableView v = view_of(meta, bc);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int8_t* st = status.data_ptr<int8_t>();
+  const uint64_t* prev = reinterpret_cast<const uint64_t*>(prev_scores.data_ptr<int64_t>());
+  const int64_t* ek = ev_keys.data_ptr<int64_t>();
+  const int16_t* et = ev_tids.data_ptr<int16_t>();
+  const uint64_t* es = reinterpret_cast<const uint64_t*>(ev_scores.data_ptr<int64_t>());
+  for (int64_t i = slots.numel() - 1; i >= 0; --i) {
+    if (s[i] < 0) continue;
+    const int64_t b = s[i] / v.bc;
+    const int j = static_cast<int>(s[i] % v.bc);
+    if (st[i] == kHit) {
+      v.scores[s[i]] = prev[i];
+    } else if (st[i] == kInserted) {
+      clear_bit(v.occupied_of(b), j);
+    } else if (st[i] == kEvictedAndInserted) {
+      v.keys[s[i]] = ek[i];
+      v.tids[s[i]] = et[i];
+      v.digests[s[i]] = digest_of(hash_key(ek[i], et[i]));
+      v.scores[s[i]] = es[i];
+    }
+  }
+}
+
+// Moves every slot of `old_meta` to the table `new_meta` with twice the buckets,
+// keeping its offset in the bucket. Returns the new slot of each old slot (-1: empty).
+at::Tensor grow(const std::vector<at::Tensor>& old_meta,
+                const std::vector<at::Tensor>& new_meta, int64_t bc) {
+  const TableView o = view_of(old_meta, bc);
+  const TableView n = view_of(new_meta, bc);
+  TORCH_CHECK(n.num_buckets == 2 * o.num_buckets, "grow doubles the bucket count");
+  auto moved = at::full({o.num_buckets * bc}, -1, old_meta[0].options());
+  int64_t* m = moved.data_ptr<int64_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < o.num_buckets; ++b) {
+    for (int j = 0; j < o.bc; ++j) {
+      if (!test_bit(o.occupied_of(b), j)) continue;
+      const int64_t from = b * bc + j;
+      const int64_t nb = bucket_of(hash_key(o.keys[from], o.tids[from]), n.num_buckets);
+      const int64_t to = nb * bc + j;
+      n.keys[to] = o.keys[from];
+      n.tids[to] = o.tids[from];
+      n.digests[to] = o.digests[from];
+      n.scores[to] = o.scores[from];
+      set_bit(n.occupied_of(nb), j);
+      if (test_bit(o.pinned_of(b), j)) set_bit(n.pinned_of(nb), j);
+      m[from] = to;
+    }
+  }
+  return moved;
+}
+
+// Erases each key once; returns a bool per key. Buckets are split across threads
+// as in upsert, so a key given twice is erased by its first occurrence.
+at::Tensor erase(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+                 const at::Tensor& tids) {
+  check_batch(keys, tids);
+  const TableView v = view_of(meta, bc);
+  const int64_t n = keys.numel();
+  auto erased = at::zeros({n}, keys.options().dtype(at::kBool));
+  bool* e = erased.data_ptr<bool>();
+  const int64_t* k = keys.data_ptr<int64_t>();
+  const int16_t* t = tids.data_ptr<int16_t>();
+  const int threads = n >= kParallelMinKeys ? omp_get_max_threads() : 1;
+#pragma omp parallel num_threads(threads)
+  {
+    const int me = omp_get_thread_num();
+    const int nt = omp_get_num_threads();
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t h = hash_key(k[i], t[i]);
+      const int64_t b = bucket_of(h, v.num_buckets);
+      if (b % nt != me) continue;
+      const int64_t base = b * v.bc;
+      const int j = probe_bucket(v.keys + base, v.tids + base, v.digests + base,
+                                 v.occupied_of(b), v.bc, k[i], t[i], digest_of(h));
+      if (j >= 0) {
+        clear_bit(v.occupied_of(b), j);
+        e[i] = true;
+      }
+    }
+  }
+  return erased;
+}
+
+// Occupied slots in [start, end), ascending.
+at::Tensor occupied_slots(const std::vector<at::Tensor>& meta, int64_t bc, int64_t start,
+                          int64_t end) {
+  const TableView v = view_of(meta, bc);
+  std::vector<int64_t> found;
+  for (int64_t s = start; s < end; ++s) {
+    if (test_bit(v.occupied_of(s / v.bc), static_cast<int>(s % v.bc))) found.push_back(s);
+  }
+  auto out = at::empty({static_cast<int64_t>(found.size())}, meta[0].options());
+  std::copy(found.begin(), found.end(), out.data_ptr<int64_t>());
+  return out;
+}
+
+}  // namespace cpu
+}  // namespace dynamicemb

@@ -1,0 +1,590 @@
+"""``ScoredHashTable``: (table id, int64 key) -> slot, with a score per slot.
+
+The contract (geometry, hash, score rules, the inserting procedure) is written
+out in ``docs/ARCHITECTURE.md``, "The scored hash table". This module owns the
+tensors and the policy; the kernels in ``csrc/`` only walk them.
+"""
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import List, NamedTuple, Optional
+
+import torch
+
+from dynamicemb._ops import ops_for
+from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
+
+__all__ = [
+    "Evicted",
+    "Exported",
+    "InsertResult",
+    "MAX_TABLES",
+    "ScoredHashTable",
+    "TableStats",
+    "hash_keys",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Table ids are stored as int16 per slot.
+MAX_TABLES = 32767
+
+# Kernel outcome codes (csrc/dynamicemb/hash_primitives.h, InsertStatus).
+_HIT, _INSERTED, _EVICTED_AND_INSERTED, _FAILED = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class _ScorePolicy:
+    """How a strategy maps onto the kernels: a score rule and whether it evicts."""
+
+    rule: int  # 0: the call's clock/step, 1: count (LFU), 2: the caller's score
+    evicts: bool
+
+
+_POLICIES = {
+    DynamicEmbScoreStrategy.LRU: _ScorePolicy(rule=0, evicts=True),
+    DynamicEmbScoreStrategy.STEP: _ScorePolicy(rule=0, evicts=True),
+    DynamicEmbScoreStrategy.LFU: _ScorePolicy(rule=1, evicts=True),
+    DynamicEmbScoreStrategy.CUSTOMIZED: _ScorePolicy(rule=2, evicts=True),
+    DynamicEmbScoreStrategy.NO_EVICTION: _ScorePolicy(rule=0, evicts=False),
+}
+
+
+@dataclass
+class TableStats:
+    """Running counts of what the table did (never reset by ``clear``)."""
+
+    inserts: int = 0
+    evictions: int = 0
+    failed_inserts: int = 0
+    erases: int = 0
+    growths: int = 0
+
+
+class Evicted(NamedTuple):
+    """Entries an inserting call pushed out, in input order of the keys that did.
+
+    Shape:
+        keys, table_ids, scores, slots: (m,) int64; values: (m, value_dim).
+    """
+
+    keys: torch.Tensor
+    table_ids: torch.Tensor
+    scores: torch.Tensor
+    slots: torch.Tensor
+    values: torch.Tensor
+
+
+class InsertResult(NamedTuple):
+    """Outcome of an inserting call.
+
+    Shape:
+        slots: (n,) int64, -1 where the insert failed; inserted: (n,) bool, True
+        where the key was new. ``evicted`` is None for ``insert_or_assign``.
+    """
+
+    slots: torch.Tensor
+    inserted: torch.Tensor
+    evicted: Optional[Evicted]
+
+
+class Exported(NamedTuple):
+    """Occupied slots of a range, in slot order (same fields as ``Evicted``)."""
+
+    keys: torch.Tensor
+    table_ids: torch.Tensor
+    scores: torch.Tensor
+    slots: torch.Tensor
+    values: torch.Tensor
+
+
+def hash_keys(keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
+    """The table's 64-bit hash of (table id, key), bit-cast to int64.
+
+    Args:
+        keys (Tensor): (n,) int64.
+        table_ids (Tensor): (n,) int16/int32/int64, in [0, MAX_TABLES).
+
+    Returns:
+        (n,) int64 hashes (the uint64 bits).
+    """
+    _check_keys(keys)
+    tids = _table_ids_as_int16(table_ids, keys.numel(), MAX_TABLES)
+    return ops_for(keys.device).hash_keys(keys.contiguous(), tids)
+
+
+def _check_keys(keys: torch.Tensor) -> None:
+    if not isinstance(keys, torch.Tensor):
+        raise TypeError(f"keys must be a torch.Tensor, got {type(keys).__name__}")
+    if keys.dtype != torch.int64:
+        raise TypeError(f"keys must be int64, got {keys.dtype}")
+    if keys.dim() != 1:
+        raise ValueError(f"keys must be 1-D, got shape {tuple(keys.shape)}")
+
+
+def _table_ids_as_int16(table_ids: torch.Tensor, n: int, num_tables: int) -> torch.Tensor:
+    if not isinstance(table_ids, torch.Tensor):
+        raise TypeError(f"table_ids must be a torch.Tensor, got {type(table_ids).__name__}")
+    if table_ids.dtype not in (torch.int16, torch.int32, torch.int64):
+        raise TypeError(f"table_ids must be int32 or int64, got {table_ids.dtype}")
+    if table_ids.shape != (n,):
+        raise ValueError(
+            f"table_ids must have shape ({n},) like keys, got {tuple(table_ids.shape)}"
+        )
+    if n > 0:
+        low, high = int(table_ids.min()), int(table_ids.max())
+        if low < 0 or high >= num_tables:
+            raise ValueError(
+                f"table_ids must be in [0, {num_tables}), got values in [{low}, {high}]"
+            )
+    return table_ids.to(torch.int16).contiguous()
+
+
+def _num_buckets_for(capacity: int, bucket_capacity: int) -> int:
+    """Smallest power of two number of buckets holding ``capacity`` slots."""
+    buckets = max(1, math.ceil(capacity / bucket_capacity))
+    return 1 << (buckets - 1).bit_length()
+
+
+class ScoredHashTable:
+    """A bucketed hash table from (table id, int64 key) to a slot and a score.
+
+    Several logical tables share one physical table. Value rows live in
+    ``values`` (``[capacity, value_dim]``), indexed by slot. Semantics in detail:
+    ``docs/ARCHITECTURE.md``, "The scored hash table".
+
+    Args:
+        num_tables: logical tables sharing this one (1 to 32767).
+        capacity: initial slots; rounded up to ``bucket_capacity * 2**k``.
+        bucket_capacity: slots per bucket, a positive multiple of 16.
+        score_strategy: how scores are set and whether full buckets evict.
+        max_load_factor: the table doubles before a call when size exceeds this
+            fraction of capacity (up to ``max_capacity``), in (0, 1].
+        max_capacity: the most slots growth may reach (default ``capacity``),
+            rounded up like ``capacity``.
+        value_dim: width of a value row (0: keys only).
+        value_dtype: dtype of the value rows.
+        check_mode: what a failed insert does (see ``DynamicEmbCheckMode``).
+        device: where the tensors live (only CPU kernels exist so far).
+
+    Example::
+
+        table = ScoredHashTable(capacity=1024, value_dim=4)
+        result = table.find_or_insert(torch.tensor([7, 42, 7]))
+        table.values[result.slots] += 1.0
+        assert (table.find(torch.tensor([42])) == result.slots[1]).all()
+    """
+
+    def __init__(
+        self,
+        num_tables: int = 1,
+        capacity: int = 1024,
+        bucket_capacity: int = 128,
+        score_strategy: DynamicEmbScoreStrategy = DynamicEmbScoreStrategy.LRU,
+        max_load_factor: float = 0.5,
+        max_capacity: Optional[int] = None,
+        value_dim: int = 0,
+        value_dtype: torch.dtype = torch.float32,
+        check_mode: DynamicEmbCheckMode = DynamicEmbCheckMode.IGNORE,
+        device: torch.device = torch.device("cpu"),
+    ) -> None:
+        if not 1 <= num_tables <= MAX_TABLES:
+            raise ValueError(f"num_tables must be in [1, {MAX_TABLES}], got {num_tables}")
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        if bucket_capacity <= 0 or bucket_capacity % 16 != 0:
+            raise ValueError(
+                f"bucket_capacity must be a positive multiple of 16, got {bucket_capacity}"
+            )
+        max_capacity = capacity if max_capacity is None else max_capacity
+        if max_capacity < capacity:
+            raise ValueError(
+                f"max_capacity ({max_capacity}) must not be below capacity ({capacity})"
+            )
+        if not 0.0 < max_load_factor <= 1.0:
+            raise ValueError(f"max_load_factor must be in (0, 1], got {max_load_factor}")
+        if value_dim < 0:
+            raise ValueError(f"value_dim must be >= 0, got {value_dim}")
+        self.num_tables = num_tables
+        self.bucket_capacity = bucket_capacity
+        self.score_strategy = DynamicEmbScoreStrategy(score_strategy)
+        self.check_mode = DynamicEmbCheckMode(check_mode)
+        self.max_load_factor = float(max_load_factor)
+        self.value_dim = value_dim
+        self.value_dtype = value_dtype
+        self.device = torch.device(device)
+        self.stats = TableStats()
+        self._ops = ops_for(self.device)
+        self._policy = _POLICIES[self.score_strategy]
+        self._max_num_buckets = _num_buckets_for(max_capacity, bucket_capacity)
+        self._num_buckets = _num_buckets_for(capacity, bucket_capacity)
+        self._meta = self._new_meta(self._num_buckets)
+        self._values = self._new_values(self._num_buckets)
+        self._size = 0
+        self._clock = 0
+        self._step = 0
+
+    # ----------------------------------------------------------------- state
+    def _new_meta(self, num_buckets: int) -> List[torch.Tensor]:
+        """[keys, scores, tids, digests, occupied, pinned] for ``num_buckets``."""
+        slots = num_buckets * self.bucket_capacity
+        words = (self.bucket_capacity + 63) // 64
+        dev = self.device
+        return [
+            torch.zeros(slots, dtype=torch.int64, device=dev),
+            torch.zeros(slots, dtype=torch.int64, device=dev),
+            torch.zeros(slots, dtype=torch.int16, device=dev),
+            torch.zeros(slots, dtype=torch.uint8, device=dev),
+            torch.zeros(num_buckets, words, dtype=torch.int64, device=dev),
+            torch.zeros(num_buckets, words, dtype=torch.int64, device=dev),
+        ]
+
+    def _new_values(self, num_buckets: int) -> torch.Tensor:
+        slots = num_buckets * self.bucket_capacity
+        return torch.zeros(slots, self.value_dim, dtype=self.value_dtype, device=self.device)
+
+    @property
+    def values(self) -> torch.Tensor:
+        """Value rows, ``[capacity, value_dim]``, indexed by slot."""
+        return self._values
+
+    @property
+    def clock(self) -> int:
+        """The logical clock: advanced by one at the start of every inserting call."""
+        return self._clock
+
+    @property
+    def step(self) -> int:
+        """The score of the ``STEP`` strategy (see ``set_step``)."""
+        return self._step
+
+    @property
+    def num_buckets(self) -> int:
+        return self._num_buckets
+
+    def size(self) -> int:
+        """Number of keys stored."""
+        return self._size
+
+    def capacity(self) -> int:
+        """Slots now (a power-of-two number of buckets)."""
+        return self._num_buckets * self.bucket_capacity
+
+    def max_capacity(self) -> int:
+        """The most slots growth may reach."""
+        return self._max_num_buckets * self.bucket_capacity
+
+    def load_factor(self) -> float:
+        return self._size / self.capacity()
+
+    def memory_bytes(self) -> dict:
+        """Bytes held: ``metadata`` (keys, scores, ids, digests, bits) and ``values``."""
+        meta = sum(t.numel() * t.element_size() for t in self._meta)
+        return {"metadata": meta, "values": self._values.numel() * self._values.element_size()}
+
+    def set_step(self, step: int) -> None:
+        """Sets the score that the ``STEP`` strategy gives to the keys it touches."""
+        if int(step) < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        self._step = int(step)
+
+    def clear(self) -> None:
+        """Empties every slot. The clock, the step and ``stats`` stay."""
+        self._meta[4].zero_()
+        self._meta[5].zero_()
+        self._size = 0
+
+    # ------------------------------------------------------------ validation
+    def _table_ids(self, table_ids: Optional[torch.Tensor], n: int) -> torch.Tensor:
+        if table_ids is None:
+            return torch.zeros(n, dtype=torch.int16, device=self.device)
+        return _table_ids_as_int16(table_ids, n, self.num_tables)
+
+    def _keys(self, keys: torch.Tensor) -> torch.Tensor:
+        _check_keys(keys)
+        if keys.device != self.device:
+            raise ValueError(f"keys are on {keys.device}, the table on {self.device}")
+        return keys.contiguous()
+
+    def _given_scores(self, scores: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
+        customized = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED
+        if scores is None:
+            if customized:
+                raise ValueError("the CUSTOMIZED score strategy needs scores for every key")
+            return None
+        if not customized:
+            raise ValueError(
+                f"scores are only accepted with the CUSTOMIZED strategy, "
+                f"this table uses {self.score_strategy.name}"
+            )
+        if not isinstance(scores, torch.Tensor) or scores.dtype != torch.int64:
+            raise TypeError(f"scores must be an int64 tensor, got {getattr(scores, 'dtype', type(scores))}")
+        if scores.shape != (n,):
+            raise ValueError(f"scores must have shape ({n},), got {tuple(scores.shape)}")
+        if n > 0 and int(scores.min()) < 0:
+            raise ValueError("scores must be >= 0")
+        return scores.contiguous()
+
+    def _rows(self, values: Optional[torch.Tensor], n: int) -> torch.Tensor:
+        if values is None:
+            if self.value_dim == 0:
+                return torch.empty(n, 0, dtype=self.value_dtype, device=self.device)
+            raise ValueError(f"values of shape ({n}, {self.value_dim}) are required")
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+        if values.dtype != self.value_dtype:
+            raise TypeError(f"values must be {self.value_dtype}, got {values.dtype}")
+        if values.shape != (n, self.value_dim):
+            raise ValueError(
+                f"values must have shape ({n}, {self.value_dim}), got {tuple(values.shape)}"
+            )
+        return values
+
+    # ----------------------------------------------------------------- verbs
+    def find(self, keys: torch.Tensor, table_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Slot of each key; never inserts and never changes a score.
+
+        Args:
+            keys (Tensor): (n,) int64.
+            table_ids (Tensor, optional): (n,) int32/int64; None means table 0.
+
+        Returns:
+            (n,) int64 slots, -1 where the key is absent.
+        """
+        keys = self._keys(keys)
+        tids = self._table_ids(table_ids, keys.numel())
+        return self._ops.find(self._meta, self.bucket_capacity, keys, tids)
+
+    def find_or_insert(
+        self,
+        keys: torch.Tensor,
+        table_ids: Optional[torch.Tensor] = None,
+        scores: Optional[torch.Tensor] = None,
+    ) -> InsertResult:
+        """Slot of each key, inserting absent keys (their value rows are zeroed).
+
+        Args:
+            keys (Tensor): (n,) int64.
+            table_ids (Tensor, optional): (n,) int32/int64; None means table 0.
+            scores (Tensor, optional): (n,) int64 >= 0, only with CUSTOMIZED.
+
+        Returns:
+            ``InsertResult`` with the evicted entries read out.
+        """
+        return self._upsert(keys, table_ids, scores, values=None, read_evicted=True)
+
+    def insert_or_assign(
+        self,
+        keys: torch.Tensor,
+        values: Optional[torch.Tensor],
+        table_ids: Optional[torch.Tensor] = None,
+        scores: Optional[torch.Tensor] = None,
+    ) -> InsertResult:
+        """Inserts or overwrites keys with ``values``; evictions are only counted.
+
+        Args:
+            keys (Tensor): (n,) int64.
+            values (Tensor): (n, value_dim) of ``value_dtype`` (None if value_dim is 0).
+            table_ids (Tensor, optional): (n,) int32/int64; None means table 0.
+            scores (Tensor, optional): (n,) int64 >= 0, only with CUSTOMIZED.
+
+        Returns:
+            ``InsertResult`` with ``evicted=None``.
+        """
+        return self._upsert(keys, table_ids, scores, values=values, read_evicted=False,
+                            assign=True)
+
+    def insert_and_evict(
+        self,
+        keys: torch.Tensor,
+        values: Optional[torch.Tensor],
+        table_ids: Optional[torch.Tensor] = None,
+        scores: Optional[torch.Tensor] = None,
+    ) -> InsertResult:
+        """As ``insert_or_assign``, and returns the evicted entries with their rows."""
+        return self._upsert(keys, table_ids, scores, values=values, read_evicted=True,
+                            assign=True)
+
+    def erase(self, keys: torch.Tensor, table_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Removes keys.
+
+        Args:
+            keys (Tensor): (n,) int64.
+            table_ids (Tensor, optional): (n,) int32/int64; None means table 0.
+
+        Returns:
+            (n,) bool, True where the key was present (first occurrence only).
+        """
+        keys = self._keys(keys)
+        tids = self._table_ids(table_ids, keys.numel())
+        erased = self._ops.erase(self._meta, self.bucket_capacity, keys, tids)
+        count = int(erased.sum())
+        self._size -= count
+        self.stats.erases += count
+        return erased
+
+    def export_batch(
+        self, start: int = 0, count: Optional[int] = None, min_score: Optional[int] = None
+    ) -> Exported:
+        """Occupied slots of ``[start, start + count)`` whose score is >= ``min_score``.
+
+        Args:
+            start: first slot.
+            count: number of slots to scan (default: to the end).
+            min_score: keep only entries scoring at least this (default: all).
+
+        Returns:
+            ``Exported`` in slot order; value rows are copies.
+        """
+        if start < 0 or (count is not None and count < 0):
+            raise ValueError(f"start and count must be >= 0, got {start}, {count}")
+        end = self.capacity() if count is None else min(self.capacity(), start + count)
+        slots = self._ops.occupied_slots(self._meta, self.bucket_capacity, start, max(start, end))
+        if min_score is not None:
+            slots = slots[self._meta[1][slots] >= int(min_score)]
+        return Exported(
+            keys=self._meta[0][slots],
+            table_ids=self._meta[2][slots].long(),
+            scores=self._meta[1][slots],
+            slots=slots,
+            values=self._values[slots],
+        )
+
+    # -------------------------------------------------------------- internals
+    def _grow(self) -> None:
+        """Doubles the buckets; every entry keeps its offset in the bucket."""
+        new_meta = self._new_meta(2 * self._num_buckets)
+        moved = self._ops.grow(self._meta, new_meta, self.bucket_capacity)
+        new_values = self._new_values(2 * self._num_buckets)
+        occupied = (moved >= 0).nonzero().squeeze(1)
+        new_values[moved[occupied]] = self._values[occupied]
+        self._meta, self._values = new_meta, new_values
+        self._num_buckets *= 2
+        self.stats.growths += 1
+
+    def _grow_for_load(self) -> None:
+        while (
+            self._size > self.max_load_factor * self.capacity()
+            and self._num_buckets < self._max_num_buckets
+        ):
+            self._grow()
+
+    def _upsert(
+        self,
+        keys: torch.Tensor,
+        table_ids: Optional[torch.Tensor],
+        scores: Optional[torch.Tensor],
+        values: Optional[torch.Tensor],
+        read_evicted: bool,
+        assign: bool = False,
+    ) -> InsertResult:
+        keys = self._keys(keys)
+        n = keys.numel()
+        tids = self._table_ids(table_ids, n)
+        given = self._given_scores(scores, n)
+        rows = self._rows(values, n) if assign else None
+
+        self._grow_for_load()
+        clock_before = self._clock
+        self._clock += 1
+        now = self._step if self.score_strategy == DynamicEmbScoreStrategy.STEP else self._clock
+        out = self._run_passes(keys, tids, given, now)
+        slots, status = out["slots"], out["status"]
+        self._ops.unpin(self._meta, self.bucket_capacity, slots)
+
+        failed = int((status == _FAILED).sum())
+        if failed:
+            self.stats.failed_inserts += failed
+            self._report_failures(failed, n, out, clock_before)
+
+        evicting = status == _EVICTED_AND_INSERTED
+        inserted = (status == _INSERTED) | evicting
+        num_inserted, num_evicted = int(inserted.sum()), int(evicting.sum())
+        self._size += num_inserted - num_evicted
+        self.stats.inserts += num_inserted
+        self.stats.evictions += num_evicted
+
+        evicted = self._read_evicted(evicting, out) if read_evicted else None
+        if assign:
+            self._assign_rows(slots, rows)
+        elif num_inserted:
+            self._values.index_fill_(0, slots[inserted], 0)
+        return InsertResult(slots=slots, inserted=inserted, evicted=evicted)
+
+    def _run_passes(self, keys, tids, given, now) -> dict:
+        """Inserting passes; between passes the table grows for deferred keys."""
+        n = keys.numel()
+        hashes = self._ops.hash_keys(keys, tids)
+        out = {
+            "slots": torch.empty(n, dtype=torch.int64, device=self.device),
+            "status": torch.empty(n, dtype=torch.int8, device=self.device),
+            "prev_scores": (
+                torch.empty(n, dtype=torch.int64, device=self.device)
+                if self.check_mode == DynamicEmbCheckMode.ERROR
+                else None
+            ),
+            "ev_keys": torch.empty(n, dtype=torch.int64, device=self.device),
+            "ev_tids": torch.empty(n, dtype=torch.int16, device=self.device),
+            "ev_scores": torch.empty(n, dtype=torch.int64, device=self.device),
+        }
+        pending = torch.arange(n, dtype=torch.int64, device=self.device)
+        while True:
+            can_grow = self._num_buckets < self._max_num_buckets
+            deferred = self._ops.upsert(
+                self._meta, self.bucket_capacity, keys, tids, hashes, given,
+                self._policy.rule, now, self._policy.evicts, can_grow, pending,
+                out["slots"], out["status"], out["prev_scores"],
+                out["ev_keys"], out["ev_tids"], out["ev_scores"],
+            )
+            if deferred.numel() == 0:
+                return out
+            self._grow()
+            done = out["status"] <= _EVICTED_AND_INSERTED
+            bucket = torch.bitwise_and(hashes[done], self._num_buckets - 1)
+            out["slots"][done] = bucket * self.bucket_capacity + out["slots"][done] % self.bucket_capacity
+            pending = deferred
+
+    def _report_failures(self, failed: int, n: int, out: dict, clock_before: int) -> None:
+        message = (
+            f"{failed} of {n} keys found no slot: every slot of their bucket is in use "
+            f"by this call, or the table is full at max_capacity={self.max_capacity()} "
+            f"with {self.score_strategy.name}"
+        )
+        if self.check_mode == DynamicEmbCheckMode.ERROR:
+            self._ops.undo_upsert(
+                self._meta, self.bucket_capacity, out["slots"], out["status"],
+                out["prev_scores"], out["ev_keys"], out["ev_tids"], out["ev_scores"],
+            )
+            self._clock = clock_before
+            raise RuntimeError(message + "; the call was undone")
+        if self.check_mode == DynamicEmbCheckMode.WARNING:
+            logger.warning(message)
+
+    def _read_evicted(self, evicting: torch.Tensor, out: dict) -> Evicted:
+        positions = evicting.nonzero().squeeze(1)
+        slots = out["slots"][positions]
+        return Evicted(
+            keys=out["ev_keys"][positions],
+            table_ids=out["ev_tids"][positions].long(),
+            scores=out["ev_scores"][positions],
+            slots=slots,
+            values=self._values[slots],
+        )
+
+    def _assign_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """values[slots[i]] = rows[i] for landed keys; the last of duplicates wins."""
+        positions = (slots >= 0).nonzero().squeeze(1)
+        if positions.numel() == 0 or self.value_dim == 0:
+            return
+        unique, inverse = torch.unique(slots[positions], return_inverse=True)
+        last = torch.full_like(unique, -1).scatter_reduce_(0, inverse, positions, "amax")
+        self._values[unique] = rows[last]
+
+    def __repr__(self) -> str:
+        return (
+            f"ScoredHashTable(num_tables={self.num_tables}, size={self._size}, "
+            f"capacity={self.capacity()}, max_capacity={self.max_capacity()}, "
+            f"bucket_capacity={self.bucket_capacity}, "
+            f"score_strategy={self.score_strategy.name}, value_dim={self.value_dim})"
+        )
