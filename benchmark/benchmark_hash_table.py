@@ -1,0 +1,152 @@
+"""Throughput of the scored hash table beside the floor of a plain gather.
+
+The HierarchicalKV method: the table is pre-filled to the target load factor
+before timing; every timed batch holds keys already present (the steady state
+of an embedding lookup), so the load stays where it was set. Per (load, dim):
+
+- ``find``: hash lookup only; ``find+gather``: lookup, then ``index_select`` of
+  the value rows; ``gather``: ``index_select`` of the same rows by known slot
+  (the floor); ``ratio = (find+gather) / gather``;
+- ``find_or_insert`` and ``insert_or_assign`` (hits: score updates, value writes).
+
+Million keys per second from the median of ``--reps`` timed runs. Also reports
+the bytes of metadata per slot beside the value rows.
+
+Example::
+
+    python benchmark/benchmark_hash_table.py --capacity 1048576 --batch 65536
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+from dynamicemb import DynamicEmbScoreStrategy, ScoredHashTable
+
+LOADS = (0.5, 0.75, 1.0)
+DIMS = (8, 32, 64, 128)
+
+
+def median_seconds(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def prefilled_table(capacity: int, dim: int, load: float, seed: int) -> ScoredHashTable:
+    """A table of ``capacity`` slots filled to ``load`` with random int64 keys.
+
+    Load 1.0 is reached by inserting past capacity: full buckets evict (LRU), so
+    every slot ends up holding a key.
+    """
+    table = ScoredHashTable(
+        capacity=capacity,
+        value_dim=dim,
+        max_load_factor=1.0,
+        score_strategy=DynamicEmbScoreStrategy.LRU,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    target = int(load * table.capacity())
+    while table.size() < target:
+        missing = target - table.size()
+        batch = max(missing, 1024) if load < 1.0 else max(missing * 2, 1024)
+        keys = torch.randint(-(2**62), 2**62, (min(batch, missing + 65536),), generator=gen)
+        if load < 1.0:
+            keys = keys[:missing]
+        table.insert_or_assign(keys, torch.randn(keys.numel(), dim, generator=gen))
+    return table
+
+
+def bench_one(capacity: int, dim: int, load: float, batch: int, reps: int) -> Dict:
+    table = prefilled_table(capacity, dim, load, seed=dim)
+    present = table.export_batch().keys
+    gen = torch.Generator().manual_seed(1)
+    keys = present[torch.randint(0, present.numel(), (batch,), generator=gen)]
+    slots = table.find(keys)
+    assert bool((slots >= 0).all()), "benchmark keys must be present"
+    values = table.values
+    rows = torch.randn(batch, dim, generator=gen)
+
+    t_find = median_seconds(lambda: table.find(keys), reps)
+    t_gather = median_seconds(lambda: values.index_select(0, slots), reps)
+    t_find_gather = median_seconds(lambda: values.index_select(0, table.find(keys)), reps)
+    t_foi = median_seconds(lambda: table.find_or_insert(keys), reps)
+    t_ioa = median_seconds(lambda: table.insert_or_assign(keys, rows), reps)
+    assert table.stats.evictions == 0 or load == 1.0
+    mkeys = lambda t: batch / t / 1e6  # noqa: E731
+    return {
+        "load": load,
+        "dim": dim,
+        "actual_load": round(table.load_factor(), 4),
+        "find_mkeys_s": mkeys(t_find),
+        "find_gather_mkeys_s": mkeys(t_find_gather),
+        "gather_mkeys_s": mkeys(t_gather),
+        "find_or_insert_mkeys_s": mkeys(t_foi),
+        "insert_or_assign_mkeys_s": mkeys(t_ioa),
+        "ratio_find_gather_over_gather": t_find_gather / t_gather,
+        "metadata_bytes_per_slot": table.memory_bytes()["metadata"] / table.capacity(),
+    }
+
+
+def markdown(rows: List[Dict]) -> str:
+    head = (
+        "| load | dim | find | find+gather | gather (floor) | ratio | find_or_insert "
+        "| insert_or_assign | metadata B/slot |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+    )
+    body = "".join(
+        f"| {r['load']} | {r['dim']} | {r['find_mkeys_s']:.1f} | "
+        f"{r['find_gather_mkeys_s']:.1f} | {r['gather_mkeys_s']:.1f} | "
+        f"{r['ratio_find_gather_over_gather']:.2f}x | {r['find_or_insert_mkeys_s']:.1f} | "
+        f"{r['insert_or_assign_mkeys_s']:.1f} | {r['metadata_bytes_per_slot']:.2f} |\n"
+        for r in rows
+    )
+    return head + body
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--capacity", type=int, default=1 << 20)
+    parser.add_argument("--batch", type=int, default=65536)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--loads", type=float, nargs="+", default=list(LOADS))
+    parser.add_argument("--dims", type=int, nargs="+", default=list(DIMS))
+    parser.add_argument("--out", default="benchmark/out/hash_table")
+    args = parser.parse_args()
+
+    rows = []
+    for load in args.loads:
+        for dim in args.dims:
+            rows.append(bench_one(args.capacity, dim, load, args.batch, args.reps))
+            print(json.dumps(rows[-1]), flush=True)
+    meta = {
+        "capacity": args.capacity,
+        "batch": args.batch,
+        "reps": args.reps,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "unit": "million keys per second (median)",
+    }
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    table = markdown(rows)
+    with open(args.out + ".md", "w") as f:
+        f.write(table)
+    print(f"\n{json.dumps(meta)}\n\n{table}")
+
+
+if __name__ == "__main__":
+    main()
