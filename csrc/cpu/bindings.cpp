@@ -2,6 +2,7 @@
 // dynamicemb/_ops.py.
 #include <torch/extension.h>
 
+#include <tuple>
 #include <vector>
 
 namespace dynamicemb {
@@ -29,6 +30,26 @@ at::Tensor erase(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tens
 at::Tensor occupied_slots(const std::vector<at::Tensor>& meta, int64_t bc, int64_t start,
                           int64_t end);
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(const at::Tensor& keys,
+                                                                 const at::Tensor& tids);
+void init_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& keys,
+               int64_t table, int64_t dim, int64_t mode, double mean, double std_dev,
+               double lower, double upper, double value, int64_t seed);
+void pooled_forward(const at::Tensor& values, const at::Tensor& transient,
+                    const at::Tensor& row_slot, const at::Tensor& inverse,
+                    const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
+                    const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
+                    at::Tensor& out);
+void sequence_forward(const at::Tensor& values, const at::Tensor& transient,
+                      const at::Tensor& row_slot, const at::Tensor& inverse, int64_t dim,
+                      at::Tensor& out);
+void fused_backward(at::Tensor& values, const at::Tensor& row_slot, const at::Tensor& inverse,
+                    const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
+                    const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
+                    const at::Tensor& grad, int64_t kind, double lr, double eps,
+                    double beta1, double beta2, double weight_decay, double step_size,
+                    double bias_correction2_sqrt);
+
 }  // namespace cpu
 }  // namespace dynamicemb
 
@@ -42,5 +63,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("undo_upsert", &c::undo_upsert, "revert an inserting call");
   m.def("grow", &c::grow, "rehash into twice the buckets");
   m.def("erase", &c::erase, "erase keys");
+  m.def("dedup", &c::dedup, "unique (table, key) pairs in first-occurrence order");
+  m.def("init_rows", &c::init_rows, "initialize rows per (table, key, column)");
+  m.def("pooled_forward", &c::pooled_forward, "pooled lookup (sum/mean)");
+  m.def("sequence_forward", &c::sequence_forward, "sequence lookup");
+  m.def("fused_backward", &c::fused_backward, "segmented gradient + optimizer update");
   m.def("occupied_slots", &c::occupied_slots, "occupied slots of a range");
 }

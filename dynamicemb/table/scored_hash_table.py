@@ -224,6 +224,7 @@ class ScoredHashTable:
         self._size = 0
         self._clock = 0
         self._step = 0
+        self._generation = 0
 
     # ----------------------------------------------------------------- state
     def _new_meta(self, num_buckets: int) -> List[torch.Tensor]:
@@ -253,6 +254,12 @@ class ScoredHashTable:
     def clock(self) -> int:
         """The logical clock: advanced by one at the start of every inserting call."""
         return self._clock
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever a slot returned earlier may now hold another key or none:
+        on growth, eviction, erase and clear. Equal generations: slots still valid."""
+        return self._generation
 
     @property
     def step(self) -> int:
@@ -294,6 +301,7 @@ class ScoredHashTable:
         self._meta[4].zero_()
         self._meta[5].zero_()
         self._size = 0
+        self._generation += 1
 
     # ------------------------------------------------------------ validation
     def _table_ids(self, table_ids: Optional[torch.Tensor], n: int) -> torch.Tensor:
@@ -420,6 +428,7 @@ class ScoredHashTable:
         tids = self._table_ids(table_ids, keys.numel())
         erased = self._ops.erase(self._meta, self.bucket_capacity, keys, tids)
         count = int(erased.sum())
+        self._generation += count > 0
         self._size -= count
         self.stats.erases += count
         return erased
@@ -461,6 +470,7 @@ class ScoredHashTable:
         new_values[moved[occupied]] = self._values[occupied]
         self._meta, self._values = new_meta, new_values
         self._num_buckets *= 2
+        self._generation += 1
         self.stats.growths += 1
 
     def _grow_for_load(self) -> None:
@@ -504,6 +514,7 @@ class ScoredHashTable:
         self._size += num_inserted - num_evicted
         self.stats.inserts += num_inserted
         self.stats.evictions += num_evicted
+        self._generation += num_evicted > 0
 
         evicted = self._read_evicted(evicting, out) if read_evicted else None
         if assign:

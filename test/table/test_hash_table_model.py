@@ -6,9 +6,12 @@ and compares each output and the whole observable state after every step. Direct
 scenarios below it pin down the contract's corner cases one at a time.
 """
 
+import os
+import random
+
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -38,7 +41,9 @@ def table_configs(draw) -> dict:
     )
 
 
-batches = st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 2)), max_size=48)
+# (length, seed, hot mask): keys are drawn with random.Random(seed) from the pool keys whose
+# hash has (h & hot mask) == 0, so a nonzero mask crowds the batch into a few buckets.
+batches = st.tuples(st.integers(0, 64), st.integers(0, 2**32), st.sampled_from([0, 0, 1, 3, 7]))
 small_scores = st.integers(0, 12) | st.just(INT64_MAX)
 
 
@@ -50,12 +55,19 @@ class TableVersusModel(RuleBasedStateMachine):
         self.pair = Pair(**config)
         self.config = config
         pool_size = max(24, self.pair.ref.max_capacity() * 5 // 4 // config["num_tables"])
-        self.pool = EXTREME_KEYS + list(range(2, pool_size))
+        pool = EXTREME_KEYS + list(range(2, pool_size))
+        self.pools = {
+            mask: [(t, k) for t in range(config["num_tables"]) for k in pool if ref_hash(t, k) & mask == 0]
+            for mask in (0, 1, 3, 7)
+        }
 
     # ------------------------------------------------------------------ helpers
     def _batch(self, batch, dup):
-        keys = [self.pool[i % len(self.pool)] for i, _ in batch]
-        tids = [t % self.config["num_tables"] for _, t in batch]
+        n, seed, mask = batch
+        rng = random.Random(seed)
+        pool = self.pools[mask]
+        pairs = [pool[rng.randrange(len(pool))] for _ in range(n)]
+        tids, keys = [t for t, _ in pairs], [k for _, k in pairs]
         keys, tids = keys + keys[:dup], tids + tids[:dup]  # duplicates inside the batch
         return keys, (None if self.config["num_tables"] == 1 and dup % 2 else tids)
 
@@ -84,7 +96,8 @@ class TableVersusModel(RuleBasedStateMachine):
             assert not vanished and not appeared
         elif verb == "insert_or_assign":
             assert out[2] is None
-            assert len(vanished) == self.pair.real.stats.evictions - evictions_before
+            # a victim may come back later in the same batch, so "<="
+            assert len(vanished) <= self.pair.real.stats.evictions - evictions_before
         else:
             ev_keys, ev_tids = out[2][0], out[2][1]
             assert vanished == set(zip(ev_tids, ev_keys)) - after
@@ -152,6 +165,8 @@ class TableVersusModel(RuleBasedStateMachine):
 
 TableVersusModel.TestCase.settings = settings(
     max_examples=120,
+    # HYPOTHESIS_NO_SHRINK=1 reports the first failure as found (shrinking it can take minutes)
+    phases=[p for p in Phase if not (os.environ.get("HYPOTHESIS_NO_SHRINK") and p is Phase.shrink)],
     stateful_step_count=30,
     deadline=None,
     derandomize=True,

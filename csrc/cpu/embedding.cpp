@@ -1,0 +1,304 @@
+// CPU kernels of the embedding module: dedup of (table, key) pairs, row
+// initialization, pooled and sequence lookups, and the fused backward (segmented
+// gradient reduction + optimizer update). OpenMP over bags / unique rows.
+//
+// Rows of a lookup are addressed by unique index u: row_slot[u] >= 0 is a slot of
+// `values` ([capacity, width], embedding then optimizer state); row_slot[u] < 0
+// is row (-row_slot[u] - 1) of `transient` ([T, dim]): rows that are not stored
+// (not admitted, failed inserts, unseen keys in eval).
+#include <omp.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <tuple>
+#include <vector>
+
+#include "dynamicemb/hash_primitives.h"
+#include "dynamicemb/init_primitives.h"
+#include "dynamicemb/optimizer_primitives.h"
+
+namespace dynamicemb {
+namespace cpu {
+namespace {
+
+constexpr int64_t kParallelMinWork = 2048;
+
+void expect(const at::Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " has dtype ", t.scalar_type(),
+              ", expected ", dtype);
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+struct RowSource {
+  const float* values;
+  int64_t width;
+  const float* transient;
+  int64_t dim;
+  const int64_t* row_slot;
+
+  const float* row(int64_t u) const {
+    const int64_t s = row_slot[u];
+    return s >= 0 ? values + s * width : transient + (-s - 1) * dim;
+  }
+};
+
+RowSource row_source(const at::Tensor& values, const at::Tensor& transient,
+                     const at::Tensor& row_slot, int64_t dim) {
+  expect(values, at::kFloat, "values");
+  expect(transient, at::kFloat, "transient");
+  expect(row_slot, at::kLong, "row_slot");
+  TORCH_CHECK(values.dim() == 2 && values.size(1) >= dim, "values must be [C, >= dim]");
+  return RowSource{values.data_ptr<float>(), values.size(1), transient.data_ptr<float>(),
+                   dim, row_slot.data_ptr<int64_t>()};
+}
+
+// Bag geometry of the FBGEMM layout: bag k = feature * batch + sample.
+struct Bags {
+  const int64_t* offsets;
+  const int64_t* feature_col;  // output column of each feature, -1: not ours
+  int64_t batch;
+  int64_t num_bags;
+};
+
+Bags bags_of(const at::Tensor& offsets, const at::Tensor& feature_col, int64_t batch) {
+  expect(offsets, at::kLong, "offsets");
+  expect(feature_col, at::kLong, "feature_col");
+  TORCH_CHECK(offsets.numel() == feature_col.numel() * batch + 1,
+              "offsets must have num_features * batch + 1 entries");
+  return Bags{offsets.data_ptr<int64_t>(), feature_col.data_ptr<int64_t>(), batch,
+              offsets.numel() - 1};
+}
+
+}  // namespace
+
+// Unique (table, key) pairs in first-occurrence order.
+// Returns (unique_keys (U,), unique_tids (U,) int16, inverse (N,), counts (U,)).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(const at::Tensor& keys,
+                                                                 const at::Tensor& tids) {
+  expect(keys, at::kLong, "keys");
+  expect(tids, at::kShort, "tids");
+  const int64_t n = keys.numel();
+  int64_t size = 16;
+  while (size < 2 * n) size <<= 1;
+  std::vector<int64_t> set_u(size, -1);
+  const int64_t* k = keys.data_ptr<int64_t>();
+  const int16_t* t = tids.data_ptr<int16_t>();
+  auto inverse = at::empty({n}, keys.options());
+  int64_t* inv = inverse.data_ptr<int64_t>();
+  std::vector<int64_t> first;  // position of each unique pair's first occurrence
+  first.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t pos = hash_key(k[i], t[i]) & static_cast<uint64_t>(size - 1);
+    while (true) {
+      const int64_t u = set_u[pos];
+      if (u < 0) {
+        set_u[pos] = static_cast<int64_t>(first.size());
+        inv[i] = set_u[pos];
+        first.push_back(i);
+        break;
+      }
+      const int64_t j = first[u];
+      if (k[j] == k[i] && t[j] == t[i]) {
+        inv[i] = u;
+        break;
+      }
+      pos = (pos + 1) & static_cast<uint64_t>(size - 1);
+    }
+  }
+  const int64_t u_count = static_cast<int64_t>(first.size());
+  auto ukeys = at::empty({u_count}, keys.options());
+  auto utids = at::empty({u_count}, tids.options());
+  auto counts = at::zeros({u_count}, keys.options());
+  int64_t* uk = ukeys.data_ptr<int64_t>();
+  int16_t* ut = utids.data_ptr<int16_t>();
+  int64_t* c = counts.data_ptr<int64_t>();
+  for (int64_t u = 0; u < u_count; ++u) {
+    uk[u] = k[first[u]];
+    ut[u] = t[first[u]];
+  }
+  for (int64_t i = 0; i < n; ++i) ++c[inv[i]];
+  return {ukeys, utids, inverse, counts};
+}
+
+// out[rows[i], 0:dim] = initializer(table, keys[i], column) for every i.
+void init_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& keys,
+               int64_t table, int64_t dim, int64_t mode, double mean, double std_dev,
+               double lower, double upper, double value, int64_t seed) {
+  expect(out, at::kFloat, "out");
+  expect(rows, at::kLong, "rows");
+  expect(keys, at::kLong, "keys");
+  TORCH_CHECK(out.dim() == 2 && out.size(1) >= dim, "out must be [R, >= dim]");
+  const InitParams p{static_cast<int32_t>(mode), static_cast<float>(mean),
+                     static_cast<float>(std_dev), static_cast<float>(lower),
+                     static_cast<float>(upper), static_cast<float>(value),
+                     static_cast<uint64_t>(seed)};
+  float* o = out.data_ptr<float>();
+  const int64_t width = out.size(1);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* k = keys.data_ptr<int64_t>();
+  const int64_t m = rows.numel();
+#pragma omp parallel for schedule(static) if (m * dim >= kParallelMinWork)
+  for (int64_t i = 0; i < m; ++i) {
+    float* row = o + r[i] * width;
+    for (int64_t c = 0; c < dim; ++c) row[c] = init_element(p, table, k[i], static_cast<int>(c));
+  }
+}
+
+// Pooled lookup: out[b, col_f : col_f + dim] = sum (or mean) over bag (f, b).
+void pooled_forward(const at::Tensor& values, const at::Tensor& transient,
+                    const at::Tensor& row_slot, const at::Tensor& inverse,
+                    const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
+                    const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
+                    at::Tensor& out) {
+  const RowSource src = row_source(values, transient, row_slot, dim);
+  const Bags bags = bags_of(offsets, feature_col, batch);
+  expect(inverse, at::kLong, "inverse");
+  expect(out, at::kFloat, "out");
+  const int64_t* inv = inverse.data_ptr<int64_t>();
+  const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  const int64_t out_width = out.size(1);
+#pragma omp parallel for schedule(static) if (bags.num_bags >= kParallelMinWork / 16)
+  for (int64_t k = 0; k < bags.num_bags; ++k) {
+    const int64_t col = bags.feature_col[k / batch];
+    if (col < 0) continue;
+    float* acc = o + (k % batch) * out_width + col;
+    std::fill(acc, acc + dim, 0.f);
+    const int64_t begin = bags.offsets[k], end = bags.offsets[k + 1];
+    for (int64_t j = begin; j < end; ++j) {
+      const float* row = src.row(inv[j]);
+      const float scale = w ? w[j] : 1.f;
+      for (int64_t c = 0; c < dim; ++c) acc[c] += scale * row[c];
+    }
+    if (mean && end > begin) {
+      const float inv_len = 1.f / static_cast<float>(end - begin);
+      for (int64_t c = 0; c < dim; ++c) acc[c] *= inv_len;
+    }
+  }
+}
+
+// Sequence lookup: out[j] = row of lookup j, for lookups whose inverse is >= 0.
+void sequence_forward(const at::Tensor& values, const at::Tensor& transient,
+                      const at::Tensor& row_slot, const at::Tensor& inverse, int64_t dim,
+                      at::Tensor& out) {
+  const RowSource src = row_source(values, transient, row_slot, dim);
+  expect(inverse, at::kLong, "inverse");
+  expect(out, at::kFloat, "out");
+  const int64_t* inv = inverse.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t n = inverse.numel();
+#pragma omp parallel for schedule(static) if (n >= kParallelMinWork)
+  for (int64_t j = 0; j < n; ++j) {
+    if (inv[j] < 0) continue;
+    const float* row = src.row(inv[j]);
+    std::copy(row, row + dim, o + j * dim);
+  }
+}
+
+namespace {
+
+// Lookups grouped by unique row, in input order within a row (CSR).
+struct Segments {
+  std::vector<int64_t> start;  // (U + 1,)
+  std::vector<int64_t> order;  // (lookups with inverse >= 0,)
+};
+
+Segments segments_of(const int64_t* inv, int64_t n, int64_t num_unique) {
+  Segments s;
+  s.start.assign(num_unique + 1, 0);
+  for (int64_t j = 0; j < n; ++j) {
+    if (inv[j] >= 0) ++s.start[inv[j] + 1];
+  }
+  for (int64_t u = 0; u < num_unique; ++u) s.start[u + 1] += s.start[u];
+  s.order.resize(s.start[num_unique]);
+  std::vector<int64_t> next(s.start.begin(), s.start.end() - 1);
+  for (int64_t j = 0; j < n; ++j) {
+    if (inv[j] >= 0) s.order[next[inv[j]]++] = j;
+  }
+  return s;
+}
+
+std::vector<int64_t> bag_of_lookups(const Bags& bags, int64_t n) {
+  std::vector<int64_t> bag(n, -1);
+#pragma omp parallel for schedule(static) if (bags.num_bags >= kParallelMinWork / 16)
+  for (int64_t k = 0; k < bags.num_bags; ++k) {
+    for (int64_t j = bags.offsets[k]; j < bags.offsets[k + 1]; ++j) bag[j] = k;
+  }
+  return bag;
+}
+
+}  // namespace
+
+// Fused backward: for every stored unique row, sum the gradients of its lookups
+// (in input order, so the result is deterministic) and apply the optimizer to the
+// row in `values`. `offsets` empty means sequence mode (grad is [N, dim]).
+void fused_backward(at::Tensor& values, const at::Tensor& row_slot, const at::Tensor& inverse,
+                    const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
+                    const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
+                    const at::Tensor& grad, int64_t kind, double lr, double eps,
+                    double beta1, double beta2, double weight_decay, double step_size,
+                    double bias_correction2_sqrt) {
+  expect(values, at::kFloat, "values");
+  expect(row_slot, at::kLong, "row_slot");
+  expect(inverse, at::kLong, "inverse");
+  expect(grad, at::kFloat, "grad");
+  const bool pooled = offsets.numel() > 0;
+  const int64_t n = inverse.numel();
+  const int64_t num_unique = row_slot.numel();
+  const int64_t* inv = inverse.data_ptr<int64_t>();
+  const int64_t* slot = row_slot.data_ptr<int64_t>();
+  const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
+  const float* g = grad.data_ptr<float>();
+  const int64_t grad_width = grad.size(1);
+  float* vals = values.data_ptr<float>();
+  const int64_t width = values.size(1);
+  TORCH_CHECK(width >= dim + optimizer_state_dim(static_cast<int>(kind), dim),
+              "value rows too narrow for the optimizer state");
+
+  Bags bags{nullptr, nullptr, batch, 0};
+  std::vector<int64_t> bag;
+  if (pooled) {
+    bags = bags_of(offsets, feature_col, batch);
+    bag = bag_of_lookups(bags, n);
+  }
+  const Segments seg = segments_of(inv, n, num_unique);
+  OptimizerParams p;
+  p.kind = static_cast<int32_t>(kind);
+  p.lr = static_cast<float>(lr);
+  p.eps = static_cast<float>(eps);
+  p.beta1 = static_cast<float>(beta1);
+  p.beta2 = static_cast<float>(beta2);
+  p.weight_decay = static_cast<float>(weight_decay);
+  p.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  p.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  p.step_size = static_cast<float>(step_size);
+  p.bias_correction2_sqrt = static_cast<float>(bias_correction2_sqrt);
+
+#pragma omp parallel if (num_unique * dim >= kParallelMinWork)
+  {
+    std::vector<float> acc(dim);
+#pragma omp for schedule(dynamic, 64)
+    for (int64_t u = 0; u < num_unique; ++u) {
+      if (slot[u] < 0) continue;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t e = seg.start[u]; e < seg.start[u + 1]; ++e) {
+        const int64_t j = seg.order[e];
+        const float* gj;
+        float scale = w ? w[j] : 1.f;
+        if (pooled) {
+          const int64_t k = bag[j];
+          gj = g + (k % batch) * grad_width + bags.feature_col[k / batch];
+          if (mean) scale /= static_cast<float>(bags.offsets[k + 1] - bags.offsets[k]);
+        } else {
+          gj = g + j * grad_width;
+        }
+        for (int64_t c = 0; c < dim; ++c) acc[c] += scale * gj[c];
+      }
+      optimizer_update(vals + slot[u] * width, acc.data(), static_cast<int>(dim), p);
+    }
+  }
+}
+
+}  // namespace cpu
+}  // namespace dynamicemb

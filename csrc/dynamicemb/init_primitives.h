@@ -1,0 +1,80 @@
+// Per-element initializers, written once for both backends.
+//
+// A new row's element (key, column) is a pure function of (seed, table, key,
+// column): counter-based random numbers, no generator state. So a row's initial
+// value does not depend on the batch it arrived in, the thread count, the cache
+// size or the device, which is what makes cached and uncached training identical.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "dynamicemb/hash_primitives.h"
+
+namespace dynamicemb {
+
+enum InitMode : int32_t {
+  kInitNormal = 0,
+  kInitTruncatedNormal = 1,
+  kInitUniform = 2,
+  kInitConstant = 3,
+  kInitDebug = 4,  // every element = key mod 100000 (non-negative)
+};
+
+struct InitParams {
+  int32_t mode;
+  float mean;
+  float std_dev;
+  float lower;
+  float upper;
+  float value;
+  uint64_t seed;
+};
+
+// 64 random bits for (seed, table, key, counter): two rounds of the table hash.
+DEMB_HD uint64_t element_bits(uint64_t seed, int64_t table, int64_t key, uint64_t counter) {
+  const uint64_t row = hash_key(key, table) ^ (seed * kGolden);
+  return hash_key(static_cast<int64_t>(row ^ (counter * 0xD1B54A32D192ED03ull)), 0);
+}
+
+// Uniform in (0, 1): 24 random bits, centred in their cell so 0 and 1 never occur.
+DEMB_HD float open_uniform(uint64_t bits) {
+  return (static_cast<float>(bits >> 40) + 0.5f) * (1.0f / 16777216.0f);
+}
+
+// Standard normal by Box-Muller from two independent uniforms.
+DEMB_HD float standard_normal(uint64_t seed, int64_t table, int64_t key, uint64_t counter) {
+  const float u1 = open_uniform(element_bits(seed, table, key, 2 * counter));
+  const float u2 = open_uniform(element_bits(seed, table, key, 2 * counter + 1));
+  return sqrtf(-2.0f * logf(u1)) * cosf(6.28318530717958647692f * u2);
+}
+
+DEMB_HD float init_element(const InitParams& p, int64_t table, int64_t key, int col) {
+  const uint64_t c = static_cast<uint64_t>(col);
+  switch (p.mode) {
+    case kInitNormal:
+      return p.mean + p.std_dev * standard_normal(p.seed, table, key, c);
+    case kInitTruncatedNormal: {
+      // Resample (deterministically: the next counters) until inside [lower, upper].
+      for (uint64_t attempt = 0; attempt < 64; ++attempt) {
+        const float x =
+            p.mean + p.std_dev * standard_normal(p.seed, table, key, c + (attempt << 32));
+        if (x >= p.lower && x <= p.upper) return x;
+      }
+      return fminf(fmaxf(p.mean, p.lower), p.upper);
+    }
+    case kInitUniform:
+      return p.lower +
+             (p.upper - p.lower) * open_uniform(element_bits(p.seed, table, key, c));
+    case kInitConstant:
+      return p.value;
+    case kInitDebug: {
+      const int64_t m = key % 100000;
+      return static_cast<float>(m < 0 ? m + 100000 : m);
+    }
+    default:
+      return 0.f;
+  }
+}
+
+}  // namespace dynamicemb

@@ -1,0 +1,105 @@
+// Per-row fused optimizer updates, written once for both backends.
+//
+// A value row is [embedding (dim) | optimizer state]. `grad` is the row's summed
+// gradient. Every rule first adds L2 weight decay (g + weight_decay * w), then
+// updates the state and the embedding in place. Float operation order follows
+// torch.optim so results can be compared bit-for-bit where sums agree.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "dynamicemb/hash_primitives.h"  // DEMB_HD
+
+namespace dynamicemb {
+
+enum OptimizerKind : int32_t {
+  kSgd = 0,             // state: none
+  kAdam = 1,            // state: m (dim), v (dim)
+  kAdagrad = 2,         // state: sum of squares (dim)
+  kRowwiseAdagrad = 3,  // state: sum of mean squares (1)
+};
+
+// State floats per row for an optimizer and embedding dim.
+DEMB_HD int optimizer_state_dim(int kind, int dim) {
+  switch (kind) {
+    case kAdam: return 2 * dim;
+    case kAdagrad: return dim;
+    case kRowwiseAdagrad: return 1;
+    default: return 0;
+  }
+}
+
+struct OptimizerParams {
+  int32_t kind;
+  float lr;
+  float eps;
+  float beta1;
+  float beta2;
+  float weight_decay;
+  // Adam scalars, computed in double by the caller as torch.optim.Adam does:
+  float one_minus_beta1;  // 1 - beta1
+  float one_minus_beta2;  // 1 - beta2
+  float step_size;        // lr / (1 - beta1^step)
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+};
+
+DEMB_HD void sgd_row(float* w, const float* g, int dim, const OptimizerParams& p) {
+  for (int i = 0; i < dim; ++i) {
+    const float gi = g[i] + p.weight_decay * w[i];
+    w[i] -= p.lr * gi;
+  }
+}
+
+DEMB_HD void adagrad_row(float* w, float* sum, const float* g, int dim,
+                         const OptimizerParams& p) {
+  for (int i = 0; i < dim; ++i) {
+    const float gi = g[i] + p.weight_decay * w[i];
+    sum[i] += gi * gi;
+    w[i] -= p.lr * gi / (sqrtf(sum[i]) + p.eps);
+  }
+}
+
+DEMB_HD void rowwise_adagrad_row(float* w, float* sum, const float* g, int dim,
+                                 const OptimizerParams& p) {
+  float sq = 0.f;
+  for (int i = 0; i < dim; ++i) {
+    const float gi = g[i] + p.weight_decay * w[i];
+    sq += gi * gi;
+  }
+  sum[0] += sq / static_cast<float>(dim);
+  const float scale = p.lr / (sqrtf(sum[0]) + p.eps);
+  for (int i = 0; i < dim; ++i) {
+    const float gi = g[i] + p.weight_decay * w[i];
+    w[i] -= scale * gi;
+  }
+}
+
+DEMB_HD void adam_row(float* w, float* m, float* v, const float* g, int dim,
+                      const OptimizerParams& p) {
+  for (int i = 0; i < dim; ++i) {
+    const float gi = g[i] + p.weight_decay * w[i];
+    // torch's lerp(m, g, 1 - beta1), then v * beta2 + (1 - beta2) * g * g
+    m[i] = p.one_minus_beta1 < 0.5f ? m[i] + p.one_minus_beta1 * (gi - m[i])
+                                    : gi - (gi - m[i]) * (1.f - p.one_minus_beta1);
+    v[i] = v[i] * p.beta2;
+    v[i] = v[i] + p.one_minus_beta2 * gi * gi;
+    const float denom = sqrtf(v[i]) / p.bias_correction2_sqrt + p.eps;
+    w[i] = w[i] + (-p.step_size) * m[i] / denom;
+  }
+}
+
+// Updates one value row; `row` points at the embedding, the state follows it.
+DEMB_HD void optimizer_update(float* row, const float* g, int dim,
+                              const OptimizerParams& p) {
+  float* state = row + dim;
+  switch (p.kind) {
+    case kSgd: sgd_row(row, g, dim, p); break;
+    case kAdam: adam_row(row, state, state + dim, g, dim, p); break;
+    case kAdagrad: adagrad_row(row, state, g, dim, p); break;
+    case kRowwiseAdagrad: rowwise_adagrad_row(row, state, g, dim, p); break;
+    default: break;
+  }
+}
+
+}  // namespace dynamicemb

@@ -1,0 +1,367 @@
+"""``BatchedDynamicEmbeddingTables``: many dynamic tables behind one TBE-style module.
+
+The calling convention is FBGEMM's table-batched embedding: ``indices`` (all
+lookups, feature-major) and ``offsets`` (``num_features * batch + 1`` bag
+boundaries, bag ``f * batch + b``). The optimizer is fused into backward: there
+is no separate ``step()``.
+"""
+
+import logging
+from typing import Dict, List, NamedTuple, Optional, Sequence
+
+import torch
+from torch import nn
+
+from dynamicemb._table_group import Lookup, _TableGroup, group_key
+from dynamicemb.optimizer import DynamicEmbFusedOptimizer
+from dynamicemb.options import (
+    DynamicEmbOptimizerArgs,
+    DynamicEmbOptimType,
+    DynamicEmbPoolingMode,
+    DynamicEmbTableOptions,
+)
+from dynamicemb.types import DynamicEmbScoreStrategy
+
+__all__ = ["BatchedDynamicEmbeddingTables", "ExportedRows"]
+
+logger = logging.getLogger(__name__)
+
+
+class ExportedRows(NamedTuple):
+    """A logical table's stored rows (``export_keys_values``).
+
+    Shape:
+        keys: (n,) int64; embeddings: (n, dim); optimizer_states: (n, state_dim);
+        scores: (n,) int64.
+    """
+
+    keys: torch.Tensor
+    embeddings: torch.Tensor
+    optimizer_states: torch.Tensor
+    scores: torch.Tensor
+
+
+class _Batch(NamedTuple):
+    """A validated batch and what each group looked up for it."""
+
+    offsets: torch.Tensor  # (F * B + 1,) int64
+    weights: Optional[torch.Tensor]  # (N,) float32
+    batch_size: int
+    lookups: List[Lookup]
+
+
+class _LookupFunction(torch.autograd.Function):
+    """Autograd node whose backward runs the fused optimizer (returns no grads)."""
+
+    @staticmethod
+    def forward(ctx, placeholder, module, batch):  # noqa: D102
+        ctx.module, ctx.batch = module, batch
+        return module._compute_output(batch)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: D102
+        ctx.module._apply_gradients(ctx.batch, grad_output)
+        return None, None, None
+
+
+class BatchedDynamicEmbeddingTables(nn.Module):
+    """Dynamic embedding tables (hash-table backed, raw int64 ids) batched in one module.
+
+    Rows are created the first time a training forward sees an id (subject to
+    admission); eval never inserts and never changes scores. Tables with equal
+    physical options share one hash table (see ``docs/ARCHITECTURE.md``).
+
+    Args:
+        table_options: one ``DynamicEmbTableOptions`` per table.
+        table_names: names for ``export_keys_values`` etc. (default ``t0, t1, …``).
+        feature_table_map: table of each feature (default: one feature per table).
+        pooling_mode: SUM, MEAN, or NONE (sequence; every table must share one dim).
+        optimizer: fused optimizer (``DynamicEmbOptimType`` or FBGEMM's ``EmbOptimType``).
+        learning_rate, eps, beta1, beta2, weight_decay, initial_accumulator_value:
+            its hyper-parameters, unless a table's ``optimizer_args`` overrides them.
+        output_dtype: dtype of the output (float32, float16 or bfloat16).
+        device: where rows live (default CPU; only CPU kernels exist so far).
+
+    Shape:
+        forward(indices (N,), offsets (F * B + 1,), per_sample_weights (N,)) ->
+        (B, sum of feature dims) for SUM/MEAN, (N, dim) for NONE.
+
+    Example::
+
+        tables = BatchedDynamicEmbeddingTables(
+            [DynamicEmbTableOptions(dim=16, max_capacity=1 << 20)],
+            optimizer=DynamicEmbOptimType.EXACT_SGD, learning_rate=0.1)
+        out = tables(torch.tensor([3, 10**12, 3]), torch.tensor([0, 2, 3]))  # B=2
+        out.sum().backward()  # rows 3 and 10**12 are updated in place
+    """
+
+    def __init__(
+        self,
+        table_options: Sequence[DynamicEmbTableOptions],
+        table_names: Optional[Sequence[str]] = None,
+        feature_table_map: Optional[Sequence[int]] = None,
+        pooling_mode: DynamicEmbPoolingMode = DynamicEmbPoolingMode.SUM,
+        optimizer=DynamicEmbOptimType.EXACT_SGD,
+        learning_rate: float = 0.01,
+        eps: float = 1e-8,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        output_dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self.table_options = list(table_options)
+        num_tables = len(self.table_options)
+        if num_tables == 0:
+            raise ValueError("table_options must name at least one table")
+        self.table_names = list(table_names) if table_names is not None else [
+            f"t{i}" for i in range(num_tables)]
+        if len(self.table_names) != num_tables or len(set(self.table_names)) != num_tables:
+            raise ValueError("table_names must be unique, one per table")
+        self.feature_table_map = list(feature_table_map) if feature_table_map is not None else list(
+            range(num_tables))
+        if not self.feature_table_map or not all(
+                0 <= t < num_tables for t in self.feature_table_map):
+            raise ValueError(f"feature_table_map entries must be in [0, {num_tables})")
+        self.pooling_mode = DynamicEmbPoolingMode(pooling_mode)
+        self.dims = [o.dim for o in self.table_options]
+        self.feature_dims = [self.dims[t] for t in self.feature_table_map]
+        if self.pooling_mode == DynamicEmbPoolingMode.NONE and len(set(self.feature_dims)) > 1:
+            raise ValueError(f"pooling NONE needs one dim for all tables, got {sorted(set(self.dims))}")
+        if output_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"output_dtype must be float32, float16 or bfloat16, got {output_dtype}")
+        self.output_dtype = output_dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        module_optimizer = DynamicEmbOptimizerArgs(
+            optimizer=optimizer, learning_rate=learning_rate, eps=eps, beta1=beta1,
+            beta2=beta2, weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value,
+        )
+        self._build_groups(module_optimizer)
+        self._train_steps = 0
+
+    def _build_groups(self, module_optimizer: DynamicEmbOptimizerArgs) -> None:
+        by_key: Dict[tuple, List[int]] = {}
+        for t, options in enumerate(self.table_options):
+            opt = options.optimizer_args or module_optimizer
+            by_key.setdefault(group_key(options, opt), []).append(t)
+        self._groups: List[_TableGroup] = []
+        self._table_location = {}  # table -> (group, local id)
+        for tables in by_key.values():
+            options = [self.table_options[t] for t in tables]
+            opt = options[0].optimizer_args or module_optimizer
+            for local, t in enumerate(tables):
+                self._table_location[t] = (len(self._groups), local)
+            self._groups.append(_TableGroup(tables, options, opt, self.device))
+        num_features = len(self.feature_table_map)
+        group_of = [self._table_location[t][0] for t in self.feature_table_map]
+        self._feature_group = torch.tensor(group_of, dtype=torch.int64)
+        self._feature_local_tid = torch.tensor(
+            [self._table_location[t][1] for t in self.feature_table_map], dtype=torch.int16)
+        cols = torch.tensor([0] + self.feature_dims, dtype=torch.int64).cumsum(0)[:-1]
+        self._feature_col = [
+            torch.where(self._feature_group == g, cols, torch.full_like(cols, -1))
+            for g in range(len(self._groups))
+        ]
+        self._num_features = num_features
+        # One placeholder parameter per group: autograd calls our backward through it,
+        # and the fused optimizer's param groups name it.
+        self._placeholders = nn.ParameterList(
+            [nn.Parameter(torch.zeros(0, device=self.device)) for _ in self._groups])
+        self.optimizer = DynamicEmbFusedOptimizer(
+            [
+                (p, [self.table_names[t] for t in g.table_indices], g.optimizer)
+                for p, g in zip(self._placeholders, self._groups)
+            ]
+        )
+        for g in self._groups:
+            logger.info("dynamic table group %s: %s", [self.table_names[t] for t in g.table_indices], g.table)
+
+    # -------------------------------------------------------------- public
+    def set_learning_rate(self, lr: float) -> None:
+        """Sets the learning rate of every table."""
+        self.optimizer.set_learning_rate(lr)
+
+    def set_score(self, scores: Dict[str, int]) -> None:
+        """Score given to the keys each named table touches from now on (CUSTOMIZED)."""
+        for name, score in scores.items():
+            group, local = self._location(name)
+            if group.score_strategy != DynamicEmbScoreStrategy.CUSTOMIZED:
+                raise ValueError(f"table {name!r} does not use the CUSTOMIZED score strategy")
+            if int(score) < 0:
+                raise ValueError(f"scores must be >= 0, got {score}")
+            group.custom_scores[local] = int(score)
+
+    def export_keys_values(self, table_name: str) -> ExportedRows:
+        """Every stored row of one table (embedding, optimizer state, score)."""
+        group, local = self._location(table_name)
+        exported = group.table.export_batch()
+        mine = exported.table_ids == local
+        values = exported.values[mine]
+        return ExportedRows(
+            keys=exported.keys[mine],
+            embeddings=values[:, :group.dim],
+            optimizer_states=values[:, group.dim:],
+            scores=exported.scores[mine],
+        )
+
+    def import_keys_values(
+        self,
+        table_name: str,
+        keys: torch.Tensor,
+        embeddings: torch.Tensor,
+        optimizer_states: Optional[torch.Tensor] = None,
+    ) -> None:
+        """Writes rows into one table (inserting or overwriting), e.g. to copy weights in.
+
+        Args:
+            keys (Tensor): (n,) int64.
+            embeddings (Tensor): (n, dim) float32.
+            optimizer_states (Tensor, optional): (n, state_dim); default: the
+                optimizer's initial state.
+        """
+        group, local = self._location(table_name)
+        n = keys.numel()
+        if embeddings.shape != (n, group.dim):
+            raise ValueError(f"embeddings must have shape ({n}, {group.dim}), got {tuple(embeddings.shape)}")
+        rows = torch.zeros(n, group.dim + group.state_dim, dtype=torch.float32)
+        rows[:, :group.dim] = embeddings
+        if optimizer_states is not None:
+            if optimizer_states.shape != (n, group.state_dim):
+                raise ValueError(
+                    f"optimizer_states must have shape ({n}, {group.state_dim}), "
+                    f"got {tuple(optimizer_states.shape)}")
+            rows[:, group.dim:] = optimizer_states
+        elif group.optimizer.optimizer in (DynamicEmbOptimType.EXACT_ADAGRAD,
+                                           DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD):
+            rows[:, group.dim:] = group.optimizer.initial_accumulator_value
+        tids = torch.full((n,), local, dtype=torch.int64)
+        scores = None
+        if group.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
+            scores = group.custom_scores[tids]
+        group.table.insert_or_assign(keys, rows.to(self.device), tids, scores)
+
+    def table_size(self, table_name: str) -> int:
+        """Rows stored for one table."""
+        group, local = self._location(table_name)
+        return int((group.table.export_batch().table_ids == local).sum())
+
+    def _location(self, table_name: str):
+        if table_name not in self.table_names:
+            raise KeyError(f"no table named {table_name!r}; tables: {self.table_names}")
+        g, local = self._table_location[self.table_names.index(table_name)]
+        return self._groups[g], local
+
+    # ------------------------------------------------------------- forward
+    def forward(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Looks up (and in training, inserts) rows and pools them per bag.
+
+        Args:
+            indices (Tensor): (N,) int32/int64 raw ids, feature-major.
+            offsets (Tensor): (F * B + 1,) int32/int64, non-decreasing from 0 to N.
+            per_sample_weights (Tensor, optional): (N,) float weights of the
+                pooled sum (SUM pooling only).
+
+        Returns:
+            (B, sum of feature dims) for SUM/MEAN; (N, dim) for NONE.
+        """
+        indices, offsets, weights, batch_size = self._validate(indices, offsets, per_sample_weights)
+        training = self.training
+        if training:
+            self._train_steps += 1
+            for g in self._groups:
+                g.table.set_step(self._train_steps)
+        lookups = self._lookup(indices, offsets, batch_size, insert=training)
+        batch = _Batch(offsets, weights, batch_size, lookups)
+        if training and torch.is_grad_enabled() and any(g.training for g in self._groups):
+            out = _LookupFunction.apply(self._placeholders[0], self, batch)
+        else:
+            out = self._compute_output(batch)
+        return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
+
+    def _validate(self, indices, offsets, weights):
+        for name, t in (("indices", indices), ("offsets", offsets)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+            if t.dim() != 1:
+                raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+        num_bags = offsets.numel() - 1
+        if num_bags < 0 or num_bags % self._num_features:
+            raise ValueError(
+                f"offsets must have num_features * batch_size + 1 entries "
+                f"(num_features={self._num_features}), got {offsets.numel()}")
+        offsets = offsets.to(torch.int64).contiguous()
+        n = indices.numel()
+        if int(offsets[0]) != 0 or int(offsets[-1]) != n:
+            raise ValueError(
+                f"offsets must start at 0 and end at len(indices)={n}, "
+                f"got {int(offsets[0])} and {int(offsets[-1])}")
+        if num_bags and bool((offsets[1:] < offsets[:-1]).any()):
+            raise ValueError("offsets must be non-decreasing")
+        if weights is not None:
+            if self.pooling_mode != DynamicEmbPoolingMode.SUM:
+                raise ValueError(
+                    f"per_sample_weights need SUM pooling, this module uses {self.pooling_mode.name}")
+            if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
+                raise TypeError("per_sample_weights must be a floating-point tensor")
+            if weights.shape != (n,):
+                raise ValueError(
+                    f"per_sample_weights must have shape ({n},) like indices, got {tuple(weights.shape)}")
+            weights = weights.to(torch.float32).contiguous()
+        return indices.to(torch.int64).contiguous(), offsets, weights, num_bags // self._num_features
+
+    def _lookup(self, indices, offsets, batch_size, insert: bool) -> List[Lookup]:
+        n = indices.numel()
+        bounds = offsets[:: max(batch_size, 1)] if batch_size else torch.zeros(
+            self._num_features + 1, dtype=torch.int64)
+        feature = torch.repeat_interleave(
+            torch.arange(self._num_features), bounds[1:] - bounds[:-1], output_size=n)
+        tids = self._feature_local_tid[feature]
+        if len(self._groups) == 1:
+            return [self._groups[0].lookup(indices, tids, insert)]
+        lookups = []
+        group_of_lookup = self._feature_group[feature]
+        for g, group in enumerate(self._groups):
+            mine = (group_of_lookup == g).nonzero().squeeze(1)
+            found = group.lookup(indices[mine], tids[mine].contiguous(), insert)
+            inverse = torch.full((n,), -1, dtype=torch.int64)
+            inverse[mine] = found.inverse
+            lookups.append(found._replace(inverse=inverse))
+        return lookups
+
+    def _compute_output(self, batch: _Batch) -> torch.Tensor:
+        n = batch.offsets[-1].item()
+        mean = self.pooling_mode == DynamicEmbPoolingMode.MEAN
+        if self.pooling_mode == DynamicEmbPoolingMode.NONE:
+            out = torch.zeros(n, self.feature_dims[0], dtype=torch.float32, device=self.device)
+        else:
+            out = torch.zeros(batch.batch_size, sum(self.feature_dims), dtype=torch.float32,
+                              device=self.device)
+        for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
+            ops = group.ops
+            if self.pooling_mode == DynamicEmbPoolingMode.NONE:
+                ops.sequence_forward(group.table.values, found.transient, found.row_slot,
+                                     found.inverse, group.dim, out)
+            else:
+                ops.pooled_forward(group.table.values, found.transient, found.row_slot,
+                                   found.inverse, batch.offsets, batch.weights,
+                                   self._feature_col[g], batch.batch_size, group.dim, mean, out)
+        return out
+
+    def _apply_gradients(self, batch: _Batch, grad: torch.Tensor) -> None:
+        grad = grad.to(torch.float32).contiguous()
+        pooled = self.pooling_mode != DynamicEmbPoolingMode.NONE
+        mean = self.pooling_mode == DynamicEmbPoolingMode.MEAN
+        for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
+            lr = self.optimizer.param_groups[g]["lr"]
+            group.apply_gradients(found, grad, lr, batch.offsets if pooled else None,
+                                  batch.weights, self._feature_col[g], batch.batch_size, mean)

@@ -1,0 +1,47 @@
+"""The fused optimizer object of ``BatchedDynamicEmbeddingTables``.
+
+Updates happen inside backward; this object exists so that training code and
+TorchRec see an optimizer as usual: ``param_groups`` with ``lr`` (LR schedulers
+work on it), and ``step()`` / ``zero_grad()`` that have nothing left to do.
+"""
+
+from dataclasses import asdict
+from typing import List, Tuple
+
+import torch
+
+from dynamicemb.options import DynamicEmbOptimizerArgs
+
+__all__ = ["DynamicEmbFusedOptimizer"]
+
+
+class DynamicEmbFusedOptimizer(torch.optim.Optimizer):
+    """One param group per physical table group, named by its tables.
+
+    Args:
+        groups: (placeholder parameter, table names, optimizer args) per group.
+    """
+
+    def __init__(self, groups: List[Tuple[torch.nn.Parameter, List[str], DynamicEmbOptimizerArgs]]):
+        param_groups = []
+        for placeholder, names, args in groups:
+            settings = asdict(args)
+            settings["optimizer"] = args.optimizer.name
+            settings["lr"] = settings.pop("learning_rate")
+            param_groups.append({"params": [placeholder], "tables": list(names), **settings})
+        super().__init__(param_groups, defaults={})
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Sets ``lr`` of every group."""
+        if lr < 0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        for group in self.param_groups:
+            group["lr"] = float(lr)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Nothing to do: the update ran in backward. Evaluates ``closure`` if given."""
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: fused updates leave no gradients behind."""
