@@ -207,13 +207,13 @@ class ReferenceHashTable:
         current ``num_buckets`` (growth and the ERROR undo share this)."""
         bc, nb = self.bucket_capacity, self.num_buckets
         new = _Slots.empty(self.capacity(), self.value_dim)
-        for slot in range(len(old.occupied)):
-            if not old.occupied[slot]:
-                continue
-            dst = (old.hashes[slot] & (nb - 1)) * bc + slot % bc
-            assert not new.occupied[dst], "growth collided: offsets are not preserved"
-            for f in dataclasses.fields(_Slots):
-                getattr(new, f.name)[dst] = getattr(old, f.name)[slot]
+        src = [slot for slot, occ in enumerate(old.occupied) if occ]
+        dst = [(old.hashes[slot] & (nb - 1)) * bc + slot % bc for slot in src]
+        assert len(set(dst)) == len(dst), "growth collided: offsets are not preserved"
+        for f in dataclasses.fields(_Slots):
+            old_col, new_col = getattr(old, f.name), getattr(new, f.name)
+            for a, b in zip(src, dst):
+                new_col[b] = old_col[a]
         self._s = new
         self._rebuild_index()
 

@@ -1,0 +1,240 @@
+"""BatchedDynamicEmbeddingTables beside TorchRec's static table, in one run.
+
+Reproduces the upstream table "Benchmark BatchedDynamicEmbeddingTables" (same
+columns). The TorchRec column times FBGEMM's table-batched embedding
+(``SplitTableBatchedEmbeddingBagsCodegen``), the kernel behind TorchRec's FUSED
+compute kernel, on the same device with the same optimizer, ids and batches.
+Ids follow a power law (alpha 1.05) over ``[0, num_embeddings)``; both tables
+hold every row before timing (the dynamic table is pre-filled).
+
+Per iteration: ``forward`` (training forward), ``backward`` (backward with the
+fused optimizer), ``train`` (both), and ``eval`` (no-grad forward in eval mode);
+each reported as the median over iterations, in milliseconds.
+
+Example::
+
+    python benchmark/benchmark_batched_dynamicemb_tables.py \\
+        --batch_sizes 65536 --num_embeddings 1048576 --optimizers sgd adam
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from dynamicemb import (
+    BatchedDynamicEmbeddingTables,
+    DynamicEmbOptimType,
+    DynamicEmbTableOptions,
+)
+
+OPTIMIZERS = {
+    "sgd": DynamicEmbOptimType.EXACT_SGD,
+    "adagrad": DynamicEmbOptimType.EXACT_ADAGRAD,
+    "rowwise_adagrad": DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    "adam": DynamicEmbOptimType.ADAM,
+}
+COLUMNS = [
+    "caching", "batch_size", "num_embeddings_per_feature", "hbm_for_embeddings",
+    "optimizer_type", "feature_distribution-alpha", "embedding_dim", "num_iterations",
+    "cache_algorithm", "use_index_dedup",
+    "eval(torchrec)", "forward(torchrec)", "backward(torchrec)", "train(torchrec)",
+    "eval(dynamicemb)", "forward(dynamicemb)", "backward(dynamicemb)", "train(dynamicemb)",
+]
+
+
+def power_law_ids(n: int, num_embeddings: int, alpha: float, gen: torch.Generator) -> torch.Tensor:
+    """``n`` ids in ``[0, num_embeddings)`` with P(id = k) ~ (k + 1)^-alpha.
+
+    Inverse-CDF sampling of the continuous power law on [1, num_embeddings + 1).
+    """
+    u = torch.rand(n, generator=gen, dtype=torch.float64)
+    a = 1.0 - alpha
+    x = ((float(num_embeddings + 1) ** a - 1.0) * u + 1.0) ** (1.0 / a)
+    return (x.floor().long() - 1).clamp_(0, num_embeddings - 1)
+
+
+def make_batches(args, batch_size: int, num_embeddings: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    lookups = batch_size * args.num_features * args.pooling_factor
+    offsets = torch.arange(0, lookups + 1, args.pooling_factor, dtype=torch.int64)
+    return [
+        (power_law_ids(lookups, num_embeddings, args.alpha, gen), offsets)
+        for _ in range(min(args.num_iterations + args.warmup, args.distinct_batches))
+    ]
+
+
+def make_dynamicemb(args, num_embeddings: int, optimizer: str) -> BatchedDynamicEmbeddingTables:
+    # A bucketed hash table cannot hold N keys in exactly N slots (buckets fill
+    # unevenly), so the dynamic table gets 2x slots: its real bytes are reported.
+    options = DynamicEmbTableOptions(dim=args.embedding_dim, max_capacity=2 * num_embeddings,
+                                     max_load_factor=1.0)
+    module = BatchedDynamicEmbeddingTables(
+        [options], feature_table_map=[0] * args.num_features,
+        optimizer=OPTIMIZERS[optimizer], learning_rate=0.01)
+    gen = torch.Generator().manual_seed(1)
+    chunk = 1 << 18
+    for start in range(0, num_embeddings, chunk):
+        keys = torch.arange(start, min(start + chunk, num_embeddings), dtype=torch.int64)
+        rows = torch.empty(keys.numel(), args.embedding_dim).uniform_(-0.01, 0.01, generator=gen)
+        module.import_keys_values("t0", keys, rows)
+    assert module.table_size("t0") == num_embeddings, "pre-fill must store every row"
+    return module
+
+
+def make_torchrec(args, num_embeddings: int, optimizer: str) -> Optional[torch.nn.Module]:
+    """FBGEMM's CPU TBE with the same optimizer, or None where it has none (Adam on CPU)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    cpu_optimizers = {
+        "sgd": EmbOptimType.EXACT_SGD,
+        "adagrad": EmbOptimType.EXACT_ADAGRAD,
+        "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    }
+    if optimizer not in cpu_optimizers:
+        return None
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        [(num_embeddings, args.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        feature_table_map=[0] * args.num_features,
+        optimizer=cpu_optimizers[optimizer],
+        learning_rate=0.01,
+    )
+
+
+def time_module(module: torch.nn.Module, batches, args) -> Dict[str, float]:
+    """Median ms of eval, training forward, backward and train over the iterations."""
+    num_bags = batches[0][1].numel() - 1
+    grad = torch.randn(num_bags // args.num_features, args.num_features * args.embedding_dim)
+    forward, backward, train, evals = [], [], [], []
+    module.train()
+    for it in range(args.warmup + args.num_iterations):
+        indices, offsets = batches[it % len(batches)]
+        t0 = time.perf_counter()
+        out = module(indices, offsets)
+        t1 = time.perf_counter()
+        out.backward(grad)
+        t2 = time.perf_counter()
+        if it >= args.warmup:
+            forward.append(t1 - t0)
+            backward.append(t2 - t1)
+            train.append(t2 - t0)
+    module.eval()
+    with torch.no_grad():
+        for it in range(args.warmup + args.num_iterations):
+            indices, offsets = batches[it % len(batches)]
+            t0 = time.perf_counter()
+            module(indices, offsets)
+            if it >= args.warmup:
+                evals.append(time.perf_counter() - t0)
+    ms = lambda xs: round(statistics.median(xs) * 1e3, 3)  # noqa: E731
+    return {"eval": ms(evals), "forward": ms(forward), "backward": ms(backward), "train": ms(train)}
+
+
+def run_config(args, batch_size: int, num_embeddings: int, optimizer: str) -> Dict:
+    batches = make_batches(args, batch_size, num_embeddings)
+    static = make_torchrec(args, num_embeddings, optimizer)
+    t_static = time_module(static, batches, args) if static is not None else None
+    del static
+    dynamic = make_dynamicemb(args, num_embeddings, optimizer)
+    t_dynamic = time_module(dynamic, batches, args)
+    state_floats = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 0, "adam": 2}[optimizer]
+    row = {
+        "caching": False,
+        "batch_size": batch_size,
+        "num_embeddings_per_feature": num_embeddings,
+        "hbm_for_embeddings": num_embeddings * args.embedding_dim * 4 * (1 + state_floats),
+        "optimizer_type": optimizer,
+        "feature_distribution-alpha": f"pow-law-{args.alpha}",
+        "embedding_dim": args.embedding_dim,
+        "num_iterations": args.num_iterations,
+        "cache_algorithm": "lru",
+        "use_index_dedup": False,
+    }
+    for phase in ("eval", "forward", "backward", "train"):
+        row[f"{phase}(torchrec)"] = t_static[phase] if t_static else None
+        row[f"{phase}(dynamicemb)"] = t_dynamic[phase]
+    row["dynamicemb_table_bytes"] = sum(dynamic._groups[0].table.memory_bytes().values())
+    row["train_ratio(dynamicemb/torchrec)"] = (
+        round(t_dynamic["train"] / t_static["train"], 3) if t_static else None)
+    return row
+
+
+def markdown(rows: List[Dict]) -> str:
+    cols = COLUMNS + ["train_ratio(dynamicemb/torchrec)"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join("n/a" if r[c] is None else str(r[c]) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: List[Dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = ["eval", "forward", "backward", "train"]
+    fig, axes = plt.subplots(1, len(rows), figsize=(4.5 * len(rows), 3.6), squeeze=False)
+    for ax, r in zip(axes[0], rows):
+        xs = range(len(phases))
+        static = [r[f"{p}(torchrec)"] or 0 for p in phases]
+        dynamic = [r[f"{p}(dynamicemb)"] for p in phases]
+        ax.bar([x - 0.2 for x in xs], static, 0.4, label="torchrec (static TBE)")
+        ax.bar([x + 0.2 for x in xs], dynamic, 0.4, label="dynamicemb")
+        ax.set_xticks(list(xs), phases)
+        ax.set_ylabel("ms (median)")
+        ax.set_title(f"{r['optimizer_type']} B={r['batch_size']} N={r['num_embeddings_per_feature']}",
+                     fontsize=9)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch_sizes", type=int, nargs="+", default=[65536])
+    parser.add_argument("--num_embeddings", type=int, nargs="+", default=[1 << 20])
+    parser.add_argument("--optimizers", nargs="+", default=["sgd", "rowwise_adagrad", "adam"],
+                        choices=sorted(OPTIMIZERS))
+    parser.add_argument("--embedding_dim", type=int, default=128)
+    parser.add_argument("--num_features", type=int, default=1)
+    parser.add_argument("--pooling_factor", type=int, default=1)
+    parser.add_argument("--alpha", type=float, default=1.05)
+    parser.add_argument("--num_iterations", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--distinct_batches", type=int, default=8)
+    parser.add_argument("--out", default="benchmark/out/batched_dynamicemb_tables")
+    args = parser.parse_args()
+
+    rows = []
+    for optimizer in args.optimizers:
+        for num_embeddings in args.num_embeddings:
+            for batch_size in args.batch_sizes:
+                rows.append(run_config(args, batch_size, num_embeddings, optimizer))
+                print(json.dumps(rows[-1]), flush=True)
+    meta = {"threads": torch.get_num_threads(), "torch": torch.__version__,
+            "machine": platform.machine(), "device": "cpu", "unit": "ms, median",
+            "argv": vars(args)}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    table = markdown(rows)
+    with open(args.out + ".md", "w") as f:
+        f.write(table)
+    plot(rows, args.out + ".png")
+    print("\n" + table)
+    print(f"wrote {args.out}.json, .md, .png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""``BatchedDynamicEmbeddingTables`` against the dense PyTorch reference (``reference.py``).
+
+Every case imports the same initial rows into module and reference, trains ten random
+batches (hot, huge, negative and duplicate ids; empty bags; a few ids left to the
+initializer), compares the output of every step and, at the end, every stored row and
+optimizer state.
+"""
+
+import zlib
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dynamicemb import DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbPoolingMode
+from reference import (
+    OPTIMIZERS,
+    POOLINGS,
+    TableSpec,
+    assert_tables_match,
+    id_pool,
+    make_tables,
+    random_batch,
+    state_dim,
+)
+
+SUM, MEAN, NONE = DynamicEmbPoolingMode.SUM, DynamicEmbPoolingMode.MEAN, DynamicEmbPoolingMode.NONE
+STEPS = 10
+TOL = dict(rtol=1e-6, atol=1e-6)
+
+OPTIMIZER_ARGS = {
+    DynamicEmbOptimType.EXACT_SGD: DynamicEmbOptimizerArgs(DynamicEmbOptimType.EXACT_SGD, 0.1),
+    DynamicEmbOptimType.EXACT_ADAGRAD: DynamicEmbOptimizerArgs(
+        DynamicEmbOptimType.EXACT_ADAGRAD, 0.05, initial_accumulator_value=0.1),
+    DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD: DynamicEmbOptimizerArgs(
+        DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.05, initial_accumulator_value=0.1),
+    DynamicEmbOptimType.ADAM: DynamicEmbOptimizerArgs(DynamicEmbOptimType.ADAM, 0.01),
+}
+
+
+def layout(kind: str, pooling: DynamicEmbPoolingMode):
+    """(table specs, feature_table_map).
+
+    ``single``: one table, one feature. ``mixed``: three tables, four features; feature 0
+    and 2 share table 0; tables 0 and 2 have equal physical options (one hash table
+    shared by two logical tables, with different initializers); table 1 has another dim
+    (another bucket size under NONE, which needs one dim) and so its own group.
+    """
+    if kind == "single":
+        return [TableSpec(dim=4)], [0]
+    other = TableSpec(dim=4, bucket_capacity=32) if pooling == NONE else TableSpec(dim=3)
+    return [TableSpec(dim=4, init_value=0.25), other, TableSpec(dim=4, init_value=-0.5)], [0, 1, 0, 2]
+
+
+def import_initial_rows(module, ref, pools, gen, with_states=False):
+    """Random rows (and optionally states) for 3/4 of each table's pool, into both."""
+    for t, (name, pool) in enumerate(zip(module.table_names, pools)):
+        keys = torch.tensor(pool[: (3 * len(pool)) // 4], dtype=torch.int64)
+        dim = ref.tables[t].dim
+        rows = torch.rand(keys.numel(), dim, generator=gen) - 0.5
+        states = None
+        opt = ref.tables[t].optimizer.optimizer
+        if with_states and state_dim(opt, dim):
+            states = torch.rand(keys.numel(), state_dim(opt, dim), generator=gen)
+            if opt == DynamicEmbOptimType.ADAM:  # m may be negative, v not
+                states[:, :dim] -= 0.5
+        module.import_keys_values(name, keys, rows, states)
+        ref.import_rows(t, keys, rows, states)
+
+
+def train_and_compare(module, ref, table_pools, seed, weighted=False, steps=STEPS, batch=5,
+                      dtype=torch.int64):
+    """Runs ``steps`` training batches through both, comparing outputs and final tables."""
+    gen = torch.Generator().manual_seed(seed)
+    feature_pools = [table_pools[t] for t in ref.feature_table_map]
+    for step in range(steps):
+        indices, offsets, weights = random_batch(feature_pools, batch, gen, weighted=weighted,
+                                                 dtype=dtype)
+        out = module(indices, offsets, weights)
+        want = ref.forward(indices, offsets, weights)
+        torch.testing.assert_close(out.detach(), want, **TOL, msg=lambda m: f"step {step}: {m}")
+        grad = torch.randn(out.shape, generator=gen)
+        (out * grad).sum().backward()
+        ref.backward(grad)
+    assert_tables_match(module, ref, **TOL)
+
+
+def pools_for(specs, seed):
+    return [id_pool(12, seed + 7 * t) for t in range(len(specs))]
+
+
+GRID = [
+    (opt, pooling, kind, weighted)
+    for opt in OPTIMIZERS
+    for pooling in POOLINGS
+    for kind in ("single", "mixed")
+    for weighted in ((False, True) if pooling == SUM else (False,))
+]
+
+
+@pytest.mark.parametrize("opt,pooling,kind,weighted", GRID,
+                         ids=[f"{o.name}-{p.name}-{k}-{'w' if w else 'nw'}" for o, p, k, w in GRID])
+def test_training_matches_dense(opt, pooling, kind, weighted):
+    specs, ftm = layout(kind, pooling)
+    module, ref = make_tables(specs, ftm, pooling, OPTIMIZER_ARGS[opt])
+    pools = pools_for(specs, seed=zlib.crc32(f"{opt.name}{pooling.name}{kind}".encode()) % 1000)
+    import_initial_rows(module, ref, pools, torch.Generator().manual_seed(1))
+    train_and_compare(module, ref, pools, seed=2, weighted=weighted)
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
+def test_weight_decay_matches_dense(opt):
+    """L2 weight decay (g + wd * w) for every optimizer, on weighted SUM over mixed tables."""
+    args = replace(OPTIMIZER_ARGS[opt], weight_decay=0.05)
+    specs, ftm = layout("mixed", SUM)
+    module, ref = make_tables(specs, ftm, SUM, args)
+    pools = pools_for(specs, seed=11)
+    import_initial_rows(module, ref, pools, torch.Generator().manual_seed(3), with_states=True)
+    train_and_compare(module, ref, pools, seed=4, weighted=True)
+
+
+@pytest.mark.parametrize("pooling", [SUM, MEAN], ids=lambda p: p.name)
+def test_per_table_optimizer_override(pooling):
+    """Tables with their own optimizer and learning rate beside one using the module's."""
+    specs = [
+        TableSpec(dim=4, optimizer=DynamicEmbOptimizerArgs(
+            DynamicEmbOptimType.ADAM, 0.02, weight_decay=0.01, beta1=0.8, beta2=0.99)),
+        TableSpec(dim=3, optimizer=DynamicEmbOptimizerArgs(
+            DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.1, initial_accumulator_value=0.2)),
+        TableSpec(dim=4),  # the module's optimizer
+        TableSpec(dim=4, optimizer=DynamicEmbOptimizerArgs(
+            DynamicEmbOptimType.EXACT_ADAGRAD, 0.03, eps=1e-3)),
+    ]
+    module_args = DynamicEmbOptimizerArgs(DynamicEmbOptimType.EXACT_SGD, 0.3)
+    module, ref = make_tables(specs, [0, 1, 2, 1, 3], pooling, module_args)
+    pools = pools_for(specs, seed=21)
+    import_initial_rows(module, ref, pools, torch.Generator().manual_seed(5), with_states=True)
+    train_and_compare(module, ref, pools, seed=6, weighted=False)
+
+
+def test_int32_inputs_match_dense():
+    """int32 indices and offsets are the same lookups as int64 ones."""
+    specs, ftm = layout("mixed", SUM)
+    module, ref = make_tables(specs, ftm, SUM, OPTIMIZER_ARGS[DynamicEmbOptimType.EXACT_ADAGRAD])
+    pools = [[k for k in range(-40, 40, 3)] for _ in specs]
+    import_initial_rows(module, ref, pools, torch.Generator().manual_seed(7))
+    train_and_compare(module, ref, pools, seed=8, dtype=torch.int32)
+
+
+def test_large_batch_matches_dense():
+    """A batch big enough that the kernels take their OpenMP paths (>= 2048 elements)."""
+    specs, ftm = [TableSpec(dim=16, max_capacity=4096), TableSpec(dim=16, max_capacity=4096)], [0, 1, 0]
+    module, ref = make_tables(specs, ftm, MEAN, OPTIMIZER_ARGS[DynamicEmbOptimType.ADAM])
+    pools = [id_pool(300, 31), id_pool(300, 32)]
+    import_initial_rows(module, ref, pools, torch.Generator().manual_seed(9))
+    train_and_compare(module, ref, pools, seed=10, steps=3, batch=300)

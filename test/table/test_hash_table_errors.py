@@ -1,0 +1,173 @@
+"""Bad arguments raise the documented error, say what is wrong, and change nothing."""
+
+import pytest
+import torch
+
+from table_testing import as_keys, make_table, state_of
+
+BC = 16
+
+
+def filled_table(strategy="LRU", value_dim=2, **kw):
+    """A table past its load factor with room to grow: a bad call must not even grow it."""
+    kw = dict(capacity=2 * BC, bucket_capacity=BC, max_capacity=8 * BC, max_load_factor=0.5, **kw)
+    t = make_table(score_strategy=strategy, value_dim=value_dim, num_tables=2, **kw)
+    n = 20
+    scores = torch.arange(n, dtype=torch.int64) if strategy == "CUSTOMIZED" else None
+    values = torch.arange(n * value_dim, dtype=torch.float32).reshape(n, value_dim)
+    t.insert_or_assign(as_keys(range(n)), values, torch.arange(n) % 2, scores=scores)
+    assert t.capacity() == 2 * BC and t.size() > t.capacity() // 2
+    return t
+
+
+def full_state(t) -> dict:
+    state = state_of(t)
+    state["values"] = t.values.clone()
+    return state
+
+
+def assert_unchanged(t, before):
+    after = full_state(t)
+    assert torch.equal(after.pop("values"), before.pop("values"))
+    assert after == before
+
+
+# ---------------------------------------------------------------------- constructor
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(capacity=0), "capacity"),
+        (dict(capacity=-5), "capacity"),
+        (dict(bucket_capacity=0), "bucket_capacity"),
+        (dict(bucket_capacity=8), "bucket_capacity"),
+        (dict(bucket_capacity=24), "bucket_capacity"),
+        (dict(bucket_capacity=-16), "bucket_capacity"),
+        (dict(capacity=1024, max_capacity=512), "max_capacity"),
+        (dict(max_load_factor=0.0), "max_load_factor"),
+        (dict(max_load_factor=-0.5), "max_load_factor"),
+        (dict(max_load_factor=1.01), "max_load_factor"),
+        (dict(num_tables=0), "num_tables"),
+        (dict(num_tables=32768), "num_tables"),
+        (dict(value_dim=-1), "value_dim"),
+    ],
+)
+def test_constructor_rejects(kw, match):
+    args = dict(capacity=256, bucket_capacity=16)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        make_table(**args)
+
+
+@pytest.mark.parametrize("kw", [dict(num_tables=32767), dict(max_load_factor=1.0), dict(value_dim=0)])
+def test_constructor_accepts_limits(kw):
+    make_table(capacity=16, bucket_capacity=16, **kw)
+
+
+# ---------------------------------------------------------------------- verbs
+def good_args(t, verb, n=4, dim=2, strategy="LRU"):
+    args = {"keys": as_keys(range(100, 100 + n)), "table_ids": torch.ones(n, dtype=torch.int64)}
+    if verb in ("insert_or_assign", "insert_and_evict"):
+        args["values"] = torch.ones(n, dim)
+    if verb in ("find_or_insert", "insert_or_assign", "insert_and_evict") and strategy == "CUSTOMIZED":
+        args["scores"] = torch.full((n,), 3, dtype=torch.int64)
+    return args
+
+
+ALL_VERBS = ["find", "find_or_insert", "insert_or_assign", "insert_and_evict", "erase"]
+INSERTING = ["find_or_insert", "insert_or_assign", "insert_and_evict"]
+WITH_VALUES = ["insert_or_assign", "insert_and_evict"]
+
+# (verbs, change to the good arguments, error, message keyword)
+BAD_CALLS = [
+    (ALL_VERBS, dict(keys=torch.arange(100, 104, dtype=torch.int32)), TypeError, "keys|int64"),
+    (ALL_VERBS, dict(keys=torch.arange(100.0, 104.0)), TypeError, "keys|int64"),
+    (ALL_VERBS, dict(keys=torch.arange(100, 104).reshape(2, 2)), ValueError, "keys|1-D|dim"),
+    (ALL_VERBS, dict(table_ids=torch.ones(4)), TypeError, "table_ids|int"),
+    (ALL_VERBS, dict(table_ids=torch.ones(3, dtype=torch.int64)), ValueError, "table_ids|length"),
+    (ALL_VERBS, dict(table_ids=torch.ones(2, 2, dtype=torch.int64)), ValueError, "table_ids|1-D|dim|length"),
+    (ALL_VERBS, dict(table_ids=torch.tensor([0, 1, 2, 0])), ValueError, "table"),
+    (ALL_VERBS, dict(table_ids=torch.tensor([0, -1, 1, 0])), ValueError, "table"),
+    (ALL_VERBS, dict(table_ids=torch.tensor([0, 1, 2, 0], dtype=torch.int32)), ValueError, "table"),
+    (WITH_VALUES, dict(values=torch.ones(4, 2, dtype=torch.float64)), TypeError, "values|dtype"),
+    (WITH_VALUES, dict(values=torch.ones(4, 2, dtype=torch.int64)), TypeError, "values|dtype"),
+    (WITH_VALUES, dict(values=torch.ones(4, 3)), ValueError, "values|shape"),
+    (WITH_VALUES, dict(values=torch.ones(5, 2)), ValueError, "values|shape"),
+    (WITH_VALUES, dict(values=torch.ones(8)), ValueError, "values|shape"),
+    (INSERTING, dict(scores=torch.ones(4, dtype=torch.int64)), ValueError, "scores|CUSTOMIZED"),
+]
+
+
+def bad_call_cases():
+    for verbs, change, error, match in BAD_CALLS:
+        for verb in verbs:
+            yield pytest.param(verb, change, error, match, id=f"{verb}-{'-'.join(change)}-{error.__name__}")
+
+
+@pytest.mark.parametrize("verb, change, error, match", list(bad_call_cases()))
+def test_bad_call_raises_and_changes_nothing(verb, change, error, match):
+    t = filled_table()
+    before = full_state(t)
+    args = good_args(t, verb)
+    args.update(change)
+    with pytest.raises(error, match=f"(?i){match}"):
+        getattr(t, verb)(**args)
+    assert_unchanged(t, before)
+
+
+# scores are required by CUSTOMIZED, and must be 1-D non-negative int64 of the keys' length
+CUSTOMIZED_BAD = [
+    (dict(scores=None), ValueError, "scores"),
+    (dict(scores=torch.tensor([1, -1, 2, 3])), ValueError, "scores|negative"),
+    (dict(scores=torch.ones(3, dtype=torch.int64)), ValueError, "scores|length"),
+    (dict(scores=torch.ones(4, dtype=torch.int32)), TypeError, "scores|int64"),
+    (dict(scores=torch.ones(4)), TypeError, "scores|int64"),
+]
+
+
+@pytest.mark.parametrize("verb", INSERTING)
+@pytest.mark.parametrize("change, error, match", CUSTOMIZED_BAD)
+def test_customized_scores_checked(verb, change, error, match):
+    t = filled_table("CUSTOMIZED")
+    before = full_state(t)
+    args = good_args(t, verb, strategy="CUSTOMIZED")
+    args.update(change)
+    with pytest.raises(error, match=f"(?i){match}"):
+        getattr(t, verb)(**args)
+    assert_unchanged(t, before)
+
+
+@pytest.mark.parametrize("verb", WITH_VALUES)
+def test_values_none_rejected_when_value_dim_positive(verb):
+    t = filled_table()
+    before = full_state(t)
+    args = good_args(t, verb)
+    args["values"] = None
+    with pytest.raises((TypeError, ValueError), match="(?i)values"):
+        getattr(t, verb)(**args)
+    assert_unchanged(t, before)
+
+
+@pytest.mark.parametrize("verb", WITH_VALUES)
+def test_values_none_allowed_when_value_dim_zero(verb):
+    t = make_table(capacity=16, bucket_capacity=16, value_dim=0)
+    res = getattr(t, verb)(as_keys([1, 2]), None)
+    assert res.inserted.tolist() == [True, True]
+
+
+def test_int32_table_ids_accepted():
+    t = make_table(capacity=32, bucket_capacity=16, num_tables=3, max_load_factor=1.0)
+    tids = torch.tensor([0, 2, 1], dtype=torch.int32)
+    res = t.find_or_insert(as_keys([5, 5, 5]), tids)
+    assert res.inserted.tolist() == [True, True, True]
+    assert torch.equal(t.find(as_keys([5, 5, 5]), tids), res.slots)
+    assert t.erase(as_keys([5]), torch.tensor([2], dtype=torch.int32)).tolist() == [True]
+
+
+@pytest.mark.parametrize("step", [-1, -(2**63)])
+def test_negative_step_rejected(step):
+    t = make_table(capacity=16, bucket_capacity=16, score_strategy="STEP")
+    t.set_step(5)
+    with pytest.raises(ValueError, match="(?i)step"):
+        t.set_step(step)
+    t.find_or_insert(as_keys([1]))
+    assert t.export_batch().scores.tolist() == [5]  # the step stayed 5
