@@ -21,7 +21,7 @@ from dynamicemb.options import (
     DynamicEmbOptimType,
     DynamicEmbTableOptions,
 )
-from dynamicemb.table import ScoredHashTable
+from dynamicemb.table import PendingInsert, ScoredHashTable
 from dynamicemb.types import DynamicEmbScoreStrategy
 
 _INIT_MODE_CODE = {
@@ -80,6 +80,19 @@ class Lookup(NamedTuple):
     row_slot: torch.Tensor
     transient: torch.Tensor
     generation: int
+
+
+class _PendingLookup(NamedTuple):
+    """A lookup between its two phases (``begin_lookup`` / ``finish_lookup``)."""
+
+    keys: torch.Tensor  # (U,) unique keys
+    tids: torch.Tensor  # (U,) int16
+    inverse: torch.Tensor  # (N,)
+    counts: torch.Tensor  # (U,) occurrences in the batch
+    admitted: Optional[torch.Tensor]  # (U,) bool, None: no admission
+    insert: Optional[PendingInsert]  # training: the prepared insert
+    found: Optional[torch.Tensor]  # eval: slots found
+    train: bool
 
 
 @dataclass
@@ -141,8 +154,11 @@ class _TableGroup:
         self.adam_step = 0
 
     # ------------------------------------------------------------- forward
-    def lookup(self, keys: torch.Tensor, tids: torch.Tensor, insert: bool) -> Lookup:
-        """Dedups the lookups, finds (and in training inserts) their rows.
+    def begin_lookup(self, keys: torch.Tensor, tids: torch.Tensor, insert: bool) -> "_PendingLookup":
+        """Phase one of a lookup: dedup, admission decision, hash-table slots decided.
+
+        Nothing observable changes until ``finish_lookup``; ``abort_lookup`` undoes
+        the prepared insert, so a module can make a batch over several groups atomic.
 
         Args:
             keys (Tensor): (N,) int64 ids of this group's lookups.
@@ -150,47 +166,68 @@ class _TableGroup:
             insert: training: insert admitted unseen keys; else only find.
         """
         ukeys, utids, inverse, counts = self.ops.dedup(keys, tids)
-        if insert and self.training:
-            row_slot = self._find_or_insert(ukeys, utids, counts)
-        else:
-            row_slot = self.table.find(ukeys, utids)
-        transient = self._transient_rows(ukeys, utids, row_slot, train=insert and self.training)
-        return Lookup(ukeys, utids, inverse, row_slot, transient, self.table.generation)
-
-    def _admitted(self, keys, tids, counts) -> torch.Tensor:
-        """Mask of unique keys that may be stored: present ones, and new ones whose
-        occurrence count reached the threshold (their counters are then dropped)."""
-        present = self.table.find(keys, tids) >= 0
-        new = (~present).nonzero().squeeze(1)
-        if new.numel() == 0:
-            return present
-        counted = self.counter.find_or_insert(keys[new], tids[new])
-        ok = counted.slots >= 0
-        slots = counted.slots[ok]
-        self.counter.values[slots, 0] += counts[new][ok].double()
-        reached = torch.zeros_like(ok)
-        reached[ok] = self.counter.values[slots, 0] >= self.admission.threshold
-        admitted = present.clone()
-        admitted[new[reached]] = True
-        self.counter.erase(keys[new[reached]], tids[new[reached]].long())
-        return admitted
-
-    def _find_or_insert(self, keys, tids, counts) -> torch.Tensor:
-        admitted = None if self.counter is None else self._admitted(keys, tids, counts)
+        if not (insert and self.training):
+            return _PendingLookup(ukeys, utids, inverse, counts, None, None,
+                                  self.table.find(ukeys, utids), train=False)
+        admitted = None if self.counter is None else self._admitted(ukeys, utids, counts)
+        keys_in, tids_in, counts_in = ukeys, utids, counts
         if admitted is not None:
-            keys, tids = keys[admitted], tids[admitted]
+            keys_in, tids_in, counts_in = ukeys[admitted], utids[admitted], counts[admitted]
         scores = None
         if self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
-            scores = self.custom_scores[tids.long()]
-        result = self.table.find_or_insert(keys, tids.long(), scores)
-        new = result.inserted.nonzero().squeeze(1)
+            scores = self.custom_scores[tids_in.long()]
+        elif self.score_strategy == DynamicEmbScoreStrategy.LFU:
+            scores = counts_in  # LFU counts occurrences, not batches
+        pending = self.table.prepare_find_or_insert(keys_in, tids_in.long(), scores)
+        return _PendingLookup(ukeys, utids, inverse, counts, admitted, pending, None, train=True)
+
+    def abort_lookup(self, pending: "_PendingLookup") -> None:
+        if pending.insert is not None:
+            pending.insert.abort()
+
+    def finish_lookup(self, pending: "_PendingLookup") -> Lookup:
+        """Phase two: commit the insert, initialize new rows, count admissions."""
+        keys, tids = pending.keys, pending.tids
+        if pending.insert is None:
+            row_slot = pending.found
+        else:
+            result = pending.insert.commit()
+            stored_keys, stored_tids = keys, tids
+            if pending.admitted is not None:
+                stored_keys, stored_tids = keys[pending.admitted], tids[pending.admitted]
+            new = result.inserted.nonzero().squeeze(1)
+            if new.numel():
+                self._init_stored_rows(result.slots[new], stored_keys[new], stored_tids[new])
+            row_slot = result.slots
+            if pending.admitted is not None:
+                row_slot = torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
+                row_slot[pending.admitted] = result.slots
+                self._count_occurrences(pending, pending.admitted.nonzero().squeeze(1)[new])
+        transient = self._transient_rows(keys, tids, row_slot, train=pending.train)
+        return Lookup(keys, tids, pending.inverse, row_slot, transient, self.table.generation)
+
+    def _admitted(self, keys, tids, counts) -> torch.Tensor:
+        """Mask of unique keys that may be stored (read-only): present ones, and new
+        ones whose counted occurrences, with this batch's, reach the threshold."""
+        admitted = self.table.find(keys, tids) >= 0
+        new = (~admitted).nonzero().squeeze(1)
         if new.numel():
-            self._init_stored_rows(result.slots[new], keys[new], tids[new])
-        if admitted is None:
-            return result.slots
-        row_slot = torch.full(admitted.shape, -1, dtype=torch.int64, device=self.device)
-        row_slot[admitted] = result.slots
-        return row_slot
+            slots = self.counter.find(keys[new], tids[new])
+            seen = torch.where(slots >= 0, self.counter.values[slots.clamp(min=0), 0],
+                               torch.zeros((), dtype=torch.float64))
+            admitted[new] = seen + counts[new].double() >= self.admission.threshold
+        return admitted
+
+    def _count_occurrences(self, pending: "_PendingLookup", stored_now: torch.Tensor) -> None:
+        """After a committed insert: forget the counters of keys just stored (positions
+        ``stored_now``), and add this batch's occurrences of keys still waiting."""
+        keys, tids, counts = pending.keys, pending.tids, pending.counts
+        self.counter.erase(keys[stored_now], tids[stored_now])
+        waiting = (~pending.admitted).nonzero().squeeze(1)
+        if waiting.numel():
+            counted = self.counter.find_or_insert(keys[waiting], tids[waiting])
+            ok = counted.slots >= 0
+            self.counter.values[counted.slots[ok], 0] += counts[waiting][ok].double()
 
     def _init_stored_rows(self, slots, keys, tids) -> None:
         values = self.table.values

@@ -51,17 +51,22 @@ class _Batch(NamedTuple):
 
 
 class _LookupFunction(torch.autograd.Function):
-    """Autograd node whose backward runs the fused optimizer (returns no grads)."""
+    """Autograd node whose backward runs the fused optimizer.
+
+    The placeholder parameter makes autograd reach this node; the only gradient
+    returned is that of ``per_sample_weights`` when they require one.
+    """
 
     @staticmethod
-    def forward(ctx, placeholder, module, batch):  # noqa: D102
+    def forward(ctx, placeholder, weights, module, batch):  # noqa: D102
         ctx.module, ctx.batch = module, batch
         return module._compute_output(batch)
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: D102
-        ctx.module._apply_gradients(ctx.batch, grad_output)
-        return None, None, None
+        grad_weights = ctx.module._apply_gradients(
+            ctx.batch, grad_output, want_weight_grad=ctx.needs_input_grad[1])
+        return None, grad_weights, None, None
 
 
 class BatchedDynamicEmbeddingTables(nn.Module):
@@ -274,14 +279,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         """
         indices, offsets, weights, batch_size = self._validate(indices, offsets, per_sample_weights)
         training = self.training
-        if training:
-            self._train_steps += 1
-            for g in self._groups:
-                g.table.set_step(self._train_steps)
         lookups = self._lookup(indices, offsets, batch_size, insert=training)
-        batch = _Batch(offsets, weights, batch_size, lookups)
+        batch = _Batch(offsets, None if weights is None else weights.detach(), batch_size, lookups)
         if training and torch.is_grad_enabled() and any(g.training for g in self._groups):
-            out = _LookupFunction.apply(self._placeholders[0], self, batch)
+            out = _LookupFunction.apply(self._placeholders[0], weights, self, batch)
         else:
             out = self._compute_output(batch)
         return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
@@ -320,6 +321,34 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         return indices.to(torch.int64).contiguous(), offsets, weights, num_bags // self._num_features
 
     def _lookup(self, indices, offsets, batch_size, insert: bool) -> List[Lookup]:
+        """Every group's lookup, atomically: if one group fails (a full table in ERROR
+        mode), the groups before it are rolled back and no table changes."""
+        if insert:  # STEP scores: the training step this forward belongs to
+            for g in self._groups:
+                g.table.set_step(self._train_steps + 1)
+        pending = []
+        parts = self._split_by_group(indices, offsets, batch_size)
+        try:
+            for group, keys, tids, _ in parts:
+                pending.append(group.begin_lookup(keys, tids, insert))
+        except BaseException:
+            for group, p in reversed(list(zip(self._groups, pending))):
+                group.abort_lookup(p)
+            for g in self._groups:
+                g.table.set_step(self._train_steps)
+            raise
+        if insert:
+            self._train_steps += 1
+        lookups = [g.finish_lookup(p) for g, p in zip(self._groups, pending)]
+        for g, (found, (_, _, _, positions)) in enumerate(zip(lookups, parts)):
+            if positions is not None:  # back to positions in the whole batch
+                inverse = torch.full((indices.numel(),), -1, dtype=torch.int64)
+                inverse[positions] = found.inverse
+                lookups[g] = found._replace(inverse=inverse)
+        return lookups
+
+    def _split_by_group(self, indices, offsets, batch_size):
+        """(group, keys, local table ids, positions in the batch or None) per group."""
         n = indices.numel()
         bounds = offsets[:: max(batch_size, 1)] if batch_size else torch.zeros(
             self._num_features + 1, dtype=torch.int64)
@@ -327,16 +356,13 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             torch.arange(self._num_features), bounds[1:] - bounds[:-1], output_size=n)
         tids = self._feature_local_tid[feature]
         if len(self._groups) == 1:
-            return [self._groups[0].lookup(indices, tids, insert)]
-        lookups = []
+            return [(self._groups[0], indices, tids, None)]
         group_of_lookup = self._feature_group[feature]
+        parts = []
         for g, group in enumerate(self._groups):
-            mine = (group_of_lookup == g).nonzero().squeeze(1)
-            found = group.lookup(indices[mine], tids[mine].contiguous(), insert)
-            inverse = torch.full((n,), -1, dtype=torch.int64)
-            inverse[mine] = found.inverse
-            lookups.append(found._replace(inverse=inverse))
-        return lookups
+            positions = (group_of_lookup == g).nonzero().squeeze(1)
+            parts.append((group, indices[positions], tids[positions].contiguous(), positions))
+        return parts
 
     def _compute_output(self, batch: _Batch) -> torch.Tensor:
         n = batch.offsets[-1].item()
@@ -357,11 +383,23 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                                    self._feature_col[g], batch.batch_size, group.dim, mean, out)
         return out
 
-    def _apply_gradients(self, batch: _Batch, grad: torch.Tensor) -> None:
+    def _apply_gradients(self, batch: _Batch, grad: torch.Tensor,
+                         want_weight_grad: bool = False) -> Optional[torch.Tensor]:
+        """Backward: gradients of the weights (if wanted, from the rows before the
+        update), then the fused optimizer on every group."""
         grad = grad.to(torch.float32).contiguous()
         pooled = self.pooling_mode != DynamicEmbPoolingMode.NONE
         mean = self.pooling_mode == DynamicEmbPoolingMode.MEAN
+        grad_weights = None
+        if want_weight_grad:
+            grad_weights = torch.zeros(batch.weights.numel(), dtype=torch.float32)
+            for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
+                group.ops.per_sample_weight_grad(
+                    group.table.values, found.transient, found.row_slot, found.inverse,
+                    batch.offsets, self._feature_col[g], batch.batch_size, group.dim, grad,
+                    grad_weights)
         for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
             lr = self.optimizer.param_groups[g]["lr"]
             group.apply_gradients(found, grad, lr, batch.offsets if pooled else None,
                                   batch.weights, self._feature_col[g], batch.batch_size, mean)
+        return grad_weights

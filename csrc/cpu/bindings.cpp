@@ -49,6 +49,11 @@ void fused_backward(at::Tensor& values, const at::Tensor& row_slot, const at::Te
                     const at::Tensor& grad, int64_t kind, double lr, double eps,
                     double beta1, double beta2, double weight_decay, double step_size,
                     double bias_correction2_sqrt);
+void per_sample_weight_grad(const at::Tensor& values, const at::Tensor& transient,
+                            const at::Tensor& row_slot, const at::Tensor& inverse,
+                            const at::Tensor& offsets, const at::Tensor& feature_col,
+                            int64_t batch, int64_t dim, const at::Tensor& grad,
+                            at::Tensor& out);
 
 }  // namespace cpu
 }  // namespace dynamicemb
@@ -68,5 +73,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pooled_forward", &c::pooled_forward, "pooled lookup (sum/mean)");
   m.def("sequence_forward", &c::sequence_forward, "sequence lookup");
   m.def("fused_backward", &c::fused_backward, "segmented gradient + optimizer update");
+  m.def("per_sample_weight_grad", &c::per_sample_weight_grad, "gradient of weights");
   m.def("occupied_slots", &c::occupied_slots, "occupied slots of a range");
 }

@@ -300,5 +300,37 @@ void fused_backward(at::Tensor& values, const at::Tensor& row_slot, const at::Te
   }
 }
 
+// Gradient of per-sample weights (SUM pooling): out[j] = <grad of bag(j) in its
+// feature's columns, row of lookup j>, for lookups of this group (inverse >= 0).
+// Runs before the optimizer so it sees the rows the forward used.
+void per_sample_weight_grad(const at::Tensor& values, const at::Tensor& transient,
+                            const at::Tensor& row_slot, const at::Tensor& inverse,
+                            const at::Tensor& offsets, const at::Tensor& feature_col,
+                            int64_t batch, int64_t dim, const at::Tensor& grad,
+                            at::Tensor& out) {
+  const RowSource src = row_source(values, transient, row_slot, dim);
+  const Bags bags = bags_of(offsets, feature_col, batch);
+  expect(inverse, at::kLong, "inverse");
+  expect(grad, at::kFloat, "grad");
+  expect(out, at::kFloat, "out");
+  const int64_t* inv = inverse.data_ptr<int64_t>();
+  const float* g = grad.data_ptr<float>();
+  const int64_t grad_width = grad.size(1);
+  float* o = out.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (bags.num_bags >= kParallelMinWork / 16)
+  for (int64_t k = 0; k < bags.num_bags; ++k) {
+    const int64_t col = bags.feature_col[k / batch];
+    if (col < 0) continue;
+    const float* gk = g + (k % batch) * grad_width + col;
+    for (int64_t j = bags.offsets[k]; j < bags.offsets[k + 1]; ++j) {
+      if (inv[j] < 0) continue;
+      const float* row = src.row(inv[j]);
+      float dot = 0.f;
+      for (int64_t c = 0; c < dim; ++c) dot += gk[c] * row[c];
+      o[j] = dot;
+    }
+  }
+}
+
 }  // namespace cpu
 }  // namespace dynamicemb

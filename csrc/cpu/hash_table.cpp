@@ -233,7 +233,7 @@ T* optional_ptr(const at::Tensor& t) {
 
 // Inserting pass over keys[pending]. Fills slots/status (and the optional
 // outputs) at the pending positions; returns the deferred positions (sorted).
-// rule: 0 clock (score = now), 1 count (LFU), 2 given (CUSTOMIZED).
+// rule: 0 clock (score = now), 1 count (LFU, adds given), 2 given (CUSTOMIZED).
 at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
                   const at::Tensor& tids, const at::Tensor& hashes,
                   const c10::optional<at::Tensor>& given, int64_t rule, int64_t now,
@@ -260,7 +260,7 @@ at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Ten
   a.ev_keys = ev_keys.data_ptr<int64_t>();
   a.ev_tids = ev_tids.data_ptr<int16_t>();
   a.ev_scores = reinterpret_cast<uint64_t*>(ev_scores.data_ptr<int64_t>());
-  TORCH_CHECK(rule != 2 || a.given != nullptr, "the given-score rule needs scores");
+  TORCH_CHECK(rule == 0 || given.has_value(), "the count and given-score rules need scores");
   const int64_t* p = pending.data_ptr<int64_t>();
   const int64_t np = pending.numel();
   std::vector<int64_t> deferred;

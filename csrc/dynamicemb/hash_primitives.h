@@ -111,9 +111,9 @@ struct ClockScore {  // LRU, STEP, NO_EVICTION: the call's clock (or step) value
   DEMB_HD uint64_t on_hit(uint64_t /*old*/, uint64_t /*given*/) const { return now; }
 };
 
-struct CountScore {  // LFU: number of times the key was seen
-  DEMB_HD uint64_t on_insert(uint64_t /*given*/) const { return 1; }
-  DEMB_HD uint64_t on_hit(uint64_t old, uint64_t /*given*/) const { return old + 1; }
+struct CountScore {  // LFU: times the key was seen; `given` is this call's count
+  DEMB_HD uint64_t on_insert(uint64_t given) const { return given; }
+  DEMB_HD uint64_t on_hit(uint64_t old, uint64_t given) const { return old + given; }
 };
 
 struct GivenScore {  // CUSTOMIZED: the caller's score

@@ -2,6 +2,7 @@
 
 from dynamicemb.table.scored_hash_table import (
     MAX_TABLES,
+    PendingInsert,
     Evicted,
     Exported,
     InsertResult,
@@ -15,6 +16,7 @@ __all__ = [
     "Exported",
     "InsertResult",
     "MAX_TABLES",
+    "PendingInsert",
     "ScoredHashTable",
     "TableStats",
     "hash_keys",

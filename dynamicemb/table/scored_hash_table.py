@@ -20,6 +20,7 @@ __all__ = [
     "Exported",
     "InsertResult",
     "MAX_TABLES",
+    "PendingInsert",
     "ScoredHashTable",
     "TableStats",
     "hash_keys",
@@ -97,6 +98,39 @@ class Exported(NamedTuple):
     scores: torch.Tensor
     slots: torch.Tensor
     values: torch.Tensor
+
+
+class PendingInsert:
+    """A prepared inserting call (``ScoredHashTable.prepare_find_or_insert``)."""
+
+    def __init__(self, table, out, clock_before, rows, read_evicted, assign) -> None:
+        self.table = table
+        self.out = out
+        self.clock_before = clock_before
+        self.rows = rows
+        self.read_evicted = read_evicted
+        self.assign = assign
+        self._done = False
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """(n,) int64 slots decided by the call, -1 where the insert failed."""
+        return self.out["slots"]
+
+    def _finish(self) -> None:
+        if self._done:
+            raise RuntimeError("this insert was already committed or aborted")
+        self._done = True
+
+    def commit(self) -> InsertResult:
+        """Writes the value rows and returns the call's result."""
+        self._finish()
+        return self.table._commit(self)
+
+    def abort(self) -> None:
+        """Undoes the call."""
+        self._finish()
+        self.table._abort(self)
 
 
 def hash_keys(keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
@@ -225,6 +259,7 @@ class ScoredHashTable:
         self._clock = 0
         self._step = 0
         self._generation = 0
+        self._pending: Optional[PendingInsert] = None
 
     # ----------------------------------------------------------------- state
     def _new_meta(self, num_buckets: int) -> List[torch.Tensor]:
@@ -298,6 +333,7 @@ class ScoredHashTable:
 
     def clear(self) -> None:
         """Empties every slot. The clock, the step and ``stats`` stay."""
+        self._check_idle()
         self._meta[4].zero_()
         self._meta[5].zero_()
         self._size = 0
@@ -316,22 +352,24 @@ class ScoredHashTable:
         return keys.contiguous()
 
     def _given_scores(self, scores: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
+        """CUSTOMIZED: the scores (required). LFU: occurrence counts to add (default 1)."""
         customized = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED
+        lfu = self.score_strategy == DynamicEmbScoreStrategy.LFU
         if scores is None:
             if customized:
                 raise ValueError("the CUSTOMIZED score strategy needs scores for every key")
-            return None
-        if not customized:
+            return torch.ones(n, dtype=torch.int64, device=self.device) if lfu else None
+        if not (customized or lfu):
             raise ValueError(
-                f"scores are only accepted with the CUSTOMIZED strategy, "
-                f"this table uses {self.score_strategy.name}"
+                f"scores are only accepted with the CUSTOMIZED strategy (and as counts with "
+                f"LFU), this table uses {self.score_strategy.name}"
             )
         if not isinstance(scores, torch.Tensor) or scores.dtype != torch.int64:
             raise TypeError(f"scores must be an int64 tensor, got {getattr(scores, 'dtype', type(scores))}")
         if scores.shape != (n,):
             raise ValueError(f"scores must have shape ({n},), got {tuple(scores.shape)}")
-        if n > 0 and int(scores.min()) < 0:
-            raise ValueError("scores must be >= 0")
+        if n > 0 and int(scores.min()) < (1 if lfu else 0):
+            raise ValueError("LFU counts must be >= 1" if lfu else "scores must be >= 0")
         return scores.contiguous()
 
     def _rows(self, values: Optional[torch.Tensor], n: int) -> torch.Tensor:
@@ -360,6 +398,7 @@ class ScoredHashTable:
         Returns:
             (n,) int64 slots, -1 where the key is absent.
         """
+        self._check_idle()
         keys = self._keys(keys)
         tids = self._table_ids(table_ids, keys.numel())
         return self._ops.find(self._meta, self.bucket_capacity, keys, tids)
@@ -424,6 +463,7 @@ class ScoredHashTable:
         Returns:
             (n,) bool, True where the key was present (first occurrence only).
         """
+        self._check_idle()
         keys = self._keys(keys)
         tids = self._table_ids(table_ids, keys.numel())
         erased = self._ops.erase(self._meta, self.bucket_capacity, keys, tids)
@@ -446,6 +486,7 @@ class ScoredHashTable:
         Returns:
             ``Exported`` in slot order; value rows are copies.
         """
+        self._check_idle()
         if start < 0 or (count is not None and count < 0):
             raise ValueError(f"start and count must be >= 0, got {start}, {count}")
         end = self.capacity() if count is None else min(self.capacity(), start + count)
@@ -480,15 +521,32 @@ class ScoredHashTable:
         ):
             self._grow()
 
-    def _upsert(
+    def prepare_find_or_insert(
         self,
         keys: torch.Tensor,
-        table_ids: Optional[torch.Tensor],
-        scores: Optional[torch.Tensor],
-        values: Optional[torch.Tensor],
-        read_evicted: bool,
-        assign: bool = False,
-    ) -> InsertResult:
+        table_ids: Optional[torch.Tensor] = None,
+        scores: Optional[torch.Tensor] = None,
+    ) -> "PendingInsert":
+        """First phase of ``find_or_insert``: keys, scores and slots are decided, value
+        rows are not touched yet. Lets a caller make several tables' inserts atomic:
+        ``commit()`` every pending insert, or ``abort()`` them all (newest first).
+
+        Until the returned insert is committed or aborted, every other verb of this
+        table raises ``RuntimeError``. Failed inserts are reported here (ERROR mode
+        undoes and raises).
+
+        Returns:
+            ``PendingInsert``; ``commit()`` returns what ``find_or_insert`` returns.
+        """
+        return self._prepare(keys, table_ids, scores, values=None, read_evicted=True, assign=False)
+
+    def _check_idle(self) -> None:
+        if self._pending is not None:
+            raise RuntimeError(
+                "the table has a prepared insert: commit() or abort() it before another call")
+
+    def _prepare(self, keys, table_ids, scores, values, read_evicted, assign) -> "PendingInsert":
+        self._check_idle()
         keys = self._keys(keys)
         n = keys.numel()
         tids = self._table_ids(table_ids, n)
@@ -500,14 +558,19 @@ class ScoredHashTable:
         self._clock += 1
         now = self._step if self.score_strategy == DynamicEmbScoreStrategy.STEP else self._clock
         out = self._run_passes(keys, tids, given, now)
-        slots, status = out["slots"], out["status"]
-        self._ops.unpin(self._meta, self.bucket_capacity, slots)
-
-        failed = int((status == _FAILED).sum())
+        self._ops.unpin(self._meta, self.bucket_capacity, out["slots"])
+        pending = PendingInsert(self, out, clock_before, rows, read_evicted, assign)
+        failed = int((out["status"] == _FAILED).sum())
         if failed:
             self.stats.failed_inserts += failed
-            self._report_failures(failed, n, out, clock_before)
+            self._report_failures(failed, n, pending)
+        self._pending = pending
+        return pending
 
+    def _commit(self, pending: "PendingInsert") -> InsertResult:
+        self._pending = None
+        out = pending.out
+        slots, status = out["slots"], out["status"]
         evicting = status == _EVICTED_AND_INSERTED
         inserted = (status == _INSERTED) | evicting
         num_inserted, num_evicted = int(inserted.sum()), int(evicting.sum())
@@ -516,12 +579,25 @@ class ScoredHashTable:
         self.stats.evictions += num_evicted
         self._generation += num_evicted > 0
 
-        evicted = self._read_evicted(evicting, out) if read_evicted else None
-        if assign:
-            self._assign_rows(slots, rows)
+        evicted = self._read_evicted(evicting, out) if pending.read_evicted else None
+        if pending.assign:
+            self._assign_rows(slots, pending.rows)
         elif num_inserted:
             self._values.index_fill_(0, slots[inserted], 0)
         return InsertResult(slots=slots, inserted=inserted, evicted=evicted)
+
+    def _abort(self, pending: "PendingInsert") -> None:
+        """Undoes a prepared call: contents, scores and clock as before it (growth stays)."""
+        self._pending = None
+        out = pending.out
+        self._ops.undo_upsert(
+            self._meta, self.bucket_capacity, out["slots"], out["status"],
+            out["prev_scores"], out["ev_keys"], out["ev_tids"], out["ev_scores"],
+        )
+        self._clock = pending.clock_before
+
+    def _upsert(self, keys, table_ids, scores, values, read_evicted, assign=False) -> InsertResult:
+        return self._prepare(keys, table_ids, scores, values, read_evicted, assign).commit()
 
     def _run_passes(self, keys, tids, given, now) -> dict:
         """Inserting passes; between passes the table grows for deferred keys."""
@@ -530,11 +606,7 @@ class ScoredHashTable:
         out = {
             "slots": torch.empty(n, dtype=torch.int64, device=self.device),
             "status": torch.empty(n, dtype=torch.int8, device=self.device),
-            "prev_scores": (
-                torch.empty(n, dtype=torch.int64, device=self.device)
-                if self.check_mode == DynamicEmbCheckMode.ERROR
-                else None
-            ),
+            "prev_scores": torch.empty(n, dtype=torch.int64, device=self.device),
             "ev_keys": torch.empty(n, dtype=torch.int64, device=self.device),
             "ev_tids": torch.empty(n, dtype=torch.int16, device=self.device),
             "ev_scores": torch.empty(n, dtype=torch.int64, device=self.device),
@@ -556,18 +628,14 @@ class ScoredHashTable:
             out["slots"][done] = bucket * self.bucket_capacity + out["slots"][done] % self.bucket_capacity
             pending = deferred
 
-    def _report_failures(self, failed: int, n: int, out: dict, clock_before: int) -> None:
+    def _report_failures(self, failed: int, n: int, pending: "PendingInsert") -> None:
         message = (
             f"{failed} of {n} keys found no slot: every slot of their bucket is in use "
             f"by this call, or the table is full at max_capacity={self.max_capacity()} "
             f"with {self.score_strategy.name}"
         )
         if self.check_mode == DynamicEmbCheckMode.ERROR:
-            self._ops.undo_upsert(
-                self._meta, self.bucket_capacity, out["slots"], out["status"],
-                out["prev_scores"], out["ev_keys"], out["ev_tids"], out["ev_scores"],
-            )
-            self._clock = clock_before
+            self._abort(pending)
             raise RuntimeError(message + "; the call was undone")
         if self.check_mode == DynamicEmbCheckMode.WARNING:
             logger.warning(message)

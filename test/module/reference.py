@@ -174,25 +174,22 @@ class DenseReference:
         indices, offsets = indices.long().tolist(), offsets.long()
         num_f = len(self.feature_table_map)
         batch = (offsets.numel() - 1) // num_f
-        dense: Dict[int, Tuple[torch.Tensor, List[int]]] = {}  # table -> (matrix, keys)
+        looked_up: Dict[int, Dict[int, int]] = {}  # table -> {key: row of its dense matrix}
         per_feature = []
         for f, table in enumerate(self.feature_table_map):
             lo = int(offsets[f * batch]) if batch else 0
             hi = int(offsets[(f + 1) * batch]) if batch else 0
             keys = indices[lo:hi]
             per_feature.append((lo, hi, keys))
-            t = self.tables[table]
-            known = dense.setdefault(table, (None, []))[1]
+            pos = looked_up.setdefault(table, {})
             for key in keys:
-                if key not in known:
-                    self._row(t, key, training)  # insert in training, first-seen order
-                    known.append(key)
-        matrices = {}
-        for table, (_, keys) in dense.items():
+                pos.setdefault(key, len(pos))
+        matrices = {}  # table -> (dense matrix (keys, dim), {key: row})
+        for table, pos in looked_up.items():
             t = self.tables[table]
-            rows = [self._row(t, k, training) for k in keys]
+            rows = [self._row(t, k, training) for k in pos]  # inserts in training
             m = torch.stack(rows) if rows else torch.zeros(0, t.dim)
-            matrices[table] = (m.clone().requires_grad_(training), {k: i for i, k in enumerate(keys)})
+            matrices[table] = (m.clone().requires_grad_(training), pos)
         out = self._pool(matrices, per_feature, offsets, weights, batch)
         if training:
             self._pending = (out, matrices)
@@ -218,8 +215,8 @@ class DenseReference:
             idx = torch.tensor([pos[k] for k in keys], dtype=torch.int64)
             offs = offsets[f * batch:(f + 1) * batch + 1] - lo
             w = None if weights is None else weights[lo:hi].to(torch.float32)
-            if m.shape[0] == 0:  # every bag empty
-                parts.append(torch.zeros(batch, self.tables[table].dim) + 0 * m.sum())
+            if m.shape[0] == 0:  # every bag of the table empty
+                parts.append(torch.zeros(batch, self.tables[table].dim))
                 continue
             parts.append(F.embedding_bag(idx, m, offs, mode=mode, per_sample_weights=w,
                                          include_last_offset=True))
@@ -295,6 +292,8 @@ def make_tables(
 def power_law_ids(pool: Sequence[int], n: int, generator: torch.Generator,
                   alpha: float = 1.2) -> torch.Tensor:
     """(n,) int64 ids drawn from ``pool`` with P(pool[r]) ~ 1 / (r + 1)^alpha: hot ids repeat."""
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64)
     p = torch.arange(1, len(pool) + 1, dtype=torch.float64) ** -alpha
     pick = torch.multinomial(p, n, replacement=True, generator=generator)
     return torch.tensor(pool, dtype=torch.int64)[pick]

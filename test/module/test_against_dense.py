@@ -11,6 +11,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dynamicemb import DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbPoolingMode
 from reference import (
@@ -154,3 +156,35 @@ def test_large_batch_matches_dense():
     pools = [id_pool(300, 31), id_pool(300, 32)]
     import_initial_rows(module, ref, pools, torch.Generator().manual_seed(9))
     train_and_compare(module, ref, pools, seed=10, steps=3, batch=300)
+
+
+@st.composite
+def layouts(draw):
+    """Random tables (dims, capacities, optimizers), feature map, pooling and batches."""
+    pooling = draw(st.sampled_from(POOLINGS))
+    num_tables = draw(st.integers(1, 3))
+    same_dim = draw(st.integers(1, 5))
+    specs = []
+    for t in range(num_tables):
+        dim = same_dim if pooling == NONE else draw(st.integers(1, 5))
+        override = draw(st.one_of(st.none(), st.sampled_from(OPTIMIZERS)))
+        specs.append(TableSpec(
+            dim=dim, init_value=draw(st.floats(-1, 1, width=32)),
+            bucket_capacity=draw(st.sampled_from([16, 128])),
+            optimizer=None if override is None else OPTIMIZER_ARGS[override]))
+    ftm = draw(st.lists(st.integers(0, num_tables - 1), min_size=1, max_size=4))
+    opt = draw(st.sampled_from(OPTIMIZERS))
+    wd = draw(st.sampled_from([0.0, 0.01]))
+    return specs, ftm, pooling, replace(OPTIMIZER_ARGS[opt], weight_decay=wd)
+
+
+@settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout_=layouts(), seed=st.integers(0, 2**16), batch=st.integers(0, 4),
+       weighted=st.booleans())
+def test_random_layouts_match_dense(layout_, seed, batch, weighted):
+    specs, ftm, pooling, args = layout_
+    module, ref = make_tables(specs, ftm, pooling, args)
+    pools = [id_pool(6, seed + t) for t in range(len(specs))]
+    import_initial_rows(module, ref, pools, torch.Generator().manual_seed(seed))
+    train_and_compare(module, ref, pools, seed=seed, weighted=weighted and pooling == SUM,
+                      steps=4, batch=batch)
