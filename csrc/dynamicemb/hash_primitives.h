@@ -111,9 +111,14 @@ struct ClockScore {  // LRU, STEP, NO_EVICTION: the call's clock (or step) value
   DEMB_HD uint64_t on_hit(uint64_t /*old*/, uint64_t /*given*/) const { return now; }
 };
 
+// Scores stay below 2^63 so they read as non-negative int64 in Python.
+constexpr uint64_t kMaxScore = 0x7FFFFFFFFFFFFFFFull;
+
 struct CountScore {  // LFU: times the key was seen; `given` is this call's count
   DEMB_HD uint64_t on_insert(uint64_t given) const { return given; }
-  DEMB_HD uint64_t on_hit(uint64_t old, uint64_t given) const { return old + given; }
+  DEMB_HD uint64_t on_hit(uint64_t old, uint64_t given) const {  // saturating
+    return given > kMaxScore - old ? kMaxScore : old + given;
+  }
 };
 
 struct GivenScore {  // CUSTOMIZED: the caller's score

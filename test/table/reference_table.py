@@ -237,15 +237,18 @@ class ReferenceHashTable:
         return list(table_ids)
 
     def _check_scores(self, n: int, scores: Optional[Sequence[int]]) -> None:
-        if self.strategy == "CUSTOMIZED":
-            if scores is None:
+        """CUSTOMIZED: scores required, >= 0. LFU: optional occurrence counts, >= 1."""
+        if scores is None:
+            if self.strategy == "CUSTOMIZED":
                 raise ValueError("scores are required by the CUSTOMIZED strategy")
-            if len(scores) != n:
-                raise ValueError("scores must have the length of keys")
-            if any(not 0 <= x <= INT64_MAX for x in scores):
-                raise ValueError("scores must be non-negative int64")
-        elif scores is not None:
-            raise ValueError(f"scores are only taken by CUSTOMIZED, not {self.strategy}")
+            return
+        if self.strategy not in ("CUSTOMIZED", "LFU"):
+            raise ValueError(f"scores are only taken by CUSTOMIZED (and as counts by LFU), not {self.strategy}")
+        if len(scores) != n:
+            raise ValueError("scores must have the length of keys")
+        low = 1 if self.strategy == "LFU" else 0
+        if any(not low <= x <= INT64_MAX for x in scores):
+            raise ValueError(f"scores must be int64 >= {low}")
 
     def _check_values(self, n: int, values) -> List[Tuple[float, ...]]:
         if values is None:
@@ -264,12 +267,12 @@ class ReferenceHashTable:
         if self.strategy == "STEP":
             return self.step
         if self.strategy == "LFU":
-            return 1
+            return 1 if scores is None else scores[i]  # the occurrence count
         return scores[i]
 
     def _score_on_hit(self, old: int, i: int, scores) -> int:
-        if self.strategy == "LFU":
-            return old + 1
+        if self.strategy == "LFU":  # saturates at the largest int64
+            return min(old + (1 if scores is None else scores[i]), 2**63 - 1)
         return self._score_on_insert(i, scores)
 
     # ----------------------------------------------------------------- read-only verbs

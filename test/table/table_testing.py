@@ -22,10 +22,9 @@ STAT_FIELDS = ("inserts", "evictions", "failed_inserts", "erases", "growths")
 def table_kwargs(**kw) -> dict:
     """Constructor arguments with the enums filled in from names."""
     kw = dict(kw)
-    if isinstance(kw.get("score_strategy"), str):
-        kw["score_strategy"] = DynamicEmbScoreStrategy[kw["score_strategy"]]
-    if isinstance(kw.get("check_mode"), str):
-        kw["check_mode"] = DynamicEmbCheckMode[kw["check_mode"]]
+    for name, enum in (("score_strategy", DynamicEmbScoreStrategy), ("check_mode", DynamicEmbCheckMode)):
+        if name in kw and not isinstance(kw[name], enum):
+            kw[name] = enum[kw[name]]
     return kw
 
 

@@ -53,7 +53,9 @@ def test_hash_keys_matches_reference_on_many_keys():
     assert got == [to_int64(ref_hash(t, k)) for k, t in zip(keys.tolist(), tids.tolist())]
 
 
-@pytest.mark.parametrize("num_buckets, bc, num_tables", [(1, 16, 1), (8, 16, 3), (64, 32, 2), (16, 128, 8)])
+@pytest.mark.parametrize(
+    "num_buckets, bc, num_tables", [(1, 16, 1), (8, 16, 3), (64, 32, 2), (16, 128, 8), (16, 64, 32767)]
+)
 def test_bucket_from_hash_predicts_slot(num_buckets, bc, num_tables):
     t = make_table(capacity=num_buckets * bc, bucket_capacity=bc, num_tables=num_tables, max_load_factor=1.0)
     rng = random.Random(num_buckets)
@@ -64,6 +66,9 @@ def test_bucket_from_hash_predicts_slot(num_buckets, bc, num_tables):
     res = t.find_or_insert(keys, tids)
     assert bool(res.inserted.all())
     assert torch.equal(res.slots // bc, h & (num_buckets - 1))
+    ex = t.export_batch()  # (table id, key) survive storage, table ids up to 32766 included
+    order = torch.argsort(res.slots)
+    assert torch.equal(ex.keys, keys[order]) and torch.equal(ex.table_ids, tids[order])
 
 
 def test_keys_of_one_bucket_take_offsets_in_order():

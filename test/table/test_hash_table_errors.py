@@ -13,7 +13,7 @@ def filled_table(strategy="LRU", value_dim=2, **kw):
     kw = dict(capacity=2 * BC, bucket_capacity=BC, max_capacity=8 * BC, max_load_factor=0.5, **kw)
     t = make_table(score_strategy=strategy, value_dim=value_dim, num_tables=2, **kw)
     n = 20
-    scores = torch.arange(n, dtype=torch.int64) if strategy == "CUSTOMIZED" else None
+    scores = torch.arange(1, n + 1, dtype=torch.int64) if strategy in ("CUSTOMIZED", "LFU") else None
     values = torch.arange(n * value_dim, dtype=torch.float32).reshape(n, value_dim)
     t.insert_or_assign(as_keys(range(n)), values, torch.arange(n) % 2, scores=scores)
     assert t.capacity() == 2 * BC and t.size() > t.capacity() // 2
@@ -114,6 +114,18 @@ def test_bad_call_raises_and_changes_nothing(verb, change, error, match):
     assert_unchanged(t, before)
 
 
+@pytest.mark.parametrize("verb", INSERTING)
+@pytest.mark.parametrize("strategy", ["LRU", "STEP", "NO_EVICTION"])
+def test_scores_refused_by_strategies_without_them(verb, strategy):
+    t = filled_table(strategy)
+    before = full_state(t)
+    args = good_args(t, verb)
+    args["scores"] = torch.ones(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="(?i)scores"):
+        getattr(t, verb)(**args)
+    assert_unchanged(t, before)
+
+
 # scores are required by CUSTOMIZED, and must be 1-D non-negative int64 of the keys' length
 CUSTOMIZED_BAD = [
     (dict(scores=None), ValueError, "scores"),
@@ -130,6 +142,26 @@ def test_customized_scores_checked(verb, change, error, match):
     t = filled_table("CUSTOMIZED")
     before = full_state(t)
     args = good_args(t, verb, strategy="CUSTOMIZED")
+    args.update(change)
+    with pytest.raises(error, match=f"(?i){match}"):
+        getattr(t, verb)(**args)
+    assert_unchanged(t, before)
+
+
+# LFU takes optional occurrence counts: 1-D int64 of the keys' length, positive
+LFU_BAD = [
+    (dict(scores=torch.tensor([1, -1, 2, 3])), ValueError, "scores|counts|>= 1|negative"),
+    (dict(scores=torch.ones(3, dtype=torch.int64)), ValueError, "scores|length|shape"),
+    (dict(scores=torch.ones(4, dtype=torch.int32)), TypeError, "scores|int64"),
+]
+
+
+@pytest.mark.parametrize("verb", INSERTING)
+@pytest.mark.parametrize("change, error, match", LFU_BAD)
+def test_lfu_counts_checked(verb, change, error, match):
+    t = filled_table("LFU")
+    before = full_state(t)
+    args = good_args(t, verb)
     args.update(change)
     with pytest.raises(error, match=f"(?i){match}"):
         getattr(t, verb)(**args)

@@ -1,7 +1,8 @@
 """The table's round trips over value dtype x value dim x score strategy.
 
-Each test is small; the grid does the covering. The last test runs 200k keys through the
-parallel kernels and compares them with the reference model.
+Each test is small; the grid does the covering. The bulk test runs 200k keys through the
+parallel kernels and compares them with the reference model; the last ones check that
+results depend neither on the thread count nor on the inputs' strides.
 """
 
 import random
@@ -10,7 +11,17 @@ import pytest
 import torch
 
 from reference_table import ReferenceHashTable, ref_hash
-from table_testing import STRATEGIES, VALUE_DTYPES, Pair, as_keys, export_map, make_table, py_export, rows_of
+from table_testing import (
+    STRATEGIES,
+    VALUE_DTYPES,
+    Pair,
+    as_keys,
+    export_map,
+    make_table,
+    py_export,
+    py_stats,
+    rows_of,
+)
 
 DIMS = [0, 1, 8, 128]
 GRID = pytest.mark.parametrize("strategy", STRATEGIES)
@@ -171,3 +182,75 @@ def test_bulk_round_trip_matches_model(strategy):
     found = p.check("find", keys, tids)
     assert found == out2[0][::-1] and -1 not in found
     p.assert_same_state()
+
+
+@pytest.mark.parametrize(
+    "capacity, max_capacity, bc, nb, max_nb",
+    [(1, None, 16, 1, 1), (16, None, 16, 1, 1), (17, None, 16, 2, 2), (100, 1000, 32, 4, 32),
+     (1024, None, 128, 8, 8), (1025, 1025, 128, 16, 16), (1000, 1024, 128, 8, 8)],
+)
+def test_capacity_rounding(capacity, max_capacity, bc, nb, max_nb):
+    t = make_table(capacity=capacity, max_capacity=max_capacity, bucket_capacity=bc)
+    ref = ReferenceHashTable(capacity=capacity, max_capacity=max_capacity, bucket_capacity=bc)
+    assert (t.num_buckets, t.capacity(), t.max_capacity()) == (nb, nb * bc, max_nb * bc)
+    assert (ref.num_buckets, ref.capacity(), ref.max_capacity()) == (nb, nb * bc, max_nb * bc)
+    assert t.bucket_capacity == bc and t.size() == 0 and t.load_factor() == 0.0
+    assert tuple(t.values.shape) == (nb * bc, 0)
+
+
+def test_timestamp_is_lru():
+    from dynamicemb import DynamicEmbScoreStrategy
+
+    assert DynamicEmbScoreStrategy.TIMESTAMP is DynamicEmbScoreStrategy.LRU
+    t = make_table(capacity=16, bucket_capacity=16, score_strategy=DynamicEmbScoreStrategy.TIMESTAMP)
+    for _ in range(3):
+        t.find_or_insert(as_keys([1]))
+    t.find_or_insert(as_keys([2]))
+    assert t.export_batch().scores.tolist() == [3, 4]
+
+
+def run_eviction_workload(num_threads: int, contiguous: bool = True) -> list:
+    """Two overfull insert_and_evict calls, a find and an erase; everything observable."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        t = make_table(capacity=64 * 32, bucket_capacity=32, max_capacity=128 * 32, num_tables=3,
+                       score_strategy="CUSTOMIZED", value_dim=4, max_load_factor=0.5)
+        rng = random.Random(9)
+        out = []
+        for call in range(2):
+            n = 6000
+            keys = as_keys([rng.randrange(-5000, 5000) for _ in range(n)])
+            tids = torch.tensor([rng.randrange(3) for _ in range(n)])
+            scores = torch.tensor([rng.randrange(50) for _ in range(n)])
+            values = exact_values(n, 4, torch.float32, call)
+            if not contiguous:  # strided views of the same data
+                keys, tids, scores = (torch.stack([x, x], 1)[:, 0] for x in (keys, tids, scores))
+                values = torch.cat([values, values], 1)[:, :4]
+            res = t.insert_and_evict(keys, values, tids, scores)
+            out += [res.slots.tolist(), res.inserted.tolist(), py_export(res.evicted)]
+            out += [t.find(keys, tids).tolist(), t.erase(keys[::7], tids[::7]).tolist()]
+        assert t.stats.evictions > 0 and t.stats.failed_inserts > 0 and t.stats.growths > 0
+        return out + [py_export(t.export_batch()), t.clock, py_stats(t.stats)]
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_results_do_not_depend_on_thread_count():
+    one = run_eviction_workload(1)
+    assert run_eviction_workload(2) == one
+    assert run_eviction_workload(5) == one
+
+
+def test_strided_inputs_match_contiguous():
+    assert run_eviction_workload(2, contiguous=False) == run_eviction_workload(2)
+
+
+def test_lfu_scores_saturate_at_int64_max():
+    """LFU counts never wrap into negative scores (kernel and model agree)."""
+    pair = Pair(score_strategy="LFU", capacity=16, bucket_capacity=16)
+    pair.check("find_or_insert", [1], scores=[2**63 - 2])
+    pair.check("find_or_insert", [1, 1], scores=[5, 1])
+    pair.assert_same_state()
+    assert pair.real.export_batch().scores.tolist() == [2**63 - 1]
+    assert pair.real.export_batch(min_score=0).keys.tolist() == [1]

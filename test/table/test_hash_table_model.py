@@ -76,6 +76,8 @@ class TableVersusModel(RuleBasedStateMachine):
         return set(zip(ex[1], ex[0]))
 
     def _scores(self, data, n):
+        if self.pair.ref.strategy == "LFU" and data.draw(st.booleans()):  # optional counts
+            return data.draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
         if self.pair.ref.strategy != "CUSTOMIZED":
             return None
         return data.draw(st.lists(small_scores, min_size=n, max_size=n))
@@ -163,16 +165,40 @@ class TableVersusModel(RuleBasedStateMachine):
         assert tuple(real.values.shape) == (real.capacity(), self.pair.dim)
 
 
-TableVersusModel.TestCase.settings = settings(
-    max_examples=120,
-    # HYPOTHESIS_NO_SHRINK=1 reports the first failure as found (shrinking it can take minutes)
-    phases=[p for p in Phase if not (os.environ.get("HYPOTHESIS_NO_SHRINK") and p is Phase.shrink)],
-    stateful_step_count=30,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+@st.composite
+def error_mode_configs(draw) -> dict:
+    """ERROR mode on one or two small buckets that may grow 2-4x: failures there come after
+    a growth, so the undo must keep the grown layout."""
+    config = draw(table_configs())
+    bc, nb = config["bucket_capacity"], draw(st.sampled_from([1, 2]))
+    config.update(check_mode="ERROR", capacity=nb * bc, max_capacity=nb * bc * draw(st.sampled_from([2, 4])))
+    return config
+
+
+class ErrorModeVersusModel(TableVersusModel):
+    """The same machine, always in ERROR mode and near the growth limit."""
+
+    @initialize(config=error_mode_configs())
+    def make(self, config):
+        super().make(config)
+
+
+def machine_settings(max_examples: int) -> settings:
+    return settings(
+        max_examples=max_examples,
+        # HYPOTHESIS_NO_SHRINK=1 reports the first failure as found (shrinking can take minutes)
+        phases=[p for p in Phase if not (os.environ.get("HYPOTHESIS_NO_SHRINK") and p is Phase.shrink)],
+        stateful_step_count=30,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
+TableVersusModel.TestCase.settings = machine_settings(150)
+ErrorModeVersusModel.TestCase.settings = machine_settings(60)
 test_table_versus_model = TableVersusModel.TestCase
+test_error_mode_versus_model = ErrorModeVersusModel.TestCase
 
 
 # ---------------------------------------------------------------------- directed scenarios
@@ -197,14 +223,17 @@ def test_clock_advances_once_per_inserting_call(strategy, verb):
     p.assert_same_state()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", STRATEGIES + ["LFU-counts"])
 def test_duplicates_in_one_batch(strategy):
+    scores = [3, 9, 1, 5] if strategy in ("CUSTOMIZED", "LFU-counts") else None
+    strategy = strategy.split("-")[0]
     p = small_pair(score_strategy=strategy, value_dim=2)
     p.real.set_step(7)
     p.ref.set_step(7)
-    scores = [3, 9, 1, 5] if strategy == "CUSTOMIZED" else None
     out = p.check("insert_and_evict", [5, 6, 5, 5], rows=[[1, 1], [2, 2], [3, 3], [4, 4]], scores=scores)
     assert out[0][0] == out[0][2] == out[0][3] and out[1] == [True, True, False, False]
+    if strategy == "LFU":  # counts add up per occurrence, default 1
+        assert p.real.export_batch().scores.tolist() == ([9, 9] if scores else [3, 1])
     p.assert_same_state()
 
 
@@ -284,4 +313,64 @@ def test_find_or_insert_zeroes_inserted_rows_only():
     out = p.check("find_or_insert", [2, 1])
     assert p.real.values[out[0][0]].tolist() == [0.0, 0.0]
     assert p.real.values[out[0][1]].tolist() == [1.5, 2.5]
+    p.assert_same_state()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("verb", ["find_or_insert", "insert_or_assign", "insert_and_evict"])
+def test_empty_batch_is_a_valid_call(strategy, verb):
+    p = small_pair(score_strategy=strategy, value_dim=2)
+    p.check("find_or_insert", [1, 2], scores=[1, 1] if strategy == "CUSTOMIZED" else None)
+    scores = [] if strategy == "CUSTOMIZED" else None
+    out = p.check(verb, [], rows=[] if verb != "find_or_insert" else None, scores=scores)
+    assert p.last_error is None and out[0] == [] and p.real.clock == 2
+    p.assert_same_state()
+
+
+def test_hit_pins_its_slot_against_later_keys_of_the_batch():
+    p = small_pair(score_strategy="CUSTOMIZED")
+    keys = list(range(16))
+    p.check("find_or_insert", keys, scores=[1] + [5] * 15)
+    # key 0 keeps the minimum score, but its hit pinned it: 100 must evict slot 1
+    out = p.check("insert_and_evict", [0, 100], rows=[[], []], scores=[0, 9])
+    assert out[0] == [0, 1] and out[2][0] == [1]
+    p.assert_same_state()
+
+
+def test_hit_in_blocked_bucket_is_not_pinned_before_its_turn():
+    # A hit behind a blocked bucket is deferred with the new key before it. After the growth
+    # (now at max capacity) the new key comes first and may evict the hit key, which then
+    # comes back as an insert.
+    p = small_pair(max_capacity=32, score_strategy="CUSTOMIZED")
+    b0 = keys_in_bucket(0, 2, 17)  # bucket 0 after the growth as well
+    p.check("find_or_insert", b0[:16], scores=[1] + [5] * 15)
+    out = p.check("insert_and_evict", [b0[16], b0[0]], rows=[[], []], scores=[9, 9])
+    assert p.real.capacity() == 32
+    assert out[0] == [0, 1] and out[1] == [True, True]
+    assert out[2][0] == [b0[0], b0[1]]
+    p.assert_same_state()
+
+
+@pytest.mark.parametrize("extra, grows", [(0, False), (1, True)])
+def test_load_factor_growth_is_strictly_above(extra, grows):
+    p = small_pair(capacity=32, max_capacity=128, max_load_factor=0.5)
+    p.check("find_or_insert", list(range(16 + extra)))
+    p.check("find_or_insert", [0])
+    assert p.real.capacity() == (64 if grows else 32)
+    p.assert_same_state()
+
+
+@pytest.mark.parametrize("mode", CHECK_MODES)
+def test_check_mode_on_failure(mode, caplog):
+    p = small_pair(score_strategy="NO_EVICTION", check_mode=mode)
+    p.check("find_or_insert", list(range(16)))
+    with caplog.at_level("WARNING"):
+        out = p.check("find_or_insert", [100, 3, 101])
+    warned = any(r.levelname == "WARNING" for r in caplog.records)
+    if mode == "ERROR":
+        assert out is None and isinstance(p.last_error, RuntimeError)
+    else:
+        assert out[0] == [-1, 3, -1] and p.last_error is None
+    assert warned == (mode == "WARNING")
+    assert p.real.stats.failed_inserts == 2
     p.assert_same_state()

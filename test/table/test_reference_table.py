@@ -47,6 +47,15 @@ def test_hit_and_duplicates_in_batch():
     assert t.stats.inserts == 2
 
 
+def test_lfu_counts():
+    t = make_ref(score_strategy="LFU")
+    t.find_or_insert([5, 6, 5], scores=[2, 4, 3])
+    t.find_or_insert([6])
+    assert t.export_batch().scores == [5, 5]
+    with pytest.raises(ValueError):
+        t.find_or_insert([7], scores=[0])
+
+
 def test_eviction_min_score_ties_lowest_slot_and_pinning():
     t = make_ref(score_strategy="CUSTOMIZED")
     t.find_or_insert(list(range(16)), scores=[5] * 16)
