@@ -8,6 +8,7 @@ is the sum of its tables' capacities, shared by them.
 """
 
 import math
+import zlib
 from dataclasses import astuple, dataclass
 from typing import List, NamedTuple, Optional
 
@@ -49,6 +50,13 @@ def optimizer_state_dim(optimizer: DynamicEmbOptimType, dim: int) -> int:
         DynamicEmbOptimType.EXACT_ADAGRAD: dim,
         DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD: 1,
     }[optimizer]
+
+
+def init_stream(table_name: str) -> int:
+    """A table's stable identity in the initializer's random stream: the CRC-32 of its
+    name. A key therefore starts with the same row in every module that names the
+    table alike (sharded or not, whatever its position)."""
+    return zlib.crc32(table_name.encode("utf-8"))
 
 
 def group_key(options: DynamicEmbTableOptions, optimizer: DynamicEmbOptimizerArgs) -> tuple:
@@ -99,7 +107,7 @@ class _PendingLookup(NamedTuple):
 class _TableInit:
     """A table's initializers with its default bounds resolved."""
 
-    table_index: int  # global index in the module: part of every row's random stream
+    stream: int  # the table's identity in every row's random stream (from its name)
     train: DynamicEmbInitializerArgs
     eval: DynamicEmbInitializerArgs
     max_capacity: int
@@ -111,6 +119,7 @@ class _TableGroup:
     def __init__(
         self,
         table_indices: List[int],
+        table_names: List[str],
         options: List[DynamicEmbTableOptions],
         optimizer: DynamicEmbOptimizerArgs,
         device: torch.device,
@@ -126,8 +135,9 @@ class _TableGroup:
         self.device = device
         self.ops = ops_for(device)
         self.inits = [
-            _TableInit(t, o.initializer_args, o.eval_initializer_args, o.max_capacity)
-            for t, o in zip(table_indices, options)
+            _TableInit(init_stream(name), o.initializer_args, o.eval_initializer_args,
+                       o.max_capacity)
+            for name, o in zip(table_names, options)
         ]
         self.table = ScoredHashTable(
             num_tables=len(table_indices),
@@ -154,7 +164,8 @@ class _TableGroup:
         self.adam_step = 0
 
     # ------------------------------------------------------------- forward
-    def begin_lookup(self, keys: torch.Tensor, tids: torch.Tensor, insert: bool) -> "_PendingLookup":
+    def begin_lookup(self, keys: torch.Tensor, tids: torch.Tensor, insert: bool,
+                     frequencies: Optional[torch.Tensor] = None) -> "_PendingLookup":
         """Phase one of a lookup: dedup, admission decision, hash-table slots decided.
 
         Nothing observable changes until ``finish_lookup``; ``abort_lookup`` undoes
@@ -164,8 +175,10 @@ class _TableGroup:
             keys (Tensor): (N,) int64 ids of this group's lookups.
             tids (Tensor): (N,) int16 local table ids.
             insert: training: insert admitted unseen keys; else only find.
+            frequencies (Tensor, optional): (N,) int64 occurrences each lookup stands
+                for (ids deduplicated upstream); default 1.
         """
-        ukeys, utids, inverse, counts = self.ops.dedup(keys, tids)
+        ukeys, utids, inverse, counts = self.ops.dedup(keys, tids, frequencies)
         if not (insert and self.training):
             return _PendingLookup(ukeys, utids, inverse, counts, None, None,
                                   self.table.find(ukeys, utids), train=False)
@@ -258,7 +271,7 @@ class _TableGroup:
             args = init.train if train else init.eval
             lower, upper = args.bounds(init.max_capacity)
             self.ops.init_rows(
-                out, r.contiguous(), k.contiguous(), init.table_index, self.dim,
+                out, r.contiguous(), k.contiguous(), init.stream, self.dim,
                 _INIT_MODE_CODE[args.mode], args.mean, args.std_dev, lower, upper,
                 args.value, args.seed,
             )

@@ -159,7 +159,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             opt = options[0].optimizer_args or module_optimizer
             for local, t in enumerate(tables):
                 self._table_location[t] = (len(self._groups), local)
-            self._groups.append(_TableGroup(tables, options, opt, self.device))
+            names = [self.table_names[t] for t in tables]
+            self._groups.append(_TableGroup(tables, names, options, opt, self.device))
         num_features = len(self.feature_table_map)
         group_of = [self._table_location[t][0] for t in self.feature_table_map]
         self._feature_group = torch.tensor(group_of, dtype=torch.int64)
@@ -171,20 +172,27 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             for g in range(len(self._groups))
         ]
         self._num_features = num_features
-        # One placeholder parameter per group: autograd calls our backward through it,
-        # and the fused optimizer's param groups name it.
-        self._placeholders = nn.ParameterList(
-            [nn.Parameter(torch.zeros(0, device=self.device)) for _ in self._groups])
+        # One empty placeholder parameter per table: autograd reaches our backward
+        # through it, the fused optimizer's param groups hold them, and TorchRec
+        # registers them as "<table>.weight".
+        self._table_params = nn.ParameterList(
+            [nn.Parameter(torch.zeros(0, device=self.device)) for _ in self.table_names])
         self.optimizer = DynamicEmbFusedOptimizer(
             [
-                (p, [self.table_names[t] for t in g.table_indices], g.optimizer)
-                for p, g in zip(self._placeholders, self._groups)
+                ([self._table_params[t] for t in g.table_indices],
+                 [self.table_names[t] for t in g.table_indices], g.optimizer)
+                for g in self._groups
             ]
         )
         for g in self._groups:
             logger.info("dynamic table group %s: %s", [self.table_names[t] for t in g.table_indices], g.table)
 
     # -------------------------------------------------------------- public
+    def named_parameters_by_table(self):
+        """(table name, placeholder parameter) per table: empty tensors that stand for
+        the tables (the rows live in hash tables), as TorchRec expects of a kernel."""
+        yield from zip(self.table_names, self._table_params)
+
     def set_learning_rate(self, lr: float) -> None:
         """Sets the learning rate of every table."""
         self.optimizer.set_learning_rate(lr)
@@ -265,6 +273,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         indices: torch.Tensor,
         offsets: torch.Tensor,
         per_sample_weights: Optional[torch.Tensor] = None,
+        *,
+        frequencies: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Looks up (and in training, inserts) rows and pools them per bag.
 
@@ -273,16 +283,20 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             offsets (Tensor): (F * B + 1,) int32/int64, non-decreasing from 0 to N.
             per_sample_weights (Tensor, optional): (N,) float weights of the
                 pooled sum (SUM pooling only).
+            frequencies (Tensor, optional): (N,) int64 >= 1, how many occurrences
+                each lookup stands for when ids were deduplicated upstream (LFU scores
+                and admission count them); default 1.
 
         Returns:
             (B, sum of feature dims) for SUM/MEAN; (N, dim) for NONE.
         """
         indices, offsets, weights, batch_size = self._validate(indices, offsets, per_sample_weights)
+        frequencies = self._validate_frequencies(frequencies, indices.numel())
         training = self.training
-        lookups = self._lookup(indices, offsets, batch_size, insert=training)
+        lookups = self._lookup(indices, offsets, batch_size, training, frequencies)
         batch = _Batch(offsets, None if weights is None else weights.detach(), batch_size, lookups)
         if training and torch.is_grad_enabled() and any(g.training for g in self._groups):
-            out = _LookupFunction.apply(self._placeholders[0], weights, self, batch)
+            out = _LookupFunction.apply(self._table_params[0], weights, self, batch)
         else:
             out = self._compute_output(batch)
         return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
@@ -320,7 +334,22 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             weights = weights.to(torch.float32).contiguous()
         return indices.to(torch.int64).contiguous(), offsets, weights, num_bags // self._num_features
 
-    def _lookup(self, indices, offsets, batch_size, insert: bool) -> List[Lookup]:
+    @staticmethod
+    def _validate_frequencies(frequencies, n: int) -> Optional[torch.Tensor]:
+        if frequencies is None:
+            return None
+        if not isinstance(frequencies, torch.Tensor) or frequencies.dtype not in (
+                torch.int32, torch.int64):
+            raise TypeError("frequencies must be an int32 or int64 tensor")
+        if frequencies.shape != (n,):
+            raise ValueError(
+                f"frequencies must have shape ({n},) like indices, got {tuple(frequencies.shape)}")
+        if n and int(frequencies.min()) < 1:
+            raise ValueError("frequencies must be >= 1")
+        return frequencies.to(torch.int64).contiguous()
+
+    def _lookup(self, indices, offsets, batch_size, insert: bool,
+                frequencies: Optional[torch.Tensor] = None) -> List[Lookup]:
         """Every group's lookup, atomically: if one group fails (a full table in ERROR
         mode), the groups before it are rolled back and no table changes."""
         if insert:  # STEP scores: the training step this forward belongs to
@@ -329,8 +358,11 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         pending = []
         parts = self._split_by_group(indices, offsets, batch_size)
         try:
-            for group, keys, tids, _ in parts:
-                pending.append(group.begin_lookup(keys, tids, insert))
+            for group, keys, tids, positions in parts:
+                freq = frequencies
+                if freq is not None and positions is not None:
+                    freq = freq[positions]
+                pending.append(group.begin_lookup(keys, tids, insert, freq))
         except BaseException:
             for group, p in reversed(list(zip(self._groups, pending))):
                 group.abort_lookup(p)

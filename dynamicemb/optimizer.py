@@ -16,19 +16,19 @@ __all__ = ["DynamicEmbFusedOptimizer"]
 
 
 class DynamicEmbFusedOptimizer(torch.optim.Optimizer):
-    """One param group per physical table group, named by its tables.
+    """One param group per physical table group, holding its tables' placeholders.
 
     Args:
-        groups: (placeholder parameter, table names, optimizer args) per group.
+        groups: (placeholder parameters, table names, optimizer args) per group.
     """
 
-    def __init__(self, groups: List[Tuple[torch.nn.Parameter, List[str], DynamicEmbOptimizerArgs]]):
+    def __init__(self, groups: List[Tuple[List[torch.nn.Parameter], List[str], DynamicEmbOptimizerArgs]]):
         param_groups = []
-        for placeholder, names, args in groups:
+        for placeholders, names, args in groups:
             settings = asdict(args)
             settings["optimizer"] = args.optimizer.name
             settings["lr"] = settings.pop("learning_rate")
-            param_groups.append({"params": [placeholder], "tables": list(names), **settings})
+            param_groups.append({"params": list(placeholders), "tables": list(names), **settings})
         super().__init__(param_groups, defaults={})
 
     def set_learning_rate(self, lr: float) -> None:

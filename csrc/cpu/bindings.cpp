@@ -30,8 +30,9 @@ at::Tensor erase(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tens
 at::Tensor occupied_slots(const std::vector<at::Tensor>& meta, int64_t bc, int64_t start,
                           int64_t end);
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(const at::Tensor& keys,
-                                                                 const at::Tensor& tids);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(
+    const at::Tensor& keys, const at::Tensor& tids,
+    const c10::optional<at::Tensor>& frequencies);
 void init_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& keys,
                int64_t table, int64_t dim, int64_t mode, double mean, double std_dev,
                double lower, double upper, double value, int64_t seed);

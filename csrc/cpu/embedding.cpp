@@ -72,12 +72,20 @@ Bags bags_of(const at::Tensor& offsets, const at::Tensor& feature_col, int64_t b
 
 }  // namespace
 
-// Unique (table, key) pairs in first-occurrence order.
+// Unique (table, key) pairs in first-occurrence order. counts[u] sums the
+// frequencies of u's lookups (1 each when none are given).
 // Returns (unique_keys (U,), unique_tids (U,) int16, inverse (N,), counts (U,)).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(const at::Tensor& keys,
-                                                                 const at::Tensor& tids) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(
+    const at::Tensor& keys, const at::Tensor& tids,
+    const c10::optional<at::Tensor>& frequencies) {
   expect(keys, at::kLong, "keys");
   expect(tids, at::kShort, "tids");
+  const int64_t* freq = nullptr;
+  if (frequencies.has_value()) {
+    expect(*frequencies, at::kLong, "frequencies");
+    TORCH_CHECK(frequencies->numel() == keys.numel(), "one frequency per key");
+    freq = frequencies->data_ptr<int64_t>();
+  }
   const int64_t n = keys.numel();
   int64_t size = 16;
   while (size < 2 * n) size <<= 1;
@@ -117,7 +125,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(const at::Tenso
     uk[u] = k[first[u]];
     ut[u] = t[first[u]];
   }
-  for (int64_t i = 0; i < n; ++i) ++c[inv[i]];
+  for (int64_t i = 0; i < n; ++i) c[inv[i]] += freq ? freq[i] : 1;
   return {ukeys, utids, inverse, counts};
 }
 

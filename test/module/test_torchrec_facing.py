@@ -1,0 +1,93 @@
+"""What the TorchRec integration relies on: per-table placeholders in the optimizer's
+param groups, initial rows keyed by table name, and ``frequencies`` for ids that were
+deduplicated upstream."""
+
+import pytest
+import torch
+
+from dynamicemb import (
+    BatchedDynamicEmbeddingTables,
+    DynamicEmbInitializerArgs,
+    DynamicEmbOptimType,
+    DynamicEmbScoreStrategy,
+    DynamicEmbTableOptions,
+    FrequencyAdmissionStrategy,
+)
+
+NORMAL = DynamicEmbInitializerArgs(mode="normal", std_dev=0.1, seed=3)
+
+
+def options(dim=4, **kw):
+    kw.setdefault("initializer_args", NORMAL)
+    return DynamicEmbTableOptions(dim=dim, max_capacity=256, **kw)
+
+
+def test_one_placeholder_per_table_in_the_optimizer_groups():
+    m = BatchedDynamicEmbeddingTables(
+        [options(4), options(8), options(4)], table_names=["a", "b", "c"])
+    by_table = dict(m.named_parameters_by_table())
+    assert list(by_table) == ["a", "b", "c"]
+    assert all(p.numel() == 0 and p.requires_grad for p in by_table.values())
+    in_groups = {id(p): g["tables"] for g in m.optimizer.param_groups for p in g["params"]}
+    for name, p in by_table.items():
+        assert name in in_groups[id(p)]
+    assert sorted(n for g in m.optimizer.param_groups for n in g["tables"]) == ["a", "b", "c"]
+
+
+def test_initial_rows_depend_on_table_name_not_position():
+    keys = torch.tensor([5, -9, 10**15])
+    first = BatchedDynamicEmbeddingTables([options(), options()], table_names=["user", "item"])
+    second = BatchedDynamicEmbeddingTables([options()], table_names=["item"])
+    other = BatchedDynamicEmbeddingTables([options()], table_names=["user2"])
+    offsets2 = torch.tensor([0, 0, 0, 0, 1, 2, 3])  # feature 0 (user) empty, B=3
+    first(keys, offsets2)
+    second(keys, torch.tensor([0, 1, 2, 3]))
+    other(keys, torch.tensor([0, 1, 2, 3]))
+    a = first.export_keys_values("item")
+    b = second.export_keys_values("item")
+    c = other.export_keys_values("user2")
+    assert torch.equal(a.keys, b.keys) and torch.equal(a.embeddings, b.embeddings)
+    assert not torch.equal(b.embeddings, c.embeddings)
+
+
+def test_frequencies_count_as_occurrences_for_lfu():
+    m = BatchedDynamicEmbeddingTables([options(score_strategy=DynamicEmbScoreStrategy.LFU)])
+    m(torch.tensor([1, 2]), torch.tensor([0, 1, 2]), frequencies=torch.tensor([3, 1]))
+    m(torch.tensor([1, 1]), torch.tensor([0, 2]))
+    out = m.export_keys_values("t0")
+    assert dict(zip(out.keys.tolist(), out.scores.tolist())) == {1: 5, 2: 1}
+
+
+def test_frequencies_reach_the_admission_threshold():
+    m = BatchedDynamicEmbeddingTables(
+        [options(admit_strategy=FrequencyAdmissionStrategy(threshold=4))])
+    m(torch.tensor([7, 8]), torch.tensor([0, 2]), frequencies=torch.tensor([3, 1]))
+    assert m.table_size("t0") == 0
+    m(torch.tensor([7]), torch.tensor([0, 1]))
+    assert m.export_keys_values("t0").keys.tolist() == [7]
+
+
+def test_frequencies_do_not_change_the_math():
+    """Frequencies are bookkeeping: outputs and updates follow the lookups only."""
+    def run(freq):
+        m = BatchedDynamicEmbeddingTables([options()], optimizer=DynamicEmbOptimType.EXACT_SGD,
+                                          learning_rate=0.5)
+        out = m(torch.tensor([1, 2, 1]), torch.tensor([0, 2, 3]), frequencies=freq)
+        out.sum().backward()
+        return out.detach(), m.export_keys_values("t0").embeddings
+
+    base = run(None)
+    weighted = run(torch.tensor([5, 2, 9]))
+    assert torch.equal(base[0], weighted[0]) and torch.equal(base[1], weighted[1])
+
+
+@pytest.mark.parametrize("bad, error", [
+    (torch.tensor([1.0, 2.0]), TypeError),
+    (torch.tensor([1]), ValueError),
+    (torch.tensor([1, 0]), ValueError),
+])
+def test_bad_frequencies_are_refused_and_change_nothing(bad, error):
+    m = BatchedDynamicEmbeddingTables([options()])
+    with pytest.raises(error, match="frequencies"):
+        m(torch.tensor([1, 2]), torch.tensor([0, 1, 2]), frequencies=bad)
+    assert m.table_size("t0") == 0
