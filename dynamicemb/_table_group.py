@@ -22,6 +22,7 @@ from dynamicemb.options import (
     DynamicEmbOptimType,
     DynamicEmbTableOptions,
 )
+from dynamicemb.storage import TieredStorage
 from dynamicemb.table import PendingInsert, ScoredHashTable
 from dynamicemb.types import DynamicEmbScoreStrategy
 
@@ -70,6 +71,8 @@ def group_key(options: DynamicEmbTableOptions, optimizer: DynamicEmbOptimizerArg
         options.training,
         astuple(optimizer),
         options.admit_strategy,
+        options.caching,
+        options.local_hbm_for_values is None,
     )
 
 
@@ -78,16 +81,17 @@ class Lookup(NamedTuple):
 
     Shape:
         keys, tids: (U,) unique (key, local table) pairs; inverse: (N,) unique
-        index of each lookup (-1: lookup of another group); row_slot: (U,) slot
-        of each unique row, or -(t + 1) for row t of ``transient`` ([T, dim]).
+        index of each lookup (-1: lookup of another group); row_ref: (U,) where
+        each unique row lives (``dynamicemb.storage``; -(t + 1) for row t of
+        ``transient``, [T, dim]); generation: the storage's, when looked up.
     """
 
     keys: torch.Tensor
     tids: torch.Tensor
     inverse: torch.Tensor
-    row_slot: torch.Tensor
+    row_ref: torch.Tensor
     transient: torch.Tensor
-    generation: int
+    generation: tuple
 
 
 class _PendingLookup(NamedTuple):
@@ -99,7 +103,7 @@ class _PendingLookup(NamedTuple):
     counts: torch.Tensor  # (U,) occurrences in the batch
     admitted: Optional[torch.Tensor]  # (U,) bool, None: no admission
     insert: Optional[PendingInsert]  # training: the prepared insert
-    found: Optional[torch.Tensor]  # eval: slots found
+    found: Optional[torch.Tensor]  # eval: row references found
     train: bool
 
 
@@ -139,7 +143,7 @@ class _TableGroup:
                        o.max_capacity)
             for name, o in zip(table_names, options)
         ]
-        self.table = ScoredHashTable(
+        self.table = ScoredHashTable(  # the host store: index of record
             num_tables=len(table_indices),
             capacity=sum(o.init_capacity or o.max_capacity for o in options),
             max_capacity=sum(o.max_capacity for o in options),
@@ -150,6 +154,10 @@ class _TableGroup:
             check_mode=first.safe_check_mode,
             device=device,
         )
+        row_bytes = (self.dim + self.state_dim) * 4
+        budgets = [o.local_hbm_for_values for o in options]
+        device_rows = None if budgets[0] is None else sum(b // row_bytes for b in budgets)
+        self.storage = TieredStorage.build(self.table, first.caching, device_rows)
         self.counter = None
         if self.admission is not None:
             self.counter = ScoredHashTable(
@@ -180,8 +188,8 @@ class _TableGroup:
         """
         ukeys, utids, inverse, counts = self.ops.dedup(keys, tids, frequencies)
         if not (insert and self.training):
-            return _PendingLookup(ukeys, utids, inverse, counts, None, None,
-                                  self.table.find(ukeys, utids), train=False)
+            refs = self.storage.resolve(ukeys, utids)
+            return _PendingLookup(ukeys, utids, inverse, counts, None, None, refs, train=False)
         admitted = None if self.counter is None else self._admitted(ukeys, utids, counts)
         keys_in, tids_in, counts_in = ukeys, utids, counts
         if admitted is not None:
@@ -191,7 +199,7 @@ class _TableGroup:
             scores = self.custom_scores[tids_in.long()]
         elif self.score_strategy == DynamicEmbScoreStrategy.LFU:
             scores = counts_in  # LFU counts occurrences, not batches
-        pending = self.table.prepare_find_or_insert(keys_in, tids_in.long(), scores)
+        pending = self.storage.prepare(keys_in, tids_in, scores)
         return _PendingLookup(ukeys, utids, inverse, counts, admitted, pending, None, train=True)
 
     def abort_lookup(self, pending: "_PendingLookup") -> None:
@@ -199,30 +207,33 @@ class _TableGroup:
             pending.insert.abort()
 
     def finish_lookup(self, pending: "_PendingLookup") -> Lookup:
-        """Phase two: commit the insert, initialize new rows, count admissions."""
+        """Phase two: commit the insert, initialize new rows, place rows in their
+        tiers, count admissions. Unique keys without a stored row get transient rows."""
         keys, tids = pending.keys, pending.tids
         if pending.insert is None:
-            row_slot = pending.found
+            refs = pending.found
         else:
-            result = pending.insert.commit()
-            stored_keys, stored_tids = keys, tids
+            stored = (torch.ones_like(keys, dtype=torch.bool) if pending.admitted is None
+                      else pending.admitted)
+            at = stored.nonzero().squeeze(1)
+            result = self.storage.commit(pending.insert)
+            new_at = result.inserted.nonzero().squeeze(1)
+            if new_at.numel():
+                self._init_stored_rows(result.slots[new_at], keys[at][new_at], tids[at][new_at])
+            host_slots = torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
+            host_slots[at] = result.slots
+            new = torch.zeros_like(stored)
+            new[at[new_at]] = True
+            refs = self.storage.place(keys, tids, host_slots, new)
             if pending.admitted is not None:
-                stored_keys, stored_tids = keys[pending.admitted], tids[pending.admitted]
-            new = result.inserted.nonzero().squeeze(1)
-            if new.numel():
-                self._init_stored_rows(result.slots[new], stored_keys[new], stored_tids[new])
-            row_slot = result.slots
-            if pending.admitted is not None:
-                row_slot = torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
-                row_slot[pending.admitted] = result.slots
-                self._count_occurrences(pending, pending.admitted.nonzero().squeeze(1)[new])
-        transient = self._transient_rows(keys, tids, row_slot, train=pending.train)
-        return Lookup(keys, tids, pending.inverse, row_slot, transient, self.table.generation)
+                self._count_occurrences(pending, at[new_at])
+        transient = self._transient_rows(keys, tids, refs, train=pending.train)
+        return Lookup(keys, tids, pending.inverse, refs, transient, self.storage.generation)
 
     def _admitted(self, keys, tids, counts) -> torch.Tensor:
         """Mask of unique keys that may be stored (read-only): present ones, and new
         ones whose counted occurrences, with this batch's, reach the threshold."""
-        admitted = self.table.find(keys, tids) >= 0
+        admitted = self.table.find(keys, tids) >= 0  # the host store indexes every key
         new = (~admitted).nonzero().squeeze(1)
         if new.numel():
             slots = self.counter.find(keys[new], tids[new])
@@ -251,13 +262,14 @@ class _TableGroup:
                 DynamicEmbOptimType.EXACT_ADAGRAD, DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD)
             values[slots, self.dim:] = initial if adagrad else 0.0
 
-    def _transient_rows(self, keys, tids, row_slot, train: bool) -> torch.Tensor:
-        """Initialized rows for unique keys without a stored row (row_slot < 0)."""
-        missing = (row_slot < 0).nonzero().squeeze(1)
+    def _transient_rows(self, keys, tids, refs, train: bool) -> torch.Tensor:
+        """Initialized rows for unique keys without a stored row (refs < 0); their
+        references become -(t + 1) for transient row t."""
+        missing = (refs < 0).nonzero().squeeze(1)
         transient = torch.empty(missing.numel(), self.dim, dtype=torch.float32, device=self.device)
         if missing.numel():
             rows = torch.arange(missing.numel(), dtype=torch.int64, device=self.device)
-            row_slot[missing] = -(rows + 1)
+            refs[missing] = -(rows + 1)
             self._fill(transient, rows, keys[missing], tids[missing], train=train)
         return transient
 
@@ -276,6 +288,25 @@ class _TableGroup:
                 args.value, args.seed,
             )
 
+    def refresh(self, lookup: Lookup) -> Lookup:
+        """The lookup with its row references found again if rows moved since (growth,
+        promotion, eviction); rows that left the table get no update in backward."""
+        if lookup.generation == self.storage.generation:
+            return lookup
+        refs = lookup.row_ref.clone()
+        stored = (refs >= 0).nonzero().squeeze(1)
+        found = self.storage.resolve(lookup.keys[stored], lookup.tids[stored])
+        gone = found < 0
+        if bool(gone.any()):  # keep reading something defined: the initializer's row
+            extra = torch.zeros(int(gone.sum()), self.dim, dtype=torch.float32)
+            rows = torch.arange(extra.shape[0], dtype=torch.int64) + lookup.transient.shape[0]
+            self._fill(extra, rows - lookup.transient.shape[0], lookup.keys[stored][gone],
+                       lookup.tids[stored][gone], train=True)
+            found[gone] = -(rows + 1)
+            lookup = lookup._replace(transient=torch.cat([lookup.transient, extra]))
+        refs[stored] = found
+        return lookup._replace(row_ref=refs, generation=self.storage.generation)
+
     # ------------------------------------------------------------ backward
     def apply_gradients(
         self,
@@ -291,13 +322,7 @@ class _TableGroup:
         """Sums each stored row's gradient and applies the fused optimizer."""
         if not self.training:
             return
-        row_slot = lookup.row_slot
-        if lookup.generation != self.table.generation:
-            # Rows moved (growth) or left (eviction) since the forward: find them
-            # again; rows that are gone get no update.
-            row_slot = row_slot.clone()
-            stored = (row_slot >= 0).nonzero().squeeze(1)
-            row_slot[stored] = self.table.find(lookup.keys[stored], lookup.tids[stored].long())
+        refs = self.refresh(lookup).row_ref
         opt = self.optimizer
         step_size, bias2_sqrt = lr, 1.0
         if opt.optimizer == DynamicEmbOptimType.ADAM:
@@ -306,7 +331,7 @@ class _TableGroup:
             bias2_sqrt = math.sqrt(1 - opt.beta2 ** self.adam_step)
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self.ops.fused_backward(
-            self.table.values, row_slot, lookup.inverse,
+            self.storage.tiers(), refs, lookup.inverse,
             empty if offsets is None else offsets, weights, feature_col, batch, self.dim,
             mean, grad, _OPTIMIZER_CODE[opt.optimizer], lr, opt.eps, opt.beta1, opt.beta2,
             opt.weight_decay, step_size, bias2_sqrt,

@@ -7,13 +7,15 @@ is no separate ``step()``.
 """
 
 import logging
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from collections import deque
+from typing import Deque, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
 
 from dynamicemb._table_group import Lookup, _TableGroup, group_key
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer
+from dynamicemb.storage import TierMetrics
 from dynamicemb.options import (
     DynamicEmbOptimizerArgs,
     DynamicEmbOptimType,
@@ -47,6 +49,13 @@ class _Batch(NamedTuple):
     offsets: torch.Tensor  # (F * B + 1,) int64
     weights: Optional[torch.Tensor]  # (N,) float32
     batch_size: int
+    lookups: List[Lookup]
+
+
+class _Prefetched(NamedTuple):
+    indices: torch.Tensor
+    offsets: torch.Tensor
+    training: bool
     lookups: List[Lookup]
 
 
@@ -146,6 +155,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         )
         self._build_groups(module_optimizer)
         self._train_steps = 0
+        self._prefetched: Deque[_Prefetched] = deque()
 
     def _build_groups(self, module_optimizer: DynamicEmbOptimizerArgs) -> None:
         by_key: Dict[tuple, List[int]] = {}
@@ -185,7 +195,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             ]
         )
         for g in self._groups:
-            logger.info("dynamic table group %s: %s", [self.table_names[t] for t in g.table_indices], g.table)
+            logger.info("dynamic tables %s: %s", [self.table_names[t] for t in g.table_indices],
+                        g.storage.describe())
 
     # -------------------------------------------------------------- public
     def named_parameters_by_table(self):
@@ -210,7 +221,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
     def export_keys_values(self, table_name: str) -> ExportedRows:
         """Every stored row of one table (embedding, optimizer state, score)."""
         group, local = self._location(table_name)
-        exported = group.table.export_batch()
+        exported = group.storage.export()
         mine = exported.table_ids == local
         values = exported.values[mine]
         return ExportedRows(
@@ -254,7 +265,46 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         scores = None
         if group.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
             scores = group.custom_scores[tids]
-        group.table.insert_or_assign(keys, rows.to(self.device), tids, scores)
+        group.storage.import_rows(keys, tids, rows.to(self.device), scores)
+
+    def prefetch(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: Optional[torch.Tensor] = None,
+        *,
+        frequencies: Optional[torch.Tensor] = None,
+    ) -> None:
+        """Looks up a coming batch now: dedup, hash-table work, rows fetched into the
+        device tier (inserting in training). ``forward`` consumes prefetched batches in
+        order and must be given the same ``indices``/``offsets``. Results are identical
+        to not prefetching (see ``docs/ARCHITECTURE.md`` for the one exception)."""
+        indices, offsets, _, batch_size = self._validate(indices, offsets, per_sample_weights)
+        frequencies = self._validate_frequencies(frequencies, indices.numel())
+        lookups = self._lookup(indices, offsets, batch_size, self.training, frequencies)
+        self._prefetched.append(_Prefetched(indices, offsets, self.training, lookups))
+
+    def flush(self) -> None:
+        """Writes every device-tier row back to the host store."""
+        for g in self._groups:
+            g.storage.flush()
+
+    def reset_cache_states(self) -> None:
+        """Flushes, then empties every device cache (the next batches start cold)."""
+        for g in self._groups:
+            g.storage.reset_cache_states()
+
+    def cache_metrics(self) -> Dict[str, TierMetrics]:
+        """Per table: lookups, hits, misses, evictions, host rows read and written."""
+        return {name: self._location(name)[0].storage.metrics[self._location(name)[1]]
+                for name in self.table_names}
+
+    def print_cache_metrics(self) -> None:
+        """Prints ``cache_metrics()`` and each group's memory layout."""
+        for g in self._groups:
+            print(f"{[self.table_names[t] for t in g.table_indices]}: {g.storage.describe()}")
+        for name, metrics in self.cache_metrics().items():
+            print(f"  {name}: {metrics}")
 
     def table_size(self, table_name: str) -> int:
         """Rows stored for one table."""
@@ -293,7 +343,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         indices, offsets, weights, batch_size = self._validate(indices, offsets, per_sample_weights)
         frequencies = self._validate_frequencies(frequencies, indices.numel())
         training = self.training
-        lookups = self._lookup(indices, offsets, batch_size, training, frequencies)
+        if self._prefetched:
+            lookups = self._take_prefetched(indices, offsets)
+        else:
+            lookups = self._lookup(indices, offsets, batch_size, training, frequencies)
         batch = _Batch(offsets, None if weights is None else weights.detach(), batch_size, lookups)
         if training and torch.is_grad_enabled() and any(g.training for g in self._groups):
             out = _LookupFunction.apply(self._table_params[0], weights, self, batch)
@@ -333,6 +386,16 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                     f"per_sample_weights must have shape ({n},) like indices, got {tuple(weights.shape)}")
             weights = weights.to(torch.float32).contiguous()
         return indices.to(torch.int64).contiguous(), offsets, weights, num_bags // self._num_features
+
+    def _take_prefetched(self, indices, offsets) -> List[Lookup]:
+        head = self._prefetched[0]
+        if head.training != self.training or not (
+                torch.equal(head.indices, indices) and torch.equal(head.offsets, offsets)):
+            raise ValueError(
+                "forward got a batch other than the next prefetched one (or another "
+                "train/eval mode); prefetched batches are consumed in order")
+        self._prefetched.popleft()
+        return [g.refresh(found) for g, found in zip(self._groups, head.lookups)]
 
     @staticmethod
     def _validate_frequencies(frequencies, n: int) -> Optional[torch.Tensor]:
@@ -407,10 +470,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
             ops = group.ops
             if self.pooling_mode == DynamicEmbPoolingMode.NONE:
-                ops.sequence_forward(group.table.values, found.transient, found.row_slot,
+                ops.sequence_forward(group.storage.tiers(), found.transient, found.row_ref,
                                      found.inverse, group.dim, out)
             else:
-                ops.pooled_forward(group.table.values, found.transient, found.row_slot,
+                ops.pooled_forward(group.storage.tiers(), found.transient, found.row_ref,
                                    found.inverse, batch.offsets, batch.weights,
                                    self._feature_col[g], batch.batch_size, group.dim, mean, out)
         return out
@@ -427,7 +490,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             grad_weights = torch.zeros(batch.weights.numel(), dtype=torch.float32)
             for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
                 group.ops.per_sample_weight_grad(
-                    group.table.values, found.transient, found.row_slot, found.inverse,
+                    group.storage.tiers(), found.transient, found.row_ref, found.inverse,
                     batch.offsets, self._feature_col[g], batch.batch_size, group.dim, grad,
                     grad_weights)
         for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):

@@ -183,10 +183,12 @@ class DynamicEmbTableOptions:
         initializer_args: new rows in training.
         eval_initializer_args: rows of unseen keys in eval (zeros by default).
         safe_check_mode: what a failed insert does.
-        caching: keep hot rows in a device cache over a host store (not built yet:
-            True is refused).
-        local_hbm_for_values: device bytes for value rows (not built yet: only
-            None, meaning all rows in device memory, is accepted).
+        caching: keep hot rows in a device cache of ``local_hbm_for_values`` bytes
+            over a host store holding every row (rows a batch uses are promoted).
+        local_hbm_for_values: device bytes for value rows (embedding + optimizer
+            state). None: every row in device memory. With ``caching=False`` and a
+            budget smaller than the table, rows beyond it live in host memory only
+            (no promotion); 0: a host-only table.
         admit_strategy: admission of new keys (None: admit all).
         training: False builds an inference table: no optimizer state, never inserts.
         optimizer_args: per-table optimizer (None: the module's settings).
@@ -225,12 +227,8 @@ class DynamicEmbTableOptions:
             raise ValueError(f"max_load_factor must be in (0, 1], got {self.max_load_factor}")
         self.score_strategy = DynamicEmbScoreStrategy(self.score_strategy)
         self.safe_check_mode = DynamicEmbCheckMode(self.safe_check_mode)
-        if self.caching:
-            raise NotImplementedError(
-                "caching=True (device cache over a host store) is not built yet"
-            )
-        if self.local_hbm_for_values is not None:
-            raise NotImplementedError(
-                "local_hbm_for_values (a device-memory budget) is not built yet; "
-                "leave it None to keep every row in device memory"
-            )
+        if self.local_hbm_for_values is not None and self.local_hbm_for_values < 0:
+            raise ValueError(
+                f"local_hbm_for_values must be >= 0 bytes, got {self.local_hbm_for_values}")
+        if self.caching and self.local_hbm_for_values is None:
+            raise ValueError("caching=True needs local_hbm_for_values (the cache's bytes)")

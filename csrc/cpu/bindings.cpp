@@ -36,22 +36,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(
 void init_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& keys,
                int64_t table, int64_t dim, int64_t mode, double mean, double std_dev,
                double lower, double upper, double value, int64_t seed);
-void pooled_forward(const at::Tensor& values, const at::Tensor& transient,
+void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
                     const at::Tensor& row_slot, const at::Tensor& inverse,
                     const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                     const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
                     at::Tensor& out);
-void sequence_forward(const at::Tensor& values, const at::Tensor& transient,
+void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
                       const at::Tensor& row_slot, const at::Tensor& inverse, int64_t dim,
                       at::Tensor& out);
-void fused_backward(at::Tensor& values, const at::Tensor& row_slot, const at::Tensor& inverse,
+void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
+                    const at::Tensor& inverse,
                     const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                     const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
                     const at::Tensor& grad, int64_t kind, double lr, double eps,
                     double beta1, double beta2, double weight_decay, double step_size,
                     double bias_correction2_sqrt);
-void per_sample_weight_grad(const at::Tensor& values, const at::Tensor& transient,
-                            const at::Tensor& row_slot, const at::Tensor& inverse,
+void per_sample_weight_grad(const std::vector<at::Tensor>& tiers,
+                            const at::Tensor& transient, const at::Tensor& row_slot, const at::Tensor& inverse,
                             const at::Tensor& offsets, const at::Tensor& feature_col,
                             int64_t batch, int64_t dim, const at::Tensor& grad,
                             at::Tensor& out);

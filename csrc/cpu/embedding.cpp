@@ -2,10 +2,10 @@
 // initialization, pooled and sequence lookups, and the fused backward (segmented
 // gradient reduction + optimizer update). OpenMP over bags / unique rows.
 //
-// Rows of a lookup are addressed by unique index u: row_slot[u] >= 0 is a slot of
-// `values` ([capacity, width], embedding then optimizer state); row_slot[u] < 0
-// is row (-row_slot[u] - 1) of `transient` ([T, dim]): rows that are not stored
-// (not admitted, failed inserts, unseen keys in eval).
+// Rows of a lookup are addressed by unique index u through row_ref[u] (see
+// dynamicemb/row_ref.h): a slot of the device tier, a slot of the host store, or
+// a transient row. `tiers` is [device values, host values], both [*, width] with
+// rows [embedding | optimizer state]; the host tensor may be empty.
 #include <omp.h>
 #include <torch/extension.h>
 
@@ -16,6 +16,7 @@
 #include "dynamicemb/hash_primitives.h"
 #include "dynamicemb/init_primitives.h"
 #include "dynamicemb/optimizer_primitives.h"
+#include "dynamicemb/row_ref.h"
 
 namespace dynamicemb {
 namespace cpu {
@@ -31,26 +32,31 @@ void expect(const at::Tensor& t, at::ScalarType dtype, const char* name) {
 }
 
 struct RowSource {
-  const float* values;
+  float* device;
+  float* host;
   int64_t width;
   const float* transient;
   int64_t dim;
-  const int64_t* row_slot;
+  const int64_t* row_ref;
 
   const float* row(int64_t u) const {
-    const int64_t s = row_slot[u];
-    return s >= 0 ? values + s * width : transient + (-s - 1) * dim;
+    return row_of(row_ref[u], device, host, width, transient, dim);
   }
+  float* stored_row(int64_t u) const { return stored_row_of(row_ref[u], device, host, width); }
 };
 
-RowSource row_source(const at::Tensor& values, const at::Tensor& transient,
-                     const at::Tensor& row_slot, int64_t dim) {
-  expect(values, at::kFloat, "values");
+RowSource row_source(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
+                     const at::Tensor& row_ref, int64_t dim) {
+  TORCH_CHECK(tiers.size() == 2, "tiers must be [device values, host values]");
+  for (const auto& t : tiers) {
+    expect(t, at::kFloat, "values");
+    TORCH_CHECK(t.dim() == 2 && t.size(1) == tiers[0].size(1) && t.size(1) >= dim,
+                "values must be [*, width >= dim] with one width for both tiers");
+  }
   expect(transient, at::kFloat, "transient");
-  expect(row_slot, at::kLong, "row_slot");
-  TORCH_CHECK(values.dim() == 2 && values.size(1) >= dim, "values must be [C, >= dim]");
-  return RowSource{values.data_ptr<float>(), values.size(1), transient.data_ptr<float>(),
-                   dim, row_slot.data_ptr<int64_t>()};
+  expect(row_ref, at::kLong, "row_ref");
+  return RowSource{tiers[0].data_ptr<float>(), tiers[1].data_ptr<float>(), tiers[0].size(1),
+                   transient.data_ptr<float>(), dim, row_ref.data_ptr<int64_t>()};
 }
 
 // Bag geometry of the FBGEMM layout: bag k = feature * batch + sample.
@@ -154,12 +160,12 @@ void init_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& keys,
 }
 
 // Pooled lookup: out[b, col_f : col_f + dim] = sum (or mean) over bag (f, b).
-void pooled_forward(const at::Tensor& values, const at::Tensor& transient,
+void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
                     const at::Tensor& row_slot, const at::Tensor& inverse,
                     const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                     const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
                     at::Tensor& out) {
-  const RowSource src = row_source(values, transient, row_slot, dim);
+  const RowSource src = row_source(tiers, transient, row_slot, dim);
   const Bags bags = bags_of(offsets, feature_col, batch);
   expect(inverse, at::kLong, "inverse");
   expect(out, at::kFloat, "out");
@@ -187,10 +193,10 @@ void pooled_forward(const at::Tensor& values, const at::Tensor& transient,
 }
 
 // Sequence lookup: out[j] = row of lookup j, for lookups whose inverse is >= 0.
-void sequence_forward(const at::Tensor& values, const at::Tensor& transient,
+void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
                       const at::Tensor& row_slot, const at::Tensor& inverse, int64_t dim,
                       at::Tensor& out) {
-  const RowSource src = row_source(values, transient, row_slot, dim);
+  const RowSource src = row_source(tiers, transient, row_slot, dim);
   expect(inverse, at::kLong, "inverse");
   expect(out, at::kFloat, "out");
   const int64_t* inv = inverse.data_ptr<int64_t>();
@@ -240,15 +246,16 @@ std::vector<int64_t> bag_of_lookups(const Bags& bags, int64_t n) {
 
 // Fused backward: for every stored unique row, sum the gradients of its lookups
 // (in input order, so the result is deterministic) and apply the optimizer to the
-// row in `values`. `offsets` empty means sequence mode (grad is [N, dim]).
-void fused_backward(at::Tensor& values, const at::Tensor& row_slot, const at::Tensor& inverse,
+// row where it lives (device tier or host store). `offsets` empty means sequence mode (grad is [N, dim]).
+void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
+                    const at::Tensor& inverse,
                     const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                     const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
                     const at::Tensor& grad, int64_t kind, double lr, double eps,
                     double beta1, double beta2, double weight_decay, double step_size,
                     double bias_correction2_sqrt) {
-  expect(values, at::kFloat, "values");
-  expect(row_slot, at::kLong, "row_slot");
+  const at::Tensor no_transient = at::empty({0, dim}, tiers[0].options());
+  const RowSource src = row_source(tiers, no_transient, row_slot, dim);
   expect(inverse, at::kLong, "inverse");
   expect(grad, at::kFloat, "grad");
   const bool pooled = offsets.numel() > 0;
@@ -259,9 +266,7 @@ void fused_backward(at::Tensor& values, const at::Tensor& row_slot, const at::Te
   const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
   const float* g = grad.data_ptr<float>();
   const int64_t grad_width = grad.size(1);
-  float* vals = values.data_ptr<float>();
-  const int64_t width = values.size(1);
-  TORCH_CHECK(width >= dim + optimizer_state_dim(static_cast<int>(kind), dim),
+  TORCH_CHECK(src.width >= dim + optimizer_state_dim(static_cast<int>(kind), dim),
               "value rows too narrow for the optimizer state");
 
   Bags bags{nullptr, nullptr, batch, 0};
@@ -288,7 +293,7 @@ void fused_backward(at::Tensor& values, const at::Tensor& row_slot, const at::Te
     std::vector<float> acc(dim);
 #pragma omp for schedule(dynamic, 64)
     for (int64_t u = 0; u < num_unique; ++u) {
-      if (slot[u] < 0) continue;
+      if (is_transient_ref(slot[u])) continue;
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t e = seg.start[u]; e < seg.start[u + 1]; ++e) {
         const int64_t j = seg.order[e];
@@ -303,7 +308,7 @@ void fused_backward(at::Tensor& values, const at::Tensor& row_slot, const at::Te
         }
         for (int64_t c = 0; c < dim; ++c) acc[c] += scale * gj[c];
       }
-      optimizer_update(vals + slot[u] * width, acc.data(), static_cast<int>(dim), p);
+      optimizer_update(src.stored_row(u), acc.data(), static_cast<int>(dim), p);
     }
   }
 }
@@ -311,12 +316,12 @@ void fused_backward(at::Tensor& values, const at::Tensor& row_slot, const at::Te
 // Gradient of per-sample weights (SUM pooling): out[j] = <grad of bag(j) in its
 // feature's columns, row of lookup j>, for lookups of this group (inverse >= 0).
 // Runs before the optimizer so it sees the rows the forward used.
-void per_sample_weight_grad(const at::Tensor& values, const at::Tensor& transient,
-                            const at::Tensor& row_slot, const at::Tensor& inverse,
+void per_sample_weight_grad(const std::vector<at::Tensor>& tiers,
+                            const at::Tensor& transient, const at::Tensor& row_slot, const at::Tensor& inverse,
                             const at::Tensor& offsets, const at::Tensor& feature_col,
                             int64_t batch, int64_t dim, const at::Tensor& grad,
                             at::Tensor& out) {
-  const RowSource src = row_source(values, transient, row_slot, dim);
+  const RowSource src = row_source(tiers, transient, row_slot, dim);
   const Bags bags = bags_of(offsets, feature_col, batch);
   expect(inverse, at::kLong, "inverse");
   expect(grad, at::kFloat, "grad");

@@ -320,6 +320,18 @@ class ScoredHashTable:
     def load_factor(self) -> float:
         return self._size / self.capacity()
 
+    def scores_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """Scores of occupied slots (e.g. returned by ``find``).
+
+        Args:
+            slots (Tensor): (n,) int64 slots, each holding a key.
+
+        Returns:
+            (n,) int64 scores.
+        """
+        self._check_idle()
+        return self._meta[1][slots]
+
     def memory_bytes(self) -> dict:
         """Bytes held: ``metadata`` (keys, scores, ids, digests, bits) and ``values``."""
         meta = sum(t.numel() * t.element_size() for t in self._meta)

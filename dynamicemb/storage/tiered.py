@@ -1,0 +1,274 @@
+"""Where a group's rows live: a host store and, optionally, a device tier.
+
+The **host store** is a ``ScoredHashTable`` with the table's own strategy and
+capacity. It is the index of record: every key and score of the table, and a
+row for every key (stale while the key is in the device tier). It receives the
+same inserting calls a single-tier table would, so scores, growth and
+evictions do not depend on the device tier at all: that is what makes training
+with any cache size bit-identical.
+
+The **device tier** holds rows in accelerator memory:
+
+- a *cache* (``caching=True``): every row a batch uses is promoted into it
+  (CUSTOMIZED scores mirroring the host's, so LRU/LFU eviction follows the
+  table's policy); evicted rows are written back to the host store;
+- a *placement tier* (``caching=False`` with a byte budget): a new row lands in
+  it while it has room and stays; other rows are used where they are, in host
+  memory, without promotion.
+
+With no budget the host store itself is the device tier (one tier). Kernels
+address rows by reference (``csrc/dynamicemb/row_ref.h``): a device slot, a host
+slot tagged with ``HOST_ROW_BIT``, or a transient row. A batch that does not fit
+in the cache is served from the host store for the rest.
+"""
+
+import logging
+from dataclasses import dataclass, fields
+from typing import List, Optional, Tuple
+
+import torch
+
+from dynamicemb.table import InsertResult, PendingInsert, ScoredHashTable
+from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
+
+__all__ = ["HOST_ROW_BIT", "TierMetrics", "TieredStorage"]
+
+logger = logging.getLogger(__name__)
+
+#: Row references >= HOST_ROW_BIT name host-store slots (csrc/dynamicemb/row_ref.h).
+HOST_ROW_BIT = 1 << 62
+
+
+@dataclass
+class TierMetrics:
+    """Counts of one table's traffic between the tiers (unique keys per batch).
+
+    Attributes:
+        lookups: keys looked up.
+        hits: keys whose row was in the device tier.
+        misses: keys whose row was not (read from the host store, or new).
+        evictions: rows the device tier pushed out (written back to the host store).
+        host_evictions: rows the full host store evicted (gone from the table).
+        host_reads: rows copied from the host store into the device tier.
+        host_writes: rows written back from the device tier to the host store.
+    """
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    host_evictions: int = 0
+    host_reads: int = 0
+    host_writes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    def __str__(self) -> str:
+        counts = ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+        return f"{counts}, hit_rate={self.hit_rate:.3f}"
+
+
+class TieredStorage:
+    """The rows of one physical group.
+
+    Args:
+        host: the host store (index of record).
+        device_tier: the device tier, or None (``host`` is then either the only
+            tier, or a host-only store when ``host_only``).
+        promote: True for a cache, False for a placement tier.
+        host_only: no device memory at all: every reference is a host reference.
+    """
+
+    def __init__(
+        self,
+        host: ScoredHashTable,
+        device_tier: Optional[ScoredHashTable] = None,
+        promote: bool = True,
+        host_only: bool = False,
+    ) -> None:
+        self.host = host
+        self.device_tier = device_tier
+        self.promote = promote
+        self.host_only = host_only
+        self.metrics = [TierMetrics() for _ in range(host.num_tables)]
+        self._empty = torch.empty(0, host.value_dim, dtype=host.value_dtype)
+
+    @classmethod
+    def build(cls, host: ScoredHashTable, caching: bool, device_rows: Optional[int]) -> "TieredStorage":
+        """The layout for a device budget of ``device_rows`` rows (None: unlimited)."""
+        if device_rows is None or (not caching and device_rows >= host.max_capacity()):
+            return cls(host)
+        if device_rows < 16:  # smaller than one bucket: no device tier at all
+            return cls(host, host_only=True)
+        bucket = min(host.bucket_capacity, 16 * (device_rows // 16))
+        buckets = 1 << ((device_rows // bucket).bit_length() - 1)  # round down: stay in budget
+        tier = ScoredHashTable(
+            num_tables=host.num_tables,
+            capacity=buckets * bucket,
+            bucket_capacity=bucket,
+            score_strategy=(DynamicEmbScoreStrategy.CUSTOMIZED if caching
+                            else DynamicEmbScoreStrategy.NO_EVICTION),
+            max_load_factor=1.0,
+            value_dim=host.value_dim,
+            value_dtype=host.value_dtype,
+            check_mode=DynamicEmbCheckMode.IGNORE,  # a full device tier is normal
+            device=host.device,
+        )
+        return cls(host, tier, promote=caching)
+
+    def describe(self) -> str:
+        row_bytes = self.host.value_dim * self.host.values.element_size()
+        host = f"host store up to {self.host.max_capacity()} rows ({self.host.max_capacity() * row_bytes} B)"
+        if self.device_tier is None:
+            return f"host store only: {host}" if self.host_only else f"one tier: {host}"
+        kind = "cache" if self.promote else "placement tier (no promotion)"
+        cap = self.device_tier.capacity()
+        return f"device {kind} of {cap} rows ({cap * row_bytes} B) over a {host}"
+
+    # ---------------------------------------------------------------- access
+    def tiers(self) -> List[torch.Tensor]:
+        """[device values, host values] for the kernels."""
+        if self.device_tier is not None:
+            return [self.device_tier.values, self.host.values]
+        if self.host_only:
+            return [self._empty, self.host.values]
+        return [self.host.values, self._empty]
+
+    @property
+    def generation(self) -> Tuple[int, int]:
+        """Changes when a reference handed out earlier may be stale."""
+        tier = self.device_tier.generation if self.device_tier is not None else 0
+        return (self.host.generation, tier)
+
+    def _host_refs(self, host_slots: torch.Tensor) -> torch.Tensor:
+        if self.device_tier is None and not self.host_only:
+            return host_slots
+        return torch.where(host_slots >= 0, host_slots + HOST_ROW_BIT, host_slots)
+
+    def resolve(self, keys: torch.Tensor, tids: torch.Tensor) -> torch.Tensor:
+        """Read-only references of keys (-1 where absent): the device tier's row
+        where it holds one, else the host store's."""
+        refs = self._host_refs(self.host.find(keys, tids))
+        if self.device_tier is not None:
+            found = self.device_tier.find(keys, tids)
+            refs = torch.where(found >= 0, found, refs)
+        return refs
+
+    # ----------------------------------------------------------- training
+    def prepare(self, keys, tids, scores) -> PendingInsert:
+        """Phase one: the host store decides keys and scores (may raise; see
+        ``ScoredHashTable.prepare_find_or_insert``)."""
+        return self.host.prepare_find_or_insert(keys, tids.long(), scores)
+
+    def commit(self, pending: PendingInsert) -> InsertResult:
+        """Phase two, host side: commits, and drops keys the host store evicted from
+        the device tier too. New rows must be initialized in the host store before
+        ``place`` copies them."""
+        result = pending.commit()
+        evicted = result.evicted
+        if evicted.keys.numel():
+            self._count("host_evictions", evicted.table_ids)
+            if self.device_tier is not None:
+                self.device_tier.erase(evicted.keys, evicted.table_ids)
+        return result
+
+    def place(self, keys, tids, host_slots, new) -> torch.Tensor:
+        """References for this batch's stored rows (``host_slots`` >= 0), moving rows
+        into the device tier as the layout says.
+
+        Args:
+            keys, tids: (U,) the batch's unique keys and local table ids.
+            host_slots (Tensor): (U,) their host slots, -1 where not stored.
+            new (Tensor): (U,) bool, keys the host store just inserted.
+
+        Returns:
+            (U,) row references; -1 where not stored.
+        """
+        stored = host_slots >= 0
+        self._count("lookups", tids)
+        refs = self._host_refs(host_slots)
+        if self.device_tier is None:
+            self._count("misses" if self.host_only else "hits", tids[stored])
+            return refs
+        if self.promote:  # every stored row of the batch goes to the cache
+            candidates = stored
+        else:  # rows stay where they are; new rows land in the tier while it has room
+            known = self.device_tier.find(keys, tids)
+            refs = torch.where(known >= 0, known, refs)
+            hit = known >= 0
+            candidates = stored & new
+        at = candidates.nonzero().squeeze(1)
+        slots, fresh = self._into_device_tier(keys[at], tids[at], host_slots[at])
+        refs[at] = torch.where(slots >= 0, slots, refs[at])
+        if self.promote:
+            hit = torch.zeros_like(stored)
+            hit[at] = (slots >= 0) & ~fresh
+        self._count("hits", tids[hit])
+        self._count("misses", tids[stored & ~hit])
+        return refs
+
+    def _into_device_tier(self, keys, tids, host_slots):
+        """find_or_insert into the device tier: rows of new entries are copied from the
+        host store, victims are written back. Returns (slots (-1: no room), fresh)."""
+        tier = self.device_tier
+        scores = self.host.scores_at(host_slots) if self.promote else None
+        result = tier.find_or_insert(keys, tids.long(), scores)
+        # Victims first: a key of this batch may have been evicted by an earlier key
+        # of the same call and inserted again, and its fresh row is the victim's.
+        evicted = result.evicted
+        if evicted.keys.numel():
+            self._count("evictions", evicted.table_ids)
+            self._write_back(evicted.keys, evicted.table_ids, evicted.values)
+        fresh = result.inserted
+        at = fresh.nonzero().squeeze(1)
+        if at.numel():
+            tier.values[result.slots[at]] = self.host.values[host_slots[at]]
+            self._count("host_reads", tids[at])
+        return result.slots, fresh
+
+    def _write_back(self, keys, tids, rows) -> None:
+        if keys.numel() == 0:
+            return
+        slots = self.host.find(keys, tids)
+        ok = (slots >= 0).nonzero().squeeze(1)
+        self.host.values[slots[ok]] = rows[ok]
+        self._count("host_writes", tids[ok])
+
+    # ------------------------------------------------------------ upkeep
+    def flush(self) -> None:
+        """Writes every device-tier row back to the host store."""
+        if self.device_tier is not None:
+            rows = self.device_tier.export_batch()
+            self._write_back(rows.keys, rows.table_ids, rows.values)
+
+    def reset_cache_states(self) -> None:
+        """Flushes, then empties the device tier (a cold cache)."""
+        self.flush()
+        if self.device_tier is not None:
+            self.device_tier.clear()
+
+    def export(self):
+        """Every stored row, current values (device-tier copies win): ``Exported``."""
+        rows = self.host.export_batch()
+        if self.device_tier is not None and rows.keys.numel():
+            found = self.device_tier.find(rows.keys, rows.table_ids)
+            cached = (found >= 0).nonzero().squeeze(1)
+            rows.values[cached] = self.device_tier.values[found[cached]]
+        return rows
+
+    def import_rows(self, keys, tids, rows, scores) -> None:
+        """Writes rows into the host store; stale device-tier copies are dropped."""
+        result = self.host.insert_and_evict(keys, rows, tids, scores)
+        if self.device_tier is not None:
+            self.device_tier.erase(keys, tids)
+            if result.evicted.keys.numel():
+                self.device_tier.erase(result.evicted.keys, result.evicted.table_ids)
+
+    def _count(self, field: str, tids: torch.Tensor) -> None:
+        if tids.numel() == 0:
+            return
+        counts = torch.bincount(tids.long(), minlength=len(self.metrics)).tolist()
+        for m, c in zip(self.metrics, counts):
+            setattr(m, field, getattr(m, field) + c)

@@ -1,0 +1,188 @@
+"""The exactness invariant of the storage tiers.
+
+Training the same batches with a device cache of 1%, 10% or 100% of the touched
+keys, with rows placed in a device tier without promotion, or with every row in
+host memory, gives bit-identical embeddings, optimizer states, scores and outputs
+to the single-tier table: for every optimizer, LRU and LFU, pooled and sequence,
+with and without prefetch, and with a host store too small for every key.
+"""
+
+import pytest
+import torch
+
+from dynamicemb import (
+    BatchedDynamicEmbeddingTables,
+    DynamicEmbInitializerArgs,
+    DynamicEmbOptimType,
+    DynamicEmbScoreStrategy,
+    DynamicEmbTableOptions,
+)
+
+DIM = 8
+NUM_FEATURES = 2
+STEPS = 8
+BATCH = 128
+OPTIMIZERS = list(DynamicEmbOptimType)
+STATE_FLOATS = {
+    DynamicEmbOptimType.EXACT_SGD: 0,
+    DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD: 1,
+    DynamicEmbOptimType.EXACT_ADAGRAD: DIM,
+    DynamicEmbOptimType.ADAM: 2 * DIM,
+}
+
+
+def power_law_batches(seed: int, steps: int = STEPS, batch: int = BATCH):
+    """Batches of power-law ids over a few thousand keys, 1-3 ids per bag."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        lengths = torch.randint(1, 4, (NUM_FEATURES * batch,), generator=gen)
+        n = int(lengths.sum())
+        u = torch.rand(n, generator=gen, dtype=torch.float64)
+        ids = ((4000.0 ** -0.2 - 1) * u + 1) ** (1 / -0.2)  # alpha 1.2 over [1, 4000)
+        ids = ids.long() * 7919 - 10**12  # spread over int64, some negative
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        out.append((ids, offsets))
+    return out
+
+
+def touched_keys(batches) -> int:
+    return torch.cat([ids for ids, _ in batches]).unique().numel()
+
+
+def make_module(optimizer, strategy, pooling, caching=False, device_rows=None, max_capacity=8192):
+    row_bytes = (DIM + STATE_FLOATS[optimizer]) * 4
+    options = DynamicEmbTableOptions(
+        dim=DIM,
+        max_capacity=max_capacity,
+        bucket_capacity=16,
+        score_strategy=strategy,
+        initializer_args=DynamicEmbInitializerArgs(mode="normal", std_dev=0.1, seed=11),
+        caching=caching,
+        local_hbm_for_values=None if device_rows is None else device_rows * row_bytes,
+    )
+    return BatchedDynamicEmbeddingTables(
+        [options, options], table_names=["a", "b"], pooling_mode=pooling,
+        optimizer=optimizer, learning_rate=0.05, weight_decay=0.01,
+    )
+
+
+def train(module, batches, prefetch: bool):
+    """Returns the outputs of every step; prefetches batch k+1 between the forward and
+    the backward of batch k (the order a pipeline uses)."""
+    outputs = []
+    if prefetch:
+        module.prefetch(*batches[0])
+    for k, (ids, offsets) in enumerate(batches):
+        out = module(ids, offsets)
+        if prefetch and k + 1 < len(batches):
+            module.prefetch(*batches[k + 1])
+        grad = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+        out.backward(grad)
+        outputs.append(out.detach())
+    return outputs
+
+
+def snapshot(module):
+    state = {}
+    for name in module.table_names:
+        rows = module.export_keys_values(name)
+        order = torch.argsort(rows.keys)
+        state[name] = (rows.keys[order], rows.embeddings[order], rows.optimizer_states[order],
+                       rows.scores[order])
+    return state
+
+
+def assert_identical(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        for x, y in zip(a[name], b[name]):
+            assert torch.equal(x, y), name
+
+
+def layouts(touched: int):
+    """(caching, device rows) per layout: caches of 1%, 10% and 100% of the touched
+    keys, a placement tier of 10%, and host-only."""
+    return {
+        "cache-1%": (True, max(16, touched // 100)),
+        "cache-10%": (True, touched // 10),
+        "cache-100%": (True, 2 * touched),  # rounded down to a power-of-two of buckets
+        "placed-10%": (False, touched // 10),
+        "host-only": (False, 0),
+    }
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.name)
+@pytest.mark.parametrize("strategy", [DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.LFU],
+                         ids=lambda s: s.name)
+@pytest.mark.parametrize("pooling", ["sum", "none"])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["direct", "prefetch"])
+def test_any_cache_size_trains_identically(optimizer, strategy, pooling, prefetch):
+    batches = power_law_batches(seed=3)
+    touched = touched_keys(batches)
+    reference = make_module(optimizer, strategy, pooling)
+    expected_out = train(reference, batches, prefetch=False)
+    expected = snapshot(reference)
+    for name, (caching, rows) in layouts(touched).items():
+        module = make_module(optimizer, strategy, pooling, caching, rows)
+        outputs = train(module, batches, prefetch)
+        for got, want in zip(outputs, expected_out):
+            assert torch.equal(got, want), name
+        assert_identical(snapshot(module), expected)
+        module.flush()
+        assert_identical(snapshot(module), expected)
+
+
+@pytest.mark.parametrize("strategy", [DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.LFU],
+                         ids=lambda s: s.name)
+def test_a_full_host_store_evicts_the_same_rows_whatever_the_cache(strategy):
+    batches = power_law_batches(seed=5)
+    touched = touched_keys(batches)
+    small = 256  # per table; the group's host store holds 2 * small rows
+    assert touched > 3 * small  # far below the touched keys: it evicts every step
+    reference = make_module(DynamicEmbOptimType.ADAM, strategy, "sum", max_capacity=small)
+    train(reference, batches, prefetch=False)
+    expected = snapshot(reference)
+    for caching, rows in [(True, 32), (True, 128), (False, 64)]:
+        module = make_module(DynamicEmbOptimType.ADAM, strategy, "sum", caching, rows,
+                             max_capacity=small)
+        train(module, batches, prefetch=False)
+        assert_identical(snapshot(module), expected)
+        metrics = module.cache_metrics()
+        assert sum(m.host_evictions for m in metrics.values()) > 0
+
+
+def test_eval_through_a_cold_cache_equals_a_warm_one():
+    batches = power_law_batches(seed=7)
+    rows = touched_keys(batches) // 10
+    module = make_module(DynamicEmbOptimType.EXACT_ADAGRAD, DynamicEmbScoreStrategy.LRU, "sum",
+                         caching=True, device_rows=rows)
+    reference = make_module(DynamicEmbOptimType.EXACT_ADAGRAD, DynamicEmbScoreStrategy.LRU, "sum")
+    train(module, batches, prefetch=False)
+    train(reference, batches, prefetch=False)
+    module.eval()
+    reference.eval()
+    probe_ids, probe_offsets = power_law_batches(seed=8, steps=1)[0]
+    with torch.no_grad():
+        warm = module(probe_ids, probe_offsets)
+        before = snapshot(module)
+        module.reset_cache_states()
+        cold = module(probe_ids, probe_offsets)
+        plain = reference(probe_ids, probe_offsets)
+    assert torch.equal(warm, cold) and torch.equal(cold, plain)
+    assert_identical(snapshot(module), before)
+
+
+def test_metrics_add_up():
+    batches = power_law_batches(seed=9)
+    module = make_module(DynamicEmbOptimType.EXACT_SGD, DynamicEmbScoreStrategy.LRU, "sum",
+                         caching=True, device_rows=touched_keys(batches) // 10)
+    train(module, batches, prefetch=False)
+    metrics = module.cache_metrics()
+    for m in metrics.values():
+        assert m.lookups > 0 and m.hits + m.misses == m.lookups
+        assert m.evictions > 0 and m.host_writes == m.evictions
+        assert 0 < m.hit_rate < 1
+    module.flush()
+    flushed = module.cache_metrics()
+    assert sum(m.host_writes for m in flushed.values()) > sum(m.evictions for m in flushed.values())
