@@ -69,11 +69,22 @@ def make_batches(args, batch_size: int, num_embeddings: int) -> List[Tuple[torch
     ]
 
 
-def make_dynamicemb(args, num_embeddings: int, optimizer: str) -> BatchedDynamicEmbeddingTables:
+STATE_FLOATS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 0, "adam": 2}  # x dim, +1 rowwise
+
+
+def row_bytes(args, optimizer: str) -> int:
+    state = STATE_FLOATS[optimizer] * args.embedding_dim + (optimizer == "rowwise_adagrad")
+    return (args.embedding_dim + state) * 4
+
+
+def make_dynamicemb(args, num_embeddings: int, optimizer: str,
+                    cache_rows: Optional[int] = None) -> BatchedDynamicEmbeddingTables:
     # A bucketed hash table cannot hold N keys in exactly N slots (buckets fill
     # unevenly), so the dynamic table gets 2x slots: its real bytes are reported.
-    options = DynamicEmbTableOptions(dim=args.embedding_dim, max_capacity=2 * num_embeddings,
-                                     max_load_factor=1.0)
+    options = DynamicEmbTableOptions(
+        dim=args.embedding_dim, max_capacity=2 * num_embeddings, max_load_factor=1.0,
+        caching=cache_rows is not None,
+        local_hbm_for_values=None if cache_rows is None else cache_rows * row_bytes(args, optimizer))
     module = BatchedDynamicEmbeddingTables(
         [options], feature_table_map=[0] * args.num_features,
         optimizer=OPTIMIZERS[optimizer], learning_rate=0.01)
@@ -140,19 +151,12 @@ def time_module(module: torch.nn.Module, batches, args) -> Dict[str, float]:
     return {"eval": ms(evals), "forward": ms(forward), "backward": ms(backward), "train": ms(train)}
 
 
-def run_config(args, batch_size: int, num_embeddings: int, optimizer: str) -> Dict:
-    batches = make_batches(args, batch_size, num_embeddings)
-    static = make_torchrec(args, num_embeddings, optimizer)
-    t_static = time_module(static, batches, args) if static is not None else None
-    del static
-    dynamic = make_dynamicemb(args, num_embeddings, optimizer)
-    t_dynamic = time_module(dynamic, batches, args)
-    state_floats = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 0, "adam": 2}[optimizer]
-    row = {
-        "caching": False,
+def describe(args, batch_size, num_embeddings, optimizer, caching, device_bytes) -> Dict:
+    return {
+        "caching": caching,
         "batch_size": batch_size,
         "num_embeddings_per_feature": num_embeddings,
-        "hbm_for_embeddings": num_embeddings * args.embedding_dim * 4 * (1 + state_floats),
+        "hbm_for_embeddings": device_bytes,
         "optimizer_type": optimizer,
         "feature_distribution-alpha": f"pow-law-{args.alpha}",
         "embedding_dim": args.embedding_dim,
@@ -160,17 +164,44 @@ def run_config(args, batch_size: int, num_embeddings: int, optimizer: str) -> Di
         "cache_algorithm": "lru",
         "use_index_dedup": False,
     }
-    for phase in ("eval", "forward", "backward", "train"):
-        row[f"{phase}(torchrec)"] = t_static[phase] if t_static else None
-        row[f"{phase}(dynamicemb)"] = t_dynamic[phase]
-    row["dynamicemb_table_bytes"] = sum(dynamic._groups[0].table.memory_bytes().values())
-    row["train_ratio(dynamicemb/torchrec)"] = (
-        round(t_dynamic["train"] / t_static["train"], 3) if t_static else None)
-    return row
+
+
+def run_config(args, batch_size: int, num_embeddings: int, optimizer: str) -> List[Dict]:
+    """The all-resident row, then one row per cache fraction (same batches, same
+    TorchRec timings: its static table has no cache)."""
+    batches = make_batches(args, batch_size, num_embeddings)
+    static = make_torchrec(args, num_embeddings, optimizer)
+    t_static = time_module(static, batches, args) if static is not None else None
+    del static
+    touched = torch.cat([ids for ids, _ in batches]).unique().numel()
+    rows = []
+    for fraction in [None] + list(args.cache_fractions):
+        cache_rows = None if fraction is None else max(16, int(fraction * touched))
+        dynamic = make_dynamicemb(args, num_embeddings, optimizer, cache_rows)
+        t_dynamic = time_module(dynamic, batches, args)
+        device_bytes = (num_embeddings * row_bytes(args, optimizer) if cache_rows is None
+                        else cache_rows * row_bytes(args, optimizer))
+        row = describe(args, batch_size, num_embeddings, optimizer, fraction is not None,
+                       device_bytes)
+        for phase in ("eval", "forward", "backward", "train"):
+            row[f"{phase}(torchrec)"] = t_static[phase] if t_static else None
+            row[f"{phase}(dynamicemb)"] = t_dynamic[phase]
+        metrics = dynamic.cache_metrics()["t0"]
+        row["cache_fraction_of_touched"] = fraction
+        row["cache_hit_rate"] = round(metrics.hit_rate, 4) if fraction is not None else None
+        row["dynamicemb_table_bytes"] = sum(dynamic._groups[0].table.memory_bytes().values())
+        row["train_ratio(dynamicemb/torchrec)"] = (
+            round(t_dynamic["train"] / t_static["train"], 3) if t_static else None)
+        resident = rows[0]["train(dynamicemb)"] if rows else t_dynamic["train"]
+        row["train_ratio(vs all-resident)"] = round(t_dynamic["train"] / resident, 3)
+        rows.append(row)
+        del dynamic
+    return rows
 
 
 def markdown(rows: List[Dict]) -> str:
-    cols = COLUMNS + ["train_ratio(dynamicemb/torchrec)"]
+    cols = COLUMNS + ["cache_hit_rate", "train_ratio(dynamicemb/torchrec)",
+                      "train_ratio(vs all-resident)"]
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join("n/a" if r[c] is None else str(r[c]) for c in cols) + " |")
@@ -193,8 +224,9 @@ def plot(rows: List[Dict], path: str) -> None:
         ax.bar([x + 0.2 for x in xs], dynamic, 0.4, label="dynamicemb")
         ax.set_xticks(list(xs), phases)
         ax.set_ylabel("ms (median)")
-        ax.set_title(f"{r['optimizer_type']} B={r['batch_size']} N={r['num_embeddings_per_feature']}",
-                     fontsize=9)
+        cache = f" cache {r['cache_fraction_of_touched']:.0%}" if r["caching"] else ""
+        ax.set_title(f"{r['optimizer_type']} B={r['batch_size']} N={r['num_embeddings_per_feature']}"
+                     f"{cache}", fontsize=9)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -206,6 +238,8 @@ def main() -> None:
     parser.add_argument("--num_embeddings", type=int, nargs="+", default=[1 << 20])
     parser.add_argument("--optimizers", nargs="+", default=["sgd", "rowwise_adagrad", "adam"],
                         choices=sorted(OPTIMIZERS))
+    parser.add_argument("--cache_fractions", type=float, nargs="*", default=[0.1, 0.5],
+                        help="extra rows with a device cache of this fraction of the touched keys")
     parser.add_argument("--embedding_dim", type=int, default=128)
     parser.add_argument("--num_features", type=int, default=1)
     parser.add_argument("--pooling_factor", type=int, default=1)
@@ -220,8 +254,9 @@ def main() -> None:
     for optimizer in args.optimizers:
         for num_embeddings in args.num_embeddings:
             for batch_size in args.batch_sizes:
-                rows.append(run_config(args, batch_size, num_embeddings, optimizer))
-                print(json.dumps(rows[-1]), flush=True)
+                for row in run_config(args, batch_size, num_embeddings, optimizer):
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     meta = {"threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": platform.machine(), "device": "cpu", "unit": "ms, median",
             "argv": vars(args)}

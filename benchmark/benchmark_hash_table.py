@@ -6,7 +6,8 @@ of an embedding lookup), so the load stays where it was set. Per (load, dim):
 
 - ``find``: hash lookup only; ``find+gather``: lookup, then ``index_select`` of
   the value rows; ``gather``: ``index_select`` of the same rows by known slot
-  (the floor); ``ratio = (find+gather) / gather``;
+  (the floor); ``ratio = (find+gather) / gather``. Gathers write into a
+  preallocated buffer, so neither side times page faults of a fresh output;
 - ``find_or_insert`` and ``insert_or_assign`` (hits: score updates, value writes).
 
 Million keys per second from the median of ``--reps`` timed runs. Also reports
@@ -33,15 +34,20 @@ LOADS = (0.5, 0.75, 1.0)
 DIMS = (8, 32, 64, 128)
 
 
-def median_seconds(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+def interleaved_medians(fns: Dict[str, Callable[[], object]], reps: int,
+                        warmup: int = 3) -> Dict[str, float]:
+    """Median seconds of each function, timed round-robin (A, B, C, A, B, C, ...) so
+    that the machine's noise falls on all of them alike and ratios stay fair."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def prefilled_table(capacity: int, dim: int, load: float, seed: int) -> ScoredHashTable:
@@ -78,11 +84,22 @@ def bench_one(capacity: int, dim: int, load: float, batch: int, reps: int) -> Di
     values = table.values
     rows = torch.randn(batch, dim, generator=gen)
 
-    t_find = median_seconds(lambda: table.find(keys), reps)
-    t_gather = median_seconds(lambda: values.index_select(0, slots), reps)
-    t_find_gather = median_seconds(lambda: values.index_select(0, table.find(keys)), reps)
-    t_foi = median_seconds(lambda: table.find_or_insert(keys), reps)
-    t_ioa = median_seconds(lambda: table.insert_or_assign(keys, rows), reps)
+    # Both gathers write into one preallocated buffer: a fresh 32 MB output per call
+    # would time page faults, not the gather, and inflate the floor.
+    out = torch.empty(batch, dim)
+    # The ratio's three timings interleave with each other only: the mutators below
+    # write a lot and would change what the gathers find in the caches.
+    t = interleaved_medians({
+        "find": lambda: table.find(keys),
+        "gather": lambda: torch.index_select(values, 0, slots, out=out),
+        "find_gather": lambda: torch.index_select(values, 0, table.find(keys), out=out),
+    }, reps)
+    t.update(interleaved_medians({
+        "find_or_insert": lambda: table.find_or_insert(keys),
+        "insert_or_assign": lambda: table.insert_or_assign(keys, rows),
+    }, reps))
+    t_find, t_gather, t_find_gather = t["find"], t["gather"], t["find_gather"]
+    t_foi, t_ioa = t["find_or_insert"], t["insert_or_assign"]
     assert table.stats.evictions == 0 or load == 1.0
     mkeys = lambda t: batch / t / 1e6  # noqa: E731
     return {

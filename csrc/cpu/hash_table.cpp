@@ -31,7 +31,10 @@ struct TableView {
   int bc;
   int words;
 
+  int bc_shift;  // log2(bc) when bc is a power of two, else -1
+
   uint64_t* occupied_of(int64_t b) const { return occupied + b * words; }
+  int64_t bucket_of_slot(int64_t s) const { return bc_shift >= 0 ? s >> bc_shift : s / bc; }
   uint64_t* pinned_of(int64_t b) const { return pinned + b * words; }
 };
 
@@ -53,6 +56,7 @@ TableView view_of(const std::vector<at::Tensor>& meta, int64_t bc) {
   TableView v;
   v.bc = static_cast<int>(bc);
   v.words = words_per_bucket(v.bc);
+  v.bc_shift = (bc & (bc - 1)) == 0 ? __builtin_ctzll(static_cast<uint64_t>(bc)) : -1;
   v.num_buckets = meta[0].numel() / bc;
   TORCH_CHECK(v.num_buckets * bc == meta[0].numel(), "capacity not a multiple of bc");
   TORCH_CHECK(meta[4].numel() == v.num_buckets * v.words, "occupied has wrong size");
@@ -75,26 +79,41 @@ void check_batch(const at::Tensor& keys, const at::Tensor& tids) {
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
 // Probe keys [lo, hi) (at most kChunk) in three phases so that the cache misses
-// of a chunk overlap: bucket lines, then the candidate key lines, then compare.
+// of a chunk overlap: hash and prefetch the buckets' digests; find each key's
+// first digest match and prefetch its key and table id; then compare.
 constexpr int kChunk = 16;
 
 void find_chunk(const TableView& v, const int64_t* keys, const int16_t* tids,
-                int64_t lo, int64_t hi, int64_t* slots) {
-  uint64_t hashes[kChunk];
+                int64_t lo, int64_t hi, bool single_table, int64_t* slots) {
+  int64_t base[kChunk];
+  uint8_t digest[kChunk];
+  int start[kChunk];
+  int first[kChunk];
   for (int64_t i = lo; i < hi; ++i) {
     const uint64_t h = hash_key(keys[i], tids[i]);
-    hashes[i - lo] = h;
-    const int64_t base = bucket_of(h, v.num_buckets) * v.bc;
-    for (int g = 0; g < v.bc; g += 64) prefetch(v.digests + base + g);
-    prefetch(v.occupied_of(base / v.bc));
+    base[i - lo] = bucket_of(h, v.num_buckets) * v.bc;
+    digest[i - lo] = digest_of(h);
+    start[i - lo] = start_offset(h, v.bc);
+    prefetch(v.digests + base[i - lo] + start[i - lo]);  // the key's start group
   }
   for (int64_t i = lo; i < hi; ++i) {
-    const uint64_t h = hashes[i - lo];
-    const int64_t b = bucket_of(h, v.num_buckets);
-    const int64_t base = b * v.bc;
-    const int j = probe_bucket(v.keys + base, v.tids + base, v.digests + base,
-                               v.occupied_of(b), v.bc, keys[i], tids[i], digest_of(h));
-    slots[i] = j < 0 ? -1 : base + j;
+    const int64_t b = base[i - lo];
+    const int j = next_digest_match(v.digests + b, v.bc, digest[i - lo], start[i - lo]);
+    first[i - lo] = j;
+    if (j >= 0) {
+      prefetch(v.keys + b + j);
+      if (!single_table) prefetch(v.tids + b + j);
+    }
+  }
+  for (int64_t i = lo; i < hi; ++i) {
+    const int64_t b = base[i - lo];
+    int j = first[i - lo];
+    // With one logical table every table id is 0: the key decides alone.
+    if (j < 0 || !(v.keys[b + j] == keys[i] && (single_table || v.tids[b + j] == tids[i]))) {
+      j = probe_bucket(v.keys + b, v.tids + b, v.digests + b, v.bc, keys[i], tids[i],
+                       digest[i - lo], start[i - lo]);
+    }
+    slots[i] = j < 0 ? -1 : b + j;
   }
 }
 
@@ -113,7 +132,7 @@ at::Tensor hash_keys(const at::Tensor& keys, const at::Tensor& tids) {
 }
 
 at::Tensor find(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
-                const at::Tensor& tids) {
+                const at::Tensor& tids, bool single_table) {
   check_batch(keys, tids);
   const TableView v = view_of(meta, bc);
   auto slots = at::empty_like(keys);
@@ -124,7 +143,7 @@ at::Tensor find(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tenso
   const int64_t chunks = (n + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static) if (n >= kParallelMinKeys)
   for (int64_t c = 0; c < chunks; ++c) {
-    find_chunk(v, k, t, c * kChunk, std::min(n, (c + 1) * kChunk), s);
+    find_chunk(v, k, t, c * kChunk, std::min(n, (c + 1) * kChunk), single_table, s);
   }
   return slots;
 }
@@ -146,10 +165,12 @@ struct UpsertArgs {
   uint64_t* ev_scores;
 };
 
-// One key of an inserting call; the calling thread owns bucket b.
+// One key of an inserting call; the calling thread owns bucket b. `hint` is a
+// slot offset that held the key a moment ago (or -1): checked, never trusted.
 template <class Rule>
 void upsert_one(const TableView& v, const UpsertArgs& a, const Rule& rule, int64_t i,
-                int64_t b, std::vector<uint8_t>& blocked, std::vector<int64_t>& deferred) {
+                int64_t b, int hint, std::vector<uint8_t>& blocked,
+                std::vector<int64_t>& deferred) {
   if (blocked[b]) {
     a.status[i] = kDeferred;
     deferred.push_back(i);
@@ -160,8 +181,14 @@ void upsert_one(const TableView& v, const UpsertArgs& a, const Rule& rule, int64
   const uint64_t given = a.given ? a.given[i] : 0;
   uint64_t* occupied = v.occupied_of(b);
   uint64_t* pinned = v.pinned_of(b);
-  int j = probe_bucket(v.keys + base, v.tids + base, v.digests + base, occupied, v.bc,
-                       a.keys[i], a.tids[i], digest_of(h));
+  const int start = start_offset(h, v.bc);
+  const uint8_t digest = digest_of(h);
+  int j = hint;
+  if (j < 0 || v.digests[base + j] != digest || v.keys[base + j] != a.keys[i] ||
+      v.tids[base + j] != a.tids[i]) {
+    j = probe_bucket(v.keys + base, v.tids + base, v.digests + base, v.bc, a.keys[i],
+                     a.tids[i], digest, start);
+  }
   if (j >= 0) {
     uint64_t& score = v.scores[base + j];
     if (a.prev_scores) a.prev_scores[i] = score;
@@ -172,7 +199,7 @@ void upsert_one(const TableView& v, const UpsertArgs& a, const Rule& rule, int64
     return;
   }
   int8_t outcome = kInserted;
-  j = lowest_clear_bit(occupied, v.bc);
+  j = first_clear_bit_from(occupied, v.bc, start);
   if (j < 0) {
     if (a.can_grow) {
       blocked[b] = 1;
@@ -195,13 +222,50 @@ void upsert_one(const TableView& v, const UpsertArgs& a, const Rule& rule, int64
   set_bit(pinned, j);
   v.keys[base + j] = a.keys[i];
   v.tids[base + j] = a.tids[i];
-  v.digests[base + j] = digest_of(h);
+  v.digests[base + j] = digest;
   v.scores[base + j] = rule.on_insert(given);
   a.slots[i] = base + j;
   a.status[i] = outcome;
 }
 
-// Every thread walks all pending keys in order and takes those of its buckets.
+// Every thread walks all pending keys in order and takes those of its buckets,
+// software-pipelined: the digest line of the key kAhead * 2 places ahead is
+// prefetched, the key kAhead places ahead gets a candidate slot whose key line is
+// prefetched, and the current key is processed with that candidate as a hint.
+constexpr int kAhead = 16;
+
+template <class Rule>
+void upsert_owned(const TableView& v, const UpsertArgs& a, const Rule& rule,
+                  const std::vector<int64_t>& mine, std::vector<uint8_t>& blocked,
+                  std::vector<int64_t>& deferred) {
+  const int64_t m = static_cast<int64_t>(mine.size());
+  int hints[2 * kAhead];
+  for (int64_t q = 0; q < m + 2 * kAhead; ++q) {
+    if (q < m) {
+      const uint64_t h = a.hashes[mine[q]];
+      prefetch(v.digests + bucket_of(h, v.num_buckets) * v.bc + start_offset(h, v.bc));
+    }
+    const int64_t r = q - kAhead;
+    if (r >= 0 && r < m) {
+      const uint64_t h = a.hashes[mine[r]];
+      const int64_t base = bucket_of(h, v.num_buckets) * v.bc;
+      const int j = next_digest_match(v.digests + base, v.bc, digest_of(h), start_offset(h, v.bc));
+      hints[r % (2 * kAhead)] = j;
+      if (j >= 0) {
+        prefetch(v.keys + base + j);
+        prefetch(v.tids + base + j);
+        prefetch(v.scores + base + j);
+      }
+    }
+    const int64_t p = q - 2 * kAhead;
+    if (p >= 0) {
+      const int64_t i = mine[p];
+      upsert_one(v, a, rule, i, bucket_of(a.hashes[i], v.num_buckets),
+                 hints[p % (2 * kAhead)], blocked, deferred);
+    }
+  }
+}
+
 template <class Rule>
 std::vector<int64_t> upsert_all(const TableView& v, const UpsertArgs& a, const Rule& rule,
                                 const int64_t* pending, int64_t npending) {
@@ -212,11 +276,12 @@ std::vector<int64_t> upsert_all(const TableView& v, const UpsertArgs& a, const R
   {
     const int t = omp_get_thread_num();
     const int nt = omp_get_num_threads();
+    std::vector<int64_t> mine;  // this thread's keys, in input order
+    mine.reserve(npending / nt + 16);
     for (int64_t p = 0; p < npending; ++p) {
-      const int64_t i = pending[p];
-      const int64_t b = bucket_of(a.hashes[i], v.num_buckets);
-      if (b % nt == t) upsert_one(v, a, rule, i, b, blocked, deferred[t]);
+      if (bucket_of(a.hashes[pending[p]], v.num_buckets) % nt == t) mine.push_back(pending[p]);
     }
+    upsert_owned(v, a, rule, mine, blocked, deferred[t]);
   }
   std::vector<int64_t> merged;
   for (auto& d : deferred) merged.insert(merged.end(), d.begin(), d.end());
@@ -275,18 +340,23 @@ at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Ten
   return out;
 }
 
-// Clears the pinned bit of every slot >= 0 in `slots`.
+// Clears the pinned bit of every slot >= 0 in `slots`. Buckets are split
+// across threads as in upsert, so plain stores suffice.
 void unpin(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& slots) {
   check_tensor(slots, at::kLong, "slots");
   const TableView v = view_of(meta, bc);
   const int64_t* s = slots.data_ptr<int64_t>();
   const int64_t n = slots.numel();
-#pragma omp parallel for schedule(static) if (n >= kParallelMinKeys)
-  for (int64_t i = 0; i < n; ++i) {
-    if (s[i] < 0) continue;
-    const int64_t b = s[i] / v.bc;
-    const int j = static_cast<int>(s[i] % v.bc);
-    __atomic_fetch_and(v.pinned_of(b) + (j >> 6), ~(1ull << (j & 63)), __ATOMIC_RELAXED);
+  const int threads = n >= kParallelMinKeys ? omp_get_max_threads() : 1;
+#pragma omp parallel num_threads(threads)
+  {
+    const int me = omp_get_thread_num();
+    const int nt = omp_get_num_threads();
+    for (int64_t i = 0; i < n; ++i) {
+      if (s[i] < 0) continue;
+      const int64_t b = v.bucket_of_slot(s[i]);
+      if (b % nt == me) clear_bit(v.pinned_of(b), static_cast<int>(s[i] - b * v.bc));
+    }
   }
 }
 
@@ -311,6 +381,7 @@ void undo_upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tens
       v.scores[s[i]] = prev[i];
     } else if (st[i] == kInserted) {
       clear_bit(v.occupied_of(b), j);
+      v.digests[s[i]] = kEmptyDigest;
     } else if (st[i] == kEvictedAndInserted) {
       v.keys[s[i]] = ek[i];
       v.tids[s[i]] = et[i];
@@ -369,10 +440,11 @@ at::Tensor erase(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tens
       const int64_t b = bucket_of(h, v.num_buckets);
       if (b % nt != me) continue;
       const int64_t base = b * v.bc;
-      const int j = probe_bucket(v.keys + base, v.tids + base, v.digests + base,
-                                 v.occupied_of(b), v.bc, k[i], t[i], digest_of(h));
+      const int j = probe_bucket(v.keys + base, v.tids + base, v.digests + base, v.bc, k[i],
+                                 t[i], digest_of(h), start_offset(h, v.bc));
       if (j >= 0) {
         clear_bit(v.occupied_of(b), j);
+        v.digests[base + j] = kEmptyDigest;
         e[i] = true;
       }
     }

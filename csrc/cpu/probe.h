@@ -11,27 +11,46 @@
 namespace dynamicemb {
 namespace cpu {
 
-inline int probe_bucket(const int64_t* keys, const int16_t* tids,
-                        const uint8_t* digests, const uint64_t* occupied, int bc,
-                        int64_t key, int16_t tid, uint8_t digest) {
+// Bit j set: digests[g + j] == digest, for the 16-slot group starting at g.
+inline uint32_t match_group(const uint8_t* digests, int g, uint8_t digest) {
 #if defined(__SSE2__)
+  const __m128i group = _mm_loadu_si128(reinterpret_cast<const __m128i*>(digests + g));
   const __m128i target = _mm_set1_epi8(static_cast<char>(digest));
-  for (int g = 0; g < bc; g += 16) {
-    const __m128i group =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(digests + g));
-    uint32_t match =
-        static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(group, target)));
-    match &= static_cast<uint32_t>(occupied[g >> 6] >> (g & 63)) & 0xFFFFu;
-    while (match != 0) {
-      const int j = g + __builtin_ctz(match);
-      if (keys[j] == key && tids[j] == tid) return j;
-      match &= match - 1;
-    }
+  return static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(group, target)));
+#else
+  uint32_t mask = 0;
+  for (int j = 0; j < 16; ++j) mask |= static_cast<uint32_t>(digests[g + j] == digest) << j;
+  return mask;
+#endif
+}
+
+// First offset >= from whose digest matches, or -1 (from a multiple of 16 or 0).
+inline int next_digest_match(const uint8_t* digests, int bc, uint8_t digest, int from) {
+  for (int g = from & ~15; g < bc; g += 16) {
+    uint32_t match = match_group(digests, g, digest);
+    if (g < from) match &= ~((1u << (from - g)) - 1u);
+    if (match != 0) return g + __builtin_ctz(match);
   }
   return -1;
-#else
-  return probe_bucket_scalar(keys, tids, digests, occupied, bc, key, tid, digest);
-#endif
+}
+
+// Offset of (key, table id) in [from, to), or -1. Empty slots have digest 0,
+// which no key has, so no occupancy bits are read.
+inline int probe_range(const int64_t* keys, const int16_t* tids, const uint8_t* digests,
+                       int to, int64_t key, int16_t tid, uint8_t digest, int from) {
+  for (int j = next_digest_match(digests, to, digest, from); j >= 0;
+       j = next_digest_match(digests, to, digest, j + 1)) {
+    if (keys[j] == key && tids[j] == tid) return j;
+  }
+  return -1;
+}
+
+// Offset of (key, table id) in the bucket, or -1: from the key's start offset to
+// the end, then from the beginning (where inserts put it, see first_clear_bit_from).
+inline int probe_bucket(const int64_t* keys, const int16_t* tids, const uint8_t* digests,
+                        int bc, int64_t key, int16_t tid, uint8_t digest, int start) {
+  const int j = probe_range(keys, tids, digests, bc, key, tid, digest, start);
+  return j >= 0 || start == 0 ? j : probe_range(keys, tids, digests, start, key, tid, digest, 0);
 }
 
 }  // namespace cpu

@@ -8,7 +8,7 @@
 //   keys     (capacity,)            int64   key of each slot
 //   scores   (capacity,)            uint64  larger = keep
 //   tids     (capacity,)            int16   table id of each slot
-//   digests  (capacity,)            uint8   top byte of the hash
+//   digests  (capacity,)            uint8   top byte of the hash; 0 = empty slot
 //   occupied (num_buckets, words)   uint64  bit j of bucket b: slot b*bc+j holds a key
 //   pinned   (num_buckets, words)   uint64  bit j: slot is used by the current call
 // where words = ceil(bc / 64).
@@ -41,7 +41,14 @@ DEMB_HD int64_t bucket_of(uint64_t h, int64_t num_buckets) {
   return static_cast<int64_t>(h & static_cast<uint64_t>(num_buckets - 1));
 }
 
-DEMB_HD uint8_t digest_of(uint64_t h) { return static_cast<uint8_t>(h >> 56); }
+// Digest 0 marks an empty slot, so a probe needs no occupancy bits: a key whose
+// top byte is 0 gets digest 1. Whoever empties a slot resets its digest.
+constexpr uint8_t kEmptyDigest = 0;
+
+DEMB_HD uint8_t digest_of(uint64_t h) {
+  const uint8_t d = static_cast<uint8_t>(h >> 56);
+  return d == kEmptyDigest ? uint8_t{1} : d;
+}
 
 DEMB_HD int words_per_bucket(int bc) { return (bc + 63) / 64; }
 
@@ -61,17 +68,32 @@ DEMB_HD int count_trailing_zeros(uint64_t x) {
 #endif
 }
 
-// Lowest j < bc whose bit is clear, or -1 when all bc bits are set.
-DEMB_HD int lowest_clear_bit(const uint64_t* bits, int bc) {
-  const int words = words_per_bucket(bc);
-  for (int w = 0; w < words; ++w) {
-    const uint64_t free_bits = ~bits[w];
+// Where a key's probe and insert start in its bucket: the first slot of one of
+// its bc/16 groups, from bits 32..63 of the hash (multiply-shift, no modulo).
+DEMB_HD int start_offset(uint64_t h, int bc) {
+  const uint64_t groups = static_cast<uint64_t>(bc / 16);
+  return 16 * static_cast<int>((((h >> 32) & 0xFFFFFFFFull) * groups) >> 32);
+}
+
+// First j in [from, to) whose bit is clear, or -1 (bits past bc are clear).
+DEMB_HD int first_clear_bit_in(const uint64_t* bits, int from, int to) {
+  for (int j = from; j < to;) {
+    const int w = j >> 6;
+    const uint64_t free_bits = ~bits[w] & (~0ull << (j & 63));
     if (free_bits != 0) {
-      const int j = w * 64 + count_trailing_zeros(free_bits);
-      return j < bc ? j : -1;
+      const int k = w * 64 + count_trailing_zeros(free_bits);
+      return k < to ? k : -1;
     }
+    j = (w + 1) * 64;
   }
   return -1;
+}
+
+// The slot an insert takes: the first clear bit at or after `start`, wrapping
+// around the bucket; -1 when all bc bits are set.
+DEMB_HD int first_clear_bit_from(const uint64_t* bits, int bc, int start) {
+  const int j = first_clear_bit_in(bits, start, bc);
+  return j >= 0 ? j : first_clear_bit_in(bits, 0, start);
 }
 
 // Victim of a full bucket: the unpinned slot with the minimum score, ties to the
@@ -89,16 +111,15 @@ DEMB_HD int choose_victim(const uint64_t* scores, const uint64_t* pinned, int bc
   return victim;
 }
 
-// Scalar probe of one bucket: offset of (key, table id), or -1. Backends may use
-// a vectorized digest match with the same result (see csrc/cpu/probe.h).
+// Scalar probe of one bucket: offset of (key, table id), or -1, scanning from
+// the key's start offset to the end, then from the beginning. Backends may use a
+// vectorized digest match with the same result (see csrc/cpu/probe.h).
 DEMB_HD int probe_bucket_scalar(const int64_t* keys, const int16_t* tids,
-                                const uint8_t* digests, const uint64_t* occupied,
-                                int bc, int64_t key, int16_t tid, uint8_t digest) {
-  for (int j = 0; j < bc; ++j) {
-    if (digests[j] == digest && test_bit(occupied, j) && keys[j] == key &&
-        tids[j] == tid) {
-      return j;
-    }
+                                const uint8_t* digests, int bc, int64_t key, int16_t tid,
+                                uint8_t digest, int start) {
+  for (int n = 0; n < bc; ++n) {
+    const int j = start + n < bc ? start + n : start + n - bc;
+    if (digests[j] == digest && keys[j] == key && tids[j] == tid) return j;
   }
   return -1;
 }

@@ -346,6 +346,7 @@ class ScoredHashTable:
     def clear(self) -> None:
         """Empties every slot. The clock, the step and ``stats`` stay."""
         self._check_idle()
+        self._meta[3].zero_()  # digest 0: empty (csrc/dynamicemb/hash_primitives.h)
         self._meta[4].zero_()
         self._meta[5].zero_()
         self._size = 0
@@ -413,7 +414,7 @@ class ScoredHashTable:
         self._check_idle()
         keys = self._keys(keys)
         tids = self._table_ids(table_ids, keys.numel())
-        return self._ops.find(self._meta, self.bucket_capacity, keys, tids)
+        return self._ops.find(self._meta, self.bucket_capacity, keys, tids, self.num_tables == 1)
 
     def find_or_insert(
         self,

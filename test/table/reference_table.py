@@ -3,12 +3,13 @@
 Written from the contract in ``docs/ARCHITECTURE.md`` ("The scored hash table"), independently
 of the implementation, so that tests can compare the real table with it slot for slot.
 Plain Python only (ints, lists, dicts): no torch in the core logic. Speed matters only so far
-as a few hundred thousand keys must stay cheap: hits use a dict, the lowest empty slot of a
-bucket comes from a heap of free offsets.
+as a few hundred thousand keys must stay cheap: hits use a dict, the empty slot an insert
+takes (the first at or after the key's start offset, wrapping) comes from a sorted list of
+free offsets.
 """
 
+import bisect
 import dataclasses
-import heapq
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 MASK64 = (1 << 64) - 1
@@ -34,8 +35,15 @@ def ref_bucket(h: int, num_buckets: int) -> int:
     return h & (num_buckets - 1)
 
 
+def start_offset(h: int, bucket_capacity: int) -> int:
+    """Where the key's inserts and probes start in its bucket: the first slot of one of
+    its bucket_capacity / 16 groups, from bits 32..63 of the hash."""
+    return 16 * ((((h >> 32) & 0xFFFFFFFF) * (bucket_capacity // 16)) >> 32)
+
+
 def ref_digest(h: int) -> int:
-    return h >> 56
+    """Top byte of the hash; 0 is reserved for empty slots, so it becomes 1."""
+    return (h >> 56) or 1
 
 
 def to_uint64(x: int) -> int:
@@ -302,7 +310,7 @@ class ReferenceHashTable:
             out.append(slot is not None)
             if slot is not None:
                 self._s.occupied[slot] = False
-                heapq.heappush(self._free[slot // self.bucket_capacity], slot % self.bucket_capacity)
+                bisect.insort(self._free[slot // self.bucket_capacity], slot % self.bucket_capacity)
                 self.stats.erases += 1
         return out
 
@@ -368,6 +376,12 @@ class ReferenceHashTable:
             evicted = RefEvicted(*([v[j] for v in victims] for j in range(1, 6)))
         return RefInsertResult(slots, inserted, evicted)
 
+    def _take_free(self, b: int, start: int) -> int:
+        """The first free offset of bucket b at or after ``start``, wrapping around."""
+        free = self._free[b]
+        at = bisect.bisect_left(free, start)
+        return free.pop(at if at < len(free) else 0)
+
     def _pass(self, pending, keys, tids, hashes, scores, landed, inserted, failed, victims) -> List[int]:
         """Step 4 over ``pending`` (input order); returns the deferred keys."""
         s, bc, nb = self._s, self.bucket_capacity, self.num_buckets
@@ -385,7 +399,7 @@ class ReferenceHashTable:
                 landed[i] = True
                 continue
             if self._free[b]:
-                slot = b * bc + heapq.heappop(self._free[b])
+                slot = b * bc + self._take_free(b, start_offset(hashes[i], bc))
             elif nb < self.max_num_buckets:
                 blocked.add(b)
                 deferred.append(i)
