@@ -13,6 +13,7 @@ from typing import Deque, Dict, List, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
+from dynamicemb._buffers import OutputBuffers
 from dynamicemb._table_group import Lookup, _TableGroup, group_key
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer
 from dynamicemb.storage import TierMetrics
@@ -156,6 +157,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self._build_groups(module_optimizer)
         self._train_steps = 0
         self._prefetched: Deque[_Prefetched] = deque()
+        self._outputs = OutputBuffers()
 
     def _build_groups(self, module_optimizer: DynamicEmbOptimizerArgs) -> None:
         by_key: Dict[tuple, List[int]] = {}
@@ -462,11 +464,13 @@ class BatchedDynamicEmbeddingTables(nn.Module):
     def _compute_output(self, batch: _Batch) -> torch.Tensor:
         n = batch.offsets[-1].item()
         mean = self.pooling_mode == DynamicEmbPoolingMode.MEAN
+        # Uninitialized: every feature belongs to one group, whose kernel writes all of
+        # its rows (sequence) or columns (pooled, zeros for empty bags).
         if self.pooling_mode == DynamicEmbPoolingMode.NONE:
-            out = torch.zeros(n, self.feature_dims[0], dtype=torch.float32, device=self.device)
+            shape = (n, self.feature_dims[0])
         else:
-            out = torch.zeros(batch.batch_size, sum(self.feature_dims), dtype=torch.float32,
-                              device=self.device)
+            shape = (batch.batch_size, sum(self.feature_dims))
+        out = self._outputs.empty(shape, torch.float32, self.device)
         for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
             ops = group.ops
             if self.pooling_mode == DynamicEmbPoolingMode.NONE:

@@ -160,6 +160,7 @@ void init_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& keys,
 }
 
 // Pooled lookup: out[b, col_f : col_f + dim] = sum (or mean) over bag (f, b).
+// Writes every column of its features (zeros for empty bags).
 void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
                     const at::Tensor& row_slot, const at::Tensor& inverse,
                     const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
@@ -178,14 +179,23 @@ void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tran
     const int64_t col = bags.feature_col[k / batch];
     if (col < 0) continue;
     float* acc = o + (k % batch) * out_width + col;
-    std::fill(acc, acc + dim, 0.f);
     const int64_t begin = bags.offsets[k], end = bags.offsets[k + 1];
-    for (int64_t j = begin; j < end; ++j) {
+    if (begin == end) {
+      std::fill(acc, acc + dim, 0.f);
+      continue;
+    }
+    {  // the first row is written, not added: `out` need not be zeroed
+      const float* row = src.row(inv[begin]);
+      const float scale = w ? w[begin] : 1.f;
+      for (int64_t c = 0; c < dim; ++c) acc[c] = scale * row[c];
+    }
+    for (int64_t j = begin + 1; j < end; ++j) {
+      if (j + 1 < end) __builtin_prefetch(src.row(inv[j + 1]));
       const float* row = src.row(inv[j]);
       const float scale = w ? w[j] : 1.f;
       for (int64_t c = 0; c < dim; ++c) acc[c] += scale * row[c];
     }
-    if (mean && end > begin) {
+    if (mean) {
       const float inv_len = 1.f / static_cast<float>(end - begin);
       for (int64_t c = 0; c < dim; ++c) acc[c] *= inv_len;
     }
@@ -294,9 +304,16 @@ void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_
 #pragma omp for schedule(dynamic, 64)
     for (int64_t u = 0; u < num_unique; ++u) {
       if (is_transient_ref(slot[u])) continue;
+      if (u + 1 < num_unique && !is_transient_ref(slot[u + 1])) {
+        __builtin_prefetch(src.stored_row(u + 1), 1);
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t e = seg.start[u]; e < seg.start[u + 1]; ++e) {
         const int64_t j = seg.order[e];
+        if (e + 2 < seg.start[u + 1] && pooled) {  // the grad row two lookups ahead
+          const int64_t k2 = bag[seg.order[e + 2]];
+          __builtin_prefetch(g + (k2 % batch) * grad_width + bags.feature_col[k2 / batch]);
+        }
         const float* gj;
         float scale = w ? w[j] : 1.f;
         if (pooled) {

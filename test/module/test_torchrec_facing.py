@@ -91,3 +91,27 @@ def test_bad_frequencies_are_refused_and_change_nothing(bad, error):
     with pytest.raises(error, match="frequencies"):
         m(torch.tensor([1, 2]), torch.tensor([0, 1, 2]), frequencies=bad)
     assert m.table_size("t0") == 0
+
+
+def test_recycled_outputs_never_overwrite_one_still_held():
+    """Output buffers are reused only when nothing holds them: a kept output, a view of
+    it, or a tensor autograd saved stays intact through later forwards."""
+    m = BatchedDynamicEmbeddingTables([options(8)])
+    m.eval()
+    with torch.no_grad():
+        first = m(torch.tensor([1, 2]), torch.tensor([0, 1, 2]))
+        kept = first.clone()
+        view = first[:, :4]
+        del first
+        second = m(torch.tensor([3, 4]), torch.tensor([0, 1, 2]))
+        assert torch.equal(view, kept[:, :4])
+        del view
+        third = m(torch.tensor([5, 6]), torch.tensor([0, 1, 2]))
+        assert not torch.equal(second, third)  # distinct ids: distinct rows
+    m.train()
+    out = m(torch.tensor([1, 2]), torch.tensor([0, 1, 2]))
+    saved = (out * out).sum()  # autograd saves `out` for the product's backward
+    expected = 2 * out.detach().clone()
+    m(torch.tensor([7, 8]), torch.tensor([0, 1, 2]))
+    grad, = torch.autograd.grad(saved, out)
+    assert torch.equal(grad, expected)
