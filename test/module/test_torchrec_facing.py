@@ -97,6 +97,7 @@ def test_recycled_outputs_never_overwrite_one_still_held():
     """Output buffers are reused only when nothing holds them: a kept output, a view of
     it, or a tensor autograd saved stays intact through later forwards."""
     m = BatchedDynamicEmbeddingTables([options(8)])
+    m.import_keys_values("t0", torch.arange(1, 9), torch.randn(8, 8))
     m.eval()
     with torch.no_grad():
         first = m(torch.tensor([1, 2]), torch.tensor([0, 1, 2]))
