@@ -8,7 +8,7 @@ reference, no view, no tensor saved by autograd. Without the storage use count
 (a private torch API) it allocates fresh each time.
 """
 
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -20,28 +20,32 @@ def _storage_refs(t: torch.Tensor) -> int:
 
 
 class OutputBuffers:
-    """A few buffers, one per recent (shape, dtype).
+    """A ring of a few buffers per recent (shape, dtype): ``out = module(x)`` keeps the
+    previous output alive while the next is computed, so one buffer is not enough.
 
     Args:
-        keep: how many distinct shapes to keep.
+        shapes: how many distinct (shape, dtype) to keep buffers for.
+        per_shape: buffers per (shape, dtype).
     """
 
-    def __init__(self, keep: int = 2) -> None:
-        self._keep = keep
-        self._buffers: Dict[Tuple, Tuple[torch.Tensor, int]] = {}
+    def __init__(self, shapes: int = 2, per_shape: int = 3) -> None:
+        self._shapes = shapes
+        self._per_shape = per_shape
+        self._buffers: Dict[Tuple, List[Tuple[torch.Tensor, int]]] = {}
 
     def empty(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialized tensor of ``shape``, recycled when safe."""
         if _use_count is None or device.type != "cpu":
             return torch.empty(shape, dtype=dtype, device=device)
         key = (tuple(shape), dtype)
-        held = self._buffers.pop(key, None)
-        if held is not None and _storage_refs(held[0]) == held[1]:
-            buffer, idle = held
-        else:
-            buffer = torch.empty(shape, dtype=dtype, device=device)
-            idle = _storage_refs(buffer)
-        self._buffers[key] = (buffer, idle)
-        while len(self._buffers) > self._keep:
+        ring = self._buffers.pop(key, [])
+        self._buffers[key] = ring  # most recent last
+        while len(self._buffers) > self._shapes:
             self._buffers.pop(next(iter(self._buffers)))
+        for buffer, idle in ring:
+            if _storage_refs(buffer) == idle:
+                return buffer.view(shape)
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+        if len(ring) < self._per_shape:
+            ring.append((buffer, _storage_refs(buffer)))
         return buffer.view(shape)

@@ -224,7 +224,7 @@ class _TableGroup:
             host_slots[at] = result.slots
             new = torch.zeros_like(stored)
             new[at[new_at]] = True
-            refs = self.storage.place(keys, tids, host_slots, new)
+            refs = self.storage.place(keys, tids, host_slots, new, pending.counts)
             if pending.admitted is not None:
                 self._count_occurrences(pending, at[new_at])
         transient = self._transient_rows(keys, tids, refs, train=pending.train)

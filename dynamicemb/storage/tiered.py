@@ -93,6 +93,7 @@ class TieredStorage:
         self.promote = promote
         self.host_only = host_only
         self.metrics = [TierMetrics() for _ in range(host.num_tables)]
+        self._moves = 0  # promotions and write-backs: a key's row of record moved
         self._empty = torch.empty(0, host.value_dim, dtype=host.value_dtype)
 
     @classmethod
@@ -137,10 +138,12 @@ class TieredStorage:
         return [self.host.values, self._empty]
 
     @property
-    def generation(self) -> Tuple[int, int]:
-        """Changes when a reference handed out earlier may be stale."""
+    def generation(self) -> Tuple[int, int, int]:
+        """Changes when a reference handed out earlier may be stale: a slot was reused
+        (growth, eviction, erase, clear) or a row moved between tiers (a promotion
+        into a free slot changes where a key's current row is)."""
         tier = self.device_tier.generation if self.device_tier is not None else 0
-        return (self.host.generation, tier)
+        return (self.host.generation, tier, self._moves)
 
     def _host_refs(self, host_slots: torch.Tensor) -> torch.Tensor:
         if self.device_tier is None and not self.host_only:
@@ -174,7 +177,7 @@ class TieredStorage:
                 self.device_tier.erase(evicted.keys, evicted.table_ids)
         return result
 
-    def place(self, keys, tids, host_slots, new) -> torch.Tensor:
+    def place(self, keys, tids, host_slots, new, counts) -> torch.Tensor:
         """References for this batch's stored rows (``host_slots`` >= 0), moving rows
         into the device tier as the layout says.
 
@@ -182,6 +185,8 @@ class TieredStorage:
             keys, tids: (U,) the batch's unique keys and local table ids.
             host_slots (Tensor): (U,) their host slots, -1 where not stored.
             new (Tensor): (U,) bool, keys the host store just inserted.
+            counts (Tensor): (U,) occurrences in the batch: the hottest misses are
+                promoted first when not all can be.
 
         Returns:
             (U,) row references; -1 where not stored.
@@ -200,7 +205,7 @@ class TieredStorage:
             hit = known >= 0
             candidates = stored & new
         at = candidates.nonzero().squeeze(1)
-        slots, fresh = self._into_device_tier(keys[at], tids[at], host_slots[at])
+        slots, fresh = self._into_device_tier(keys[at], tids[at], host_slots[at], counts[at])
         refs[at] = torch.where(slots >= 0, slots, refs[at])
         if self.promote:
             hit = torch.zeros_like(stored)
@@ -209,10 +214,24 @@ class TieredStorage:
         self._count("misses", tids[stored & ~hit])
         return refs
 
-    def _into_device_tier(self, keys, tids, host_slots):
+    def _into_device_tier(self, keys, tids, host_slots, counts):
         """find_or_insert into the device tier: rows of new entries are copied from the
-        host store, victims are written back. Returns (slots (-1: no room), fresh)."""
+        host store, victims are written back. Returns (slots (-1: not there), fresh).
+
+        A cache takes the batch's hits first (pinned before any miss picks a victim),
+        then at most as many misses as it has room for, hottest first: the others
+        could only fail, each after scanning a full bucket."""
         tier = self.device_tier
+        order = None
+        if self.promote:
+            hit = tier.find(keys, tids) >= 0
+            room = tier.capacity() - int(hit.sum())
+            misses = (~hit).nonzero().squeeze(1)
+            if misses.numel() > room:
+                hottest = torch.argsort(counts[misses], descending=True, stable=True)
+                misses = misses[hottest[:max(room, 0)]]
+            order = torch.cat([hit.nonzero().squeeze(1), misses])
+            keys, tids, host_slots = keys[order], tids[order], host_slots[order]
         scores = self.host.scores_at(host_slots) if self.promote else None
         result = tier.find_or_insert(keys, tids.long(), scores)
         # Victims first: a key of this batch may have been evicted by an earlier key
@@ -226,7 +245,13 @@ class TieredStorage:
         if at.numel():
             tier.values[result.slots[at]] = self.host.values[host_slots[at]]
             self._count("host_reads", tids[at])
-        return result.slots, fresh
+            self._moves += 1
+        if order is None:
+            return result.slots, fresh
+        slots = torch.full(hit.shape, -1, dtype=torch.int64, device=result.slots.device)
+        new = torch.zeros_like(hit)
+        slots[order], new[order] = result.slots, fresh
+        return slots, new
 
     def _write_back(self, keys, tids, rows) -> None:
         if keys.numel() == 0:
