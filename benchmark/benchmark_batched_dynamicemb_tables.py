@@ -9,7 +9,9 @@ hold every row before timing (the dynamic table is pre-filled).
 
 Per iteration: ``forward`` (training forward), ``backward`` (backward with the
 fused optimizer), ``train`` (both), and ``eval`` (no-grad forward in eval mode);
-each reported as the median over iterations, in milliseconds.
+each reported as the median over iterations, in milliseconds. All modules of a
+configuration (TorchRec's, the all-resident dynamic table, each cache size) step
+in turn, iteration by iteration, so noise falls on all of them alike.
 
 Example::
 
@@ -122,33 +124,42 @@ def make_torchrec(args, num_embeddings: int, optimizer: str) -> Optional[torch.n
     )
 
 
-def time_module(module: torch.nn.Module, batches, args) -> Dict[str, float]:
-    """Median ms of eval, training forward, backward and train over the iterations."""
+def time_modules(modules: Dict[str, torch.nn.Module], batches, args) -> Dict[str, Dict[str, float]]:
+    """Median ms of eval, training forward, backward and train of each module.
+
+    Iterations are interleaved across the modules (one step of each in turn), so
+    that the machine's noise falls on all of them alike and their ratios stay fair.
+    """
     num_bags = batches[0][1].numel() - 1
     grad = torch.randn(num_bags // args.num_features, args.num_features * args.embedding_dim)
-    forward, backward, train, evals = [], [], [], []
-    module.train()
+    times = {name: {p: [] for p in ("eval", "forward", "backward", "train")} for name in modules}
+    for module in modules.values():
+        module.train()
     for it in range(args.warmup + args.num_iterations):
         indices, offsets = batches[it % len(batches)]
-        t0 = time.perf_counter()
-        out = module(indices, offsets)
-        t1 = time.perf_counter()
-        out.backward(grad)
-        t2 = time.perf_counter()
-        if it >= args.warmup:
-            forward.append(t1 - t0)
-            backward.append(t2 - t1)
-            train.append(t2 - t0)
-    module.eval()
+        for name, module in modules.items():
+            t0 = time.perf_counter()
+            out = module(indices, offsets)
+            t1 = time.perf_counter()
+            out.backward(grad)
+            t2 = time.perf_counter()
+            del out
+            if it >= args.warmup:
+                times[name]["forward"].append(t1 - t0)
+                times[name]["backward"].append(t2 - t1)
+                times[name]["train"].append(t2 - t0)
+    for module in modules.values():
+        module.eval()
     with torch.no_grad():
         for it in range(args.warmup + args.num_iterations):
             indices, offsets = batches[it % len(batches)]
-            t0 = time.perf_counter()
-            module(indices, offsets)
-            if it >= args.warmup:
-                evals.append(time.perf_counter() - t0)
-    ms = lambda xs: round(statistics.median(xs) * 1e3, 3)  # noqa: E731
-    return {"eval": ms(evals), "forward": ms(forward), "backward": ms(backward), "train": ms(train)}
+            for name, module in modules.items():
+                t0 = time.perf_counter()
+                module(indices, offsets)
+                if it >= args.warmup:
+                    times[name]["eval"].append(time.perf_counter() - t0)
+    return {name: {p: round(statistics.median(xs) * 1e3, 3) for p, xs in phases.items()}
+            for name, phases in times.items()}
 
 
 def describe(args, batch_size, num_embeddings, optimizer, caching, device_bytes) -> Dict:
@@ -167,18 +178,24 @@ def describe(args, batch_size, num_embeddings, optimizer, caching, device_bytes)
 
 
 def run_config(args, batch_size: int, num_embeddings: int, optimizer: str) -> List[Dict]:
-    """The all-resident row, then one row per cache fraction (same batches, same
-    TorchRec timings: its static table has no cache)."""
+    """The all-resident row, then one row per cache fraction; TorchRec's static table
+    (no cache) and every dynamic layout are timed together, interleaved."""
     batches = make_batches(args, batch_size, num_embeddings)
-    static = make_torchrec(args, num_embeddings, optimizer)
-    t_static = time_module(static, batches, args) if static is not None else None
-    del static
     touched = torch.cat([ids for ids, _ in batches]).unique().numel()
+    modules: Dict[str, torch.nn.Module] = {}
+    static = make_torchrec(args, num_embeddings, optimizer)
+    if static is not None:
+        modules["torchrec"] = static
+    layouts = {None: None}
+    for fraction in args.cache_fractions:
+        layouts[fraction] = max(16, int(fraction * touched))
+    for fraction, cache_rows in layouts.items():
+        modules[fraction] = make_dynamicemb(args, num_embeddings, optimizer, cache_rows)
+    timed = time_modules(modules, batches, args)
+    t_static = timed.get("torchrec")
     rows = []
-    for fraction in [None] + list(args.cache_fractions):
-        cache_rows = None if fraction is None else max(16, int(fraction * touched))
-        dynamic = make_dynamicemb(args, num_embeddings, optimizer, cache_rows)
-        t_dynamic = time_module(dynamic, batches, args)
+    for fraction, cache_rows in layouts.items():
+        dynamic, t_dynamic = modules[fraction], timed[fraction]
         device_bytes = (num_embeddings * row_bytes(args, optimizer) if cache_rows is None
                         else cache_rows * row_bytes(args, optimizer))
         row = describe(args, batch_size, num_embeddings, optimizer, fraction is not None,
@@ -192,10 +209,8 @@ def run_config(args, batch_size: int, num_embeddings: int, optimizer: str) -> Li
         row["dynamicemb_table_bytes"] = sum(dynamic._groups[0].table.memory_bytes().values())
         row["train_ratio(dynamicemb/torchrec)"] = (
             round(t_dynamic["train"] / t_static["train"], 3) if t_static else None)
-        resident = rows[0]["train(dynamicemb)"] if rows else t_dynamic["train"]
-        row["train_ratio(vs all-resident)"] = round(t_dynamic["train"] / resident, 3)
+        row["train_ratio(vs all-resident)"] = round(t_dynamic["train"] / timed[None]["train"], 3)
         rows.append(row)
-        del dynamic
     return rows
 
 

@@ -153,7 +153,6 @@ namespace {
 struct UpsertArgs {
   const int64_t* keys;
   const int16_t* tids;
-  const uint64_t* hashes;
   const uint64_t* given;  // nullptr unless CUSTOMIZED
   bool evicts;
   bool can_grow;
@@ -169,15 +168,15 @@ struct UpsertArgs {
 // slot offset that held the key a moment ago (or -1): checked, never trusted.
 template <class Rule>
 void upsert_one(const TableView& v, const UpsertArgs& a, const Rule& rule, int64_t i,
-                int64_t b, int hint, std::vector<uint8_t>& blocked,
+                uint64_t h, int hint, std::vector<uint8_t>& blocked,
                 std::vector<int64_t>& deferred) {
+  const int64_t b = bucket_of(h, v.num_buckets);
   if (blocked[b]) {
     a.status[i] = kDeferred;
     deferred.push_back(i);
     return;
   }
   const int64_t base = b * v.bc;
-  const uint64_t h = a.hashes[i];
   const uint64_t given = a.given ? a.given[i] : 0;
   uint64_t* occupied = v.occupied_of(b);
   uint64_t* pinned = v.pinned_of(b);
@@ -236,18 +235,18 @@ constexpr int kAhead = 16;
 
 template <class Rule>
 void upsert_owned(const TableView& v, const UpsertArgs& a, const Rule& rule,
-                  const std::vector<int64_t>& mine, std::vector<uint8_t>& blocked,
-                  std::vector<int64_t>& deferred) {
+                  const std::vector<int64_t>& mine, const std::vector<uint64_t>& hash,
+                  std::vector<uint8_t>& blocked, std::vector<int64_t>& deferred) {
   const int64_t m = static_cast<int64_t>(mine.size());
   int hints[2 * kAhead];
   for (int64_t q = 0; q < m + 2 * kAhead; ++q) {
     if (q < m) {
-      const uint64_t h = a.hashes[mine[q]];
+      const uint64_t h = hash[q];
       prefetch(v.digests + bucket_of(h, v.num_buckets) * v.bc + start_offset(h, v.bc));
     }
     const int64_t r = q - kAhead;
     if (r >= 0 && r < m) {
-      const uint64_t h = a.hashes[mine[r]];
+      const uint64_t h = hash[r];
       const int64_t base = bucket_of(h, v.num_buckets) * v.bc;
       const int j = next_digest_match(v.digests + base, v.bc, digest_of(h), start_offset(h, v.bc));
       hints[r % (2 * kAhead)] = j;
@@ -259,13 +258,12 @@ void upsert_owned(const TableView& v, const UpsertArgs& a, const Rule& rule,
     }
     const int64_t p = q - 2 * kAhead;
     if (p >= 0) {
-      const int64_t i = mine[p];
-      upsert_one(v, a, rule, i, bucket_of(a.hashes[i], v.num_buckets),
-                 hints[p % (2 * kAhead)], blocked, deferred);
+      upsert_one(v, a, rule, mine[p], hash[p], hints[p % (2 * kAhead)], blocked, deferred);
     }
   }
 }
 
+// Each thread hashes the pending keys as it partitions them: no separate pass.
 template <class Rule>
 std::vector<int64_t> upsert_all(const TableView& v, const UpsertArgs& a, const Rule& rule,
                                 const int64_t* pending, int64_t npending) {
@@ -276,12 +274,19 @@ std::vector<int64_t> upsert_all(const TableView& v, const UpsertArgs& a, const R
   {
     const int t = omp_get_thread_num();
     const int nt = omp_get_num_threads();
-    std::vector<int64_t> mine;  // this thread's keys, in input order
+    std::vector<int64_t> mine;  // this thread's keys, in input order, and their hashes
+    std::vector<uint64_t> hash;
     mine.reserve(npending / nt + 16);
+    hash.reserve(npending / nt + 16);
     for (int64_t p = 0; p < npending; ++p) {
-      if (bucket_of(a.hashes[pending[p]], v.num_buckets) % nt == t) mine.push_back(pending[p]);
+      const int64_t i = pending[p];
+      const uint64_t h = hash_key(a.keys[i], a.tids[i]);
+      if (bucket_of(h, v.num_buckets) % nt == t) {
+        mine.push_back(i);
+        hash.push_back(h);
+      }
     }
-    upsert_owned(v, a, rule, mine, blocked, deferred[t]);
+    upsert_owned(v, a, rule, mine, hash, blocked, deferred[t]);
   }
   std::vector<int64_t> merged;
   for (auto& d : deferred) merged.insert(merged.end(), d.begin(), d.end());
@@ -300,14 +305,12 @@ T* optional_ptr(const at::Tensor& t) {
 // outputs) at the pending positions; returns the deferred positions (sorted).
 // rule: 0 clock (score = now), 1 count (LFU, adds given), 2 given (CUSTOMIZED).
 at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
-                  const at::Tensor& tids, const at::Tensor& hashes,
-                  const c10::optional<at::Tensor>& given, int64_t rule, int64_t now,
+                  const at::Tensor& tids, const c10::optional<at::Tensor>& given, int64_t rule, int64_t now,
                   bool evicts, bool can_grow, const at::Tensor& pending,
                   at::Tensor& slots, at::Tensor& status,
                   const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys,
                   at::Tensor& ev_tids, at::Tensor& ev_scores) {
   check_batch(keys, tids);
-  check_tensor(hashes, at::kLong, "hashes");
   check_tensor(pending, at::kLong, "pending");
   check_tensor(slots, at::kLong, "slots");
   check_tensor(status, at::kChar, "status");
@@ -315,7 +318,6 @@ at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Ten
   UpsertArgs a;
   a.keys = keys.data_ptr<int64_t>();
   a.tids = tids.data_ptr<int16_t>();
-  a.hashes = reinterpret_cast<const uint64_t*>(hashes.data_ptr<int64_t>());
   a.given = given.has_value() ? optional_ptr<const uint64_t>(*given) : nullptr;
   a.evicts = evicts;
   a.can_grow = can_grow;

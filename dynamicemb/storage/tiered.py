@@ -219,15 +219,20 @@ class TieredStorage:
         host store, victims are written back. Returns (slots (-1: not there), fresh).
 
         A cache takes the batch's hits first (pinned before any miss picks a victim),
-        then at most as many misses as it has room for, hottest first: the others
-        could only fail, each after scanning a full bucket."""
+        then its misses; when they would not all fit in free slots, only misses that
+        occur more than once in the batch, hottest first, at most as many as there is
+        room for. Under
+        a power law most keys of a batch are seen once: promoting them would only push
+        out rows that come back, and cost a copy in and a write-back each. The rest
+        are read and updated where they are, in the host store."""
         tier = self.device_tier
         order = None
         if self.promote:
             hit = tier.find(keys, tids) >= 0
             room = tier.capacity() - int(hit.sum())
             misses = (~hit).nonzero().squeeze(1)
-            if misses.numel() > room:
+            if misses.numel() > tier.capacity() - tier.size():  # promoting would evict
+                misses = misses[counts[misses] > 1]
                 hottest = torch.argsort(counts[misses], descending=True, stable=True)
                 misses = misses[hottest[:max(room, 0)]]
             order = torch.cat([hit.nonzero().squeeze(1), misses])

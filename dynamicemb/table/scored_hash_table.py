@@ -615,7 +615,6 @@ class ScoredHashTable:
     def _run_passes(self, keys, tids, given, now) -> dict:
         """Inserting passes; between passes the table grows for deferred keys."""
         n = keys.numel()
-        hashes = self._ops.hash_keys(keys, tids)
         out = {
             "slots": torch.empty(n, dtype=torch.int64, device=self.device),
             "status": torch.empty(n, dtype=torch.int8, device=self.device),
@@ -628,7 +627,7 @@ class ScoredHashTable:
         while True:
             can_grow = self._num_buckets < self._max_num_buckets
             deferred = self._ops.upsert(
-                self._meta, self.bucket_capacity, keys, tids, hashes, given,
+                self._meta, self.bucket_capacity, keys, tids, given,
                 self._policy.rule, now, self._policy.evicts, can_grow, pending,
                 out["slots"], out["status"], out["prev_scores"],
                 out["ev_keys"], out["ev_tids"], out["ev_scores"],
@@ -637,7 +636,8 @@ class ScoredHashTable:
                 return out
             self._grow()
             done = out["status"] <= _EVICTED_AND_INSERTED
-            bucket = torch.bitwise_and(hashes[done], self._num_buckets - 1)
+            hashes = self._ops.hash_keys(keys[done], tids[done])
+            bucket = torch.bitwise_and(hashes, self._num_buckets - 1)
             out["slots"][done] = bucket * self.bucket_capacity + out["slots"][done] % self.bucket_capacity
             pending = deferred
 
