@@ -11,7 +11,8 @@ Per iteration: ``forward`` (training forward), ``backward`` (backward with the
 fused optimizer), ``train`` (both), and ``eval`` (no-grad forward in eval mode);
 each reported as the median over iterations, in milliseconds. All modules of a
 configuration (TorchRec's, the all-resident dynamic table, each cache size) step
-in turn, iteration by iteration, so noise falls on all of them alike.
+in turn, iteration by iteration, so noise falls on all of them alike; large
+buffers come from the heap for all of them (see ``same_allocator_for_all``).
 
 Example::
 
@@ -20,6 +21,7 @@ Example::
 """
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -247,6 +249,22 @@ def plot(rows: List[Dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def same_allocator_for_all() -> bool:
+    """Large buffers come from the heap and stay there (glibc: no mmap, no trim).
+
+    Otherwise whether a module's fresh 32 MB output costs ~8,000 page faults depends
+    on the allocation history of the whole process: TorchRec's table paid them in
+    some runs and not in others (2x on its times), while dynamicemb recycles its
+    outputs and never does. Returns False where mallopt is not available.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[65536])
@@ -264,6 +282,7 @@ def main() -> None:
     parser.add_argument("--distinct_batches", type=int, default=8)
     parser.add_argument("--out", default="benchmark/out/batched_dynamicemb_tables")
     args = parser.parse_args()
+    heap_only = same_allocator_for_all()
 
     rows = []
     for optimizer in args.optimizers:
@@ -273,6 +292,7 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     meta = {"threads": torch.get_num_threads(), "torch": torch.__version__,
+            "heap_only_allocator": heap_only,
             "machine": platform.machine(), "device": "cpu", "unit": "ms, median",
             "argv": vars(args)}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -299,6 +299,9 @@ class TieredStorage:
     def _count(self, field: str, tids: torch.Tensor) -> None:
         if tids.numel() == 0:
             return
+        if len(self.metrics) == 1:
+            setattr(self.metrics[0], field, getattr(self.metrics[0], field) + tids.numel())
+            return
         counts = torch.bincount(tids.long(), minlength=len(self.metrics)).tolist()
         for m, c in zip(self.metrics, counts):
             setattr(m, field, getattr(m, field) + c)
