@@ -232,8 +232,12 @@ def plot(rows: List[Dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     phases = ["eval", "forward", "backward", "train"]
-    fig, axes = plt.subplots(1, len(rows), figsize=(4.5 * len(rows), 3.6), squeeze=False)
-    for ax, r in zip(axes[0], rows):
+    cols = min(3, len(rows))
+    grid_rows = (len(rows) + cols - 1) // cols
+    fig, axes = plt.subplots(grid_rows, cols, figsize=(4.5 * cols, 3.4 * grid_rows), squeeze=False)
+    for ax in axes.flat[len(rows):]:
+        ax.axis("off")
+    for ax, r in zip(axes.flat, rows):
         xs = range(len(phases))
         static = [r[f"{p}(torchrec)"] or 0 for p in phases]
         dynamic = [r[f"{p}(dynamicemb)"] for p in phases]

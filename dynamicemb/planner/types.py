@@ -1,0 +1,134 @@
+"""Plan-side types: constraints that mark a table dynamic, and the parameter sharding
+that carries its options to the sharded module."""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.types import ParameterSharding, ShardingType
+
+from dynamicemb.options import DynamicEmbTableOptions
+
+__all__ = [
+    "DYNAMICEMB_OPTIONS_KEY",
+    "DYNAMIC_SHARDING_TYPES",
+    "DynamicEmbOptionsRef",
+    "DynamicEmbParameterConstraints",
+    "DynamicEmbParameterSharding",
+    "to_dynamic_sharding",
+]
+
+# Fused-param key under which a dynamic table's options reach its kernel.
+DYNAMICEMB_OPTIONS_KEY = "dynamicemb_options"
+CUSTOMIZED_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+DYNAMIC_SHARDING_TYPES = (ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value)
+
+
+class DynamicEmbOptionsRef:
+    """A dynamic table's options as a fused-param value.
+
+    TorchRec groups a sharding's tables by their fused params, which must therefore
+    be hashable. Every reference compares equal to every other, so all dynamic tables
+    of a sharding land in one kernel, which groups them physically by their options
+    (``BatchedDynamicEmbeddingTables``).
+    """
+
+    __slots__ = ("options",)
+
+    def __init__(self, options: DynamicEmbTableOptions) -> None:
+        self.options = options
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DynamicEmbOptionsRef)
+
+    def __hash__(self) -> int:
+        return hash(DynamicEmbOptionsRef)
+
+    def __repr__(self) -> str:
+        return f"DynamicEmbOptionsRef({self.options!r})"
+
+
+def _check_sharding_type(sharding_type: str, table: str = "") -> None:
+    if sharding_type == ShardingType.DATA_PARALLEL.value:
+        raise ValueError(
+            f"dynamic table {table!r} cannot be data_parallel: a hash table grows per rank "
+            f"and cannot be replicated; use one of {list(DYNAMIC_SHARDING_TYPES)}")
+    if sharding_type not in DYNAMIC_SHARDING_TYPES:
+        raise ValueError(
+            f"dynamic table {table!r}: sharding type {sharding_type!r} is not supported; "
+            f"use one of {list(DYNAMIC_SHARDING_TYPES)}")
+
+
+@dataclass
+class DynamicEmbParameterSharding(ParameterSharding):
+    """``ParameterSharding`` of a dynamic table (``compute_kernel="customized_kernel"``).
+
+    Args:
+        dynamicemb_options: the table's options. ``dim`` must equal the table's
+            ``embedding_dim``; ``max_capacity`` is replaced on each rank by its share
+            of the table's ``num_embeddings`` (the global capacity).
+    """
+
+    dynamicemb_options: Optional[DynamicEmbTableOptions] = None
+
+    def __post_init__(self) -> None:
+        if self.dynamicemb_options is None:
+            raise ValueError("DynamicEmbParameterSharding needs dynamicemb_options")
+        if self.compute_kernel != CUSTOMIZED_KERNEL:
+            raise ValueError(
+                f"dynamic tables use compute_kernel={CUSTOMIZED_KERNEL!r}, got {self.compute_kernel!r}")
+        _check_sharding_type(self.sharding_type)
+
+    def get_additional_fused_params(self) -> Dict[str, Any]:
+        """What TorchRec merges into this table's fused params (customized kernels only)."""
+        return {DYNAMICEMB_OPTIONS_KEY: DynamicEmbOptionsRef(self.dynamicemb_options)}
+
+
+def to_dynamic_sharding(
+    sharding: ParameterSharding, options: DynamicEmbTableOptions
+) -> DynamicEmbParameterSharding:
+    """Turns a table's ``ParameterSharding`` (from a planner or the
+    ``torchrec.distributed.sharding_plan`` helpers) into a dynamic one with the same
+    placement.
+
+    Example::
+
+        plan = construct_module_sharding_plan(ebc, {"t": row_wise()}, world_size=2, ...)
+        plan["t"] = to_dynamic_sharding(plan["t"], DynamicEmbTableOptions(dim=16, max_capacity=1 << 20))
+    """
+    fields = {f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)}
+    fields["compute_kernel"] = CUSTOMIZED_KERNEL
+    return DynamicEmbParameterSharding(**fields, dynamicemb_options=options)
+
+
+@dataclass
+class DynamicEmbParameterConstraints(ParameterConstraints):
+    """``ParameterConstraints`` that can make a table dynamic.
+
+    Args:
+        use_dynamicemb: plan the table as a dynamic (hash-table) table.
+        dynamicemb_options: its options (required with ``use_dynamicemb``).
+
+    Dynamic tables may be ``row_wise`` (ids go to the rank ``owner_rank(id, W)``)
+    or ``table_wise``; other sharding types are refused. Their ``compute_kernels``
+    are always ``["customized_kernel"]``.
+    """
+
+    use_dynamicemb: bool = False
+    dynamicemb_options: Optional[DynamicEmbTableOptions] = None
+
+    def __post_init__(self) -> None:
+        if not self.use_dynamicemb:
+            return
+        if self.dynamicemb_options is None:
+            raise ValueError("use_dynamicemb=True needs dynamicemb_options")
+        if self.sharding_types is None:
+            self.sharding_types = list(DYNAMIC_SHARDING_TYPES)
+        for sharding_type in self.sharding_types:
+            _check_sharding_type(sharding_type)
+        if self.compute_kernels not in (None, [CUSTOMIZED_KERNEL]):
+            raise ValueError(
+                f"dynamic tables use compute_kernels=[{CUSTOMIZED_KERNEL!r}], got {self.compute_kernels}")
+        self.compute_kernels = [CUSTOMIZED_KERNEL]

@@ -1,0 +1,215 @@
+"""The ``customized_kernel`` TorchRec builds for dynamic tables: a TorchRec embedding
+kernel (sequence or pooled) around ``BatchedDynamicEmbeddingTables``."""
+
+import dataclasses
+import math
+from collections import OrderedDict
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torch import nn
+from torchrec.distributed.batched_embedding_kernel import (
+    BaseBatchedEmbedding,
+    BaseBatchedEmbeddingBag,
+)
+from torchrec.distributed.embedding_types import GroupedEmbeddingConfig, ShardedEmbeddingTable
+from torchrec.distributed.utils import append_prefix
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynamicemb.batched_tables import BatchedDynamicEmbeddingTables
+from dynamicemb.options import (
+    DynamicEmbInitializerMode,
+    DynamicEmbOptimType,
+    DynamicEmbPoolingMode,
+    DynamicEmbTableOptions,
+)
+from dynamicemb.planner.types import DYNAMICEMB_OPTIONS_KEY
+from dynamicemb.shard.input_dist import owner_rank
+
+__all__ = ["DynamicEmbEmbedding", "DynamicEmbEmbeddingBag", "DynamicEmbKeyedOptimizer"]
+
+_POOLING = {
+    PoolingMode.SUM: DynamicEmbPoolingMode.SUM,
+    PoolingMode.MEAN: DynamicEmbPoolingMode.MEAN,
+    PoolingMode.NONE: DynamicEmbPoolingMode.NONE,
+}
+
+
+class DynamicEmbKeyedOptimizer(FusedOptimizer):
+    """The kernel's optimizer as TorchRec sees it (``model.fused_optimizer``).
+
+    It shares the module optimizer's ``param_groups`` (the same dicts), so an ``lr``
+    set through TorchRec takes effect in the next backward. ``step`` and
+    ``zero_grad`` have nothing to do: updates run inside backward. The optimizer
+    state lives in the hash tables' rows, not in ``state``.
+    """
+
+    def __init__(self, params: Mapping[str, nn.Parameter], param_groups: List[Dict[str, Any]]) -> None:
+        super().__init__(params, {}, param_groups)
+
+    def step(self, closure: Any = None) -> None:
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        return None
+
+
+def _rank_options(options: DynamicEmbTableOptions, table: ShardedEmbeddingTable) -> DynamicEmbTableOptions:
+    """A table's options on this rank: capacity = its share of ``num_embeddings``;
+    uniform bounds default to TorchRec's (±sqrt(1 / num_embeddings))."""
+    if options.dim != table.embedding_dim:
+        raise ValueError(
+            f"table {table.name!r}: dynamicemb_options.dim={options.dim} but "
+            f"embedding_dim={table.embedding_dim}")
+    num_shards = len(table.global_metadata.shards_metadata) if table.global_metadata else 1
+    capacity = max(table.local_rows, math.ceil(table.num_embeddings / num_shards))
+    init_capacity = None
+    if options.init_capacity is not None:
+        init_capacity = min(capacity, max(1, options.init_capacity * capacity // options.max_capacity))
+    init = options.initializer_args
+    if init.mode == DynamicEmbInitializerMode.UNIFORM:
+        init = dataclasses.replace(
+            init,
+            lower=table.get_weight_init_min() if init.lower is None else init.lower,
+            upper=table.get_weight_init_max() if init.upper is None else init.upper,
+        )
+    return dataclasses.replace(options, max_capacity=capacity, init_capacity=init_capacity,
+                               initializer_args=init)
+
+
+def _optimizer_kwargs(fused_params: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The fused params the module understands (TorchRec's and FBGEMM's names)."""
+    params = dict(fused_params or {})
+    kwargs: Dict[str, Any] = {"optimizer": DynamicEmbOptimType.of(params.get("optimizer", "exact_sgd"))}
+    for name in ("learning_rate", "eps", "beta1", "beta2", "weight_decay"):
+        if name in params:
+            kwargs[name] = float(params[name])
+    if "betas" in params:
+        kwargs["beta1"], kwargs["beta2"] = (float(b) for b in params["betas"])
+    output_dtype = params.get("output_dtype")
+    if output_dtype is not None:
+        kwargs["output_dtype"] = output_dtype.as_dtype() if hasattr(output_dtype, "as_dtype") else output_dtype
+    return kwargs
+
+
+class _DynamicEmbKernelMixin:
+    """What the sequence and pooled kernels share: building the module, the
+    placeholders TorchRec registers as ``<table>.weight``, and the fused optimizer."""
+
+    def _build(self, config: GroupedEmbeddingConfig, device: Optional[torch.device],
+               pooling: DynamicEmbPoolingMode) -> None:
+        tables = config.embedding_tables
+        options = []
+        for table in tables:
+            ref = (table.fused_params or {}).get(DYNAMICEMB_OPTIONS_KEY)
+            if ref is None:
+                raise ValueError(
+                    f"table {table.name!r} uses customized_kernel without dynamicemb options; "
+                    f"plan it with DynamicEmbeddingShardingPlanner or to_dynamic_sharding")
+            options.append(_rank_options(ref.options, table))
+        if device is not None and device.type == "meta":
+            device = None
+        self._emb_module = BatchedDynamicEmbeddingTables(
+            options,
+            table_names=[t.name for t in tables],
+            feature_table_map=self._feature_table_map,
+            pooling_mode=pooling,
+            device=device,
+            **_optimizer_kwargs(config.fused_params),
+        )
+        self._rank = dist.get_rank(self._pg) if self._pg is not None else 0
+        self._num_shards = {
+            t.name: len(t.global_metadata.shards_metadata) if t.global_metadata else 1 for t in tables}
+        placeholders = dict(self._emb_module.named_parameters_by_table())
+        for p in placeholders.values():
+            # keeps dense optimizers (in_backward_optimizer_filter) away from them
+            p._in_backward_optimizers = [EmptyFusedOptimizer()]
+        self._placeholders: Dict[str, nn.Parameter] = placeholders
+        self._optim = DynamicEmbKeyedOptimizer(
+            {f"{name}.weight": p for name, p in placeholders.items()},
+            self._emb_module.optimizer.param_groups,
+        )
+
+    @property
+    def emb_module(self) -> BatchedDynamicEmbeddingTables:
+        return self._emb_module
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        return self._optim
+
+    def owns(self, table_name: str, keys: torch.Tensor) -> torch.Tensor:
+        """(n,) bool: which of ``keys`` (n,) int64 this rank stores for the table."""
+        num_shards = self._num_shards[table_name]
+        if num_shards == 1:
+            return torch.ones(keys.shape, dtype=torch.bool)
+        return owner_rank(keys, num_shards) == self._rank
+
+    def split_embedding_weights(self) -> List[torch.Tensor]:
+        return list(self._placeholders.values())
+
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
+        # Hash-table rows are not dense tensors; dump them with export_keys_values.
+        return destination if destination is not None else OrderedDict()
+
+    def named_parameters_by_table(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        yield from self._placeholders.items()
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        for name, p in self._placeholders.items():
+            yield append_prefix(prefix, f"{name}.weight"), p
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+        yield from ()
+
+    def flush(self) -> None:
+        self._emb_module.flush()
+
+    def purge(self) -> None:
+        pass
+
+
+class DynamicEmbEmbedding(_DynamicEmbKernelMixin, BaseBatchedEmbedding[torch.Tensor], FusedOptimizerModule):
+    """Sequence (EmbeddingCollection) kernel of dynamic tables.
+
+    ``features`` carry raw ids; weights, when present, are the occurrence counts of
+    ids deduplicated before the all-to-all (passed on as ``frequencies``).
+
+    Shape:
+        forward(features) -> (number of ids, dim).
+    """
+
+    def __init__(self, config: GroupedEmbeddingConfig, pg: Optional[dist.ProcessGroup] = None,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__(config, pg, device)
+        self._build(config, device, DynamicEmbPoolingMode.NONE)
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        counts = features.weights_or_none()
+        frequencies = None if counts is None else counts.round().to(torch.int64)
+        return self._emb_module(features.values(), features.offsets(), frequencies=frequencies)
+
+
+class DynamicEmbEmbeddingBag(_DynamicEmbKernelMixin, BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerModule):
+    """Pooled (EmbeddingBagCollection) kernel of dynamic tables. Row-wise MEAN pools
+    SUM here; TorchRec divides after the reduce-scatter.
+
+    Shape:
+        forward(features) -> (batch, sum of local feature dims).
+    """
+
+    def __init__(self, config: GroupedEmbeddingConfig, pg: Optional[dist.ProcessGroup] = None,
+                 device: Optional[torch.device] = None, sharding_type: Optional[str] = None) -> None:
+        super().__init__(config, pg, device, sharding_type)
+        self._build(config, device, _POOLING[self._pooling])
+
+    def forward(self, features: KeyedJaggedTensor, vbe_output: Optional[torch.Tensor] = None,
+                vbe_output_offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if vbe_output is not None or features.variable_stride_per_key():
+            raise NotImplementedError("dynamic tables do not support variable batch sizes (VBE)")
+        return self._emb_module(features.values(), features.offsets(), features.weights_or_none())
