@@ -261,6 +261,15 @@ void upsert_owned(const TableView& v, const UpsertArgs& a, const Rule& rule,
       upsert_one(v, a, rule, mine[p], hash[p], hints[p % (2 * kAhead)], blocked, deferred);
     }
   }
+  // Unpin this pass's slots except in buckets blocked for growth, whose pins the
+  // next pass needs (the caller unpins everything after a call that grew).
+  for (int64_t p = 0; p < m; ++p) {
+    const int64_t s = a.slots[mine[p]];
+    const int8_t st = a.status[mine[p]];
+    if (st == kDeferred || s < 0) continue;
+    const int64_t b = v.bucket_of_slot(s);
+    if (!blocked[b]) clear_bit(v.pinned_of(b), static_cast<int>(s - b * v.bc));
+  }
 }
 
 // Each thread hashes the pending keys as it partitions them: no separate pass.

@@ -571,7 +571,8 @@ class ScoredHashTable:
         self._clock += 1
         now = self._step if self.score_strategy == DynamicEmbScoreStrategy.STEP else self._clock
         out = self._run_passes(keys, tids, given, now)
-        self._ops.unpin(self._meta, self.bucket_capacity, out["slots"])
+        if out["passes"] > 1:  # a single pass unpins its own slots in the kernel
+            self._ops.unpin(self._meta, self.bucket_capacity, out["slots"])
         pending = PendingInsert(self, out, clock_before, rows, read_evicted, assign)
         failed = int((out["status"] == _FAILED).sum())
         if failed:
@@ -624,7 +625,9 @@ class ScoredHashTable:
             "ev_scores": torch.empty(n, dtype=torch.int64, device=self.device),
         }
         pending = torch.arange(n, dtype=torch.int64, device=self.device)
+        out["passes"] = 0
         while True:
+            out["passes"] += 1
             can_grow = self._num_buckets < self._max_num_buckets
             deferred = self._ops.upsert(
                 self._meta, self.bucket_capacity, keys, tids, given,

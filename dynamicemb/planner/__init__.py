@@ -1,0 +1,20 @@
+"""Planning dynamic tables with TorchRec's planner: constraints that mark them, a
+storage estimate of their hash tables, and plans that carry their options."""
+
+from dynamicemb.planner.estimators import DynamicEmbPerfConfig, DynamicEmbStorageEstimator, dynamic_table_bytes
+from dynamicemb.planner.planner import DynamicEmbeddingShardingPlanner
+from dynamicemb.planner.types import (
+    DynamicEmbParameterConstraints,
+    DynamicEmbParameterSharding,
+    to_dynamic_sharding,
+)
+
+__all__ = [
+    "DynamicEmbParameterConstraints",
+    "DynamicEmbParameterSharding",
+    "DynamicEmbPerfConfig",
+    "DynamicEmbStorageEstimator",
+    "DynamicEmbeddingShardingPlanner",
+    "dynamic_table_bytes",
+    "to_dynamic_sharding",
+]

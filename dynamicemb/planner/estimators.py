@@ -1,0 +1,110 @@
+"""Planner estimators for dynamic tables: their hash tables' device and host bytes,
+and a bandwidth for ``customized_kernel`` so the perf model can rank them."""
+
+from typing import Dict, List, Optional, Tuple
+
+from torchrec.distributed.planner.estimator.config import EmbeddingPerfEstimatorConfig
+from torchrec.distributed.planner.shard_estimators import (
+    EmbeddingStorageEstimator,
+    _calculate_storage_specific_sizes,
+)
+from torchrec.distributed.planner.types import ParameterConstraints, ShardingOption, Storage, Topology
+from torchrec.distributed.types import compute_storage_usage
+
+from dynamicemb._table_group import optimizer_state_dim
+from dynamicemb.options import DynamicEmbOptimType, DynamicEmbTableOptions
+from dynamicemb.planner.types import CUSTOMIZED_KERNEL, DynamicEmbParameterConstraints
+
+__all__ = ["DynamicEmbPerfConfig", "DynamicEmbStorageEstimator", "dynamic_table_bytes"]
+
+# Per slot of the hash table: key (8), score (8), digest (1).
+_INDEX_BYTES_PER_SLOT = 17
+
+
+def dynamic_table_bytes(options: DynamicEmbTableOptions, rows: int,
+                        optimizer: DynamicEmbOptimType = DynamicEmbOptimType.EXACT_SGD) -> Tuple[int, int]:
+    """(device bytes, host bytes) of one rank's share of a dynamic table.
+
+    Args:
+        options: the table's options (tier settings, dim, optimizer override).
+        rows: the rank's capacity in rows.
+        optimizer: the module's optimizer, unless ``options.optimizer_args`` names one.
+
+    Value rows hold the embedding and the optimizer state in float32. With
+    ``local_hbm_for_values=None`` everything is in device memory; otherwise the
+    device holds that budget (a cache when ``caching``) and the host the rest (every
+    row when ``caching``) together with the index.
+    """
+    if options.optimizer_args is not None:
+        optimizer = options.optimizer_args.optimizer
+    state_dim = optimizer_state_dim(DynamicEmbOptimType.of(optimizer), options.dim) if options.training else 0
+    values = rows * (options.dim + state_dim) * 4
+    index = rows * _INDEX_BYTES_PER_SLOT
+    if options.local_hbm_for_values is None:
+        return values + index, 0
+    device = min(options.local_hbm_for_values, values)
+    host = values if options.caching else values - device
+    return device, host + index
+
+
+class DynamicEmbStorageEstimator(EmbeddingStorageEstimator):
+    """TorchRec's storage estimator, with dynamic tables charged by
+    ``dynamic_table_bytes`` instead of as dense ``rows x dim`` weights. On a CPU
+    topology device bytes are host (DDR) bytes."""
+
+    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map) -> None:
+        super().estimate(sharding_options, sharder_data_map)
+        for option in sharding_options:
+            constraint = (self._constraints or {}).get(option.name)
+            if option.compute_kernel != CUSTOMIZED_KERNEL or not isinstance(
+                    constraint, DynamicEmbParameterConstraints) or not constraint.use_dynamicemb:
+                continue
+            fused_params = sharder_data_map[option.module_type_key].fused_params or {}
+            optimizer = fused_params.get("optimizer", DynamicEmbOptimType.EXACT_SGD)
+            dense = self._dense_bytes(option, sharder_data_map)
+            on_device = self._topology.compute_device in ("cuda", "mtia")
+            for shard, (dense_hbm, dense_ddr) in zip(option.shards, dense):
+                device, host = dynamic_table_bytes(constraint.dynamicemb_options, shard.size[0], optimizer)
+                hbm = shard.storage.hbm - dense_hbm + (device if on_device else 0)
+                ddr = shard.storage.ddr - dense_ddr + host + (0 if on_device else device)
+                shard.storage = Storage(hbm=max(hbm, 0), ddr=max(ddr, 0), ssd=shard.storage.ssd)
+
+    def _dense_bytes(self, option: ShardingOption, sharder_data_map) -> List[Tuple[int, int]]:
+        """What TorchRec charged per shard for the table as a dense weight (hbm, ddr)."""
+        sharder_data = sharder_data_map[option.module_type_key]
+        usage = compute_storage_usage(option.tensor, self._topology.compute_device, option.compute_kernel,
+                                      sharder_data.storage_usage_type)
+        optimizer_class = getattr(option.tensor, "_optimizer_classes", [None])[0]
+        shard_sizes = [shard.size for shard in option.shards]
+        per_tier = [
+            _calculate_storage_specific_sizes(
+                storage=usage.get(tier, 0), shape=option.tensor.shape, shard_sizes=shard_sizes,
+                sharding_type=option.sharding_type, optimizer_class=optimizer_class,
+                is_inference=self._is_inference)
+            for tier in ("hbm", "ddr")
+        ]
+        return list(zip(*per_tier))
+
+
+class DynamicEmbPerfConfig(EmbeddingPerfEstimatorConfig):
+    """TorchRec's perf config plus a bandwidth for ``customized_kernel``: a fraction
+    of the device's memory bandwidth (hash probes are less regular than dense reads).
+
+    Args:
+        bandwidth_fraction: share of HBM (CUDA) or DDR (CPU) bandwidth.
+    """
+
+    def __init__(self, bandwidth_fraction: float = 0.5) -> None:
+        super().__init__()
+        if not 0 < bandwidth_fraction <= 1:
+            raise ValueError(f"bandwidth_fraction must be in (0, 1], got {bandwidth_fraction}")
+        self.bandwidth_fraction = bandwidth_fraction
+
+    def get_device_bw(self, compute_device: str, compute_kernel: str, hbm_mem_bw: float, ddr_mem_bw: float,
+                      ssd_mem_bw: float, hbm_to_ddr_mem_bw: float, caching_ratio: Optional[float] = None,
+                      prefetch_pipeline: bool = False) -> Optional[float]:
+        if compute_kernel == CUSTOMIZED_KERNEL:
+            on_device = compute_device in ("cuda", "mtia")
+            return self.bandwidth_fraction * (hbm_mem_bw if on_device else ddr_mem_bw)
+        return super().get_device_bw(compute_device, compute_kernel, hbm_mem_bw, ddr_mem_bw, ssd_mem_bw,
+                                     hbm_to_ddr_mem_bw, caching_ratio, prefetch_pipeline)

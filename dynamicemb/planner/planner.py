@@ -1,0 +1,99 @@
+"""``DynamicEmbeddingShardingPlanner``: TorchRec's planner, aware of dynamic tables."""
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.comm import get_local_size
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.estimator.estimator import EmbeddingPerfEstimatorFactory
+from torchrec.distributed.planner.planners import EmbeddingShardingPlanner
+from torchrec.distributed.planner.types import ParameterConstraints, Topology
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingPlan
+
+from dynamicemb.options import DynamicEmbTableOptions
+from dynamicemb.planner.estimators import DynamicEmbPerfConfig, DynamicEmbStorageEstimator
+from dynamicemb.planner.types import CUSTOMIZED_KERNEL, DynamicEmbParameterConstraints, to_dynamic_sharding
+
+__all__ = ["DynamicEmbeddingShardingPlanner"]
+
+
+def _dynamic_options(constraints: Optional[Dict[str, ParameterConstraints]]) -> Dict[str, DynamicEmbTableOptions]:
+    return {
+        name: c.dynamicemb_options
+        for name, c in (constraints or {}).items()
+        if isinstance(c, DynamicEmbParameterConstraints) and c.use_dynamicemb
+    }
+
+
+class _DynamicEmbEnumerator(EmbeddingEnumerator):
+    """Offers ``customized_kernel`` to dynamic tables only (TorchRec does not guard it)."""
+
+    def __init__(self, *args, dynamic_tables=(), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._dynamic_tables = set(dynamic_tables)
+
+    def _filter_compute_kernels(self, name: str, allowed_compute_kernels: List[str], sharding_type: str) -> List[str]:
+        kernels = super()._filter_compute_kernels(name, allowed_compute_kernels, sharding_type)
+        if name in self._dynamic_tables:
+            return [k for k in kernels if k == CUSTOMIZED_KERNEL]
+        return [k for k in kernels if k != CUSTOMIZED_KERNEL]
+
+
+class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
+    """Drop-in for TorchRec's ``EmbeddingShardingPlanner``.
+
+    Tables with ``DynamicEmbParameterConstraints(use_dynamicemb=True, ...)`` are
+    planned with the ``customized_kernel`` (row-wise or table-wise), their hash
+    tables' bytes are counted against the topology (``DynamicEmbStorageEstimator``),
+    and the plan gives them a ``DynamicEmbParameterSharding`` carrying their options.
+    Other tables are planned as TorchRec would. A topology too small raises
+    TorchRec's ``PlannerError``. Pass the dynamic sharders
+    (``dynamicemb.shard``) to ``plan``/``collective_plan`` and to DMP.
+
+    Args:
+        topology, batch_size, constraints: as TorchRec's planner (default topology:
+            this process group on CUDA if available, else CPU).
+        enumerator: default: TorchRec's enumerator with the dynamic estimators.
+        **kwargs: the other ``EmbeddingShardingPlanner`` arguments.
+
+    Example::
+
+        constraints = {"items": DynamicEmbParameterConstraints(
+            use_dynamicemb=True, sharding_types=["row_wise"],
+            dynamicemb_options=DynamicEmbTableOptions(dim=64, max_capacity=1 << 24))}
+        planner = DynamicEmbeddingShardingPlanner(topology, constraints=constraints)
+        plan = planner.collective_plan(model, sharders)
+    """
+
+    def __init__(self, topology: Optional[Topology] = None, batch_size: Optional[int] = None,
+                 enumerator=None, constraints: Optional[Dict[str, ParameterConstraints]] = None,
+                 **kwargs) -> None:
+        if topology is None:
+            topology = Topology(
+                world_size=dist.get_world_size(), local_world_size=get_local_size(),
+                compute_device="cuda" if torch.cuda.is_available() else "cpu")
+        self._dynamic_options = _dynamic_options(constraints)
+        if enumerator is None:
+            perf = EmbeddingPerfEstimatorFactory.create_with_config(
+                DynamicEmbPerfConfig(), topology=topology, constraints=constraints)
+            storage = DynamicEmbStorageEstimator(topology=topology, constraints=constraints)
+            enumerator = _DynamicEmbEnumerator(
+                topology=topology, batch_size=batch_size if batch_size is not None else 512,
+                constraints=constraints, estimator=[perf, storage],
+                dynamic_tables=self._dynamic_options)
+        super().__init__(topology=topology, batch_size=batch_size, enumerator=enumerator,
+                         constraints=constraints, **kwargs)
+
+    def plan(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> ShardingPlan:
+        """TorchRec's plan, with dynamic tables' entries as ``DynamicEmbParameterSharding``
+        (converted before ``collective_plan`` broadcasts it)."""
+        plan = super().plan(module, sharders)
+        for module_plan in plan.plan.values():
+            if not isinstance(module_plan, EmbeddingModuleShardingPlan):
+                continue
+            for name, sharding in list(module_plan.items()):
+                if name in self._dynamic_options:
+                    module_plan[name] = to_dynamic_sharding(sharding, self._dynamic_options[name])
+        return plan

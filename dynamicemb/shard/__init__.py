@@ -1,0 +1,34 @@
+"""TorchRec integration: sharders whose sharded modules run dynamic tables.
+
+Dynamic tables are marked in the plan (``DynamicEmbParameterSharding``, made by
+``DynamicEmbeddingShardingPlanner`` or ``to_dynamic_sharding``); every other table
+stays TorchRec's, in the same module.
+"""
+
+from dynamicemb.shard._common import get_dynamic_tables, import_dense_rows
+from dynamicemb.shard.embedding import (
+    DynamicEmbeddingCollectionSharder,
+    IdCounters,
+    ShardedDynamicEmbeddingCollection,
+)
+from dynamicemb.shard.embeddingbag import (
+    DynamicEmbeddingBagCollectionSharder,
+    ShardedDynamicEmbeddingBagCollection,
+)
+from dynamicemb.shard.input_dist import owner_rank, routing_hash
+from dynamicemb.shard.kernel import DynamicEmbEmbedding, DynamicEmbEmbeddingBag, DynamicEmbKeyedOptimizer
+
+__all__ = [
+    "DynamicEmbEmbedding",
+    "DynamicEmbEmbeddingBag",
+    "DynamicEmbKeyedOptimizer",
+    "DynamicEmbeddingBagCollectionSharder",
+    "DynamicEmbeddingCollectionSharder",
+    "IdCounters",
+    "ShardedDynamicEmbeddingBagCollection",
+    "ShardedDynamicEmbeddingCollection",
+    "get_dynamic_tables",
+    "import_dense_rows",
+    "owner_rank",
+    "routing_hash",
+]

@@ -1,0 +1,78 @@
+"""What the sharded EmbeddingCollection and EmbeddingBagCollection share."""
+
+from typing import Dict, Iterator, Mapping, Tuple
+
+import torch
+from torch import nn
+from torchrec.distributed.types import ParameterSharding, ShardingType
+from torchrec.optim.fused import EmptyFusedOptimizer
+
+from dynamicemb.batched_tables import BatchedDynamicEmbeddingTables
+from dynamicemb.planner.types import CUSTOMIZED_KERNEL, DYNAMIC_SHARDING_TYPES, DynamicEmbParameterSharding
+from dynamicemb.shard.kernel import DynamicEmbEmbedding, DynamicEmbEmbeddingBag
+
+_KERNELS = (DynamicEmbEmbedding, DynamicEmbEmbeddingBag)
+
+
+def check_dynamic_plan(params: Mapping[str, ParameterSharding]) -> None:
+    """Refuses plans a dynamic table cannot run (before any sharding is built)."""
+    for name, sharding in params.items():
+        if sharding.compute_kernel != CUSTOMIZED_KERNEL:
+            continue
+        if not isinstance(sharding, DynamicEmbParameterSharding):
+            raise ValueError(
+                f"table {name!r} uses customized_kernel but its ParameterSharding is a "
+                f"{type(sharding).__name__}; convert it with to_dynamic_sharding")
+        if sharding.sharding_type == ShardingType.DATA_PARALLEL.value:
+            raise ValueError(f"dynamic table {name!r} cannot be data_parallel")
+        if sharding.sharding_type not in DYNAMIC_SHARDING_TYPES:
+            raise ValueError(
+                f"dynamic table {name!r}: sharding type {sharding.sharding_type!r} is not "
+                f"supported; use one of {list(DYNAMIC_SHARDING_TYPES)}")
+
+
+def register_missing_placeholders(module: nn.Module, container: nn.ModuleDict) -> None:
+    """Gives dynamic tables not stored on this rank (table-wise elsewhere) an empty
+    ``weight``, as TorchRec's ``reset_parameters`` and state dicts expect one per table."""
+    device = module._device if module._device is not None and module._device.type != "meta" else None
+    for name, sharding in module.module_sharding_plan.items():
+        if sharding.compute_kernel == CUSTOMIZED_KERNEL and not hasattr(container[name], "weight"):
+            weight = nn.Parameter(torch.empty(0, device=device))
+            weight._in_backward_optimizers = [EmptyFusedOptimizer()]
+            container[name].register_parameter("weight", weight)
+
+
+def dynamic_kernels(module: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+    """(table name, kernel) for every dynamic table stored on this rank."""
+    for sharded in module.modules():
+        # sharded modules keep their lookups in a plain list, not as submodules
+        for lookup in getattr(sharded, "_lookups", None) or ():
+            for sub in lookup.modules():
+                if isinstance(sub, _KERNELS):
+                    for name in sub.emb_module.table_names:
+                        yield name, sub
+
+
+def get_dynamic_tables(module: nn.Module) -> Dict[str, BatchedDynamicEmbeddingTables]:
+    """The ``BatchedDynamicEmbeddingTables`` holding each dynamic table stored on this
+    rank (e.g. for ``export_keys_values``), by table name, anywhere in ``module``."""
+    return {name: kernel.emb_module for name, kernel in dynamic_kernels(module)}
+
+
+def import_dense_rows(module: nn.Module, table_name: str, weight: torch.Tensor) -> int:
+    """Copies a dense table into a sharded dynamic table: key ``i`` gets row ``i``
+    of ``weight``. Call it on every rank with the full table; each rank keeps the
+    keys it owns. Returns the number of rows imported on this rank.
+
+    Args:
+        weight (Tensor): (num_rows, dim) float32, e.g. a TorchRec table's weight.
+    """
+    imported = 0
+    for name, kernel in dynamic_kernels(module):
+        if name != table_name:
+            continue
+        keys = torch.arange(weight.shape[0], dtype=torch.int64)
+        mine = kernel.owns(table_name, keys)
+        kernel.emb_module.import_keys_values(table_name, keys[mine], weight[mine].to(torch.float32))
+        imported += int(mine.sum())
+    return imported
