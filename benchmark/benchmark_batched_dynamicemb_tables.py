@@ -23,13 +23,14 @@ Example::
 import argparse
 import ctypes
 import json
-import os
 import platform
 import statistics
 import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from _report import write_report
 
 from dynamicemb import (
     BatchedDynamicEmbeddingTables,
@@ -299,12 +300,8 @@ def main() -> None:
             "heap_only_allocator": heap_only,
             "machine": platform.machine(), "device": "cpu", "unit": "ms, median",
             "argv": vars(args)}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
     table = markdown(rows)
-    with open(args.out + ".md", "w") as f:
-        f.write(table)
+    write_report(args.out, meta, rows, table)
     plot(rows, args.out + ".png")
     print("\n" + table)
     print(f"wrote {args.out}.json, .md, .png")

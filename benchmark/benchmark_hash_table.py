@@ -20,13 +20,14 @@ Example::
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
 from typing import Callable, Dict, List
 
 import torch
+
+from _report import write_report
 
 from dynamicemb import DynamicEmbScoreStrategy, ScoredHashTable
 
@@ -156,12 +157,8 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "unit": "million keys per second (median)",
     }
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
     table = markdown(rows)
-    with open(args.out + ".md", "w") as f:
-        f.write(table)
+    write_report(args.out, meta, rows, table)
     print(f"\n{json.dumps(meta)}\n\n{table}")
 
 
