@@ -11,5 +11,9 @@ def test_dynamic_tables_train_like_native_tables(optimizer):
     run_distributed(workers.twin_models, 2, optimizer)
 
 
-def test_debug_rows_and_dedup_counters():
-    run_distributed(workers.debug_init_and_dedup, 2)
+def test_debug_rows_dedup_counters_and_planned_model():
+    run_distributed(workers.debug_init_dedup_and_planner, 2)
+
+
+def test_single_rank():
+    run_distributed(workers.twin_models, 1, "sgd", 2)

@@ -239,3 +239,43 @@ def debug_init_and_dedup(rank: int, world_size: int) -> None:
     mine = {k: c for k, c in expected_counts.items()
             if int(owner_rank(torch.tensor([k]), world_size)) == rank}
     assert dict(zip(rows.keys.tolist(), rows.scores.tolist())) == mine
+
+
+def planned_model(rank: int, world_size: int) -> None:
+    """collective_plan with dynamic constraints, then DMP trains: dynamic and static
+    tables side by side, the fused optimizer lists both."""
+    from torchrec.distributed.planner import ParameterConstraints, Topology
+
+    from dynamicemb.planner import DynamicEmbeddingShardingPlanner, DynamicEmbParameterConstraints
+
+    model = TwinModel()
+    constraints = {}
+    for tables in (EC_TABLES, EBC_TABLES):
+        for name, (rows, dim, _, st) in tables.items():
+            if st is None:
+                constraints[name] = ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["fused"])
+            else:
+                constraints[name] = DynamicEmbParameterConstraints(
+                    use_dynamicemb=True, sharding_types=[st],
+                    dynamicemb_options=DynamicEmbTableOptions(dim=dim, max_capacity=rows))
+    fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
+    sharders = [DynamicEmbeddingCollectionSharder(fused_params=fused),
+                DynamicEmbeddingBagCollectionSharder(fused_params=fused)]
+    topology = Topology(world_size=world_size, local_world_size=world_size, compute_device="cpu")
+    planner = DynamicEmbeddingShardingPlanner(topology, batch_size=4, constraints=constraints)
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(model, plan=plan, sharders=sharders, device=CPU)
+    params = set(dmp.fused_optimizer.params)
+    assert {"ec.embeddings.ec_rw.weight", "ec.embeddings.ec_static.weight"} <= params
+    for step in range(2):
+        ec, ebc = _batch(step, rank)
+        loss = _loss(*dmp(ec, ebc))
+        loss.backward()
+        assert torch.isfinite(loss)
+    tables = get_dynamic_tables(dmp)
+    assert tables["ec_rw"].table_size("ec_rw") > 0
+
+
+def debug_init_dedup_and_planner(rank: int, world_size: int) -> None:
+    debug_init_and_dedup(rank, world_size)
+    planned_model(rank, world_size)

@@ -1,0 +1,176 @@
+"""Sharded EmbeddingCollection: TorchRec's static tables vs one dynamic table, with
+and without id dedup before the all-to-all, in one run (``torchrun``, gloo on CPU).
+
+Reproduces the upstream table "Benchmark EmbeddingCollection" (dedup on/off x
+TorchRec raw table / dynamic table, ms per training iteration). The model is the
+26 Criteo categorical features (HugeCTR's Criteo table sizes), multi-hot, dim 128:
+
+- TorchRec column: 26 static tables (FUSED kernel, FBGEMM TBE), row-wise.
+- dynamic column: the 26 features fused into one dynamic table (feature ``i`` uses
+  ids ``offset_i + id``), row-wise, capacity = the sum of the 26 sizes.
+
+Both use SGD. Dedup on uses ``DynamicEmbeddingCollectionSharder(use_index_dedup=True)``
+for both columns: TorchRec's own EC dedup calls ``fbgemm::jagged_unique_indices``,
+which has no CPU kernel. Ids of feature ``i`` are ``floor(size_i * u**3)`` with
+``u ~ U(0, 1)`` (skewed toward small ids, so batches repeat ids). Every iteration
+steps the four modules in turn (interleaved, same batch), so noise falls on all of
+them alike; each cell is the median over iterations of the slowest rank.
+
+Example::
+
+    torchrun --nproc_per_node 2 benchmark/benchmark_embedding_collection.py --batch_size 8192
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+from torchrec import EmbeddingCollection, EmbeddingConfig
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+from torchrec.distributed.types import ShardingPlan
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from _report import write_report
+
+from dynamicemb import DynamicEmbTableOptions
+from dynamicemb.planner import to_dynamic_sharding
+from dynamicemb.shard import DynamicEmbeddingCollectionSharder
+
+CRITEO_SIZES = [203931, 18598, 14092, 7012, 18977, 4, 6385, 1245, 49, 186213, 71328, 67288, 11,
+                2168, 7338, 61, 4, 932, 15, 204515, 141526, 199433, 60919, 9137, 71, 34]
+FEATURES = [f"cat_{i}" for i in range(len(CRITEO_SIZES))]
+DEDUP = {"on": True, "off": False}
+KINDS = ["torchrec", "dynamic"]
+
+
+class Model(nn.Module):
+    def __init__(self, ec: EmbeddingCollection) -> None:
+        super().__init__()
+        self.ec = ec
+
+    def forward(self, features: KeyedJaggedTensor):
+        return self.ec(features)
+
+
+def build(kind: str, dedup: bool, dim: int, world_size: int) -> DistributedModelParallel:
+    meta = torch.device("meta")
+    sharder = DynamicEmbeddingCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01}, use_index_dedup=dedup)
+    if kind == "torchrec":
+        tables = [EmbeddingConfig(name=f"t_{f}", num_embeddings=n, embedding_dim=dim, feature_names=[f])
+                  for f, n in zip(FEATURES, CRITEO_SIZES)]
+    else:
+        tables = [EmbeddingConfig(name="criteo", num_embeddings=sum(CRITEO_SIZES), embedding_dim=dim,
+                                  feature_names=FEATURES)]
+    ec = EmbeddingCollection(tables=tables, device=meta)
+    plan = construct_module_sharding_plan(ec, {t.name: row_wise(compute_kernel="fused") for t in tables},
+                                          sharder=sharder, local_size=world_size, world_size=world_size,
+                                          device_type="cpu")
+    if kind == "dynamic":
+        plan["criteo"] = to_dynamic_sharding(
+            plan["criteo"], DynamicEmbTableOptions(dim=dim, max_capacity=sum(CRITEO_SIZES)))
+    return DistributedModelParallel(Model(ec), plan=ShardingPlan({"ec": plan}), sharders=[sharder],
+                                    device=torch.device("cpu"))
+
+
+def make_batch(batch_size: int, hotness: int, generator: torch.Generator, fused_ids: bool) -> KeyedJaggedTensor:
+    """``hotness`` ids per sample and feature; dynamic: feature i's ids shifted by offset_i."""
+    sizes = torch.tensor(CRITEO_SIZES, dtype=torch.float64)
+    u = torch.rand(len(FEATURES), batch_size * hotness, generator=generator, dtype=torch.float64)
+    ids = (sizes[:, None] * u ** 3).long().clamp_max_((sizes - 1).long()[:, None])
+    if fused_ids:
+        offsets = torch.tensor([0] + CRITEO_SIZES[:-1]).cumsum(0)
+        ids = ids + offsets[:, None]
+    lengths = torch.full((len(FEATURES) * batch_size,), hotness, dtype=torch.int64)
+    return KeyedJaggedTensor(keys=FEATURES, values=ids.reshape(-1), lengths=lengths)
+
+
+def train_step(dmp: DistributedModelParallel, batch: KeyedJaggedTensor) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    out = dmp(batch)
+    loss = sum(out[f].values().sum() for f in FEATURES)
+    loss.backward()
+    dmp.fused_optimizer.step()
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed) * 1e3
+
+
+def parse_choice(value: str) -> List[str]:
+    value = value.lower()
+    if value in ("both", "all"):
+        return ["on", "off"]
+    return ["on"] if value in ("true", "1", "on", "yes") else ["off"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--use_index_dedup", default="both", help="true, false or both")
+    parser.add_argument("--use_dynamic_embedding", default="both",
+                        help="true (dynamic column only), false (TorchRec column only) or both")
+    parser.add_argument("--batch_size", type=int, default=8192, help="per rank")
+    parser.add_argument("--hotness", type=int, default=2, help="ids per sample and feature")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--out", default="benchmark/out/embedding_collection")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dynamic_choice = parse_choice(args.use_dynamic_embedding)
+    kinds = [k for k, choice in zip(KINDS, ["off", "on"]) if choice in dynamic_choice]
+    cells = [(d, k) for d in parse_choice(args.use_index_dedup) for k in kinds]
+    models = {cell: build(cell[1], DEDUP[cell[0]], args.dim, world_size) for cell in cells}
+    generator = torch.Generator().manual_seed(1234 + rank)
+    times: Dict[tuple, List[float]] = {cell: [] for cell in cells}
+    ids_sent: Dict[tuple, int] = {}
+    for it in range(args.warmup + args.iterations):
+        state = generator.get_state()
+        for cell, dmp in models.items():
+            generator.set_state(state)  # the same ids for every module
+            batch = make_batch(args.batch_size, args.hotness, generator, fused_ids=cell[1] == "dynamic")
+            elapsed = train_step(dmp, batch)
+            if it >= args.warmup:
+                times[cell].append(elapsed)
+    for cell, dmp in models.items():
+        counters = dmp.module.ec.id_counters
+        ids_sent[cell] = int(sum(int(s.sum()) for s in counters.sent.values()))
+    if rank == 0:
+        report(args, world_size, cells, times, ids_sent)
+    dist.destroy_process_group()
+
+
+def report(args, world_size: int, cells, times, ids_sent) -> None:
+    rows = [{"use_index_dedup": DEDUP[d], "table": k, "ms_per_iteration": statistics.median(times[(d, k)]),
+             "ids_sent_by_rank0_all_iterations": ids_sent[(d, k)]} for d, k in cells]
+    meta = {"world_size": world_size, "backend": "gloo", "device": "cpu", "batch_size_per_rank": args.batch_size,
+            "hotness": args.hotness, "dim": args.dim, "features": len(FEATURES), "iterations": args.iterations,
+            "warmup": args.warmup, "threads_per_rank": torch.get_num_threads(), "torch": torch.__version__,
+            "machine": platform.machine(), "processor": platform.processor()}
+    by_cell = {(r["use_index_dedup"], r["table"]): r["ms_per_iteration"] for r in rows}
+    lines = [f"EmbeddingCollection, {world_size} ranks (gloo, CPU), batch {args.batch_size}/rank, "
+             f"26 features x {args.hotness} ids, dim {args.dim}, SGD; ms per training iteration (median)", "",
+             "| use_index_dedup | TorchRec raw table | dynamic table |", "|---|---|---|"]
+    for d in ("on", "off"):
+        if any((DEDUP[d], k) in by_cell for k in KINDS):
+            cols = [f"{by_cell[(DEDUP[d], k)]:.1f}" if (DEDUP[d], k) in by_cell else "-" for k in KINDS]
+            lines.append(f"| {DEDUP[d]} | " + " | ".join(cols) + " |")
+    table = "\n".join(lines) + "\n"
+    print(table)
+    write_report(args.out, meta, rows, table)
+    print(f"wrote {args.out}.json and {args.out}.md")
+
+
+if __name__ == "__main__":
+    main()

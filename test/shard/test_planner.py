@@ -1,0 +1,108 @@
+"""The planner counts dynamic tables' hash-table bytes and emits dynamic shardings."""
+
+import pickle
+
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.types import PlannerError
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel
+from torch import nn
+
+from dynamicemb import DynamicEmbTableOptions
+from dynamicemb.planner import (
+    DynamicEmbeddingShardingPlanner,
+    DynamicEmbParameterConstraints,
+    DynamicEmbParameterSharding,
+    dynamic_table_bytes,
+    to_dynamic_sharding,
+)
+from dynamicemb.shard import DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder
+
+MiB = 1 << 20
+ROWS, DIM = 1 << 20, 4
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        meta = torch.device("meta")
+        self.ec = EmbeddingCollection(tables=[
+            EmbeddingConfig(name="big", num_embeddings=ROWS, embedding_dim=DIM, feature_names=["f"]),
+            EmbeddingConfig(name="small", num_embeddings=1000, embedding_dim=DIM, feature_names=["g"])], device=meta)
+        self.ebc = EmbeddingBagCollection(tables=[
+            EmbeddingBagConfig(name="bag", num_embeddings=1000, embedding_dim=DIM, feature_names=["h"])], device=meta)
+
+
+def _constraints(sharding_types=("row_wise",)):
+    return {
+        "big": DynamicEmbParameterConstraints(
+            use_dynamicemb=True, sharding_types=list(sharding_types),
+            dynamicemb_options=DynamicEmbTableOptions(dim=DIM, max_capacity=ROWS)),
+        "small": ParameterConstraints(compute_kernels=["fused"]),
+        "bag": ParameterConstraints(compute_kernels=["fused"]),
+    }
+
+
+def _topology(ddr_cap):
+    return Topology(world_size=2, local_world_size=2, compute_device="cpu", ddr_cap=ddr_cap)
+
+
+SHARDERS = [DynamicEmbeddingCollectionSharder(), DynamicEmbeddingBagCollectionSharder()]
+
+
+@pytest.mark.parametrize("sharding_type", ["row_wise", "table_wise"])
+def test_plan_marks_dynamic_tables_and_pickles(sharding_type):
+    planner = DynamicEmbeddingShardingPlanner(_topology(256 * MiB), batch_size=64,
+                                              constraints=_constraints([sharding_type]))
+    plan = pickle.loads(pickle.dumps(planner.plan(Model(), SHARDERS)))
+    big = plan.plan["ec"]["big"]
+    assert isinstance(big, DynamicEmbParameterSharding)
+    assert big.sharding_type == sharding_type and big.compute_kernel == "customized_kernel"
+    assert big.dynamicemb_options.dim == DIM
+    for module, name in (("ec", "small"), ("ebc", "bag")):
+        sharding = plan.plan[module][name]
+        assert not isinstance(sharding, DynamicEmbParameterSharding) and sharding.compute_kernel == "fused"
+
+
+def test_storage_estimate_charges_the_hash_table():
+    planner = DynamicEmbeddingShardingPlanner(_topology(256 * MiB), batch_size=64, constraints=_constraints())
+    options = [o for o in planner._enumerator.enumerate(Model(), SHARDERS) if o.name == "big"]
+    assert options and all(o.compute_kernel == "customized_kernel" for o in options)
+    rows = options[0].shards[0].size[0]
+    device, host = dynamic_table_bytes(_constraints()["big"].dynamicemb_options, rows)
+    assert device == rows * (DIM * 4 + 17) and host == 0
+    dense = rows * DIM * 4
+    for shard in options[0].shards:  # CPU topology: device bytes are DDR, plus I/O buffers
+        assert shard.storage.hbm == 0
+        assert device <= shard.storage.ddr < device + dense
+
+
+def test_topology_too_small_for_the_hash_table_raises():
+    # Per rank: 2^19 rows; dense 8 MiB, hash table 2^19 x (16 + 17) bytes = 16.5 MiB.
+    # 12 MiB per rank fits TorchRec's dense estimate but not the hash table.
+    constraints = _constraints()
+    DynamicEmbeddingShardingPlanner(_topology(32 * MiB), batch_size=64, constraints=constraints).plan(Model(), SHARDERS)
+    dense = {"big": ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["fused"]),
+             "small": constraints["small"], "bag": constraints["bag"]}
+    EmbeddingShardingPlanner(_topology(12 * MiB), batch_size=64, constraints=dense).plan(Model(), SHARDERS)
+    with pytest.raises(PlannerError):
+        DynamicEmbeddingShardingPlanner(_topology(12 * MiB), batch_size=64, constraints=constraints).plan(
+            Model(), SHARDERS)
+
+
+def test_data_parallel_dynamic_tables_are_refused():
+    with pytest.raises(ValueError, match="data_parallel"):
+        DynamicEmbParameterConstraints(use_dynamicemb=True, sharding_types=["data_parallel"],
+                                       dynamicemb_options=DynamicEmbTableOptions(dim=DIM, max_capacity=8))
+    module_plan = construct_module_sharding_plan(
+        Model().ec, {"big": data_parallel(), "small": data_parallel()}, local_size=2, world_size=2,
+        device_type="cpu")
+    with pytest.raises(ValueError, match="data_parallel"):
+        to_dynamic_sharding(module_plan["big"], DynamicEmbTableOptions(dim=DIM, max_capacity=8))
+
+
+def test_constraints_need_options():
+    with pytest.raises(ValueError, match="dynamicemb_options"):
+        DynamicEmbParameterConstraints(use_dynamicemb=True)
