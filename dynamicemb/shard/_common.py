@@ -1,6 +1,6 @@
 """What the sharded EmbeddingCollection and EmbeddingBagCollection share."""
 
-from typing import Dict, Iterator, Mapping, Tuple
+from typing import Dict, Iterator, List, Mapping, Tuple
 
 import torch
 from torch import nn
@@ -76,3 +76,14 @@ def import_dense_rows(module: nn.Module, table_name: str, weight: torch.Tensor) 
         kernel.emb_module.import_keys_values(table_name, keys[mine], weight[mine].to(torch.float32))
         imported += int(mine.sum())
     return imported
+
+
+class DynamicKernelsMixin:
+    """For a TorchRec sharder: also offers ``customized_kernel`` (dynamic tables) for
+    the sharding types dynamic tables support."""
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        kernels = super().compute_kernels(sharding_type, compute_device_type)
+        if sharding_type in DYNAMIC_SHARDING_TYPES:
+            kernels = kernels + [CUSTOMIZED_KERNEL]
+        return kernels

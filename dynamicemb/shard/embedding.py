@@ -21,7 +21,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynamicemb.planner.types import CUSTOMIZED_KERNEL, DYNAMIC_SHARDING_TYPES
-from dynamicemb.shard._common import check_dynamic_plan, import_dense_rows, register_missing_placeholders
+from dynamicemb.shard._common import DynamicKernelsMixin, check_dynamic_plan, import_dense_rows, register_missing_placeholders
 from dynamicemb.shard.input_dist import DynamicEmbRwSparseFeaturesDist
 from dynamicemb.shard.rw_sharding import DynamicEmbRwSequenceEmbeddingSharding
 from dynamicemb.shard.tw_sharding import DynamicEmbTwSequenceEmbeddingSharding
@@ -179,7 +179,7 @@ class ShardedDynamicEmbeddingCollection(ShardedEmbeddingCollection):
                 feature += len(names)
 
 
-class DynamicEmbeddingCollectionSharder(EmbeddingCollectionSharder):
+class DynamicEmbeddingCollectionSharder(DynamicKernelsMixin, EmbeddingCollectionSharder):
     """``EmbeddingCollectionSharder`` that also shards dynamic tables
     (``DynamicEmbParameterSharding``, row-wise or table-wise).
 
@@ -206,12 +206,6 @@ class DynamicEmbeddingCollectionSharder(EmbeddingCollectionSharder):
             module, params, env, self.fused_params, device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             use_index_dedup=self._use_index_dedup, module_fqn=module_fqn)
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        kernels = super().compute_kernels(sharding_type, compute_device_type)
-        if sharding_type in DYNAMIC_SHARDING_TYPES:
-            kernels = kernels + [CUSTOMIZED_KERNEL]
-        return kernels
 
     @property
     def sharded_module_type(self) -> Type[ShardedDynamicEmbeddingCollection]:

@@ -17,8 +17,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingT
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from dynamicemb.planner.types import CUSTOMIZED_KERNEL, DYNAMIC_SHARDING_TYPES
-from dynamicemb.shard._common import check_dynamic_plan, register_missing_placeholders
+from dynamicemb.shard._common import DynamicKernelsMixin, check_dynamic_plan, register_missing_placeholders
 from dynamicemb.shard.rw_sharding import DynamicEmbRwPooledEmbeddingSharding
 from dynamicemb.shard.tw_sharding import DynamicEmbTwPooledEmbeddingSharding
 
@@ -62,7 +61,7 @@ class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         super().reset_parameters()
 
 
-class DynamicEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+class DynamicEmbeddingBagCollectionSharder(DynamicKernelsMixin, EmbeddingBagCollectionSharder):
     """``EmbeddingBagCollectionSharder`` that also shards dynamic tables
     (``DynamicEmbParameterSharding``, row-wise or table-wise). Arguments as TorchRec's."""
 
@@ -79,12 +78,6 @@ class DynamicEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         # TorchRec offers row_wise for EBC only on CUDA; dynamic tables need it everywhere.
         types = super().sharding_types(compute_device_type)
         return types if ShardingType.ROW_WISE.value in types else types + [ShardingType.ROW_WISE.value]
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        kernels = super().compute_kernels(sharding_type, compute_device_type)
-        if sharding_type in DYNAMIC_SHARDING_TYPES:
-            kernels = kernels + [CUSTOMIZED_KERNEL]
-        return kernels
 
     @property
     def sharded_module_type(self) -> Type[ShardedDynamicEmbeddingBagCollection]:
