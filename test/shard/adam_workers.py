@@ -1,0 +1,222 @@
+"""Rank bodies of the sharded-Adam test (spawned; importable, no pytest here).
+
+TorchRec's CPU kernels have no Adam, so sharded dynamic tables trained with Adam are
+checked against unsharded ``BatchedDynamicEmbeddingTables`` (one per collection, same
+table names, options and feature_table_map) that every rank feeds with the GLOBAL
+batch (all ranks' inputs, rebuilt from the same seeds). TorchRec divides gradients at
+the kernel by the world size, so the reference loss is the sum of the ranks' losses
+divided by the world size; both sides run one backward per step (Adam's global step
+per table group is one per backward).
+"""
+
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, PoolingType
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+from torchrec.distributed.types import ShardingPlan
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynamicemb import (
+    BatchedDynamicEmbeddingTables,
+    DynamicEmbInitializerArgs,
+    DynamicEmbOptimType,
+    DynamicEmbPoolingMode,
+    DynamicEmbTableOptions,
+)
+from dynamicemb.planner import to_dynamic_sharding
+from dynamicemb.shard import (
+    DynamicEmbeddingBagCollectionSharder,
+    DynamicEmbeddingCollectionSharder,
+    get_dynamic_tables,
+    owner_rank,
+)
+
+CPU = torch.device("cpu")
+BATCH = 4
+STEPS = 5
+# name -> (num_embeddings, dim, features, sharding type); every table is dynamic
+EC_TABLES = {"ec_rw": (64, 8, ["a", "b"], "row_wise"), "ec_tw": (40, 8, ["c"], "table_wise")}
+EBC_TABLES = {"ebc_rw": (64, 8, ["e", "f"], "row_wise"), "ebc_tw": (40, 4, ["g"], "table_wise")}
+# non-default betas and weight decay > 0, so hyper-parameters lost on the way would show
+ADAM = {"learning_rate": 0.02, "eps": 1e-8, "beta1": 0.8, "beta2": 0.95, "weight_decay": 0.05}
+FUSED = {"optimizer": EmbOptimType.ADAM, **ADAM}
+
+
+def _options(name: str, dim: int, rows: int) -> DynamicEmbTableOptions:
+    # NORMAL rows are f(seed, table name, key, column): capacities do not matter
+    init = DynamicEmbInitializerArgs(mode="normal", mean=0.0, std_dev=0.1, seed=11)
+    return DynamicEmbTableOptions(dim=dim, max_capacity=rows, initializer_args=init)
+
+
+def _id_pool(name: str) -> torch.Tensor:
+    """The ids a table's features draw from: small, huge and negative int64."""
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    big = torch.randint(-(2**62), 2**62, (10,), generator=g) * 2 + 1
+    return torch.cat([torch.arange(14), big, torch.tensor([2**63 - 1, -(2**63), -1])])
+
+
+def _rank_batch(tables: Dict, step: int, rank: int) -> KeyedJaggedTensor:
+    """The batch rank ``rank`` feeds at ``step`` (any rank can rebuild it)."""
+    g = torch.Generator().manual_seed(7919 * step + 104729 * rank + len(tables))
+    keys, lengths, values = [], [], []
+    for name, (_, _, features, _) in tables.items():
+        pool = _id_pool(name)
+        for f in features:
+            length = torch.randint(0, 5, (BATCH,), generator=g)
+            keys.append(f)
+            lengths.append(length)
+            values.append(pool[torch.randint(0, pool.numel(), (int(length.sum()),), generator=g)])
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+
+
+def _global_batch(batches: List[KeyedJaggedTensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All ranks' batches as one (batch = W * BATCH, rank-major samples) in TBE layout.
+
+    Returns indices, offsets, and counts (F, W): ids of feature f on rank r.
+    """
+    world = len(batches)
+    num_features = len(batches[0].keys())
+    lengths = torch.stack([b.lengths().view(num_features, BATCH) for b in batches], 1)  # (F, W, B)
+    per_rank = [b.values().split(b.length_per_key()) for b in batches]
+    values = [per_rank[r][f] for f in range(num_features) for r in range(world)]
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = lengths.reshape(-1).cumsum(0)
+    counts = torch.tensor([b.length_per_key() for b in batches]).T  # (F, W)
+    return torch.cat(values), offsets, counts
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ec = EmbeddingCollection(tables=[
+            EmbeddingConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f)
+            for n, (r, d, f, _) in EC_TABLES.items()], device=torch.device("meta"))
+        self.ebc = EmbeddingBagCollection(tables=[
+            EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f, pooling=PoolingType.SUM)
+            for n, (r, d, f, _) in EBC_TABLES.items()], device=torch.device("meta"))
+
+    def forward(self, ec_features: KeyedJaggedTensor, ebc_features: KeyedJaggedTensor):
+        return self.ec(ec_features), self.ebc(ebc_features)
+
+
+def _plan(module: nn.Module, tables: Dict, sharder, world_size: int):
+    helpers = {name: (table_wise(rank=world_size - 1, compute_kernel="fused") if st == "table_wise"
+                      else row_wise(compute_kernel="fused")) for name, (_, _, _, st) in tables.items()}
+    plan = construct_module_sharding_plan(module, helpers, sharder=sharder, local_size=world_size,
+                                          world_size=world_size, device_type="cpu")
+    for name, (rows, dim, _, _) in tables.items():
+        plan[name] = to_dynamic_sharding(plan[name], _options(name, dim, rows))
+    return plan
+
+
+def _sharded(world_size: int) -> DistributedModelParallel:
+    model = _Model()
+    ec_sharder = DynamicEmbeddingCollectionSharder(fused_params=FUSED, use_index_dedup=True)
+    ebc_sharder = DynamicEmbeddingBagCollectionSharder(fused_params=FUSED)
+    plan = ShardingPlan({"ec": _plan(model.ec, EC_TABLES, ec_sharder, world_size),
+                         "ebc": _plan(model.ebc, EBC_TABLES, ebc_sharder, world_size)})
+    return DistributedModelParallel(model, plan=plan, sharders=[ec_sharder, ebc_sharder], device=CPU)
+
+
+def _reference(tables: Dict, pooling: DynamicEmbPoolingMode) -> BatchedDynamicEmbeddingTables:
+    names = list(tables)
+    feature_table_map = [t for t, (_, _, features, _) in enumerate(tables.values()) for _ in features]
+    return BatchedDynamicEmbeddingTables(
+        [_options(n, d, r) for n, (r, d, _, _) in tables.items()], table_names=names,
+        feature_table_map=feature_table_map, pooling_mode=pooling, optimizer=DynamicEmbOptimType.ADAM, **ADAM)
+
+
+def _features(tables: Dict) -> List[str]:
+    return [f for _, _, features, _ in tables.values() for f in features]
+
+
+def _feature_dims(tables: Dict) -> List[int]:
+    return [d for _, d, features, _ in tables.values() for _ in features]
+
+
+def _seq_loss(rows: torch.Tensor, feature: int) -> torch.Tensor:
+    return ((rows - 0.25 * (feature + 1)) ** 2).sum()
+
+
+def _pooled_loss(pooled: torch.Tensor) -> torch.Tensor:
+    scale = torch.arange(1, pooled.shape[1] + 1, dtype=torch.float32) / pooled.shape[1]
+    return ((pooled * scale - 0.1) ** 2).sum()
+
+
+def sharded_adam_vs_unsharded(rank: int, world_size: int) -> None:
+    """Adam (weight decay, non-default betas) on row-wise and table-wise dynamic tables
+    of an EC and an EBC: outputs, losses, and finally every stored row and its Adam
+    state against unsharded tables fed the global batch."""
+    dmp = _sharded(world_size)
+    ref_ec = _reference(EC_TABLES, DynamicEmbPoolingMode.NONE)
+    ref_ebc = _reference(EBC_TABLES, DynamicEmbPoolingMode.SUM)
+    ec_features, ebc_features = _features(EC_TABLES), _features(EBC_TABLES)
+    ebc_dims = _feature_dims(EBC_TABLES)
+    for step in range(STEPS):
+        ec_batches = [_rank_batch(EC_TABLES, step, r) for r in range(world_size)]
+        ebc_batches = [_rank_batch(EBC_TABLES, step, r) for r in range(world_size)]
+
+        # sharded: this rank's batch, one backward
+        ec_out, ebc_out = dmp(ec_batches[rank], ebc_batches[rank])
+        loss = sum(_seq_loss(ec_out[f].values(), i) for i, f in enumerate(ec_features))
+        ebc_dict = ebc_out.to_dict()
+        pooled = torch.cat([ebc_dict[f] for f in ebc_features], 1)
+        loss = loss + _pooled_loss(pooled)
+        loss.backward()
+        dmp.fused_optimizer.step()
+
+        # reference: the global batch, loss = sum of the ranks' losses / W, one backward
+        indices, offsets, counts = _global_batch(ec_batches)
+        ref_seq = ref_ec(indices, offsets)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.reshape(-1).cumsum(0)])
+        ref_losses = [torch.zeros(()) for _ in range(world_size)]
+        for i, f in enumerate(ec_features):
+            for r in range(world_size):
+                j = i * world_size + r
+                rows = ref_seq[starts[j]:starts[j + 1]]
+                ref_losses[r] = ref_losses[r] + _seq_loss(rows, i)
+                if r == rank:
+                    torch.testing.assert_close(ec_out[f].values(), rows.detach(),
+                                               msg=lambda m: f"step {step} EC {f}: {m}")
+                    assert torch.equal(ec_out[f].lengths(), ec_batches[rank][f].lengths())
+        indices, offsets, _ = _global_batch(ebc_batches)
+        ref_pooled = ref_ebc(indices, offsets)
+        assert ref_pooled.shape == (world_size * BATCH, sum(ebc_dims))
+        for r in range(world_size):
+            mine = ref_pooled[r * BATCH:(r + 1) * BATCH]
+            ref_losses[r] = ref_losses[r] + _pooled_loss(mine)
+            if r == rank:
+                torch.testing.assert_close(pooled, mine.detach(), msg=lambda m: f"step {step} EBC: {m}")
+        torch.testing.assert_close(loss.detach(), ref_losses[rank].detach())
+        (sum(ref_losses) / world_size).backward()
+
+    # every stored row and Adam state: this rank's tables vs the reference's rows it owns
+    tables = get_dynamic_tables(dmp)
+    for ref, specs in ((ref_ec, EC_TABLES), (ref_ebc, EBC_TABLES)):
+        for name, (_, dim, _, st) in specs.items():
+            expected = ref.export_keys_values(name)
+            if st == "row_wise":
+                owned = owner_rank(expected.keys, world_size) == rank
+            else:
+                owned = torch.full_like(expected.keys, rank == world_size - 1, dtype=torch.bool)
+            if not bool(owned.any()):
+                assert name not in tables or tables[name].table_size(name) == 0, name
+                continue
+            got = tables[name].export_keys_values(name)
+            order_got, order_exp = got.keys.argsort(), expected.keys[owned].argsort()
+            assert torch.equal(got.keys[order_got], expected.keys[owned][order_exp]), name
+            assert got.optimizer_states.shape[1] == 2 * dim, name  # Adam: m and v
+            for field in ("embeddings", "optimizer_states"):
+                torch.testing.assert_close(getattr(got, field)[order_got],
+                                           getattr(expected, field)[owned][order_exp],
+                                           msg=lambda m: f"{name} {field}: {m}")
+            # the rows did move (Adam with weight decay touched every stored row)
+            assert bool((got.optimizer_states[:, dim:] > 0).all()), name
+    # both sides counted one Adam step per group per backward
+    for module in [*tables.values(), ref_ec, ref_ebc]:
+        assert all(g.adam_step == STEPS for g in module._groups)
