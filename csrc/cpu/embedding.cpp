@@ -78,48 +78,8 @@ Bags bags_of(const at::Tensor& offsets, const at::Tensor& feature_col, int64_t b
 
 }  // namespace
 
-namespace {
-
-// One thread's share of a dedup: the pairs whose hash it owns, in an open-
-// addressing set; `local[i]` is the local id of owned position i.
-struct DedupShard {
-  std::vector<int64_t> slot_to_local;  // the set: local id per slot, -1 empty
-  std::vector<int64_t> first;          // first position of each local id, ascending
-  std::vector<int64_t> count;          // summed frequencies per local id
-  std::vector<int64_t> global;         // local id -> unique index u
-};
-
-void dedup_shard(const int64_t* k, const int16_t* t, const int64_t* freq, int64_t n,
-                 int me, int nt, int64_t* local, DedupShard& shard) {
-  int64_t size = 16;
-  while (size < 2 * (n / nt + 1)) size <<= 1;
-  shard.slot_to_local.assign(size, -1);
-  const uint64_t mask = static_cast<uint64_t>(size - 1);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t h = hash_key(k[i], t[i]);
-    if (static_cast<int>((h >> 48) % static_cast<uint64_t>(nt)) != me) continue;
-    for (uint64_t pos = h & mask;; pos = (pos + 1) & mask) {
-      int64_t& id = shard.slot_to_local[pos];
-      if (id < 0) {
-        id = static_cast<int64_t>(shard.first.size());
-        shard.first.push_back(i);
-        shard.count.push_back(0);
-      } else if (k[shard.first[id]] != k[i] || t[shard.first[id]] != t[i]) {
-        continue;
-      }
-      local[i] = id;
-      shard.count[id] += freq ? freq[i] : 1;
-      break;
-    }
-  }
-}
-
-}  // namespace
-
 // Unique (table, key) pairs in first-occurrence order. counts[u] sums the
-// frequencies of u's lookups (1 each when none are given). Each thread owns the
-// pairs of a slice of the hash space; merging the threads' (ascending) first
-// positions gives the same order whatever the thread count.
+// frequencies of u's lookups (1 each when none are given).
 // Returns (unique_keys (U,), unique_tids (U,) int16, inverse (N,), counts (U,)).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(
     const at::Tensor& keys, const at::Tensor& tids,
@@ -133,50 +93,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(
     freq = frequencies->data_ptr<int64_t>();
   }
   const int64_t n = keys.numel();
+  int64_t size = 16;
+  while (size < 2 * n) size <<= 1;
+  std::vector<int64_t> set_u(size, -1);
   const int64_t* k = keys.data_ptr<int64_t>();
   const int16_t* t = tids.data_ptr<int16_t>();
   auto inverse = at::empty({n}, keys.options());
   int64_t* inv = inverse.data_ptr<int64_t>();
-  std::vector<int64_t> local(n);
-  const int threads = n >= kParallelMinWork * 4 ? omp_get_max_threads() : 1;
-  std::vector<DedupShard> shards(threads);
-  int granted = 1;  // the runtime may grant fewer threads than asked: own by those
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp single
-    granted = omp_get_num_threads();
-    dedup_shard(k, t, freq, n, omp_get_thread_num(), granted, local.data(),
-                shards[omp_get_thread_num()]);
+  std::vector<int64_t> first;  // position of each unique pair's first occurrence
+  first.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t pos = hash_key(k[i], t[i]) & static_cast<uint64_t>(size - 1);
+    while (true) {
+      const int64_t u = set_u[pos];
+      if (u < 0) {
+        set_u[pos] = static_cast<int64_t>(first.size());
+        inv[i] = set_u[pos];
+        first.push_back(i);
+        break;
+      }
+      const int64_t j = first[u];
+      if (k[j] == k[i] && t[j] == t[i]) {
+        inv[i] = u;
+        break;
+      }
+      pos = (pos + 1) & static_cast<uint64_t>(size - 1);
+    }
   }
-  // Merge by first position: unique index u in first-occurrence order.
-  std::vector<std::pair<int64_t, int>> order;  // (first position, shard)
-  for (int s = 0; s < granted; ++s) {
-    shards[s].global.resize(shards[s].first.size());
-    for (int64_t f : shards[s].first) order.emplace_back(f, s);
-  }
-  std::sort(order.begin(), order.end());
-  const int64_t u_count = static_cast<int64_t>(order.size());
+  const int64_t u_count = static_cast<int64_t>(first.size());
   auto ukeys = at::empty({u_count}, keys.options());
   auto utids = at::empty({u_count}, tids.options());
-  auto counts = at::empty({u_count}, keys.options());
+  auto counts = at::zeros({u_count}, keys.options());
   int64_t* uk = ukeys.data_ptr<int64_t>();
   int16_t* ut = utids.data_ptr<int16_t>();
   int64_t* c = counts.data_ptr<int64_t>();
   for (int64_t u = 0; u < u_count; ++u) {
-    const int64_t i = order[u].first;
-    DedupShard& shard = shards[order[u].second];
-    const int64_t id = local[i];
-    shard.global[id] = u;
-    uk[u] = k[i];
-    ut[u] = t[i];
-    c[u] = shard.count[id];
+    uk[u] = k[first[u]];
+    ut[u] = t[first[u]];
   }
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t i = 0; i < n; ++i) {
-    const int s = granted == 1 ? 0
-        : static_cast<int>((hash_key(k[i], t[i]) >> 48) % static_cast<uint64_t>(granted));
-    inv[i] = shards[s].global[local[i]];
-  }
+  for (int64_t i = 0; i < n; ++i) c[inv[i]] += freq ? freq[i] : 1;
   return {ukeys, utids, inverse, counts};
 }
 

@@ -1,5 +1,5 @@
 """The dedup kernel: unique (table, key) pairs in first-occurrence order, inverse and
-occurrence counts, the same for any thread count (it runs in parallel above ~8k ids)."""
+occurrence counts, the same for any thread count."""
 
 import pytest
 import torch
