@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, PoolingType
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.types import ShardingPlan
@@ -29,6 +28,7 @@ from dynamicemb import (
     DynamicEmbTableOptions,
 )
 from dynamicemb.planner import to_dynamic_sharding
+from workers import TwinModel
 from dynamicemb.shard import (
     DynamicEmbeddingBagCollectionSharder,
     DynamicEmbeddingCollectionSharder,
@@ -90,20 +90,6 @@ def _global_batch(batches: List[KeyedJaggedTensor]) -> Tuple[torch.Tensor, torch
     return torch.cat(values), offsets, counts
 
 
-class _Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ec = EmbeddingCollection(tables=[
-            EmbeddingConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f)
-            for n, (r, d, f, _) in EC_TABLES.items()], device=torch.device("meta"))
-        self.ebc = EmbeddingBagCollection(tables=[
-            EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f, pooling=PoolingType.SUM)
-            for n, (r, d, f, _) in EBC_TABLES.items()], device=torch.device("meta"))
-
-    def forward(self, ec_features: KeyedJaggedTensor, ebc_features: KeyedJaggedTensor):
-        return self.ec(ec_features), self.ebc(ebc_features)
-
-
 def _plan(module: nn.Module, tables: Dict, sharder, world_size: int):
     helpers = {name: (table_wise(rank=world_size - 1, compute_kernel="fused") if st == "table_wise"
                       else row_wise(compute_kernel="fused")) for name, (_, _, _, st) in tables.items()}
@@ -115,7 +101,7 @@ def _plan(module: nn.Module, tables: Dict, sharder, world_size: int):
 
 
 def _sharded(world_size: int) -> DistributedModelParallel:
-    model = _Model()
+    model = TwinModel(EC_TABLES, EBC_TABLES, {})
     ec_sharder = DynamicEmbeddingCollectionSharder(fused_params=FUSED, use_index_dedup=True)
     ebc_sharder = DynamicEmbeddingBagCollectionSharder(fused_params=FUSED)
     plan = ShardingPlan({"ec": _plan(model.ec, EC_TABLES, ec_sharder, world_size),

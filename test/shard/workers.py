@@ -36,14 +36,19 @@ OPTIMIZERS = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXA
 
 
 class TwinModel(nn.Module):
-    def __init__(self) -> None:
+    """An EC and an EBC on meta, from {name: (rows, dim, features, sharding type)}
+    tables (the same model is sharded with static and with dynamic tables)."""
+
+    def __init__(self, ec_tables: Dict = EC_TABLES, ebc_tables: Dict = EBC_TABLES,
+                 ebc_pooling: Dict = EBC_POOLING) -> None:
         super().__init__()
         self.ec = EmbeddingCollection(tables=[
             EmbeddingConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f)
-            for n, (r, d, f, _) in EC_TABLES.items()], device=torch.device("meta"))
+            for n, (r, d, f, _) in ec_tables.items()], device=torch.device("meta"))
         self.ebc = EmbeddingBagCollection(tables=[
-            EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f, pooling=EBC_POOLING[n])
-            for n, (r, d, f, _) in EBC_TABLES.items()], device=torch.device("meta"))
+            EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f,
+                               pooling=ebc_pooling.get(n, PoolingType.SUM))
+            for n, (r, d, f, _) in ebc_tables.items()], device=torch.device("meta"))
 
     def forward(self, ec_features: KeyedJaggedTensor, ebc_features: KeyedJaggedTensor):
         return self.ec(ec_features), self.ebc(ebc_features)
