@@ -103,15 +103,21 @@ def bad_call_cases():
             yield pytest.param(verb, change, error, match, id=f"{verb}-{'-'.join(change)}-{error.__name__}")
 
 
-@pytest.mark.parametrize("verb, change, error, match", list(bad_call_cases()))
-def test_bad_call_raises_and_changes_nothing(verb, change, error, match):
-    t = filled_table()
+def assert_bad_call_changes_nothing(t, verb, change, error, match):
+    """``verb`` with valid arguments except ``change`` raises ``error`` (message
+    matching ``match``) and leaves the table exactly as it was."""
     before = full_state(t)
     args = good_args(t, verb)
     args.update(change)
     with pytest.raises(error, match=f"(?i){match}"):
         getattr(t, verb)(**args)
     assert_unchanged(t, before)
+
+
+@pytest.mark.parametrize("verb, change, error, match", list(bad_call_cases()))
+def test_bad_call_raises_and_changes_nothing(verb, change, error, match):
+    t = filled_table()
+    assert_bad_call_changes_nothing(t, verb, change, error, match)
 
 
 @pytest.mark.parametrize("verb", INSERTING)
@@ -160,12 +166,7 @@ LFU_BAD = [
 @pytest.mark.parametrize("change, error, match", LFU_BAD)
 def test_lfu_counts_checked(verb, change, error, match):
     t = filled_table("LFU")
-    before = full_state(t)
-    args = good_args(t, verb)
-    args.update(change)
-    with pytest.raises(error, match=f"(?i){match}"):
-        getattr(t, verb)(**args)
-    assert_unchanged(t, before)
+    assert_bad_call_changes_nothing(t, verb, change, error, match)
 
 
 @pytest.mark.parametrize("verb", WITH_VALUES)
