@@ -9,6 +9,10 @@ TorchRec raw table / dynamic table, ms per training iteration). The model is the
 - dynamic column: the 26 features fused into one dynamic table (feature ``i`` uses
   ids ``offset_i + id``), row-wise, capacity = the sum of the 26 sizes.
 
+``--collection ebc`` runs the same tables as an EmbeddingBagCollection (SUM pooling):
+TorchRec has no EBC dedup, so its column is the same in both rows; the dynamic
+column with dedup sends unique ids and pools returned rows on the sender.
+
 Both use SGD. Dedup on uses ``DynamicEmbeddingCollectionSharder(use_index_dedup=True)``
 for both columns: TorchRec's own EC dedup calls ``fbgemm::jagged_unique_indices``,
 which has no CPU kernel. Ids of feature ``i`` are ``floor(size_i * u**3)`` with
@@ -32,7 +36,7 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
-from torchrec import EmbeddingCollection, EmbeddingConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
 from torchrec.distributed.types import ShardingPlan
@@ -42,7 +46,7 @@ from _report import write_report
 
 from dynamicemb import DynamicEmbTableOptions
 from dynamicemb.planner import to_dynamic_sharding
-from dynamicemb.shard import DynamicEmbeddingCollectionSharder
+from dynamicemb.shard import DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder
 
 CRITEO_SIZES = [203931, 18598, 14092, 7012, 18977, 4, 6385, 1245, 49, 186213, 71328, 67288, 11,
                 2168, 7338, 61, 4, 932, 15, 204515, 141526, 199433, 60919, 9137, 71, 34]
@@ -52,25 +56,29 @@ KINDS = ["torchrec", "dynamic"]
 
 
 class Model(nn.Module):
-    def __init__(self, ec: EmbeddingCollection) -> None:
+    def __init__(self, collection: nn.Module) -> None:
         super().__init__()
-        self.ec = ec
+        self.ec = collection
 
     def forward(self, features: KeyedJaggedTensor):
         return self.ec(features)
 
 
-def build(kind: str, dedup: bool, dim: int, world_size: int) -> DistributedModelParallel:
+def build(kind: str, dedup: bool, dim: int, world_size: int, collection: str = "ec") -> DistributedModelParallel:
     meta = torch.device("meta")
-    sharder = DynamicEmbeddingCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01}, use_index_dedup=dedup)
+    fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01}
+    if collection == "ec":
+        sharder, config, module = DynamicEmbeddingCollectionSharder, EmbeddingConfig, EmbeddingCollection
+    else:
+        sharder, config, module = DynamicEmbeddingBagCollectionSharder, EmbeddingBagConfig, EmbeddingBagCollection
+    sharder = sharder(fused_params=fused, use_index_dedup=dedup)
     if kind == "torchrec":
-        tables = [EmbeddingConfig(name=f"t_{f}", num_embeddings=n, embedding_dim=dim, feature_names=[f])
+        tables = [config(name=f"t_{f}", num_embeddings=n, embedding_dim=dim, feature_names=[f])
                   for f, n in zip(FEATURES, CRITEO_SIZES)]
     else:
-        tables = [EmbeddingConfig(name="criteo", num_embeddings=sum(CRITEO_SIZES), embedding_dim=dim,
-                                  feature_names=FEATURES)]
-    ec = EmbeddingCollection(tables=tables, device=meta)
+        tables = [config(name="criteo", num_embeddings=sum(CRITEO_SIZES), embedding_dim=dim,
+                         feature_names=FEATURES)]
+    ec = module(tables=tables, device=meta)
     plan = construct_module_sharding_plan(ec, {t.name: row_wise(compute_kernel="fused") for t in tables},
                                           sharder=sharder, local_size=world_size, world_size=world_size,
                                           device_type="cpu")
@@ -93,11 +101,14 @@ def make_batch(batch_size: int, hotness: int, generator: torch.Generator, fused_
     return KeyedJaggedTensor(keys=FEATURES, values=ids.reshape(-1), lengths=lengths)
 
 
-def train_step(dmp: DistributedModelParallel, batch: KeyedJaggedTensor) -> float:
+def train_step(dmp: DistributedModelParallel, batch: KeyedJaggedTensor, pooled: bool) -> float:
     dist.barrier()
     start = time.perf_counter()
     out = dmp(batch)
-    loss = sum(out[f].values().sum() for f in FEATURES)
+    if pooled:  # EBC: a KeyedTensor
+        loss = out.values().sum()
+    else:
+        loss = sum(out[f].values().sum() for f in FEATURES)
     loss.backward()
     dmp.fused_optimizer.step()
     elapsed = torch.tensor([time.perf_counter() - start])
@@ -118,20 +129,25 @@ def main() -> None:
     parser.add_argument("--use_dynamic_embedding", default="both",
                         help="true (dynamic column only), false (TorchRec column only) or both")
     parser.add_argument("--batch_size", type=int, default=8192, help="per rank")
+    parser.add_argument("--collection", choices=["ec", "ebc"], default="ec",
+                        help="EmbeddingCollection (sequence) or EmbeddingBagCollection (SUM pooled)")
     parser.add_argument("--hotness", type=int, default=2, help="ids per sample and feature")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=10)
-    parser.add_argument("--out", default="benchmark/out/embedding_collection")
+    parser.add_argument("--out", default=None,
+                        help="output prefix (default benchmark/out/embedding_collection or ..._bag_collection)")
     args = parser.parse_args()
 
+    if args.out is None:
+        args.out = "benchmark/out/" + ("embedding_collection" if args.collection == "ec" else "embedding_bag_collection")
     dist.init_process_group("gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dynamic_choice = parse_choice(args.use_dynamic_embedding)
     kinds = [k for k, choice in zip(KINDS, ["off", "on"]) if choice in dynamic_choice]
     cells = [(d, k) for d in parse_choice(args.use_index_dedup) for k in kinds]
-    models = {cell: build(cell[1], DEDUP[cell[0]], args.dim, world_size) for cell in cells}
+    models = {cell: build(cell[1], DEDUP[cell[0]], args.dim, world_size, args.collection) for cell in cells}
     generator = torch.Generator().manual_seed(1234 + rank)
     times: Dict[tuple, List[float]] = {cell: [] for cell in cells}
     ids_sent: Dict[tuple, int] = {}
@@ -140,7 +156,7 @@ def main() -> None:
         for cell, dmp in models.items():
             generator.set_state(state)  # the same ids for every module
             batch = make_batch(args.batch_size, args.hotness, generator, fused_ids=cell[1] == "dynamic")
-            elapsed = train_step(dmp, batch)
+            elapsed = train_step(dmp, batch, args.collection == "ebc")
             if it >= args.warmup:
                 times[cell].append(elapsed)
     for cell, dmp in models.items():
@@ -154,12 +170,13 @@ def main() -> None:
 def report(args, world_size: int, cells, times, ids_sent) -> None:
     rows = [{"use_index_dedup": DEDUP[d], "table": k, "ms_per_iteration": statistics.median(times[(d, k)]),
              "ids_sent_by_rank0_all_iterations": ids_sent[(d, k)]} for d, k in cells]
-    meta = {"world_size": world_size, "backend": "gloo", "device": "cpu", "batch_size_per_rank": args.batch_size,
+    meta = {"collection": args.collection, "world_size": world_size, "backend": "gloo", "device": "cpu", "batch_size_per_rank": args.batch_size,
             "hotness": args.hotness, "dim": args.dim, "features": len(FEATURES), "iterations": args.iterations,
             "warmup": args.warmup, "threads_per_rank": torch.get_num_threads(), "torch": torch.__version__,
             "machine": platform.machine(), "processor": platform.processor()}
     by_cell = {(r["use_index_dedup"], r["table"]): r["ms_per_iteration"] for r in rows}
-    lines = [f"EmbeddingCollection, {world_size} ranks (gloo, CPU), batch {args.batch_size}/rank, "
+    name = "EmbeddingCollection" if args.collection == "ec" else "EmbeddingBagCollection (SUM)"
+    lines = [f"{name}, {world_size} ranks (gloo, CPU), batch {args.batch_size}/rank, "
              f"26 features x {args.hotness} ids, dim {args.dim}, SGD; ms per training iteration (median)", "",
              "| use_index_dedup | TorchRec raw table | dynamic table |", "|---|---|---|"]
     for d in ("on", "off"):

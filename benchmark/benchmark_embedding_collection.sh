@@ -4,7 +4,8 @@
 #   bash benchmark/benchmark_embedding_collection.sh [use_index_dedup] [use_dynamic_embedding] [batch_size]
 # use_index_dedup / use_dynamic_embedding: true, false or both (default both both: the
 # full 2x2 table); batch_size per rank (default 8192; upstream: True True 65536 on GPUs).
-# Writes benchmark/out/embedding_collection.{json,md}.
+# Extra flags go to the .py (e.g. --collection ebc for the EmbeddingBagCollection).
+# Writes benchmark/out/embedding_collection.{json,md} (embedding_bag_collection for ebc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}

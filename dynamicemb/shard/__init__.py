@@ -6,9 +6,9 @@ stays TorchRec's, in the same module.
 """
 
 from dynamicemb.shard._common import get_dynamic_tables, import_dense_rows
+from dynamicemb.shard.dedup import IdCounters
 from dynamicemb.shard.embedding import (
     DynamicEmbeddingCollectionSharder,
-    IdCounters,
     ShardedDynamicEmbeddingCollection,
 )
 from dynamicemb.shard.embeddingbag import (

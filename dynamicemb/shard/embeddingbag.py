@@ -1,14 +1,17 @@
 """Sharded EmbeddingBagCollection with dynamic tables, and its sharder.
 
-Row-wise dynamic tables pool the ids each rank owns and TorchRec reduce-scatters the
-partial sums; table-wise ones pool on the owning rank. Ids are not deduplicated
-before the all-to-all (each rank's kernel deduplicates what it receives).
+Row-wise dynamic tables: with ``use_index_dedup`` (the default) and a row-wise
+sharding whose tables are all dynamic and share one dim, each table's ids are made
+unique on the sender, the owners return the rows and the sender pools them
+(``rw_dedup_sharding``); otherwise each rank pools the ids it owns and TorchRec
+reduce-scatters the partial sums. Table-wise tables pool on the owning rank.
 """
 
 from typing import Any, Dict, List, Optional, Type
 
 import torch
 from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionContext,
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
     replace_placement_with_meta_device,
@@ -16,8 +19,19 @@ from torchrec.distributed.embeddingbag import (
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynamicemb.planner.types import DYNAMIC_SHARDING_TYPES
 
 from dynamicemb.shard._common import DynamicKernelsMixin, check_dynamic_plan, register_missing_placeholders
+from dynamicemb.shard.dedup import IdCounters, count_sent_ids
+from dynamicemb.shard.input_dist import DynamicEmbRwSparseFeaturesDist
+from dynamicemb.shard.rw_dedup_sharding import (
+    SENT_ATTR,
+    DynamicEmbRwDedupInputDist,
+    DynamicEmbRwDedupPooledEmbeddingSharding,
+    dedup_applies,
+)
 from dynamicemb.shard.rw_sharding import DynamicEmbRwPooledEmbeddingSharding
 from dynamicemb.shard.tw_sharding import DynamicEmbTwPooledEmbeddingSharding
 
@@ -25,11 +39,20 @@ __all__ = ["DynamicEmbeddingBagCollectionSharder", "ShardedDynamicEmbeddingBagCo
 
 
 class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
-    """``ShardedEmbeddingBagCollection`` whose ``customized_kernel`` tables are dynamic."""
+    """``ShardedEmbeddingBagCollection`` whose ``customized_kernel`` tables are dynamic.
+
+    Besides TorchRec's behaviour: ``id_counters`` counts ids per row-wise and table-wise table and
+    destination; with ``use_index_dedup`` (a class attribute: TorchRec builds
+    shardings in a classmethod) row-wise shardings of dynamic tables that share one
+    dim send each table's unique ids (``rw_dedup_sharding``).
+    """
+
+    use_index_dedup = False
 
     def __init__(self, module: EmbeddingBagCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
                  env: ShardingEnv, *args: Any, **kwargs: Any) -> None:
         check_dynamic_plan(table_name_to_parameter_sharding)
+        self.id_counters = IdCounters(env.world_size)
         super().__init__(module, table_name_to_parameter_sharding, env, *args, **kwargs)
         if self._has_mean_pooling_callback:
             # TorchRec 1.8 divides every feature outside the row-wise SUM list by its
@@ -52,7 +75,11 @@ class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if sharding_type in kinds:
             if device is not None and device.type == "meta":
                 replace_placement_with_meta_device(sharding_infos)
-            return kinds[sharding_type](sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+            sharding = kinds[sharding_type](sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+            if cls.use_index_dedup and sharding_type == ShardingType.ROW_WISE.value and dedup_applies(sharding):
+                sharding = DynamicEmbRwDedupPooledEmbeddingSharding(
+                    sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+            return sharding
         return super().create_embedding_bag_sharding(
             sharding_infos, env, device, permute_embeddings, qcomm_codecs_registry)
 
@@ -60,15 +87,45 @@ class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         register_missing_placeholders(self, self.embedding_bags)
         super().reset_parameters()
 
+    def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor):
+        awaitable = super().input_dist(ctx, features)
+        given = dict(zip(features.keys(), features.length_per_key()))
+        shardings = []
+        for sharding_type, sharding, input_dist, sharding_ctx in zip(
+                self._sharding_types, self._embedding_shardings, self._input_dists, ctx.sharding_contexts):
+            if isinstance(input_dist, DynamicEmbRwDedupInputDist):
+                setattr(sharding_ctx, SENT_ATTR, input_dist.take_sent())
+            if sharding_type in DYNAMIC_SHARDING_TYPES:
+                routed = isinstance(input_dist, (DynamicEmbRwSparseFeaturesDist, DynamicEmbRwDedupInputDist))
+                shardings.append((sharding, input_dist.last_ids_sent if routed else given))
+        count_sent_ids(self.id_counters, shardings, given)
+        return awaitable
+
+
+class _DedupShardedDynamicEmbeddingBagCollection(ShardedDynamicEmbeddingBagCollection):
+    use_index_dedup = True
+
 
 class DynamicEmbeddingBagCollectionSharder(DynamicKernelsMixin, EmbeddingBagCollectionSharder):
     """``EmbeddingBagCollectionSharder`` that also shards dynamic tables
-    (``DynamicEmbParameterSharding``, row-wise or table-wise). Arguments as TorchRec's."""
+    (``DynamicEmbParameterSharding``, row-wise or table-wise).
+
+    Args:
+        *args, **kwargs: TorchRec's (``fused_params``, ``qcomm_codecs_registry``, ...).
+        use_index_dedup: deduplicate row-wise dynamic ids per table before the
+            all-to-all (False keeps TorchRec's pool-then-reduce-scatter).
+    """
+
+    def __init__(self, *args: Any, use_index_dedup: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._use_index_dedup = use_index_dedup
 
     def shard(self, module: EmbeddingBagCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
               device: Optional[torch.device] = None,
               module_fqn: Optional[str] = None) -> ShardedDynamicEmbeddingBagCollection:
-        return ShardedDynamicEmbeddingBagCollection(
+        cls = (_DedupShardedDynamicEmbeddingBagCollection if self._use_index_dedup
+               else ShardedDynamicEmbeddingBagCollection)
+        return cls(
             module=module, table_name_to_parameter_sharding=params, env=env,
             fused_params=self.fused_params, device=device,
             qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,

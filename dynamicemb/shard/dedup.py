@@ -1,0 +1,113 @@
+"""Id dedup before the all-to-all and the id counters (shared by the sharded
+EmbeddingCollection and EmbeddingBagCollection).
+
+A table's ids are made unique over all of its features and samples on the sender;
+the occurrence counts travel with the unique ids (as KJT weights) and reach the
+owner's kernel as ``frequencies``; the inverse index restores the outputs.
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Mapping, Tuple, Union
+
+import torch
+from torchrec.distributed.embedding_sharding import EmbeddingSharding
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+__all__ = ["IdCounters", "count_sent_ids", "dedup_features", "table_spans"]
+
+
+@dataclass
+class IdCounters:
+    """Ids of each table since the last ``reset()``: ``before_dedup`` counts every
+    id the module was given; ``sent[table][r]`` the ids sent to rank ``r`` (after
+    dedup when it is on). Row-wise and table-wise dynamic tables are counted."""
+
+    world_size: int
+    before_dedup: Dict[str, int] = field(default_factory=dict)
+    sent: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.before_dedup.clear()
+        self.sent.clear()
+
+    def add_sent(self, table: str, per_rank: torch.Tensor) -> None:
+        total = self.sent.get(table)
+        self.sent[table] = per_rank.clone() if total is None else total + per_rank
+
+    def add_before_dedup(self, table: str, count: int) -> None:
+        self.before_dedup[table] = self.before_dedup.get(table, 0) + count
+
+
+def table_spans(sharding: EmbeddingSharding) -> List[Tuple[str, int]]:
+    """(table name, number of features) of a sharding, in its feature order."""
+    return [(t.name, t.num_features()) for t in sharding.embedding_tables()]
+
+
+def dedup_features(features: KeyedJaggedTensor,
+                   spans: List[Tuple[str, int]]) -> Tuple[KeyedJaggedTensor, torch.Tensor]:
+    """Per table (a span of features), the unique ids of all its features.
+
+    Args:
+        features: the KJT of one sharding (features in the sharding's order).
+        spans: ``table_spans`` of that sharding.
+
+    Returns:
+        The deduplicated KJT (a table's unique ids sit in the bag of its first
+        feature and sample 0; weights = occurrence counts, float32) and ``reverse``
+        (N,) int64: the position of each original id in the deduplicated values.
+    """
+    batch = features.stride()
+    per_key = features.length_per_key()
+    values = features.values()
+    lengths = torch.zeros(len(per_key) * batch, dtype=features.lengths().dtype)
+    uniques, counts, reverse = [], [], []
+    feature, start, base = 0, 0, 0
+    for _, num_features in spans:
+        n = sum(per_key[feature:feature + num_features])
+        unique, inverse, count = torch.unique(values[start:start + n], return_inverse=True, return_counts=True)
+        uniques.append(unique)
+        counts.append(count)
+        reverse.append(inverse + base)
+        lengths[feature * batch] = unique.numel()
+        base += unique.numel()
+        start += n
+        feature += num_features
+    empty = values.new_empty(0)
+    deduped = KeyedJaggedTensor(
+        keys=features.keys(),
+        values=torch.cat(uniques) if uniques else empty,
+        lengths=lengths,
+        weights=torch.cat(counts).to(torch.float32) if counts else empty.float(),
+        stride=batch,
+    )
+    return deduped, torch.cat(reverse) if reverse else empty
+
+
+def count_sent_ids(counters: IdCounters,
+                   shardings: Iterable[Tuple[EmbeddingSharding, Union[torch.Tensor, Mapping[str, int]]]],
+                   ids_per_feature: Mapping[str, int]) -> None:
+    """Adds one batch to ``counters``.
+
+    Args:
+        counters: the module's counters.
+        shardings: for each row-wise or table-wise sharding, the ids it sent: a
+            ``(W, F)`` tensor per destination and feature (row-wise, features in the
+            sharding's order) or ``{feature: ids}`` (table-wise: every id of a
+            feature goes to the rank that stores its table).
+        ids_per_feature: ids given to the module, per feature name.
+    """
+    world_size = counters.world_size
+    for sharding, sent_ids in shardings:
+        owner = ({} if isinstance(sent_ids, torch.Tensor) else
+                 {name: rank for rank, names in enumerate(sharding.feature_names_per_rank()) for name in names})
+        feature = 0
+        for table in sharding.embedding_tables():
+            names = table.feature_names
+            if isinstance(sent_ids, torch.Tensor):
+                sent = sent_ids[:, feature:feature + len(names)].sum(1)
+            else:
+                sent = torch.zeros(world_size, dtype=torch.int64)
+                sent[owner[names[0]]] = sum(sent_ids.get(f, 0) for f in names)
+            counters.add_sent(table.name, sent)
+            counters.add_before_dedup(table.name, sum(ids_per_feature.get(f, 0) for f in names))
+            feature += len(names)
