@@ -23,6 +23,21 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kParallelMinWork = 2048;
+// Random row reads are latency-bound: rows are prefetched this many lookups ahead.
+constexpr int64_t kPrefetchAhead = 8;
+
+// Prefetch every cache line of a row of `dim` floats.
+inline void prefetch_row(const void* row, int64_t dim, int rw = 0) {
+  const char* p = static_cast<const char*>(row);
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(float));
+  for (int64_t b = 0; b < bytes; b += 64) {
+    if (rw) {
+      __builtin_prefetch(p + b, 1);
+    } else {
+      __builtin_prefetch(p + b, 0);
+    }
+  }
+}
 
 void expect(const at::Tensor& t, at::ScalarType dtype, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
@@ -160,7 +175,9 @@ void init_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& keys,
 }
 
 // Pooled lookup: out[b, col_f : col_f + dim] = sum (or mean) over bag (f, b).
-// Writes every column of its features (zeros for empty bags).
+// Writes every column of its features (zeros for empty bags). Bags of a feature
+// are split among threads by sample; rows are prefetched kPrefetchAhead lookups
+// ahead (the gather is latency-bound).
 void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
                     const at::Tensor& row_slot, const at::Tensor& inverse,
                     const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
@@ -174,30 +191,40 @@ void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tran
   const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
   float* o = out.data_ptr<float>();
   const int64_t out_width = out.size(1);
-#pragma omp parallel for schedule(static) if (bags.num_bags >= kParallelMinWork / 16)
-  for (int64_t k = 0; k < bags.num_bags; ++k) {
-    const int64_t col = bags.feature_col[k / batch];
+  const int64_t num_features = feature_col.numel();
+#pragma omp parallel if (bags.num_bags >= kParallelMinWork / 16)
+  for (int64_t f = 0; f < num_features; ++f) {
+    const int64_t col = bags.feature_col[f];
     if (col < 0) continue;
-    float* acc = o + (k % batch) * out_width + col;
-    const int64_t begin = bags.offsets[k], end = bags.offsets[k + 1];
-    if (begin == end) {
-      std::fill(acc, acc + dim, 0.f);
-      continue;
-    }
-    {  // the first row is written, not added: `out` need not be zeroed
-      const float* row = src.row(inv[begin]);
-      const float scale = w ? w[begin] : 1.f;
-      for (int64_t c = 0; c < dim; ++c) acc[c] = scale * row[c];
-    }
-    for (int64_t j = begin + 1; j < end; ++j) {
-      if (j + 1 < end) __builtin_prefetch(src.row(inv[j + 1]));
-      const float* row = src.row(inv[j]);
-      const float scale = w ? w[j] : 1.f;
-      for (int64_t c = 0; c < dim; ++c) acc[c] += scale * row[c];
-    }
-    if (mean) {
-      const float inv_len = 1.f / static_cast<float>(end - begin);
-      for (int64_t c = 0; c < dim; ++c) acc[c] *= inv_len;
+    const int64_t* off = bags.offsets + f * batch;
+    const int64_t ahead_end = off[batch];
+#pragma omp for schedule(static) nowait
+    for (int64_t b = 0; b < batch; ++b) {
+      float* __restrict acc = o + b * out_width + col;
+      const int64_t begin = off[b], end = off[b + 1];
+      if (begin == end) {
+        std::fill(acc, acc + dim, 0.f);
+        continue;
+      }
+      for (int64_t j = begin; j < end; ++j) {
+        const int64_t jp = j + kPrefetchAhead;
+        if (jp < ahead_end && inv[jp] >= 0) prefetch_row(src.row(inv[jp]), dim);
+        const float* __restrict row = src.row(inv[j]);
+        const float scale = w ? w[j] : 1.f;
+        if (j == begin) {  // the first row is written, not added: `out` need not be zeroed
+          if (w) {
+            for (int64_t c = 0; c < dim; ++c) acc[c] = scale * row[c];
+          } else {
+            std::copy(row, row + dim, acc);
+          }
+        } else {
+          for (int64_t c = 0; c < dim; ++c) acc[c] += scale * row[c];
+        }
+      }
+      if (mean) {
+        const float inv_len = 1.f / static_cast<float>(end - begin);
+        for (int64_t c = 0; c < dim; ++c) acc[c] *= inv_len;
+      }
     }
   }
 }
@@ -214,6 +241,8 @@ void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tr
   const int64_t n = inverse.numel();
 #pragma omp parallel for schedule(static) if (n >= kParallelMinWork)
   for (int64_t j = 0; j < n; ++j) {
+    const int64_t jp = j + kPrefetchAhead;
+    if (jp < n && inv[jp] >= 0) prefetch_row(src.row(inv[jp]), dim);
     if (inv[j] < 0) continue;
     const float* row = src.row(inv[j]);
     std::copy(row, row + dim, o + j * dim);
@@ -222,41 +251,77 @@ void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tr
 
 namespace {
 
-// Lookups grouped by unique row, in input order within a row (CSR).
-struct Segments {
-  std::vector<int64_t> start;  // (U + 1,)
-  std::vector<int64_t> order;  // (lookups with inverse >= 0,)
+// Where each lookup's output gradient is: grad + pos[j], times scale[j] (the
+// per-sample weight, and 1 / bag length for MEAN). pos[j] = -1: not this group's.
+struct GradOf {
+  std::vector<int64_t> pos;
+  std::vector<float> scale;
 };
 
-Segments segments_of(const int64_t* inv, int64_t n, int64_t num_unique) {
+GradOf grad_of_lookups(const Bags* bags, const int64_t* inv, const float* w, int64_t n,
+                       int64_t grad_width, bool mean) {
+  GradOf r{std::vector<int64_t>(n, -1), std::vector<float>(n, 1.f)};
+  if (bags == nullptr) {  // sequence: lookup j is grad row j
+#pragma omp parallel for schedule(static) if (n >= kParallelMinWork)
+    for (int64_t j = 0; j < n; ++j) {
+      if (inv[j] >= 0) r.pos[j] = j * grad_width;
+    }
+    return r;
+  }
+  const int64_t batch = bags->batch;
+  const int64_t num_features = bags->num_bags / std::max<int64_t>(batch, 1);
+#pragma omp parallel if (bags->num_bags >= kParallelMinWork / 16)
+  for (int64_t f = 0; f < num_features; ++f) {
+    const int64_t col = bags->feature_col[f];
+    if (col < 0) continue;
+    const int64_t* off = bags->offsets + f * batch;
+#pragma omp for schedule(static) nowait
+    for (int64_t b = 0; b < batch; ++b) {
+      const float bag_scale = mean && off[b + 1] > off[b]
+                                  ? 1.f / static_cast<float>(off[b + 1] - off[b]) : 1.f;
+      for (int64_t j = off[b]; j < off[b + 1]; ++j) {
+        if (inv[j] < 0) continue;
+        r.pos[j] = b * grad_width + col;
+        r.scale[j] = (w ? w[j] : 1.f) * bag_scale;
+      }
+    }
+  }
+  return r;
+}
+
+// Lookups grouped by unique row, in input order within a row (CSR), with their
+// gradient positions and scales.
+struct Segments {
+  std::vector<int64_t> start;  // (U + 1,)
+  std::vector<int64_t> pos;    // (lookups of this group,) gradient offset
+  std::vector<float> scale;    // (lookups of this group,)
+};
+
+Segments segments_of(const int64_t* inv, int64_t n, int64_t num_unique, const GradOf& grads) {
   Segments s;
   s.start.assign(num_unique + 1, 0);
   for (int64_t j = 0; j < n; ++j) {
-    if (inv[j] >= 0) ++s.start[inv[j] + 1];
+    if (grads.pos[j] >= 0) ++s.start[inv[j] + 1];
   }
   for (int64_t u = 0; u < num_unique; ++u) s.start[u + 1] += s.start[u];
-  s.order.resize(s.start[num_unique]);
+  s.pos.resize(s.start[num_unique]);
+  s.scale.resize(s.start[num_unique]);
   std::vector<int64_t> next(s.start.begin(), s.start.end() - 1);
   for (int64_t j = 0; j < n; ++j) {
-    if (inv[j] >= 0) s.order[next[inv[j]]++] = j;
+    if (grads.pos[j] < 0) continue;
+    const int64_t e = next[inv[j]]++;
+    s.pos[e] = grads.pos[j];
+    s.scale[e] = grads.scale[j];
   }
   return s;
-}
-
-std::vector<int64_t> bag_of_lookups(const Bags& bags, int64_t n) {
-  std::vector<int64_t> bag(n, -1);
-#pragma omp parallel for schedule(static) if (bags.num_bags >= kParallelMinWork / 16)
-  for (int64_t k = 0; k < bags.num_bags; ++k) {
-    for (int64_t j = bags.offsets[k]; j < bags.offsets[k + 1]; ++j) bag[j] = k;
-  }
-  return bag;
 }
 
 }  // namespace
 
 // Fused backward: for every stored unique row, sum the gradients of its lookups
 // (in input order, so the result is deterministic) and apply the optimizer to the
-// row where it lives (device tier or host store). `offsets` empty means sequence mode (grad is [N, dim]).
+// row where it lives (device tier or host store). `offsets` empty means sequence
+// mode (grad is [N, dim]).
 void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
                     const at::Tensor& inverse,
                     const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
@@ -275,17 +340,14 @@ void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_
   const int64_t* slot = row_slot.data_ptr<int64_t>();
   const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
   const float* g = grad.data_ptr<float>();
-  const int64_t grad_width = grad.size(1);
   TORCH_CHECK(src.width >= dim + optimizer_state_dim(static_cast<int>(kind), dim),
               "value rows too narrow for the optimizer state");
+  const int64_t state_floats = optimizer_state_dim(static_cast<int>(kind), dim);
 
   Bags bags{nullptr, nullptr, batch, 0};
-  std::vector<int64_t> bag;
-  if (pooled) {
-    bags = bags_of(offsets, feature_col, batch);
-    bag = bag_of_lookups(bags, n);
-  }
-  const Segments seg = segments_of(inv, n, num_unique);
+  if (pooled) bags = bags_of(offsets, feature_col, batch);
+  const Segments seg = segments_of(
+      inv, n, num_unique, grad_of_lookups(pooled ? &bags : nullptr, inv, w, n, grad.size(1), mean));
   OptimizerParams p;
   p.kind = static_cast<int32_t>(kind);
   p.lr = static_cast<float>(lr);
@@ -297,35 +359,33 @@ void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_
   p.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   p.step_size = static_cast<float>(step_size);
   p.bias_correction2_sqrt = static_cast<float>(bias_correction2_sqrt);
+  const int64_t num_entries = static_cast<int64_t>(seg.pos.size());
 
 #pragma omp parallel if (num_unique * dim >= kParallelMinWork)
   {
-    std::vector<float> acc(dim);
+    std::vector<float> acc_buffer(dim);
+    float* __restrict acc = acc_buffer.data();
 #pragma omp for schedule(dynamic, 64)
     for (int64_t u = 0; u < num_unique; ++u) {
       if (is_transient_ref(slot[u])) continue;
-      if (u + 1 < num_unique && !is_transient_ref(slot[u + 1])) {
-        __builtin_prefetch(src.stored_row(u + 1), 1);
+      const int64_t up = u + 2;
+      if (up < num_unique && !is_transient_ref(slot[up])) {
+        prefetch_row(src.stored_row(up), dim + state_floats, 1);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t e = seg.start[u]; e < seg.start[u + 1]; ++e) {
-        const int64_t j = seg.order[e];
-        if (e + 2 < seg.start[u + 1] && pooled) {  // the grad row two lookups ahead
-          const int64_t k2 = bag[seg.order[e + 2]];
-          __builtin_prefetch(g + (k2 % batch) * grad_width + bags.feature_col[k2 / batch]);
-        }
-        const float* gj;
-        float scale = w ? w[j] : 1.f;
-        if (pooled) {
-          const int64_t k = bag[j];
-          gj = g + (k % batch) * grad_width + bags.feature_col[k / batch];
-          if (mean) scale /= static_cast<float>(bags.offsets[k + 1] - bags.offsets[k]);
+      const int64_t begin = seg.start[u], end = seg.start[u + 1];
+      for (int64_t e = begin; e < end; ++e) {
+        const int64_t ep = e + kPrefetchAhead;
+        if (ep < num_entries) prefetch_row(g + seg.pos[ep], dim);
+        const float* __restrict ge = g + seg.pos[e];
+        const float scale = seg.scale[e];
+        if (e == begin) {
+          for (int64_t c = 0; c < dim; ++c) acc[c] = scale * ge[c];
         } else {
-          gj = g + j * grad_width;
+          for (int64_t c = 0; c < dim; ++c) acc[c] += scale * ge[c];
         }
-        for (int64_t c = 0; c < dim; ++c) acc[c] += scale * gj[c];
       }
-      optimizer_update(src.stored_row(u), acc.data(), static_cast<int>(dim), p);
+      if (begin == end) std::fill(acc, acc + dim, 0.f);
+      optimizer_update(src.stored_row(u), acc, static_cast<int>(dim), p);
     }
   }
 }
