@@ -13,7 +13,7 @@ at::Tensor find(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tenso
                 const at::Tensor& tids, bool single_table);
 at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
                   const at::Tensor& tids, const c10::optional<at::Tensor>& given, int64_t rule, int64_t now,
-                  bool evicts, bool can_grow, const at::Tensor& pending,
+                  bool evicts, bool can_grow, bool one_table, const at::Tensor& pending,
                   at::Tensor& slots, at::Tensor& status,
                   const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys,
                   at::Tensor& ev_tids, at::Tensor& ev_scores);

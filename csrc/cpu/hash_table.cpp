@@ -36,6 +36,12 @@ struct TableView {
   uint64_t* occupied_of(int64_t b) const { return occupied + b * words; }
   int64_t bucket_of_slot(int64_t s) const { return bc_shift >= 0 ? s >> bc_shift : s / bc; }
   uint64_t* pinned_of(int64_t b) const { return pinned + b * words; }
+  // The thread of `nt` that owns bucket b in calls that split buckets among threads:
+  // contiguous ranges, so threads never write the same bitmap cache line (with
+  // b % nt, neighbouring buckets' pinned bits shared lines across threads).
+  int owner_of(int64_t b, int nt) const {
+    return static_cast<int>((b * nt) >> __builtin_ctzll(static_cast<uint64_t>(num_buckets)));
+  }
 };
 
 void check_tensor(const at::Tensor& t, at::ScalarType dtype, const char* name) {
@@ -156,6 +162,7 @@ struct UpsertArgs {
   const uint64_t* given;  // nullptr unless CUSTOMIZED
   bool evicts;
   bool can_grow;
+  bool one_table;  // every table id is 0: the key decides alone
   int64_t* slots;
   int8_t* status;
   uint64_t* prev_scores;  // nullptr: not recorded
@@ -184,7 +191,7 @@ void upsert_one(const TableView& v, const UpsertArgs& a, const Rule& rule, int64
   const uint8_t digest = digest_of(h);
   int j = hint;
   if (j < 0 || v.digests[base + j] != digest || v.keys[base + j] != a.keys[i] ||
-      v.tids[base + j] != a.tids[i]) {
+      (!a.one_table && v.tids[base + j] != a.tids[i])) {
     j = probe_bucket(v.keys + base, v.tids + base, v.digests + base, v.bc, a.keys[i],
                      a.tids[i], digest, start);
   }
@@ -242,7 +249,9 @@ void upsert_owned(const TableView& v, const UpsertArgs& a, const Rule& rule,
   for (int64_t q = 0; q < m + 2 * kAhead; ++q) {
     if (q < m) {
       const uint64_t h = hash[q];
-      prefetch(v.digests + bucket_of(h, v.num_buckets) * v.bc + start_offset(h, v.bc));
+      const int64_t b = bucket_of(h, v.num_buckets);
+      prefetch(v.digests + b * v.bc + start_offset(h, v.bc));
+      prefetch(v.pinned_of(b));
     }
     const int64_t r = q - kAhead;
     if (r >= 0 && r < m) {
@@ -252,7 +261,7 @@ void upsert_owned(const TableView& v, const UpsertArgs& a, const Rule& rule,
       hints[r % (2 * kAhead)] = j;
       if (j >= 0) {
         prefetch(v.keys + base + j);
-        prefetch(v.tids + base + j);
+        if (!a.one_table) prefetch(v.tids + base + j);
         prefetch(v.scores + base + j);
       }
     }
@@ -290,7 +299,7 @@ std::vector<int64_t> upsert_all(const TableView& v, const UpsertArgs& a, const R
     for (int64_t p = 0; p < npending; ++p) {
       const int64_t i = pending[p];
       const uint64_t h = hash_key(a.keys[i], a.tids[i]);
-      if (bucket_of(h, v.num_buckets) % nt == t) {
+      if (v.owner_of(bucket_of(h, v.num_buckets), nt) == t) {
         mine.push_back(i);
         hash.push_back(h);
       }
@@ -315,7 +324,7 @@ T* optional_ptr(const at::Tensor& t) {
 // rule: 0 clock (score = now), 1 count (LFU, adds given), 2 given (CUSTOMIZED).
 at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
                   const at::Tensor& tids, const c10::optional<at::Tensor>& given, int64_t rule, int64_t now,
-                  bool evicts, bool can_grow, const at::Tensor& pending,
+                  bool evicts, bool can_grow, bool one_table, const at::Tensor& pending,
                   at::Tensor& slots, at::Tensor& status,
                   const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys,
                   at::Tensor& ev_tids, at::Tensor& ev_scores) {
@@ -330,6 +339,7 @@ at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Ten
   a.given = given.has_value() ? optional_ptr<const uint64_t>(*given) : nullptr;
   a.evicts = evicts;
   a.can_grow = can_grow;
+  a.one_table = one_table;
   a.slots = slots.data_ptr<int64_t>();
   a.status = status.data_ptr<int8_t>();
   a.prev_scores = prev_scores.has_value() ? optional_ptr<uint64_t>(*prev_scores) : nullptr;
@@ -366,7 +376,7 @@ void unpin(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& sl
     for (int64_t i = 0; i < n; ++i) {
       if (s[i] < 0) continue;
       const int64_t b = v.bucket_of_slot(s[i]);
-      if (b % nt == me) clear_bit(v.pinned_of(b), static_cast<int>(s[i] - b * v.bc));
+      if (v.owner_of(b, nt) == me) clear_bit(v.pinned_of(b), static_cast<int>(s[i] - b * v.bc));
     }
   }
 }
@@ -449,7 +459,7 @@ at::Tensor erase(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tens
     for (int64_t i = 0; i < n; ++i) {
       const uint64_t h = hash_key(k[i], t[i]);
       const int64_t b = bucket_of(h, v.num_buckets);
-      if (b % nt != me) continue;
+      if (v.owner_of(b, nt) != me) continue;
       const int64_t base = b * v.bc;
       const int j = probe_bucket(v.keys + base, v.tids + base, v.digests + base, v.bc, k[i],
                                  t[i], digest_of(h), start_offset(h, v.bc));

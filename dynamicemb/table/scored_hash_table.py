@@ -631,7 +631,7 @@ class ScoredHashTable:
             can_grow = self._num_buckets < self._max_num_buckets
             deferred = self._ops.upsert(
                 self._meta, self.bucket_capacity, keys, tids, given,
-                self._policy.rule, now, self._policy.evicts, can_grow, pending,
+                self._policy.rule, now, self._policy.evicts, can_grow, self.num_tables == 1, pending,
                 out["slots"], out["status"], out["prev_scores"],
                 out["ev_keys"], out["ev_tids"], out["ev_scores"],
             )
