@@ -212,21 +212,24 @@ class _TableGroup:
         keys, tids = pending.keys, pending.tids
         if pending.insert is None:
             refs = pending.found
+        elif pending.admitted is None:  # every unique key went to the host store
+            result = self.storage.commit(pending.insert)
+            new_at = result.inserted.nonzero().squeeze(1)
+            if new_at.numel():
+                self._init_stored_rows(result.slots[new_at], keys[new_at], tids[new_at])
+            refs = self.storage.place(keys, tids, result.slots, result.inserted, pending.counts)
         else:
-            stored = (torch.ones_like(keys, dtype=torch.bool) if pending.admitted is None
-                      else pending.admitted)
-            at = stored.nonzero().squeeze(1)
+            at = pending.admitted.nonzero().squeeze(1)
             result = self.storage.commit(pending.insert)
             new_at = result.inserted.nonzero().squeeze(1)
             if new_at.numel():
                 self._init_stored_rows(result.slots[new_at], keys[at][new_at], tids[at][new_at])
             host_slots = torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
             host_slots[at] = result.slots
-            new = torch.zeros_like(stored)
+            new = torch.zeros_like(pending.admitted)
             new[at[new_at]] = True
             refs = self.storage.place(keys, tids, host_slots, new, pending.counts)
-            if pending.admitted is not None:
-                self._count_occurrences(pending, at[new_at])
+            self._count_occurrences(pending, at[new_at])
         transient = self._transient_rows(keys, tids, refs, train=pending.train)
         return Lookup(keys, tids, pending.inverse, refs, transient, self.storage.generation)
 
@@ -265,6 +268,8 @@ class _TableGroup:
     def _transient_rows(self, keys, tids, refs, train: bool) -> torch.Tensor:
         """Initialized rows for unique keys without a stored row (refs < 0); their
         references become -(t + 1) for transient row t."""
+        if refs.numel() == 0 or int(refs.min()) >= 0:  # every row stored (the common case)
+            return torch.empty(0, self.dim, dtype=torch.float32, device=self.device)
         missing = (refs < 0).nonzero().squeeze(1)
         transient = torch.empty(missing.numel(), self.dim, dtype=torch.float32, device=self.device)
         if missing.numel():

@@ -447,6 +447,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
     def _split_by_group(self, indices, offsets, batch_size):
         """(group, keys, local table ids, positions in the batch or None) per group."""
         n = indices.numel()
+        if len(self._groups) == 1 and len(self._groups[0].table_indices) == 1:
+            return [(self._groups[0], indices, torch.zeros(n, dtype=torch.int16), None)]
         bounds = offsets[:: max(batch_size, 1)] if batch_size else torch.zeros(
             self._num_features + 1, dtype=torch.int64)
         feature = torch.repeat_interleave(
