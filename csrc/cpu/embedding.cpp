@@ -300,18 +300,31 @@ struct Segments {
 Segments segments_of(const int64_t* inv, int64_t n, int64_t num_unique, const GradOf& grads) {
   Segments s;
   s.start.assign(num_unique + 1, 0);
-  for (int64_t j = 0; j < n; ++j) {
-    if (grads.pos[j] >= 0) ++s.start[inv[j] + 1];
-  }
-  for (int64_t u = 0; u < num_unique; ++u) s.start[u + 1] += s.start[u];
-  s.pos.resize(s.start[num_unique]);
-  s.scale.resize(s.start[num_unique]);
-  std::vector<int64_t> next(s.start.begin(), s.start.end() - 1);
-  for (int64_t j = 0; j < n; ++j) {
-    if (grads.pos[j] < 0) continue;
-    const int64_t e = next[inv[j]]++;
-    s.pos[e] = grads.pos[j];
-    s.scale[e] = grads.scale[j];
+  // Each thread owns a contiguous range of unique rows: it scans every lookup and
+  // counts, then places, only those of its rows, so entries keep input order.
+#pragma omp parallel if (n >= kParallelMinWork)
+  {
+    const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t lo = num_unique * me / nt, hi = num_unique * (me + 1) / nt;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t u = inv[j];
+      if (u >= lo && u < hi && grads.pos[j] >= 0) ++s.start[u + 1];
+    }
+#pragma omp barrier
+#pragma omp single
+    {
+      for (int64_t u = 0; u < num_unique; ++u) s.start[u + 1] += s.start[u];
+      s.pos.resize(s.start[num_unique]);
+      s.scale.resize(s.start[num_unique]);
+    }  // implicit barrier
+    std::vector<int64_t> next(s.start.begin() + lo, s.start.begin() + hi);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t u = inv[j];
+      if (u < lo || u >= hi || grads.pos[j] < 0) continue;
+      const int64_t e = next[u - lo]++;
+      s.pos[e] = grads.pos[j];
+      s.scale[e] = grads.scale[j];
+    }
   }
   return s;
 }
