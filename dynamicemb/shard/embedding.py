@@ -20,6 +20,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynamicemb.planner.types import CUSTOMIZED_KERNEL, DYNAMIC_SHARDING_TYPES
 from dynamicemb.shard._common import DynamicKernelsMixin, check_dynamic_plan, import_dense_rows, register_missing_placeholders
+from dynamicemb.shard.dp_sharding import DynamicEmbDpSequenceEmbeddingSharding
 from dynamicemb.shard.dedup import IdCounters, count_sent_ids, dedup_features, table_spans
 from dynamicemb.shard.input_dist import DynamicEmbRwSparseFeaturesDist
 from dynamicemb.shard.rw_sharding import DynamicEmbRwSequenceEmbeddingSharding
@@ -49,6 +50,8 @@ class ShardedDynamicEmbeddingCollection(ShardedEmbeddingCollection):
             ShardingType.ROW_WISE.value: DynamicEmbRwSequenceEmbeddingSharding,
             ShardingType.TABLE_WISE.value: DynamicEmbTwSequenceEmbeddingSharding,
         }
+        if sharding_type == ShardingType.DATA_PARALLEL.value:
+            return DynamicEmbDpSequenceEmbeddingSharding(sharding_infos=sharding_infos, env=env, device=device)
         if sharding_type in kinds:
             return kinds[sharding_type](sharding_infos=sharding_infos, env=env, device=device,
                                         qcomm_codecs_registry=qcomm_codecs_registry)

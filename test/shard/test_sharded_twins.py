@@ -17,3 +17,7 @@ def test_debug_rows_dedup_counters_and_planned_model():
 
 def test_single_rank():
     run_distributed(workers.twin_models, 1, "sgd", 2)
+
+
+def test_data_parallel_static_table_beside_dynamic_tables():
+    run_distributed(workers.data_parallel_beside_dynamic, 2)

@@ -284,3 +284,53 @@ def planned_model(rank: int, world_size: int) -> None:
 def debug_init_dedup_and_planner(rank: int, world_size: int) -> None:
     debug_init_and_dedup(rank, world_size)
     planned_model(rank, world_size)
+
+
+def data_parallel_beside_dynamic(rank: int, world_size: int) -> None:
+    """A static data-parallel EC table beside a dynamic one: sequence outputs (TorchRec's
+    CPU kernel would pool them), and DDP's averaged gradient on the replica."""
+    from torchrec.distributed.sharding_plan import data_parallel
+
+    ec = EmbeddingCollection(tables=[
+        EmbeddingConfig(name="dp", num_embeddings=20, embedding_dim=4, feature_names=["x", "z"]),
+        EmbeddingConfig(name="dyn", num_embeddings=64, embedding_dim=4, feature_names=["y"])],
+        device=torch.device("meta"))
+    sharder = DynamicEmbeddingCollectionSharder(fused_params={"learning_rate": 0.1})
+    plan = construct_module_sharding_plan(
+        ec, {"dp": data_parallel(), "dyn": row_wise(compute_kernel="fused")}, sharder=sharder,
+        local_size=world_size, world_size=world_size, device_type="cpu")
+    plan["dyn"] = to_dynamic_sharding(plan["dyn"], DynamicEmbTableOptions(dim=4, max_capacity=64))
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ec = ec
+
+        def forward(self, kjt):
+            return self.ec(kjt)
+
+    dmp = DistributedModelParallel(Wrapper(), plan=ShardingPlan({"ec": plan}), sharders=[sharder], device=CPU)
+    weight = torch.rand(20, 4, generator=torch.Generator().manual_seed(3))
+    dmp.state_dict()["ec.embeddings.dp.weight"].copy_(weight)
+    ids = {"x": [[1, 2, 2], [rank + 5]], "y": [[7], [8, 9]], "z": [[], [3, 1]]}
+    keys = ["x", "y", "z"]
+    kjt = KeyedJaggedTensor(keys=keys, values=torch.tensor([v for k in keys for b in ids[k] for v in b]),
+                            lengths=torch.tensor([len(b) for k in keys for b in ids[k]]))
+    out = dmp(kjt)
+    scale = torch.arange(1.0, 5.0)
+    loss = torch.zeros(())
+    for k in ("x", "z"):
+        flat = [v for b in ids[k] for v in b]
+        torch.testing.assert_close(out[k].values(), weight[flat])
+        assert out[k].lengths().tolist() == [len(b) for b in ids[k]]
+        loss = loss + (out[k].values() * scale).sum()
+    loss.backward()
+    # DDP averages the replicas' gradients: d loss / d row = scale per occurrence
+    all_ids: List = [None] * world_size
+    dist.all_gather_object(all_ids, [v for k in ("x", "z") for b in ids[k] for v in b])
+    expected = torch.zeros(20, 4)
+    for part in all_ids:
+        for v in part:
+            expected[v] += scale / world_size
+    [grad] = [p.grad for n, p in dmp.named_parameters() if n.endswith("embeddings.dp.weight")]
+    torch.testing.assert_close(grad.view(20, 4), expected)
