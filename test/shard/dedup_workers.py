@@ -125,7 +125,7 @@ def _check_id_counters(dmp, features: KeyedJaggedTensor, tables: Dict, world_siz
     return totals[0], totals[1]
 
 
-def dedup_twins(rank: int, world_size: int, steps: int = 5) -> None:
+def dedup_twins(rank: int, world_size: int, steps: int = 10) -> None:
     """Native TorchRec EBC vs dynamic EBC with row-wise id dedup (on and off),
     unweighted and weighted, SUM and MEAN: outputs, losses, rows after training;
     ids sent per destination."""

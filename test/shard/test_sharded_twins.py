@@ -6,9 +6,10 @@ from dist_utils import run_distributed
 import workers
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
-def test_dynamic_tables_train_like_native_tables(optimizer):
-    run_distributed(workers.twin_models, 2, optimizer)
+@pytest.mark.parametrize("optimizer, dedup", [("sgd", True), ("adagrad", True), ("rowwise_adagrad", True),
+                                              ("sgd", False)])
+def test_dynamic_tables_train_like_native_tables(optimizer, dedup):
+    run_distributed(workers.twin_models, 2, optimizer, 10, dedup)
 
 
 def test_debug_rows_dedup_counters_and_planned_model():

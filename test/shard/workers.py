@@ -32,7 +32,8 @@ EC_TABLES = {"ec_rw": (64, DIM, ["a", "b"], "row_wise"), "ec_tw": (40, DIM, ["c"
 EBC_TABLES = {"ebc_rw": (64, DIM, ["e", "f"], "row_wise"), "ebc_tw": (40, 4, ["g"], "table_wise"),
               "ebc_static": (30, DIM, ["h"], None)}
 EBC_POOLING = {"ebc_rw": PoolingType.SUM, "ebc_tw": PoolingType.MEAN, "ebc_static": PoolingType.SUM}
-OPTIMIZERS = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}
+OPTIMIZERS = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD,
+              "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}
 
 
 class TwinModel(nn.Module):
@@ -66,12 +67,12 @@ def _plan(module: nn.Module, tables: Dict, sharder, world_size: int, dynamic: bo
     return plan
 
 
-def _build(world_size: int, optimizer: str, dynamic: bool):
+def _build(world_size: int, optimizer: str, dynamic: bool, dedup: bool = True):
     fused = {"optimizer": OPTIMIZERS[optimizer], "learning_rate": 0.1, "eps": 1e-8}
     model = TwinModel()
     if dynamic:
-        ec_sharder = DynamicEmbeddingCollectionSharder(fused_params=fused, use_index_dedup=True)
-        ebc_sharder = DynamicEmbeddingBagCollectionSharder(fused_params=fused)
+        ec_sharder = DynamicEmbeddingCollectionSharder(fused_params=fused, use_index_dedup=dedup)
+        ebc_sharder = DynamicEmbeddingBagCollectionSharder(fused_params=fused, use_index_dedup=dedup)
     else:
         ec_sharder = EmbeddingCollectionSharder(fused_params=fused)
         ebc_sharder = EmbeddingBagCollectionSharder(fused_params=fused)
@@ -140,9 +141,9 @@ def _loss(ec_out, ebc_out) -> torch.Tensor:
     return loss
 
 
-def twin_models(rank: int, world_size: int, optimizer: str, steps: int = 5) -> None:
+def twin_models(rank: int, world_size: int, optimizer: str, steps: int = 10, dedup: bool = True) -> None:
     """Native TorchRec tables vs the same tables dynamic: outputs, losses, rows."""
-    native, dynamic = _build(world_size, optimizer, False), _build(world_size, optimizer, True)
+    native, dynamic = _build(world_size, optimizer, False), _build(world_size, optimizer, True, dedup)
     weights = _initial_weights()
     for name, weight in weights.items():
         _set_dense(native, name, weight)
