@@ -4,7 +4,6 @@ sends each id there (raw, unchanged) in TorchRec's one all-to-all per sharding."
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
 from torchrec.distributed.sharding.rw_sharding import RwSparseFeaturesDist
 from torchrec.distributed.types import Awaitable

@@ -3,7 +3,6 @@
 from typing import Dict, List, Tuple
 
 import torch
-import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
@@ -15,8 +14,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynamicemb import DynamicEmbTableOptions
 from dynamicemb.planner import to_dynamic_sharding
-from dynamicemb.shard import DynamicEmbeddingBagCollectionSharder, get_dynamic_tables, import_dense_rows, owner_rank
+from dynamicemb.shard import DynamicEmbeddingBagCollectionSharder, import_dense_rows, owner_rank
 from dynamicemb.shard.rw_dedup_sharding import DynamicEmbRwDedupInputDist
+from workers import all_rows, full_dense
 
 CPU = torch.device("cpu")
 BATCH = 4
@@ -83,23 +83,6 @@ def _key(name: str) -> str:
     return f"ebc.embedding_bags.{name}.weight"
 
 
-def _full_dense(dmp, name: str, shape) -> torch.Tensor:
-    out = torch.empty(shape) if dist.get_rank() == 0 else None
-    dmp.state_dict()[_key(name)].gather(0, out)
-    full = out if out is not None else torch.empty(shape)
-    dist.broadcast(full, 0)
-    return full
-
-
-def _all_rows(dmp, name: str):
-    tables = get_dynamic_tables(dmp)
-    mine = tables[name].export_keys_values(name) if name in tables else None
-    local = (mine.keys, mine.embeddings) if mine is not None else (torch.empty(0, dtype=torch.int64), None)
-    gathered: List = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    return torch.cat([k for k, _ in gathered]), torch.cat([e for _, e in gathered if e is not None])
-
-
 def _check_id_counters(dmp, features: KeyedJaggedTensor, tables: Dict, world_size: int,
                        dedup: bool) -> Tuple[int, int]:
     """One batch's ``id_counters``: row-wise tables send their unique ids (all ids
@@ -162,8 +145,8 @@ def dedup_twins(rank: int, world_size: int, steps: int = 10) -> None:
             ids_sent += sent
             ids_given += given
         for name, (rows, dim, _, _, _) in tables.items():
-            dense = _full_dense(native, name, (rows, dim))
-            keys, embs = _all_rows(dynamic, name)
+            dense = full_dense(native, _key(name), (rows, dim))
+            keys, embs = all_rows(dynamic, name)
             assert sorted(keys.tolist()) == list(range(rows)), name
             torch.testing.assert_close(embs, dense[keys], msg=lambda m: f"{name} weighted={weighted}: {m}")
         assert (ids_sent < ids_given) == dedup, (ids_sent, ids_given)  # the batches do repeat ids

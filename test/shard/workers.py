@@ -55,6 +55,17 @@ class TwinModel(nn.Module):
         return self.ec(ec_features), self.ebc(ebc_features)
 
 
+class EcModel(nn.Module):
+    """A model holding one EmbeddingCollection ``ec``."""
+
+    def __init__(self, ec: EmbeddingCollection) -> None:
+        super().__init__()
+        self.ec = ec
+
+    def forward(self, kjt: KeyedJaggedTensor):
+        return self.ec(kjt)
+
+
 def _plan(module: nn.Module, tables: Dict, sharder, world_size: int, dynamic: bool):
     helpers = {name: (table_wise(rank=world_size - 1, compute_kernel="fused") if st == "table_wise"
                       else row_wise(compute_kernel="fused")) for name, (_, _, _, st) in tables.items()}
@@ -101,15 +112,21 @@ def _set_dense(dmp, name: str, weight: torch.Tensor) -> None:
         shard.tensor.copy_(weight[r:r + rows, c:c + cols])
 
 
-def _full_dense(dmp, name: str, shape) -> torch.Tensor:
+def full_dense(dmp, key: str, shape) -> torch.Tensor:
+    """The whole sharded dense table under state-dict ``key``, on every rank."""
     out = torch.empty(shape) if dist.get_rank() == 0 else None
-    dmp.state_dict()[_sharded_key(name)].gather(0, out)
+    dmp.state_dict()[key].gather(0, out)
     full = out if out is not None else torch.empty(shape)
     dist.broadcast(full, 0)
     return full
 
 
-def _all_rows(dmp, name: str):
+def _full_dense(dmp, name: str, shape) -> torch.Tensor:
+    return full_dense(dmp, _sharded_key(name), shape)
+
+
+def all_rows(dmp, name: str):
+    """(keys, rows) of a dynamic table gathered from every rank."""
     tables = get_dynamic_tables(dmp)
     mine = tables[name].export_keys_values(name) if name in tables else None
     local = (mine.keys, mine.embeddings) if mine is not None else (torch.empty(0, dtype=torch.int64), None)
@@ -173,7 +190,7 @@ def twin_models(rank: int, world_size: int, optimizer: str, steps: int = 10, ded
             if st is None:
                 torch.testing.assert_close(_full_dense(dynamic, name, (rows, dim)), dense)
                 continue
-            keys, embs = _all_rows(dynamic, name)
+            keys, embs = all_rows(dynamic, name)
             assert sorted(keys.tolist()) == list(range(rows)), name
             torch.testing.assert_close(embs, dense[keys], msg=lambda m: f"{name}: {m}")
     _check_shared_learning_rate(dynamic, rank)
@@ -183,10 +200,10 @@ def _check_shared_learning_rate(dmp, rank: int) -> None:
     """lr set through model.fused_optimizer reaches the dynamic tables' backward."""
     for group in dmp.fused_optimizer.param_groups:
         group["lr"] = 0.0
-    before = _all_rows(dmp, "ec_rw")
+    before = all_rows(dmp, "ec_rw")
     ec, ebc = _batch(99, rank)
     _loss(*dmp(ec, ebc)).backward()
-    after = _all_rows(dmp, "ec_rw")
+    after = all_rows(dmp, "ec_rw")
     order_b, order_a = before[0].argsort(), after[0].argsort()
     torch.testing.assert_close(after[1][order_a], before[1][order_b])
 
@@ -207,15 +224,7 @@ def debug_init_and_dedup(rank: int, world_size: int) -> None:
         plan[name] = to_dynamic_sharding(plan[name], DynamicEmbTableOptions(
             dim=4, max_capacity=1 << 12, initializer_args=debug, score_strategy=DynamicEmbScoreStrategy.LFU))
 
-    class Wrapper(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ec = ec
-
-        def forward(self, kjt):
-            return self.ec(kjt)
-
-    dmp = DistributedModelParallel(Wrapper(), plan=ShardingPlan({"ec": plan}), sharders=[sharder], device=CPU)
+    dmp = DistributedModelParallel(EcModel(ec), plan=ShardingPlan({"ec": plan}), sharders=[sharder], device=CPU)
     big = [2**63 - 1, 2**62 + 5, 10**15, 123456789]
     ids = {"p": [[5, 5, big[0]], [7], [5]], "q": [[big[1 + rank]], [], [5, 8]],
            "s": [[3, 3], [big[3], 4], [rank]]}
@@ -302,15 +311,7 @@ def data_parallel_beside_dynamic(rank: int, world_size: int) -> None:
         local_size=world_size, world_size=world_size, device_type="cpu")
     plan["dyn"] = to_dynamic_sharding(plan["dyn"], DynamicEmbTableOptions(dim=4, max_capacity=64))
 
-    class Wrapper(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ec = ec
-
-        def forward(self, kjt):
-            return self.ec(kjt)
-
-    dmp = DistributedModelParallel(Wrapper(), plan=ShardingPlan({"ec": plan}), sharders=[sharder], device=CPU)
+    dmp = DistributedModelParallel(EcModel(ec), plan=ShardingPlan({"ec": plan}), sharders=[sharder], device=CPU)
     weight = torch.rand(20, 4, generator=torch.Generator().manual_seed(3))
     dmp.state_dict()["ec.embeddings.dp.weight"].copy_(weight)
     ids = {"x": [[1, 2, 2], [rank + 5]], "y": [[7], [8, 9]], "z": [[], [3, 1]]}
