@@ -6,11 +6,35 @@ run time (``pip install -e .[cuda]``).
 
 import glob
 import os
+import subprocess
+import sysconfig
 
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def arch_flags() -> list:
+    """``-march=<DYNAMICEMB_CPU_ARCH>`` (default ``native``: the building machine's
+    vector units, e.g. AVX-512, which the row loops need to run at memory speed).
+
+    The extension is built where it runs (``make build``); for a binary that must
+    run on other CPUs set ``DYNAMICEMB_CPU_ARCH`` to a baseline (``x86-64-v3``) or
+    to ``none`` (the compiler's default). Skipped when the compiler refuses the flag.
+    """
+    arch = os.environ.get("DYNAMICEMB_CPU_ARCH", "native").strip()
+    if arch in ("", "none"):
+        return []
+    flag = f"-march={arch}"
+    compiler = (os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++").split()
+    try:
+        subprocess.run(compiler + [flag, "-x", "c++", "-E", "-", "-o", os.devnull],
+                       input=b"", check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        print(f"dynamicemb: the compiler refuses {flag}; building without it")
+        return []
+    return [flag]
 
 
 def cpu_extension() -> CppExtension:
@@ -20,7 +44,7 @@ def cpu_extension() -> CppExtension:
         name="dynamicemb._C",
         sources=sources,
         include_dirs=[os.path.join(ROOT, "csrc")],
-        extra_compile_args=["-O3", "-fopenmp", "-std=c++17"],
+        extra_compile_args=["-O3", "-fopenmp", "-std=c++17"] + arch_flags(),
         extra_link_args=["-fopenmp"],
     )
 
