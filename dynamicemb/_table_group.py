@@ -170,6 +170,7 @@ class _TableGroup:
             )
         self.custom_scores = torch.zeros(len(table_indices), dtype=torch.int64)
         self.adam_step = 0
+        self._no_transient = torch.empty(0, self.dim, dtype=torch.float32, device=device)
 
     # ------------------------------------------------------------- forward
     def begin_lookup(self, keys: torch.Tensor, tids: torch.Tensor, insert: bool,
@@ -214,10 +215,15 @@ class _TableGroup:
             refs = pending.found
         elif pending.admitted is None:  # every unique key went to the host store
             result = self.storage.commit(pending.insert)
-            new_at = result.inserted.nonzero().squeeze(1)
-            if new_at.numel():
+            if result.num_inserted:
+                new_at = result.inserted.nonzero().squeeze(1)
                 self._init_stored_rows(result.slots[new_at], keys[new_at], tids[new_at])
-            refs = self.storage.place(keys, tids, result.slots, result.inserted, pending.counts)
+            known = result.num_failed >= 0
+            refs = self.storage.place(keys, tids, result.slots, result.inserted, pending.counts,
+                                      num_stored=keys.numel() - result.num_failed if known else None)
+            if result.num_failed == 0:  # every row stored: no transient rows
+                return Lookup(keys, tids, pending.inverse, refs, self._no_transient,
+                              self.storage.generation)
         else:
             at = pending.admitted.nonzero().squeeze(1)
             result = self.storage.commit(pending.insert)
@@ -269,7 +275,7 @@ class _TableGroup:
         """Initialized rows for unique keys without a stored row (refs < 0); their
         references become -(t + 1) for transient row t."""
         if refs.numel() == 0 or int(refs.min()) >= 0:  # every row stored (the common case)
-            return torch.empty(0, self.dim, dtype=torch.float32, device=self.device)
+            return self._no_transient
         missing = (refs < 0).nonzero().squeeze(1)
         transient = torch.empty(missing.numel(), self.dim, dtype=torch.float32, device=self.device)
         if missing.numel():

@@ -371,11 +371,12 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 f"(num_features={self._num_features}), got {offsets.numel()}")
         offsets = offsets.to(torch.int64).contiguous()
         n = indices.numel()
-        if int(offsets[0]) != 0 or int(offsets[-1]) != n:
+        problem = self._groups[0].ops.check_offsets(offsets, n)
+        if problem in (1, 2):
             raise ValueError(
                 f"offsets must start at 0 and end at len(indices)={n}, "
                 f"got {int(offsets[0])} and {int(offsets[-1])}")
-        if num_bags and bool((offsets[1:] < offsets[:-1]).any()):
+        if problem:
             raise ValueError("offsets must be non-decreasing")
         if weights is not None:
             if self.pooling_mode != DynamicEmbPoolingMode.SUM:

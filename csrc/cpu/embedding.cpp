@@ -93,6 +93,21 @@ Bags bags_of(const at::Tensor& offsets, const at::Tensor& feature_col, int64_t b
 
 }  // namespace
 
+// What is wrong with an offsets tensor of `num_indices` lookups: 0 nothing,
+// 1 it does not start at 0, 2 it does not end at num_indices, 3 it decreases.
+int64_t check_offsets(const at::Tensor& offsets, int64_t num_indices) {
+  expect(offsets, at::kLong, "offsets");
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  const int64_t m = offsets.numel();
+  TORCH_CHECK(m >= 1, "offsets must have at least one entry");
+  if (o[0] != 0) return 1;
+  if (o[m - 1] != num_indices) return 2;
+  int64_t decreasing = 0;
+#pragma omp parallel for schedule(static) reduction(| : decreasing) if (m >= kParallelMinWork * 16)
+  for (int64_t i = 1; i < m; ++i) decreasing |= o[i] < o[i - 1];
+  return decreasing ? 3 : 0;
+}
+
 // Unique (table, key) pairs in first-occurrence order. counts[u] sums the
 // frequencies of u's lookups (1 each when none are given).
 // Returns (unique_keys (U,), unique_tids (U,) int16, inverse (N,), counts (U,)).

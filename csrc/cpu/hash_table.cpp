@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <vector>
 
 #include "cpu/probe.h"
@@ -19,6 +20,8 @@ namespace {
 
 // Below this many keys one thread is faster than waking the pool.
 constexpr int64_t kParallelMinKeys = 4096;
+// Outcomes counted per call: kHit, kInserted, kEvictedAndInserted, kFailed.
+constexpr int kNumOutcomes = 4;
 
 struct TableView {
   int64_t* keys;
@@ -243,7 +246,8 @@ constexpr int kAhead = 16;
 template <class Rule>
 void upsert_owned(const TableView& v, const UpsertArgs& a, const Rule& rule,
                   const std::vector<int64_t>& mine, const std::vector<uint64_t>& hash,
-                  std::vector<uint8_t>& blocked, std::vector<int64_t>& deferred) {
+                  std::vector<uint8_t>& blocked, std::vector<int64_t>& deferred,
+                  int64_t* outcomes) {
   const int64_t m = static_cast<int64_t>(mine.size());
   int hints[2 * kAhead];
   for (int64_t q = 0; q < m + 2 * kAhead; ++q) {
@@ -275,6 +279,7 @@ void upsert_owned(const TableView& v, const UpsertArgs& a, const Rule& rule,
   for (int64_t p = 0; p < m; ++p) {
     const int64_t s = a.slots[mine[p]];
     const int8_t st = a.status[mine[p]];
+    if (st != kDeferred) ++outcomes[st];
     if (st == kDeferred || s < 0) continue;
     const int64_t b = v.bucket_of_slot(s);
     if (!blocked[b]) clear_bit(v.pinned_of(b), static_cast<int>(s - b * v.bc));
@@ -284,10 +289,11 @@ void upsert_owned(const TableView& v, const UpsertArgs& a, const Rule& rule,
 // Each thread hashes the pending keys as it partitions them: no separate pass.
 template <class Rule>
 std::vector<int64_t> upsert_all(const TableView& v, const UpsertArgs& a, const Rule& rule,
-                                const int64_t* pending, int64_t npending) {
+                                const int64_t* pending, int64_t npending, int64_t* outcomes) {
   std::vector<uint8_t> blocked(v.num_buckets, 0);
   const int threads = npending >= kParallelMinKeys ? omp_get_max_threads() : 1;
   std::vector<std::vector<int64_t>> deferred(threads);
+  std::vector<std::array<int64_t, kNumOutcomes>> counted(threads);
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num();
@@ -304,7 +310,11 @@ std::vector<int64_t> upsert_all(const TableView& v, const UpsertArgs& a, const R
         hash.push_back(h);
       }
     }
-    upsert_owned(v, a, rule, mine, hash, blocked, deferred[t]);
+    counted[t].fill(0);
+    upsert_owned(v, a, rule, mine, hash, blocked, deferred[t], counted[t].data());
+  }
+  for (const auto& c : counted) {
+    for (int o = 0; o < kNumOutcomes; ++o) outcomes[o] += c[o];
   }
   std::vector<int64_t> merged;
   for (auto& d : deferred) merged.insert(merged.end(), d.begin(), d.end());
@@ -321,14 +331,19 @@ T* optional_ptr(const at::Tensor& t) {
 
 // Inserting pass over keys[pending]. Fills slots/status (and the optional
 // outputs) at the pending positions; returns the deferred positions (sorted).
+// outcomes (int64 [4]) += how many keys of the pass were hits, inserted, evicted
+// and inserted, failed (deferred keys are counted by the pass that settles them).
 // rule: 0 clock (score = now), 1 count (LFU, adds given), 2 given (CUSTOMIZED).
 at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
                   const at::Tensor& tids, const c10::optional<at::Tensor>& given, int64_t rule, int64_t now,
                   bool evicts, bool can_grow, bool one_table, const at::Tensor& pending,
                   at::Tensor& slots, at::Tensor& status,
                   const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys,
-                  at::Tensor& ev_tids, at::Tensor& ev_scores) {
+                  at::Tensor& ev_tids, at::Tensor& ev_scores, at::Tensor& outcomes) {
   check_batch(keys, tids);
+  check_tensor(outcomes, at::kLong, "outcomes");
+  TORCH_CHECK(outcomes.numel() == kNumOutcomes, "outcomes must hold ", kNumOutcomes, " counts");
+  int64_t* counts = outcomes.data_ptr<int64_t>();
   check_tensor(pending, at::kLong, "pending");
   check_tensor(slots, at::kLong, "slots");
   check_tensor(status, at::kChar, "status");
@@ -351,9 +366,9 @@ at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Ten
   const int64_t np = pending.numel();
   std::vector<int64_t> deferred;
   switch (rule) {
-    case 0: deferred = upsert_all(v, a, ClockScore{static_cast<uint64_t>(now)}, p, np); break;
-    case 1: deferred = upsert_all(v, a, CountScore{}, p, np); break;
-    case 2: deferred = upsert_all(v, a, GivenScore{}, p, np); break;
+    case 0: deferred = upsert_all(v, a, ClockScore{static_cast<uint64_t>(now)}, p, np, counts); break;
+    case 1: deferred = upsert_all(v, a, CountScore{}, p, np, counts); break;
+    case 2: deferred = upsert_all(v, a, GivenScore{}, p, np, counts); break;
     default: TORCH_CHECK(false, "unknown score rule ", rule);
   }
   auto out = at::empty({static_cast<int64_t>(deferred.size())}, keys.options());

@@ -163,7 +163,7 @@ class TieredStorage:
     def prepare(self, keys, tids, scores) -> PendingInsert:
         """Phase one: the host store decides keys and scores (may raise; see
         ``ScoredHashTable.prepare_find_or_insert``)."""
-        return self.host.prepare_find_or_insert(keys, tids.long(), scores)
+        return self.host.prepare_find_or_insert(keys, tids, scores)
 
     def commit(self, pending: PendingInsert) -> InsertResult:
         """Phase two, host side: commits, and drops keys the host store evicted from
@@ -177,7 +177,8 @@ class TieredStorage:
                 self.device_tier.erase(evicted.keys, evicted.table_ids)
         return result
 
-    def place(self, keys, tids, host_slots, new, counts) -> torch.Tensor:
+    def place(self, keys, tids, host_slots, new, counts,
+              num_stored: Optional[int] = None) -> torch.Tensor:
         """References for this batch's stored rows (``host_slots`` >= 0), moving rows
         into the device tier as the layout says.
 
@@ -187,16 +188,21 @@ class TieredStorage:
             new (Tensor): (U,) bool, keys the host store just inserted.
             counts (Tensor): (U,) occurrences in the batch: the hottest misses are
                 promoted first when not all can be.
+            num_stored: ``(host_slots >= 0).sum()`` where the caller knows it.
 
         Returns:
             (U,) row references; -1 where not stored.
         """
-        stored = host_slots >= 0
         self._count("lookups", tids)
         refs = self._host_refs(host_slots)
         if self.device_tier is None:
-            self._count("misses" if self.host_only else "hits", tids[stored])
+            field = "misses" if self.host_only else "hits"
+            if num_stored is not None and len(self.metrics) == 1:
+                self._add(field, num_stored)
+            else:
+                self._count(field, tids[host_slots >= 0])
             return refs
+        stored = host_slots >= 0
         if self.promote:  # every stored row of the batch goes to the cache
             candidates = stored
         else:  # rows stay where they are; new rows land in the tier while it has room
@@ -296,11 +302,15 @@ class TieredStorage:
             if result.evicted.keys.numel():
                 self.device_tier.erase(result.evicted.keys, result.evicted.table_ids)
 
+    def _add(self, field: str, count: int) -> None:
+        """Adds ``count`` to the one table's metric ``field`` (one-table groups)."""
+        setattr(self.metrics[0], field, getattr(self.metrics[0], field) + count)
+
     def _count(self, field: str, tids: torch.Tensor) -> None:
         if tids.numel() == 0:
             return
         if len(self.metrics) == 1:
-            setattr(self.metrics[0], field, getattr(self.metrics[0], field) + tids.numel())
+            self._add(field, tids.numel())
             return
         counts = torch.bincount(tids.long(), minlength=len(self.metrics)).tolist()
         for m, c in zip(self.metrics, counts):

@@ -88,6 +88,8 @@ class InsertResult(NamedTuple):
     slots: torch.Tensor
     inserted: torch.Tensor
     evicted: Optional[Evicted]
+    num_inserted: int = -1  # inserted.sum(), where the call knows it (else -1)
+    num_failed: int = -1  # (slots < 0).sum(), where the call knows it (else -1)
 
 
 class Exported(NamedTuple):
@@ -167,7 +169,7 @@ def _table_ids_as_int16(table_ids: torch.Tensor, n: int, num_tables: int) -> tor
             f"table_ids must have shape ({n},) like keys, got {tuple(table_ids.shape)}"
         )
     if n > 0:
-        low, high = int(table_ids.min()), int(table_ids.max())
+        low, high = (int(x) for x in torch.aminmax(table_ids))
         if low < 0 or high >= num_tables:
             raise ValueError(
                 f"table_ids must be in [0, {num_tables}), got values in [{low}, {high}]"
@@ -574,7 +576,7 @@ class ScoredHashTable:
         if out["passes"] > 1:  # a single pass unpins its own slots in the kernel
             self._ops.unpin(self._meta, self.bucket_capacity, out["slots"])
         pending = PendingInsert(self, out, clock_before, rows, read_evicted, assign)
-        failed = int((out["status"] == _FAILED).sum())
+        failed = out["counts"]["failed"]
         if failed:
             self.stats.failed_inserts += failed
             self._report_failures(failed, n, pending)
@@ -585,20 +587,27 @@ class ScoredHashTable:
         self._pending = None
         out = pending.out
         slots, status = out["slots"], out["status"]
-        evicting = status == _EVICTED_AND_INSERTED
-        inserted = (status == _INSERTED) | evicting
-        num_inserted, num_evicted = int(inserted.sum()), int(evicting.sum())
+        num_evicted = out["counts"]["evicted"]
+        num_inserted = out["counts"]["inserted"] + num_evicted
         self._size += num_inserted - num_evicted
         self.stats.inserts += num_inserted
         self.stats.evictions += num_evicted
         self._generation += num_evicted > 0
 
-        evicted = self._read_evicted(evicting, out) if pending.read_evicted else None
+        evicted = None
+        if pending.read_evicted:
+            evicted = (self._read_evicted(status == _EVICTED_AND_INSERTED, out) if num_evicted
+                       else self._no_evicted())
+        if num_inserted:
+            inserted = (status == _INSERTED) | (status == _EVICTED_AND_INSERTED)
+        else:  # the common case of a warm table: every key was found
+            inserted = torch.zeros(slots.shape, dtype=torch.bool, device=self.device)
         if pending.assign:
             self._assign_rows(slots, pending.rows)
         elif num_inserted:
             self._values.index_fill_(0, slots[inserted], 0)
-        return InsertResult(slots=slots, inserted=inserted, evicted=evicted)
+        return InsertResult(slots=slots, inserted=inserted, evicted=evicted,
+                            num_inserted=num_inserted, num_failed=out["counts"]["failed"])
 
     def _abort(self, pending: "PendingInsert") -> None:
         """Undoes a prepared call: contents, scores and clock as before it (growth stays)."""
@@ -623,6 +632,8 @@ class ScoredHashTable:
             "ev_keys": torch.empty(n, dtype=torch.int64, device=self.device),
             "ev_tids": torch.empty(n, dtype=torch.int16, device=self.device),
             "ev_scores": torch.empty(n, dtype=torch.int64, device=self.device),
+            # keys that were hits, inserted, evicted and inserted, failed
+            "outcomes": torch.zeros(4, dtype=torch.int64),
         }
         pending = torch.arange(n, dtype=torch.int64, device=self.device)
         out["passes"] = 0
@@ -633,9 +644,11 @@ class ScoredHashTable:
                 self._meta, self.bucket_capacity, keys, tids, given,
                 self._policy.rule, now, self._policy.evicts, can_grow, self.num_tables == 1, pending,
                 out["slots"], out["status"], out["prev_scores"],
-                out["ev_keys"], out["ev_tids"], out["ev_scores"],
+                out["ev_keys"], out["ev_tids"], out["ev_scores"], out["outcomes"],
             )
             if deferred.numel() == 0:
+                out["counts"] = dict(zip(("hit", "inserted", "evicted", "failed"),
+                                         out["outcomes"].tolist()))
                 return out
             self._grow()
             done = out["status"] <= _EVICTED_AND_INSERTED
@@ -655,6 +668,11 @@ class ScoredHashTable:
             raise RuntimeError(message + "; the call was undone")
         if self.check_mode == DynamicEmbCheckMode.WARNING:
             logger.warning(message)
+
+    def _no_evicted(self) -> Evicted:
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        return Evicted(keys=empty, table_ids=empty, scores=empty, slots=empty,
+                       values=self._values[:0])
 
     def _read_evicted(self, evicting: torch.Tensor, out: dict) -> Evicted:
         positions = evicting.nonzero().squeeze(1)
