@@ -320,6 +320,19 @@ def bad_inputs(pooling):
 BAD = [(p, *c) for p in (SUM, MEAN, NONE) for c in bad_inputs(p)]
 
 
+@pytest.mark.parametrize("at", [2, 20_000, 39_998])
+def test_one_decreasing_offset_in_a_large_batch_is_found(at):
+    # large enough for the offsets check to run on several threads
+    module = module_of([options(4)])
+    n = 40_000
+    offsets = torch.arange(n + 1, dtype=torch.int64)
+    offsets[at] = offsets[at + 1] = at - 1  # then offsets[at + 2] = at + 2 again
+    offsets[at - 1] = at  # ... at - 2, at, at - 1, at - 1, at + 2 ...: one decrease
+    with pytest.raises(ValueError, match="non-decreasing"):
+        module(torch.arange(n, dtype=torch.int64), offsets)
+    assert module.table_size("t0") == 0
+
+
 @pytest.mark.parametrize("pooling,what,error,args", BAD, ids=[f"{p.name}-{w}" for p, w, _, _ in BAD])
 def test_bad_input_raises_and_changes_nothing(pooling, what, error, args):
     def make():
