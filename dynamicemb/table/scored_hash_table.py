@@ -13,6 +13,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from dynamicemb._ops import ops_for
+from dynamicemb.table import _huge_pages as huge_pages
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
 __all__ = [
@@ -270,17 +271,17 @@ class ScoredHashTable:
         words = (self.bucket_capacity + 63) // 64
         dev = self.device
         return [
-            torch.zeros(slots, dtype=torch.int64, device=dev),
-            torch.zeros(slots, dtype=torch.int64, device=dev),
-            torch.zeros(slots, dtype=torch.int16, device=dev),
-            torch.zeros(slots, dtype=torch.uint8, device=dev),
-            torch.zeros(num_buckets, words, dtype=torch.int64, device=dev),
-            torch.zeros(num_buckets, words, dtype=torch.int64, device=dev),
+            huge_pages.zeros(slots, torch.int64, dev),
+            huge_pages.zeros(slots, torch.int64, dev),
+            huge_pages.zeros(slots, torch.int16, dev),
+            huge_pages.zeros(slots, torch.uint8, dev),
+            huge_pages.zeros((num_buckets, words), torch.int64, dev),
+            huge_pages.zeros((num_buckets, words), torch.int64, dev),
         ]
 
     def _new_values(self, num_buckets: int) -> torch.Tensor:
         slots = num_buckets * self.bucket_capacity
-        return torch.zeros(slots, self.value_dim, dtype=self.value_dtype, device=self.device)
+        return huge_pages.zeros((slots, self.value_dim), self.value_dtype, self.device)
 
     @property
     def values(self) -> torch.Tensor:
