@@ -13,7 +13,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from dynamicemb._ops import ops_for
-from dynamicemb.table import _huge_pages as huge_pages
+from dynamicemb import _huge_pages as huge_pages
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
 __all__ = [

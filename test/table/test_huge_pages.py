@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dynamicemb.table import ScoredHashTable
-from dynamicemb.table import _huge_pages as huge_pages
+from dynamicemb import _huge_pages as huge_pages
 
 
 def vm_flags_at(address: int) -> str:

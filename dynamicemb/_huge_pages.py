@@ -1,4 +1,4 @@
-"""Zeroed CPU tensors backed by transparent huge pages where the OS offers them.
+"""CPU tensors backed by transparent huge pages where the OS offers them.
 
 A hash table's arrays are read at random: with 4 KiB pages every probe of a 16 MB
 key array or a 1 GB value table also misses the TLB (a page walk per access, which
@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-__all__ = ["zeros"]
+__all__ = ["empty", "zeros"]
 
 _MADV_HUGEPAGE = 14  # Linux
 _HUGE_PAGE = 2 << 20
@@ -52,9 +52,12 @@ def _wanted(nbytes: int, device: torch.device) -> bool:
     )
 
 
-def zeros(shape: Union[int, Sequence[int]], dtype: torch.dtype,
+def empty(shape: Union[int, Sequence[int]], dtype: torch.dtype,
           device: Optional[torch.device] = None) -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype, device=device)``, on huge pages where possible.
+    """``torch.empty(shape, dtype=dtype, device=device)``, on huge pages where possible.
+
+    The pages are advised before anything touches them; whoever writes the tensor
+    first faults them in (as huge pages where the kernel grants them).
 
     Args:
         shape: the tensor's shape.
@@ -62,7 +65,7 @@ def zeros(shape: Union[int, Sequence[int]], dtype: torch.dtype,
         device: its device (default CPU); only CPU tensors are advised.
 
     Returns:
-        A contiguous zeroed tensor.
+        A contiguous, uninitialized tensor.
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -72,7 +75,7 @@ def zeros(shape: Union[int, Sequence[int]], dtype: torch.dtype,
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     madvise = _madvise_function() if _wanted(nbytes, device) else None
     if not madvise:
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.empty(shape, dtype=dtype, device=device)
     # One huge page more than needed, so that the tensor can start on a huge page
     # boundary and every page of it can be a huge one.
     raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8, device=device)
@@ -80,4 +83,11 @@ def zeros(shape: Union[int, Sequence[int]], dtype: torch.dtype,
     madvise(start, (nbytes + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE,
             _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
     skip = start - raw.data_ptr()
-    return raw[skip:skip + nbytes].view(dtype).view(shape).zero_()
+    return raw[skip:skip + nbytes].view(dtype).view(shape)
+
+
+def zeros(shape: Union[int, Sequence[int]], dtype: torch.dtype,
+          device: Optional[torch.device] = None) -> torch.Tensor:
+    """``torch.zeros(shape, dtype=dtype, device=device)``, on huge pages where possible
+    (see ``empty``; zeroing faults every page in)."""
+    return empty(shape, dtype, device).zero_()
