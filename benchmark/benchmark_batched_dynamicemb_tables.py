@@ -9,7 +9,9 @@ hold every row before timing (the dynamic table is pre-filled).
 
 Per iteration: ``forward`` (training forward), ``backward`` (backward with the
 fused optimizer), ``train`` (both), and ``eval`` (no-grad forward in eval mode);
-each reported as the median over iterations, in milliseconds. All modules of a
+each reported as the median over iterations, in milliseconds. Two train ratios:
+of the medians, and paired (the median of per-iteration ratios, steps timed back to
+back), which moves less with the VM's noise. All modules of a
 configuration (TorchRec's, the all-resident dynamic table, each cache size) step
 in turn, iteration by iteration, so noise falls on all of them alike; large
 buffers come from the heap for all of them (see ``same_allocator_for_all``).
@@ -127,8 +129,10 @@ def make_torchrec(args, num_embeddings: int, optimizer: str) -> Optional[torch.n
     )
 
 
-def time_modules(modules: Dict[str, torch.nn.Module], batches, args) -> Dict[str, Dict[str, float]]:
-    """Median ms of eval, training forward, backward and train of each module.
+def time_modules(modules: Dict[str, torch.nn.Module], batches,
+                 args) -> Tuple[Dict[str, Dict[str, float]], Dict[str, List[float]]]:
+    """Median ms of eval, training forward, backward and train of each module, and
+    each module's train times per iteration (seconds).
 
     Iterations are interleaved across the modules (one step of each in turn), so
     that the machine's noise falls on all of them alike and their ratios stay fair.
@@ -161,8 +165,16 @@ def time_modules(modules: Dict[str, torch.nn.Module], batches, args) -> Dict[str
                 module(indices, offsets)
                 if it >= args.warmup:
                     times[name]["eval"].append(time.perf_counter() - t0)
-    return {name: {p: round(statistics.median(xs) * 1e3, 3) for p, xs in phases.items()}
-            for name, phases in times.items()}
+    medians = {name: {p: round(statistics.median(xs) * 1e3, 3) for p, xs in phases.items()}
+               for name, phases in times.items()}
+    return medians, {name: phases["train"] for name, phases in times.items()}
+
+
+def paired_ratio(mine: List[float], theirs: List[float]) -> float:
+    """Median over iterations of mine[i] / theirs[i]: steps timed back to back share
+    the machine's state of the moment, so this ratio shifts less with the VM's noise
+    than the ratio of the two medians."""
+    return round(statistics.median(a / b for a, b in zip(mine, theirs)), 3)
 
 
 def describe(args, batch_size, num_embeddings, optimizer, caching, device_bytes) -> Dict:
@@ -194,7 +206,7 @@ def run_config(args, batch_size: int, num_embeddings: int, optimizer: str) -> Li
         layouts[fraction] = max(16, int(fraction * touched))
     for fraction, cache_rows in layouts.items():
         modules[fraction] = make_dynamicemb(args, num_embeddings, optimizer, cache_rows)
-    timed = time_modules(modules, batches, args)
+    timed, train_times = time_modules(modules, batches, args)
     t_static = timed.get("torchrec")
     rows = []
     for fraction, cache_rows in layouts.items():
@@ -212,6 +224,8 @@ def run_config(args, batch_size: int, num_embeddings: int, optimizer: str) -> Li
         row["dynamicemb_table_bytes"] = sum(dynamic._groups[0].table.memory_bytes().values())
         row["train_ratio(dynamicemb/torchrec)"] = (
             round(t_dynamic["train"] / t_static["train"], 3) if t_static else None)
+        row["train_ratio_paired(dynamicemb/torchrec)"] = (
+            paired_ratio(train_times[fraction], train_times["torchrec"]) if t_static else None)
         row["train_ratio(vs all-resident)"] = round(t_dynamic["train"] / timed[None]["train"], 3)
         rows.append(row)
     return rows
@@ -219,7 +233,7 @@ def run_config(args, batch_size: int, num_embeddings: int, optimizer: str) -> Li
 
 def markdown(rows: List[Dict]) -> str:
     cols = COLUMNS + ["cache_hit_rate", "train_ratio(dynamicemb/torchrec)",
-                      "train_ratio(vs all-resident)"]
+                      "train_ratio_paired(dynamicemb/torchrec)", "train_ratio(vs all-resident)"]
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join("n/a" if r[c] is None else str(r[c]) for c in cols) + " |")

@@ -37,5 +37,7 @@ def test_batched_tables_benchmark(tmp_path, optimizer):
     assert [r["caching"] for r in rows] == [False, True]
     has_torchrec = optimizer != "adam"  # FBGEMM has no Adam on CPU
     assert all((r["train(torchrec)"] is not None) == has_torchrec for r in rows)
+    assert all((r["train_ratio_paired(dynamicemb/torchrec)"] is not None) == has_torchrec
+               for r in rows)
     assert 0 <= rows[1]["cache_hit_rate"] <= 1
     assert os.path.getsize(out + ".png") > 0
