@@ -1,5 +1,6 @@
 """Tables' arrays are zeroed and, on Linux, advised onto transparent huge pages."""
 
+import os
 import sys
 
 import pytest
@@ -7,6 +8,12 @@ import torch
 
 from dynamicemb.table import ScoredHashTable
 from dynamicemb import _huge_pages as huge_pages
+
+
+# madvise(MADV_HUGEPAGE) exists where the kernel has transparent huge pages.
+needs_thp = pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and os.path.isdir("/sys/kernel/mm/transparent_hugepage")),
+    reason="needs Linux with transparent huge pages")
 
 
 def vm_flags_at(address: int) -> str:
@@ -32,7 +39,7 @@ def test_zeros_are_zeros(shape, dtype):
     assert torch.equal(t, expected)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
+@needs_thp
 def test_large_arrays_are_advised_unless_turned_off(monkeypatch):
     big = huge_pages.zeros((1 << 22,), torch.int64)  # 32 MiB
     aligned = (big.data_ptr() + (2 << 20) - 1) // (2 << 20) * (2 << 20)
@@ -43,7 +50,7 @@ def test_large_arrays_are_advised_unless_turned_off(monkeypatch):
     assert " hg" not in vm_flags_at(aligned)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
+@needs_thp
 def test_table_values_and_keys_are_advised_and_survive_growth():
     table = ScoredHashTable(capacity=1 << 16, max_capacity=1 << 18, value_dim=64)
     keys = torch.arange(1 << 17, dtype=torch.int64)
