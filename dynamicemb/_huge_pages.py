@@ -5,9 +5,8 @@ key array or a 1 GB value table also misses the TLB (a page walk per access, whi
 prefetches cannot hide). On Linux, ``madvise(MADV_HUGEPAGE)`` on a fresh, untouched
 allocation, aligned to 2 MiB (one huge page of padding), asks for 2 MiB pages when THP
 is in ``madvise`` or ``always`` mode; the memory is then zeroed, which faults it in as
-huge pages. Elsewhere, or when the
-kernel says no, the tensor is an ordinary zeroed tensor. Measured in
-``docs/ARCHITECTURE.md`` ("Memory").
+huge pages. Elsewhere, or when the kernel says no, the tensor is an ordinary one.
+Measured in ``docs/ARCHITECTURE.md`` ("Memory").
 
 ``DYNAMICEMB_HUGE_PAGES=0`` turns the request off.
 """

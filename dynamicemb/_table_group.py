@@ -218,9 +218,8 @@ class _TableGroup:
             if result.num_inserted:
                 new_at = result.inserted.nonzero().squeeze(1)
                 self._init_stored_rows(result.slots[new_at], keys[new_at], tids[new_at])
-            known = result.num_failed >= 0
             refs = self.storage.place(keys, tids, result.slots, result.inserted, pending.counts,
-                                      num_stored=keys.numel() - result.num_failed if known else None)
+                                      num_stored=keys.numel() - result.num_failed)
             if result.num_failed == 0:  # every row stored: no transient rows
                 return Lookup(keys, tids, pending.inverse, refs, self._no_transient,
                               self.storage.generation)

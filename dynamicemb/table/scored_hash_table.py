@@ -12,8 +12,8 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
-from dynamicemb._ops import ops_for
 from dynamicemb import _huge_pages as huge_pages
+from dynamicemb._ops import ops_for
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
 __all__ = [
@@ -84,13 +84,14 @@ class InsertResult(NamedTuple):
     Shape:
         slots: (n,) int64, -1 where the insert failed; inserted: (n,) bool, True
         where the key was new. ``evicted`` is None for ``insert_or_assign``.
+        ``num_inserted`` and ``num_failed`` count them (the kernel's own counts).
     """
 
     slots: torch.Tensor
     inserted: torch.Tensor
     evicted: Optional[Evicted]
-    num_inserted: int = -1  # inserted.sum(), where the call knows it (else -1)
-    num_failed: int = -1  # (slots < 0).sum(), where the call knows it (else -1)
+    num_inserted: int  # inserted.sum()
+    num_failed: int  # (slots < 0).sum()
 
 
 class Exported(NamedTuple):
