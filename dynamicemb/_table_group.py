@@ -187,8 +187,13 @@ class _TableGroup:
             frequencies (Tensor, optional): (N,) int64 occurrences each lookup stands
                 for (ids deduplicated upstream); default 1.
         """
+        train = insert and self.training
+        if train and self.counter is None and self.score_strategy != DynamicEmbScoreStrategy.CUSTOMIZED:
+            # Nothing to decide between the dedup and the insert: one overlapped call.
+            unique, pending = self.storage.prepare_dedup(keys, tids, frequencies)
+            return _PendingLookup(*unique, None, pending, None, train=True)
         ukeys, utids, inverse, counts = self.ops.dedup(keys, tids, frequencies)
-        if not (insert and self.training):
+        if not train:
             refs = self.storage.resolve(ukeys, utids)
             return _PendingLookup(ukeys, utids, inverse, counts, None, None, refs, train=False)
         admitted = None if self.counter is None else self._admitted(ukeys, utids, counts)

@@ -17,6 +17,12 @@ at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Ten
                   at::Tensor& slots, at::Tensor& status,
                   const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys,
                   at::Tensor& ev_tids, at::Tensor& ev_scores, at::Tensor& outcomes);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_upsert(
+    const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+    const at::Tensor& tids, const c10::optional<at::Tensor>& frequencies, int64_t now,
+    bool evicts, bool can_grow, bool one_table, at::Tensor& slots, at::Tensor& status,
+    const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys, at::Tensor& ev_tids,
+    at::Tensor& ev_scores, at::Tensor& outcomes);
 int64_t check_offsets(const at::Tensor& offsets, int64_t num_indices);
 void unpin(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& slots);
 void undo_upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& slots,
@@ -66,6 +72,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hash_keys", &c::hash_keys, "64-bit hash of (table id, key)");
   m.def("find", &c::find, "slot of each key, -1 if absent");
   m.def("upsert", &c::upsert, "one inserting pass; returns deferred positions");
+  m.def("dedup_upsert", &c::dedup_upsert,
+        "dedup overlapped with a first inserting pass over the unique keys");
   m.def("check_offsets", &c::check_offsets, "0, or the first problem of an offsets tensor");
   m.def("unpin", &c::unpin, "clear the pinned bit of slots");
   m.def("undo_upsert", &c::undo_upsert, "revert an inserting call");

@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu/dedup.h"
 #include "dynamicemb/hash_primitives.h"
 #include "dynamicemb/init_primitives.h"
 #include "dynamicemb/optimizer_primitives.h"
@@ -108,21 +109,6 @@ int64_t check_offsets(const at::Tensor& offsets, int64_t num_indices) {
   return decreasing ? 3 : 0;
 }
 
-namespace {
-
-// One entry of dedup's open-addressing set: the pair and its unique index
-// (u < 0: empty). The pair sits beside its index, so a probe reads one line.
-struct DedupEntry {
-  int64_t key;
-  int32_t u;
-  int16_t tid;
-};
-
-// Lookups whose set position is hashed and prefetched before they are probed.
-constexpr int64_t kDedupAhead = 16;
-
-}  // namespace
-
 // Unique (table, key) pairs in first-occurrence order. counts[u] sums the
 // frequencies of u's lookups (1 each when none are given).
 // Returns (unique_keys (U,), unique_tids (U,) int16, inverse (N,), counts (U,)).
@@ -140,58 +126,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(
   }
   const int64_t n = keys.numel();
   TORCH_CHECK(n < (int64_t{1} << 31), "dedup takes fewer than 2^31 keys, got ", n);
-  int64_t size = 16;
-  while (size < 2 * n) size <<= 1;
-  const uint64_t mask = static_cast<uint64_t>(size - 1);
-  std::vector<DedupEntry> set(size, DedupEntry{0, -1, 0});
-  const int64_t* k = keys.data_ptr<int64_t>();
-  const int16_t* t = tids.data_ptr<int16_t>();
+  auto ukeys = at::empty({n}, keys.options());
+  auto utids = at::empty({n}, tids.options());
+  auto counts = at::empty({n}, keys.options());
   auto inverse = at::empty({n}, keys.options());
-  int64_t* inv = inverse.data_ptr<int64_t>();
-  std::vector<int64_t> first;  // position of each unique pair's first occurrence
-  std::vector<int64_t> count;
-  uint64_t ahead[kDedupAhead];  // set positions of the next lookups
-  for (int64_t i = 0; i < std::min(n, kDedupAhead); ++i) {
-    ahead[i] = hash_key(k[i], t[i]) & mask;
-    __builtin_prefetch(&set[ahead[i]]);
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    uint64_t pos = ahead[i % kDedupAhead];
-    if (i + kDedupAhead < n) {
-      const uint64_t next = hash_key(k[i + kDedupAhead], t[i + kDedupAhead]) & mask;
-      ahead[i % kDedupAhead] = next;
-      __builtin_prefetch(&set[next]);
-    }
-    const int64_t c = freq ? freq[i] : 1;
-    while (true) {
-      DedupEntry& e = set[pos];
-      if (e.u < 0) {
-        e = DedupEntry{k[i], static_cast<int32_t>(first.size()), t[i]};
-        inv[i] = e.u;
-        first.push_back(i);
-        count.push_back(c);
-        break;
-      }
-      if (e.key == k[i] && e.tid == t[i]) {
-        inv[i] = e.u;
-        count[e.u] += c;
-        break;
-      }
-      pos = (pos + 1) & mask;
-    }
-  }
-  const int64_t u_count = static_cast<int64_t>(first.size());
-  auto ukeys = at::empty({u_count}, keys.options());
-  auto utids = at::empty({u_count}, tids.options());
-  auto counts = at::empty({u_count}, keys.options());
-  int64_t* uk = ukeys.data_ptr<int64_t>();
-  int16_t* ut = utids.data_ptr<int16_t>();
-  for (int64_t u = 0; u < u_count; ++u) {
-    uk[u] = k[first[u]];
-    ut[u] = t[first[u]];
-  }
-  std::copy(count.begin(), count.end(), counts.data_ptr<int64_t>());
-  return {ukeys, utids, inverse, counts};
+  const DedupOut out{ukeys.data_ptr<int64_t>(), utids.data_ptr<int16_t>(), nullptr,
+                     counts.data_ptr<int64_t>(), inverse.data_ptr<int64_t>()};
+  const int64_t u = DedupSet(n).run(keys.data_ptr<int64_t>(), tids.data_ptr<int16_t>(), freq,
+                                    n, out, n + 1, [](int64_t) {});
+  return {ukeys.narrow(0, 0, u), utids.narrow(0, 0, u), inverse, counts.narrow(0, 0, u)};
 }
 
 // out[rows[i], 0:dim] = initializer(table, keys[i], column) for every i.

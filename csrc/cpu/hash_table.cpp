@@ -7,10 +7,16 @@
 #include <omp.h>
 #include <torch/extension.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <vector>
 
+#include "cpu/dedup.h"
 #include "cpu/probe.h"
 #include "dynamicemb/hash_primitives.h"
 
@@ -237,29 +243,67 @@ void upsert_one(const TableView& v, const UpsertArgs& a, const Rule& rule, int64
   a.status[i] = outcome;
 }
 
-// Every thread walks all pending keys in order and takes those of its buckets,
-// software-pipelined: the digest line of the key kAhead * 2 places ahead is
-// prefetched, the key kAhead places ahead gets a candidate slot whose key line is
-// prefetched, and the current key is processed with that candidate as a hint.
+// The keys one thread upserts, in order: position p of the feed is key
+// positions(p) with hash hash(p). has(p) says whether it exists.
+struct ListFeed {  // a list known in advance
+  const int64_t* position;
+  const uint64_t* hashes;
+  int64_t size;
+  bool has(int64_t p) const { return p < size; }
+  int64_t at(int64_t p) const { return position[p]; }
+  uint64_t hash(int64_t p) const { return hashes[p]; }
+};
+
+// How many new unique keys dedup_upsert's dedup thread finds between publications.
+constexpr int64_t kPublishEvery = 32;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#endif
+}
+
+// Unique keys published by a concurrent dedup (DedupSet::run): key p is unique
+// key p. has(p) waits until the dedup published p or finished without it.
+struct StreamFeed {
+  const uint64_t* hashes;
+  const std::atomic<int64_t>* published;  // count, | kDone once final
+  static constexpr int64_t kDone = int64_t{1} << 62;
+  bool has(int64_t p) const {
+    while (true) {
+      const int64_t n = published->load(std::memory_order_acquire);
+      if (p < (n & ~kDone)) return true;
+      if (n & kDone) return false;
+      cpu_relax();
+    }
+  }
+  int64_t at(int64_t p) const { return p; }
+  uint64_t hash(int64_t p) const { return hashes[p]; }
+};
+
+// One thread's keys, software-pipelined: the digest line of the key kAhead * 2
+// places ahead is prefetched, the key kAhead places ahead gets a candidate slot
+// whose key line is prefetched, and the current key is processed with that
+// candidate as a hint. The thread owns the buckets of all its keys.
 constexpr int kAhead = 16;
 
-template <class Rule>
-void upsert_owned(const TableView& v, const UpsertArgs& a, const Rule& rule,
-                  const std::vector<int64_t>& mine, const std::vector<uint64_t>& hash,
+template <class Rule, class Feed>
+void upsert_owned(const TableView& v, const UpsertArgs& a, const Rule& rule, const Feed& feed,
                   std::vector<uint8_t>& blocked, std::vector<int64_t>& deferred,
                   int64_t* outcomes) {
-  const int64_t m = static_cast<int64_t>(mine.size());
+  int64_t m = INT64_MAX / 2;  // number of keys, known once the feed says so
   int hints[2 * kAhead];
   for (int64_t q = 0; q < m + 2 * kAhead; ++q) {
+    if (q < m && !feed.has(q)) m = q;
     if (q < m) {
-      const uint64_t h = hash[q];
+      const uint64_t h = feed.hash(q);
       const int64_t b = bucket_of(h, v.num_buckets);
       prefetch(v.digests + b * v.bc + start_offset(h, v.bc));
       prefetch(v.pinned_of(b));
     }
     const int64_t r = q - kAhead;
     if (r >= 0 && r < m) {
-      const uint64_t h = hash[r];
+      const uint64_t h = feed.hash(r);
       const int64_t base = bucket_of(h, v.num_buckets) * v.bc;
       const int j = next_digest_match(v.digests + base, v.bc, digest_of(h), start_offset(h, v.bc));
       hints[r % (2 * kAhead)] = j;
@@ -270,15 +314,16 @@ void upsert_owned(const TableView& v, const UpsertArgs& a, const Rule& rule,
       }
     }
     const int64_t p = q - 2 * kAhead;
-    if (p >= 0) {
-      upsert_one(v, a, rule, mine[p], hash[p], hints[p % (2 * kAhead)], blocked, deferred);
+    if (p >= 0 && p < m) {
+      upsert_one(v, a, rule, feed.at(p), feed.hash(p), hints[p % (2 * kAhead)], blocked,
+                 deferred);
     }
   }
   // Unpin this pass's slots except in buckets blocked for growth, whose pins the
   // next pass needs (the caller unpins everything after a call that grew).
   for (int64_t p = 0; p < m; ++p) {
-    const int64_t s = a.slots[mine[p]];
-    const int8_t st = a.status[mine[p]];
+    const int64_t s = a.slots[feed.at(p)];
+    const int8_t st = a.status[feed.at(p)];
     if (st != kDeferred) ++outcomes[st];
     if (st == kDeferred || s < 0) continue;
     const int64_t b = v.bucket_of_slot(s);
@@ -311,7 +356,8 @@ std::vector<int64_t> upsert_all(const TableView& v, const UpsertArgs& a, const R
       }
     }
     counted[t].fill(0);
-    upsert_owned(v, a, rule, mine, hash, blocked, deferred[t], counted[t].data());
+    const ListFeed feed{mine.data(), hash.data(), static_cast<int64_t>(mine.size())};
+    upsert_owned(v, a, rule, feed, blocked, deferred[t], counted[t].data());
   }
   for (const auto& c : counted) {
     for (int o = 0; o < kNumOutcomes; ++o) outcomes[o] += c[o];
@@ -325,6 +371,54 @@ std::vector<int64_t> upsert_all(const TableView& v, const UpsertArgs& a, const R
 template <class T>
 T* optional_ptr(const at::Tensor& t) {
   return t.defined() && t.numel() > 0 ? reinterpret_cast<T*>(t.data_ptr()) : nullptr;
+}
+
+
+// The per-key outputs of an inserting pass (each with room for n keys) and
+// the pass's options; keys, table ids and given scores are set by the caller.
+UpsertArgs pass_args(int64_t n, bool evicts, bool can_grow, bool one_table, at::Tensor& slots,
+                     at::Tensor& status, const c10::optional<at::Tensor>& prev_scores,
+                     at::Tensor& ev_keys, at::Tensor& ev_tids, at::Tensor& ev_scores) {
+  check_tensor(slots, at::kLong, "slots");
+  check_tensor(status, at::kChar, "status");
+  check_tensor(ev_keys, at::kLong, "ev_keys");
+  check_tensor(ev_tids, at::kShort, "ev_tids");
+  check_tensor(ev_scores, at::kLong, "ev_scores");
+  TORCH_CHECK(slots.numel() >= n && status.numel() >= n && ev_keys.numel() >= n &&
+                  ev_tids.numel() >= n && ev_scores.numel() >= n,
+              "pass outputs need room for ", n, " keys");
+  UpsertArgs a;
+  a.keys = nullptr;
+  a.tids = nullptr;
+  a.given = nullptr;
+  a.evicts = evicts;
+  a.can_grow = can_grow;
+  a.one_table = one_table;
+  a.slots = slots.data_ptr<int64_t>();
+  a.status = status.data_ptr<int8_t>();
+  a.prev_scores = nullptr;
+  if (prev_scores.has_value()) {
+    check_tensor(*prev_scores, at::kLong, "prev_scores");
+    TORCH_CHECK(prev_scores->numel() == 0 || prev_scores->numel() >= n,
+                "prev_scores needs room for ", n, " keys");
+    a.prev_scores = optional_ptr<uint64_t>(*prev_scores);
+  }
+  a.ev_keys = ev_keys.data_ptr<int64_t>();
+  a.ev_tids = ev_tids.data_ptr<int16_t>();
+  a.ev_scores = reinterpret_cast<uint64_t*>(ev_scores.data_ptr<int64_t>());
+  return a;
+}
+
+int64_t* outcomes_of(at::Tensor& outcomes) {
+  check_tensor(outcomes, at::kLong, "outcomes");
+  TORCH_CHECK(outcomes.numel() == kNumOutcomes, "outcomes must hold ", kNumOutcomes, " counts");
+  return outcomes.data_ptr<int64_t>();
+}
+
+at::Tensor tensor_of(const std::vector<int64_t>& values, const at::TensorOptions& options) {
+  auto out = at::empty({static_cast<int64_t>(values.size())}, options);
+  std::copy(values.begin(), values.end(), out.data_ptr<int64_t>());
+  return out;
 }
 
 }  // namespace
@@ -341,27 +435,15 @@ at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Ten
                   const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys,
                   at::Tensor& ev_tids, at::Tensor& ev_scores, at::Tensor& outcomes) {
   check_batch(keys, tids);
-  check_tensor(outcomes, at::kLong, "outcomes");
-  TORCH_CHECK(outcomes.numel() == kNumOutcomes, "outcomes must hold ", kNumOutcomes, " counts");
-  int64_t* counts = outcomes.data_ptr<int64_t>();
+  int64_t* counts = outcomes_of(outcomes);
   check_tensor(pending, at::kLong, "pending");
-  check_tensor(slots, at::kLong, "slots");
-  check_tensor(status, at::kChar, "status");
   const TableView v = view_of(meta, bc);
-  UpsertArgs a;
+  UpsertArgs a = pass_args(keys.numel(), evicts, can_grow, one_table, slots, status, prev_scores,
+                           ev_keys, ev_tids, ev_scores);
   a.keys = keys.data_ptr<int64_t>();
   a.tids = tids.data_ptr<int16_t>();
   a.given = given.has_value() ? optional_ptr<const uint64_t>(*given) : nullptr;
-  a.evicts = evicts;
-  a.can_grow = can_grow;
-  a.one_table = one_table;
-  a.slots = slots.data_ptr<int64_t>();
-  a.status = status.data_ptr<int8_t>();
-  a.prev_scores = prev_scores.has_value() ? optional_ptr<uint64_t>(*prev_scores) : nullptr;
-  a.ev_keys = ev_keys.data_ptr<int64_t>();
-  a.ev_tids = ev_tids.data_ptr<int16_t>();
-  a.ev_scores = reinterpret_cast<uint64_t*>(ev_scores.data_ptr<int64_t>());
-  TORCH_CHECK(rule == 0 || given.has_value(), "the count and given-score rules need scores");
+  TORCH_CHECK(rule == 0 || a.given != nullptr, "the count and given-score rules need scores");
   const int64_t* p = pending.data_ptr<int64_t>();
   const int64_t np = pending.numel();
   std::vector<int64_t> deferred;
@@ -371,9 +453,70 @@ at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Ten
     case 2: deferred = upsert_all(v, a, GivenScore{}, p, np, counts); break;
     default: TORCH_CHECK(false, "unknown score rule ", rule);
   }
-  auto out = at::empty({static_cast<int64_t>(deferred.size())}, keys.options());
-  std::copy(deferred.begin(), deferred.end(), out.data_ptr<int64_t>());
-  return out;
+  return tensor_of(deferred, keys.options());
+}
+
+// `dedup` and a first inserting pass over its unique keys in one call, with the
+// clock rule (score = now): one thread dedups and publishes each new pair, a
+// second upserts the pairs as they come (owning every bucket), so the two
+// overlap. With one thread they run one after the other. The pass outputs
+// (slots .. ev_scores) need room for N keys; entries [0, U) are written, as by
+// `upsert` over unique keys with pending = all of them.
+// Returns (unique_keys (U,), unique_tids (U,) int16, inverse (N,), counts (U,),
+// deferred unique indices (sorted)).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_upsert(
+    const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+    const at::Tensor& tids, const c10::optional<at::Tensor>& frequencies, int64_t now,
+    bool evicts, bool can_grow, bool one_table, at::Tensor& slots, at::Tensor& status,
+    const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys, at::Tensor& ev_tids,
+    at::Tensor& ev_scores, at::Tensor& outcomes) {
+  check_batch(keys, tids);
+  const int64_t n = keys.numel();
+  TORCH_CHECK(n < (int64_t{1} << 31), "dedup takes fewer than 2^31 keys, got ", n);
+  const int64_t* freq = nullptr;
+  if (frequencies.has_value()) {
+    check_tensor(*frequencies, at::kLong, "frequencies");
+    TORCH_CHECK(frequencies->numel() == n, "one frequency per key");
+    freq = frequencies->data_ptr<int64_t>();
+  }
+  int64_t* counted = outcomes_of(outcomes);
+  const TableView v = view_of(meta, bc);
+  auto ukeys = at::empty({n}, keys.options());
+  auto utids = at::empty({n}, tids.options());
+  auto counts = at::empty({n}, keys.options());
+  auto inverse = at::empty({n}, keys.options());
+  std::vector<uint64_t> uhash(n);
+  UpsertArgs a = pass_args(n, evicts, can_grow, one_table, slots, status, prev_scores, ev_keys,
+                           ev_tids, ev_scores);
+  a.keys = ukeys.data_ptr<int64_t>();
+  a.tids = utids.data_ptr<int16_t>();
+  const DedupOut out{ukeys.data_ptr<int64_t>(), utids.data_ptr<int16_t>(), uhash.data(),
+                     counts.data_ptr<int64_t>(), inverse.data_ptr<int64_t>()};
+  // Everything that allocates happens here: nothing in the parallel region throws.
+  DedupSet set(n);
+  std::vector<uint8_t> blocked(v.num_buckets, 0);
+  std::vector<int64_t> deferred;
+  deferred.reserve(n);
+  std::atomic<int64_t> published{0};
+  const StreamFeed feed{uhash.data(), &published};
+  int64_t unique = 0;
+  const int threads = n >= kParallelMinKeys ? std::min(2, omp_get_max_threads()) : 1;
+#pragma omp parallel num_threads(threads)
+  {
+    const bool alone = omp_get_num_threads() < 2;
+    if (omp_get_thread_num() == 0) {
+      unique = set.run(keys.data_ptr<int64_t>(), tids.data_ptr<int16_t>(), freq, n, out,
+                       kPublishEvery,
+                       [&](int64_t u) { published.store(u, std::memory_order_release); });
+      published.store(unique | StreamFeed::kDone, std::memory_order_release);
+    }
+    if (alone || omp_get_thread_num() == 1) {
+      upsert_owned(v, a, ClockScore{static_cast<uint64_t>(now)}, feed, blocked, deferred,
+                   counted);
+    }
+  }
+  return {ukeys.narrow(0, 0, unique), utids.narrow(0, 0, unique), inverse,
+          counts.narrow(0, 0, unique), tensor_of(deferred, keys.options())};
 }
 
 // Clears the pinned bit of every slot >= 0 in `slots`. Buckets are split

@@ -28,7 +28,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from dynamicemb.table import InsertResult, PendingInsert, ScoredHashTable
+from dynamicemb.table import Deduplicated, InsertResult, PendingInsert, ScoredHashTable
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
 __all__ = ["HOST_ROW_BIT", "TierMetrics", "TieredStorage"]
@@ -164,6 +164,11 @@ class TieredStorage:
         """Phase one: the host store decides keys and scores (may raise; see
         ``ScoredHashTable.prepare_find_or_insert``)."""
         return self.host.prepare_find_or_insert(keys, tids, scores)
+
+    def prepare_dedup(self, keys, tids, frequencies) -> Tuple[Deduplicated, PendingInsert]:
+        """Phase one of a batch with repeated keys: its dedup and ``prepare`` of the
+        unique keys in one call (see ``ScoredHashTable.prepare_dedup_find_or_insert``)."""
+        return self.host.prepare_dedup_find_or_insert(keys, tids, frequencies)
 
     def commit(self, pending: PendingInsert) -> InsertResult:
         """Phase two, host side: commits, and drops keys the host store evicted from

@@ -2,16 +2,18 @@
 
 from dynamicemb.table.scored_hash_table import (
     MAX_TABLES,
-    PendingInsert,
+    Deduplicated,
     Evicted,
     Exported,
     InsertResult,
+    PendingInsert,
     ScoredHashTable,
     TableStats,
     hash_keys,
 )
 
 __all__ = [
+    "Deduplicated",
     "Evicted",
     "Exported",
     "InsertResult",

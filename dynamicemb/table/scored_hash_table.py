@@ -8,7 +8,7 @@ tensors and the policy; the kernels in ``csrc/`` only walk them.
 import logging
 import math
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -17,6 +17,7 @@ from dynamicemb._ops import ops_for
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
 __all__ = [
+    "Deduplicated",
     "Evicted",
     "Exported",
     "InsertResult",
@@ -34,6 +35,16 @@ MAX_TABLES = 32767
 
 # Kernel outcome codes (csrc/dynamicemb/hash_primitives.h, InsertStatus).
 _HIT, _INSERTED, _EVICTED_AND_INSERTED, _FAILED = 0, 1, 2, 3
+
+# What an inserting pass writes per key (the kernels' upsert outputs).
+_PER_KEY_OUTPUTS = {
+    "slots": torch.int64,
+    "status": torch.int8,
+    "prev_scores": torch.int64,
+    "ev_keys": torch.int64,
+    "ev_tids": torch.int16,
+    "ev_scores": torch.int64,
+}
 
 
 @dataclass(frozen=True)
@@ -92,6 +103,21 @@ class InsertResult(NamedTuple):
     evicted: Optional[Evicted]
     num_inserted: int  # inserted.sum()
     num_failed: int  # (slots < 0).sum()
+
+
+class Deduplicated(NamedTuple):
+    """The unique (table id, key) pairs of a batch, in first-occurrence order.
+
+    Shape:
+        keys: (U,) int64; table_ids: (U,) int16; inverse: (N,) int64, the unique
+        index of each of the batch's N keys; counts: (U,) int64, the summed
+        frequencies of each pair's keys (1 per key when none are given).
+    """
+
+    keys: torch.Tensor
+    table_ids: torch.Tensor
+    inverse: torch.Tensor
+    counts: torch.Tensor
 
 
 class Exported(NamedTuple):
@@ -159,6 +185,19 @@ def _check_keys(keys: torch.Tensor) -> None:
         raise TypeError(f"keys must be int64, got {keys.dtype}")
     if keys.dim() != 1:
         raise ValueError(f"keys must be 1-D, got shape {tuple(keys.shape)}")
+
+
+def _frequencies(frequencies: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
+    if frequencies is None:
+        return None
+    if not isinstance(frequencies, torch.Tensor) or frequencies.dtype != torch.int64:
+        raise TypeError(
+            f"frequencies must be an int64 tensor, got {getattr(frequencies, 'dtype', type(frequencies))}")
+    if frequencies.shape != (n,):
+        raise ValueError(f"frequencies must have shape ({n},) like keys, got {tuple(frequencies.shape)}")
+    if n > 0 and int(frequencies.min()) < 1:
+        raise ValueError("frequencies must be >= 1")
+    return frequencies.contiguous()
 
 
 def _table_ids_as_int16(table_ids: torch.Tensor, n: int, num_tables: int) -> torch.Tensor:
@@ -557,6 +596,61 @@ class ScoredHashTable:
         """
         return self._prepare(keys, table_ids, scores, values=None, read_evicted=True, assign=False)
 
+    def prepare_dedup_find_or_insert(
+        self,
+        keys: torch.Tensor,
+        table_ids: Optional[torch.Tensor] = None,
+        frequencies: Optional[torch.Tensor] = None,
+    ) -> Tuple[Deduplicated, "PendingInsert"]:
+        """``prepare_find_or_insert`` of the unique pairs of a batch that may repeat
+        keys, returning the dedup too. With a clock-scored strategy (LRU, STEP,
+        NO_EVICTION) the dedup and the insert overlap: one thread finds the unique
+        pairs while another inserts them. LFU adds each pair's count to its score.
+
+        Args:
+            keys (Tensor): (N,) int64.
+            table_ids (Tensor, optional): (N,) int16/int32/int64; None means table 0.
+            frequencies (Tensor, optional): (N,) int64 >= 1, occurrences each key
+                stands for (summed into ``counts``); None means 1 each.
+
+        Returns:
+            (``Deduplicated``, ``PendingInsert`` over ``Deduplicated.keys``).
+
+        Raises:
+            ValueError: with the CUSTOMIZED strategy, whose scores are per key: dedup
+                first and call ``prepare_find_or_insert``.
+        """
+        if self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
+            raise ValueError(
+                "prepare_dedup_find_or_insert takes no scores: with CUSTOMIZED, dedup "
+                "first and call prepare_find_or_insert with a score per unique key")
+        self._check_idle()
+        keys = self._keys(keys)
+        n = keys.numel()
+        tids = self._table_ids(table_ids, n)
+        frequencies = _frequencies(frequencies, n)
+        if self._policy.rule != 0:  # LFU: the scores are the counts, known after the dedup
+            unique = Deduplicated(*self._ops.dedup(keys, tids, frequencies))
+            return unique, self._prepare(unique.keys, unique.table_ids, unique.counts,
+                                         values=None, read_evicted=True, assign=False)
+        self._grow_for_load()
+        clock_before, now = self._tick()
+        out = self._pass_outputs(n)
+        *unique, deferred = self._ops.dedup_upsert(
+            self._meta, self.bucket_capacity, keys, tids, frequencies, now,
+            self._policy.evicts, self._num_buckets < self._max_num_buckets,
+            self.num_tables == 1, out["slots"], out["status"], out["prev_scores"],
+            out["ev_keys"], out["ev_tids"], out["ev_scores"], out["outcomes"],
+        )
+        unique = Deduplicated(*unique)
+        num_unique = unique.keys.numel()
+        for name in _PER_KEY_OUTPUTS:
+            out[name] = out[name][:num_unique]
+        out["passes"] = 1
+        out = self._run_passes(unique.keys, unique.table_ids, None, now, out, deferred)
+        return unique, self._pending_insert(out, clock_before, None, read_evicted=True,
+                                            assign=False)
+
     def _check_idle(self) -> None:
         if self._pending is not None:
             raise RuntimeError(
@@ -571,17 +665,27 @@ class ScoredHashTable:
         rows = self._rows(values, n) if assign else None
 
         self._grow_for_load()
+        clock_before, now = self._tick()
+        everything = torch.arange(n, dtype=torch.int64, device=self.device)
+        out = self._run_passes(keys, tids, given, now, self._pass_outputs(n), everything)
+        return self._pending_insert(out, clock_before, rows, read_evicted, assign)
+
+    def _tick(self) -> Tuple[int, int]:
+        """Advances the clock for an inserting call: (clock before, the call's score)."""
         clock_before = self._clock
         self._clock += 1
         now = self._step if self.score_strategy == DynamicEmbScoreStrategy.STEP else self._clock
-        out = self._run_passes(keys, tids, given, now)
+        return clock_before, now
+
+    def _pending_insert(self, out, clock_before, rows, read_evicted, assign) -> "PendingInsert":
+        """The prepared call of finished passes; reports failed inserts."""
         if out["passes"] > 1:  # a single pass unpins its own slots in the kernel
             self._ops.unpin(self._meta, self.bucket_capacity, out["slots"])
         pending = PendingInsert(self, out, clock_before, rows, read_evicted, assign)
         failed = out["counts"]["failed"]
         if failed:
             self.stats.failed_inserts += failed
-            self._report_failures(failed, n, pending)
+            self._report_failures(failed, out["slots"].numel(), pending)
         self._pending = pending
         return pending
 
@@ -624,40 +728,37 @@ class ScoredHashTable:
     def _upsert(self, keys, table_ids, scores, values, read_evicted, assign=False) -> InsertResult:
         return self._prepare(keys, table_ids, scores, values, read_evicted, assign).commit()
 
-    def _run_passes(self, keys, tids, given, now) -> dict:
-        """Inserting passes; between passes the table grows for deferred keys."""
-        n = keys.numel()
-        out = {
-            "slots": torch.empty(n, dtype=torch.int64, device=self.device),
-            "status": torch.empty(n, dtype=torch.int8, device=self.device),
-            "prev_scores": torch.empty(n, dtype=torch.int64, device=self.device),
-            "ev_keys": torch.empty(n, dtype=torch.int64, device=self.device),
-            "ev_tids": torch.empty(n, dtype=torch.int16, device=self.device),
-            "ev_scores": torch.empty(n, dtype=torch.int64, device=self.device),
-            # keys that were hits, inserted, evicted and inserted, failed
-            "outcomes": torch.zeros(4, dtype=torch.int64),
-        }
-        pending = torch.arange(n, dtype=torch.int64, device=self.device)
+    def _pass_outputs(self, n: int) -> dict:
+        """Per-key outputs of inserting passes over n keys, and their counts."""
+        out = {name: torch.empty(n, dtype=dtype, device=self.device)
+               for name, dtype in _PER_KEY_OUTPUTS.items()}
+        # keys that were hits, inserted, evicted and inserted, failed
+        out["outcomes"] = torch.zeros(4, dtype=torch.int64)
         out["passes"] = 0
-        while True:
+        return out
+
+    def _run_passes(self, keys, tids, given, now, out, pending) -> dict:
+        """Inserting passes over keys[pending] until no key is deferred; the table
+        grows for deferred keys between passes (also after passes already in ``out``)."""
+        while pending.numel():
+            if out["passes"]:  # the previous pass deferred keys to grow for
+                self._grow()
+                done = out["status"] <= _EVICTED_AND_INSERTED
+                hashes = self._ops.hash_keys(keys[done], tids[done])
+                bucket = torch.bitwise_and(hashes, self._num_buckets - 1)
+                out["slots"][done] = (bucket * self.bucket_capacity
+                                      + out["slots"][done] % self.bucket_capacity)
             out["passes"] += 1
-            can_grow = self._num_buckets < self._max_num_buckets
-            deferred = self._ops.upsert(
+            pending = self._ops.upsert(
                 self._meta, self.bucket_capacity, keys, tids, given,
-                self._policy.rule, now, self._policy.evicts, can_grow, self.num_tables == 1, pending,
+                self._policy.rule, now, self._policy.evicts,
+                self._num_buckets < self._max_num_buckets, self.num_tables == 1, pending,
                 out["slots"], out["status"], out["prev_scores"],
                 out["ev_keys"], out["ev_tids"], out["ev_scores"], out["outcomes"],
             )
-            if deferred.numel() == 0:
-                out["counts"] = dict(zip(("hit", "inserted", "evicted", "failed"),
-                                         out["outcomes"].tolist()))
-                return out
-            self._grow()
-            done = out["status"] <= _EVICTED_AND_INSERTED
-            hashes = self._ops.hash_keys(keys[done], tids[done])
-            bucket = torch.bitwise_and(hashes, self._num_buckets - 1)
-            out["slots"][done] = bucket * self.bucket_capacity + out["slots"][done] % self.bucket_capacity
-            pending = deferred
+        out["counts"] = dict(zip(("hit", "inserted", "evicted", "failed"),
+                                 out["outcomes"].tolist()))
+        return out
 
     def _report_failures(self, failed: int, n: int, pending: "PendingInsert") -> None:
         message = (

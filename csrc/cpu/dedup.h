@@ -1,0 +1,90 @@
+// CPU dedup of (table id, key) pairs: an open-addressing set over one batch,
+// shared by the `dedup` op (embedding.cpp) and the fused `dedup_upsert` op
+// (hash_table.cpp), which hands each new pair to an inserting thread as soon as
+// it is found.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "dynamicemb/hash_primitives.h"
+
+namespace dynamicemb {
+namespace cpu {
+
+// Where dedup writes; every array has room for n entries (U <= n).
+struct DedupOut {
+  int64_t* keys;    // (U,) unique keys, first-occurrence order
+  int16_t* tids;    // (U,) their table ids
+  uint64_t* hash;   // (U,) hash_key of each pair (the table's hash); may be nullptr
+  int64_t* counts;  // (U,) sum of the frequencies of each pair's lookups
+  int64_t* inverse;  // (n,) unique index of each lookup
+};
+
+// Dedup of keys[0, n) (n < 2^31). Calls publish(u) with the number of unique
+// pairs written so far, every `every` new pairs; writes of pairs [0, u) happen
+// before the call. Returns U. Never throws once `set` is allocated.
+class DedupSet {
+ public:
+  explicit DedupSet(int64_t n) {
+    int64_t size = 16;
+    while (size < 2 * n) size <<= 1;
+    mask_ = static_cast<uint64_t>(size - 1);
+    set_.assign(size, Entry{0, -1, 0});
+  }
+
+  template <class Publish>
+  int64_t run(const int64_t* k, const int16_t* t, const int64_t* freq, int64_t n,
+              const DedupOut& out, int64_t every, Publish&& publish) {
+    uint64_t ahead[kAhead];  // hashes of the next lookups, their set lines prefetched
+    for (int64_t i = 0; i < std::min(n, kAhead); ++i) ahead[i] = fetch(k[i], t[i]);
+    int64_t unique = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t h = ahead[i % kAhead];
+      if (i + kAhead < n) ahead[i % kAhead] = fetch(k[i + kAhead], t[i + kAhead]);
+      const int64_t c = freq ? freq[i] : 1;
+      for (uint64_t pos = h & mask_;; pos = (pos + 1) & mask_) {
+        Entry& e = set_[pos];
+        if (e.u < 0) {
+          e = Entry{k[i], static_cast<int32_t>(unique), t[i]};
+          out.keys[unique] = k[i];
+          out.tids[unique] = t[i];
+          if (out.hash) out.hash[unique] = h;
+          out.counts[unique] = c;
+          out.inverse[i] = unique++;
+          if (unique % every == 0) publish(unique);
+          break;
+        }
+        if (e.key == k[i] && e.tid == t[i]) {
+          out.inverse[i] = e.u;
+          out.counts[e.u] += c;
+          break;
+        }
+      }
+    }
+    publish(unique);
+    return unique;
+  }
+
+ private:
+  // The pair sits beside its unique index, so a probe reads one line.
+  struct Entry {
+    int64_t key;
+    int32_t u;  // < 0: empty
+    int16_t tid;
+  };
+  static constexpr int64_t kAhead = 16;
+
+  uint64_t fetch(int64_t key, int16_t tid) {
+    const uint64_t h = hash_key(key, tid);
+    __builtin_prefetch(&set_[h & mask_]);
+    return h;
+  }
+
+  std::vector<Entry> set_;
+  uint64_t mask_;
+};
+
+}  // namespace cpu
+}  // namespace dynamicemb

@@ -1,0 +1,157 @@
+"""``prepare_dedup_find_or_insert`` against its definition: a dedup, then
+``prepare_find_or_insert`` of the unique keys (itself checked against the reference
+model in test_hash_table_model.py).
+
+Two identically built tables take the same batches, one through each path; the
+dedup, every result, the exported contents and the stats must agree, over growth
+mid-call, eviction, failed inserts, several tables and both thread counts. Batches
+have thousands of keys so that the dedup and the insert really run on two threads.
+"""
+
+import random
+
+import pytest
+import torch
+
+from table_testing import as_keys, make_table, py_export, py_insert, py_stats
+
+CLOCKED = ["LRU", "STEP", "NO_EVICTION"]
+
+
+def py_dedup(keys, tids, freqs=None):
+    """Unique (table id, key) pairs in first-occurrence order, inverse, summed counts."""
+    index, ukeys, utids, counts, inverse = {}, [], [], [], []
+    for i, pair in enumerate(zip(tids, keys)):
+        if pair not in index:
+            index[pair] = len(ukeys)
+            utids.append(pair[0])
+            ukeys.append(pair[1])
+            counts.append(0)
+        inverse.append(index[pair])
+        counts[index[pair]] += 1 if freqs is None else freqs[i]
+    return ukeys, utids, inverse, counts
+
+
+def skewed_batches(num_batches, n, key_range, num_tables, seed):
+    """Batches with many repeats (a few hot keys) and fresh keys in every batch."""
+    rng = random.Random(seed)
+    batches = []
+    for _ in range(num_batches):
+        keys = [int(key_range * rng.random() ** 3) for _ in range(n)]
+        tids = [rng.randrange(num_tables) for _ in range(n)]
+        freqs = [rng.randrange(1, 4) for _ in range(n)]
+        batches.append((keys, tids, freqs))
+    return batches
+
+
+def run_both(batches, with_freqs=False, **table_kw):
+    """Feeds the batches to two twin tables, one per path; returns what each saw."""
+    kw = dict(bucket_capacity=32, max_load_factor=1.0, value_dim=1, **table_kw)
+    kw["num_tables"] = max(max(b[1]) for b in batches) + 1
+    plain, fused = make_table(**kw), make_table(**kw)
+    seen = {"plain": [], "fused": [], "later_passes": 0}
+    ops = fused._ops
+
+    class CountingOps:  # counts the fused path's passes after dedup_upsert
+        def __getattr__(self, name):
+            if name == "upsert":
+                seen["later_passes"] += 1
+            return getattr(ops, name)
+
+    fused._ops = CountingOps()
+    for keys, tids, freqs in batches:
+        k, t = as_keys(keys), torch.tensor(tids, dtype=torch.int16)
+        f = torch.tensor(freqs, dtype=torch.int64) if with_freqs else None
+        for name, table in (("plain", plain), ("fused", fused)):
+            try:
+                if name == "plain":
+                    unique = table._ops.dedup(k, t, f)
+                    scores = unique[3] if table.score_strategy.name == "LFU" else None
+                    pending = table.prepare_find_or_insert(unique[0], unique[1], scores)
+                else:
+                    unique, pending = table.prepare_dedup_find_or_insert(k, t, f)
+                outcome = py_insert(pending.commit())
+            except RuntimeError as err:  # ERROR mode: the call was undone
+                unique, outcome = None, str(err)
+            dedup = None if unique is None else tuple(x.tolist() for x in unique)
+            seen[name].append((dedup, outcome, py_export(table.export_batch()),
+                               py_stats(table.stats), table.capacity(), table.clock))
+    return seen, (batches, with_freqs)
+
+
+def assert_twins(seen, inputs):
+    assert seen["fused"] == seen["plain"]
+    batches, with_freqs = inputs
+    for (keys, tids, freqs), (dedup, *_rest) in zip(batches, seen["fused"]):
+        if dedup is not None:
+            ukeys, utids, inverse, counts = dedup
+            assert (ukeys, utids, inverse, counts) == py_dedup(
+                keys, tids, freqs if with_freqs else None)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("strategy", CLOCKED + ["LFU"])
+def test_growth_mid_call_matches_dedup_then_insert(strategy, threads):
+    """A small table that grows while batches arrive: keys of full buckets are
+    deferred, the table grows, later passes settle them."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batches = skewed_batches(4, 6000, 20000, 1, seed=1)
+        seen, inputs = run_both(batches, capacity=64, max_capacity=1 << 15,
+                                score_strategy=strategy)
+        assert_twins(seen, inputs)
+        stats = seen["fused"][-1][3]
+        assert stats["growths"] >= 3 and seen["later_passes"] > 0
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("strategy", CLOCKED + ["LFU"])
+def test_full_table_evicts_like_dedup_then_insert(strategy):
+    batches = skewed_batches(5, 8000, 50000, 3, seed=2)
+    seen, inputs = run_both(batches, with_freqs=True, capacity=2048, max_capacity=2048,
+                            score_strategy=strategy, check_mode="IGNORE")
+    assert_twins(seen, inputs)
+    stats = seen["fused"][-1][3]
+    assert stats["evictions" if strategy != "NO_EVICTION" else "failed_inserts"] > 0
+
+
+def test_failed_inserts_in_error_mode_undo_both_alike():
+    """NO_EVICTION at max capacity: the call fails, is undone, and raises."""
+    batches = skewed_batches(3, 5000, 40000, 1, seed=3)
+    seen, inputs = run_both(batches, capacity=1024, max_capacity=1024,
+                            score_strategy="NO_EVICTION", check_mode="ERROR")
+    assert any(isinstance(outcome, str) for _, outcome, *_ in seen["fused"])
+    assert_twins(seen, inputs)
+
+
+def test_small_and_empty_batches():
+    batches = [([5, 5, 7], [0, 0, 1], [1, 2, 3]), ([], [], []), ([7, 9, 7, 5], [1, 0, 1, 0], [1, 1, 1, 1])]
+    table = make_table(capacity=64, num_tables=2, value_dim=1)
+    for keys, tids, freqs in batches:
+        unique, pending = table.prepare_dedup_find_or_insert(
+            torch.tensor(keys, dtype=torch.int64), torch.tensor(tids, dtype=torch.int16),
+            torch.tensor(freqs, dtype=torch.int64))
+        pending.commit()
+        assert tuple(x.tolist() for x in unique) == py_dedup(keys, tids, freqs)
+    assert table.size() == 3  # (0, 5), (1, 7), (0, 9)
+
+
+def test_customized_is_refused_and_bad_frequencies_leave_the_table_alone():
+    with pytest.raises(ValueError, match="CUSTOMIZED"):
+        make_table(capacity=64, score_strategy="CUSTOMIZED").prepare_dedup_find_or_insert(
+            as_keys([1, 2]))
+    table = make_table(capacity=64)
+    keys = as_keys([1, 2, 1])
+    for freqs, error in ((torch.tensor([1, 1, 1], dtype=torch.int32), TypeError),
+                         (torch.tensor([1, 1], dtype=torch.int64), ValueError),
+                         (torch.tensor([1, 0, 1], dtype=torch.int64), ValueError)):
+        with pytest.raises(error, match="frequencies"):
+            table.prepare_dedup_find_or_insert(keys, frequencies=freqs)
+    assert table.size() == 0 and table.clock == 0
+    unique, pending = table.prepare_dedup_find_or_insert(keys)
+    with pytest.raises(RuntimeError, match="prepared insert"):
+        table.find(keys)
+    pending.abort()
+    assert table.size() == 0 and unique.keys.tolist() == [1, 2]
