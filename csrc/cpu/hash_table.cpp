@@ -30,8 +30,8 @@ constexpr int64_t kParallelMinKeys = 4096;
 constexpr int kNumOutcomes = 4;
 
 struct TableView {
-  int64_t* keys;
-  uint64_t* scores;
+  SlotField<int64_t> keys;
+  SlotField<uint64_t> scores;
   int16_t* tids;
   uint8_t* digests;
   uint64_t* occupied;
@@ -62,8 +62,15 @@ void check_tensor(const at::Tensor& t, at::ScalarType dtype, const char* name) {
 
 TableView view_of(const std::vector<at::Tensor>& meta, int64_t bc) {
   TORCH_CHECK(meta.size() == 6, "meta must hold 6 tensors, got ", meta.size());
-  check_tensor(meta[0], at::kLong, "keys");
-  check_tensor(meta[1], at::kLong, "scores");
+  for (int f = 0; f < 2; ++f) {
+    const char* name = f == 0 ? "keys" : "scores";
+    TORCH_CHECK(meta[f].device().is_cpu() && meta[f].scalar_type() == at::kLong &&
+                    meta[f].dim() == 1 && meta[f].stride(0) == kSlotWords,
+                name, " must be an int64 CPU column of the (capacity, 2) slot array");
+  }
+  TORCH_CHECK(meta[1].numel() == meta[0].numel() &&
+                  meta[1].data_ptr<int64_t>() == meta[0].data_ptr<int64_t>() + 1,
+              "keys and scores must be the two columns of one (capacity, 2) array");
   check_tensor(meta[2], at::kShort, "tids");
   check_tensor(meta[3], at::kByte, "digests");
   check_tensor(meta[4], at::kLong, "occupied");
@@ -75,8 +82,8 @@ TableView view_of(const std::vector<at::Tensor>& meta, int64_t bc) {
   v.num_buckets = meta[0].numel() / bc;
   TORCH_CHECK(v.num_buckets * bc == meta[0].numel(), "capacity not a multiple of bc");
   TORCH_CHECK(meta[4].numel() == v.num_buckets * v.words, "occupied has wrong size");
-  v.keys = meta[0].data_ptr<int64_t>();
-  v.scores = reinterpret_cast<uint64_t*>(meta[1].data_ptr<int64_t>());
+  v.keys = SlotField<int64_t>{meta[0].data_ptr<int64_t>()};
+  v.scores = SlotField<uint64_t>{reinterpret_cast<uint64_t*>(meta[1].data_ptr<int64_t>())};
   v.tids = meta[2].data_ptr<int16_t>();
   v.digests = meta[3].data_ptr<uint8_t>();
   v.occupied = reinterpret_cast<uint64_t*>(meta[4].data_ptr<int64_t>());
@@ -116,7 +123,7 @@ void find_chunk(const TableView& v, const int64_t* keys, const int16_t* tids,
     const int j = next_digest_match(v.digests + b, v.bc, digest[i - lo], start[i - lo]);
     first[i - lo] = j;
     if (j >= 0) {
-      prefetch(v.keys + b + j);
+      prefetch(&v.keys[b + j]);
       if (!single_table) prefetch(v.tids + b + j);
     }
   }
@@ -308,9 +315,8 @@ void upsert_owned(const TableView& v, const UpsertArgs& a, const Rule& rule, con
       const int j = next_digest_match(v.digests + base, v.bc, digest_of(h), start_offset(h, v.bc));
       hints[r % (2 * kAhead)] = j;
       if (j >= 0) {
-        prefetch(v.keys + base + j);
+        prefetch(&v.keys[base + j]);  // and its score, in the same line
         if (!a.one_table) prefetch(v.tids + base + j);
-        prefetch(v.scores + base + j);
       }
     }
     const int64_t p = q - 2 * kAhead;

@@ -36,7 +36,9 @@ inline int next_digest_match(const uint8_t* digests, int bc, uint8_t digest, int
 
 // Offset of (key, table id) in [from, to), or -1. Empty slots have digest 0,
 // which no key has, so no occupancy bits are read.
-inline int probe_range(const int64_t* keys, const int16_t* tids, const uint8_t* digests,
+// `keys` is indexable by offset in the bucket (a pointer or a SlotField).
+template <class Keys>
+inline int probe_range(const Keys& keys, const int16_t* tids, const uint8_t* digests,
                        int to, int64_t key, int16_t tid, uint8_t digest, int from) {
   for (int j = next_digest_match(digests, to, digest, from); j >= 0;
        j = next_digest_match(digests, to, digest, j + 1)) {
@@ -47,7 +49,8 @@ inline int probe_range(const int64_t* keys, const int16_t* tids, const uint8_t* 
 
 // Offset of (key, table id) in the bucket, or -1: from the key's start offset to
 // the end, then from the beginning (where inserts put it, see first_clear_bit_from).
-inline int probe_bucket(const int64_t* keys, const int16_t* tids, const uint8_t* digests,
+template <class Keys>
+inline int probe_bucket(const Keys& keys, const int16_t* tids, const uint8_t* digests,
                         int bc, int64_t key, int16_t tid, uint8_t digest, int start) {
   const int j = probe_range(keys, tids, digests, bc, key, tid, digest, start);
   return j >= 0 || start == 0 ? j : probe_range(keys, tids, digests, start, key, tid, digest, 0);

@@ -4,9 +4,10 @@
 // loops (csrc/cpu) and the CUDA kernels (csrc/cuda) call the same code, so the
 // two backends can be diffed. Nothing here allocates or knows about torch.
 //
-// Layout of one table with `num_buckets` buckets of `bc` slots (SoA, slot-major):
-//   keys     (capacity,)            int64   key of each slot
-//   scores   (capacity,)            uint64  larger = keep
+// Layout of one table with `num_buckets` buckets of `bc` slots (slot-major):
+//   keys     (capacity,) stride 2   int64   key of each slot      } one (capacity, 2)
+//   scores   (capacity,) stride 2   uint64  larger = keep         } array: a slot's key
+//                                                                   and score share a line
 //   tids     (capacity,)            int16   table id of each slot
 //   digests  (capacity,)            uint8   top byte of the hash; 0 = empty slot
 //   occupied (num_buckets, words)   uint64  bit j of bucket b: slot b*bc+j holds a key
@@ -51,6 +52,19 @@ DEMB_HD uint8_t digest_of(uint64_t h) {
 }
 
 DEMB_HD int words_per_bucket(int bc) { return (bc + 63) / 64; }
+
+// Keys and scores are interleaved: slot s's key is word 2s of one array and its
+// score word 2s + 1, so the probe that reads a key has its score in the same
+// cache line (an upsert touches one line fewer than with two arrays).
+constexpr int64_t kSlotWords = 2;
+
+// One field (key or score) of the interleaved slot array, indexed by slot.
+template <class T>
+struct SlotField {
+  T* p;
+  DEMB_HD T& operator[](int64_t s) const { return p[s * kSlotWords]; }
+  DEMB_HD SlotField operator+(int64_t s) const { return SlotField{p + s * kSlotWords}; }
+};
 
 DEMB_HD bool test_bit(const uint64_t* bits, int j) {
   return (bits[j >> 6] >> (j & 63)) & 1ull;
@@ -98,7 +112,9 @@ DEMB_HD int first_clear_bit_from(const uint64_t* bits, int bc, int start) {
 
 // Victim of a full bucket: the unpinned slot with the minimum score, ties to the
 // lowest slot. Returns the offset in the bucket, or -1 when every slot is pinned.
-DEMB_HD int choose_victim(const uint64_t* scores, const uint64_t* pinned, int bc) {
+// `scores` is indexable by offset in the bucket (a pointer or a SlotField).
+template <class Scores>
+DEMB_HD int choose_victim(const Scores& scores, const uint64_t* pinned, int bc) {
   int victim = -1;
   uint64_t best = 0;
   for (int j = 0; j < bc; ++j) {
@@ -114,7 +130,8 @@ DEMB_HD int choose_victim(const uint64_t* scores, const uint64_t* pinned, int bc
 // Scalar probe of one bucket: offset of (key, table id), or -1, scanning from
 // the key's start offset to the end, then from the beginning. Backends may use a
 // vectorized digest match with the same result (see csrc/cpu/probe.h).
-DEMB_HD int probe_bucket_scalar(const int64_t* keys, const int16_t* tids,
+template <class Keys>
+DEMB_HD int probe_bucket_scalar(const Keys& keys, const int16_t* tids,
                                 const uint8_t* digests, int bc, int64_t key, int16_t tid,
                                 uint8_t digest, int start) {
   for (int n = 0; n < bc; ++n) {

@@ -306,13 +306,18 @@ class ScoredHashTable:
 
     # ----------------------------------------------------------------- state
     def _new_meta(self, num_buckets: int) -> List[torch.Tensor]:
-        """[keys, scores, tids, digests, occupied, pinned] for ``num_buckets``."""
+        """[keys, scores, tids, digests, occupied, pinned] for ``num_buckets``.
+
+        Keys and scores are the two columns of one (slots, 2) array, so a probe that
+        reads a slot's key has its score in the same cache line.
+        """
         slots = num_buckets * self.bucket_capacity
         words = (self.bucket_capacity + 63) // 64
         dev = self.device
+        keys_and_scores = huge_pages.zeros((slots, 2), torch.int64, dev)
         return [
-            huge_pages.zeros(slots, torch.int64, dev),
-            huge_pages.zeros(slots, torch.int64, dev),
+            keys_and_scores[:, 0],
+            keys_and_scores[:, 1],
             huge_pages.zeros(slots, torch.int16, dev),
             huge_pages.zeros(slots, torch.uint8, dev),
             huge_pages.zeros((num_buckets, words), torch.int64, dev),
