@@ -13,7 +13,9 @@
 namespace dynamicemb {
 namespace cpu {
 
-// Where dedup writes; every array has room for n entries (U <= n).
+// Where dedup writes; every array has room for n entries (U <= n). keys, tids
+// and hash of a pair are final when it is published; counts and inverse only
+// when the dedup returns.
 struct DedupOut {
   int64_t* keys;    // (U,) unique keys, first-occurrence order
   int16_t* tids;    // (U,) their table ids
@@ -31,7 +33,7 @@ class DedupSet {
     int64_t size = 16;
     while (size < 2 * n) size <<= 1;
     mask_ = static_cast<uint64_t>(size - 1);
-    set_.assign(size, Entry{0, -1, 0});
+    set_.assign(size, Entry{0, -1});
   }
 
   template <class Publish>
@@ -44,10 +46,11 @@ class DedupSet {
       const uint64_t h = ahead[i % kAhead];
       if (i + kAhead < n) ahead[i % kAhead] = fetch(k[i + kAhead], t[i + kAhead]);
       const int64_t c = freq ? freq[i] : 1;
+      const uint32_t tag = static_cast<uint32_t>(h >> 32);
       for (uint64_t pos = h & mask_;; pos = (pos + 1) & mask_) {
         Entry& e = set_[pos];
         if (e.u < 0) {
-          e = Entry{k[i], static_cast<int32_t>(unique), t[i]};
+          e = Entry{tag, static_cast<int32_t>(unique)};
           out.keys[unique] = k[i];
           out.tids[unique] = t[i];
           if (out.hash) out.hash[unique] = h;
@@ -56,7 +59,8 @@ class DedupSet {
           if (unique % every == 0) publish(unique);
           break;
         }
-        if (e.key == k[i] && e.tid == t[i]) {
+        // The tag rules out almost every other pair; the unique arrays decide.
+        if (e.tag == tag && out.keys[e.u] == k[i] && out.tids[e.u] == t[i]) {
           out.inverse[i] = e.u;
           out.counts[e.u] += c;
           break;
@@ -68,11 +72,11 @@ class DedupSet {
   }
 
  private:
-  // The pair sits beside its unique index, so a probe reads one line.
+  // 8 bytes: the top half of the pair's hash and its unique index (u < 0: empty);
+  // the pair itself is read from the unique arrays when the tag matches.
   struct Entry {
-    int64_t key;
-    int32_t u;  // < 0: empty
-    int16_t tid;
+    uint32_t tag;
+    int32_t u;
   };
   static constexpr int64_t kAhead = 16;
 

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <memory>
 #include <vector>
 
 #include "cpu/dedup.h"
@@ -491,12 +492,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_ups
   auto utids = at::empty({n}, tids.options());
   auto counts = at::empty({n}, keys.options());
   auto inverse = at::empty({n}, keys.options());
-  std::vector<uint64_t> uhash(n);
+  std::unique_ptr<uint64_t[]> uhash(new uint64_t[n]);  // written before it is read
   UpsertArgs a = pass_args(n, evicts, can_grow, one_table, slots, status, prev_scores, ev_keys,
                            ev_tids, ev_scores);
   a.keys = ukeys.data_ptr<int64_t>();
   a.tids = utids.data_ptr<int16_t>();
-  const DedupOut out{ukeys.data_ptr<int64_t>(), utids.data_ptr<int16_t>(), uhash.data(),
+  const DedupOut out{ukeys.data_ptr<int64_t>(), utids.data_ptr<int16_t>(), uhash.get(),
                      counts.data_ptr<int64_t>(), inverse.data_ptr<int64_t>()};
   // Everything that allocates happens here: nothing in the parallel region throws.
   DedupSet set(n);
@@ -504,7 +505,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_ups
   std::vector<int64_t> deferred;
   deferred.reserve(n);
   std::atomic<int64_t> published{0};
-  const StreamFeed feed{uhash.data(), &published};
+  const StreamFeed feed{uhash.get(), &published};
   int64_t unique = 0;
   const int threads = n >= kParallelMinKeys ? std::min(2, omp_get_max_threads()) : 1;
 #pragma omp parallel num_threads(threads)
