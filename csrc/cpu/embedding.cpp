@@ -238,80 +238,83 @@ void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tr
 
 namespace {
 
-// Where each lookup's output gradient is: grad + pos[j], times scale[j] (the
-// per-sample weight, and 1 / bag length for MEAN). pos[j] = -1: not this group's.
-struct GradOf {
-  std::vector<int64_t> pos;
-  std::vector<float> scale;
-};
-
-GradOf grad_of_lookups(const Bags* bags, const int64_t* inv, const float* w, int64_t n,
-                       int64_t grad_width, bool mean) {
-  GradOf r{std::vector<int64_t>(n, -1), std::vector<float>(n, 1.f)};
-  if (bags == nullptr) {  // sequence: lookup j is grad row j
-#pragma omp parallel for schedule(static) if (n >= kParallelMinWork)
-    for (int64_t j = 0; j < n; ++j) {
-      if (inv[j] >= 0) r.pos[j] = j * grad_width;
+// Calls f(j, pos, scale) for every lookup with a gradient here, in input order:
+// lookups [lo, hi) (sequence mode, bags == nullptr; the gradient of lookup j is
+// row j) or the lookups of bags [lo, hi) (pooled mode; the gradient of a lookup
+// of bag (feature, sample) is the sample's row at the feature's column, times
+// the per-sample weight and 1 / bag length for MEAN). A lookup has a gradient
+// here when its row is this group's (inverse >= 0) and so is its feature.
+template <class F>
+void for_each_grad(const Bags* bags, const int64_t* inv, const float* w, int64_t grad_width,
+                   bool mean, int64_t lo, int64_t hi, F&& f) {
+  if (bags == nullptr) {
+    for (int64_t j = lo; j < hi; ++j) {
+      if (inv[j] >= 0) f(j, j * grad_width, 1.f);
     }
-    return r;
+    return;
   }
   const int64_t batch = bags->batch;
-  const int64_t num_features = bags->num_bags / std::max<int64_t>(batch, 1);
-#pragma omp parallel if (bags->num_bags >= kParallelMinWork / 16)
-  for (int64_t f = 0; f < num_features; ++f) {
-    const int64_t col = bags->feature_col[f];
-    if (col < 0) continue;
-    const int64_t* off = bags->offsets + f * batch;
-#pragma omp for schedule(static) nowait
-    for (int64_t b = 0; b < batch; ++b) {
-      const float bag_scale = mean && off[b + 1] > off[b]
-                                  ? 1.f / static_cast<float>(off[b + 1] - off[b]) : 1.f;
-      for (int64_t j = off[b]; j < off[b + 1]; ++j) {
-        if (inv[j] < 0) continue;
-        r.pos[j] = b * grad_width + col;
-        r.scale[j] = (w ? w[j] : 1.f) * bag_scale;
-      }
+  for (int64_t k = lo; k < hi; ++k) {
+    const int64_t col = bags->feature_col[k / batch];
+    const int64_t begin = bags->offsets[k], end = bags->offsets[k + 1];
+    if (col < 0 || begin == end) continue;
+    const int64_t pos = (k % batch) * grad_width + col;
+    const float bag_scale = mean ? 1.f / static_cast<float>(end - begin) : 1.f;
+    for (int64_t j = begin; j < end; ++j) {
+      if (inv[j] >= 0) f(j, pos, (w ? w[j] : 1.f) * bag_scale);
     }
   }
-  return r;
 }
 
 // Lookups grouped by unique row, in input order within a row (CSR), with their
 // gradient positions and scales.
 struct Segments {
   std::vector<int64_t> start;  // (U + 1,)
-  std::vector<int64_t> pos;    // (lookups of this group,) gradient offset
-  std::vector<float> scale;    // (lookups of this group,)
+  std::vector<int64_t> pos;    // (lookups with a gradient,) gradient offset
+  std::vector<float> scale;    // (lookups with a gradient,)
 };
 
-Segments segments_of(const int64_t* inv, int64_t n, int64_t num_unique, const GradOf& grads) {
+// A parallel counting sort: each thread counts the lookups of its contiguous
+// range of bags (or lookups) per unique row, a prefix over (row, thread) gives
+// each thread its first entry per row, and each thread places its range in
+// order, so entries of a row keep input order whatever the thread count.
+Segments segments_of(const Bags* bags, const int64_t* inv, const float* w, int64_t n,
+                     int64_t num_unique, int64_t grad_width, bool mean) {
+  const int64_t units = bags ? bags->num_bags : n;
+  const int threads = units >= kParallelMinWork ? omp_get_max_threads() : 1;
   Segments s;
   s.start.assign(num_unique + 1, 0);
-  // Each thread owns a contiguous range of unique rows: it scans every lookup and
-  // counts, then places, only those of its rows, so entries keep input order.
-#pragma omp parallel if (n >= kParallelMinWork)
+  std::vector<std::vector<int64_t>> next(threads);  // per thread: count, then next entry
+#pragma omp parallel num_threads(threads)
   {
     const int nt = omp_get_num_threads(), me = omp_get_thread_num();
-    const int64_t lo = num_unique * me / nt, hi = num_unique * (me + 1) / nt;
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t u = inv[j];
-      if (u >= lo && u < hi && grads.pos[j] >= 0) ++s.start[u + 1];
-    }
+    const int64_t lo = units * me / nt, hi = units * (me + 1) / nt;
+    std::vector<int64_t>& mine = next[me];
+    mine.assign(num_unique, 0);
+    for_each_grad(bags, inv, w, grad_width, mean, lo, hi,
+                  [&](int64_t j, int64_t, float) { ++mine[inv[j]]; });
 #pragma omp barrier
 #pragma omp single
     {
-      for (int64_t u = 0; u < num_unique; ++u) s.start[u + 1] += s.start[u];
-      s.pos.resize(s.start[num_unique]);
-      s.scale.resize(s.start[num_unique]);
+      int64_t entries = 0;
+      for (int64_t u = 0; u < num_unique; ++u) {
+        s.start[u] = entries;
+        for (int t = 0; t < nt; ++t) {
+          const int64_t c = next[t][u];
+          next[t][u] = entries;
+          entries += c;
+        }
+      }
+      s.start[num_unique] = entries;
+      s.pos.resize(entries);
+      s.scale.resize(entries);
     }  // implicit barrier
-    std::vector<int64_t> next(s.start.begin() + lo, s.start.begin() + hi);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t u = inv[j];
-      if (u < lo || u >= hi || grads.pos[j] < 0) continue;
-      const int64_t e = next[u - lo]++;
-      s.pos[e] = grads.pos[j];
-      s.scale[e] = grads.scale[j];
-    }
+    for_each_grad(bags, inv, w, grad_width, mean, lo, hi,
+                  [&](int64_t j, int64_t pos, float scale) {
+                    const int64_t e = mine[inv[j]]++;
+                    s.pos[e] = pos;
+                    s.scale[e] = scale;
+                  });
   }
   return s;
 }
@@ -346,8 +349,8 @@ void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_
 
   Bags bags{nullptr, nullptr, batch, 0};
   if (pooled) bags = bags_of(offsets, feature_col, batch);
-  const Segments seg = segments_of(
-      inv, n, num_unique, grad_of_lookups(pooled ? &bags : nullptr, inv, w, n, grad.size(1), mean));
+  const Segments seg =
+      segments_of(pooled ? &bags : nullptr, inv, w, n, num_unique, grad.size(1), mean);
   OptimizerParams p;
   p.kind = static_cast<int32_t>(kind);
   p.lr = static_cast<float>(lr);
