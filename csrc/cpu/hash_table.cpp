@@ -133,8 +133,8 @@ void find_chunk(const TableView& v, const int64_t* keys, const int16_t* tids,
     int j = first[i - lo];
     // With one logical table every table id is 0: the key decides alone.
     if (j < 0 || !(v.keys[b + j] == keys[i] && (single_table || v.tids[b + j] == tids[i]))) {
-      j = probe_bucket(v.keys + b, v.tids + b, v.digests + b, v.bc, keys[i], tids[i],
-                       digest[i - lo], start[i - lo]);
+      j = probe_bucket(v.keys + b, single_table ? nullptr : v.tids + b, v.digests + b, v.bc,
+                       keys[i], tids[i], digest[i - lo], start[i - lo], j);
     }
     slots[i] = j < 0 ? -1 : b + j;
   }
@@ -209,8 +209,10 @@ void upsert_one(const TableView& v, const UpsertArgs& a, const Rule& rule, int64
   int j = hint;
   if (j < 0 || v.digests[base + j] != digest || v.keys[base + j] != a.keys[i] ||
       (!a.one_table && v.tids[base + j] != a.tids[i])) {
-    j = probe_bucket(v.keys + base, v.tids + base, v.digests + base, v.bc, a.keys[i],
-                     a.tids[i], digest, start);
+    // The hint is only a guess (an earlier key of this pass may have changed the
+    // bucket since), so the whole bucket is probed.
+    j = probe_bucket(v.keys + base, a.one_table ? nullptr : v.tids + base, v.digests + base,
+                     v.bc, a.keys[i], a.tids[i], digest, start);
   }
   if (j >= 0) {
     uint64_t& score = v.scores[base + j];
