@@ -205,24 +205,30 @@ class TieredStorage:
             if num_stored is not None and len(self.metrics) == 1:
                 self._add(field, num_stored)
             else:
-                self._count(field, tids[host_slots >= 0])
+                self._count_where(field, tids, host_slots >= 0)
             return refs
         stored = host_slots >= 0
-        if self.promote:  # every stored row of the batch goes to the cache
-            candidates = stored
-        else:  # rows stay where they are; new rows land in the tier while it has room
-            known = self.device_tier.find(keys, tids)
-            refs = torch.where(known >= 0, known, refs)
-            hit = known >= 0
-            candidates = stored & new
-        at = candidates.nonzero().squeeze(1)
-        slots, fresh = self._into_device_tier(keys[at], tids[at], host_slots[at], counts[at])
-        refs[at] = torch.where(slots >= 0, slots, refs[at])
-        if self.promote:
-            hit = torch.zeros_like(stored)
-            hit[at] = (slots >= 0) & ~fresh
-        self._count("hits", tids[hit])
-        self._count("misses", tids[stored & ~hit])
+        if self.promote and num_stored == keys.numel():
+            # Every key is stored (the usual case): no positions to pick.
+            slots, fresh = self._into_device_tier(keys, tids, host_slots, counts)
+            refs = torch.where(slots >= 0, slots, refs)
+            hit = (slots >= 0) & ~fresh
+        else:
+            if self.promote:  # every stored row of the batch goes to the cache
+                candidates = stored
+            else:  # rows stay where they are; new rows land in the tier while it has room
+                known = self.device_tier.find(keys, tids)
+                refs = torch.where(known >= 0, known, refs)
+                hit = known >= 0
+                candidates = stored & new
+            at = candidates.nonzero().squeeze(1)
+            slots, fresh = self._into_device_tier(keys[at], tids[at], host_slots[at], counts[at])
+            refs[at] = torch.where(slots >= 0, slots, refs[at])
+            if self.promote:
+                hit = torch.zeros_like(stored)
+                hit[at] = (slots >= 0) & ~fresh
+        self._count_where("hits", tids, hit)
+        self._count_where("misses", tids, stored & ~hit)
         return refs
 
     def _into_device_tier(self, keys, tids, host_slots, counts):
@@ -260,7 +266,7 @@ class TieredStorage:
         at = fresh.nonzero().squeeze(1)
         if at.numel():
             tier.values[result.slots[at]] = self.host.values[host_slots[at]]
-            self._count("host_reads", tids[at])
+            self._count_where("host_reads", tids, fresh)
             self._moves += 1
         if order is None:
             return result.slots, fresh
@@ -310,6 +316,13 @@ class TieredStorage:
     def _add(self, field: str, count: int) -> None:
         """Adds ``count`` to the one table's metric ``field`` (one-table groups)."""
         setattr(self.metrics[0], field, getattr(self.metrics[0], field) + count)
+
+    def _count_where(self, field: str, tids: torch.Tensor, mask: torch.Tensor) -> None:
+        """``_count(field, tids[mask])`` without gathering where one table is counted."""
+        if len(self.metrics) == 1:
+            self._add(field, int(mask.sum()))
+        else:
+            self._count(field, tids[mask])
 
     def _count(self, field: str, tids: torch.Tensor) -> None:
         if tids.numel() == 0:
