@@ -255,7 +255,7 @@ class TieredStorage:
             order = torch.cat([hit.nonzero().squeeze(1), misses])
             keys, tids, host_slots = keys[order], tids[order], host_slots[order]
         scores = self.host.scores_at(host_slots) if self.promote else None
-        result = tier.find_or_insert(keys, tids.long(), scores)
+        result = tier.find_or_insert(keys, tids, scores)
         # Victims first: a key of this batch may have been evicted by an earlier key
         # of the same call and inserted again, and its fresh row is the victim's.
         evicted = result.evicted
