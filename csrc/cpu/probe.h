@@ -73,6 +73,7 @@ inline int scan_digests(const uint8_t* digests, int to, uint8_t digest, int from
   }
   for (; g < to; g += 16) {
     uint32_t match = match_group(digests, g, digest);
+    if (g < from) match &= ~((1u << (from - g)) - 1u);  // bc not a multiple of 64
     for (; match != 0; match &= match - 1) {
       if (try_match(g + __builtin_ctz(match))) return g + __builtin_ctz(match);
     }
