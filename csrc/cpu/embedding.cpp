@@ -9,7 +9,12 @@
 #include <omp.h>
 #include <torch/extension.h>
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <cstdint>
 #include <tuple>
 #include <vector>
 
@@ -38,6 +43,46 @@ inline void prefetch_row(const void* row, int64_t dim, int rw = 0) {
       __builtin_prefetch(p + b, 0);
     }
   }
+}
+
+// Outputs at least this large are written with streaming (non-temporal) stores:
+// they cannot stay in the private caches until their consumer reads them, and
+// ordinary stores would first read every output line from memory.
+constexpr int64_t kStreamMinBytes = int64_t{8} << 20;
+
+// dst[0:n] = src[0:n], with streaming stores on the aligned body of dst. Callers
+// end their streaming with store_fence().
+inline void stream_copy(float* __restrict dst, const float* __restrict src, int64_t n) {
+#if defined(__AVX512F__)
+  constexpr int64_t kLanes = 16;
+#elif defined(__AVX__)
+  constexpr int64_t kLanes = 8;
+#elif defined(__SSE2__)
+  constexpr int64_t kLanes = 4;
+#else
+  constexpr int64_t kLanes = 1;
+#endif
+  int64_t c = 0;
+  for (; c < n && reinterpret_cast<uintptr_t>(dst + c) % (kLanes * sizeof(float)); ++c) dst[c] = src[c];
+  for (; c + kLanes <= n; c += kLanes) {
+#if defined(__AVX512F__)
+    _mm512_stream_ps(dst + c, _mm512_loadu_ps(src + c));
+#elif defined(__AVX__)
+    _mm256_stream_ps(dst + c, _mm256_loadu_ps(src + c));
+#elif defined(__SSE2__)
+    _mm_stream_ps(dst + c, _mm_loadu_ps(src + c));
+#else
+    dst[c] = src[c];
+#endif
+  }
+  for (; c < n; ++c) dst[c] = src[c];
+}
+
+// Orders this thread's streaming stores before its later stores.
+inline void store_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
 }
 
 void expect(const at::Tensor& t, at::ScalarType dtype, const char* name) {
@@ -164,7 +209,8 @@ void init_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& keys,
 // Pooled lookup: out[b, col_f : col_f + dim] = sum (or mean) over bag (f, b).
 // Writes every column of its features (zeros for empty bags). Bags of a feature
 // are split among threads by sample; rows are prefetched kPrefetchAhead lookups
-// ahead (the gather is latency-bound).
+// ahead (the gather is latency-bound). Outputs of kStreamMinBytes or more are
+// written with streaming stores (each bag summed in a thread-local row first).
 void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
                     const at::Tensor& row_slot, const at::Tensor& inverse,
                     const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
@@ -179,44 +225,57 @@ void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tran
   float* o = out.data_ptr<float>();
   const int64_t out_width = out.size(1);
   const int64_t num_features = feature_col.numel();
+  const bool stream = out.nbytes() >= kStreamMinBytes;
 #pragma omp parallel if (bags.num_bags >= kParallelMinWork / 16)
-  for (int64_t f = 0; f < num_features; ++f) {
-    const int64_t col = bags.feature_col[f];
-    if (col < 0) continue;
-    const int64_t* off = bags.offsets + f * batch;
-    const int64_t ahead_end = off[batch];
+  {
+    std::vector<float> local(stream ? dim : 0);
+    for (int64_t f = 0; f < num_features; ++f) {
+      const int64_t col = bags.feature_col[f];
+      if (col < 0) continue;
+      const int64_t* off = bags.offsets + f * batch;
+      const int64_t ahead_end = off[batch];
 #pragma omp for schedule(static) nowait
-    for (int64_t b = 0; b < batch; ++b) {
-      float* __restrict acc = o + b * out_width + col;
-      const int64_t begin = off[b], end = off[b + 1];
-      if (begin == end) {
-        std::fill(acc, acc + dim, 0.f);
-        continue;
-      }
-      for (int64_t j = begin; j < end; ++j) {
-        const int64_t jp = j + kPrefetchAhead;
-        if (jp < ahead_end && inv[jp] >= 0) prefetch_row(src.row(inv[jp]), dim);
-        const float* __restrict row = src.row(inv[j]);
-        const float scale = w ? w[j] : 1.f;
-        if (j == begin) {  // the first row is written, not added: `out` need not be zeroed
-          if (w) {
-            for (int64_t c = 0; c < dim; ++c) acc[c] = scale * row[c];
+      for (int64_t b = 0; b < batch; ++b) {
+        float* __restrict dst = o + b * out_width + col;
+        float* __restrict acc = stream ? local.data() : dst;
+        const int64_t begin = off[b], end = off[b + 1];
+        if (begin == end) {
+          std::fill(acc, acc + dim, 0.f);
+          if (stream) stream_copy(dst, acc, dim);
+          continue;
+        }
+        const float* last = nullptr;
+        for (int64_t j = begin; j < end; ++j) {
+          const int64_t jp = j + kPrefetchAhead;
+          if (jp < ahead_end && inv[jp] >= 0) prefetch_row(src.row(inv[jp]), dim);
+          const float* __restrict row = src.row(inv[j]);
+          last = row;
+          const float scale = w ? w[j] : 1.f;
+          if (j == begin) {  // the first row is written, not added: `out` need not be zeroed
+            if (w) {
+              for (int64_t c = 0; c < dim; ++c) acc[c] = scale * row[c];
+            } else if (!stream || end - begin > 1 || mean) {
+              std::copy(row, row + dim, acc);
+            }
           } else {
-            std::copy(row, row + dim, acc);
+            for (int64_t c = 0; c < dim; ++c) acc[c] += scale * row[c];
           }
-        } else {
-          for (int64_t c = 0; c < dim; ++c) acc[c] += scale * row[c];
+        }
+        if (mean) {
+          const float inv_len = 1.f / static_cast<float>(end - begin);
+          for (int64_t c = 0; c < dim; ++c) acc[c] *= inv_len;
+        }
+        if (stream) {  // a lone unweighted row goes straight from the table
+          stream_copy(dst, end - begin == 1 && !w && !mean ? last : acc, dim);
         }
       }
-      if (mean) {
-        const float inv_len = 1.f / static_cast<float>(end - begin);
-        for (int64_t c = 0; c < dim; ++c) acc[c] *= inv_len;
-      }
     }
+    if (stream) store_fence();
   }
 }
 
 // Sequence lookup: out[j] = row of lookup j, for lookups whose inverse is >= 0.
+// Streaming stores from kStreamMinBytes of output, as in pooled_forward.
 void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
                       const at::Tensor& row_slot, const at::Tensor& inverse, int64_t dim,
                       at::Tensor& out) {
@@ -226,13 +285,22 @@ void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tr
   const int64_t* inv = inverse.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
   const int64_t n = inverse.numel();
-#pragma omp parallel for schedule(static) if (n >= kParallelMinWork)
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t jp = j + kPrefetchAhead;
-    if (jp < n && inv[jp] >= 0) prefetch_row(src.row(inv[jp]), dim);
-    if (inv[j] < 0) continue;
-    const float* row = src.row(inv[j]);
-    std::copy(row, row + dim, o + j * dim);
+  const bool stream = out.nbytes() >= kStreamMinBytes;
+#pragma omp parallel if (n >= kParallelMinWork)
+  {
+#pragma omp for schedule(static) nowait
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t jp = j + kPrefetchAhead;
+      if (jp < n && inv[jp] >= 0) prefetch_row(src.row(inv[jp]), dim);
+      if (inv[j] < 0) continue;
+      const float* row = src.row(inv[j]);
+      if (stream) {
+        stream_copy(o + j * dim, row, dim);
+      } else {
+        std::copy(row, row + dim, o + j * dim);
+      }
+    }
+    if (stream) store_fence();
   }
 }
 

@@ -188,3 +188,35 @@ def test_random_layouts_match_dense(layout_, seed, batch, weighted):
     import_initial_rows(module, ref, pools, torch.Generator().manual_seed(seed))
     train_and_compare(module, ref, pools, seed=seed, weighted=weighted and pooling == SUM,
                       steps=4, batch=batch)
+
+
+STREAMED = [(SUM, False), (SUM, True), (MEAN, False), (NONE, False)]
+
+
+@pytest.mark.parametrize("pooling,weighted", STREAMED,
+                         ids=[f"{p.name}-{'w' if w else 'nw'}" for p, w in STREAMED])
+def test_streamed_outputs_match_dense(pooling, weighted):
+    """Outputs of 8 MiB and more are written with streaming stores (``kStreamMinBytes``
+    in ``csrc/cpu/embedding.cpp``): columns at odd offsets (dims 7 and 33), empty bags,
+    lone rows copied straight from the table, sums and means built in a local row.
+    Unseen ids read the eval initializer's zeros."""
+    if pooling == NONE:
+        specs, ftm, batch = [TableSpec(dim=33, max_capacity=4096)], [0, 0], 20000
+    else:
+        specs = [TableSpec(dim=7, max_capacity=4096), TableSpec(dim=33, max_capacity=4096)]
+        ftm, batch = [0, 1, 0], 45000
+    module, ref = make_tables(specs, ftm, pooling, OPTIMIZER_ARGS[DynamicEmbOptimType.EXACT_SGD])
+    pools = [id_pool(200, 41), id_pool(200, 42)][: len(specs)]
+    import_initial_rows(module, ref, pools, torch.Generator().manual_seed(12))
+    width = specs[0].dim if pooling == NONE else sum(specs[t].dim for t in ftm)
+    rows = 2 * len(ftm) * batch if pooling == NONE else batch  # NONE: 2 lookups a bag on average
+    assert rows * width * 4 >= 8 << 20
+    module.eval()  # forward only: the second output reuses the first one's buffer
+    gen = torch.Generator().manual_seed(13)
+    for step in range(2):
+        indices, offsets, weights = random_batch([pools[t] for t in ftm], batch, gen,
+                                                 weighted=weighted)
+        out = module(indices, offsets, weights)
+        want = ref.forward(indices, offsets, weights, training=False)
+        torch.testing.assert_close(out, want, **TOL, msg=lambda m: f"step {step}: {m}")
+        del out
