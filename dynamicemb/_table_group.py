@@ -83,7 +83,10 @@ class Lookup(NamedTuple):
         keys, tids: (U,) unique (key, local table) pairs; inverse: (N,) unique
         index of each lookup (-1: lookup of another group); row_ref: (U,) where
         each unique row lives (``dynamicemb.storage``; -(t + 1) for row t of
-        ``transient``, [T, dim]); generation: the storage's, when looked up.
+        ``transient``, [T, dim]); generation: the storage's, when looked up;
+        starts (U + 1,) and rank (N,): this group's lookups grouped by unique row
+        (``Deduplicated``; rank -1: another group's lookup), for the backward;
+        None when the lookup does not train.
     """
 
     keys: torch.Tensor
@@ -92,6 +95,8 @@ class Lookup(NamedTuple):
     row_ref: torch.Tensor
     transient: torch.Tensor
     generation: tuple
+    starts: Optional[torch.Tensor]
+    rank: Optional[torch.Tensor]
 
 
 class _PendingLookup(NamedTuple):
@@ -101,6 +106,8 @@ class _PendingLookup(NamedTuple):
     tids: torch.Tensor  # (U,) int16
     inverse: torch.Tensor  # (N,)
     counts: torch.Tensor  # (U,) occurrences in the batch
+    starts: Optional[torch.Tensor]  # (U + 1,) training: lookups grouped by unique key
+    rank: Optional[torch.Tensor]  # (N,)
     admitted: Optional[torch.Tensor]  # (U,) bool, None: no admission
     insert: Optional[PendingInsert]  # training: the prepared insert
     found: Optional[torch.Tensor]  # eval: row references found
@@ -192,10 +199,12 @@ class _TableGroup:
             # Nothing to decide between the dedup and the insert: one overlapped call.
             unique, pending = self.storage.prepare_dedup(keys, tids, frequencies)
             return _PendingLookup(*unique, None, pending, None, train=True)
-        ukeys, utids, inverse, counts = self.ops.dedup(keys, tids, frequencies)
+        ukeys, utids, inverse, counts, starts, rank = self.ops.dedup(
+            keys, tids, frequencies, train)
         if not train:
             refs = self.storage.resolve(ukeys, utids)
-            return _PendingLookup(ukeys, utids, inverse, counts, None, None, refs, train=False)
+            return _PendingLookup(ukeys, utids, inverse, counts, None, None, None, None, refs,
+                                  train=False)
         admitted = None if self.counter is None else self._admitted(ukeys, utids, counts)
         keys_in, tids_in, counts_in = ukeys, utids, counts
         if admitted is not None:
@@ -206,7 +215,8 @@ class _TableGroup:
         elif self.score_strategy == DynamicEmbScoreStrategy.LFU:
             scores = counts_in  # LFU counts occurrences, not batches
         pending = self.storage.prepare(keys_in, tids_in, scores)
-        return _PendingLookup(ukeys, utids, inverse, counts, admitted, pending, None, train=True)
+        return _PendingLookup(ukeys, utids, inverse, counts, starts, rank, admitted, pending, None,
+                              train=True)
 
     def abort_lookup(self, pending: "_PendingLookup") -> None:
         if pending.insert is not None:
@@ -227,7 +237,7 @@ class _TableGroup:
                                       num_stored=keys.numel() - result.num_failed)
             if result.num_failed == 0:  # every row stored: no transient rows
                 return Lookup(keys, tids, pending.inverse, refs, self._no_transient,
-                              self.storage.generation)
+                              self.storage.generation, pending.starts, pending.rank)
         else:
             at = pending.admitted.nonzero().squeeze(1)
             result = self.storage.commit(pending.insert)
@@ -241,7 +251,8 @@ class _TableGroup:
             refs = self.storage.place(keys, tids, host_slots, new, pending.counts)
             self._count_occurrences(pending, at[new_at])
         transient = self._transient_rows(keys, tids, refs, train=pending.train)
-        return Lookup(keys, tids, pending.inverse, refs, transient, self.storage.generation)
+        return Lookup(keys, tids, pending.inverse, refs, transient, self.storage.generation,
+                      pending.starts, pending.rank)
 
     def _admitted(self, keys, tids, counts) -> torch.Tensor:
         """Mask of unique keys that may be stored (read-only): present ones, and new
@@ -346,7 +357,7 @@ class _TableGroup:
             bias2_sqrt = math.sqrt(1 - opt.beta2 ** self.adam_step)
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self.ops.fused_backward(
-            self.storage.tiers(), refs, lookup.inverse,
+            self.storage.tiers(), refs, lookup.starts, lookup.rank,
             empty if offsets is None else offsets, weights, feature_col, batch, self.dim,
             mean, grad, _OPTIMIZER_CODE[opt.optimizer], lr, opt.eps, opt.beta1, opt.beta2,
             opt.weight_decay, step_size, bias2_sqrt,

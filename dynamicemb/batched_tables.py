@@ -442,7 +442,11 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             if positions is not None:  # back to positions in the whole batch
                 inverse = torch.full((indices.numel(),), -1, dtype=torch.int64)
                 inverse[positions] = found.inverse
-                lookups[g] = found._replace(inverse=inverse)
+                rank = None
+                if found.rank is not None:
+                    rank = torch.full((indices.numel(),), -1, dtype=torch.int64)
+                    rank[positions] = found.rank
+                lookups[g] = found._replace(inverse=inverse, rank=rank)
         return lookups
 
     def _split_by_group(self, indices, offsets, batch_size):

@@ -17,7 +17,8 @@ at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Ten
                   at::Tensor& slots, at::Tensor& status,
                   const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys,
                   at::Tensor& ev_tids, at::Tensor& ev_scores, at::Tensor& outcomes);
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_upsert(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+dedup_upsert(
     const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
     const at::Tensor& tids, const c10::optional<at::Tensor>& frequencies, int64_t now,
     bool evicts, bool can_grow, bool one_table, at::Tensor& slots, at::Tensor& status,
@@ -36,9 +37,9 @@ at::Tensor erase(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tens
 at::Tensor occupied_slots(const std::vector<at::Tensor>& meta, int64_t bc, int64_t start,
                           int64_t end);
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(
     const at::Tensor& keys, const at::Tensor& tids,
-    const c10::optional<at::Tensor>& frequencies);
+    const c10::optional<at::Tensor>& frequencies, bool group);
 void init_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& keys,
                int64_t table, int64_t dim, int64_t mode, double mean, double std_dev,
                double lower, double upper, double value, int64_t seed);
@@ -51,7 +52,7 @@ void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tr
                       const at::Tensor& row_slot, const at::Tensor& inverse, int64_t dim,
                       at::Tensor& out);
 void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
-                    const at::Tensor& inverse,
+                    const at::Tensor& starts, const at::Tensor& rank,
                     const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                     const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
                     const at::Tensor& grad, int64_t kind, double lr, double eps,
@@ -79,7 +80,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("undo_upsert", &c::undo_upsert, "revert an inserting call");
   m.def("grow", &c::grow, "rehash into twice the buckets");
   m.def("erase", &c::erase, "erase keys");
-  m.def("dedup", &c::dedup, "unique (table, key) pairs in first-occurrence order");
+  m.def("dedup", &c::dedup, "unique (table, key) pairs in first-occurrence order",
+        pybind11::arg("keys"), pybind11::arg("tids"), pybind11::arg("frequencies"),
+        pybind11::arg("group") = false);
   m.def("init_rows", &c::init_rows, "initialize rows per (table, key, column)");
   m.def("pooled_forward", &c::pooled_forward, "pooled lookup (sum/mean)");
   m.def("sequence_forward", &c::sequence_forward, "sequence lookup");

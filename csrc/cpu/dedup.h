@@ -90,5 +90,21 @@ class DedupSet {
   uint64_t mask_;
 };
 
+// Lookups grouped by unique index, a stable counting sort of `inverse`: group u
+// holds ranks [starts[u], starts[u + 1]), and lookup j of group u has rank[j] in
+// it, ranks ascending with j. `starts` has room for unique + 2 entries (the last
+// is scratch); lookups with inverse < 0 get rank -1. One thread; never throws.
+inline void group_by_unique(const int64_t* inverse, int64_t n, int64_t unique, int64_t* starts,
+                            int64_t* rank) {
+  std::fill(starts, starts + unique + 2, 0);
+  for (int64_t j = 0; j < n; ++j) {
+    if (inverse[j] >= 0) ++starts[inverse[j] + 2];
+  }
+  for (int64_t u = 0; u < unique; ++u) starts[u + 2] += starts[u + 1];
+  // starts[u + 1] is now where group u begins; ranking moves it to where it ends,
+  // which is where group u + 1 begins.
+  for (int64_t j = 0; j < n; ++j) rank[j] = inverse[j] >= 0 ? starts[inverse[j] + 1]++ : -1;
+}
+
 }  // namespace cpu
 }  // namespace dynamicemb

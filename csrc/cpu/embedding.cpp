@@ -155,11 +155,14 @@ int64_t check_offsets(const at::Tensor& offsets, int64_t num_indices) {
 }
 
 // Unique (table, key) pairs in first-occurrence order. counts[u] sums the
-// frequencies of u's lookups (1 each when none are given).
-// Returns (unique_keys (U,), unique_tids (U,) int16, inverse (N,), counts (U,)).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(
+// frequencies of u's lookups (1 each when none are given). With `group`, also the
+// lookups grouped by unique index (group_by_unique), which the fused backward
+// walks; without, starts and rank are empty.
+// Returns (unique_keys (U,), unique_tids (U,) int16, inverse (N,), counts (U,),
+// starts (U + 1,), rank (N,)).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(
     const at::Tensor& keys, const at::Tensor& tids,
-    const c10::optional<at::Tensor>& frequencies) {
+    const c10::optional<at::Tensor>& frequencies, bool group) {
   expect(keys, at::kLong, "keys");
   expect(tids, at::kShort, "tids");
   TORCH_CHECK(tids.numel() == keys.numel(), "one table id per key");
@@ -175,11 +178,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(
   auto utids = at::empty({n}, tids.options());
   auto counts = at::empty({n}, keys.options());
   auto inverse = at::empty({n}, keys.options());
+  auto starts = at::empty({group ? n + 2 : 0}, keys.options());
+  auto rank = at::empty({group ? n : 0}, keys.options());
   const DedupOut out{ukeys.data_ptr<int64_t>(), utids.data_ptr<int16_t>(), nullptr,
                      counts.data_ptr<int64_t>(), inverse.data_ptr<int64_t>()};
   const int64_t u = DedupSet(n).run(keys.data_ptr<int64_t>(), tids.data_ptr<int16_t>(), freq,
                                     n, out, n + 1, [](int64_t) {});
-  return {ukeys.narrow(0, 0, u), utids.narrow(0, 0, u), inverse, counts.narrow(0, 0, u)};
+  if (group) {
+    group_by_unique(inverse.data_ptr<int64_t>(), n, u, starts.data_ptr<int64_t>(),
+                    rank.data_ptr<int64_t>());
+    starts = starts.narrow(0, 0, u + 1);
+  }
+  return {ukeys.narrow(0, 0, u), utids.narrow(0, 0, u), inverse, counts.narrow(0, 0, u), starts,
+          rank};
 }
 
 // out[rows[i], 0:dim] = initializer(table, keys[i], column) for every i.
@@ -306,95 +317,58 @@ void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tr
 
 namespace {
 
-// Calls f(j, pos, scale) for every lookup with a gradient here, in input order:
-// lookups [lo, hi) (sequence mode, bags == nullptr; the gradient of lookup j is
-// row j) or the lookups of bags [lo, hi) (pooled mode; the gradient of a lookup
-// of bag (feature, sample) is the sample's row at the feature's column, times
-// the per-sample weight and 1 / bag length for MEAN). A lookup has a gradient
-// here when its row is this group's (inverse >= 0) and so is its feature.
-template <class F>
-void for_each_grad(const Bags* bags, const int64_t* inv, const float* w, int64_t grad_width,
-                   bool mean, int64_t lo, int64_t hi, F&& f) {
-  if (bags == nullptr) {
-    for (int64_t j = lo; j < hi; ++j) {
-      if (inv[j] >= 0) f(j, j * grad_width, 1.f);
-    }
-    return;
-  }
-  const int64_t batch = bags->batch;
-  for (int64_t k = lo; k < hi; ++k) {
-    const int64_t col = bags->feature_col[k / batch];
-    const int64_t begin = bags->offsets[k], end = bags->offsets[k + 1];
-    if (col < 0 || begin == end) continue;
-    const int64_t pos = (k % batch) * grad_width + col;
-    const float bag_scale = mean ? 1.f / static_cast<float>(end - begin) : 1.f;
-    for (int64_t j = begin; j < end; ++j) {
-      if (inv[j] >= 0) f(j, pos, (w ? w[j] : 1.f) * bag_scale);
-    }
-  }
-}
-
-// Lookups grouped by unique row, in input order within a row (CSR), with their
-// gradient positions and scales.
-struct Segments {
-  std::vector<int64_t> start;  // (U + 1,)
-  std::vector<int64_t> pos;    // (lookups with a gradient,) gradient offset
-  std::vector<float> scale;    // (lookups with a gradient,)
-};
-
-// A parallel counting sort: each thread counts the lookups of its contiguous
-// range of bags (or lookups) per unique row, a prefix over (row, thread) gives
-// each thread its first entry per row, and each thread places its range in
-// order, so entries of a row keep input order whatever the thread count.
-Segments segments_of(const Bags* bags, const int64_t* inv, const float* w, int64_t n,
-                     int64_t num_unique, int64_t grad_width, bool mean) {
+// Each lookup's gradient offset and scale, placed at its rank (group_by_unique),
+// so that the lookups of a unique row are read in a run. In pooled mode the
+// gradient of a lookup of bag (feature, sample) is the sample's row of grad at
+// the feature's column, times the per-sample weight and 1 / bag length for MEAN;
+// in sequence mode (bags == nullptr) lookup j's is row j. Lookups of rank -1
+// (another group's) are skipped.
+void place_grads(const Bags* bags, const int64_t* rank, int64_t n, const float* w,
+                 int64_t grad_width, bool mean, int64_t* pos, float* scale) {
   const int64_t units = bags ? bags->num_bags : n;
   const int threads = units >= kParallelMinWork ? omp_get_max_threads() : 1;
-  Segments s;
-  s.start.assign(num_unique + 1, 0);
-  std::vector<std::vector<int64_t>> next(threads);  // per thread: count, then next entry
 #pragma omp parallel num_threads(threads)
   {
     const int nt = omp_get_num_threads(), me = omp_get_thread_num();
     const int64_t lo = units * me / nt, hi = units * (me + 1) / nt;
-    std::vector<int64_t>& mine = next[me];
-    mine.assign(num_unique, 0);
-    for_each_grad(bags, inv, w, grad_width, mean, lo, hi,
-                  [&](int64_t j, int64_t, float) { ++mine[inv[j]]; });
-#pragma omp barrier
-#pragma omp single
-    {
-      int64_t entries = 0;
-      for (int64_t u = 0; u < num_unique; ++u) {
-        s.start[u] = entries;
-        for (int t = 0; t < nt; ++t) {
-          const int64_t c = next[t][u];
-          next[t][u] = entries;
-          entries += c;
+    if (bags == nullptr) {
+      for (int64_t j = lo; j < hi; ++j) {
+        if (rank[j] < 0) continue;
+        pos[rank[j]] = j * grad_width;
+        scale[rank[j]] = 1.f;
+      }
+    } else if (lo < hi) {
+      int64_t f = lo / bags->batch, b = lo % bags->batch;  // bag k = f * batch + b
+      for (int64_t k = lo; k < hi; ++k) {
+        const int64_t col = bags->feature_col[f];
+        const int64_t begin = bags->offsets[k], end = bags->offsets[k + 1];
+        if (col >= 0) {
+          const int64_t p = b * grad_width + col;
+          const float bag_scale = mean ? 1.f / static_cast<float>(end - begin) : 1.f;
+          for (int64_t j = begin; j < end; ++j) {
+            if (rank[j] < 0) continue;
+            pos[rank[j]] = p;
+            scale[rank[j]] = (w ? w[j] : 1.f) * bag_scale;
+          }
+        }
+        if (++b == bags->batch) {
+          b = 0;
+          ++f;
         }
       }
-      s.start[num_unique] = entries;
-      s.pos.resize(entries);
-      s.scale.resize(entries);
-    }  // implicit barrier
-    for_each_grad(bags, inv, w, grad_width, mean, lo, hi,
-                  [&](int64_t j, int64_t pos, float scale) {
-                    const int64_t e = mine[inv[j]]++;
-                    s.pos[e] = pos;
-                    s.scale[e] = scale;
-                  });
+    }
   }
-  return s;
 }
 
 }  // namespace
 
 // Fused backward: for every stored unique row, sum the gradients of its lookups
 // (in input order, so the result is deterministic) and apply the optimizer to the
-// row where it lives (device tier or host store). `offsets` empty means sequence
-// mode (grad is [N, dim]).
+// row where it lives (device tier or host store). `starts` and `rank` group the
+// lookups by unique row (group_by_unique, computed by the dedup in the forward).
+// `offsets` empty means sequence mode (grad is [N, dim]).
 void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
-                    const at::Tensor& inverse,
+                    const at::Tensor& starts, const at::Tensor& rank,
                     const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                     const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
                     const at::Tensor& grad, int64_t kind, double lr, double eps,
@@ -402,12 +376,16 @@ void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_
                     double bias_correction2_sqrt) {
   const at::Tensor no_transient = at::empty({0, dim}, tiers[0].options());
   const RowSource src = row_source(tiers, no_transient, row_slot, dim);
-  expect(inverse, at::kLong, "inverse");
+  expect(starts, at::kLong, "starts");
+  expect(rank, at::kLong, "rank");
   expect(grad, at::kFloat, "grad");
   const bool pooled = offsets.numel() > 0;
-  const int64_t n = inverse.numel();
+  const int64_t n = rank.numel();
   const int64_t num_unique = row_slot.numel();
-  const int64_t* inv = inverse.data_ptr<int64_t>();
+  TORCH_CHECK(starts.numel() == num_unique + 1, "starts must have one entry per unique row + 1");
+  const int64_t* first = starts.data_ptr<int64_t>();
+  const int64_t num_entries = first[num_unique];
+  TORCH_CHECK(num_entries <= n, "starts counts more lookups than rank has");
   const int64_t* slot = row_slot.data_ptr<int64_t>();
   const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
   const float* g = grad.data_ptr<float>();
@@ -416,9 +394,20 @@ void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_
   const int64_t state_floats = optimizer_state_dim(static_cast<int>(kind), dim);
 
   Bags bags{nullptr, nullptr, batch, 0};
-  if (pooled) bags = bags_of(offsets, feature_col, batch);
-  const Segments seg =
-      segments_of(pooled ? &bags : nullptr, inv, w, n, num_unique, grad.size(1), mean);
+  if (pooled) {
+    bags = bags_of(offsets, feature_col, batch);
+    TORCH_CHECK(bags.offsets[bags.num_bags] == n, "offsets must end at len(rank)");
+  }
+  TORCH_CHECK(!w || weights->numel() == n, "one weight per lookup");
+  const int64_t* rk = rank.data_ptr<int64_t>();
+  int64_t out_of_range = 0;
+#pragma omp parallel for schedule(static) reduction(+ : out_of_range) \
+    if (n >= kParallelMinWork * 16)
+  for (int64_t j = 0; j < n; ++j) out_of_range += rk[j] >= num_entries;
+  TORCH_CHECK(out_of_range == 0, "rank must be below starts[-1]");
+  std::vector<int64_t> pos(num_entries, 0);  // zeros: a bad grouping reads row 0, not beyond
+  std::vector<float> scale(num_entries, 0.f);
+  place_grads(pooled ? &bags : nullptr, rk, n, w, grad.size(1), mean, pos.data(), scale.data());
   OptimizerParams p;
   p.kind = static_cast<int32_t>(kind);
   p.lr = static_cast<float>(lr);
@@ -430,7 +419,6 @@ void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_
   p.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   p.step_size = static_cast<float>(step_size);
   p.bias_correction2_sqrt = static_cast<float>(bias_correction2_sqrt);
-  const int64_t num_entries = static_cast<int64_t>(seg.pos.size());
 
 #pragma omp parallel if (num_unique * dim >= kParallelMinWork)
   {
@@ -443,16 +431,16 @@ void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_
       if (up < num_unique && !is_transient_ref(slot[up])) {
         prefetch_row(src.stored_row(up), dim + state_floats, 1);
       }
-      const int64_t begin = seg.start[u], end = seg.start[u + 1];
+      const int64_t begin = first[u], end = first[u + 1];
       for (int64_t e = begin; e < end; ++e) {
         const int64_t ep = e + kPrefetchAhead;
-        if (ep < num_entries) prefetch_row(g + seg.pos[ep], dim);
-        const float* __restrict ge = g + seg.pos[e];
-        const float scale = seg.scale[e];
+        if (ep < num_entries) prefetch_row(g + pos[ep], dim);
+        const float* __restrict ge = g + pos[e];
+        const float s = scale[e];
         if (e == begin) {
-          for (int64_t c = 0; c < dim; ++c) acc[c] = scale * ge[c];
+          for (int64_t c = 0; c < dim; ++c) acc[c] = s * ge[c];
         } else {
-          for (int64_t c = 0; c < dim; ++c) acc[c] += scale * ge[c];
+          for (int64_t c = 0; c < dim; ++c) acc[c] += s * ge[c];
         }
       }
       if (begin == end) std::fill(acc, acc + dim, 0.f);

@@ -468,12 +468,15 @@ at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Ten
 // `dedup` and a first inserting pass over its unique keys in one call, with the
 // clock rule (score = now): one thread dedups and publishes each new pair, a
 // second upserts the pairs as they come (owning every bucket), so the two
-// overlap. With one thread they run one after the other. The pass outputs
-// (slots .. ev_scores) need room for N keys; entries [0, U) are written, as by
-// `upsert` over unique keys with pending = all of them.
+// overlap; while the second finishes, the first groups the lookups by unique
+// index (group_by_unique, as `dedup` with group = true). With one thread they run
+// one after the other. The pass outputs (slots .. ev_scores) need room for N
+// keys; entries [0, U) are written, as by `upsert` over unique keys with pending
+// = all of them.
 // Returns (unique_keys (U,), unique_tids (U,) int16, inverse (N,), counts (U,),
-// deferred unique indices (sorted)).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_upsert(
+// starts (U + 1,), rank (N,), deferred unique indices (sorted)).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+dedup_upsert(
     const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
     const at::Tensor& tids, const c10::optional<at::Tensor>& frequencies, int64_t now,
     bool evicts, bool can_grow, bool one_table, at::Tensor& slots, at::Tensor& status,
@@ -494,6 +497,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_ups
   auto utids = at::empty({n}, tids.options());
   auto counts = at::empty({n}, keys.options());
   auto inverse = at::empty({n}, keys.options());
+  auto starts = at::empty({n + 2}, keys.options());
+  auto rank = at::empty({n}, keys.options());
   std::unique_ptr<uint64_t[]> uhash(new uint64_t[n]);  // written before it is read
   UpsertArgs a = pass_args(n, evicts, can_grow, one_table, slots, status, prev_scores, ev_keys,
                            ev_tids, ev_scores);
@@ -518,6 +523,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_ups
                        kPublishEvery,
                        [&](int64_t u) { published.store(u, std::memory_order_release); });
       published.store(unique | StreamFeed::kDone, std::memory_order_release);
+      group_by_unique(out.inverse, n, unique, starts.data_ptr<int64_t>(),
+                      rank.data_ptr<int64_t>());
     }
     if (alone || omp_get_thread_num() == 1) {
       upsert_owned(v, a, ClockScore{static_cast<uint64_t>(now)}, feed, blocked, deferred,
@@ -525,7 +532,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_ups
     }
   }
   return {ukeys.narrow(0, 0, unique), utids.narrow(0, 0, unique), inverse,
-          counts.narrow(0, 0, unique), tensor_of(deferred, keys.options())};
+          counts.narrow(0, 0, unique), starts.narrow(0, 0, unique + 1), rank,
+          tensor_of(deferred, keys.options())};
 }
 
 // Clears the pinned bit of every slot >= 0 in `slots`. Buckets are split

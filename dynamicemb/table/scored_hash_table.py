@@ -111,13 +111,19 @@ class Deduplicated(NamedTuple):
     Shape:
         keys: (U,) int64; table_ids: (U,) int16; inverse: (N,) int64, the unique
         index of each of the batch's N keys; counts: (U,) int64, the summed
-        frequencies of each pair's keys (1 per key when none are given).
+        frequencies of each pair's keys (1 per key when none are given);
+        starts: (U + 1,) int64 and rank: (N,) int64, the batch's keys grouped by
+        pair (a stable sort by ``inverse``): the keys of pair u have ranks
+        ``starts[u]`` to ``starts[u + 1] - 1``, in input order (what a fused
+        backward walks).
     """
 
     keys: torch.Tensor
     table_ids: torch.Tensor
     inverse: torch.Tensor
     counts: torch.Tensor
+    starts: torch.Tensor
+    rank: torch.Tensor
 
 
 class Exported(NamedTuple):
@@ -635,7 +641,7 @@ class ScoredHashTable:
         tids = self._table_ids(table_ids, n)
         frequencies = _frequencies(frequencies, n)
         if self._policy.rule != 0:  # LFU: the scores are the counts, known after the dedup
-            unique = Deduplicated(*self._ops.dedup(keys, tids, frequencies))
+            unique = Deduplicated(*self._ops.dedup(keys, tids, frequencies, True))
             return unique, self._prepare(unique.keys, unique.table_ids, unique.counts,
                                          values=None, read_evicted=True, assign=False)
         self._grow_for_load()

@@ -1,5 +1,5 @@
-"""The dedup kernel: unique (table, key) pairs in first-occurrence order, inverse and
-occurrence counts, the same for any thread count."""
+"""The dedup kernel: unique (table, key) pairs in first-occurrence order, inverse,
+occurrence counts and the lookups grouped by pair, the same for any thread count."""
 
 import pytest
 import torch
@@ -21,6 +21,20 @@ def reference(keys, tids, freq):
     return ([p[0] for p in pairs], [p[1] for p in pairs], inverse, counts)
 
 
+def grouped(inverse, num_unique):
+    """(starts, rank): lookups in a stable sort by unique pair."""
+    order = sorted(range(len(inverse)), key=lambda j: (inverse[j], j))
+    rank = [0] * len(inverse)
+    for r, j in enumerate(order):
+        rank[j] = r
+    starts = [0] * (num_unique + 1)
+    for u in inverse:
+        starts[u + 1] += 1
+    for v in range(num_unique):
+        starts[v + 1] += starts[v]
+    return starts, rank
+
+
 @pytest.mark.parametrize("n", [0, 5, 70_000])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_dedup_matches_first_occurrence_order(n, threads):
@@ -31,9 +45,14 @@ def test_dedup_matches_first_occurrence_order(n, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        ukeys, utids, inverse, counts = OPS.dedup(keys, tids, freq)
+        ukeys, utids, inverse, counts, starts, rank = OPS.dedup(keys, tids, freq, True)
+        plain = OPS.dedup(keys, tids, freq)
     finally:
         torch.set_num_threads(before)
     want_keys, want_tids, want_inverse, want_counts = reference(keys, tids, freq)
     assert ukeys.tolist() == want_keys and utids.tolist() == want_tids
     assert inverse.tolist() == want_inverse and counts.tolist() == want_counts
+    assert (starts.tolist(), rank.tolist()) == grouped(want_inverse, len(want_keys))
+    for got, want in zip(plain[:4], (ukeys, utids, inverse, counts)):
+        assert torch.equal(got, want)
+    assert plain[4].numel() == 0 and plain[5].numel() == 0  # grouping only when asked

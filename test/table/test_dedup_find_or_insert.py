@@ -65,7 +65,7 @@ def run_both(batches, with_freqs=False, **table_kw):
         for name, table in (("plain", plain), ("fused", fused)):
             try:
                 if name == "plain":
-                    unique = table._ops.dedup(k, t, f)
+                    unique = table._ops.dedup(k, t, f, True)
                     scores = unique[3] if table.score_strategy.name == "LFU" else None
                     pending = table.prepare_find_or_insert(unique[0], unique[1], scores)
                 else:
@@ -84,9 +84,12 @@ def assert_twins(seen, inputs):
     batches, with_freqs = inputs
     for (keys, tids, freqs), (dedup, *_rest) in zip(batches, seen["fused"]):
         if dedup is not None:
-            ukeys, utids, inverse, counts = dedup
+            ukeys, utids, inverse, counts, starts, rank = dedup
             assert (ukeys, utids, inverse, counts) == py_dedup(
                 keys, tids, freqs if with_freqs else None)
+            order = sorted(range(len(inverse)), key=lambda j: (inverse[j], j))
+            assert [rank[j] for j in order] == list(range(len(inverse)))
+            assert starts == [0] + [sum(1 for u in inverse if u <= v) for v in range(len(ukeys))]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -134,7 +137,9 @@ def test_small_and_empty_batches():
             torch.tensor(keys, dtype=torch.int64), torch.tensor(tids, dtype=torch.int16),
             torch.tensor(freqs, dtype=torch.int64))
         pending.commit()
-        assert tuple(x.tolist() for x in unique) == py_dedup(keys, tids, freqs)
+        assert tuple(x.tolist() for x in unique[:4]) == py_dedup(keys, tids, freqs)
+        assert unique.starts.tolist()[-1] == len(keys) and sorted(unique.rank.tolist()) == list(
+            range(len(keys)))
     assert table.size() == 3  # (0, 5), (1, 7), (0, 9)
 
 
