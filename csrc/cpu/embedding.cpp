@@ -342,7 +342,7 @@ void place_grads(const Bags* bags, const int64_t* rank, int64_t n, const float* 
       for (int64_t k = lo; k < hi; ++k) {
         const int64_t col = bags->feature_col[f];
         const int64_t begin = bags->offsets[k], end = bags->offsets[k + 1];
-        if (col >= 0) {
+        if (col >= 0 && end > begin) {
           const int64_t p = b * grad_width + col;
           const float bag_scale = mean ? 1.f / static_cast<float>(end - begin) : 1.f;
           for (int64_t j = begin; j < end; ++j) {
