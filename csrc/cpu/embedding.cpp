@@ -63,7 +63,9 @@ inline void stream_copy(float* __restrict dst, const float* __restrict src, int6
   constexpr int64_t kLanes = 1;
 #endif
   int64_t c = 0;
-  for (; c < n && reinterpret_cast<uintptr_t>(dst + c) % (kLanes * sizeof(float)); ++c) dst[c] = src[c];
+  for (; c < n && reinterpret_cast<uintptr_t>(dst + c) % (kLanes * sizeof(float)); ++c) {
+    dst[c] = src[c];
+  }
   for (; c + kLanes <= n; c += kLanes) {
 #if defined(__AVX512F__)
     _mm512_stream_ps(dst + c, _mm512_loadu_ps(src + c));
@@ -322,18 +324,24 @@ namespace {
 // gradient of a lookup of bag (feature, sample) is the sample's row of grad at
 // the feature's column, times the per-sample weight and 1 / bag length for MEAN;
 // in sequence mode (bags == nullptr) lookup j's is row j. Lookups of rank -1
-// (another group's) are skipped.
-void place_grads(const Bags* bags, const int64_t* rank, int64_t n, const float* w,
-                 int64_t grad_width, bool mean, int64_t* pos, float* scale) {
+// (another group's) are skipped. Returns how many ranks were at or past
+// `entries` (none were placed; a correct grouping has none).
+int64_t place_grads(const Bags* bags, const int64_t* rank, int64_t n, int64_t entries,
+                    const float* w, int64_t grad_width, bool mean, int64_t* pos, float* scale) {
   const int64_t units = bags ? bags->num_bags : n;
   const int threads = units >= kParallelMinWork ? omp_get_max_threads() : 1;
-#pragma omp parallel num_threads(threads)
+  int64_t out_of_range = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : out_of_range)
   {
     const int nt = omp_get_num_threads(), me = omp_get_thread_num();
     const int64_t lo = units * me / nt, hi = units * (me + 1) / nt;
     if (bags == nullptr) {
       for (int64_t j = lo; j < hi; ++j) {
         if (rank[j] < 0) continue;
+        if (rank[j] >= entries) {
+          ++out_of_range;
+          continue;
+        }
         pos[rank[j]] = j * grad_width;
         scale[rank[j]] = 1.f;
       }
@@ -347,6 +355,10 @@ void place_grads(const Bags* bags, const int64_t* rank, int64_t n, const float* 
           const float bag_scale = mean ? 1.f / static_cast<float>(end - begin) : 1.f;
           for (int64_t j = begin; j < end; ++j) {
             if (rank[j] < 0) continue;
+            if (rank[j] >= entries) {
+              ++out_of_range;
+              continue;
+            }
             pos[rank[j]] = p;
             scale[rank[j]] = (w ? w[j] : 1.f) * bag_scale;
           }
@@ -358,6 +370,7 @@ void place_grads(const Bags* bags, const int64_t* rank, int64_t n, const float* 
       }
     }
   }
+  return out_of_range;
 }
 
 }  // namespace
@@ -399,15 +412,11 @@ void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_
     TORCH_CHECK(bags.offsets[bags.num_bags] == n, "offsets must end at len(rank)");
   }
   TORCH_CHECK(!w || weights->numel() == n, "one weight per lookup");
-  const int64_t* rk = rank.data_ptr<int64_t>();
-  int64_t out_of_range = 0;
-#pragma omp parallel for schedule(static) reduction(+ : out_of_range) \
-    if (n >= kParallelMinWork * 16)
-  for (int64_t j = 0; j < n; ++j) out_of_range += rk[j] >= num_entries;
-  TORCH_CHECK(out_of_range == 0, "rank must be below starts[-1]");
   std::vector<int64_t> pos(num_entries, 0);  // zeros: a bad grouping reads row 0, not beyond
   std::vector<float> scale(num_entries, 0.f);
-  place_grads(pooled ? &bags : nullptr, rk, n, w, grad.size(1), mean, pos.data(), scale.data());
+  TORCH_CHECK(place_grads(pooled ? &bags : nullptr, rank.data_ptr<int64_t>(), n, num_entries, w,
+                          grad.size(1), mean, pos.data(), scale.data()) == 0,
+              "rank must be below starts[-1]");
   OptimizerParams p;
   p.kind = static_cast<int32_t>(kind);
   p.lr = static_cast<float>(lr);

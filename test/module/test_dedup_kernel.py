@@ -56,3 +56,22 @@ def test_dedup_matches_first_occurrence_order(n, threads):
     for got, want in zip(plain[:4], (ukeys, utids, inverse, counts)):
         assert torch.equal(got, want)
     assert plain[4].numel() == 0 and plain[5].numel() == 0  # grouping only when asked
+
+
+def test_backward_refuses_a_grouping_that_does_not_fit():
+    """A rank at or past starts[-1] is an error before any row moves."""
+    values = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    before = values.clone()
+    tiers = [values, torch.empty(0, 2)]
+    no_offsets = torch.empty(0, dtype=torch.int64)
+    grad = torch.ones(2, 2)
+    for rank in ([0, 2], [1, 7]):
+        with pytest.raises(RuntimeError, match="rank must be below"):
+            OPS.fused_backward(tiers, torch.tensor([0, 1]), torch.tensor([0, 1, 2]),
+                               torch.tensor(rank), no_offsets, None, no_offsets, 0, 2, False,
+                               grad, 0, 0.1, 1e-8, 0.9, 0.999, 0.0, 0.1, 1.0)
+    assert torch.equal(values, before)
+    OPS.fused_backward(tiers, torch.tensor([0, 1]), torch.tensor([0, 1, 2]),
+                       torch.tensor([1, 0]), no_offsets, None, no_offsets, 0, 2, False,
+                       grad, 0, 0.1, 1e-8, 0.9, 0.999, 0.0, 0.1, 1.0)
+    assert torch.allclose(values[:2], before[:2] - 0.1) and torch.equal(values[2:], before[2:])
