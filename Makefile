@@ -11,7 +11,7 @@ BUILD_STAMP := $(VENV)/.package-built
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: all demo test build bench clean distclean
+.PHONY: all demo test build bench gpu-check clean distclean
 
 all: test
 
@@ -39,6 +39,10 @@ test: $(BUILD_STAMP)
 
 bench: $(BUILD_STAMP)
 	$(PY) benchmark/benchmark_hash_table.py
+
+# On a machine with a GPU, PyTorch with CUDA and CuPy (uses that python, no venv).
+gpu-check:
+	bash benchmark/gpu_check.sh
 
 clean:
 	rm -rf build dynamicemb/*.so dynamicemb/*.egg-info *.egg-info $(BUILD_STAMP)

@@ -175,7 +175,8 @@ class _TableGroup:
                 value_dtype=torch.float64,
                 device=device,
             )
-        self.custom_scores = torch.zeros(len(table_indices), dtype=torch.int64)
+        # On the rows' device: indexed by each batch's table ids.
+        self.custom_scores = torch.zeros(len(table_indices), dtype=torch.int64, device=device)
         self.adam_step = 0
         self._no_transient = torch.empty(0, self.dim, dtype=torch.float32, device=device)
 
@@ -262,7 +263,7 @@ class _TableGroup:
         if new.numel():
             slots = self.counter.find(keys[new], tids[new])
             seen = torch.where(slots >= 0, self.counter.values[slots.clamp(min=0), 0],
-                               torch.zeros((), dtype=torch.float64))
+                               torch.zeros((), dtype=torch.float64, device=self.device))
             admitted[new] = seen + counts[new].double() >= self.admission.threshold
         return admitted
 
@@ -324,8 +325,9 @@ class _TableGroup:
         found = self.storage.resolve(lookup.keys[stored], lookup.tids[stored])
         gone = found < 0
         if bool(gone.any()):  # keep reading something defined: the initializer's row
-            extra = torch.zeros(int(gone.sum()), self.dim, dtype=torch.float32)
-            rows = torch.arange(extra.shape[0], dtype=torch.int64) + lookup.transient.shape[0]
+            extra = torch.zeros(int(gone.sum()), self.dim, dtype=torch.float32, device=self.device)
+            rows = (torch.arange(extra.shape[0], dtype=torch.int64, device=self.device)
+                    + lookup.transient.shape[0])
             self._fill(extra, rows - lookup.transient.shape[0], lookup.keys[stored][gone],
                        lookup.tids[stored][gone], train=True)
             found[gone] = -(rows + 1)

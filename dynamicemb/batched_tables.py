@@ -13,6 +13,7 @@ from typing import Deque, Dict, List, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
+from dynamicemb._ops import resolve_device
 from dynamicemb._buffers import OutputBuffers
 from dynamicemb._table_group import Lookup, _TableGroup, group_key
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer
@@ -70,12 +71,15 @@ class _LookupFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, placeholder, weights, module, batch):  # noqa: D102
         ctx.module, ctx.batch = module, batch
+        ctx.weights_device = None if weights is None else weights.device
         return module._compute_output(batch)
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: D102
         grad_weights = ctx.module._apply_gradients(
             ctx.batch, grad_output, want_weight_grad=ctx.needs_input_grad[1])
+        if grad_weights is not None:  # autograd wants it where the caller's weights are
+            grad_weights = grad_weights.to(ctx.weights_device)
         return None, grad_weights, None, None
 
 
@@ -95,7 +99,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         learning_rate, eps, beta1, beta2, weight_decay, initial_accumulator_value:
             its hyper-parameters, unless a table's ``optimizer_args`` overrides them.
         output_dtype: dtype of the output (float32, float16 or bfloat16).
-        device: where rows live (default CPU; only CPU kernels exist so far).
+        device: where rows live (default CPU); each batch is moved there.
 
     Shape:
         forward(indices (N,), offsets (F * B + 1,), per_sample_weights (N,)) ->
@@ -148,7 +152,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         if output_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"output_dtype must be float32, float16 or bfloat16, got {output_dtype}")
         self.output_dtype = output_dtype
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = resolve_device(device if device is not None else "cpu")
         module_optimizer = DynamicEmbOptimizerArgs(
             optimizer=optimizer, learning_rate=learning_rate, eps=eps, beta1=beta1,
             beta2=beta2, weight_decay=weight_decay,
@@ -175,10 +179,13 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             self._groups.append(_TableGroup(tables, names, options, opt, self.device))
         num_features = len(self.feature_table_map)
         group_of = [self._table_location[t][0] for t in self.feature_table_map]
-        self._feature_group = torch.tensor(group_of, dtype=torch.int64)
+        # On the rows' device: they index per-lookup tensors and go to the kernels.
+        self._feature_group = torch.tensor(group_of, dtype=torch.int64, device=self.device)
         self._feature_local_tid = torch.tensor(
-            [self._table_location[t][1] for t in self.feature_table_map], dtype=torch.int16)
-        cols = torch.tensor([0] + self.feature_dims, dtype=torch.int64).cumsum(0)[:-1]
+            [self._table_location[t][1] for t in self.feature_table_map], dtype=torch.int16,
+            device=self.device)
+        cols = torch.tensor([0] + self.feature_dims, dtype=torch.int64,
+                            device=self.device).cumsum(0)[:-1]
         self._feature_col = [
             torch.where(self._feature_group == g, cols, torch.full_like(cols, -1))
             for g in range(len(self._groups))
@@ -252,7 +259,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         n = keys.numel()
         if embeddings.shape != (n, group.dim):
             raise ValueError(f"embeddings must have shape ({n}, {group.dim}), got {tuple(embeddings.shape)}")
-        rows = torch.zeros(n, group.dim + group.state_dim, dtype=torch.float32)
+        keys = keys.to(self.device)
+        rows = torch.zeros(n, group.dim + group.state_dim, dtype=torch.float32, device=self.device)
         rows[:, :group.dim] = embeddings
         if optimizer_states is not None:
             if optimizer_states.shape != (n, group.state_dim):
@@ -263,11 +271,11 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         elif group.optimizer.optimizer in (DynamicEmbOptimType.EXACT_ADAGRAD,
                                            DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD):
             rows[:, group.dim:] = group.optimizer.initial_accumulator_value
-        tids = torch.full((n,), local, dtype=torch.int64)
+        tids = torch.full((n,), local, dtype=torch.int64, device=self.device)
         scores = None
         if group.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
             scores = group.custom_scores[tids]
-        group.storage.import_rows(keys, tids, rows.to(self.device), scores)
+        group.storage.import_rows(keys, tids, rows, scores)
 
     def prefetch(
         self,
@@ -369,7 +377,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             raise ValueError(
                 f"offsets must have num_features * batch_size + 1 entries "
                 f"(num_features={self._num_features}), got {offsets.numel()}")
-        offsets = offsets.to(torch.int64).contiguous()
+        # The batch moves to the rows' device (a no-op when it is there already).
+        offsets = offsets.to(device=self.device, dtype=torch.int64).contiguous()
         n = indices.numel()
         problem = self._groups[0].ops.check_offsets(offsets, n)
         if problem in (1, 2):
@@ -387,8 +396,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             if weights.shape != (n,):
                 raise ValueError(
                     f"per_sample_weights must have shape ({n},) like indices, got {tuple(weights.shape)}")
-            weights = weights.to(torch.float32).contiguous()
-        return indices.to(torch.int64).contiguous(), offsets, weights, num_bags // self._num_features
+            weights = weights.to(device=self.device, dtype=torch.float32).contiguous()
+        indices = indices.to(device=self.device, dtype=torch.int64).contiguous()
+        return indices, offsets, weights, num_bags // self._num_features
 
     def _take_prefetched(self, indices, offsets) -> List[Lookup]:
         head = self._prefetched[0]
@@ -400,8 +410,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self._prefetched.popleft()
         return [g.refresh(found) for g, found in zip(self._groups, head.lookups)]
 
-    @staticmethod
-    def _validate_frequencies(frequencies, n: int) -> Optional[torch.Tensor]:
+    def _validate_frequencies(self, frequencies, n: int) -> Optional[torch.Tensor]:
         if frequencies is None:
             return None
         if not isinstance(frequencies, torch.Tensor) or frequencies.dtype not in (
@@ -412,7 +421,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 f"frequencies must have shape ({n},) like indices, got {tuple(frequencies.shape)}")
         if n and int(frequencies.min()) < 1:
             raise ValueError("frequencies must be >= 1")
-        return frequencies.to(torch.int64).contiguous()
+        return frequencies.to(device=self.device, dtype=torch.int64).contiguous()
 
     def _lookup(self, indices, offsets, batch_size, insert: bool,
                 frequencies: Optional[torch.Tensor] = None) -> List[Lookup]:
@@ -440,11 +449,12 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         lookups = [g.finish_lookup(p) for g, p in zip(self._groups, pending)]
         for g, (found, (_, _, _, positions)) in enumerate(zip(lookups, parts)):
             if positions is not None:  # back to positions in the whole batch
-                inverse = torch.full((indices.numel(),), -1, dtype=torch.int64)
+                inverse = torch.full((indices.numel(),), -1, dtype=torch.int64, device=self.device)
                 inverse[positions] = found.inverse
                 rank = None
                 if found.rank is not None:
-                    rank = torch.full((indices.numel(),), -1, dtype=torch.int64)
+                    rank = torch.full((indices.numel(),), -1, dtype=torch.int64,
+                                      device=self.device)
                     rank[positions] = found.rank
                 lookups[g] = found._replace(inverse=inverse, rank=rank)
         return lookups
@@ -453,11 +463,13 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         """(group, keys, local table ids, positions in the batch or None) per group."""
         n = indices.numel()
         if len(self._groups) == 1 and len(self._groups[0].table_indices) == 1:
-            return [(self._groups[0], indices, torch.zeros(n, dtype=torch.int16), None)]
+            return [(self._groups[0], indices,
+                     torch.zeros(n, dtype=torch.int16, device=self.device), None)]
         bounds = offsets[:: max(batch_size, 1)] if batch_size else torch.zeros(
-            self._num_features + 1, dtype=torch.int64)
+            self._num_features + 1, dtype=torch.int64, device=self.device)
         feature = torch.repeat_interleave(
-            torch.arange(self._num_features), bounds[1:] - bounds[:-1], output_size=n)
+            torch.arange(self._num_features, device=self.device), bounds[1:] - bounds[:-1],
+            output_size=n)
         tids = self._feature_local_tid[feature]
         if len(self._groups) == 1:
             return [(self._groups[0], indices, tids, None)]
@@ -498,7 +510,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         mean = self.pooling_mode == DynamicEmbPoolingMode.MEAN
         grad_weights = None
         if want_weight_grad:
-            grad_weights = torch.zeros(batch.weights.numel(), dtype=torch.float32)
+            grad_weights = torch.zeros(batch.weights.numel(), dtype=torch.float32,
+                                       device=self.device)
             for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
                 group.ops.per_sample_weight_grad(
                     group.storage.tiers(), found.transient, found.row_ref, found.inverse,

@@ -15,7 +15,7 @@
 // where words = ceil(bc / 64).
 #pragma once
 
-#include <cstdint>
+#include "dynamicemb/portable_types.h"
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define DEMB_HD __host__ __device__ __forceinline__

@@ -6,9 +6,6 @@
 // size or the device, which is what makes cached and uncached training identical.
 #pragma once
 
-#include <cmath>
-#include <cstdint>
-
 #include "dynamicemb/hash_primitives.h"
 
 namespace dynamicemb {

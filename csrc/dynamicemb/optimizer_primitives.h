@@ -6,9 +6,6 @@
 // torch.optim so results can be compared bit-for-bit where sums agree.
 #pragma once
 
-#include <cmath>
-#include <cstdint>
-
 #include "dynamicemb/hash_primitives.h"  // DEMB_HD
 
 namespace dynamicemb {

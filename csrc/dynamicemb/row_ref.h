@@ -6,8 +6,6 @@
 //                      (initialized, never stored, never updated)
 #pragma once
 
-#include <cstdint>
-
 #include "dynamicemb/hash_primitives.h"  // DEMB_HD
 
 namespace dynamicemb {

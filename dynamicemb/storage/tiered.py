@@ -94,7 +94,8 @@ class TieredStorage:
         self.host_only = host_only
         self.metrics = [TierMetrics() for _ in range(host.num_tables)]
         self._moves = 0  # promotions and write-backs: a key's row of record moved
-        self._empty = torch.empty(0, host.value_dim, dtype=host.value_dtype)
+        # The absent tier of ``tiers()``: on the kernels' device like the other one.
+        self._empty = torch.empty(0, host.value_dim, dtype=host.value_dtype, device=host.device)
 
     @classmethod
     def build(cls, host: ScoredHashTable, caching: bool, device_rows: Optional[int]) -> "TieredStorage":

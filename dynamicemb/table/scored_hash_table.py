@@ -13,7 +13,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from dynamicemb import _huge_pages as huge_pages
-from dynamicemb._ops import ops_for
+from dynamicemb._ops import ops_for, resolve_device
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
 __all__ = [
@@ -296,7 +296,7 @@ class ScoredHashTable:
         self.max_load_factor = float(max_load_factor)
         self.value_dim = value_dim
         self.value_dtype = value_dtype
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.stats = TableStats()
         self._ops = ops_for(self.device)
         self._policy = _POLICIES[self.score_strategy]

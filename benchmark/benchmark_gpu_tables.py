@@ -1,0 +1,171 @@
+"""BatchedDynamicEmbeddingTables on a GPU beside a static PyTorch embedding, in one run.
+
+The rows of the upstream "Benchmark BatchedDynamicEmbeddingTables" table without
+caching (``benchmark/benchmark_batched_dynamicemb_tables.py`` is the CPU driver,
+whose static column is FBGEMM's CPU kernel): one table of ``num_embeddings``
+rows, dim 128, a batch of ``batch_size`` single-id bags with power-law ids (alpha
+1.05). The static column is ``torch.nn.EmbeddingBag(sparse=True)`` with the same
+optimizer (SGD; Adam as ``torch.optim.SparseAdam``), the best static table this
+machine has without FBGEMM's CUDA build; both hold every row before timing.
+
+Per iteration, each module in turn (so noise falls on both alike): ``forward``
+(training forward), ``backward`` (backward with the optimizer step), ``train``
+(both), ``eval`` (no-grad forward in eval mode), each wall-clock between device
+synchronizations, reported as medians in ms, with the paired train ratio.
+
+Example::
+
+    python benchmark/benchmark_gpu_tables.py --batch_sizes 65536 1048576 \\
+        --num_embeddings 8388608 67108864 --optimizers sgd adam
+"""
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+from _report import write_report
+
+from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbOptimType, DynamicEmbTableOptions
+
+OPTIMIZERS = {"sgd": DynamicEmbOptimType.EXACT_SGD, "adam": DynamicEmbOptimType.ADAM}
+LR = 0.01
+
+
+def power_law_ids(n: int, num_embeddings: int, alpha: float, gen: torch.Generator) -> torch.Tensor:
+    """(n,) ids in [0, num_embeddings) with P(k) ~ (k + 1)^-alpha (inverse CDF)."""
+    u = torch.rand(n, generator=gen, dtype=torch.float64, device=gen.device)
+    a = 1.0 - alpha
+    x = ((float(num_embeddings + 1) ** a - 1.0) * u + 1.0) ** (1.0 / a)
+    return (x.floor().long() - 1).clamp_(0, num_embeddings - 1)
+
+
+class Static(torch.nn.Module):
+    """nn.EmbeddingBag with a sparse gradient and its optimizer, stepped in backward."""
+
+    def __init__(self, num_embeddings: int, dim: int, optimizer: str, device) -> None:
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(num_embeddings, dim, mode="sum", sparse=True,
+                                         device=device)
+        params = list(self.bag.parameters())
+        self.opt = (torch.optim.SGD(params, lr=LR) if optimizer == "sgd"
+                    else torch.optim.SparseAdam(params, lr=LR))
+
+    def forward(self, ids, offsets):
+        return self.bag(ids, offsets[:-1])
+
+    def step(self, out, grad):
+        out.backward(grad)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+class Dynamic(torch.nn.Module):
+    """One dynamic table holding every id (pre-filled), its optimizer fused."""
+
+    def __init__(self, num_embeddings: int, dim: int, optimizer: str, device) -> None:
+        super().__init__()
+        options = DynamicEmbTableOptions(dim=dim, max_capacity=num_embeddings,
+                                         init_capacity=num_embeddings)
+        self.tables = BatchedDynamicEmbeddingTables(
+            [options], optimizer=OPTIMIZERS[optimizer], learning_rate=LR, device=device)
+        chunk = 1 << 22
+        for start in range(0, num_embeddings, chunk):
+            keys = torch.arange(start, min(num_embeddings, start + chunk), device=device)
+            self.tables.import_keys_values(
+                "t0", keys, torch.randn(keys.numel(), dim, device=device) * 0.01)
+
+    def forward(self, ids, offsets):
+        return self.tables(ids, offsets)
+
+    def step(self, out, grad):
+        out.backward(grad)
+
+
+def timed(fn: Callable[[], object], device) -> float:
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def time_pair(modules: Dict[str, torch.nn.Module], batches, grad, iterations: int,
+              warmup: int, device) -> Dict[str, Dict[str, List[float]]]:
+    times = {name: {"forward": [], "backward": [], "train": [], "eval": []} for name in modules}
+    for it in range(warmup + iterations):
+        ids, offsets = batches[it % len(batches)]
+        for name, m in modules.items():
+            m.train()
+            holder = {}
+            fwd = timed(lambda: holder.setdefault("out", m(ids, offsets)), device)
+            bwd = timed(lambda: m.step(holder["out"], grad), device)
+            m.eval()
+            with torch.no_grad():
+                ev = timed(lambda: m(ids, offsets), device)
+            if it >= warmup:
+                for phase, t in (("forward", fwd), ("backward", bwd), ("train", fwd + bwd),
+                                 ("eval", ev)):
+                    times[name][phase].append(t)
+    return times
+
+
+def run_config(args, batch: int, num_embeddings: int, optimizer: str, device) -> Dict:
+    gen = torch.Generator(device).manual_seed(0)
+    offsets = torch.arange(batch + 1, device=device)
+    batches = [(power_law_ids(batch, num_embeddings, args.alpha, gen), offsets)
+               for _ in range(args.distinct_batches)]
+    grad = torch.randn(batch, args.embedding_dim, generator=gen, device=device)
+    modules = {"static": Static(num_embeddings, args.embedding_dim, optimizer, device),
+               "dynamicemb": Dynamic(num_embeddings, args.embedding_dim, optimizer, device)}
+    times = time_pair(modules, batches, grad, args.num_iterations, args.warmup, device)
+    row = {"batch_size": batch, "num_embeddings": num_embeddings, "optimizer": optimizer,
+           "embedding_dim": args.embedding_dim, "alpha": args.alpha,
+           "iterations": args.num_iterations}
+    for name in modules:
+        for phase, ts in times[name].items():
+            row[f"{phase}({name})"] = round(statistics.median(ts), 4)
+    pairs = [d / s for d, s in zip(times["dynamicemb"]["train"], times["static"]["train"])]
+    row["train ratio (paired)"] = round(statistics.median(pairs), 3)
+    del modules
+    torch.cuda.empty_cache()
+    return row
+
+
+def markdown(rows: List[Dict]) -> str:
+    cols = list(rows[0])
+    return ("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n" + "".join(
+        "| " + " | ".join(str(r[c]) for c in cols) + " |\n" for r in rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch_sizes", type=int, nargs="+", default=[65536])
+    parser.add_argument("--num_embeddings", type=int, nargs="+", default=[1 << 23])
+    parser.add_argument("--optimizers", nargs="+", default=["sgd", "adam"], choices=OPTIMIZERS)
+    parser.add_argument("--embedding_dim", type=int, default=128)
+    parser.add_argument("--alpha", type=float, default=1.05)
+    parser.add_argument("--num_iterations", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--distinct_batches", type=int, default=8)
+    parser.add_argument("--out", default="benchmark/out/gpu_tables")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    rows = []
+    for n in args.num_embeddings:
+        for batch in args.batch_sizes:
+            for opt in args.optimizers:
+                rows.append(run_config(args, batch, n, opt, device))
+                print(json.dumps(rows[-1]), flush=True)
+    meta = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+            "unit": "ms, median"}
+    table = markdown(rows)
+    write_report(args.out, meta, rows, table)
+    print(f"\n{json.dumps(meta)}\n\n{table}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The whole GPU validation in one command (`make gpu-check`), for a machine with
+# a GPU, PyTorch with CUDA and CuPy (no TorchRec needed, no package registry):
+# builds the CPU extension against the torch found there, runs the test suites
+# that need no TorchRec with the CUDA tests enabled (CPU twins included), a
+# compute-sanitizer memcheck of a short CUDA run, then the hash-table and
+# batched-tables benchmarks. Logs, JSON and markdown go to $OUT (default
+# benchmark/out/gpu); `summary.txt` there has one exit code per stage.
+#
+# Stages: GPU_STAGES="build tests sanitizer hash tables profile" (default: all).
+set -uo pipefail
+OUT=${OUT:-benchmark/out/gpu}
+PY=${PYTHON:-python3}
+STAGES=${GPU_STAGES:-build tests sanitizer hash tables profile}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+: > "$OUT/summary.txt"
+
+stage() {  # stage NAME COMMAND...: runs it unless not asked for, logs, records rc
+  local name=$1
+  shift
+  [[ " $STAGES " == *" $name "* ]] || return 0
+  echo "== $name: $*"
+  local start=$SECONDS
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "$name rc=$rc seconds=$((SECONDS - start))" | tee -a "$OUT/summary.txt"
+}
+
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
+  $PY -c 'import torch, cupy; print("torch", torch.__version__, "cupy", cupy.__version__)'; } \
+  > "$OUT/device.txt" 2>&1
+cat "$OUT/device.txt"
+
+stage build $PY -m pip install -q --no-build-isolation --no-deps -e .
+stage tests $PY -m pytest ${GPU_TESTS:-test/cuda test/table test/module test/storage} -q -p no:cacheprovider \
+  --junitxml="$OUT/tests.xml"
+stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 \
+  $PY -m pytest -q -p no:cacheprovider test/cuda/test_table_twins.py test/cuda/test_module_twins.py \
+  -k "(random_calls and LRU and 16) or EXACT_SGD-SUM-w or ADAM-MEAN"
+stage hash $PY benchmark/benchmark_hash_table.py --device cuda --capacity 1048576 \
+  --batch 1048576 --dims 8 64 128 --reps 20 --out "$OUT/hash_table_1M"
+stage hash $PY benchmark/benchmark_hash_table.py --device cuda --capacity 67108864 \
+  --batch 1048576 --dims 8 --reps 20 --out "$OUT/hash_table_64M"
+stage tables $PY benchmark/benchmark_gpu_tables.py --batch_sizes 65536 1048576 \
+  --num_embeddings 8388608 --optimizers sgd adam --out "$OUT/gpu_tables_8M"
+# 64M rows: SGD only (Adam's states for both tables would not fit in 80 GB at once)
+stage tables $PY benchmark/benchmark_gpu_tables.py --batch_sizes 65536 1048576 \
+  --num_embeddings 67108864 --optimizers sgd --out "$OUT/gpu_tables_64M"
+stage profile $PY benchmark/profile_gpu_step.py --batch 65536 --num_embeddings 8388608
+! grep -v "rc=0" "$OUT/summary.txt"

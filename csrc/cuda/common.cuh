@@ -1,0 +1,148 @@
+// What every CUDA kernel file of dynamicemb shares: the device view of one
+// scored hash table and small warp helpers. Compiled by NVRTC through CuPy
+// (dynamicemb/_cuda.py) and, in the tests, by nvcc; no standard library.
+//
+// The table layout is the one of csrc/dynamicemb/hash_primitives.h, so a CUDA
+// table and a CPU table hold the same bytes for the same contents.
+#pragma once
+
+#include "dynamicemb/hash_primitives.h"
+
+namespace dynamicemb {
+namespace cuda {
+
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+constexpr int kWarp = 32;
+
+// Device view of one table (the `meta` list of the Python side).
+struct TableView {
+  int64_t* slot_words;  // (capacity, 2): key, score of each slot
+  int16_t* tids;        // (capacity,)
+  uint8_t* digests;     // (capacity,)
+  uint64_t* occupied;   // (num_buckets, words)
+  uint64_t* pinned;     // (num_buckets, words)
+  int64_t num_buckets;
+  int bc;
+
+  __device__ __forceinline__ int words() const { return words_per_bucket(bc); }
+  __device__ __forceinline__ int64_t& key(int64_t s) const { return slot_words[s * kSlotWords]; }
+  __device__ __forceinline__ uint64_t& score(int64_t s) const {
+    return reinterpret_cast<uint64_t*>(slot_words)[s * kSlotWords + 1];
+  }
+  __device__ __forceinline__ uint64_t* occupied_of(int64_t b) const {
+    return occupied + b * words();
+  }
+  __device__ __forceinline__ uint64_t* pinned_of(int64_t b) const { return pinned + b * words(); }
+};
+
+__device__ __forceinline__ TableView table_view(int64_t* slot_words, int16_t* tids,
+                                                uint8_t* digests, uint64_t* occupied,
+                                                uint64_t* pinned, int64_t num_buckets,
+                                                int bc) {
+  TableView v;
+  v.slot_words = slot_words;
+  v.tids = tids;
+  v.digests = digests;
+  v.occupied = occupied;
+  v.pinned = pinned;
+  v.num_buckets = num_buckets;
+  v.bc = bc;
+  return v;
+}
+
+// The kernels' table arguments, in this order, after the outputs they name.
+#define DEMB_TABLE_PARAMS                                                             \
+  int64_t *slot_words, int16_t *slot_tids, uint8_t *digests, uint64_t *occupied,       \
+      uint64_t *pinned, int64_t num_buckets, int bc
+#define DEMB_TABLE_VIEW table_view(slot_words, slot_tids, digests, occupied, pinned, num_buckets, bc)
+
+__device__ __forceinline__ int64_t global_thread() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ int64_t global_warp() { return global_thread() / kWarp; }
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x & (kWarp - 1); }
+
+// Offset in the bucket of (key, tid), or -1: one thread, 16 digests per load,
+// from the key's start group round the bucket. Keys are unique in a table, so
+// the first match is the match (as probe_bucket_scalar finds it).
+__device__ __forceinline__ int probe_thread(const TableView& v, int64_t base, int64_t key,
+                                            int16_t tid, bool one_table, uint8_t digest,
+                                            int start) {
+  const uint32_t pattern = 0x01010101u * digest;
+  for (int n = 0; n < v.bc; n += 16) {
+    const int group = start + n < v.bc ? start + n : start + n - v.bc;
+    const uint4 d = *reinterpret_cast<const uint4*>(v.digests + base + group);
+    const uint32_t words[4] = {d.x, d.y, d.z, d.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      uint32_t m = __vcmpeq4(words[w], pattern);
+      while (m) {
+        const int byte = (__ffs(m) - 1) >> 3;
+        const int j = group + 4 * w + byte;
+        if (v.key(base + j) == key && (one_table || v.tids[base + j] == tid)) return j;
+        m &= ~(0xFFu << (8 * byte));
+      }
+    }
+  }
+  return -1;
+}
+
+// Offset in the bucket of (key, tid), or -1, probed by a whole warp: each lane
+// compares 4 digests of every 128. Every lane returns the same value.
+__device__ __forceinline__ int probe_warp(const TableView& v, int64_t base, int64_t key,
+                                          int16_t tid, bool one_table, uint8_t digest) {
+  const uint32_t pattern = 0x01010101u * digest;
+  const int lane = lane_id();
+  for (int chunk = 0; chunk < v.bc; chunk += 4 * kWarp) {
+    const int j0 = chunk + 4 * lane;
+    int found = -1;
+    if (j0 < v.bc) {
+      uint32_t m = __vcmpeq4(*reinterpret_cast<const uint32_t*>(v.digests + base + j0), pattern);
+      while (m) {
+        const int byte = (__ffs(m) - 1) >> 3;
+        const int j = j0 + byte;
+        if (v.key(base + j) == key && (one_table || v.tids[base + j] == tid)) {
+          found = j;
+          break;
+        }
+        m &= ~(0xFFu << (8 * byte));
+      }
+    }
+    const unsigned hit = __ballot_sync(kFullMask, found >= 0);
+    if (hit) return __shfl_sync(kFullMask, found, __ffs(hit) - 1);
+  }
+  return -1;
+}
+
+// choose_victim (hash_primitives.h) by a warp: the unpinned slot with the
+// minimum score, ties to the lowest slot; -1 when every slot is pinned.
+__device__ __forceinline__ int choose_victim_warp(const TableView& v, int64_t b) {
+  const int64_t base = b * v.bc;
+  const uint64_t* pinned = v.pinned_of(b);
+  uint64_t best = 0;
+  int victim = -1;
+  for (int j = lane_id(); j < v.bc; j += kWarp) {
+    if (test_bit(pinned, j)) continue;
+    const uint64_t s = v.score(base + j);
+    if (victim < 0 || s < best) {  // j rises, so the first of equal scores stays
+      victim = j;
+      best = s;
+    }
+  }
+  for (int delta = kWarp / 2; delta > 0; delta >>= 1) {
+    const uint64_t other_best = __shfl_xor_sync(kFullMask, best, delta);
+    const int other = __shfl_xor_sync(kFullMask, victim, delta);
+    const bool take = other >= 0 && (victim < 0 || other_best < best ||
+                                     (other_best == best && other < victim));
+    if (take) {
+      best = other_best;
+      victim = other;
+    }
+  }
+  return victim;
+}
+
+}  // namespace cuda
+}  // namespace dynamicemb

@@ -1,0 +1,42 @@
+// CUDA dedup of (table id, key) pairs: an open-addressing set over one batch in
+// which each entry ends holding the smallest position of its pair. Position
+// order then gives the unique pairs in first-occurrence order, as the CPU dedup
+// gives them (dynamicemb/_cuda.py finishes with a scan).
+#include "cuda/common.cuh"
+
+using namespace dynamicemb;
+using namespace dynamicemb::cuda;
+
+constexpr int32_t kEmptyEntry = -1;
+
+// Inserts position i of keys (n,) into `set` (mask + 1 entries, all -1), and
+// records in where (n,) the entry of its pair. An entry only ever holds
+// positions of one pair, so atomicMin leaves the first of them.
+extern "C" __global__ void demb_dedup_insert(const int64_t* keys, const int16_t* tids, int64_t n,
+                                             int32_t* set, int64_t mask, int64_t* where) {
+  const int64_t i = global_thread();
+  if (i >= n) return;
+  const int64_t key = keys[i];
+  const int16_t tid = tids[i];
+  int64_t pos = static_cast<int64_t>(hash_key(key, tid) & static_cast<uint64_t>(mask));
+  while (true) {
+    int32_t held = set[pos];
+    if (held == kEmptyEntry) {
+      held = atomicCAS(&set[pos], kEmptyEntry, static_cast<int32_t>(i));
+      if (held == kEmptyEntry) break;
+    }
+    if (keys[held] == key && tids[held] == tid) {
+      atomicMin(&set[pos], static_cast<int32_t>(i));
+      break;
+    }
+    pos = (pos + 1) & mask;
+  }
+  where[i] = pos;
+}
+
+// first[i] = the first position of the pair of position i (set[where[i]]).
+extern "C" __global__ void demb_dedup_first(const int32_t* set, const int64_t* where, int64_t n,
+                                            int64_t* first) {
+  const int64_t i = global_thread();
+  if (i < n) first[i] = set[where[i]];
+}

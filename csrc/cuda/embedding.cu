@@ -1,0 +1,221 @@
+// CUDA kernels of the embedding lookup and the fused backward, over the shared
+// per-row primitives (init_primitives.h, optimizer_primitives.h, row_ref.h).
+//
+// Float sums run in the CPU kernels' order (a bag's rows in input order, a
+// unique row's gradients in rank order), so the two backends agree to the
+// rounding of a fused multiply-add. Host-tier rows are read through the
+// unified address space (pinned host memory is addressable from the GPU).
+#include "cuda/common.cuh"
+#include "dynamicemb/init_primitives.h"
+#include "dynamicemb/optimizer_primitives.h"
+#include "dynamicemb/row_ref.h"
+
+using namespace dynamicemb;
+using namespace dynamicemb::cuda;
+
+// Row arguments of the lookup kernels: the two tiers' values (one width), the
+// batch's transient rows (dim wide) and the row reference of each unique row.
+#define DEMB_ROW_PARAMS                                                                   \
+  const float *device_rows, const float *host_rows, int64_t width, const float *transient, \
+      int64_t dim, const int64_t *row_ref
+#define DEMB_ROW_OF(u) row_of(row_ref[u], device_rows, host_rows, width, transient, dim)
+
+// out[rows[i], c] = the initializer's value of (table, keys[i], c), c < dim.
+extern "C" __global__ void demb_init_rows(float* out, int64_t out_width, const int64_t* rows,
+                                          const int64_t* keys, int64_t m, int64_t table,
+                                          int64_t dim, int mode, float mean, float std_dev,
+                                          float lower, float upper, float value,
+                                          uint64_t seed) {
+  const int64_t e = global_thread();
+  if (e >= m * dim) return;
+  const int64_t i = e / dim;
+  const int c = static_cast<int>(e - i * dim);
+  const InitParams p{mode, mean, std_dev, lower, upper, value, seed};
+  out[rows[i] * out_width + c] = init_element(p, table, keys[i], c);
+}
+
+// Pooled lookup, one warp per bag k = f * batch + b: out[b, col(f) + c] = the
+// (weighted) sum, or mean, of the bag's rows. Empty bags write zeros.
+extern "C" __global__ void demb_pooled_forward(DEMB_ROW_PARAMS, const int64_t* inverse,
+                                               const int64_t* offsets, const float* weights,
+                                               const int64_t* feature_col, int64_t batch,
+                                               int64_t num_bags, bool mean, float* out,
+                                               int64_t out_width) {
+  const int64_t k = global_warp();
+  if (k >= num_bags) return;
+  const int64_t col = feature_col[k / batch];
+  if (col < 0) return;
+  float* dst = out + (k % batch) * out_width + col;
+  const int64_t begin = offsets[k], end = offsets[k + 1];
+  const float inv_len = end > begin ? 1.f / static_cast<float>(end - begin) : 0.f;
+  for (int64_t c = lane_id(); c < dim; c += kWarp) {
+    float acc = 0.f;
+    for (int64_t j = begin; j < end; ++j) {
+      const float x = DEMB_ROW_OF(inverse[j])[c];
+      if (j == begin) {
+        acc = weights ? weights[j] * x : x;
+      } else {
+        acc = fmaf(weights ? weights[j] : 1.f, x, acc);
+      }
+    }
+    dst[c] = mean ? acc * inv_len : acc;
+  }
+}
+
+// Sequence lookup, one thread per element: out[j, c] = row of inverse[j]
+// (positions with inverse < 0 are left as they are).
+extern "C" __global__ void demb_sequence_forward(DEMB_ROW_PARAMS, const int64_t* inverse,
+                                                 int64_t n, float* out) {
+  const int64_t e = global_thread();
+  if (e >= n * dim) return;
+  const int64_t j = e / dim;
+  if (inverse[j] < 0) return;
+  out[e] = DEMB_ROW_OF(inverse[j])[e - j * dim];
+}
+
+// Where each lookup's gradient is and how it is scaled, placed at its rank:
+// pos[rank[j]] = offset of its gradient row in grad, scale[rank[j]] = weight x
+// (1 / bag length for MEAN). One thread per bag (pooled) or lookup (sequence).
+// Ranks outside [0, entries) are skipped and counted in bad[0].
+extern "C" __global__ void demb_place_grads(const int64_t* rank, int64_t n, int64_t entries,
+                                            const int64_t* offsets, const float* weights,
+                                            const int64_t* feature_col, int64_t batch,
+                                            int64_t num_bags, bool mean, int64_t grad_width,
+                                            int64_t* pos, float* scale,
+                                            unsigned long long* bad) {
+  const int64_t k = global_thread();
+  const bool pooled = offsets != nullptr;
+  if (k >= (pooled ? num_bags : n)) return;
+  int64_t begin = k, end = k + 1, p = k * grad_width;
+  float bag_scale = 1.f;
+  if (pooled) {
+    const int64_t col = feature_col[k / batch];
+    begin = offsets[k];
+    end = offsets[k + 1];
+    if (col < 0 || end == begin) return;
+    p = (k % batch) * grad_width + col;
+    if (mean) bag_scale = 1.f / static_cast<float>(end - begin);
+  }
+  for (int64_t j = begin; j < end; ++j) {
+    const int64_t r = rank[j];
+    if (r < 0) continue;
+    if (r >= entries) {
+      atomicAdd(bad, 1ull);
+      continue;
+    }
+    pos[r] = p;
+    scale[r] = pooled ? (weights ? weights[j] : 1.f) * bag_scale : 1.f;
+  }
+}
+
+// Sum of the scaled gradients of entries [begin, end) (rank order) for column c.
+__device__ __forceinline__ float entry_sum(const int64_t* pos, const float* scale,
+                                           const float* grad, int64_t begin, int64_t end,
+                                           int64_t c) {
+  float a = 0.f;
+#pragma unroll 4
+  for (int64_t e = begin; e < end; ++e) {
+    const float g = grad[pos[e] + c];
+    a = e == begin ? scale[e] * g : fmaf(scale[e], g, a);
+  }
+  return a;
+}
+
+// Hot rows (more lookups than one piece holds, _cuda.PIECE_ENTRIES) are summed
+// in two levels so that no warp walks a power law's head alone: one warp per
+// piece writes partial (pieces, dim), then the row's warp adds its pieces in
+// order. Other rows are summed in rank order, as the CPU backend sums them.
+
+// One warp per piece p of a hot row: partial[p, :] = the sum of its entries
+// [piece_begin[p], piece_end[p]).
+extern "C" __global__ void demb_piece_sums(const int64_t* piece_begin, const int64_t* piece_end,
+                                           int64_t num_pieces, const int64_t* pos,
+                                           const float* scale, const float* grad, int64_t dim,
+                                           float* partial) {
+  const int64_t p = global_warp();
+  if (p >= num_pieces) return;
+  for (int64_t c = lane_id(); c < dim; c += kWarp) {
+    partial[p * dim + c] = entry_sum(pos, scale, grad, piece_begin[p], piece_end[p], c);
+  }
+}
+
+// One warp per unique row u: sums its lookups' scaled gradients (entries
+// starts[u] to starts[u + 1] - 1 of pos/scale, in rank order; or, for a hot
+// row, its pieces' partial sums first_piece[u] to first_piece[u + 1] - 1) and
+// applies the optimizer to its stored row. Shared memory: dim floats per warp.
+extern "C" __global__ void demb_fused_update(float* device_rows, float* host_rows, int64_t width,
+                                             int64_t dim, const int64_t* row_ref,
+                                             int64_t num_unique, const int64_t* starts,
+                                             const int64_t* pos, const float* scale,
+                                             const float* grad, const int64_t* first_piece,
+                                             const float* partial, int kind, float lr,
+                                             float eps, float beta1, float beta2,
+                                             float weight_decay, float one_minus_beta1,
+                                             float one_minus_beta2, float step_size,
+                                             float bias_correction2_sqrt) {
+  extern __shared__ float shared_acc[];
+  const int64_t u = global_warp();
+  if (u >= num_unique || is_transient_ref(row_ref[u])) return;
+  float* acc = shared_acc + (threadIdx.x / kWarp) * dim;
+  const int64_t begin = starts[u], end = starts[u + 1];
+  const int64_t p0 = first_piece ? first_piece[u] : 0, p1 = first_piece ? first_piece[u + 1] : 0;
+  for (int64_t c = lane_id(); c < dim; c += kWarp) {
+    float a = 0.f;
+    if (p1 > p0) {
+#pragma unroll 4
+      for (int64_t p = p0; p < p1; ++p) a = p == p0 ? partial[p * dim + c] : a + partial[p * dim + c];
+    } else {
+      a = entry_sum(pos, scale, grad, begin, end, c);
+    }
+    acc[c] = a;
+  }
+  __syncwarp();
+  OptimizerParams p;
+  p.kind = kind;
+  p.lr = lr;
+  p.eps = eps;
+  p.beta1 = beta1;
+  p.beta2 = beta2;
+  p.weight_decay = weight_decay;
+  p.one_minus_beta1 = one_minus_beta1;  // computed in double, as the CPU backend does
+  p.one_minus_beta2 = one_minus_beta2;
+  p.step_size = step_size;
+  p.bias_correction2_sqrt = bias_correction2_sqrt;
+  float* row = stored_row_of(row_ref[u], device_rows, host_rows, width);
+  float* state = row + dim;
+  const int d = static_cast<int>(dim);
+  if (kind == kRowwiseAdagrad) {  // one sum over the row: one lane, in column order
+    if (lane_id() == 0) rowwise_adagrad_row(row, state, acc, d, p);
+    return;
+  }
+  for (int c = lane_id(); c < d; c += kWarp) {  // element-wise rules, a column per lane
+    switch (kind) {
+      case kSgd: sgd_row(row + c, acc + c, 1, p); break;
+      case kAdam: adam_row(row + c, state + c, state + d + c, acc + c, 1, p); break;
+      case kAdagrad: adagrad_row(row + c, state + c, acc + c, 1, p); break;
+      default: break;
+    }
+  }
+}
+
+// Gradient of per-sample weights, one warp per bag, a lookup per lane:
+// out[j] = dot(grad[b, col(f):+dim], row of inverse[j]), summed in column order.
+extern "C" __global__ void demb_per_sample_weight_grad(DEMB_ROW_PARAMS, const int64_t* inverse,
+                                                       const int64_t* offsets,
+                                                       const int64_t* feature_col,
+                                                       int64_t batch, int64_t num_bags,
+                                                       const float* grad, int64_t grad_width,
+                                                       float* out) {
+  const int64_t k = global_warp();
+  if (k >= num_bags) return;
+  const int64_t col = feature_col[k / batch];
+  if (col < 0) return;
+  const float* gk = grad + (k % batch) * grad_width + col;
+  for (int64_t j = offsets[k] + lane_id(); j < offsets[k + 1]; j += kWarp) {
+    if (inverse[j] < 0) continue;
+    const float* row = DEMB_ROW_OF(inverse[j]);
+    float dot = 0.f;
+    for (int64_t c = 0; c < dim; ++c) dot = fmaf(gk[c], row[c], dot);
+    out[j] = dot;
+  }
+}

@@ -1,0 +1,311 @@
+// CUDA kernels of the scored hash table, over the per-key primitives of
+// dynamicemb/hash_primitives.h. dynamicemb/_cuda.py launches them on PyTorch's
+// current stream; the Python side owns the tensors and the policy.
+//
+// Inserting calls are processed bucket by bucket: the caller sorts the keys of a
+// pass by bucket (stably, so each bucket's keys keep their input order) and one
+// warp walks each bucket's run. A bucket is then only ever touched by one warp,
+// so no slot needs a lock or an atomic, and the result is the one the CPU loop
+// gives (it also walks each bucket's keys in input order): same slots, same
+// victims, same deferrals. The warp probes 128 digests per load, and chooses
+// victims by a warp reduction.
+#include "cuda/common.cuh"
+
+namespace dynamicemb {
+namespace cuda {
+namespace {
+
+// Where one inserting pass writes (the `upsert` outputs of the Python side).
+struct PassOutputs {
+  int64_t* slots;
+  int8_t* status;
+  uint64_t* prev_scores;  // nullptr: not recorded
+  int64_t* ev_keys;
+  int16_t* ev_tids;
+  uint64_t* ev_scores;
+};
+
+// One key of a bucket's run; the calling warp owns bucket b. `hint` is the
+// offset where the run's first pass saw the key (or -1): trusted only if the
+// slot still holds the key, since an earlier key of the run may have evicted it
+// (and a key not seen then may since have been inserted by a repeat of it).
+// Returns the key's status.
+template <class Rule>
+__device__ int8_t upsert_key(const TableView& v, const PassOutputs& o, const Rule& rule,
+                             int64_t i, int64_t key, int16_t tid, uint64_t given, uint64_t h,
+                             int hint, bool evicts, bool can_grow, bool one_table) {
+  const int64_t b = bucket_of(h, v.num_buckets);
+  const int64_t base = b * v.bc;
+  const uint8_t digest = digest_of(h);
+  const bool leader = lane_id() == 0;
+  const bool hint_holds = hint >= 0 && v.digests[base + hint] == digest &&
+                          v.key(base + hint) == key && (one_table || v.tids[base + hint] == tid);
+  int j = hint_holds ? hint : probe_warp(v, base, key, tid, one_table, digest);
+  if (j >= 0) {
+    if (leader) {
+      const uint64_t old = v.score(base + j);
+      if (o.prev_scores) o.prev_scores[i] = old;
+      v.score(base + j) = rule.on_hit(old, given);
+      set_bit(v.pinned_of(b), j);
+      o.slots[i] = base + j;
+      o.status[i] = kHit;
+    }
+    return kHit;
+  }
+  int8_t outcome = kInserted;
+  j = first_clear_bit_from(v.occupied_of(b), v.bc, start_offset(h, v.bc));
+  if (j < 0) {
+    if (can_grow) {
+      if (leader) o.status[i] = kDeferred;
+      return kDeferred;
+    }
+    j = evicts ? choose_victim_warp(v, b) : -1;
+    if (j < 0) {
+      if (leader) {
+        o.slots[i] = -1;
+        o.status[i] = kFailed;
+      }
+      return kFailed;
+    }
+    if (leader) {
+      o.ev_keys[i] = v.key(base + j);
+      o.ev_tids[i] = v.tids[base + j];
+      o.ev_scores[i] = v.score(base + j);
+    }
+    outcome = kEvictedAndInserted;
+  }
+  if (leader) {
+    set_bit(v.occupied_of(b), j);
+    set_bit(v.pinned_of(b), j);
+    v.key(base + j) = key;
+    v.tids[base + j] = tid;
+    v.digests[base + j] = digest;
+    v.score(base + j) = rule.on_insert(given);
+    o.slots[i] = base + j;
+    o.status[i] = outcome;
+  }
+  return outcome;
+}
+
+// The run of keys order[q0, q1) of one bucket, in order; then unpins the run's
+// slots unless the bucket is blocked (the next pass needs those pins). The run
+// goes 32 keys at a time: each lane loads one key and probes for it (a hint),
+// then the warp settles the 32 in order with the key's fields broadcast by
+// shuffles, so settling a hit costs a check of a line already in cache.
+// counts (5,) += the run's keys by status.
+template <class Rule>
+__device__ void upsert_run(const TableView& v, const PassOutputs& o, const Rule& rule,
+                           const int64_t* keys, const int16_t* tids, const uint64_t* given,
+                           const int64_t* order, int64_t q0, int64_t q1, bool evicts,
+                           bool can_grow, bool one_table, unsigned long long* counts) {
+  bool blocked = false;
+  unsigned long long counted[kDeferred + 1] = {0, 0, 0, 0, 0};
+  for (int64_t chunk = q0; chunk < q1; chunk += kWarp) {
+    const int64_t q = chunk + lane_id();
+    int64_t my_i = 0, my_key = 0;
+    int my_tid = 0, my_hint = -1;
+    uint64_t my_h = 0, my_given = 0;
+    if (q < q1) {
+      my_i = order[q];
+      my_key = keys[my_i];
+      my_tid = tids[my_i];
+      my_given = given ? given[my_i] : 0;
+      my_h = hash_key(my_key, static_cast<int16_t>(my_tid));
+      if (!blocked) {
+        my_hint = probe_thread(v, bucket_of(my_h, v.num_buckets) * v.bc, my_key,
+                               static_cast<int16_t>(my_tid), one_table, digest_of(my_h),
+                               start_offset(my_h, v.bc));
+      }
+    }
+    const int in_chunk = q1 - chunk < kWarp ? static_cast<int>(q1 - chunk) : kWarp;
+    for (int t = 0; t < in_chunk; ++t) {
+      const int64_t i = __shfl_sync(kFullMask, my_i, t);
+      int8_t status = kDeferred;
+      if (blocked) {
+        if (lane_id() == 0) o.status[i] = kDeferred;
+      } else {
+        status = upsert_key(v, o, rule, i, __shfl_sync(kFullMask, my_key, t),
+                            static_cast<int16_t>(__shfl_sync(kFullMask, my_tid, t)),
+                            __shfl_sync(kFullMask, my_given, t), __shfl_sync(kFullMask, my_h, t),
+                            __shfl_sync(kFullMask, my_hint, t), evicts, can_grow, one_table);
+        blocked = status == kDeferred;
+      }
+      ++counted[status];
+      __syncwarp();  // the leader's writes are seen by the whole warp's next probe
+    }
+  }
+  if (lane_id() == 0) {
+    for (int s = 0; s <= kDeferred; ++s) {
+      if (counted[s]) atomicAdd(counts + s, counted[s]);
+    }
+  }
+  if (blocked) return;
+  for (int64_t q = q0 + lane_id(); q < q1; q += kWarp) {
+    const int64_t s = o.slots[order[q]];
+    if (s < 0) continue;
+    const int64_t b = s / v.bc;
+    const int j = static_cast<int>(s - b * v.bc);
+    atomicAnd(reinterpret_cast<unsigned long long*>(v.pinned_of(b) + (j >> 6)),
+              ~(1ull << (j & 63)));
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace dynamicemb
+
+using namespace dynamicemb;
+using namespace dynamicemb::cuda;
+
+// out[i] = hash_key(keys[i], tids[i]). keys (n,), tids (n,), out (n,).
+extern "C" __global__ void demb_hash_keys(const int64_t* keys, const int16_t* tids, int64_t n,
+                                          int64_t* out) {
+  const int64_t i = global_thread();
+  if (i < n) out[i] = static_cast<int64_t>(hash_key(keys[i], tids[i]));
+}
+
+// buckets[p] = bucket of keys[pending[p]]; pending (m,), buckets (m,) int32.
+extern "C" __global__ void demb_buckets_of(const int64_t* keys, const int16_t* tids,
+                                           const int64_t* pending, int64_t m,
+                                           int64_t num_buckets, int32_t* buckets) {
+  const int64_t p = global_thread();
+  if (p >= m) return;
+  const int64_t i = pending[p];
+  buckets[p] = static_cast<int32_t>(bucket_of(hash_key(keys[i], tids[i]), num_buckets));
+}
+
+// slots[i] = slot of (keys[i], tids[i]) or -1. One thread per key.
+extern "C" __global__ void demb_find(DEMB_TABLE_PARAMS, const int64_t* keys, const int16_t* tids,
+                                     int64_t n, bool one_table, int64_t* slots) {
+  const int64_t i = global_thread();
+  if (i >= n) return;
+  const TableView v = DEMB_TABLE_VIEW;
+  const int64_t key = keys[i];
+  const int16_t tid = one_table ? int16_t{0} : tids[i];
+  const uint64_t h = hash_key(key, tid);
+  const int64_t base = bucket_of(h, v.num_buckets) * v.bc;
+  const int j = probe_thread(v, base, key, tid, one_table, digest_of(h), start_offset(h, v.bc));
+  slots[i] = j < 0 ? -1 : base + j;
+}
+
+// One inserting pass. `order` (m,) holds the pass's key positions sorted stably
+// by bucket, `sorted_buckets` (m,) their buckets; one warp per run of a bucket.
+// rule: 0 clock (score = now), 1 count (adds given), 2 given. counts (5,) +=
+// the pass's keys by InsertStatus (hit, inserted, evicted, failed, deferred).
+extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
+                                       const int16_t* tids, const uint64_t* given, int rule,
+                                       uint64_t now, bool evicts, bool can_grow, bool one_table,
+                                       const int32_t* sorted_buckets, const int64_t* order,
+                                       int64_t m, int64_t* slots, int8_t* status,
+                                       uint64_t* prev_scores, int64_t* ev_keys,
+                                       int16_t* ev_tids, uint64_t* ev_scores,
+                                       unsigned long long* counts) {
+  const int64_t q0 = global_warp();
+  if (q0 >= m || (q0 > 0 && sorted_buckets[q0 - 1] == sorted_buckets[q0])) return;
+  int64_t q1 = q0 + 1;
+  while (q1 < m && sorted_buckets[q1] == sorted_buckets[q0]) ++q1;
+  const TableView v = DEMB_TABLE_VIEW;
+  const PassOutputs o{slots, status, prev_scores, ev_keys, ev_tids, ev_scores};
+  switch (rule) {
+    case 0:
+      upsert_run(v, o, ClockScore{now}, keys, tids, given, order, q0, q1, evicts, can_grow,
+                 one_table, counts);
+      break;
+    case 1:
+      upsert_run(v, o, CountScore{}, keys, tids, given, order, q0, q1, evicts, can_grow,
+                 one_table, counts);
+      break;
+    default:
+      upsert_run(v, o, GivenScore{}, keys, tids, given, order, q0, q1, evicts, can_grow,
+                 one_table, counts);
+      break;
+  }
+}
+
+// Clears the pinned bit of every slot >= 0 of slots (n,).
+extern "C" __global__ void demb_unpin(DEMB_TABLE_PARAMS, const int64_t* slots, int64_t n) {
+  const int64_t i = global_thread();
+  if (i >= n || slots[i] < 0) return;
+  const int64_t b = slots[i] / bc;
+  const int j = static_cast<int>(slots[i] - b * bc);
+  atomicAnd(reinterpret_cast<unsigned long long*>(pinned + b * words_per_bucket(bc) + (j >> 6)),
+            ~(1ull << (j & 63)));
+}
+
+// Reverts an inserting call, newest key first. Rare (aborts and ERROR mode), so
+// one thread walks the keys in order: a slot a call touched twice comes back as
+// it was before the call, as on the CPU.
+extern "C" __global__ void demb_undo_upsert(DEMB_TABLE_PARAMS, const int64_t* slots,
+                                            const int8_t* status, const uint64_t* prev_scores,
+                                            const int64_t* ev_keys, const int16_t* ev_tids,
+                                            const uint64_t* ev_scores, int64_t n) {
+  if (global_thread() != 0) return;
+  const TableView v = DEMB_TABLE_VIEW;
+  for (int64_t i = n - 1; i >= 0; --i) {
+    const int64_t s = slots[i];
+    if (s < 0) continue;
+    const int64_t b = s / bc;
+    const int j = static_cast<int>(s - b * bc);
+    if (status[i] == kHit) {
+      v.score(s) = prev_scores[i];
+    } else if (status[i] == kInserted) {
+      clear_bit(v.occupied_of(b), j);
+      v.digests[s] = kEmptyDigest;
+    } else if (status[i] == kEvictedAndInserted) {
+      v.key(s) = ev_keys[i];
+      v.tids[s] = ev_tids[i];
+      v.digests[s] = digest_of(hash_key(ev_keys[i], ev_tids[i]));
+      v.score(s) = ev_scores[i];
+    }
+  }
+}
+
+// Moves old slot `from` (one thread each) to the table with twice the buckets,
+// at the same offset of its new bucket (b or b + old buckets, so no two old
+// buckets meet). moved (old capacity,) = new slot, or -1 for an empty slot.
+extern "C" __global__ void demb_grow(DEMB_TABLE_PARAMS, int64_t* new_slot_words,
+                                     int16_t* new_tids, uint8_t* new_digests,
+                                     uint64_t* new_occupied, uint64_t* new_pinned,
+                                     int64_t* moved) {
+  const int64_t from = global_thread();
+  const TableView o = DEMB_TABLE_VIEW;
+  if (from >= num_buckets * bc) return;
+  const int64_t b = from / bc;
+  const int j = static_cast<int>(from - b * bc);
+  if (!test_bit(o.occupied_of(b), j)) {
+    moved[from] = -1;
+    return;
+  }
+  const TableView n =
+      table_view(new_slot_words, new_tids, new_digests, new_occupied, new_pinned,
+                 2 * num_buckets, bc);
+  const int64_t nb = bucket_of(hash_key(o.key(from), o.tids[from]), n.num_buckets);
+  const int64_t to = nb * bc + j;
+  n.key(to) = o.key(from);
+  n.tids[to] = o.tids[from];
+  n.digests[to] = o.digests[from];
+  n.score(to) = o.score(from);
+  const unsigned long long bit = 1ull << (j & 63);
+  atomicOr(reinterpret_cast<unsigned long long*>(n.occupied_of(nb) + (j >> 6)), bit);
+  if (test_bit(o.pinned_of(b), j)) {
+    atomicOr(reinterpret_cast<unsigned long long*>(n.pinned_of(nb) + (j >> 6)), bit);
+  }
+  moved[from] = to;
+}
+
+// Erases keys that are unique in the call; erased (n,) = whether each was present.
+extern "C" __global__ void demb_erase(DEMB_TABLE_PARAMS, const int64_t* keys,
+                                      const int16_t* tids, int64_t n, bool* erased) {
+  const int64_t i = global_thread();
+  if (i >= n) return;
+  const TableView v = DEMB_TABLE_VIEW;
+  const uint64_t h = hash_key(keys[i], tids[i]);
+  const int64_t b = bucket_of(h, v.num_buckets);
+  const int j = probe_thread(v, b * bc, keys[i], tids[i], false, digest_of(h),
+                             start_offset(h, bc));
+  erased[i] = j >= 0;
+  if (j < 0) return;
+  atomicAnd(reinterpret_cast<unsigned long long*>(v.occupied_of(b) + (j >> 6)),
+            ~(1ull << (j & 63)));
+  v.digests[b * bc + j] = kEmptyDigest;
+}

@@ -1,0 +1,448 @@
+"""The CUDA backend: the kernels of ``csrc/cuda`` compiled at run time by CuPy.
+
+``CudaKernels`` offers the functions of the CPU extension ``dynamicemb._C`` with
+the same names, arguments and results, over CUDA tensors, so the table, storage
+and module code run unchanged on a GPU. Kernels are compiled once per process
+and device by NVRTC (cached on disk by CuPy, keyed on the sources and headers)
+and launched on PyTorch's current stream; tensors are passed as raw pointers
+(no copies). Only ``dynamicemb/_ops.py`` creates it.
+
+Inserting passes sort the pass's keys by bucket and walk each bucket with one
+warp, so results equal the CPU backend's (see ``csrc/cuda/hash_table.cu``).
+"""
+
+import hashlib
+import os
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+__all__ = ["CudaKernels", "cuda_source_root"]
+
+# Each kernel and the file of csrc/cuda that defines it.
+_KERNELS = {
+    **dict.fromkeys(("demb_hash_keys", "demb_buckets_of", "demb_find", "demb_upsert",
+                     "demb_unpin", "demb_undo_upsert", "demb_grow", "demb_erase"),
+                    "hash_table.cu"),
+    **dict.fromkeys(("demb_dedup_insert", "demb_dedup_first"), "dedup.cu"),
+    **dict.fromkeys(("demb_init_rows", "demb_pooled_forward", "demb_sequence_forward",
+                     "demb_place_grads", "demb_piece_sums", "demb_fused_update",
+                     "demb_per_sample_weight_grad"),
+                    "embedding.cu"),
+}
+_BLOCK = 256
+_WARPS_PER_BLOCK = _BLOCK // 32
+_DEFERRED = 4  # InsertStatus::kDeferred (csrc/dynamicemb/hash_primitives.h)
+_NUM_OUTCOMES = 4
+# Lookups of one row summed by one warp; hotter rows are split into pieces of
+# this many, summed in parallel, then added in order (csrc/cuda/embedding.cu).
+PIECE_ENTRIES = 128
+
+
+def cuda_source_root() -> str:
+    """The folder holding ``cuda/`` and ``dynamicemb/`` headers (the repo's ``csrc``)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for root in (os.path.join(here, "csrc"), os.path.join(os.path.dirname(here), "csrc")):
+        if os.path.isdir(os.path.join(root, "cuda")):
+            return root
+    raise ImportError(f"dynamicemb's CUDA sources (csrc/cuda) were not found near {here}")
+
+
+def _source_digest(root: str) -> str:
+    """Hash of every header and source: CuPy's disk cache keys on the code string
+    only, not on files pulled in with ``-I``, so the code string carries this."""
+    digest = hashlib.sha256()
+    for folder in ("cuda", "dynamicemb"):
+        for name in sorted(os.listdir(os.path.join(root, folder))):
+            with open(os.path.join(root, folder, name), "rb") as f:
+                digest.update(name.encode() + f.read())
+    return digest.hexdigest()
+
+
+def _ptr(t: Optional[torch.Tensor]) -> np.uint64:
+    return np.uint64(0 if t is None or t.numel() == 0 else t.data_ptr())
+
+
+def _i64(x) -> np.int64:
+    return np.int64(int(x))
+
+
+def _grid(threads: int) -> Tuple[int]:
+    return (max(1, (int(threads) + _BLOCK - 1) // _BLOCK),)
+
+
+def _expect(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype}, expected {dtype}")
+    if not t.is_cuda:
+        raise ValueError(f"{name} must be a CUDA tensor, got one on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _expect_batch(keys: torch.Tensor, tids: torch.Tensor) -> None:
+    _expect(keys, torch.int64, "keys")
+    _expect(tids, torch.int16, "table_ids")
+    if keys.dim() != 1 or tids.shape != keys.shape:
+        raise ValueError("keys and table_ids must be 1-D of one length")
+
+
+def _table_args(meta: Sequence[torch.Tensor], bc: int) -> list:
+    """The DEMB_TABLE_PARAMS of csrc/cuda/common.cuh for meta =
+    [keys, scores, tids, digests, occupied, pinned]."""
+    if len(meta) != 6:
+        raise ValueError(f"meta must hold 6 tensors, got {len(meta)}")
+    keys, scores = meta[0], meta[1]
+    if keys.stride(0) != 2 or scores.data_ptr() != keys.data_ptr() + 8:
+        raise ValueError("keys and scores must be the two columns of one (capacity, 2) array")
+    _expect(meta[2], torch.int16, "tids")
+    _expect(meta[3], torch.uint8, "digests")
+    _expect(meta[4], torch.int64, "occupied")
+    _expect(meta[5], torch.int64, "pinned")
+    num_buckets = keys.numel() // bc
+    return [_ptr(keys), _ptr(meta[2]), _ptr(meta[3]), _ptr(meta[4]), _ptr(meta[5]),
+            np.int64(num_buckets), np.int32(bc)]
+
+
+def _row_args(tiers: Sequence[torch.Tensor], transient: torch.Tensor,
+              row_ref: torch.Tensor, dim: int) -> list:
+    """The DEMB_ROW_PARAMS of csrc/cuda/embedding.cu. A host tier must be pinned
+    (or empty): the GPU reads its rows through the unified address space."""
+    if len(tiers) != 2:
+        raise ValueError("tiers must be [device values, host values]")
+    device, host = tiers
+    _expect(device, torch.float32, "device values")
+    if host.numel() and not (host.is_cuda or host.is_pinned()):
+        raise ValueError("a host tier read by CUDA kernels must be in pinned memory")
+    if host.numel() and host.size(1) != device.size(1):
+        raise ValueError("both tiers must have one row width")
+    if device.size(1) < dim:
+        raise ValueError(f"value rows ({device.size(1)} wide) are narrower than dim {dim}")
+    _expect(row_ref, torch.int64, "row_ref")
+    return [_ptr(device), _ptr(host), np.int64(device.size(1)), _ptr(transient),
+            np.int64(dim), _ptr(row_ref)]
+
+
+class _StreamHandle:
+    """A raw CUDA stream in the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> Tuple[int, int]:
+        return (0, self.ptr)
+
+
+class CudaKernels:
+    """The CUDA implementation of the kernel functions of ``dynamicemb._C``.
+
+    Raises:
+        ImportError: when CuPy is missing or cannot compile for this machine.
+    """
+
+    def __init__(self) -> None:
+        try:
+            import cupy  # noqa: PLC0415 (an optional dependency)
+        except ImportError as err:
+            raise ImportError(
+                "dynamicemb's CUDA backend needs CuPy: pip install 'dynamicemb[cuda]' "
+                "(or cupy-cuda12x / cupy-cuda13x matching your CUDA driver)") from err
+        self._cupy = cupy
+        self._root = cuda_source_root()
+        self._digest = _source_digest(self._root)
+        self._modules = {}  # (device index, source) -> cupy.RawModule
+        self._functions = {}  # (device index, name) -> cupy.RawKernel
+        self._streams = {}  # torch stream pointer -> cupy stream
+
+    # ------------------------------------------------------------- launching
+    def _module(self, device: int, source: str):
+        key = (device, source)
+        if key not in self._modules:
+            with open(os.path.join(self._root, "cuda", source)) as f:
+                code = f"// sources {self._digest}\n" + f.read()
+            with self._cupy.cuda.Device(device):
+                self._modules[key] = self._cupy.RawModule(
+                    code=code, options=("-std=c++17", f"-I{self._root}"))
+        return self._modules[key]
+
+    def _function(self, device: int, name: str):
+        key = (device, name)
+        if key not in self._functions:
+            self._functions[key] = self._module(device, _KERNELS[name]).get_function(name)
+        return self._functions[key]
+
+    def _stream(self, device: torch.device):
+        """CuPy's view of PyTorch's current stream on ``device`` (cached per stream)."""
+        ptr = torch.cuda.current_stream(device).cuda_stream
+        if ptr not in self._streams:
+            cuda = self._cupy.cuda
+            try:  # CuPy 14: the CUDA stream protocol
+                self._streams[ptr] = cuda.Stream.from_external(_StreamHandle(ptr))
+            except (AttributeError, TypeError):
+                self._streams[ptr] = cuda.ExternalStream(ptr)
+        return self._streams[ptr]
+
+    def _launch(self, name: str, device: torch.device, threads: int, args: list,
+                shared_mem: int = 0) -> None:
+        if threads <= 0:
+            return
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        kernel = self._function(index, name)
+        with self._cupy.cuda.Device(index), self._stream(device):
+            kernel(_grid(threads), (_BLOCK,), tuple(args), shared_mem=shared_mem)
+
+    # ------------------------------------------------------------ hash table
+    def hash_keys(self, keys: torch.Tensor, tids: torch.Tensor) -> torch.Tensor:
+        _expect_batch(keys, tids)
+        out = torch.empty_like(keys)
+        self._launch("demb_hash_keys", keys.device, keys.numel(),
+                     [_ptr(keys), _ptr(tids), _i64(keys.numel()), _ptr(out)])
+        return out
+
+    def find(self, meta, bc, keys, tids, single_table) -> torch.Tensor:
+        _expect_batch(keys, tids)
+        slots = torch.empty_like(keys)
+        self._launch("demb_find", keys.device, keys.numel(),
+                     _table_args(meta, bc) + [_ptr(keys), _ptr(tids), _i64(keys.numel()),
+                                              np.bool_(single_table), _ptr(slots)])
+        return slots
+
+    def upsert(self, meta, bc, keys, tids, given, rule, now, evicts, can_grow, one_table,
+               pending, slots, status, prev_scores, ev_keys, ev_tids, ev_scores,
+               outcomes) -> torch.Tensor:
+        """One inserting pass over keys[pending]; returns the deferred positions."""
+        _expect_batch(keys, tids)
+        _expect(pending, torch.int64, "pending")
+        if rule != 0 and given is None:
+            raise ValueError("the count and given-score rules need scores")
+        m = pending.numel()
+        if m == 0:
+            return pending.clone()
+        table = _table_args(meta, bc)
+        buckets = torch.empty(m, dtype=torch.int32, device=keys.device)
+        self._launch("demb_buckets_of", keys.device, m,
+                     [_ptr(keys), _ptr(tids), _ptr(pending), _i64(m), table[5], _ptr(buckets)])
+        sorted_buckets, perm = torch.sort(buckets, stable=True)
+        order = pending[perm]
+        counts = torch.zeros(_DEFERRED + 1, dtype=torch.int64, device=keys.device)
+        self._launch("demb_upsert", keys.device, 32 * m, table + [
+            _ptr(keys), _ptr(tids), _ptr(given), np.int32(rule), np.uint64(now),
+            np.bool_(evicts), np.bool_(can_grow), np.bool_(one_table), _ptr(sorted_buckets),
+            _ptr(order), _i64(m), _ptr(slots), _ptr(status), _ptr(prev_scores),
+            _ptr(ev_keys), _ptr(ev_tids), _ptr(ev_scores), _ptr(counts)])
+        counts = counts.cpu()  # the one sync of a pass: the caller needs the counts
+        outcomes += counts[:_NUM_OUTCOMES].to(outcomes.device)
+        if counts[_DEFERRED] == 0:
+            return pending[:0]
+        return pending[status[pending] == _DEFERRED]
+
+    def dedup_upsert(self, meta, bc, keys, tids, frequencies, now, evicts, can_grow,
+                     one_table, slots, status, prev_scores, ev_keys, ev_tids, ev_scores,
+                     outcomes):
+        """``dedup`` (grouped) then a first clock-rule pass over the unique keys."""
+        ukeys, utids, inverse, counts, starts, rank = self.dedup(keys, tids, frequencies, True)
+        pending = torch.arange(ukeys.numel(), dtype=torch.int64, device=keys.device)
+        deferred = self.upsert(meta, bc, ukeys, utids, None, 0, now, evicts, can_grow,
+                               one_table, pending, slots, status, prev_scores, ev_keys,
+                               ev_tids, ev_scores, outcomes)
+        return ukeys, utids, inverse, counts, starts, rank, deferred
+
+    def unpin(self, meta, bc, slots) -> None:
+        _expect(slots, torch.int64, "slots")
+        self._launch("demb_unpin", slots.device, slots.numel(),
+                     _table_args(meta, bc) + [_ptr(slots), _i64(slots.numel())])
+
+    def undo_upsert(self, meta, bc, slots, status, prev_scores, ev_keys, ev_tids,
+                    ev_scores) -> None:
+        self._launch("demb_undo_upsert", slots.device, 1, _table_args(meta, bc) + [
+            _ptr(slots), _ptr(status), _ptr(prev_scores), _ptr(ev_keys), _ptr(ev_tids),
+            _ptr(ev_scores), _i64(slots.numel())])
+
+    def grow(self, old_meta, new_meta, bc) -> torch.Tensor:
+        old = _table_args(old_meta, bc)
+        new = _table_args(new_meta, bc)
+        if new[5] != 2 * old[5]:
+            raise ValueError("grow doubles the bucket count")
+        moved = torch.empty(old_meta[0].numel(), dtype=torch.int64, device=old_meta[0].device)
+        self._launch("demb_grow", moved.device, moved.numel(), old + new[:5] + [_ptr(moved)])
+        return moved
+
+    def erase(self, meta, bc, keys, tids) -> torch.Tensor:
+        """Erases each key once: a key given twice is erased by its first occurrence."""
+        _expect_batch(keys, tids)
+        first = self._first_positions(keys, tids)
+        is_first = first == torch.arange(keys.numel(), device=keys.device)
+        positions = is_first.nonzero().squeeze(1)
+        ukeys, utids = keys[positions], tids[positions]
+        erased_unique = torch.empty(ukeys.numel(), dtype=torch.bool, device=keys.device)
+        self._launch("demb_erase", keys.device, ukeys.numel(), _table_args(meta, bc) + [
+            _ptr(ukeys), _ptr(utids), _i64(ukeys.numel()), _ptr(erased_unique)])
+        erased = torch.zeros(keys.numel(), dtype=torch.bool, device=keys.device)
+        erased[positions] = erased_unique
+        return erased
+
+    def occupied_slots(self, meta, bc, start, end) -> torch.Tensor:
+        """Occupied slots of [start, end), ascending (digest 0 marks an empty slot)."""
+        return (meta[3][start:end] != 0).nonzero().squeeze(1) + start
+
+    # ------------------------------------------------------------------ dedup
+    def _first_positions(self, keys: torch.Tensor, tids: torch.Tensor) -> torch.Tensor:
+        """(n,) int64: the first position of each position's (table id, key) pair."""
+        n = keys.numel()
+        if n >= 2 ** 31:
+            raise ValueError(f"dedup takes fewer than 2^31 keys, got {n}")
+        size = 16
+        while size < 2 * n:
+            size <<= 1
+        table = torch.full((size,), -1, dtype=torch.int32, device=keys.device)
+        where = torch.empty(n, dtype=torch.int64, device=keys.device)
+        first = torch.empty(n, dtype=torch.int64, device=keys.device)
+        self._launch("demb_dedup_insert", keys.device, n,
+                     [_ptr(keys), _ptr(tids), _i64(n), _ptr(table), _i64(size - 1), _ptr(where)])
+        self._launch("demb_dedup_first", keys.device, n,
+                     [_ptr(table), _ptr(where), _i64(n), _ptr(first)])
+        return first
+
+    def dedup(self, keys, tids, frequencies, group=False):
+        """Unique pairs in first-occurrence order: (keys, tids, inverse, counts,
+        starts, rank); starts and rank are empty unless ``group``."""
+        _expect_batch(keys, tids)
+        n = keys.numel()
+        dev = keys.device
+        first = self._first_positions(keys, tids)
+        is_first = first == torch.arange(n, device=dev)
+        unique_index = torch.cumsum(is_first, 0) - 1
+        inverse = unique_index[first]
+        ukeys, utids = keys[is_first], tids[is_first]
+        u = ukeys.numel()
+        weights = (frequencies if frequencies is not None
+                   else torch.ones(n, dtype=torch.int64, device=dev))
+        counts = torch.zeros(u, dtype=torch.int64, device=dev).index_add_(0, inverse, weights)
+        if not group:
+            empty = torch.empty(0, dtype=torch.int64, device=dev)
+            return ukeys, utids, inverse, counts, empty, empty
+        starts, rank = self._group_by_unique(inverse, u)
+        return ukeys, utids, inverse, counts, starts, rank
+
+    @staticmethod
+    def _group_by_unique(inverse: torch.Tensor, u: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The stable counting sort of ``inverse``: starts (U + 1,), rank (N,)."""
+        n = inverse.numel()
+        starts = torch.zeros(u + 1, dtype=torch.int64, device=inverse.device)
+        torch.cumsum(torch.bincount(inverse, minlength=u), 0, out=starts[1:])
+        order = torch.sort(inverse, stable=True).indices
+        rank = torch.empty(n, dtype=torch.int64, device=inverse.device)
+        rank[order] = torch.arange(n, device=inverse.device)
+        return starts, rank
+
+    # -------------------------------------------------------------- embedding
+    def check_offsets(self, offsets: torch.Tensor, num_indices: int) -> int:
+        """0, or the first problem: 1 first entry not 0, 2 last not num_indices,
+        3 decreasing."""
+        if offsets.dtype != torch.int64:
+            raise TypeError(f"offsets has dtype {offsets.dtype}, expected torch.int64")
+        if offsets.numel() < 1:
+            raise ValueError("offsets must have at least one entry")
+        ends = offsets[[0, -1]].tolist()
+        if ends[0] != 0:
+            return 1
+        if ends[1] != num_indices:
+            return 2
+        return 3 if bool((offsets[1:] < offsets[:-1]).any()) else 0
+
+    def init_rows(self, out, rows, keys, table, dim, mode, mean, std_dev, lower, upper,
+                  value, seed) -> None:
+        _expect(out, torch.float32, "out")
+        _expect(rows, torch.int64, "rows")
+        _expect(keys, torch.int64, "keys")
+        if out.dim() != 2 or out.size(1) < dim:
+            raise ValueError("out must be [R, >= dim]")
+        m = rows.numel()
+        self._launch("demb_init_rows", out.device, m * dim, [
+            _ptr(out), np.int64(out.size(1)), _ptr(rows), _ptr(keys), _i64(m), _i64(table),
+            _i64(dim), np.int32(mode), np.float32(mean), np.float32(std_dev),
+            np.float32(lower), np.float32(upper), np.float32(value),
+            np.uint64(int(seed) & 0xFFFFFFFFFFFFFFFF)])
+
+    def pooled_forward(self, tiers, transient, row_slot, inverse, offsets, weights,
+                       feature_col, batch, dim, mean, out) -> None:
+        rows = _row_args(tiers, transient, row_slot, dim)
+        num_bags = offsets.numel() - 1
+        if num_bags != feature_col.numel() * batch:
+            raise ValueError("offsets must have num_features * batch + 1 entries")
+        self._launch("demb_pooled_forward", out.device, 32 * num_bags, rows + [
+            _ptr(inverse), _ptr(offsets), _ptr(weights), _ptr(feature_col), _i64(batch),
+            _i64(num_bags), np.bool_(mean), _ptr(out), np.int64(out.size(1))])
+
+    def sequence_forward(self, tiers, transient, row_slot, inverse, dim, out) -> None:
+        rows = _row_args(tiers, transient, row_slot, dim)
+        n = inverse.numel()
+        self._launch("demb_sequence_forward", out.device, n * dim,
+                     rows + [_ptr(inverse), _i64(n), _ptr(out)])
+
+    def fused_backward(self, tiers, row_slot, starts, rank, offsets, weights, feature_col,
+                       batch, dim, mean, grad, kind, lr, eps, beta1, beta2, weight_decay,
+                       step_size, bias_correction2_sqrt) -> None:
+        _expect(grad, torch.float32, "grad")
+        _expect(starts, torch.int64, "starts")
+        _expect(rank, torch.int64, "rank")
+        device_rows, host_rows = tiers
+        _row_args(tiers, device_rows[:0], row_slot, dim)  # checks only
+        num_unique = row_slot.numel()
+        if starts.numel() != num_unique + 1:
+            raise ValueError("starts must have one entry per unique row + 1")
+        pooled = offsets.numel() > 0
+        n = rank.numel()
+        entries = int(starts[-1])
+        dev = grad.device
+        pos = torch.zeros(entries, dtype=torch.int64, device=dev)
+        scale = torch.zeros(entries, dtype=torch.float32, device=dev)
+        bad = torch.zeros(1, dtype=torch.int64, device=dev)
+        num_bags = offsets.numel() - 1 if pooled else 0
+        self._launch("demb_place_grads", dev, num_bags if pooled else n, [
+            _ptr(rank), _i64(n), _i64(entries), _ptr(offsets if pooled else None),
+            _ptr(weights), _ptr(feature_col), _i64(batch), _i64(num_bags), np.bool_(mean),
+            np.int64(grad.size(1)), _ptr(pos), _ptr(scale), _ptr(bad)])
+        if int(bad) != 0:
+            raise ValueError("rank must be below starts[-1]")
+        first_piece, partial = self._piece_sums(starts, pos, scale, grad, dim)
+        self._launch("demb_fused_update", dev, 32 * num_unique, [
+            _ptr(device_rows), _ptr(host_rows), np.int64(device_rows.size(1)), _i64(dim),
+            _ptr(row_slot), _i64(num_unique), _ptr(starts), _ptr(pos), _ptr(scale),
+            _ptr(grad), _ptr(first_piece), _ptr(partial), np.int32(kind), np.float32(lr), np.float32(eps), np.float32(beta1),
+            np.float32(beta2), np.float32(weight_decay), np.float32(1.0 - beta1),
+            np.float32(1.0 - beta2), np.float32(step_size),
+            np.float32(bias_correction2_sqrt)], shared_mem=_WARPS_PER_BLOCK * int(dim) * 4)
+
+    def _piece_sums(self, starts, pos, scale, grad, dim):
+        """Partial sums of the hot rows' pieces: (first_piece (U + 1,), partial
+        (pieces, dim)), or (None, None) when no row is hot."""
+        lengths = starts[1:] - starts[:-1]
+        pieces = (lengths + PIECE_ENTRIES - 1) // PIECE_ENTRIES
+        pieces = torch.where(pieces > 1, pieces, torch.zeros_like(pieces))
+        first_piece = torch.zeros_like(starts)
+        torch.cumsum(pieces, 0, out=first_piece[1:])
+        total = int(first_piece[-1])
+        if total == 0:
+            return None, None
+        rows = torch.repeat_interleave(torch.arange(pieces.numel(), device=starts.device),
+                                       pieces, output_size=total)
+        begin = starts[rows] + PIECE_ENTRIES * (
+            torch.arange(total, device=starts.device) - first_piece[rows])
+        end = torch.minimum(begin + PIECE_ENTRIES, starts[rows + 1])
+        partial = torch.empty(total, int(dim), dtype=torch.float32, device=grad.device)
+        self._launch("demb_piece_sums", grad.device, 32 * total, [
+            _ptr(begin), _ptr(end), _i64(total), _ptr(pos), _ptr(scale), _ptr(grad), _i64(dim),
+            _ptr(partial)])
+        return first_piece, partial
+
+    def per_sample_weight_grad(self, tiers, transient, row_slot, inverse, offsets,
+                               feature_col, batch, dim, grad, out) -> None:
+        rows = _row_args(tiers, transient, row_slot, dim)
+        num_bags = offsets.numel() - 1
+        self._launch("demb_per_sample_weight_grad", out.device, 32 * num_bags, rows + [
+            _ptr(inverse), _ptr(offsets), _ptr(feature_col), _i64(batch), _i64(num_bags),
+            _ptr(grad), np.int64(grad.size(1)), _ptr(out)])

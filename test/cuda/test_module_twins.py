@@ -1,0 +1,91 @@
+"""``BatchedDynamicEmbeddingTables`` on CUDA against the same module on CPU.
+
+Both modules start from the same imported rows and train on the same batches;
+outputs, per-sample weight gradients and, at the end, every stored row, state
+and score must agree (sums run in the same order on both backends, so only a
+fused multiply-add's rounding may differ).
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dynamicemb import DynamicEmbOptimType, DynamicEmbPoolingMode
+from test_against_dense import OPTIMIZER_ARGS
+from reference import OPTIMIZERS, POOLINGS, TableSpec, export_dict, id_pool, make_tables, random_batch
+
+pytestmark = pytest.mark.cuda
+
+CUDA = torch.device("cuda")
+TOL = dict(rtol=1e-5, atol=1e-6)
+# The dense-reference suite's optimizer settings; Adam with weight decay here.
+ARGS = {**OPTIMIZER_ARGS, DynamicEmbOptimType.ADAM: replace(
+    OPTIMIZER_ARGS[DynamicEmbOptimType.ADAM], weight_decay=0.01)}
+GRID = [(o, p, w) for o in OPTIMIZERS for p in POOLINGS
+        for w in ((False, True) if p == DynamicEmbPoolingMode.SUM else (False,))]
+
+
+def twin_modules(specs, ftm, pooling, args):
+    cpu, _ = make_tables(specs, ftm, pooling, args)
+    gpu, _ = make_tables(specs, ftm, pooling, args, device=CUDA)
+    return cpu, gpu
+
+
+def assert_same_tables(cpu, gpu, tol=TOL):
+    for name in cpu.table_names:
+        want, got = export_dict(cpu, name), export_dict(gpu, name)
+        assert sorted(want) == sorted(got), f"table {name}: keys differ"
+        for k in want:
+            torch.testing.assert_close(got[k][0].cpu(), want[k][0], **tol)
+            torch.testing.assert_close(got[k][1].cpu(), want[k][1], **tol)
+            assert got[k][2] == want[k][2], f"table {name} key {k}: score"
+
+
+@pytest.mark.parametrize("opt,pooling,weighted", GRID,
+                         ids=[f"{o.name}-{p.name}-{'w' if w else 'nw'}" for o, p, w in GRID])
+def test_training_matches_cpu(opt, pooling, weighted):
+    none = pooling == DynamicEmbPoolingMode.NONE
+    specs = [TableSpec(dim=4, init_value=0.25),
+             TableSpec(dim=4 if none else 33, bucket_capacity=32 if none else 128),
+             TableSpec(dim=4, init_value=-0.5)]
+    ftm = [0, 1, 0, 2]
+    cpu, gpu = twin_modules(specs, ftm, pooling, ARGS[opt])
+    pools = [id_pool(300, 7 * t + 1) for t in range(len(specs))]
+    gen = torch.Generator().manual_seed(3)
+    for step in range(6):
+        indices, offsets, weights = random_batch([pools[t] for t in ftm], 64, gen,
+                                                 weighted=weighted)
+        if weights is not None:
+            weights.requires_grad_(True)
+        gpu_weights = None if weights is None else weights.detach().to(CUDA).requires_grad_(True)
+        want = cpu(indices, offsets, weights)
+        got = gpu(indices.to(CUDA), offsets.to(CUDA), gpu_weights)
+        torch.testing.assert_close(got.detach().cpu(), want.detach(), **TOL,
+                                   msg=lambda m: f"step {step} output: {m}")
+        grad = torch.randn(want.shape, generator=gen)
+        (want * grad).sum().backward()
+        (got * grad.to(CUDA)).sum().backward()
+        if weighted:
+            torch.testing.assert_close(gpu_weights.grad.cpu(), weights.grad, **TOL)
+    assert_same_tables(cpu, gpu)
+
+
+def test_large_batch_matches_cpu():
+    """Many lookups per row and wide rows. The hottest rows have more lookups than
+    one piece (``_cuda.PIECE_ENTRIES``) and are summed in two levels, a rounding
+    apart from the CPU's one sequential sum: their tolerance is wider."""
+    specs = [TableSpec(dim=128, max_capacity=1 << 14)]
+    cpu, gpu = twin_modules(specs, [0, 0], DynamicEmbPoolingMode.MEAN,
+                            ARGS[DynamicEmbOptimType.ADAM])
+    pools = [id_pool(2000, 5)]
+    gen = torch.Generator().manual_seed(4)
+    for step in range(3):
+        indices, offsets, _ = random_batch([pools[0]] * 2, 4096, gen, max_bag=8)
+        want = cpu(indices, offsets)
+        got = gpu(indices.to(CUDA), offsets.to(CUDA))
+        torch.testing.assert_close(got.detach().cpu(), want.detach(), **TOL)
+        grad = torch.randn(want.shape, generator=gen)
+        (want * grad).sum().backward()
+        (got * grad.to(CUDA)).sum().backward()
+    assert_same_tables(cpu, gpu, tol=dict(rtol=1e-4, atol=1e-5))
