@@ -38,6 +38,9 @@ _NUM_OUTCOMES = 4
 # Lookups of one row summed by one warp; hotter rows are split into pieces of
 # this many, summed in parallel, then added in order (csrc/cuda/embedding.cu).
 PIECE_ENTRIES = 128
+# kMaxBucketWords * 64 in csrc/cuda/hash_table.cu: the inserting kernel keeps a
+# bucket's bits in registers.
+_MAX_BUCKET_CAPACITY = 1024
 
 
 def cuda_source_root() -> str:
@@ -218,6 +221,9 @@ class CudaKernels:
         _expect(pending, torch.int64, "pending")
         if rule != 0 and given is None:
             raise ValueError("the count and given-score rules need scores")
+        if bc > _MAX_BUCKET_CAPACITY:
+            raise ValueError(f"the CUDA backend inserts into buckets of at most "
+                             f"{_MAX_BUCKET_CAPACITY} slots, got bucket_capacity={bc}")
         m = pending.numel()
         if m == 0:
             return pending.clone()
@@ -227,11 +233,15 @@ class CudaKernels:
                      [_ptr(keys), _ptr(tids), _ptr(pending), _i64(m), table[5], _ptr(buckets)])
         sorted_buckets, perm = torch.sort(buckets, stable=True)
         order = pending[perm]
+        heads = torch.ones(m, dtype=torch.bool, device=keys.device)
+        torch.ne(sorted_buckets[1:], sorted_buckets[:-1], out=heads[1:])
+        # One warp per bucket's run (a warp per key would launch mostly idle warps).
+        run_starts = heads.nonzero().squeeze(1)
         counts = torch.zeros(_DEFERRED + 1, dtype=torch.int64, device=keys.device)
-        self._launch("demb_upsert", keys.device, 32 * m, table + [
+        self._launch("demb_upsert", keys.device, 32 * run_starts.numel(), table + [
             _ptr(keys), _ptr(tids), _ptr(given), np.int32(rule), np.uint64(now),
-            np.bool_(evicts), np.bool_(can_grow), np.bool_(one_table), _ptr(sorted_buckets),
-            _ptr(order), _i64(m), _ptr(slots), _ptr(status), _ptr(prev_scores),
+            np.bool_(evicts), np.bool_(can_grow), np.bool_(one_table), _ptr(run_starts),
+            _i64(run_starts.numel()), _ptr(order), _i64(m), _ptr(slots), _ptr(status), _ptr(prev_scores),
             _ptr(ev_keys), _ptr(ev_tids), _ptr(ev_scores), _ptr(counts)])
         counts = counts.cpu()  # the one sync of a pass: the caller needs the counts
         outcomes += counts[:_NUM_OUTCOMES].to(outcomes.device)

@@ -116,19 +116,29 @@ __device__ __forceinline__ int probe_warp(const TableView& v, int64_t base, int6
   return -1;
 }
 
-// choose_victim (hash_primitives.h) by a warp: the unpinned slot with the
-// minimum score, ties to the lowest slot; -1 when every slot is pinned.
-__device__ __forceinline__ int choose_victim_warp(const TableView& v, int64_t b) {
+// The lane of a warp that owns offset j of a bucket in the warp-wide verbs:
+// lane l compares digests 4l to 4l + 3 of every 128 (probe_warp), reads those
+// slots' scores (choose_victim_warp) and writes those slots (the inserting
+// kernel), so a slot is written and read by one thread and needs no fence.
+__device__ __forceinline__ int owner_lane(int j) { return (j >> 2) & (kWarp - 1); }
+
+// choose_victim (hash_primitives.h) by a warp: the slot whose bit in `pinned`
+// (the bucket's pinned words) is clear with the minimum score, ties to the
+// lowest slot; -1 when every slot is pinned. Each lane reads its own slots.
+__device__ __forceinline__ int choose_victim_warp(const TableView& v, int64_t b,
+                                                  const uint64_t* pinned) {
   const int64_t base = b * v.bc;
-  const uint64_t* pinned = v.pinned_of(b);
   uint64_t best = 0;
   int victim = -1;
-  for (int j = lane_id(); j < v.bc; j += kWarp) {
-    if (test_bit(pinned, j)) continue;
-    const uint64_t s = v.score(base + j);
-    if (victim < 0 || s < best) {  // j rises, so the first of equal scores stays
-      victim = j;
-      best = s;
+  for (int chunk = 0; chunk < v.bc; chunk += 4 * kWarp) {
+    for (int k = 0; k < 4; ++k) {  // j rises, so the first of equal scores stays
+      const int j = chunk + 4 * lane_id() + k;
+      if (j >= v.bc || test_bit(pinned, j)) continue;
+      const uint64_t s = v.score(base + j);
+      if (victim < 0 || s < best) {
+        victim = j;
+        best = s;
+      }
     }
   }
   for (int delta = kWarp / 2; delta > 0; delta >>= 1) {

@@ -8,7 +8,10 @@
 // so no slot needs a lock or an atomic, and the result is the one the CPU loop
 // gives (it also walks each bucket's keys in input order): same slots, same
 // victims, same deferrals. The warp probes 128 digests per load, and chooses
-// victims by a warp reduction.
+// victims by a warp reduction. While a warp walks its bucket, the bucket's
+// occupied and pinned bits live in every lane's registers (each lane applies
+// the same updates) and each slot is written by its owner lane (owner_lane), so
+// settling a key waits on no store of the key before it.
 #include "cuda/common.cuh"
 
 namespace dynamicemb {
@@ -25,58 +28,74 @@ struct PassOutputs {
   uint64_t* ev_scores;
 };
 
+// Most slots per bucket the inserting kernel supports (bits kept in registers).
+constexpr int kMaxBucketWords = 16;  // bucket_capacity <= 1024
+
+// The bits of the bucket a warp is walking, the same in every lane.
+struct BucketBits {
+  uint64_t occupied[kMaxBucketWords];
+  uint64_t pinned[kMaxBucketWords];
+  uint64_t pinned_here[kMaxBucketWords];  // pins taken by this pass
+  int words;
+};
+
 // One key of a bucket's run; the calling warp owns bucket b. `hint` is the
-// offset where the run's first pass saw the key (or -1): trusted only if the
-// slot still holds the key, since an earlier key of the run may have evicted it
-// (and a key not seen then may since have been inserted by a repeat of it).
-// Returns the key's status.
+// offset where the key was seen at the start of its chunk (or -1): trusted only
+// if the slot still holds the key, since an earlier key of the run may have
+// evicted it (and a key not seen then may since have been inserted by a repeat
+// of it). Returns the key's status.
 template <class Rule>
 __device__ int8_t upsert_key(const TableView& v, const PassOutputs& o, const Rule& rule,
-                             int64_t i, int64_t key, int16_t tid, uint64_t given, uint64_t h,
-                             int hint, bool evicts, bool can_grow, bool one_table) {
-  const int64_t b = bucket_of(h, v.num_buckets);
-  const int64_t base = b * v.bc;
+                             BucketBits& bits, int64_t i, int64_t key, int16_t tid,
+                             uint64_t given, uint64_t h, int hint, bool evicts, bool can_grow,
+                             bool one_table) {
+  const int64_t base = bucket_of(h, v.num_buckets) * v.bc;
   const uint8_t digest = digest_of(h);
-  const bool leader = lane_id() == 0;
-  const bool hint_holds = hint >= 0 && v.digests[base + hint] == digest &&
-                          v.key(base + hint) == key && (one_table || v.tids[base + hint] == tid);
-  int j = hint_holds ? hint : probe_warp(v, base, key, tid, one_table, digest);
+  const int lane = lane_id();
+  bool holds = false;
+  if (hint >= 0 && lane == owner_lane(hint)) {
+    holds = v.digests[base + hint] == digest && v.key(base + hint) == key &&
+            (one_table || v.tids[base + hint] == tid);
+  }
+  int j = __any_sync(kFullMask, holds) ? hint : probe_warp(v, base, key, tid, one_table, digest);
   if (j >= 0) {
-    if (leader) {
+    if (lane == owner_lane(j)) {
       const uint64_t old = v.score(base + j);
       if (o.prev_scores) o.prev_scores[i] = old;
       v.score(base + j) = rule.on_hit(old, given);
-      set_bit(v.pinned_of(b), j);
       o.slots[i] = base + j;
       o.status[i] = kHit;
     }
+    set_bit(bits.pinned, j);
+    set_bit(bits.pinned_here, j);
     return kHit;
   }
   int8_t outcome = kInserted;
-  j = first_clear_bit_from(v.occupied_of(b), v.bc, start_offset(h, v.bc));
+  j = first_clear_bit_from(bits.occupied, v.bc, start_offset(h, v.bc));
   if (j < 0) {
     if (can_grow) {
-      if (leader) o.status[i] = kDeferred;
+      if (lane == 0) o.status[i] = kDeferred;
       return kDeferred;
     }
-    j = evicts ? choose_victim_warp(v, b) : -1;
+    j = evicts ? choose_victim_warp(v, base / v.bc, bits.pinned) : -1;
     if (j < 0) {
-      if (leader) {
+      if (lane == 0) {
         o.slots[i] = -1;
         o.status[i] = kFailed;
       }
       return kFailed;
     }
-    if (leader) {
+    if (lane == owner_lane(j)) {
       o.ev_keys[i] = v.key(base + j);
       o.ev_tids[i] = v.tids[base + j];
       o.ev_scores[i] = v.score(base + j);
     }
     outcome = kEvictedAndInserted;
   }
-  if (leader) {
-    set_bit(v.occupied_of(b), j);
-    set_bit(v.pinned_of(b), j);
+  set_bit(bits.occupied, j);
+  set_bit(bits.pinned, j);
+  set_bit(bits.pinned_here, j);
+  if (lane == owner_lane(j)) {
     v.key(base + j) = key;
     v.tids[base + j] = tid;
     v.digests[base + j] = digest;
@@ -87,20 +106,29 @@ __device__ int8_t upsert_key(const TableView& v, const PassOutputs& o, const Rul
   return outcome;
 }
 
-// The run of keys order[q0, q1) of one bucket, in order; then unpins the run's
-// slots unless the bucket is blocked (the next pass needs those pins). The run
-// goes 32 keys at a time: each lane loads one key and probes for it (a hint),
-// then the warp settles the 32 in order with the key's fields broadcast by
-// shuffles, so settling a hit costs a check of a line already in cache.
-// counts (5,) += the run's keys by status.
+// The run of keys order[q0, q1) of bucket b, in order. The run goes 32 keys at
+// a time: each lane loads one key and probes for it (its hint), then the warp
+// settles the 32 in order with the key's fields broadcast by shuffles. At the
+// end the bucket's bits are stored, this pass's pins cleared unless the bucket
+// is blocked (the next pass needs them). counts (5,) += the run's keys by status.
 template <class Rule>
 __device__ void upsert_run(const TableView& v, const PassOutputs& o, const Rule& rule,
                            const int64_t* keys, const int16_t* tids, const uint64_t* given,
                            const int64_t* order, int64_t q0, int64_t q1, bool evicts,
                            bool can_grow, bool one_table, unsigned long long* counts) {
+  const int64_t i0 = order[q0];
+  const int64_t b = bucket_of(hash_key(keys[i0], tids[i0]), v.num_buckets);
+  BucketBits bits;
+  bits.words = v.words();
+  for (int w = 0; w < bits.words; ++w) {
+    bits.occupied[w] = v.occupied_of(b)[w];
+    bits.pinned[w] = v.pinned_of(b)[w];
+    bits.pinned_here[w] = 0;
+  }
   bool blocked = false;
   unsigned long long counted[kDeferred + 1] = {0, 0, 0, 0, 0};
   for (int64_t chunk = q0; chunk < q1; chunk += kWarp) {
+    __syncwarp();  // the chunk's probes read slots other lanes wrote
     const int64_t q = chunk + lane_id();
     int64_t my_i = 0, my_key = 0;
     int my_tid = 0, my_hint = -1;
@@ -112,9 +140,8 @@ __device__ void upsert_run(const TableView& v, const PassOutputs& o, const Rule&
       my_given = given ? given[my_i] : 0;
       my_h = hash_key(my_key, static_cast<int16_t>(my_tid));
       if (!blocked) {
-        my_hint = probe_thread(v, bucket_of(my_h, v.num_buckets) * v.bc, my_key,
-                               static_cast<int16_t>(my_tid), one_table, digest_of(my_h),
-                               start_offset(my_h, v.bc));
+        my_hint = probe_thread(v, b * v.bc, my_key, static_cast<int16_t>(my_tid), one_table,
+                               digest_of(my_h), start_offset(my_h, v.bc));
       }
     }
     const int in_chunk = q1 - chunk < kWarp ? static_cast<int>(q1 - chunk) : kWarp;
@@ -124,29 +151,23 @@ __device__ void upsert_run(const TableView& v, const PassOutputs& o, const Rule&
       if (blocked) {
         if (lane_id() == 0) o.status[i] = kDeferred;
       } else {
-        status = upsert_key(v, o, rule, i, __shfl_sync(kFullMask, my_key, t),
+        status = upsert_key(v, o, rule, bits, i, __shfl_sync(kFullMask, my_key, t),
                             static_cast<int16_t>(__shfl_sync(kFullMask, my_tid, t)),
                             __shfl_sync(kFullMask, my_given, t), __shfl_sync(kFullMask, my_h, t),
                             __shfl_sync(kFullMask, my_hint, t), evicts, can_grow, one_table);
         blocked = status == kDeferred;
       }
       ++counted[status];
-      __syncwarp();  // the leader's writes are seen by the whole warp's next probe
     }
   }
   if (lane_id() == 0) {
     for (int s = 0; s <= kDeferred; ++s) {
       if (counted[s]) atomicAdd(counts + s, counted[s]);
     }
-  }
-  if (blocked) return;
-  for (int64_t q = q0 + lane_id(); q < q1; q += kWarp) {
-    const int64_t s = o.slots[order[q]];
-    if (s < 0) continue;
-    const int64_t b = s / v.bc;
-    const int j = static_cast<int>(s - b * v.bc);
-    atomicAnd(reinterpret_cast<unsigned long long*>(v.pinned_of(b) + (j >> 6)),
-              ~(1ull << (j & 63)));
+    for (int w = 0; w < bits.words; ++w) {
+      v.occupied_of(b)[w] = bits.occupied[w];
+      v.pinned_of(b)[w] = blocked ? bits.pinned[w] : bits.pinned[w] & ~bits.pinned_here[w];
+    }
   }
 }
 
@@ -189,21 +210,22 @@ extern "C" __global__ void demb_find(DEMB_TABLE_PARAMS, const int64_t* keys, con
 }
 
 // One inserting pass. `order` (m,) holds the pass's key positions sorted stably
-// by bucket, `sorted_buckets` (m,) their buckets; one warp per run of a bucket.
+// by bucket; the keys of a bucket are a run, run r starting at run_starts[r]
+// (num_runs,); one warp per run.
 // rule: 0 clock (score = now), 1 count (adds given), 2 given. counts (5,) +=
 // the pass's keys by InsertStatus (hit, inserted, evicted, failed, deferred).
 extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
                                        const int16_t* tids, const uint64_t* given, int rule,
                                        uint64_t now, bool evicts, bool can_grow, bool one_table,
-                                       const int32_t* sorted_buckets, const int64_t* order,
-                                       int64_t m, int64_t* slots, int8_t* status,
+                                       const int64_t* run_starts, int64_t num_runs,
+                                       const int64_t* order, int64_t m, int64_t* slots, int8_t* status,
                                        uint64_t* prev_scores, int64_t* ev_keys,
                                        int16_t* ev_tids, uint64_t* ev_scores,
                                        unsigned long long* counts) {
-  const int64_t q0 = global_warp();
-  if (q0 >= m || (q0 > 0 && sorted_buckets[q0 - 1] == sorted_buckets[q0])) return;
-  int64_t q1 = q0 + 1;
-  while (q1 < m && sorted_buckets[q1] == sorted_buckets[q0]) ++q1;
+  const int64_t r = global_warp();
+  if (r >= num_runs) return;
+  const int64_t q0 = run_starts[r];
+  const int64_t q1 = r + 1 < num_runs ? run_starts[r + 1] : m;
   const TableView v = DEMB_TABLE_VIEW;
   const PassOutputs o{slots, status, prev_scores, ev_keys, ev_tids, ev_scores};
   switch (rule) {
