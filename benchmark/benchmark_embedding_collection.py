@@ -30,7 +30,7 @@ import os
 import platform
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from _report import write_report
 
 from dynamicemb import DynamicEmbTableOptions
-from dynamicemb.planner import to_dynamic_sharding
+from dynamicemb.plan import to_sharding_plan
+from dynamicemb.planner import DynamicEmbParameterConstraints, to_dynamic_sharding
 from dynamicemb.shard import DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder
 
 CRITEO_SIZES = [203931, 18598, 14092, 7012, 18977, 4, 6385, 1245, 49, 186213, 71328, 67288, 11,
@@ -64,7 +65,8 @@ class Model(nn.Module):
         return self.ec(features)
 
 
-def build(kind: str, dedup: bool, dim: int, world_size: int, collection: str = "ec") -> DistributedModelParallel:
+def build(kind: str, dedup: bool, dim: int, world_size: int, collection: str = "ec",
+          plan_file: Optional[str] = None) -> DistributedModelParallel:
     meta = torch.device("meta")
     fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01}
     if collection == "ec":
@@ -79,12 +81,19 @@ def build(kind: str, dedup: bool, dim: int, world_size: int, collection: str = "
         tables = [config(name="criteo", num_embeddings=sum(CRITEO_SIZES), embedding_dim=dim,
                          feature_names=FEATURES)]
     ec = module(tables=tables, device=meta)
+    options = DynamicEmbTableOptions(dim=dim, max_capacity=sum(CRITEO_SIZES))
+    if plan_file is not None:  # lookups: the 26 features in order (cat_0 .. cat_25)
+        constraints = ({"criteo": DynamicEmbParameterConstraints(use_dynamicemb=True, dynamicemb_options=options)}
+                       if kind == "dynamic" else None)
+        model = Model(ec)
+        plan = to_sharding_plan(plan_file, model, constraints=constraints, sharders=[sharder],
+                                local_world_size=world_size)
+        return DistributedModelParallel(model, plan=plan, sharders=[sharder], device=torch.device("cpu"))
     plan = construct_module_sharding_plan(ec, {t.name: row_wise(compute_kernel="fused") for t in tables},
                                           sharder=sharder, local_size=world_size, world_size=world_size,
                                           device_type="cpu")
     if kind == "dynamic":
-        plan["criteo"] = to_dynamic_sharding(
-            plan["criteo"], DynamicEmbTableOptions(dim=dim, max_capacity=sum(CRITEO_SIZES)))
+        plan["criteo"] = to_dynamic_sharding(plan["criteo"], options)
     return DistributedModelParallel(Model(ec), plan=ShardingPlan({"ec": plan}), sharders=[sharder],
                                     device=torch.device("cpu"))
 
@@ -137,6 +146,9 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--out", default=None,
                         help="output prefix (default benchmark/out/embedding_collection or ..._bag_collection)")
+    parser.add_argument("--plan-file", dest="plan_file", default=None,
+                        help="HugeCTR plan file (lookups: cat_0..cat_25) used instead of row-wise "
+                             "everywhere; the dynamic model's one table needs one placement for all")
     args = parser.parse_args()
 
     if args.out is None:
@@ -147,7 +159,8 @@ def main() -> None:
     dynamic_choice = parse_choice(args.use_dynamic_embedding)
     kinds = [k for k, choice in zip(KINDS, ["off", "on"]) if choice in dynamic_choice]
     cells = [(d, k) for d in parse_choice(args.use_index_dedup) for k in kinds]
-    models = {cell: build(cell[1], DEDUP[cell[0]], args.dim, world_size, args.collection) for cell in cells}
+    models = {cell: build(cell[1], DEDUP[cell[0]], args.dim, world_size, args.collection, args.plan_file)
+              for cell in cells}
     generator = torch.Generator().manual_seed(1234 + rank)
     times: Dict[tuple, List[float]] = {cell: [] for cell in cells}
     ids_sent: Dict[tuple, int] = {}

@@ -1,0 +1,34 @@
+"""HugeCTR plan files <-> TorchRec sharding plans.
+
+``load_plan`` reads and validates a plan file (``PlanFile``); the generators write
+the placements of HugeCTR's notebooks and of NVIDIA's DLRM; ``to_sharding_plan`` /
+``from_sharding_plan`` translate to and from TorchRec (imported on first use, so the
+file tools work without TorchRec); ``python -m dynamicemb.plan`` is the command line.
+"""
+
+from dynamicemb.plan.format import LookupPlacement, PlanFile, PlanGroup, load_plan
+from dynamicemb.plan.generators import distributed, dp_and_localized, greedy
+
+__all__ = [
+    "Lookup",
+    "LookupPlacement",
+    "PlanFile",
+    "PlanGroup",
+    "distributed",
+    "dp_and_localized",
+    "from_sharding_plan",
+    "greedy",
+    "load_plan",
+    "model_lookups",
+    "to_sharding_plan",
+]
+
+_TRANSLATE = {"Lookup", "from_sharding_plan", "model_lookups", "to_sharding_plan"}
+
+
+def __getattr__(name: str):
+    if name in _TRANSLATE:  # needs TorchRec
+        from dynamicemb.plan import translate  # noqa: PLC0415
+
+        return getattr(translate, name)
+    raise AttributeError(f"module 'dynamicemb.plan' has no attribute {name!r}")
