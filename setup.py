@@ -1,15 +1,18 @@
 """Builds dynamicemb and its CPU kernels (a torch C++ extension with OpenMP).
 
 The CUDA kernels under ``csrc/cuda`` are not built here: CuPy compiles them at
-run time (``pip install -e .[cuda]``).
+run time (``pip install -e .[cuda]``), so a built package carries their sources and
+the shared headers as ``dynamicemb/csrc/{cuda,dynamicemb}`` (``RUNTIME_SOURCES``).
 """
 
 import glob
 import os
+import shutil
 import subprocess
 import sysconfig
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -49,6 +52,22 @@ def cpu_extension() -> CppExtension:
     )
 
 
+# What the CUDA backend compiles at run time: its kernels and the shared headers.
+RUNTIME_SOURCES = ("cuda", "dynamicemb")
+
+
+class BuildPyWithKernelSources(build_py):
+    """Copies csrc/cuda and csrc/dynamicemb into the built package (dynamicemb/csrc),
+    where ``dynamicemb._cuda.cuda_source_root`` finds them outside a checkout."""
+
+    def run(self) -> None:
+        super().run()
+        for folder in RUNTIME_SOURCES:
+            target = os.path.join(self.build_lib, "dynamicemb", "csrc", folder)
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.copytree(os.path.join(ROOT, "csrc", folder), target)
+
+
 setup(
     name="dynamicemb",
     version="0.1.0",
@@ -56,7 +75,8 @@ setup(
     packages=find_packages(include=["dynamicemb", "dynamicemb.*"]),
     python_requires=">=3.10",
     ext_modules=[cpu_extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True),
+              "build_py": BuildPyWithKernelSources},
     extras_require={"cuda": ["cupy-cuda13x"]},
     zip_safe=False,
 )

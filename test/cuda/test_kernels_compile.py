@@ -7,6 +7,7 @@ include path CuPy uses at run time; NVRTC itself is exercised by the CUDA tests.
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -32,3 +33,15 @@ def test_kernel_compiles(source, arch, tmp_path):
          "-c", os.path.join(ROOT, "cuda", source), "-o", str(tmp_path / "k.o")],
         capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_built_package_carries_kernel_sources(tmp_path):
+    """A built (non-editable) package holds what the run-time compile includes, where
+    ``cuda_source_root`` looks first (dynamicemb/csrc)."""
+    repo = os.path.dirname(ROOT)
+    done = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)],
+                          cwd=repo, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for folder in ("cuda", "dynamicemb"):
+        want = sorted(os.listdir(os.path.join(ROOT, folder)))
+        assert sorted(os.listdir(tmp_path / "dynamicemb" / "csrc" / folder)) == want
