@@ -1,4 +1,4 @@
-"""A short tour of dynamicemb, printed as it runs (`make demo`).
+"""A short tour of dynamicemb's API, printed as it runs (`python examples/tour.py`).
 
 1. The scored hash table: raw int64 ids, growth, LRU eviction.
 2. BatchedDynamicEmbeddingTables training a tiny click model: user and item ids

@@ -1,0 +1,104 @@
+"""The DLRM of the training job: TorchRec's ``torchrec.models.dlrm`` over one
+EmbeddingBagCollection with a table per categorical feature; the big tables are
+made dynamic by planner constraints, the others stay TorchRec's static tables.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynamicemb import (
+    DynamicEmbScoreStrategy,
+    DynamicEmbTableOptions,
+    FrequencyAdmissionStrategy,
+)
+from dynamicemb.planner import DynamicEmbParameterConstraints
+
+__all__ = ["TableSpec", "build_model", "constraints_for", "feature_names", "to_kjt"]
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One categorical feature's table: its rows and whether it is dynamic.
+
+    A static table has ``rows`` rows and sees ``id mod rows`` (the hashing trick a
+    static table needs for raw ids); a dynamic table sees the raw id and holds at
+    most ``rows`` of them (``max_capacity``), the least recently used evicted first.
+    """
+
+    feature: str
+    rows: int
+    dynamic: bool
+
+
+def feature_names(count: int) -> List[str]:
+    return [f"cat_{i}" for i in range(count)]
+
+
+def build_model(tables: Sequence[TableSpec], dim: int, dense_arch: Sequence[int],
+                over_arch: Sequence[int], num_dense: int = 13) -> DLRMTrain:
+    """The unsharded model (tables on ``meta``; DMP materializes them).
+
+    Args:
+        tables: one spec per categorical feature.
+        dim: embedding dimension (also the dense arch's last width).
+        dense_arch: widths of the bottom MLP; its last must equal ``dim``.
+        over_arch: widths of the top MLP; its last must be 1.
+        num_dense: dense features per sample.
+    """
+    if dense_arch[-1] != dim:
+        raise ValueError(f"the dense arch must end at the embedding dim {dim}, got {list(dense_arch)}")
+    if over_arch[-1] != 1:
+        raise ValueError(f"the over arch must end at 1, got {list(over_arch)}")
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=f"t_{t.feature}", embedding_dim=dim, num_embeddings=t.rows,
+                           feature_names=[t.feature]) for t in tables], device=torch.device("meta"))
+    return DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=num_dense,
+                          dense_arch_layer_sizes=list(dense_arch),
+                          over_arch_layer_sizes=list(over_arch)))
+
+
+def constraints_for(tables: Sequence[TableSpec], dim: int, state_floats: int,
+                    cache_fraction: float, score_strategy: DynamicEmbScoreStrategy,
+                    admission_threshold: int) -> Dict[str, DynamicEmbParameterConstraints]:
+    """Planner constraints making the dynamic tables dynamic (row-wise by key hash).
+
+    Args:
+        state_floats: optimizer state floats per row (sizes the cache budget).
+        cache_fraction: the device cache of a dynamic table holds this fraction of its
+            rows (1.0 or more: every row in device memory, no cache).
+        admission_threshold: occurrences before a new id gets a row (1: admit all).
+    """
+    out = {}
+    for t in tables:
+        if not t.dynamic:
+            continue
+        caching = cache_fraction < 1.0
+        options = DynamicEmbTableOptions(
+            dim=dim, max_capacity=t.rows, score_strategy=score_strategy, caching=caching,
+            local_hbm_for_values=(max(16, int(t.rows * cache_fraction)) * (dim + state_floats) * 4
+                                  if caching else None),
+            admit_strategy=(FrequencyAdmissionStrategy(threshold=admission_threshold)
+                            if admission_threshold > 1 else None))
+        out[f"t_{t.feature}"] = DynamicEmbParameterConstraints(
+            use_dynamicemb=True, sharding_types=["row_wise"], dynamicemb_options=options)
+    return out
+
+
+def to_kjt(sparse: torch.Tensor, tables: Sequence[TableSpec]) -> KeyedJaggedTensor:
+    """One id per sample and feature as a KJT; static tables get ``id mod rows``.
+
+    Args:
+        sparse (Tensor): (B, F) int64 raw ids.
+    """
+    columns = []
+    for f, t in enumerate(tables):
+        ids = sparse[:, f]
+        columns.append(ids if t.dynamic else torch.remainder(ids, t.rows))
+    values = torch.stack(columns).reshape(-1)  # feature-major, as a KJT keeps them
+    lengths = torch.ones(values.numel(), dtype=torch.int32)
+    return KeyedJaggedTensor(keys=[t.feature for t in tables], values=values, lengths=lengths)

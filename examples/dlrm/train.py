@@ -1,0 +1,278 @@
+"""Train a DLRM whose big tables are dynamic, under torchrun (`make demo` runs it).
+
+Raw categorical ids go straight to the tables: dynamic tables (those of at least
+``--dynamic-threshold`` rows) hash them to rows created on first sight; the other
+tables stay TorchRec's static ones and see ``id mod rows``. The plan comes from
+``DynamicEmbeddingShardingPlanner`` (or ``--plan-file``, a HugeCTR plan file).
+
+Examples::
+
+    # CPU, 2 ranks, synthetic Criteo-like data with a learnable ground truth
+    torchrun --standalone --nproc_per_node 2 examples/dlrm/train.py --num-samples 200000
+    # GPUs (NCCL), Criteo day files, upstream's sizes
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-endpoint HOST:29500 examples/dlrm/train.py \\
+        --data tsv --train-files day_0,day_1 --eval-files day_23 --embedding-dim 128 \\
+        --dense-arch 512,256,128 --over-arch 1024,1024,512,256,1
+"""
+
+import argparse
+import json
+import logging
+import os
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torchmetrics
+from torchrec.datasets.utils import Batch as TorchRecBatch
+from torchrec.distributed.comm import get_local_size
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import Topology
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from data import CRITEO_CARDINALITIES, NUM_DENSE, CriteoParquetReader, CriteoTsvReader, SyntheticCriteo
+from dynamicemb import DynamicEmbScoreStrategy
+from dynamicemb.planner import DynamicEmbeddingShardingPlanner
+from dynamicemb.shard import DynamicEmbeddingBagCollectionSharder, get_dynamic_tables
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from model import TableSpec, build_model, constraints_for, feature_names, to_kjt
+
+OPTIMIZERS = {"sgd": (EmbOptimType.EXACT_SGD, 0), "adagrad": (EmbOptimType.EXACT_ADAGRAD, 1),
+              "rowwise_adagrad": (EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0),
+              "adam": (EmbOptimType.ADAM, 2)}  # (type, optimizer state floats per dim)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("Examples::")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", choices=["synthetic", "tsv", "parquet"], default="synthetic")
+    p.add_argument("--train-files", help="comma-separated files (tsv/parquet)")
+    p.add_argument("--eval-files", help="comma-separated files (tsv/parquet)")
+    p.add_argument("--num-samples", type=int, default=200_000, help="synthetic training samples")
+    p.add_argument("--eval-samples", type=int, default=20_000, help="synthetic eval samples")
+    p.add_argument("--scale", type=float, default=0.05, help="synthetic: Criteo cardinalities x this")
+    p.add_argument("--alpha", type=float, default=1.05, help="synthetic: power-law exponent of ids")
+    p.add_argument("--signal", type=float, default=1.0,
+                   help="synthetic: strength of the hidden model (0: labels are noise)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=1024, help="per rank")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
+    p.add_argument("--embedding-dim", type=int, default=16)
+    p.add_argument("--dense-arch", default="64,16", help="bottom MLP widths (last = dim)")
+    p.add_argument("--over-arch", default="64,32,1", help="top MLP widths (last = 1)")
+    p.add_argument("--lr", type=float, default=0.05, help="embedding learning rate")
+    p.add_argument("--dense-lr", type=float, default=0.05, help="Adagrad rate of the MLPs")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad")
+    p.add_argument("--dynamic-threshold", type=int, default=1000,
+                   help="tables of at least this many rows are dynamic")
+    p.add_argument("--cache-fraction", type=float, default=0.5,
+                   help="device cache of a dynamic table, as a fraction of its rows (>= 1: no cache)")
+    p.add_argument("--score-strategy", choices=["lru", "lfu"], default="lru")
+    p.add_argument("--admission-threshold", type=int, default=1,
+                   help="occurrences before a new id gets a row (1: admit all)")
+    p.add_argument("--plan-file", help="HugeCTR plan file instead of the planner (lookup i = cat_i)")
+    p.add_argument("--checkpoint-dir", help="not available yet (checkpoints are a separate issue)")
+    p.add_argument("--resume", action="store_true", help="not available yet")
+    p.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl on CUDA, else gloo")
+    p.add_argument("--out", default="benchmark/out/dlrm", help="summary.json and plot.png go here")
+    args = p.parse_args(argv)
+    if args.checkpoint_dir or args.resume:
+        p.error("--checkpoint-dir and --resume are not available yet: checkpoints of dynamic "
+                "tables are a separate issue (export rows with export_keys_values meanwhile)")
+    if args.data != "synthetic" and not args.train_files:
+        p.error(f"--data {args.data} needs --train-files")
+    return args
+
+
+def table_specs(args) -> List[TableSpec]:
+    rows = [max(1, round(c * args.scale)) for c in CRITEO_CARDINALITIES] if args.data == "synthetic" \
+        else list(CRITEO_CARDINALITIES)
+    return [TableSpec(feature=f, rows=r, dynamic=r >= args.dynamic_threshold)
+            for f, r in zip(feature_names(len(rows)), rows)]
+
+
+def datasets(args, rank: int, world: int):
+    if args.data == "synthetic":
+        train = SyntheticCriteo(args.num_samples, args.batch_size, scale=args.scale, alpha=args.alpha,
+                                seed=args.seed, rank=rank, world_size=world, signal=args.signal)
+        # held out: the same ids and hidden model, the samples after the training ones
+        evals = SyntheticCriteo(args.eval_samples, args.batch_size, scale=args.scale, alpha=args.alpha,
+                                seed=args.seed, rank=rank, world_size=world, signal=args.signal,
+                                start=args.num_samples)
+        return train, evals
+    reader = CriteoTsvReader if args.data == "tsv" else CriteoParquetReader
+    train = reader(args.train_files.split(","), args.batch_size, rank=rank, world_size=world)
+    evals = reader(args.eval_files.split(","), args.batch_size, rank=rank, world_size=world) \
+        if args.eval_files else None
+    return train, evals
+
+
+def shard(args, model, tables, device: torch.device, world: int) -> DistributedModelParallel:
+    optimizer, state = OPTIMIZERS[args.optimizer]
+    constraints = constraints_for(tables, args.embedding_dim, state * args.embedding_dim
+                                  + (1 if args.optimizer == "rowwise_adagrad" else 0),
+                                  args.cache_fraction, DynamicEmbScoreStrategy[args.score_strategy.upper()],
+                                  args.admission_threshold)
+    sharders = [DynamicEmbeddingBagCollectionSharder(
+        fused_params={"optimizer": optimizer, "learning_rate": args.lr, "eps": 1e-8})]
+    if args.plan_file:
+        from dynamicemb.plan import to_sharding_plan  # noqa: PLC0415
+
+        plan = to_sharding_plan(args.plan_file, model, constraints=constraints, sharders=sharders,
+                                device=device.type, local_world_size=get_local_size())
+    else:
+        topology = Topology(world_size=world, local_world_size=get_local_size(),
+                            compute_device=device.type)
+        planner = DynamicEmbeddingShardingPlanner(topology, batch_size=args.batch_size,
+                                                  constraints=constraints)
+        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    return DistributedModelParallel(model, plan=plan, sharders=sharders, device=device)
+
+
+def in_step(batches, device):
+    """The batches while every rank still has one (ranks may hold different counts:
+    a reader skips malformed lines per rank), so no rank waits alone in a collective."""
+    source = iter(batches)
+    while True:
+        batch = next(source, None)
+        have = torch.tensor([0 if batch is None else 1], device=device)
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+        if not int(have):
+            return
+        yield batch
+
+
+def to_batch(batch, tables, device) -> TorchRecBatch:
+    return TorchRecBatch(dense_features=batch.dense.to(device), sparse_features=to_kjt(batch.sparse, tables).to(device),
+                         labels=batch.labels.to(device))
+
+
+def evaluate(dmp, evals, tables, device) -> float:
+    """Eval AUC over every rank's eval samples (torchmetrics syncs the ranks)."""
+    auroc = torchmetrics.AUROC(task="binary").to(device)
+    dmp.eval()
+    with torch.no_grad():
+        for batch in in_step(evals, device):
+            _, (_, logits, labels) = dmp(to_batch(batch, tables, device))
+            auroc.update(torch.sigmoid(logits), labels.long())
+    dmp.train()
+    return float(auroc.compute())
+
+
+def table_report(dmp, tables) -> Dict[str, Dict]:
+    """Per dynamic table, summed over ranks: rows held, cache lookups/hits, evictions."""
+    local = get_dynamic_tables(dmp)
+    report = {}
+    for t in tables:
+        name = f"t_{t.feature}"
+        if not t.dynamic:
+            continue
+        module = local.get(name)
+        m = module.cache_metrics()[name] if module is not None else None
+        counts = torch.tensor([module.table_size(name) if module is not None else 0,
+                               m.lookups if m else 0, m.hits if m else 0, m.evictions if m else 0],
+                              dtype=torch.float64)
+        dist.all_reduce(counts)
+        rows, lookups, hits, evictions = counts.tolist()
+        report[name] = {"rows": int(rows), "max_rows": t.rows,
+                        "hit_rate": round(hits / lookups, 4) if lookups else None,
+                        "evictions": int(evictions)}
+    return report
+
+
+def plot(history: Dict[str, List], path: str) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(*zip(*history["loss"]), lw=0.8)
+    a.set(xlabel="step", ylabel="train loss (BCE)", title="loss")
+    if history["auc"]:
+        b.plot(*zip(*history["auc"]), marker="o")
+    b.set(xlabel="step", ylabel="eval AUC", title="eval AUC")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend or ("nccl" if device.type == "cuda" else "gloo"))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    # TorchRec checks ids against num_embeddings; dynamic tables take raw ids by design.
+    logging.getLogger("torchrec.sparse.jagged_tensor_validator").setLevel(logging.ERROR)
+    tables = table_specs(args)
+    model = build_model(tables, args.embedding_dim, [int(x) for x in args.dense_arch.split(",")],
+                        [int(x) for x in args.over_arch.split(",")], num_dense=NUM_DENSE)
+    dmp = shard(args, model, tables, device, world)
+    dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                      lambda params: torch.optim.Adagrad(params, lr=args.dense_lr))
+    train, evals = datasets(args, rank, world)
+    history = {"loss": [], "auc": []}
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm  # noqa: PLC0415
+
+        bar = tqdm(total=args.epochs * len(train) if hasattr(train, "__len__") else None, unit="step")
+    step, samples, start = 0, 0, time.perf_counter()
+    for _ in range(args.epochs):
+        for batch in in_step(train, device):
+            loss, _ = dmp(to_batch(batch, tables, device))
+            loss.backward()
+            dense_opt.step()
+            dense_opt.zero_grad()
+            step += 1
+            samples += batch.labels.numel() * world
+            value = loss.item()
+            history["loss"].append((step, value))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{value:.4f}",
+                                samples_s=f"{samples / (time.perf_counter() - start):,.0f}")
+            if evals is not None and step % args.eval_every == 0:
+                history["auc"].append((step, evaluate(dmp, evals, tables, device)))
+    elapsed = time.perf_counter() - start
+    if evals is not None and (not history["auc"] or history["auc"][-1][0] != step):
+        history["auc"].append((step, evaluate(dmp, evals, tables, device)))
+    report = table_report(dmp, tables)
+    if bar is not None:
+        bar.close()
+    if rank == 0:
+        summarize(args, history, report, step, samples, elapsed, train)
+    dist.destroy_process_group()
+
+
+def summarize(args, history, report, step, samples, elapsed, train) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    auc = history["auc"][-1][1] if history["auc"] else None
+    ceiling = train.bayes_auc() if hasattr(train, "bayes_auc") else None
+    summary = {"steps": step, "samples": samples, "seconds": round(elapsed, 2),
+               "samples_per_s": round(samples / elapsed, 1), "final_loss": history["loss"][-1][1],
+               "eval_auc": auc, "bayes_auc": ceiling, "dynamic_tables": report,
+               "history": history, "args": vars(args)}
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    plot(history, os.path.join(args.out, "plot.png"))
+    print(f"\ntrained {step} steps, {samples:,} samples in {elapsed:.1f} s "
+          f"({summary['samples_per_s']:,.0f} samples/s); final train loss {summary['final_loss']:.4f}")
+    if auc is not None:
+        print(f"eval AUC {auc:.4f}" + (f" (ground-truth ceiling {ceiling:.4f})" if ceiling else ""))
+    print("\n| dynamic table | rows held | max rows | cache hit rate | cache evictions |")
+    print("|---|---|---|---|---|")
+    for name, r in report.items():
+        rate = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
+        print(f"| {name} | {r['rows']:,} | {r['max_rows']:,} | {rate} | {r['evictions']:,} |")
+    print(f"\nsummary: {os.path.join(args.out, 'summary.json')}; plot: {os.path.join(args.out, 'plot.png')}")
+
+
+if __name__ == "__main__":
+    main()
