@@ -7,9 +7,15 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
 import torch
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torch import nn
+from torchrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+)
 from torchrec.models.dlrm import DLRM, DLRMTrain
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from dynamicemb import (
     DynamicEmbScoreStrategy,
@@ -18,7 +24,8 @@ from dynamicemb import (
 )
 from dynamicemb.planner import DynamicEmbParameterConstraints
 
-__all__ = ["TableSpec", "build_model", "constraints_for", "feature_names", "to_kjt"]
+__all__ = ["PooledEmbeddingCollection", "TableSpec", "build_model", "constraints_for",
+           "feature_names", "to_kjt"]
 
 
 @dataclass(frozen=True)
@@ -39,8 +46,41 @@ def feature_names(count: int) -> List[str]:
     return [f"cat_{i}" for i in range(count)]
 
 
+class PooledEmbeddingCollection(nn.Module):
+    """An EmbeddingCollection whose per-id rows are summed per sample and feature, in
+    the place of an EmbeddingBagCollection (what DLRM's sparse arch calls).
+
+    Args:
+        ec: the collection (sharded by DMP with the EC sharder).
+    """
+
+    def __init__(self, ec: EmbeddingCollection) -> None:
+        super().__init__()
+        self.ec = ec
+
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        return [EmbeddingBagConfig(name=c.name, embedding_dim=c.embedding_dim,
+                                   num_embeddings=c.num_embeddings, feature_names=c.feature_names)
+                for c in self.ec.embedding_configs()]
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        sequences = self.ec(features)
+        keys = list(sequences.keys())
+        pooled = []
+        for key in keys:
+            jt = sequences[key]
+            lengths = jt.lengths()
+            owner = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device),
+                                            lengths.long())
+            values = jt.values()
+            pooled.append(torch.zeros(lengths.numel(), values.shape[1], dtype=values.dtype,
+                                      device=values.device).index_add_(0, owner, values))
+        return KeyedTensor.from_tensor_list(keys, pooled)
+
+
 def build_model(tables: Sequence[TableSpec], dim: int, dense_arch: Sequence[int],
-                over_arch: Sequence[int], num_dense: int = 13) -> DLRMTrain:
+                over_arch: Sequence[int], num_dense: int = 13,
+                collection: str = "ebc") -> DLRMTrain:
     """The unsharded model (tables on ``meta``; DMP materializes them).
 
     Args:
@@ -49,14 +89,22 @@ def build_model(tables: Sequence[TableSpec], dim: int, dense_arch: Sequence[int]
         dense_arch: widths of the bottom MLP; its last must equal ``dim``.
         over_arch: widths of the top MLP; its last must be 1.
         num_dense: dense features per sample.
+        collection: ``"ebc"`` (pooled tables) or ``"ec"`` (sequence tables summed per
+            sample by ``PooledEmbeddingCollection``).
     """
     if dense_arch[-1] != dim:
         raise ValueError(f"the dense arch must end at the embedding dim {dim}, got {list(dense_arch)}")
     if over_arch[-1] != 1:
         raise ValueError(f"the over arch must end at 1, got {list(over_arch)}")
-    ebc = EmbeddingBagCollection(tables=[
-        EmbeddingBagConfig(name=f"t_{t.feature}", embedding_dim=dim, num_embeddings=t.rows,
-                           feature_names=[t.feature]) for t in tables], device=torch.device("meta"))
+    meta = torch.device("meta")
+    if collection == "ec":
+        ebc = PooledEmbeddingCollection(EmbeddingCollection(tables=[
+            EmbeddingConfig(name=f"t_{t.feature}", embedding_dim=dim, num_embeddings=t.rows,
+                            feature_names=[t.feature]) for t in tables], device=meta))
+    else:
+        ebc = EmbeddingBagCollection(tables=[
+            EmbeddingBagConfig(name=f"t_{t.feature}", embedding_dim=dim, num_embeddings=t.rows,
+                               feature_names=[t.feature]) for t in tables], device=meta)
     return DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=num_dense,
                           dense_arch_layer_sizes=list(dense_arch),
                           over_arch_layer_sizes=list(over_arch)))

@@ -35,7 +35,11 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from data import CRITEO_CARDINALITIES, NUM_DENSE, CriteoParquetReader, CriteoTsvReader, SyntheticCriteo
 from dynamicemb import DynamicEmbScoreStrategy
 from dynamicemb.planner import DynamicEmbeddingShardingPlanner
-from dynamicemb.shard import DynamicEmbeddingBagCollectionSharder, get_dynamic_tables
+from dynamicemb.shard import (
+    DynamicEmbeddingBagCollectionSharder,
+    DynamicEmbeddingCollectionSharder,
+    get_dynamic_tables,
+)
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from model import TableSpec, build_model, constraints_for, feature_names, to_kjt
 
@@ -60,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=1024, help="per rank")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
+    p.add_argument("--collection", choices=["ebc", "ec"], default="ebc",
+                   help="EmbeddingBagCollection, or EmbeddingCollection + sum pooling")
     p.add_argument("--embedding-dim", type=int, default=16)
     p.add_argument("--dense-arch", default="64,16", help="bottom MLP widths (last = dim)")
     p.add_argument("--over-arch", default="64,32,1", help="top MLP widths (last = 1)")
@@ -116,8 +122,9 @@ def shard(args, model, tables, device: torch.device, world: int) -> DistributedM
                                   + (1 if args.optimizer == "rowwise_adagrad" else 0),
                                   args.cache_fraction, DynamicEmbScoreStrategy[args.score_strategy.upper()],
                                   args.admission_threshold)
-    sharders = [DynamicEmbeddingBagCollectionSharder(
-        fused_params={"optimizer": optimizer, "learning_rate": args.lr, "eps": 1e-8})]
+    sharder = (DynamicEmbeddingCollectionSharder if args.collection == "ec"
+               else DynamicEmbeddingBagCollectionSharder)
+    sharders = [sharder(fused_params={"optimizer": optimizer, "learning_rate": args.lr, "eps": 1e-8})]
     if args.plan_file:
         from dynamicemb.plan import to_sharding_plan  # noqa: PLC0415
 
@@ -212,7 +219,8 @@ def main(argv=None) -> None:
     logging.getLogger("torchrec.sparse.jagged_tensor_validator").setLevel(logging.ERROR)
     tables = table_specs(args)
     model = build_model(tables, args.embedding_dim, [int(x) for x in args.dense_arch.split(",")],
-                        [int(x) for x in args.over_arch.split(",")], num_dense=NUM_DENSE)
+                        [int(x) for x in args.over_arch.split(",")], num_dense=NUM_DENSE,
+                        collection=args.collection)
     dmp = shard(args, model, tables, device, world)
     dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                       lambda params: torch.optim.Adagrad(params, lr=args.dense_lr))

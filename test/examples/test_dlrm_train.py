@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -16,9 +18,11 @@ def torchrun(*args, timeout=600):
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
 
 
-def test_training_learns_and_reports(tmp_path):
+@pytest.mark.parametrize("collection", ["ebc", "ec"])
+def test_training_learns_and_reports(tmp_path, collection):
     done = torchrun("--num-samples", 40000, "--eval-samples", 8000, "--batch-size", 512,
-                    "--eval-every", 20, "--cache-fraction", 0.3, "--out", tmp_path)
+                    "--eval-every", 20, "--cache-fraction", 0.3, "--collection", collection,
+                    "--out", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     losses = [loss for _, loss in summary["history"]["loss"]]
