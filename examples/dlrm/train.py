@@ -70,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dense-arch", default="64,16", help="bottom MLP widths (last = dim)")
     p.add_argument("--over-arch", default="64,32,1", help="top MLP widths (last = 1)")
     p.add_argument("--lr", type=float, default=0.05, help="embedding learning rate")
-    p.add_argument("--dense-lr", type=float, default=0.05, help="Adagrad rate of the MLPs")
+    p.add_argument("--dense-lr", type=float, default=0.01, help="Adagrad rate of the MLPs")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad")
     p.add_argument("--dynamic-threshold", type=int, default=1000,
                    help="tables of at least this many rows are dynamic")
