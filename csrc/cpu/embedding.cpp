@@ -417,17 +417,11 @@ void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_
   TORCH_CHECK(place_grads(pooled ? &bags : nullptr, rank.data_ptr<int64_t>(), n, num_entries, w,
                           grad.size(1), mean, pos.data(), scale.data()) == 0,
               "rank must be below starts[-1]");
-  OptimizerParams p;
-  p.kind = static_cast<int32_t>(kind);
-  p.lr = static_cast<float>(lr);
-  p.eps = static_cast<float>(eps);
-  p.beta1 = static_cast<float>(beta1);
-  p.beta2 = static_cast<float>(beta2);
-  p.weight_decay = static_cast<float>(weight_decay);
-  p.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  p.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  p.step_size = static_cast<float>(step_size);
-  p.bias_correction2_sqrt = static_cast<float>(bias_correction2_sqrt);
+  const OptimizerParams p = optimizer_params(
+      static_cast<int32_t>(kind), static_cast<float>(lr), static_cast<float>(eps),
+      static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(weight_decay),
+      static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2),
+      static_cast<float>(step_size), static_cast<float>(bias_correction2_sqrt));
 
 #pragma omp parallel if (num_unique * dim >= kParallelMinWork)
   {

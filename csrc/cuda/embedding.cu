@@ -170,17 +170,9 @@ extern "C" __global__ void demb_fused_update(float* device_rows, float* host_row
     acc[c] = a;
   }
   __syncwarp();
-  OptimizerParams p;
-  p.kind = kind;
-  p.lr = lr;
-  p.eps = eps;
-  p.beta1 = beta1;
-  p.beta2 = beta2;
-  p.weight_decay = weight_decay;
-  p.one_minus_beta1 = one_minus_beta1;  // computed in double, as the CPU backend does
-  p.one_minus_beta2 = one_minus_beta2;
-  p.step_size = step_size;
-  p.bias_correction2_sqrt = bias_correction2_sqrt;
+  const OptimizerParams p =
+      optimizer_params(kind, lr, eps, beta1, beta2, weight_decay, one_minus_beta1,
+                       one_minus_beta2, step_size, bias_correction2_sqrt);
   float* row = stored_row_of(row_ref[u], device_rows, host_rows, width);
   float* state = row + dim;
   const int d = static_cast<int>(dim);

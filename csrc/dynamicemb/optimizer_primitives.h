@@ -41,6 +41,26 @@ struct OptimizerParams {
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
 };
 
+// The parameters of one update, in the order of the struct's fields. The Adam
+// scalars come from the caller, computed in double as torch.optim.Adam does.
+DEMB_HD OptimizerParams optimizer_params(int32_t kind, float lr, float eps, float beta1,
+                                         float beta2, float weight_decay,
+                                         float one_minus_beta1, float one_minus_beta2,
+                                         float step_size, float bias_correction2_sqrt) {
+  OptimizerParams p;
+  p.kind = kind;
+  p.lr = lr;
+  p.eps = eps;
+  p.beta1 = beta1;
+  p.beta2 = beta2;
+  p.weight_decay = weight_decay;
+  p.one_minus_beta1 = one_minus_beta1;
+  p.one_minus_beta2 = one_minus_beta2;
+  p.step_size = step_size;
+  p.bias_correction2_sqrt = bias_correction2_sqrt;
+  return p;
+}
+
 DEMB_HD void sgd_row(float* w, const float* g, int dim, const OptimizerParams& p) {
   for (int i = 0; i < dim; ++i) {
     const float gi = g[i] + p.weight_decay * w[i];
