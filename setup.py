@@ -58,7 +58,7 @@ RUNTIME_SOURCES = ("cuda", "dynamicemb")
 
 class BuildPyWithKernelSources(build_py):
     """Copies csrc/cuda and csrc/dynamicemb into the built package (dynamicemb/csrc),
-    where ``dynamicemb._cuda.cuda_source_root`` finds them outside a checkout."""
+    where ``dynamicemb.ops.cuda.cuda_source_root`` finds them outside a checkout."""
 
     def run(self) -> None:
         super().run()

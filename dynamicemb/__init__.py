@@ -1,6 +1,6 @@
 """dynamicemb: TorchRec-compatible dynamic embedding tables on a scored hash table."""
 
-from dynamicemb.batched_tables import BatchedDynamicEmbeddingTables, ExportedRows
+from dynamicemb.embedding import BatchedDynamicEmbeddingTables, ExportedRows
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer
 from dynamicemb.options import (
     DynamicEmbInitializerArgs,

@@ -11,7 +11,7 @@ from torchrec.distributed.planner.shard_estimators import (
 from torchrec.distributed.planner.types import ParameterConstraints, ShardingOption, Storage, Topology
 from torchrec.distributed.types import compute_storage_usage
 
-from dynamicemb._table_group import optimizer_state_dim
+from dynamicemb.embedding.group import optimizer_state_dim
 from dynamicemb.options import DynamicEmbOptimType, DynamicEmbTableOptions
 from dynamicemb.planner.types import CUSTOMIZED_KERNEL, DynamicEmbParameterConstraints
 

@@ -7,7 +7,7 @@ from torch import nn
 from torchrec.distributed.types import ParameterSharding, ShardingType
 from torchrec.optim.fused import EmptyFusedOptimizer
 
-from dynamicemb.batched_tables import BatchedDynamicEmbeddingTables
+from dynamicemb.embedding.module import BatchedDynamicEmbeddingTables
 from dynamicemb.planner.types import CUSTOMIZED_KERNEL, DYNAMIC_SHARDING_TYPES, DynamicEmbParameterSharding
 from dynamicemb.shard.kernel import DynamicEmbEmbedding, DynamicEmbEmbeddingBag
 

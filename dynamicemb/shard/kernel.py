@@ -19,7 +19,7 @@ from torchrec.distributed.utils import append_prefix
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dynamicemb.batched_tables import BatchedDynamicEmbeddingTables
+from dynamicemb.embedding.module import BatchedDynamicEmbeddingTables
 from dynamicemb.options import (
     DynamicEmbInitializerMode,
     DynamicEmbOptimType,

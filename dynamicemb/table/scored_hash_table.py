@@ -12,8 +12,8 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-from dynamicemb import _huge_pages as huge_pages
-from dynamicemb._ops import ops_for, resolve_device
+from dynamicemb.ops import huge_pages
+from dynamicemb.ops import ops_for, resolve_device
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
 __all__ = [

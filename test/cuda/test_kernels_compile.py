@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from dynamicemb._cuda import _KERNELS, cuda_source_root
+from dynamicemb.ops.cuda import _KERNELS, cuda_source_root
 
 ROOT = cuda_source_root()
 SOURCES = sorted(os.listdir(os.path.join(ROOT, "cuda")))

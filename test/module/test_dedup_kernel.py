@@ -4,7 +4,7 @@ occurrence counts and the lookups grouped by pair, the same for any thread count
 import pytest
 import torch
 
-from dynamicemb._ops import ops_for
+from dynamicemb.ops import ops_for
 
 OPS = ops_for(torch.device("cpu"))
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dynamicemb.table import ScoredHashTable
-from dynamicemb import _huge_pages as huge_pages
+from dynamicemb.ops import huge_pages
 
 
 # madvise(MADV_HUGEPAGE) exists where the kernel has transparent huge pages.

@@ -14,7 +14,7 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
-from dynamicemb._ops import ops_for
+from dynamicemb.ops import ops_for
 from dynamicemb.options import (
     DynamicEmbInitializerArgs,
     DynamicEmbInitializerMode,

@@ -13,9 +13,9 @@ from typing import Deque, Dict, List, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from dynamicemb._ops import resolve_device
-from dynamicemb._buffers import OutputBuffers
-from dynamicemb._table_group import Lookup, _TableGroup, group_key
+from dynamicemb.ops import resolve_device
+from dynamicemb.embedding.buffers import OutputBuffers
+from dynamicemb.embedding.group import Lookup, _TableGroup, group_key
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer
 from dynamicemb.storage import TierMetrics
 from dynamicemb.options import (

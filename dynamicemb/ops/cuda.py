@@ -45,11 +45,12 @@ _MAX_BUCKET_CAPACITY = 1024
 
 def cuda_source_root() -> str:
     """The folder holding ``cuda/`` and ``dynamicemb/`` headers (the repo's ``csrc``)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for root in (os.path.join(here, "csrc"), os.path.join(os.path.dirname(here), "csrc")):
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # A built package carries them as dynamicemb/csrc; a checkout has them at the root.
+    for root in (os.path.join(package, "csrc"), os.path.join(os.path.dirname(package), "csrc")):
         if os.path.isdir(os.path.join(root, "cuda")):
             return root
-    raise ImportError(f"dynamicemb's CUDA sources (csrc/cuda) were not found near {here}")
+    raise ImportError(f"dynamicemb's CUDA sources (csrc/cuda) were not found near {package}")
 
 
 def _source_digest(root: str) -> str:

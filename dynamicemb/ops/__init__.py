@@ -2,7 +2,7 @@
 
 ``ops_for(device)`` returns the kernels for a device: for CPU tensors the
 ``dynamicemb._C`` torch extension built by ``pip install -e .``; for CUDA tensors
-``dynamicemb._cuda.CudaKernels``, the kernels of ``csrc/cuda`` compiled at run
+``dynamicemb.ops.cuda.CudaKernels``, the kernels of ``csrc/cuda`` compiled at run
 time by CuPy. Both offer the same functions with the same arguments.
 """
 
@@ -33,7 +33,7 @@ def _load_cuda() -> Any:
         raise RuntimeError(
             "dynamicemb got CUDA tensors, but this PyTorch sees no CUDA device "
             "(a CPU-only build of torch, or no GPU): create the tables with device='cpu'")
-    from dynamicemb._cuda import CudaKernels  # noqa: PLC0415 (CuPy is optional)
+    from dynamicemb.ops.cuda import CudaKernels  # noqa: PLC0415 (CuPy is optional)
 
     return CudaKernels()
 
