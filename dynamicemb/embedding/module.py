@@ -13,11 +13,12 @@ from typing import Deque, Dict, List, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from dynamicemb.ops import resolve_device
 from dynamicemb.embedding.buffers import OutputBuffers
-from dynamicemb.embedding.group import Lookup, _TableGroup, group_key
+from dynamicemb.embedding.group import Lookup, TableGroup, group_key
+from dynamicemb.ops import for_device, resolve_device
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer
 from dynamicemb.storage import TierMetrics
+from dynamicemb.table.checks import check_frequencies
 from dynamicemb.options import (
     DynamicEmbOptimizerArgs,
     DynamicEmbOptimType,
@@ -168,7 +169,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         for t, options in enumerate(self.table_options):
             opt = options.optimizer_args or module_optimizer
             by_key.setdefault(group_key(options, opt), []).append(t)
-        self._groups: List[_TableGroup] = []
+        self._groups: List[TableGroup] = []
         self._table_location = {}  # table -> (group, local id)
         for tables in by_key.values():
             options = [self.table_options[t] for t in tables]
@@ -176,7 +177,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             for local, t in enumerate(tables):
                 self._table_location[t] = (len(self._groups), local)
             names = [self.table_names[t] for t in tables]
-            self._groups.append(_TableGroup(tables, names, options, opt, self.device))
+            self._groups.append(TableGroup(tables, names, options, opt, self.device))
         num_features = len(self.feature_table_map)
         group_of = [self._table_location[t][0] for t in self.feature_table_map]
         # On the rows' device: they index per-lookup tensors and go to the kernels.
@@ -380,7 +381,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         # The batch moves to the rows' device (a no-op when it is there already).
         offsets = offsets.to(device=self.device, dtype=torch.int64).contiguous()
         n = indices.numel()
-        problem = self._groups[0].ops.check_offsets(offsets, n)
+        problem = for_device(self.device).check_offsets(offsets=offsets, num_indices=n)
         if problem in (1, 2):
             raise ValueError(
                 f"offsets must start at 0 and end at len(indices)={n}, "
@@ -411,17 +412,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         return [g.refresh(found) for g, found in zip(self._groups, head.lookups)]
 
     def _validate_frequencies(self, frequencies, n: int) -> Optional[torch.Tensor]:
-        if frequencies is None:
-            return None
-        if not isinstance(frequencies, torch.Tensor) or frequencies.dtype not in (
-                torch.int32, torch.int64):
-            raise TypeError("frequencies must be an int32 or int64 tensor")
-        if frequencies.shape != (n,):
-            raise ValueError(
-                f"frequencies must have shape ({n},) like indices, got {tuple(frequencies.shape)}")
-        if n and int(frequencies.min()) < 1:
-            raise ValueError("frequencies must be >= 1")
-        return frequencies.to(device=self.device, dtype=torch.int64).contiguous()
+        return check_frequencies(frequencies, n, self.device, like="indices", int32=True)
 
     def _lookup(self, indices, offsets, batch_size, insert: bool,
                 frequencies: Optional[torch.Tensor] = None) -> List[Lookup]:
@@ -490,15 +481,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         else:
             shape = (batch.batch_size, sum(self.feature_dims))
         out = self._outputs.empty(shape, torch.float32, self.device)
+        pooled = self.pooling_mode != DynamicEmbPoolingMode.NONE
         for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
-            ops = group.ops
-            if self.pooling_mode == DynamicEmbPoolingMode.NONE:
-                ops.sequence_forward(group.storage.tiers(), found.transient, found.row_ref,
-                                     found.inverse, group.dim, out)
-            else:
-                ops.pooled_forward(group.storage.tiers(), found.transient, found.row_ref,
-                                   found.inverse, batch.offsets, batch.weights,
-                                   self._feature_col[g], batch.batch_size, group.dim, mean, out)
+            group.forward(found, batch.offsets if pooled else None, batch.weights,
+                          self._feature_col[g], batch.batch_size, mean, out)
         return out
 
     def _apply_gradients(self, batch: _Batch, grad: torch.Tensor,
@@ -513,12 +499,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             grad_weights = torch.zeros(batch.weights.numel(), dtype=torch.float32,
                                        device=self.device)
             for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
-                group.ops.per_sample_weight_grad(
-                    group.storage.tiers(), found.transient, found.row_ref, found.inverse,
-                    batch.offsets, self._feature_col[g], batch.batch_size, group.dim, grad,
-                    grad_weights)
+                group.weight_grad(found, grad, batch.offsets, self._feature_col[g],
+                                  batch.batch_size, grad_weights)
         for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
             lr = self.optimizer.param_groups[g]["lr"]
-            group.apply_gradients(found, grad, lr, batch.offsets if pooled else None,
-                                  batch.weights, self._feature_col[g], batch.batch_size, mean)
+            group.backward(found, grad, lr, batch.offsets if pooled else None,
+                           batch.weights, self._feature_col[g], batch.batch_size, mean)
         return grad_weights

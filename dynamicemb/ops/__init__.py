@@ -1,41 +1,37 @@
-"""The one place that loads compiled code.
+"""The backend seam: ``for_device(device)`` is the one way to reach compiled code.
 
-``ops_for(device)`` returns the kernels for a device: for CPU tensors the
-``dynamicemb._C`` torch extension built by ``pip install -e .``; for CUDA tensors
-``dynamicemb.ops.cuda.CudaKernels``, the kernels of ``csrc/cuda`` compiled at run
-time by CuPy. Both offer the same functions with the same arguments.
+The contract every backend meets (verbs, results, shared codes) is
+``dynamicemb.ops.interface``; ``cpu.py`` implements it over the compiled extension
+``dynamicemb._C``, ``cuda.py`` over the kernels of ``csrc/cuda`` compiled at run time
+by CuPy. A new backend is one module here and one folder under ``csrc/``.
 """
 
 from functools import lru_cache
-from typing import Any
 
 import torch
 
-__all__ = ["ops_for", "resolve_device"]
+from dynamicemb.ops.interface import Backend
 
-
-def _load_cpu() -> Any:
-    try:
-        from dynamicemb import _C  # noqa: PLC0415 (the single import site)
-    except ImportError as err:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "dynamicemb's CPU kernels (dynamicemb._C) are not built. Run "
-            "`make build` (or `pip install --no-build-isolation -e .`) in the "
-            "repository root."
-        ) from err
-    return _C
+__all__ = ["Backend", "for_device", "resolve_device"]
 
 
 @lru_cache(maxsize=1)
-def _load_cuda() -> Any:
+def _cpu() -> Backend:
+    from dynamicemb.ops.cpu import CpuBackend  # noqa: PLC0415 (loads the extension)
+
+    return CpuBackend()
+
+
+@lru_cache(maxsize=1)
+def _cuda() -> Backend:
     """The process's one CUDA backend (it caches compiled kernels per device)."""
     if not torch.cuda.is_available():
         raise RuntimeError(
             "dynamicemb got CUDA tensors, but this PyTorch sees no CUDA device "
             "(a CPU-only build of torch, or no GPU): create the tables with device='cpu'")
-    from dynamicemb.ops.cuda import CudaKernels  # noqa: PLC0415 (CuPy is optional)
+    from dynamicemb.ops.cuda import CudaBackend  # noqa: PLC0415 (CuPy is optional)
 
-    return CudaKernels()
+    return CudaBackend()
 
 
 def resolve_device(device) -> torch.device:
@@ -47,24 +43,18 @@ def resolve_device(device) -> torch.device:
     return device
 
 
-def ops_for(device: torch.device) -> Any:
-    """Kernels for tensors on ``device``.
-
-    Args:
-        device: where the table's tensors live.
-
-    Returns:
-        An object whose functions take that device's tensors (the CPU extension
-        module, or ``CudaKernels``).
+def for_device(device) -> Backend:
+    """The backend for tensors on ``device``.
 
     Raises:
-        RuntimeError: when no backend exists for the device.
+        RuntimeError: when no backend exists for the device, or CUDA is asked for
+            where PyTorch sees no GPU.
         ImportError: for CUDA without CuPy (the message says what to install).
     """
     device = torch.device(device)
     if device.type == "cpu":
-        return _load_cpu()
+        return _cpu()
     if device.type == "cuda":
-        return _load_cuda()
+        return _cuda()
     raise RuntimeError(
         f"dynamicemb has no kernels for device {device}: use 'cpu' or 'cuda'.")

@@ -1,11 +1,12 @@
 """The CUDA backend: the kernels of ``csrc/cuda`` compiled at run time by CuPy.
 
 ``CudaKernels`` offers the functions of the CPU extension ``dynamicemb._C`` with
-the same names, arguments and results, over CUDA tensors, so the table, storage
+the same names, arguments and results, over CUDA tensors; ``CudaBackend`` is the
+``Backend`` verbs over them (``dynamicemb.ops.kernels``), so the table, storage
 and module code run unchanged on a GPU. Kernels are compiled once per process
 and device by NVRTC (cached on disk by CuPy, keyed on the sources and headers)
 and launched on PyTorch's current stream; tensors are passed as raw pointers
-(no copies). Only ``dynamicemb/_ops.py`` creates it.
+(no copies). Only ``dynamicemb.ops.for_device`` creates it.
 
 Inserting passes sort the pass's keys by bucket and walk each bucket with one
 warp, so results equal the CPU backend's (see ``csrc/cuda/hash_table.cu``).
@@ -18,7 +19,10 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-__all__ = ["CudaKernels", "cuda_source_root"]
+from dynamicemb.ops.interface import InsertStatus
+from dynamicemb.ops.kernels import KernelBackend
+
+__all__ = ["CudaBackend", "CudaKernels", "cuda_source_root"]
 
 # Each kernel and the file of csrc/cuda that defines it.
 _KERNELS = {
@@ -33,7 +37,7 @@ _KERNELS = {
 }
 _BLOCK = 256
 _WARPS_PER_BLOCK = _BLOCK // 32
-_DEFERRED = 4  # InsertStatus::kDeferred (csrc/dynamicemb/hash_primitives.h)
+_DEFERRED = int(InsertStatus.DEFERRED)
 _NUM_OUTCOMES = 4
 # Lookups of one row summed by one warp; hotter rows are split into pieces of
 # this many, summed in parallel, then added in order (csrc/cuda/embedding.cu).
@@ -457,3 +461,17 @@ class CudaKernels:
         self._launch("demb_per_sample_weight_grad", out.device, 32 * num_bags, rows + [
             _ptr(inverse), _ptr(offsets), _ptr(feature_col), _i64(batch), _i64(num_bags),
             _ptr(grad), np.int64(grad.size(1)), _ptr(out)])
+
+
+class CudaBackend(KernelBackend):
+    """Kernels over CUDA tensors.
+
+    Raises:
+        ImportError: when CuPy is missing (the message says what to install).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(CudaKernels())
+
+    def zeros(self, shape, dtype, device):
+        return torch.zeros(tuple(shape), dtype=dtype, device=device)

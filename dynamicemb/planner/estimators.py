@@ -1,6 +1,7 @@
 """Planner estimators for dynamic tables: their hash tables' device and host bytes,
 and a bandwidth for ``customized_kernel`` so the perf model can rank them."""
 
+import math
 from typing import Dict, List, Optional, Tuple
 
 from torchrec.distributed.planner.estimator.config import EmbeddingPerfEstimatorConfig
@@ -11,15 +12,11 @@ from torchrec.distributed.planner.shard_estimators import (
 from torchrec.distributed.planner.types import ParameterConstraints, ShardingOption, Storage, Topology
 from torchrec.distributed.types import compute_storage_usage
 
-from dynamicemb.embedding.group import optimizer_state_dim
+from dynamicemb.ops.interface import metadata_bytes_per_slot, num_buckets_for, optimizer_state_dim
 from dynamicemb.options import DynamicEmbOptimType, DynamicEmbTableOptions
 from dynamicemb.planner.types import CUSTOMIZED_KERNEL, DynamicEmbParameterConstraints
 
 __all__ = ["DynamicEmbPerfConfig", "DynamicEmbStorageEstimator", "dynamic_table_bytes"]
-
-# Per slot of the hash table: key (8), score (8), digest (1).
-_INDEX_BYTES_PER_SLOT = 17
-
 
 def dynamic_table_bytes(options: DynamicEmbTableOptions, rows: int,
                         optimizer: DynamicEmbOptimType = DynamicEmbOptimType.EXACT_SGD) -> Tuple[int, int]:
@@ -30,7 +27,9 @@ def dynamic_table_bytes(options: DynamicEmbTableOptions, rows: int,
         rows: the rank's capacity in rows.
         optimizer: the module's optimizer, unless ``options.optimizer_args`` names one.
 
-    Value rows hold the embedding and the optimizer state in float32. With
+    The table's own layout: ``rows`` rounded up to whole power-of-two buckets, each
+    slot a value row (embedding and optimizer state in float32) and its metadata
+    (``metadata_bytes_per_slot``, what ``ScoredHashTable.memory_bytes`` counts). With
     ``local_hbm_for_values=None`` everything is in device memory; otherwise the
     device holds that budget (a cache when ``caching``) and the host the rest (every
     row when ``caching``) together with the index.
@@ -38,8 +37,9 @@ def dynamic_table_bytes(options: DynamicEmbTableOptions, rows: int,
     if options.optimizer_args is not None:
         optimizer = options.optimizer_args.optimizer
     state_dim = optimizer_state_dim(DynamicEmbOptimType.of(optimizer), options.dim) if options.training else 0
-    values = rows * (options.dim + state_dim) * 4
-    index = rows * _INDEX_BYTES_PER_SLOT
+    slots = num_buckets_for(rows, options.bucket_capacity) * options.bucket_capacity
+    values = slots * (options.dim + state_dim) * 4
+    index = math.ceil(slots * metadata_bytes_per_slot(options.bucket_capacity))
     if options.local_hbm_for_values is None:
         return values + index, 0
     device = min(options.local_hbm_for_values, values)

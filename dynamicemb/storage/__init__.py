@@ -1,5 +1,5 @@
 """The storage layer: where value rows live (device tier, host store)."""
 
-from dynamicemb.storage.tiered import HOST_ROW_BIT, TierMetrics, TieredStorage
+from dynamicemb.storage.tiered import TierMetrics, TieredStorage
 
-__all__ = ["HOST_ROW_BIT", "TierMetrics", "TieredStorage"]
+__all__ = ["TierMetrics", "TieredStorage"]

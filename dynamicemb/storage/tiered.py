@@ -20,23 +20,27 @@ With no budget the host store itself is the device tier (one tier). Kernels
 address rows by reference (``csrc/dynamicemb/row_ref.h``): a device slot, a host
 slot tagged with ``HOST_ROW_BIT``, or a transient row. A batch that does not fit
 in the cache is served from the host store for the rest.
+
+Each tier has its own device: the host store lives where its ``ScoredHashTable``
+was made, the device tier on ``device``. Keys, references and rows cross between
+them here and nowhere else (``to`` is a no-op where both are on one device); row
+references and everything ``place``/``resolve`` return are on ``device``.
 """
 
 import logging
 from dataclasses import dataclass, fields
-from typing import List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
-from dynamicemb.table import Deduplicated, InsertResult, PendingInsert, ScoredHashTable
+from dynamicemb.ops.interface import HOST_ROW_BIT, RowSources
+from dynamicemb.table import (Deduplicated, Entries, InsertResult, PendingInsert,
+                              ScoredHashTable)
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
-__all__ = ["HOST_ROW_BIT", "TierMetrics", "TieredStorage"]
+__all__ = ["TierMetrics", "TieredStorage"]
 
 logger = logging.getLogger(__name__)
-
-#: Row references >= HOST_ROW_BIT name host-store slots (csrc/dynamicemb/row_ref.h).
-HOST_ROW_BIT = 1 << 62
 
 
 @dataclass
@@ -79,6 +83,10 @@ class TieredStorage:
             tier, or a host-only store when ``host_only``).
         promote: True for a cache, False for a placement tier.
         host_only: no device memory at all: every reference is a host reference.
+        device: where the device tier, the references and the batches are (default:
+            the host store's device).
+        initialize: ``initialize(values, slots, keys, tids)`` writes the initial rows
+            of keys the host store inserts (default: they stay zero).
     """
 
     def __init__(
@@ -87,23 +95,31 @@ class TieredStorage:
         device_tier: Optional[ScoredHashTable] = None,
         promote: bool = True,
         host_only: bool = False,
+        device: Optional[torch.device] = None,
+        initialize: Optional[Callable] = None,
     ) -> None:
         self.host = host
+        self.initialize = initialize
+        self.device = host.device if device is None else torch.device(device)
         self.device_tier = device_tier
         self.promote = promote
         self.host_only = host_only
         self.metrics = [TierMetrics() for _ in range(host.num_tables)]
         self._moves = 0  # promotions and write-backs: a key's row of record moved
-        # The absent tier of ``tiers()``: on the kernels' device like the other one.
-        self._empty = torch.empty(0, host.value_dim, dtype=host.value_dtype, device=host.device)
+        # The absent tier of ``sources()``: on the kernels' device like the other one.
+        self._empty = torch.empty(0, host.value_dim, dtype=host.value_dtype, device=self.device)
 
     @classmethod
-    def build(cls, host: ScoredHashTable, caching: bool, device_rows: Optional[int]) -> "TieredStorage":
-        """The layout for a device budget of ``device_rows`` rows (None: unlimited)."""
+    def build(cls, host: ScoredHashTable, caching: bool, device_rows: Optional[int],
+              device: Optional[torch.device] = None,
+              initialize: Optional[Callable] = None) -> "TieredStorage":
+        """The layout for a device budget of ``device_rows`` rows (None: unlimited),
+        with the device tier on ``device`` (default: the host store's)."""
+        device = host.device if device is None else device
         if device_rows is None or (not caching and device_rows >= host.max_capacity()):
-            return cls(host)
+            return cls(host, device=device, initialize=initialize)
         if device_rows < 16:  # smaller than one bucket: no device tier at all
-            return cls(host, host_only=True)
+            return cls(host, host_only=True, device=device, initialize=initialize)
         bucket = min(host.bucket_capacity, 16 * (device_rows // 16))
         buckets = 1 << ((device_rows // bucket).bit_length() - 1)  # round down: stay in budget
         tier = ScoredHashTable(
@@ -116,9 +132,9 @@ class TieredStorage:
             value_dim=host.value_dim,
             value_dtype=host.value_dtype,
             check_mode=DynamicEmbCheckMode.IGNORE,  # a full device tier is normal
-            device=host.device,
+            device=device,
         )
-        return cls(host, tier, promote=caching)
+        return cls(host, tier, promote=caching, device=device, initialize=initialize)
 
     def describe(self) -> str:
         row_bytes = self.host.value_dim * self.host.values.element_size()
@@ -130,13 +146,13 @@ class TieredStorage:
         return f"device {kind} of {cap} rows ({cap * row_bytes} B) over a {host}"
 
     # ---------------------------------------------------------------- access
-    def tiers(self) -> List[torch.Tensor]:
-        """[device values, host values] for the kernels."""
+    def sources(self, transient: torch.Tensor) -> RowSources:
+        """The row arrays the kernels read references from, with a batch's transient rows."""
         if self.device_tier is not None:
-            return [self.device_tier.values, self.host.values]
+            return RowSources(self.device_tier.values, self.host.values, transient)
         if self.host_only:
-            return [self._empty, self.host.values]
-        return [self.host.values, self._empty]
+            return RowSources(self._empty, self.host.values, transient)
+        return RowSources(self.host.values, self._empty, transient)
 
     @property
     def generation(self) -> Tuple[int, int, int]:
@@ -146,7 +162,12 @@ class TieredStorage:
         tier = self.device_tier.generation if self.device_tier is not None else 0
         return (self.host.generation, tier, self._moves)
 
+    def _on_host(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.host.device)
+
     def _host_refs(self, host_slots: torch.Tensor) -> torch.Tensor:
+        """References (on ``device``) of host slots (-1: not stored)."""
+        host_slots = host_slots.to(self.device)
         if self.device_tier is None and not self.host_only:
             return host_slots
         return torch.where(host_slots >= 0, host_slots + HOST_ROW_BIT, host_slots)
@@ -154,7 +175,7 @@ class TieredStorage:
     def resolve(self, keys: torch.Tensor, tids: torch.Tensor) -> torch.Tensor:
         """Read-only references of keys (-1 where absent): the device tier's row
         where it holds one, else the host store's."""
-        refs = self._host_refs(self.host.find(keys, tids))
+        refs = self._host_refs(self.host.find(self._on_host(keys), self._on_host(tids)))
         if self.device_tier is not None:
             found = self.device_tier.find(keys, tids)
             refs = torch.where(found >= 0, found, refs)
@@ -164,23 +185,41 @@ class TieredStorage:
     def prepare(self, keys, tids, scores) -> PendingInsert:
         """Phase one: the host store decides keys and scores (may raise; see
         ``ScoredHashTable.prepare_find_or_insert``)."""
-        return self.host.prepare_find_or_insert(keys, tids, scores)
+        scores = None if scores is None else self._on_host(scores)
+        return self.host.prepare_find_or_insert(self._on_host(keys), self._on_host(tids), scores)
 
     def prepare_dedup(self, keys, tids, frequencies) -> Tuple[Deduplicated, PendingInsert]:
         """Phase one of a batch with repeated keys: its dedup and ``prepare`` of the
-        unique keys in one call (see ``ScoredHashTable.prepare_dedup_find_or_insert``)."""
-        return self.host.prepare_dedup_find_or_insert(keys, tids, frequencies)
+        unique keys in one call (see ``ScoredHashTable.prepare_dedup_find_or_insert``).
+        The dedup is returned on ``device``."""
+        frequencies = None if frequencies is None else self._on_host(frequencies)
+        unique, pending = self.host.prepare_dedup_find_or_insert(
+            self._on_host(keys), self._on_host(tids), frequencies)
+        return Deduplicated(*(None if t is None else t.to(self.device) for t in unique)), pending
 
-    def commit(self, pending: PendingInsert) -> InsertResult:
-        """Phase two, host side: commits, and drops keys the host store evicted from
-        the device tier too. New rows must be initialized in the host store before
-        ``place`` copies them."""
+    def commit(self, pending: PendingInsert, keys: torch.Tensor,
+               tids: torch.Tensor) -> InsertResult:
+        """Phase two, host side: commits, initializes the rows of new keys in the host
+        store, and drops keys the host store evicted from the device tier too.
+
+        Args:
+            pending: from ``prepare``/``prepare_dedup``.
+            keys, tids: the keys it prepared (the unique keys for ``prepare_dedup``).
+
+        Returns:
+            The host store's result: slots are host slots, on the host store's device.
+        """
         result = pending.commit()
+        if result.num_inserted and self.initialize is not None:
+            new_at = result.inserted.nonzero().squeeze(1)
+            self.initialize(self.host.values, result.slots[new_at],
+                            self._on_host(keys)[new_at], self._on_host(tids)[new_at])
         evicted = result.evicted
         if evicted.keys.numel():
             self._count("host_evictions", evicted.table_ids)
             if self.device_tier is not None:
-                self.device_tier.erase(evicted.keys, evicted.table_ids)
+                self.device_tier.erase(evicted.keys.to(self.device),
+                                       evicted.table_ids.to(self.device))
         return result
 
     def place(self, keys, tids, host_slots, new, counts,
@@ -200,6 +239,7 @@ class TieredStorage:
             (U,) row references; -1 where not stored.
         """
         self._count("lookups", tids)
+        host_slots, new = host_slots.to(self.device), new.to(self.device)
         refs = self._host_refs(host_slots)
         if self.device_tier is None:
             field = "misses" if self.host_only else "hits"
@@ -255,7 +295,8 @@ class TieredStorage:
                 misses = misses[hottest[:max(room, 0)]]
             order = torch.cat([hit.nonzero().squeeze(1), misses])
             keys, tids, host_slots = keys[order], tids[order], host_slots[order]
-        scores = self.host.scores_at(host_slots) if self.promote else None
+        scores = (self.host.scores_at(self._on_host(host_slots)).to(self.device) if self.promote
+                  else None)
         result = tier.find_or_insert(keys, tids, scores)
         # Victims first: a key of this batch may have been evicted by an earlier key
         # of the same call and inserted again, and its fresh row is the victim's.
@@ -266,7 +307,8 @@ class TieredStorage:
         fresh = result.inserted
         at = fresh.nonzero().squeeze(1)
         if at.numel():
-            tier.values[result.slots[at]] = self.host.values[host_slots[at]]
+            tier.values[result.slots[at]] = self.host.values[self._on_host(host_slots[at])].to(
+                self.device)
             self._count_where("host_reads", tids, fresh)
             self._moves += 1
         if order is None:
@@ -279,6 +321,7 @@ class TieredStorage:
     def _write_back(self, keys, tids, rows) -> None:
         if keys.numel() == 0:
             return
+        keys, tids, rows = self._on_host(keys), self._on_host(tids), self._on_host(rows)
         slots = self.host.find(keys, tids)
         ok = (slots >= 0).nonzero().squeeze(1)
         self.host.values[slots[ok]] = rows[ok]
@@ -297,22 +340,27 @@ class TieredStorage:
         if self.device_tier is not None:
             self.device_tier.clear()
 
-    def export(self):
-        """Every stored row, current values (device-tier copies win): ``Exported``."""
+    def export(self) -> Entries:
+        """Every stored row, current values (device-tier copies win), on the host
+        store's device; ``slots`` are host slots."""
         rows = self.host.export_batch()
         if self.device_tier is not None and rows.keys.numel():
-            found = self.device_tier.find(rows.keys, rows.table_ids)
+            found = self.device_tier.find(rows.keys.to(self.device), rows.table_ids.to(self.device))
             cached = (found >= 0).nonzero().squeeze(1)
-            rows.values[cached] = self.device_tier.values[found[cached]]
+            rows.values[self._on_host(cached)] = self._on_host(
+                self.device_tier.values[found[cached]])
         return rows
 
     def import_rows(self, keys, tids, rows, scores) -> None:
         """Writes rows into the host store; stale device-tier copies are dropped."""
-        result = self.host.insert_and_evict(keys, rows, tids, scores)
+        scores = None if scores is None else self._on_host(scores)
+        result = self.host.insert_and_evict(self._on_host(keys), self._on_host(rows),
+                                            self._on_host(tids), scores)
         if self.device_tier is not None:
-            self.device_tier.erase(keys, tids)
+            self.device_tier.erase(keys.to(self.device), tids.to(self.device))
             if result.evicted.keys.numel():
-                self.device_tier.erase(result.evicted.keys, result.evicted.table_ids)
+                self.device_tier.erase(result.evicted.keys.to(self.device),
+                                       result.evicted.table_ids.to(self.device))
 
     def _add(self, field: str, count: int) -> None:
         """Adds ``count`` to the one table's metric ``field`` (one-table groups)."""

@@ -1,21 +1,12 @@
 """The scored hash table layer: (table id, key) -> slot, scores, eviction."""
 
-from dynamicemb.table.scored_hash_table import (
-    MAX_TABLES,
-    Deduplicated,
-    Evicted,
-    Exported,
-    InsertResult,
-    PendingInsert,
-    ScoredHashTable,
-    TableStats,
-    hash_keys,
-)
+from dynamicemb.table.pending import PendingInsert
+from dynamicemb.table.results import Deduplicated, Entries, InsertResult, TableStats
+from dynamicemb.table.scored_hash_table import MAX_TABLES, ScoredHashTable, hash_keys
 
 __all__ = [
     "Deduplicated",
-    "Evicted",
-    "Exported",
+    "Entries",
     "InsertResult",
     "MAX_TABLES",
     "PendingInsert",

@@ -2,171 +2,29 @@
 
 The contract (geometry, hash, score rules, the inserting procedure) is written
 out in ``docs/ARCHITECTURE.md``, "The scored hash table". This module owns the
-tensors and the policy; the kernels in ``csrc/`` only walk them.
+policy (growth for load, the clock, failures, stats); the backend's verbs
+(``dynamicemb.ops``) own the table's memory layout and walk it.
 """
 
 import logging
-import math
-from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from dynamicemb.ops import huge_pages
-from dynamicemb.ops import ops_for, resolve_device
+from dynamicemb.ops import for_device, resolve_device
+from dynamicemb.ops.interface import (Deduplicated, Entries, InsertStatus, ScoreRule,
+                                      num_buckets_for, score_rule)
+from dynamicemb.table.checks import check_frequencies, check_keys, table_ids_as_int16
+from dynamicemb.table.pending import PendingInsert
+from dynamicemb.table.results import InsertResult, TableStats
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
-__all__ = [
-    "Deduplicated",
-    "Evicted",
-    "Exported",
-    "InsertResult",
-    "MAX_TABLES",
-    "PendingInsert",
-    "ScoredHashTable",
-    "TableStats",
-    "hash_keys",
-]
+__all__ = ["MAX_TABLES", "ScoredHashTable", "hash_keys"]
 
 logger = logging.getLogger(__name__)
 
 #: Table ids are stored as int16 per slot.
 MAX_TABLES = 32767
-
-# Kernel outcome codes (csrc/dynamicemb/hash_primitives.h, InsertStatus).
-_HIT, _INSERTED, _EVICTED_AND_INSERTED, _FAILED = 0, 1, 2, 3
-
-# What an inserting pass writes per key (the kernels' upsert outputs).
-_PER_KEY_OUTPUTS = {
-    "slots": torch.int64,
-    "status": torch.int8,
-    "prev_scores": torch.int64,
-    "ev_keys": torch.int64,
-    "ev_tids": torch.int16,
-    "ev_scores": torch.int64,
-}
-
-
-@dataclass(frozen=True)
-class _ScorePolicy:
-    """How a strategy maps onto the kernels: a score rule and whether it evicts."""
-
-    rule: int  # 0: the call's clock/step, 1: count (LFU), 2: the caller's score
-    evicts: bool
-
-
-_POLICIES = {
-    DynamicEmbScoreStrategy.LRU: _ScorePolicy(rule=0, evicts=True),
-    DynamicEmbScoreStrategy.STEP: _ScorePolicy(rule=0, evicts=True),
-    DynamicEmbScoreStrategy.LFU: _ScorePolicy(rule=1, evicts=True),
-    DynamicEmbScoreStrategy.CUSTOMIZED: _ScorePolicy(rule=2, evicts=True),
-    DynamicEmbScoreStrategy.NO_EVICTION: _ScorePolicy(rule=0, evicts=False),
-}
-
-
-@dataclass
-class TableStats:
-    """Running counts of what the table did (never reset by ``clear``)."""
-
-    inserts: int = 0
-    evictions: int = 0
-    failed_inserts: int = 0
-    erases: int = 0
-    growths: int = 0
-
-
-class Evicted(NamedTuple):
-    """Entries an inserting call pushed out, in input order of the keys that did.
-
-    Shape:
-        keys, table_ids, scores, slots: (m,) int64; values: (m, value_dim).
-    """
-
-    keys: torch.Tensor
-    table_ids: torch.Tensor
-    scores: torch.Tensor
-    slots: torch.Tensor
-    values: torch.Tensor
-
-
-class InsertResult(NamedTuple):
-    """Outcome of an inserting call.
-
-    Shape:
-        slots: (n,) int64, -1 where the insert failed; inserted: (n,) bool, True
-        where the key was new. ``evicted`` is None for ``insert_or_assign``.
-        ``num_inserted`` and ``num_failed`` count them (the kernel's own counts).
-    """
-
-    slots: torch.Tensor
-    inserted: torch.Tensor
-    evicted: Optional[Evicted]
-    num_inserted: int  # inserted.sum()
-    num_failed: int  # (slots < 0).sum()
-
-
-class Deduplicated(NamedTuple):
-    """The unique (table id, key) pairs of a batch, in first-occurrence order.
-
-    Shape:
-        keys: (U,) int64; table_ids: (U,) int16; inverse: (N,) int64, the unique
-        index of each of the batch's N keys; counts: (U,) int64, the summed
-        frequencies of each pair's keys (1 per key when none are given);
-        starts: (U + 1,) int64 and rank: (N,) int64, the batch's keys grouped by
-        pair (a stable sort by ``inverse``): the keys of pair u have ranks
-        ``starts[u]`` to ``starts[u + 1] - 1``, in input order (what a fused
-        backward walks).
-    """
-
-    keys: torch.Tensor
-    table_ids: torch.Tensor
-    inverse: torch.Tensor
-    counts: torch.Tensor
-    starts: torch.Tensor
-    rank: torch.Tensor
-
-
-class Exported(NamedTuple):
-    """Occupied slots of a range, in slot order (same fields as ``Evicted``)."""
-
-    keys: torch.Tensor
-    table_ids: torch.Tensor
-    scores: torch.Tensor
-    slots: torch.Tensor
-    values: torch.Tensor
-
-
-class PendingInsert:
-    """A prepared inserting call (``ScoredHashTable.prepare_find_or_insert``)."""
-
-    def __init__(self, table, out, clock_before, rows, read_evicted, assign) -> None:
-        self.table = table
-        self.out = out
-        self.clock_before = clock_before
-        self.rows = rows
-        self.read_evicted = read_evicted
-        self.assign = assign
-        self._done = False
-
-    @property
-    def slots(self) -> torch.Tensor:
-        """(n,) int64 slots decided by the call, -1 where the insert failed."""
-        return self.out["slots"]
-
-    def _finish(self) -> None:
-        if self._done:
-            raise RuntimeError("this insert was already committed or aborted")
-        self._done = True
-
-    def commit(self) -> InsertResult:
-        """Writes the value rows and returns the call's result."""
-        self._finish()
-        return self.table._commit(self)
-
-    def abort(self) -> None:
-        """Undoes the call."""
-        self._finish()
-        self.table._abort(self)
 
 
 def hash_keys(keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
@@ -179,55 +37,9 @@ def hash_keys(keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
     Returns:
         (n,) int64 hashes (the uint64 bits).
     """
-    _check_keys(keys)
-    tids = _table_ids_as_int16(table_ids, keys.numel(), MAX_TABLES)
-    return ops_for(keys.device).hash_keys(keys.contiguous(), tids)
-
-
-def _check_keys(keys: torch.Tensor) -> None:
-    if not isinstance(keys, torch.Tensor):
-        raise TypeError(f"keys must be a torch.Tensor, got {type(keys).__name__}")
-    if keys.dtype != torch.int64:
-        raise TypeError(f"keys must be int64, got {keys.dtype}")
-    if keys.dim() != 1:
-        raise ValueError(f"keys must be 1-D, got shape {tuple(keys.shape)}")
-
-
-def _frequencies(frequencies: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
-    if frequencies is None:
-        return None
-    if not isinstance(frequencies, torch.Tensor) or frequencies.dtype != torch.int64:
-        raise TypeError(
-            f"frequencies must be an int64 tensor, got {getattr(frequencies, 'dtype', type(frequencies))}")
-    if frequencies.shape != (n,):
-        raise ValueError(f"frequencies must have shape ({n},) like keys, got {tuple(frequencies.shape)}")
-    if n > 0 and int(frequencies.min()) < 1:
-        raise ValueError("frequencies must be >= 1")
-    return frequencies.contiguous()
-
-
-def _table_ids_as_int16(table_ids: torch.Tensor, n: int, num_tables: int) -> torch.Tensor:
-    if not isinstance(table_ids, torch.Tensor):
-        raise TypeError(f"table_ids must be a torch.Tensor, got {type(table_ids).__name__}")
-    if table_ids.dtype not in (torch.int16, torch.int32, torch.int64):
-        raise TypeError(f"table_ids must be int32 or int64, got {table_ids.dtype}")
-    if table_ids.shape != (n,):
-        raise ValueError(
-            f"table_ids must have shape ({n},) like keys, got {tuple(table_ids.shape)}"
-        )
-    if n > 0:
-        low, high = (int(x) for x in torch.aminmax(table_ids))
-        if low < 0 or high >= num_tables:
-            raise ValueError(
-                f"table_ids must be in [0, {num_tables}), got values in [{low}, {high}]"
-            )
-    return table_ids.to(torch.int16).contiguous()
-
-
-def _num_buckets_for(capacity: int, bucket_capacity: int) -> int:
-    """Smallest power of two number of buckets holding ``capacity`` slots."""
-    buckets = max(1, math.ceil(capacity / bucket_capacity))
-    return 1 << (buckets - 1).bit_length()
+    check_keys(keys)
+    tids = table_ids_as_int16(table_ids, keys.numel(), MAX_TABLES)
+    return for_device(keys.device).hash_keys(keys=keys.contiguous(), table_ids=tids)
 
 
 class ScoredHashTable:
@@ -298,12 +110,13 @@ class ScoredHashTable:
         self.value_dtype = value_dtype
         self.device = resolve_device(device)
         self.stats = TableStats()
-        self._ops = ops_for(self.device)
-        self._policy = _POLICIES[self.score_strategy]
-        self._max_num_buckets = _num_buckets_for(max_capacity, bucket_capacity)
-        self._num_buckets = _num_buckets_for(capacity, bucket_capacity)
-        self._meta = self._new_meta(self._num_buckets)
-        self._values = self._new_values(self._num_buckets)
+        self._ops = for_device(self.device)
+        self._rule, self._evicts = score_rule(self.score_strategy)
+        self._memory = self._ops.new_table(
+            num_buckets=num_buckets_for(capacity, bucket_capacity),
+            max_num_buckets=num_buckets_for(max_capacity, bucket_capacity),
+            bucket_capacity=bucket_capacity, value_dim=value_dim, value_dtype=value_dtype,
+            device=self.device)
         self._size = 0
         self._clock = 0
         self._step = 0
@@ -311,33 +124,10 @@ class ScoredHashTable:
         self._pending: Optional[PendingInsert] = None
 
     # ----------------------------------------------------------------- state
-    def _new_meta(self, num_buckets: int) -> List[torch.Tensor]:
-        """[keys, scores, tids, digests, occupied, pinned] for ``num_buckets``.
-
-        Keys and scores are the two columns of one (slots, 2) array, so a probe that
-        reads a slot's key has its score in the same cache line.
-        """
-        slots = num_buckets * self.bucket_capacity
-        words = (self.bucket_capacity + 63) // 64
-        dev = self.device
-        keys_and_scores = huge_pages.zeros((slots, 2), torch.int64, dev)
-        return [
-            keys_and_scores[:, 0],
-            keys_and_scores[:, 1],
-            huge_pages.zeros(slots, torch.int16, dev),
-            huge_pages.zeros(slots, torch.uint8, dev),
-            huge_pages.zeros((num_buckets, words), torch.int64, dev),
-            huge_pages.zeros((num_buckets, words), torch.int64, dev),
-        ]
-
-    def _new_values(self, num_buckets: int) -> torch.Tensor:
-        slots = num_buckets * self.bucket_capacity
-        return huge_pages.zeros((slots, self.value_dim), self.value_dtype, self.device)
-
     @property
     def values(self) -> torch.Tensor:
         """Value rows, ``[capacity, value_dim]``, indexed by slot."""
-        return self._values
+        return self._memory.values
 
     @property
     def clock(self) -> int:
@@ -357,7 +147,7 @@ class ScoredHashTable:
 
     @property
     def num_buckets(self) -> int:
-        return self._num_buckets
+        return self._memory.num_buckets
 
     def size(self) -> int:
         """Number of keys stored."""
@@ -365,11 +155,11 @@ class ScoredHashTable:
 
     def capacity(self) -> int:
         """Slots now (a power-of-two number of buckets)."""
-        return self._num_buckets * self.bucket_capacity
+        return self._memory.capacity
 
     def max_capacity(self) -> int:
         """The most slots growth may reach."""
-        return self._max_num_buckets * self.bucket_capacity
+        return self._memory.max_num_buckets * self.bucket_capacity
 
     def load_factor(self) -> float:
         return self._size / self.capacity()
@@ -384,12 +174,13 @@ class ScoredHashTable:
             (n,) int64 scores.
         """
         self._check_idle()
-        return self._meta[1][slots]
+        return self._memory.scores[slots]
 
     def memory_bytes(self) -> dict:
         """Bytes held: ``metadata`` (keys, scores, ids, digests, bits) and ``values``."""
-        meta = sum(t.numel() * t.element_size() for t in self._meta)
-        return {"metadata": meta, "values": self._values.numel() * self._values.element_size()}
+        meta = sum(t.numel() * t.element_size() for t in self._memory.meta)
+        values = self._memory.values
+        return {"metadata": meta, "values": values.numel() * values.element_size()}
 
     def set_step(self, step: int) -> None:
         """Sets the score that the ``STEP`` strategy gives to the keys it touches."""
@@ -400,9 +191,8 @@ class ScoredHashTable:
     def clear(self) -> None:
         """Empties every slot. The clock, the step and ``stats`` stay."""
         self._check_idle()
-        self._meta[3].zero_()  # digest 0: empty (csrc/dynamicemb/hash_primitives.h)
-        self._meta[4].zero_()
-        self._meta[5].zero_()
+        for array in self._memory.meta[3:]:  # digests (0: empty), occupied, pinned bits
+            array.zero_()
         self._size = 0
         self._generation += 1
 
@@ -410,10 +200,10 @@ class ScoredHashTable:
     def _table_ids(self, table_ids: Optional[torch.Tensor], n: int) -> torch.Tensor:
         if table_ids is None:
             return torch.zeros(n, dtype=torch.int16, device=self.device)
-        return _table_ids_as_int16(table_ids, n, self.num_tables)
+        return table_ids_as_int16(table_ids, n, self.num_tables)
 
     def _keys(self, keys: torch.Tensor) -> torch.Tensor:
-        _check_keys(keys)
+        check_keys(keys)
         if keys.device != self.device:
             raise ValueError(f"keys are on {keys.device}, the table on {self.device}")
         return keys.contiguous()
@@ -468,7 +258,8 @@ class ScoredHashTable:
         self._check_idle()
         keys = self._keys(keys)
         tids = self._table_ids(table_ids, keys.numel())
-        return self._ops.find(self._meta, self.bucket_capacity, keys, tids, self.num_tables == 1)
+        return self._ops.find(memory=self._memory, keys=keys, table_ids=tids,
+                              one_table=self.num_tables == 1)
 
     def find_or_insert(
         self,
@@ -533,7 +324,7 @@ class ScoredHashTable:
         self._check_idle()
         keys = self._keys(keys)
         tids = self._table_ids(table_ids, keys.numel())
-        erased = self._ops.erase(self._meta, self.bucket_capacity, keys, tids)
+        erased = self._ops.erase(memory=self._memory, keys=keys, table_ids=tids)
         count = int(erased.sum())
         self._generation += count > 0
         self._size -= count
@@ -542,7 +333,7 @@ class ScoredHashTable:
 
     def export_batch(
         self, start: int = 0, count: Optional[int] = None, min_score: Optional[int] = None
-    ) -> Exported:
+    ) -> Entries:
         """Occupied slots of ``[start, start + count)`` whose score is >= ``min_score``.
 
         Args:
@@ -551,40 +342,38 @@ class ScoredHashTable:
             min_score: keep only entries scoring at least this (default: all).
 
         Returns:
-            ``Exported`` in slot order; value rows are copies.
+            ``Entries`` in slot order; value rows are copies.
         """
         self._check_idle()
         if start < 0 or (count is not None and count < 0):
             raise ValueError(f"start and count must be >= 0, got {start}, {count}")
         end = self.capacity() if count is None else min(self.capacity(), start + count)
-        slots = self._ops.occupied_slots(self._meta, self.bucket_capacity, start, max(start, end))
+        memory = self._memory
+        slots = self._ops.occupied_slots(memory=memory, start=start, end=max(start, end))
         if min_score is not None:
-            slots = slots[self._meta[1][slots] >= int(min_score)]
-        return Exported(
-            keys=self._meta[0][slots],
-            table_ids=self._meta[2][slots].long(),
-            scores=self._meta[1][slots],
+            slots = slots[memory.scores[slots] >= int(min_score)]
+        return Entries(
+            keys=memory.keys[slots],
+            table_ids=memory.table_ids[slots].long(),
+            scores=memory.scores[slots],
             slots=slots,
-            values=self._values[slots],
+            values=memory.values[slots],
         )
 
     # -------------------------------------------------------------- internals
     def _grow(self) -> None:
         """Doubles the buckets; every entry keeps its offset in the bucket."""
-        new_meta = self._new_meta(2 * self._num_buckets)
-        moved = self._ops.grow(self._meta, new_meta, self.bucket_capacity)
-        new_values = self._new_values(2 * self._num_buckets)
-        occupied = (moved >= 0).nonzero().squeeze(1)
-        new_values[moved[occupied]] = self._values[occupied]
-        self._meta, self._values = new_meta, new_values
-        self._num_buckets *= 2
-        self._generation += 1
-        self.stats.growths += 1
+        self._ops.grow(memory=self._memory)
+        self._grown(1)
+
+    def _grown(self, growths: int) -> None:
+        self._generation += growths > 0
+        self.stats.growths += growths
 
     def _grow_for_load(self) -> None:
         while (
             self._size > self.max_load_factor * self.capacity()
-            and self._num_buckets < self._max_num_buckets
+            and self._memory.can_grow
         ):
             self._grow()
 
@@ -612,7 +401,7 @@ class ScoredHashTable:
         keys: torch.Tensor,
         table_ids: Optional[torch.Tensor] = None,
         frequencies: Optional[torch.Tensor] = None,
-    ) -> Tuple[Deduplicated, "PendingInsert"]:
+    ) -> Tuple[Deduplicated, PendingInsert]:
         """``prepare_find_or_insert`` of the unique pairs of a batch that may repeat
         keys, returning the dedup too. With a clock-scored strategy (LRU, STEP,
         NO_EVICTION) the dedup and the insert overlap: one thread finds the unique
@@ -639,27 +428,18 @@ class ScoredHashTable:
         keys = self._keys(keys)
         n = keys.numel()
         tids = self._table_ids(table_ids, n)
-        frequencies = _frequencies(frequencies, n)
-        if self._policy.rule != 0:  # LFU: the scores are the counts, known after the dedup
-            unique = Deduplicated(*self._ops.dedup(keys, tids, frequencies, True))
+        frequencies = check_frequencies(frequencies, n, self.device)
+        if self._rule != ScoreRule.CLOCK:  # LFU: the scores are the counts, known after the dedup
+            unique = self._ops.dedup(keys=keys, table_ids=tids, frequencies=frequencies,
+                                     group=True)
             return unique, self._prepare(unique.keys, unique.table_ids, unique.counts,
                                          values=None, read_evicted=True, assign=False)
         self._grow_for_load()
         clock_before, now = self._tick()
-        out = self._pass_outputs(n)
-        *unique, deferred = self._ops.dedup_upsert(
-            self._meta, self.bucket_capacity, keys, tids, frequencies, now,
-            self._policy.evicts, self._num_buckets < self._max_num_buckets,
-            self.num_tables == 1, out["slots"], out["status"], out["prev_scores"],
-            out["ev_keys"], out["ev_tids"], out["ev_scores"], out["outcomes"],
-        )
-        unique = Deduplicated(*unique)
-        num_unique = unique.keys.numel()
-        for name in _PER_KEY_OUTPUTS:
-            out[name] = out[name][:num_unique]
-        out["passes"] = 1
-        out = self._run_passes(unique.keys, unique.table_ids, None, now, out, deferred)
-        return unique, self._pending_insert(out, clock_before, None, read_evicted=True,
+        unique, upserted = self._ops.dedup_upsert(
+            memory=self._memory, keys=keys, table_ids=tids, frequencies=frequencies, now=now,
+            evicts=self._evicts, one_table=self.num_tables == 1)
+        return unique, self._pending_insert(upserted, clock_before, None, read_evicted=True,
                                             assign=False)
 
     def _check_idle(self) -> None:
@@ -677,9 +457,10 @@ class ScoredHashTable:
 
         self._grow_for_load()
         clock_before, now = self._tick()
-        everything = torch.arange(n, dtype=torch.int64, device=self.device)
-        out = self._run_passes(keys, tids, given, now, self._pass_outputs(n), everything)
-        return self._pending_insert(out, clock_before, rows, read_evicted, assign)
+        upserted = self._ops.upsert(
+            memory=self._memory, keys=keys, table_ids=tids, scores=given, rule=self._rule,
+            now=now, evicts=self._evicts, one_table=self.num_tables == 1)
+        return self._pending_insert(upserted, clock_before, rows, read_evicted, assign)
 
     def _tick(self) -> Tuple[int, int]:
         """Advances the clock for an inserting call: (clock before, the call's score)."""
@@ -688,24 +469,22 @@ class ScoredHashTable:
         now = self._step if self.score_strategy == DynamicEmbScoreStrategy.STEP else self._clock
         return clock_before, now
 
-    def _pending_insert(self, out, clock_before, rows, read_evicted, assign) -> "PendingInsert":
-        """The prepared call of finished passes; reports failed inserts."""
-        if out["passes"] > 1:  # a single pass unpins its own slots in the kernel
-            self._ops.unpin(self._meta, self.bucket_capacity, out["slots"])
-        pending = PendingInsert(self, out, clock_before, rows, read_evicted, assign)
-        failed = out["counts"]["failed"]
-        if failed:
-            self.stats.failed_inserts += failed
-            self._report_failures(failed, out["slots"].numel(), pending)
+    def _pending_insert(self, upserted, clock_before, rows, read_evicted, assign) -> "PendingInsert":
+        """The prepared call of a finished upsert; reports failed inserts."""
+        self._grown(upserted.growths)
+        pending = PendingInsert(self, upserted, clock_before, rows, read_evicted, assign)
+        if upserted.failed:
+            self.stats.failed_inserts += upserted.failed
+            self._report_failures(upserted.failed, upserted.slots.numel(), pending)
         self._pending = pending
         return pending
 
     def _commit(self, pending: "PendingInsert") -> InsertResult:
         self._pending = None
-        out = pending.out
-        slots, status = out["slots"], out["status"]
-        num_evicted = out["counts"]["evicted"]
-        num_inserted = out["counts"]["inserted"] + num_evicted
+        upserted = pending.upserted
+        slots, status = upserted.slots, upserted.status
+        num_evicted = upserted.evicted
+        num_inserted = upserted.inserted + num_evicted
         self._size += num_inserted - num_evicted
         self.stats.inserts += num_inserted
         self.stats.evictions += num_evicted
@@ -713,63 +492,27 @@ class ScoredHashTable:
 
         evicted = None
         if pending.read_evicted:
-            evicted = (self._read_evicted(status == _EVICTED_AND_INSERTED, out) if num_evicted
-                       else self._no_evicted())
+            evicted = (self._read_evicted(upserted) if num_evicted else self._no_evicted())
         if num_inserted:
-            inserted = (status == _INSERTED) | (status == _EVICTED_AND_INSERTED)
+            inserted = ((status == InsertStatus.INSERTED)
+                        | (status == InsertStatus.EVICTED_AND_INSERTED))
         else:  # the common case of a warm table: every key was found
             inserted = torch.zeros(slots.shape, dtype=torch.bool, device=self.device)
         if pending.assign:
             self._assign_rows(slots, pending.rows)
         elif num_inserted:
-            self._values.index_fill_(0, slots[inserted], 0)
+            self._memory.values.index_fill_(0, slots[inserted], 0)
         return InsertResult(slots=slots, inserted=inserted, evicted=evicted,
-                            num_inserted=num_inserted, num_failed=out["counts"]["failed"])
+                            num_inserted=num_inserted, num_failed=upserted.failed)
 
     def _abort(self, pending: "PendingInsert") -> None:
         """Undoes a prepared call: contents, scores and clock as before it (growth stays)."""
         self._pending = None
-        out = pending.out
-        self._ops.undo_upsert(
-            self._meta, self.bucket_capacity, out["slots"], out["status"],
-            out["prev_scores"], out["ev_keys"], out["ev_tids"], out["ev_scores"],
-        )
+        self._ops.undo_upsert(memory=self._memory, upserted=pending.upserted)
         self._clock = pending.clock_before
 
     def _upsert(self, keys, table_ids, scores, values, read_evicted, assign=False) -> InsertResult:
         return self._prepare(keys, table_ids, scores, values, read_evicted, assign).commit()
-
-    def _pass_outputs(self, n: int) -> dict:
-        """Per-key outputs of inserting passes over n keys, and their counts."""
-        out = {name: torch.empty(n, dtype=dtype, device=self.device)
-               for name, dtype in _PER_KEY_OUTPUTS.items()}
-        # keys that were hits, inserted, evicted and inserted, failed
-        out["outcomes"] = torch.zeros(4, dtype=torch.int64)
-        out["passes"] = 0
-        return out
-
-    def _run_passes(self, keys, tids, given, now, out, pending) -> dict:
-        """Inserting passes over keys[pending] until no key is deferred; the table
-        grows for deferred keys between passes (also after passes already in ``out``)."""
-        while pending.numel():
-            if out["passes"]:  # the previous pass deferred keys to grow for
-                self._grow()
-                done = out["status"] <= _EVICTED_AND_INSERTED
-                hashes = self._ops.hash_keys(keys[done], tids[done])
-                bucket = torch.bitwise_and(hashes, self._num_buckets - 1)
-                out["slots"][done] = (bucket * self.bucket_capacity
-                                      + out["slots"][done] % self.bucket_capacity)
-            out["passes"] += 1
-            pending = self._ops.upsert(
-                self._meta, self.bucket_capacity, keys, tids, given,
-                self._policy.rule, now, self._policy.evicts,
-                self._num_buckets < self._max_num_buckets, self.num_tables == 1, pending,
-                out["slots"], out["status"], out["prev_scores"],
-                out["ev_keys"], out["ev_tids"], out["ev_scores"], out["outcomes"],
-            )
-        out["counts"] = dict(zip(("hit", "inserted", "evicted", "failed"),
-                                 out["outcomes"].tolist()))
-        return out
 
     def _report_failures(self, failed: int, n: int, pending: "PendingInsert") -> None:
         message = (
@@ -783,20 +526,20 @@ class ScoredHashTable:
         if self.check_mode == DynamicEmbCheckMode.WARNING:
             logger.warning(message)
 
-    def _no_evicted(self) -> Evicted:
+    def _no_evicted(self) -> Entries:
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        return Evicted(keys=empty, table_ids=empty, scores=empty, slots=empty,
-                       values=self._values[:0])
+        return Entries(keys=empty, table_ids=empty, scores=empty, slots=empty,
+                       values=self._memory.values[:0])
 
-    def _read_evicted(self, evicting: torch.Tensor, out: dict) -> Evicted:
-        positions = evicting.nonzero().squeeze(1)
-        slots = out["slots"][positions]
-        return Evicted(
-            keys=out["ev_keys"][positions],
-            table_ids=out["ev_tids"][positions].long(),
-            scores=out["ev_scores"][positions],
+    def _read_evicted(self, upserted) -> Entries:
+        positions = (upserted.status == InsertStatus.EVICTED_AND_INSERTED).nonzero().squeeze(1)
+        slots = upserted.slots[positions]
+        return Entries(
+            keys=upserted.ev_keys[positions],
+            table_ids=upserted.ev_tids[positions].long(),
+            scores=upserted.ev_scores[positions],
             slots=slots,
-            values=self._values[slots],
+            values=self._memory.values[slots],
         )
 
     def _assign_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -806,7 +549,7 @@ class ScoredHashTable:
             return
         unique, inverse = torch.unique(slots[positions], return_inverse=True)
         last = torch.full_like(unique, -1).scatter_reduce_(0, inverse, positions, "amax")
-        self._values[unique] = rows[last]
+        self._memory.values[unique] = rows[last]
 
     def __repr__(self) -> str:
         return (

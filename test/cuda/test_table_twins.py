@@ -52,7 +52,7 @@ def assert_same_state(cpu: ScoredHashTable, gpu: ScoredHashTable, step: str):
     assert cpu.clock == gpu.clock and cpu.generation == gpu.generation, step
     assert cpu.stats == gpu.stats, step
     for name, x, y in zip(("keys", "scores", "tids", "digests", "occupied", "pinned"),
-                          cpu._meta, gpu._meta):
+                          cpu._memory.meta, gpu._memory.meta):
         assert_same(x, y, f"{step}: {name}")
     assert_same(cpu.values, gpu.values, f"{step}: values")
 

@@ -4,9 +4,9 @@ occurrence counts and the lookups grouped by pair, the same for any thread count
 import pytest
 import torch
 
-from dynamicemb.ops import ops_for
+from dynamicemb.ops import for_device
 
-OPS = ops_for(torch.device("cpu"))
+OPS = for_device(torch.device("cpu")).kernels  # the compiled functions themselves
 
 
 def reference(keys, tids, freq):

@@ -11,6 +11,7 @@ from torchrec.distributed.sharding_plan import construct_module_sharding_plan, d
 from torch import nn
 
 from dynamicemb import DynamicEmbTableOptions
+from dynamicemb.table import ScoredHashTable
 from dynamicemb.planner import (
     DynamicEmbeddingShardingPlanner,
     DynamicEmbParameterConstraints,
@@ -71,8 +72,12 @@ def test_storage_estimate_charges_the_hash_table():
     options = [o for o in planner._enumerator.enumerate(Model(), SHARDERS) if o.name == "big"]
     assert options and all(o.compute_kernel == "customized_kernel" for o in options)
     rows = options[0].shards[0].size[0]
-    device, host = dynamic_table_bytes(_constraints()["big"].dynamicemb_options, rows)
-    assert device == rows * (DIM * 4 + 17) and host == 0
+    options_big = _constraints()["big"].dynamicemb_options
+    device, host = dynamic_table_bytes(options_big, rows)
+    # What the planner charges is what the table itself holds at that capacity.
+    table = ScoredHashTable(capacity=rows, bucket_capacity=options_big.bucket_capacity,
+                            value_dim=DIM)
+    assert device == sum(table.memory_bytes().values()) and host == 0
     dense = rows * DIM * 4
     for shard in options[0].shards:  # CPU topology: device bytes are DDR, plus I/O buffers
         assert shard.storage.hbm == 0
@@ -80,7 +85,7 @@ def test_storage_estimate_charges_the_hash_table():
 
 
 def test_topology_too_small_for_the_hash_table_raises():
-    # Per rank: 2^19 rows; dense 8 MiB, hash table 2^19 x (16 + 17) bytes = 16.5 MiB.
+    # Per rank: 2^19 rows; dense 8 MiB, hash table 2^19 x (16 + 19.25) bytes = 17.6 MiB.
     # 12 MiB per rank fits TorchRec's dense estimate but not the hash table.
     constraints = _constraints()
     DynamicEmbeddingShardingPlanner(_topology(32 * MiB), batch_size=64, constraints=constraints).plan(Model(), SHARDERS)

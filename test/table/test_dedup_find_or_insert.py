@@ -50,22 +50,23 @@ def run_both(batches, with_freqs=False, **table_kw):
     kw["num_tables"] = max(max(b[1]) for b in batches) + 1
     plain, fused = make_table(**kw), make_table(**kw)
     seen = {"plain": [], "fused": [], "later_passes": 0}
-    ops = fused._ops
+    kernels = fused._ops.kernels
 
-    class CountingOps:  # counts the fused path's passes after dedup_upsert
+    class CountingKernels:  # counts the fused path's passes after dedup_upsert
         def __getattr__(self, name):
             if name == "upsert":
                 seen["later_passes"] += 1
-            return getattr(ops, name)
+            return getattr(kernels, name)
 
-    fused._ops = CountingOps()
+    fused._ops = type(fused._ops).__new__(type(fused._ops))  # this table's own backend
+    fused._ops.kernels = CountingKernels()
     for keys, tids, freqs in batches:
         k, t = as_keys(keys), torch.tensor(tids, dtype=torch.int16)
         f = torch.tensor(freqs, dtype=torch.int64) if with_freqs else None
         for name, table in (("plain", plain), ("fused", fused)):
             try:
                 if name == "plain":
-                    unique = table._ops.dedup(k, t, f, True)
+                    unique = table._ops.dedup(keys=k, table_ids=t, frequencies=f, group=True)
                     scores = unique[3] if table.score_strategy.name == "LFU" else None
                     pending = table.prepare_find_or_insert(unique[0], unique[1], scores)
                 else:

@@ -62,7 +62,7 @@ def test_table_values_and_keys_are_advised_and_survive_growth():
     keys = torch.arange(1 << 17, dtype=torch.int64)
     table.insert_or_assign(keys, torch.ones(keys.numel(), 64))  # grows past capacity
     assert table.capacity() >= 1 << 17
-    for t in (table.values, table._meta[0]):
+    for t in (table.values, table._memory.meta[0]):
         aligned = (t.data_ptr() + (2 << 20) - 1) // (2 << 20) * (2 << 20)
         assert " hg" in vm_flags_at(aligned)
     assert torch.equal(table.values[table.find(keys)], torch.ones(keys.numel(), 64))

@@ -1,0 +1,96 @@
+"""New rows: each element a function of (seed, table, key, column), never a stream.
+
+A key therefore starts with the same row whatever the batch, thread count, cache
+size or device; see ``docs/ARCHITECTURE.md``, "Initializers are functions".
+"""
+
+import zlib
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+from dynamicemb.ops.interface import Backend
+from dynamicemb.options import (
+    DynamicEmbInitializerArgs,
+    DynamicEmbOptimizerArgs,
+    DynamicEmbOptimType,
+    DynamicEmbTableOptions,
+)
+
+__all__ = ["RowInitializer", "init_stream"]
+
+
+def init_stream(table_name: str) -> int:
+    """A table's stable identity in the initializer's random stream: the CRC-32 of its
+    name. A key therefore starts with the same row in every module that names the
+    table alike (sharded or not, whatever its position)."""
+    return zlib.crc32(table_name.encode("utf-8"))
+
+
+@dataclass
+class _TableInit:
+    """One logical table's initializers."""
+
+    stream: int
+    train: DynamicEmbInitializerArgs
+    eval: DynamicEmbInitializerArgs
+    max_capacity: int
+
+
+class RowInitializer:
+    """The initial rows of a group's logical tables (embedding and optimizer state).
+
+    Args:
+        ops: the group's backend.
+        table_names, options: the group's tables, in local table id order.
+        dim: the embedding width.
+        optimizer: the group's optimizer (its initial state); None: no state.
+    """
+
+    def __init__(self, ops: Backend, table_names: List[str],
+                 options: List[DynamicEmbTableOptions], dim: int,
+                 optimizer: DynamicEmbOptimizerArgs, state_dim: int) -> None:
+        self.ops = ops
+        self.dim = dim
+        self.tables = [
+            _TableInit(init_stream(name), o.initializer_args, o.eval_initializer_args,
+                       o.max_capacity)
+            for name, o in zip(table_names, options)
+        ]
+        adagrad = optimizer.optimizer in (DynamicEmbOptimType.EXACT_ADAGRAD,
+                                          DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD)
+        self.state_dim = state_dim
+        #: The first value of every optimizer-state float.
+        self.initial_state = optimizer.initial_accumulator_value if adagrad else 0.0
+
+    def fill(self, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
+             tids: torch.Tensor, train: bool) -> None:
+        """out[rows, :dim] = each key's initial embedding (its logical table's
+        training or eval initializer)."""
+        for local, init in enumerate(self.tables):
+            mine = (tids == local).nonzero().squeeze(1) if len(self.tables) > 1 else None
+            r, k = (rows, keys) if mine is None else (rows[mine], keys[mine])
+            if r.numel() == 0:
+                continue
+            args = init.train if train else init.eval
+            lower, upper = args.bounds(init.max_capacity)
+            self.ops.init_rows(out=out, rows=r.contiguous(), keys=k.contiguous(),
+                               stream=init.stream, dim=self.dim, mode=args.mode,
+                               mean=args.mean, std_dev=args.std_dev, lower=lower,
+                               upper=upper, value=args.value, seed=args.seed)
+
+    def stored(self, values: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
+               tids: torch.Tensor) -> None:
+        """values[slots] = the full initial value rows of new stored keys."""
+        self.fill(values, slots, keys, tids, train=True)
+        if self.state_dim:
+            values[slots, self.dim:] = self.initial_state
+
+    def transient(self, keys: torch.Tensor, tids: torch.Tensor, train: bool) -> torch.Tensor:
+        """(len(keys), dim) initial rows that are not stored."""
+        out = torch.empty(keys.numel(), self.dim, dtype=torch.float32, device=keys.device)
+        if keys.numel():
+            rows = torch.arange(keys.numel(), dtype=torch.int64, device=keys.device)
+            self.fill(out, rows, keys, tids, train)
+        return out

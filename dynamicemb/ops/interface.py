@@ -1,0 +1,380 @@
+"""The backend contract: what every kernel backend offers, and every code it shares.
+
+A backend (``dynamicemb.ops.cpu``, ``dynamicemb.ops.cuda``) implements ``Backend``
+over tensors of one device type. Everything above it (table, storage, module) calls
+these verbs by keyword and reads their NamedTuple results; nothing above it knows
+kernel signatures, status codes or row-reference bits. The codes here mirror the
+shared headers of ``csrc/dynamicemb`` (named beside each) and are defined nowhere
+else in Python.
+"""
+
+import abc
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from dynamicemb.options import DynamicEmbInitializerMode, DynamicEmbOptimType
+from dynamicemb.types import DynamicEmbScoreStrategy
+
+__all__ = [
+    "Backend",
+    "Deduplicated",
+    "Entries",
+    "HOST_ROW_BIT",
+    "InsertStatus",
+    "OptimizerUpdate",
+    "RowSources",
+    "ScoreRule",
+    "TableMemory",
+    "Upserted",
+    "init_mode_code",
+    "metadata_bytes_per_slot",
+    "num_buckets_for",
+    "optimizer_code",
+    "optimizer_state_dim",
+    "score_rule",
+]
+
+
+class InsertStatus(IntEnum):
+    """What an inserting verb did with one key (``InsertStatus``, hash_primitives.h)."""
+
+    HIT = 0
+    INSERTED = 1
+    EVICTED_AND_INSERTED = 2
+    FAILED = 3
+    DEFERRED = 4  # inside a verb only: the bucket was full and the table may grow
+
+
+class ScoreRule(IntEnum):
+    """How an inserting verb scores the keys it touches (``ScoreRule``, hash_primitives.h)."""
+
+    CLOCK = 0  # the call's clock or step
+    COUNT = 1  # old score + the key's count (LFU)
+    GIVEN = 2  # the caller's score
+
+
+#: Row references >= HOST_ROW_BIT name host-store slots; < 0 name transient rows
+#: (``csrc/dynamicemb/row_ref.h``).
+HOST_ROW_BIT = 1 << 62
+
+_RULES = {
+    DynamicEmbScoreStrategy.LRU: (ScoreRule.CLOCK, True),
+    DynamicEmbScoreStrategy.STEP: (ScoreRule.CLOCK, True),
+    DynamicEmbScoreStrategy.LFU: (ScoreRule.COUNT, True),
+    DynamicEmbScoreStrategy.CUSTOMIZED: (ScoreRule.GIVEN, True),
+    DynamicEmbScoreStrategy.NO_EVICTION: (ScoreRule.CLOCK, False),
+}
+
+
+def score_rule(strategy: DynamicEmbScoreStrategy) -> Tuple[ScoreRule, bool]:
+    """(score rule, whether a full bucket evicts) of a score strategy."""
+    return _RULES[DynamicEmbScoreStrategy(strategy)]
+
+
+_OPTIMIZER_CODES = {  # OptimizerKind, optimizer_primitives.h
+    DynamicEmbOptimType.EXACT_SGD: 0,
+    DynamicEmbOptimType.ADAM: 1,
+    DynamicEmbOptimType.EXACT_ADAGRAD: 2,
+    DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD: 3,
+}
+
+_INIT_MODE_CODES = {  # InitMode, init_primitives.h
+    DynamicEmbInitializerMode.NORMAL: 0,
+    DynamicEmbInitializerMode.TRUNCATED_NORMAL: 1,
+    DynamicEmbInitializerMode.UNIFORM: 2,
+    DynamicEmbInitializerMode.CONSTANT: 3,
+    DynamicEmbInitializerMode.DEBUG: 4,
+}
+
+
+def optimizer_code(optimizer: DynamicEmbOptimType) -> int:
+    """The kernels' code of an optimizer."""
+    return _OPTIMIZER_CODES[optimizer]
+
+
+def init_mode_code(mode: DynamicEmbInitializerMode) -> int:
+    """The kernels' code of an initializer mode."""
+    return _INIT_MODE_CODES[mode]
+
+
+def optimizer_state_dim(optimizer: DynamicEmbOptimType, dim: int) -> int:
+    """Floats of optimizer state stored after the embedding in each value row."""
+    return {
+        DynamicEmbOptimType.EXACT_SGD: 0,
+        DynamicEmbOptimType.ADAM: 2 * dim,
+        DynamicEmbOptimType.EXACT_ADAGRAD: dim,
+        DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD: 1,
+    }[optimizer]
+
+
+def num_buckets_for(capacity: int, bucket_capacity: int) -> int:
+    """The buckets of a table of ``capacity`` slots: the smallest power of two that
+    holds them (at least one)."""
+    buckets = max(1, -(-capacity // bucket_capacity))
+    return 1 << (buckets - 1).bit_length()
+
+
+def metadata_bytes_per_slot(bucket_capacity: int) -> float:
+    """Bytes of a slot besides its value row: key 8, score 8, table id 2, digest 1, and
+    its occupied and pinned bits (a 64-bit word each per 64 slots of a bucket)."""
+    words = (bucket_capacity + 63) // 64
+    return 8 + 8 + 2 + 1 + 2 * 8 * words / bucket_capacity
+
+
+@dataclass
+class TableMemory:
+    """The tensors of one hash table (layout: ``csrc/dynamicemb/hash_primitives.h``).
+
+    A backend's ``grow`` replaces them; callers hold the ``TableMemory``, not its
+    tensors, across calls that may grow.
+
+    Attributes:
+        meta: [keys, scores, tids, digests, occupied, pinned]; keys and scores are
+            the two columns of one (capacity, 2) int64 array.
+        values: (capacity, value_dim) value rows, indexed by slot.
+        num_buckets: a power of two.
+        max_num_buckets: the most buckets growth may reach.
+        bucket_capacity: slots per bucket, a multiple of 16.
+    """
+
+    meta: List[torch.Tensor]
+    values: torch.Tensor
+    num_buckets: int
+    max_num_buckets: int
+    bucket_capacity: int
+
+    @property
+    def capacity(self) -> int:
+        return self.num_buckets * self.bucket_capacity
+
+    @property
+    def can_grow(self) -> bool:
+        return self.num_buckets < self.max_num_buckets
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.meta[0]
+
+    @property
+    def scores(self) -> torch.Tensor:
+        return self.meta[1]
+
+    @property
+    def table_ids(self) -> torch.Tensor:
+        return self.meta[2]
+
+    @property
+    def digests(self) -> torch.Tensor:
+        return self.meta[3]
+
+
+class Upserted(NamedTuple):
+    """What an inserting verb decided, per key, in final slots (after any growth).
+
+    Shape:
+        slots: (n,) int64, -1 where the insert failed; status: (n,) int8
+        ``InsertStatus``; prev_scores: (n,) the score a hit replaced (for undo);
+        ev_keys, ev_tids, ev_scores: (n,) the entry a key evicted, where
+        status is EVICTED_AND_INSERTED. hits, inserted, evicted, failed count the
+        statuses; growths counts the doublings the verb did for full buckets.
+    """
+
+    slots: torch.Tensor
+    status: torch.Tensor
+    prev_scores: torch.Tensor
+    ev_keys: torch.Tensor
+    ev_tids: torch.Tensor
+    ev_scores: torch.Tensor
+    hits: int
+    inserted: int
+    evicted: int
+    failed: int
+    growths: int
+
+
+class Deduplicated(NamedTuple):
+    """The unique (table id, key) pairs of a batch, in first-occurrence order.
+
+    Shape:
+        keys: (U,) int64; table_ids: (U,) int16; inverse: (N,) int64, the unique
+        index of each of the batch's N keys; counts: (U,) int64, the summed
+        frequencies of each pair's keys (1 per key when none are given);
+        starts: (U + 1,) int64 and rank: (N,) int64, the batch's keys grouped by
+        pair (a stable sort by ``inverse``): the keys of pair u have ranks
+        ``starts[u]`` to ``starts[u + 1] - 1``, in input order (what a fused
+        backward walks); None when grouping was not asked for.
+    """
+
+    keys: torch.Tensor
+    table_ids: torch.Tensor
+    inverse: torch.Tensor
+    counts: torch.Tensor
+    starts: Optional[torch.Tensor]
+    rank: Optional[torch.Tensor]
+
+
+class Entries(NamedTuple):
+    """Stored entries with their rows: what an inserting call evicted (in input order
+    of the keys that evicted them) or what an export read (in slot order).
+
+    Shape:
+        keys, table_ids, scores, slots: (m,) int64; values: (m, value_dim).
+    """
+
+    keys: torch.Tensor
+    table_ids: torch.Tensor
+    scores: torch.Tensor
+    slots: torch.Tensor
+    values: torch.Tensor
+
+
+class RowSources(NamedTuple):
+    """Where the rows a lookup references live (``row_ref.h``).
+
+    Shape:
+        device: (C, width) the device tier's values; host: (H, width) the host
+        store's values (empty when one tier holds everything); transient: (T, dim)
+        this batch's transient rows.
+    """
+
+    device: torch.Tensor
+    host: torch.Tensor
+    transient: torch.Tensor
+
+
+class OptimizerUpdate(NamedTuple):
+    """One backward's optimizer settings (``optimizer_params``, optimizer_primitives.h).
+
+    ``step_size`` and ``bias_correction2_sqrt`` are Adam's for this step (lr and 1.0
+    for the others).
+    """
+
+    optimizer: DynamicEmbOptimType
+    lr: float
+    eps: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+    step_size: float
+    bias_correction2_sqrt: float
+
+
+class Backend(abc.ABC):
+    """The kernels of one device type. Every verb takes keyword arguments only; the
+    batch tensors must be on the backend's device and contiguous, ids int64, table
+    ids int16. Validation of user input happens above (the table and the module);
+    a backend checks only what would corrupt memory."""
+
+    # ------------------------------------------------------------ allocation
+    @abc.abstractmethod
+    def zeros(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Zeroed memory for a table's arrays (the backend picks how: huge pages...)."""
+
+    def new_table(self, *, num_buckets: int, max_num_buckets: int, bucket_capacity: int,
+                  value_dim: int, value_dtype: torch.dtype, device: torch.device) -> TableMemory:
+        """An empty table's memory."""
+        slots = num_buckets * bucket_capacity
+        words = (bucket_capacity + 63) // 64
+        keys_and_scores = self.zeros((slots, 2), torch.int64, device)
+        meta = [
+            keys_and_scores[:, 0],
+            keys_and_scores[:, 1],
+            self.zeros((slots,), torch.int16, device),
+            self.zeros((slots,), torch.uint8, device),
+            self.zeros((num_buckets, words), torch.int64, device),
+            self.zeros((num_buckets, words), torch.int64, device),
+        ]
+        values = self.zeros((slots, value_dim), value_dtype, device)
+        return TableMemory(meta, values, num_buckets, max_num_buckets, bucket_capacity)
+
+    # ------------------------------------------------------------ hash table
+    @abc.abstractmethod
+    def hash_keys(self, *, keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
+        """(n,) int64: the documented 64-bit hash of each (table id, key)."""
+
+    @abc.abstractmethod
+    def find(self, *, memory: TableMemory, keys: torch.Tensor, table_ids: torch.Tensor,
+             one_table: bool) -> torch.Tensor:
+        """(n,) int64 slots, -1 where absent. Read-only."""
+
+    @abc.abstractmethod
+    def upsert(self, *, memory: TableMemory, keys: torch.Tensor, table_ids: torch.Tensor,
+               scores: Optional[torch.Tensor], rule: ScoreRule, now: int, evicts: bool,
+               one_table: bool) -> Upserted:
+        """Finds or inserts every key (the inserting procedure of docs/ARCHITECTURE.md,
+        steps 4-6): keys in input order per bucket, growing ``memory`` for full
+        buckets while it may. Returns final slots; no slot stays pinned."""
+
+    @abc.abstractmethod
+    def dedup_upsert(self, *, memory: TableMemory, keys: torch.Tensor,
+                     table_ids: torch.Tensor, frequencies: Optional[torch.Tensor], now: int,
+                     evicts: bool, one_table: bool) -> Tuple[Deduplicated, Upserted]:
+        """``dedup(group=True)`` then ``upsert`` of the unique keys with the clock rule,
+        which a backend may overlap."""
+
+    @abc.abstractmethod
+    def undo_upsert(self, *, memory: TableMemory, upserted: Upserted) -> None:
+        """Reverts an ``upsert``'s contents and scores (growth stays)."""
+
+    @abc.abstractmethod
+    def grow(self, *, memory: TableMemory) -> None:
+        """Doubles the buckets of ``memory`` in place; every entry keeps its offset in
+        its bucket and its row."""
+
+    @abc.abstractmethod
+    def erase(self, *, memory: TableMemory, keys: torch.Tensor,
+              table_ids: torch.Tensor) -> torch.Tensor:
+        """(n,) bool: True where the key was present (its first occurrence only)."""
+
+    @abc.abstractmethod
+    def occupied_slots(self, *, memory: TableMemory, start: int, end: int) -> torch.Tensor:
+        """Occupied slots of [start, end), ascending."""
+
+    @abc.abstractmethod
+    def dedup(self, *, keys: torch.Tensor, table_ids: torch.Tensor,
+              frequencies: Optional[torch.Tensor], group: bool) -> Deduplicated:
+        """Unique pairs in first-occurrence order; ``starts``/``rank`` when ``group``."""
+
+    # ------------------------------------------------------------- embedding
+    @abc.abstractmethod
+    def check_offsets(self, *, offsets: torch.Tensor, num_indices: int) -> int:
+        """0 if ``offsets`` go from 0 to ``num_indices`` without decreasing; 1 or 2 if
+        the first or last is wrong; 3 if they decrease."""
+
+    @abc.abstractmethod
+    def init_rows(self, *, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
+                  stream: int, dim: int, mode: DynamicEmbInitializerMode, mean: float,
+                  std_dev: float, lower: float, upper: float, value: float,
+                  seed: int) -> None:
+        """out[rows[i], :dim] = the initial row of keys[i] in table ``stream``."""
+
+    @abc.abstractmethod
+    def pooled_forward(self, *, sources: RowSources, row_ref: torch.Tensor,
+                       inverse: torch.Tensor, offsets: torch.Tensor,
+                       weights: Optional[torch.Tensor], feature_col: torch.Tensor,
+                       batch: int, dim: int, mean: bool, out: torch.Tensor) -> None:
+        """Writes the pooled bags of one group's features into their columns of ``out``."""
+
+    @abc.abstractmethod
+    def sequence_forward(self, *, sources: RowSources, row_ref: torch.Tensor,
+                         inverse: torch.Tensor, dim: int, out: torch.Tensor) -> None:
+        """Writes the row of each of one group's lookups into its row of ``out``."""
+
+    @abc.abstractmethod
+    def fused_backward(self, *, sources: RowSources, row_ref: torch.Tensor,
+                       starts: torch.Tensor, rank: torch.Tensor,
+                       offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+                       feature_col: torch.Tensor, batch: int, dim: int, mean: bool,
+                       grad: torch.Tensor, update: OptimizerUpdate) -> None:
+        """Sums each stored row's gradient and applies the optimizer to it in place
+        (``offsets`` None: sequence lookups)."""
+
+    @abc.abstractmethod
+    def per_sample_weight_grad(self, *, sources: RowSources, row_ref: torch.Tensor,
+                               inverse: torch.Tensor, offsets: torch.Tensor,
+                               feature_col: torch.Tensor, batch: int, dim: int,
+                               grad: torch.Tensor, out: torch.Tensor) -> None:
+        """out[j] = <row of lookup j, gradient of its bag> for one group's lookups."""

@@ -1,0 +1,174 @@
+"""``KernelBackend``: the ``Backend`` verbs over one device's compiled kernel functions.
+
+Both backends compile the same set of functions (``csrc/cpu/verbs.h`` for the CPU
+extension, ``csrc/cuda`` for CuPy), each with the same positional arguments. This
+class turns them into the typed verbs of ``dynamicemb.ops.interface``: it builds the
+per-key output arrays, runs the inserting passes of an upsert with the growth
+between them, and reads the kernels' outcome counts. Only ``cpu.py`` and
+``cuda.py`` instantiate it, each with its kernels and its allocator.
+"""
+
+from typing import Any, Optional, Tuple
+
+import torch
+
+from dynamicemb.ops.interface import (
+    Backend,
+    Deduplicated,
+    InsertStatus,
+    OptimizerUpdate,
+    RowSources,
+    ScoreRule,
+    TableMemory,
+    Upserted,
+    init_mode_code,
+    optimizer_code,
+)
+
+__all__ = ["KernelBackend"]
+
+# What an inserting pass writes per key.
+_PER_KEY_OUTPUTS = {
+    "slots": torch.int64,
+    "status": torch.int8,
+    "prev_scores": torch.int64,
+    "ev_keys": torch.int64,
+    "ev_tids": torch.int16,
+    "ev_scores": torch.int64,
+}
+
+
+class KernelBackend(Backend):
+    """The verbs over ``kernels`` (an object with the compiled functions).
+
+    Args:
+        kernels: the CPU extension module or ``CudaKernels``.
+    """
+
+    def __init__(self, kernels: Any) -> None:
+        self.kernels = kernels
+
+    # ------------------------------------------------------------ hash table
+    def hash_keys(self, *, keys, table_ids):
+        return self.kernels.hash_keys(keys, table_ids)
+
+    def find(self, *, memory, keys, table_ids, one_table):
+        return self.kernels.find(memory.meta, memory.bucket_capacity, keys, table_ids, one_table)
+
+    def upsert(self, *, memory, keys, table_ids, scores, rule, now, evicts, one_table):
+        n = keys.numel()
+        out = self._pass_outputs(n, keys.device)
+        everything = torch.arange(n, dtype=torch.int64, device=keys.device)
+        return self._passes(memory, keys, table_ids, scores, int(rule), now, evicts, one_table,
+                            out, everything, passes=0)
+
+    def dedup_upsert(self, *, memory, keys, table_ids, frequencies, now, evicts, one_table):
+        out = self._pass_outputs(keys.numel(), keys.device)
+        *unique, deferred = self.kernels.dedup_upsert(
+            memory.meta, memory.bucket_capacity, keys, table_ids, frequencies, now, evicts,
+            memory.can_grow, one_table, out["slots"], out["status"], out["prev_scores"],
+            out["ev_keys"], out["ev_tids"], out["ev_scores"], out["outcomes"],
+        )
+        unique = Deduplicated(*unique)
+        num_unique = unique.keys.numel()
+        for name in _PER_KEY_OUTPUTS:
+            out[name] = out[name][:num_unique]
+        upserted = self._passes(memory, unique.keys, unique.table_ids, None, int(ScoreRule.CLOCK),
+                                now, evicts, one_table, out, deferred, passes=1)
+        return unique, upserted
+
+    def _pass_outputs(self, n: int, device: torch.device) -> dict:
+        """Per-key outputs of inserting passes over n keys, and their counts."""
+        out = {name: torch.empty(n, dtype=dtype, device=device)
+               for name, dtype in _PER_KEY_OUTPUTS.items()}
+        # keys that were hits, inserted, evicted and inserted, failed (read on the host)
+        out["outcomes"] = torch.zeros(4, dtype=torch.int64)
+        return out
+
+    def _passes(self, memory: TableMemory, keys, tids, given, rule: int, now: int,
+                evicts: bool, one_table: bool, out: dict, pending: torch.Tensor,
+                passes: int) -> Upserted:
+        """Inserting passes over keys[pending] until no key is deferred; the table
+        grows for deferred keys between passes (also after ``passes`` already run).
+        Slots decided before a growth are moved with their keys."""
+        growths = 0
+        bc = memory.bucket_capacity
+        while pending.numel():
+            if passes:  # the previous pass deferred keys to grow for
+                self.grow(memory=memory)
+                growths += 1
+                done = out["status"] <= InsertStatus.EVICTED_AND_INSERTED
+                hashes = self.kernels.hash_keys(keys[done], tids[done])
+                bucket = torch.bitwise_and(hashes, memory.num_buckets - 1)
+                out["slots"][done] = bucket * bc + out["slots"][done] % bc
+            passes += 1
+            pending = self.kernels.upsert(
+                memory.meta, bc, keys, tids, given, rule, now, evicts, memory.can_grow,
+                one_table, pending, out["slots"], out["status"], out["prev_scores"],
+                out["ev_keys"], out["ev_tids"], out["ev_scores"], out["outcomes"],
+            )
+        if passes > 1:  # a single pass unpins its own slots in the kernel
+            self.kernels.unpin(memory.meta, bc, out["slots"])
+        hits, inserted, evicted, failed = out["outcomes"].tolist()
+        return Upserted(out["slots"], out["status"], out["prev_scores"], out["ev_keys"],
+                        out["ev_tids"], out["ev_scores"], hits=hits, inserted=inserted,
+                        evicted=evicted, failed=failed, growths=growths)
+
+    def undo_upsert(self, *, memory, upserted):
+        self.kernels.undo_upsert(memory.meta, memory.bucket_capacity, upserted.slots,
+                                 upserted.status, upserted.prev_scores, upserted.ev_keys,
+                                 upserted.ev_tids, upserted.ev_scores)
+
+    def grow(self, *, memory):
+        new = self.new_table(num_buckets=2 * memory.num_buckets,
+                             max_num_buckets=memory.max_num_buckets,
+                             bucket_capacity=memory.bucket_capacity,
+                             value_dim=memory.values.shape[1], value_dtype=memory.values.dtype,
+                             device=memory.values.device)
+        moved = self.kernels.grow(memory.meta, new.meta, memory.bucket_capacity)
+        occupied = (moved >= 0).nonzero().squeeze(1)
+        new.values[moved[occupied]] = memory.values[occupied]
+        memory.meta, memory.values, memory.num_buckets = new.meta, new.values, new.num_buckets
+
+    def erase(self, *, memory, keys, table_ids):
+        return self.kernels.erase(memory.meta, memory.bucket_capacity, keys, table_ids)
+
+    def occupied_slots(self, *, memory, start, end):
+        return self.kernels.occupied_slots(memory.meta, memory.bucket_capacity, start, end)
+
+    def dedup(self, *, keys, table_ids, frequencies, group):
+        unique = Deduplicated(*self.kernels.dedup(keys, table_ids, frequencies, group))
+        return unique if group else unique._replace(starts=None, rank=None)
+
+    # ------------------------------------------------------------- embedding
+    def check_offsets(self, *, offsets, num_indices):
+        return self.kernels.check_offsets(offsets, num_indices)
+
+    def init_rows(self, *, out, rows, keys, stream, dim, mode, mean, std_dev, lower, upper,
+                  value, seed):
+        self.kernels.init_rows(out, rows, keys, stream, dim, init_mode_code(mode), mean,
+                               std_dev, lower, upper, value, seed)
+
+    def pooled_forward(self, *, sources, row_ref, inverse, offsets, weights, feature_col,
+                       batch, dim, mean, out):
+        self.kernels.pooled_forward([sources.device, sources.host], sources.transient, row_ref,
+                                    inverse, offsets, weights, feature_col, batch, dim, mean, out)
+
+    def sequence_forward(self, *, sources, row_ref, inverse, dim, out):
+        self.kernels.sequence_forward([sources.device, sources.host], sources.transient,
+                                      row_ref, inverse, dim, out)
+
+    def fused_backward(self, *, sources, row_ref, starts, rank, offsets, weights, feature_col,
+                       batch, dim, mean, grad, update: OptimizerUpdate):
+        no_offsets = torch.empty(0, dtype=torch.int64, device=grad.device)
+        self.kernels.fused_backward(
+            [sources.device, sources.host], row_ref, starts, rank,
+            no_offsets if offsets is None else offsets, weights, feature_col, batch, dim, mean,
+            grad, optimizer_code(update.optimizer), update.lr, update.eps, update.beta1,
+            update.beta2, update.weight_decay, update.step_size, update.bias_correction2_sqrt)
+
+    def per_sample_weight_grad(self, *, sources, row_ref, inverse, offsets, feature_col,
+                               batch, dim, grad, out):
+        self.kernels.per_sample_weight_grad([sources.device, sources.host], sources.transient,
+                                            row_ref, inverse, offsets, feature_col, batch, dim,
+                                            grad, out)

@@ -1,0 +1,66 @@
+"""Checks of user-given tensors, written once for the table and the module layer."""
+
+from typing import Optional
+
+import torch
+
+__all__ = ["check_frequencies", "check_keys", "table_ids_as_int16"]
+
+
+def check_keys(keys: torch.Tensor) -> None:
+    """Raises unless ``keys`` is a 1-D int64 tensor."""
+    if not isinstance(keys, torch.Tensor):
+        raise TypeError(f"keys must be a torch.Tensor, got {type(keys).__name__}")
+    if keys.dtype != torch.int64:
+        raise TypeError(f"keys must be int64, got {keys.dtype}")
+    if keys.dim() != 1:
+        raise ValueError(f"keys must be 1-D, got shape {tuple(keys.shape)}")
+
+
+def check_frequencies(frequencies: Optional[torch.Tensor], n: int, device: torch.device,
+                      like: str = "keys", int32: bool = False) -> Optional[torch.Tensor]:
+    """``frequencies`` as a contiguous int64 tensor on ``device``, or None.
+
+    Args:
+        frequencies: (n,) int64 (or int32 where ``int32``) >= 1, the occurrences
+            each key stands for.
+        n: the number of keys.
+        device: where the result goes.
+        like: what the shape must match, for the message.
+        int32: accept int32 too (the module takes TorchRec's id dtypes; the table
+            takes int64 only).
+
+    Raises:
+        TypeError, ValueError: on a wrong dtype, shape or a count below 1.
+    """
+    if frequencies is None:
+        return None
+    dtypes = (torch.int32, torch.int64) if int32 else (torch.int64,)
+    if not isinstance(frequencies, torch.Tensor) or frequencies.dtype not in dtypes:
+        raise TypeError(f"frequencies must be an {' or '.join(str(d)[6:] for d in dtypes)} "
+                        f"tensor, got {getattr(frequencies, 'dtype', type(frequencies).__name__)}")
+    if frequencies.shape != (n,):
+        raise ValueError(
+            f"frequencies must have shape ({n},) like {like}, got {tuple(frequencies.shape)}")
+    if n and int(frequencies.min()) < 1:
+        raise ValueError("frequencies must be >= 1")
+    return frequencies.to(device=device, dtype=torch.int64).contiguous()
+
+
+def table_ids_as_int16(table_ids: torch.Tensor, n: int, num_tables: int) -> torch.Tensor:
+    """``table_ids`` checked against ``num_tables`` and stored as int16."""
+    if not isinstance(table_ids, torch.Tensor):
+        raise TypeError(f"table_ids must be a torch.Tensor, got {type(table_ids).__name__}")
+    if table_ids.dtype not in (torch.int16, torch.int32, torch.int64):
+        raise TypeError(f"table_ids must be int32 or int64, got {table_ids.dtype}")
+    if table_ids.shape != (n,):
+        raise ValueError(
+            f"table_ids must have shape ({n},) like keys, got {tuple(table_ids.shape)}"
+        )
+    if n > 0:
+        low, high = (int(x) for x in torch.aminmax(table_ids))
+        if low < 0 or high >= num_tables:
+            raise ValueError(
+                f"table_ids must be in [0, {num_tables}), got values in [{low}, {high}]"
+            )
+    return table_ids.to(torch.int16).contiguous()

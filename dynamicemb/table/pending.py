@@ -1,0 +1,55 @@
+"""The first phase of a two-phase insert (``ScoredHashTable.prepare_find_or_insert``)."""
+
+from typing import Optional
+
+import torch
+
+from dynamicemb.ops.interface import Upserted
+from dynamicemb.table.results import InsertResult
+
+__all__ = ["PendingInsert"]
+
+
+class PendingInsert:
+    """A prepared inserting call: keys, scores and slots are decided, value rows not
+    yet. ``commit()`` finishes it, ``abort()`` undoes it; until then every other verb
+    of its table raises.
+
+    Args:
+        table: the ``ScoredHashTable`` it belongs to.
+        upserted: what the backend decided.
+        clock_before: the table's clock before the call (restored by ``abort``).
+        rows: the rows to assign (``insert_or_assign``), else None.
+        read_evicted: whether the result reads evicted entries out.
+        assign: write ``rows`` (True) or zero the rows of new keys (False).
+    """
+
+    def __init__(self, table, upserted: Upserted, clock_before: int,
+                 rows: Optional[torch.Tensor], read_evicted: bool, assign: bool) -> None:
+        self.table = table
+        self.upserted = upserted
+        self.clock_before = clock_before
+        self.rows = rows
+        self.read_evicted = read_evicted
+        self.assign = assign
+        self._done = False
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """(n,) int64 slots decided by the call, -1 where the insert failed."""
+        return self.upserted.slots
+
+    def _finish(self) -> None:
+        if self._done:
+            raise RuntimeError("this insert was already committed or aborted")
+        self._done = True
+
+    def commit(self) -> InsertResult:
+        """Writes the value rows and returns the call's result."""
+        self._finish()
+        return self.table._commit(self)
+
+    def abort(self) -> None:
+        """Undoes the call."""
+        self._finish()
+        self.table._abort(self)

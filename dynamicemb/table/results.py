@@ -1,0 +1,38 @@
+"""What the table's verbs return."""
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from dynamicemb.ops.interface import Deduplicated, Entries
+
+__all__ = ["Deduplicated", "Entries", "InsertResult", "TableStats"]
+
+
+@dataclass
+class TableStats:
+    """Running counts of what the table did (never reset by ``clear``)."""
+
+    inserts: int = 0
+    evictions: int = 0
+    failed_inserts: int = 0
+    erases: int = 0
+    growths: int = 0
+
+
+class InsertResult(NamedTuple):
+    """Outcome of an inserting call.
+
+    Shape:
+        slots: (n,) int64, -1 where the insert failed; inserted: (n,) bool, True
+        where the key was new. ``evicted`` (``Entries``, in input order of the keys
+        that evicted them) is None for ``insert_or_assign``. ``num_inserted`` and
+        ``num_failed`` count them (the kernel's own counts).
+    """
+
+    slots: torch.Tensor
+    inserted: torch.Tensor
+    evicted: Optional[Entries]
+    num_inserted: int  # inserted.sum()
+    num_failed: int  # (slots < 0).sum()
