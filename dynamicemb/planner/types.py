@@ -50,7 +50,8 @@ class DynamicEmbOptionsRef:
         return f"DynamicEmbOptionsRef({self.options!r})"
 
 
-def _check_sharding_type(sharding_type: str, table: str = "") -> None:
+def check_dynamic_sharding_type(sharding_type: str, table: str = "") -> None:
+    """Raises unless a dynamic table may use ``sharding_type`` (row- or table-wise)."""
     if sharding_type == ShardingType.DATA_PARALLEL.value:
         raise ValueError(
             f"dynamic table {table!r} cannot be data_parallel: a hash table grows per rank "
@@ -79,7 +80,7 @@ class DynamicEmbParameterSharding(ParameterSharding):
         if self.compute_kernel != CUSTOMIZED_KERNEL:
             raise ValueError(
                 f"dynamic tables use compute_kernel={CUSTOMIZED_KERNEL!r}, got {self.compute_kernel!r}")
-        _check_sharding_type(self.sharding_type)
+        check_dynamic_sharding_type(self.sharding_type)
 
     def get_additional_fused_params(self) -> Dict[str, Any]:
         """What TorchRec merges into this table's fused params (customized kernels only)."""
@@ -127,7 +128,7 @@ class DynamicEmbParameterConstraints(ParameterConstraints):
         if self.sharding_types is None:
             self.sharding_types = list(DYNAMIC_SHARDING_TYPES)
         for sharding_type in self.sharding_types:
-            _check_sharding_type(sharding_type)
+            check_dynamic_sharding_type(sharding_type)
         if self.compute_kernels not in (None, [CUSTOMIZED_KERNEL]):
             raise ValueError(
                 f"dynamic tables use compute_kernels=[{CUSTOMIZED_KERNEL!r}], got {self.compute_kernels}")

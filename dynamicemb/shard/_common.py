@@ -4,11 +4,13 @@ from typing import Dict, Iterator, List, Mapping, Tuple
 
 import torch
 from torch import nn
-from torchrec.distributed.types import ParameterSharding, ShardingType
+from torchrec.distributed.types import ParameterSharding
 from torchrec.optim.fused import EmptyFusedOptimizer
 
 from dynamicemb.embedding.module import BatchedDynamicEmbeddingTables
-from dynamicemb.planner.types import CUSTOMIZED_KERNEL, DYNAMIC_SHARDING_TYPES, DynamicEmbParameterSharding
+from dynamicemb.planner.types import (CUSTOMIZED_KERNEL, DYNAMIC_SHARDING_TYPES,
+                                      DynamicEmbParameterSharding,
+                                      check_dynamic_sharding_type)
 from dynamicemb.shard.kernel import DynamicEmbEmbedding, DynamicEmbEmbeddingBag
 
 _KERNELS = (DynamicEmbEmbedding, DynamicEmbEmbeddingBag)
@@ -23,12 +25,7 @@ def check_dynamic_plan(params: Mapping[str, ParameterSharding]) -> None:
             raise ValueError(
                 f"table {name!r} uses customized_kernel but its ParameterSharding is a "
                 f"{type(sharding).__name__}; convert it with to_dynamic_sharding")
-        if sharding.sharding_type == ShardingType.DATA_PARALLEL.value:
-            raise ValueError(f"dynamic table {name!r} cannot be data_parallel")
-        if sharding.sharding_type not in DYNAMIC_SHARDING_TYPES:
-            raise ValueError(
-                f"dynamic table {name!r}: sharding type {sharding.sharding_type!r} is not "
-                f"supported; use one of {list(DYNAMIC_SHARDING_TYPES)}")
+        check_dynamic_sharding_type(sharding.sharding_type, name)
 
 
 def register_missing_placeholders(module: nn.Module, container: nn.ModuleDict) -> None:
