@@ -52,6 +52,7 @@ class _Batch(NamedTuple):
     offsets: torch.Tensor  # (F * B + 1,) int64
     weights: Optional[torch.Tensor]  # (N,) float32
     batch_size: int
+    num_indices: int  # N
     lookups: List[Lookup]
 
 
@@ -358,7 +359,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             lookups = self._take_prefetched(indices, offsets)
         else:
             lookups = self._lookup(indices, offsets, batch_size, training, frequencies)
-        batch = _Batch(offsets, None if weights is None else weights.detach(), batch_size, lookups)
+        batch = _Batch(offsets, None if weights is None else weights.detach(), batch_size,
+                       indices.numel(), lookups)
         if training and torch.is_grad_enabled() and any(g.training for g in self._groups):
             out = _LookupFunction.apply(self._table_params[0], weights, self, batch)
         else:
@@ -472,12 +474,11 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         return parts
 
     def _compute_output(self, batch: _Batch) -> torch.Tensor:
-        n = batch.offsets[-1].item()
         mean = self.pooling_mode == DynamicEmbPoolingMode.MEAN
         # Uninitialized: every feature belongs to one group, whose kernel writes all of
         # its rows (sequence) or columns (pooled, zeros for empty bags).
         if self.pooling_mode == DynamicEmbPoolingMode.NONE:
-            shape = (n, self.feature_dims[0])
+            shape = (batch.num_indices, self.feature_dims[0])
         else:
             shape = (batch.batch_size, sum(self.feature_dims))
         out = self._outputs.empty(shape, torch.float32, self.device)
