@@ -3,17 +3,14 @@ Timings are not checked here: targets live in the benchmarks and benchmark/RESUL
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dynamicemb_testing.scripts import ROOT, run_python
 
 
 def run(script, *args):
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmark", script), *args],
-                   check=True, cwd=ROOT, capture_output=True, timeout=600)
+    return run_python([os.path.join(ROOT, "benchmark", script), *args], check=True, timeout=600)
 
 
 def test_hash_table_benchmark(tmp_path):

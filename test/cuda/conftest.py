@@ -1,13 +1,7 @@
 """CUDA tests: skipped cleanly where there is no GPU or no CuPy."""
 
-import os
-import sys
-
 import pytest
 import torch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "module"))
 
 
 def cuda_ready() -> bool:

@@ -1,4 +1,4 @@
-"""``BatchedDynamicEmbeddingTables`` against the dense PyTorch reference (``reference.py``).
+"""``BatchedDynamicEmbeddingTables`` against the dense PyTorch reference (``dynamicemb_testing.module_reference``).
 
 Every case imports the same initial rows into module and reference, trains ten random
 batches (hot, huge, negative and duplicate ids; empty bags; a few ids left to the
@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynamicemb import DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbPoolingMode
-from reference import (
+from dynamicemb_testing.module_reference import (
+    OPTIMIZER_ARGS,
     OPTIMIZERS,
     POOLINGS,
     TableSpec,
@@ -29,16 +30,6 @@ from reference import (
 SUM, MEAN, NONE = DynamicEmbPoolingMode.SUM, DynamicEmbPoolingMode.MEAN, DynamicEmbPoolingMode.NONE
 STEPS = 10
 TOL = dict(rtol=1e-6, atol=1e-6)
-
-OPTIMIZER_ARGS = {
-    DynamicEmbOptimType.EXACT_SGD: DynamicEmbOptimizerArgs(DynamicEmbOptimType.EXACT_SGD, 0.1),
-    DynamicEmbOptimType.EXACT_ADAGRAD: DynamicEmbOptimizerArgs(
-        DynamicEmbOptimType.EXACT_ADAGRAD, 0.05, initial_accumulator_value=0.1),
-    DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD: DynamicEmbOptimizerArgs(
-        DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.05, initial_accumulator_value=0.1),
-    DynamicEmbOptimType.ADAM: DynamicEmbOptimizerArgs(DynamicEmbOptimType.ADAM, 0.01),
-}
-
 
 def layout(kind: str, pooling: DynamicEmbPoolingMode):
     """(table specs, feature_table_map).

@@ -38,7 +38,7 @@ from dynamicemb import (
     DynamicEmbPoolingMode,
     DynamicEmbTableOptions,
 )
-from reference import export_dict, id_pool, random_batch
+from dynamicemb_testing.module_reference import export_dict, id_pool, random_batch
 
 fbgemm_training = pytest.importorskip("fbgemm_gpu.split_table_batched_embeddings_ops_training")
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402

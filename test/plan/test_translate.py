@@ -15,9 +15,9 @@ from dynamicemb.plan.generators import distributed, dp_and_localized
 from dynamicemb.planner import DynamicEmbParameterConstraints
 from dynamicemb.planner.types import DynamicEmbParameterSharding
 
-import plan_workers
-from plan_testing import CRITEO_SIZES, EXAMPLE_MIXED
-from dist_utils import run_distributed
+from dynamicemb_testing import plan_workers
+from dynamicemb_testing.plan_testing import CRITEO_SIZES, EXAMPLE_MIXED
+from dynamicemb_testing.dist_utils import run_distributed
 
 CRITEO = CRITEO_SIZES
 # The seed's second 2-GPU example: lookups 0, 2 table-wise on GPU 0, lookups 1, 3 (one

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dynamicemb.table import hash_keys
-from reference_table import keys_in_bucket, ref_hash, to_int64, to_uint64
-from table_testing import as_keys, make_table
+from dynamicemb_testing.reference_table import keys_in_bucket, ref_hash, to_int64, to_uint64
+from dynamicemb_testing.table_testing import as_keys, make_table
 
 INT64_MAX, INT64_MIN = 2**63 - 1, -(2**63)
 

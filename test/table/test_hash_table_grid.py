@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from reference_table import ReferenceHashTable, ref_hash
-from table_testing import (
+from dynamicemb_testing.reference_table import ReferenceHashTable, ref_hash
+from dynamicemb_testing.table_testing import (
     STRATEGIES,
     VALUE_DTYPES,
     Pair,

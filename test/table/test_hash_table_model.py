@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from reference_table import keys_in_bucket, ref_hash
-from table_testing import CHECK_MODES, STRATEGIES, Pair, py_export, py_stats
+from dynamicemb_testing.reference_table import keys_in_bucket, ref_hash
+from dynamicemb_testing.table_testing import CHECK_MODES, STRATEGIES, Pair, py_export, py_stats
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 EXTREME_KEYS = [INT64_MIN, INT64_MIN + 1, -(2**32), -1, 0, 1, 2**32, INT64_MAX - 1, INT64_MAX]

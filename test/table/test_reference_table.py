@@ -6,7 +6,7 @@ used as the oracle in the comparison tests.
 
 import pytest
 
-from reference_table import (
+from dynamicemb_testing.reference_table import (
     ReferenceHashTable,
     keys_in_bucket,
     ref_hash,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dynamicemb import DynamicEmbCheckMode, DynamicEmbScoreStrategy, ScoredHashTable
-from reference_table import ReferenceHashTable
+from dynamicemb_testing.reference_table import ReferenceHashTable
 
 STRATEGIES = ["LRU", "STEP", "LFU", "CUSTOMIZED", "NO_EVICTION"]
 CHECK_MODES = ["ERROR", "WARNING", "IGNORE"]

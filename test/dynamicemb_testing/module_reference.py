@@ -36,6 +36,15 @@ OPTIMIZERS = [
     DynamicEmbOptimType.ADAM,
 ]
 POOLINGS = [DynamicEmbPoolingMode.SUM, DynamicEmbPoolingMode.MEAN, DynamicEmbPoolingMode.NONE]
+# One setting per optimizer for the tests (shared by the CPU and the CUDA suites).
+OPTIMIZER_ARGS = {
+    DynamicEmbOptimType.EXACT_SGD: DynamicEmbOptimizerArgs(DynamicEmbOptimType.EXACT_SGD, 0.1),
+    DynamicEmbOptimType.EXACT_ADAGRAD: DynamicEmbOptimizerArgs(
+        DynamicEmbOptimType.EXACT_ADAGRAD, 0.05, initial_accumulator_value=0.1),
+    DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD: DynamicEmbOptimizerArgs(
+        DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.05, initial_accumulator_value=0.1),
+    DynamicEmbOptimType.ADAM: DynamicEmbOptimizerArgs(DynamicEmbOptimType.ADAM, 0.01),
+}
 
 # Ids that stress a hash table keyed by raw int64: huge, negative, extremes, zero.
 SPECIAL_IDS = [0, 1, -1, -7, 10**15, -(10**15), 2**62 + 3, 2**63 - 1, -(2**63), 99_999, 100_000]
