@@ -78,6 +78,20 @@ def test_dynamic_tables_get_the_planner_sharding():
     assert not isinstance(plan.plan["ebc"]["t0"], DynamicEmbParameterSharding)
 
 
+def test_dynamic_options_left_unset_come_from_the_table_config():
+    constraints = {"t1": DynamicEmbParameterConstraints(use_dynamicemb=True,
+                                                        dynamicemb_options=DynamicEmbTableOptions())}
+    plan = to_sharding_plan(SEED_EXAMPLE, seed_model(), lookups=["l0", "l1", "l2", "l3", "l4"],
+                            constraints=constraints)
+    options = plan.plan["ebc"]["t1"].dynamicemb_options
+    assert (options.dim, options.max_capacity) == (8, 100)
+    conflicting = {"t1": DynamicEmbParameterConstraints(
+        use_dynamicemb=True, dynamicemb_options=DynamicEmbTableOptions(dim=16))}
+    with pytest.raises(ValueError, match="'t1'.*dim=16.*embedding_dim=8"):
+        to_sharding_plan(SEED_EXAMPLE, seed_model(), lookups=["l0", "l1", "l2", "l3", "l4"],
+                         constraints=conflicting)
+
+
 @pytest.mark.parametrize("generator", [dp_and_localized, distributed], ids=lambda g: g.__name__)
 def test_criteo_generators_translate_and_round_trip(generator):
     model = criteo_model()
