@@ -339,10 +339,11 @@ def random_batch(
 
 
 def export_dict(module: BatchedDynamicEmbeddingTables, name: str) -> Dict[int, tuple]:
-    """key -> (embedding, optimizer state, score) of a module's table."""
+    """key -> (embedding, optimizer state, score) of a module's table, on CPU."""
     ex = module.export_keys_values(name)
-    return {k: (ex.embeddings[i], ex.optimizer_states[i], int(ex.scores[i]))
-            for i, k in enumerate(ex.keys.tolist())}
+    embeddings, states = ex.embeddings.cpu(), ex.optimizer_states.cpu()
+    return {k: (embeddings[i], states[i], int(score))
+            for i, (k, score) in enumerate(zip(ex.keys.tolist(), ex.scores.tolist()))}
 
 
 def snapshot(module: BatchedDynamicEmbeddingTables) -> Dict[str, Dict[int, tuple]]:

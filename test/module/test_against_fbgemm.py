@@ -26,6 +26,8 @@ What FBGEMM's CPU path defines, as observed with fbgemm-gpu-cpu 1.8.0:
   is ``[0, 0, 1]``; ``test_against_dense.py`` covers non-adjacent sharing.
 """
 
+# CPU only: the reference is FBGEMM's CPU kernels.
+
 from dataclasses import dataclass
 from typing import Dict, List
 

@@ -236,6 +236,7 @@ def run_eviction_workload(num_threads: int, contiguous: bool = True) -> list:
         torch.set_num_threads(previous)
 
 
+# CPU only: OpenMP thread counts of the CPU kernels.
 def test_results_do_not_depend_on_thread_count():
     one = run_eviction_workload(1)
     assert run_eviction_workload(2) == one

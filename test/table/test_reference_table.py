@@ -4,6 +4,8 @@ These need neither torch nor the compiled table, so the model can be trusted bef
 used as the oracle in the comparison tests.
 """
 
+# No device: tests the pure-Python reference model itself.
+
 import pytest
 
 from dynamicemb_testing.reference_table import (
