@@ -172,8 +172,12 @@ class DynamicEmbTableOptions:
     """Options of one dynamic embedding table.
 
     Args:
-        dim: embedding dimension.
-        max_capacity: most rows the table holds.
+        dim: embedding dimension. May be left ``None`` only in
+            ``DynamicEmbParameterConstraints``: the planner fills it from the table's
+            ``embedding_dim``.
+        max_capacity: most rows the table holds. May be left ``None`` only in
+            ``DynamicEmbParameterConstraints``: the planner fills it from the table's
+            ``num_embeddings`` (the global capacity, shared out among the ranks).
         init_capacity: rows allocated at first (default ``max_capacity``); the
             table doubles when its load passes ``max_load_factor``.
         bucket_capacity: slots per hash bucket (multiple of 16).
@@ -194,8 +198,8 @@ class DynamicEmbTableOptions:
         optimizer_args: per-table optimizer (None: the module's settings).
     """
 
-    dim: int
-    max_capacity: int
+    dim: Optional[int] = None
+    max_capacity: Optional[int] = None
     init_capacity: Optional[int] = None
     bucket_capacity: int = 128
     max_load_factor: float = 0.5
@@ -210,11 +214,12 @@ class DynamicEmbTableOptions:
     optimizer_args: Optional[DynamicEmbOptimizerArgs] = None
 
     def __post_init__(self) -> None:
-        if self.dim <= 0:
+        if self.dim is not None and self.dim <= 0:
             raise ValueError(f"dim must be positive, got {self.dim}")
-        if self.max_capacity <= 0:
+        if self.max_capacity is not None and self.max_capacity <= 0:
             raise ValueError(f"max_capacity must be positive, got {self.max_capacity}")
-        if self.init_capacity is not None and not 0 < self.init_capacity <= self.max_capacity:
+        if self.init_capacity is not None and not 0 < self.init_capacity <= (
+                self.max_capacity if self.max_capacity is not None else self.init_capacity):
             raise ValueError(
                 f"init_capacity must be in (0, max_capacity={self.max_capacity}], "
                 f"got {self.init_capacity}"
@@ -232,3 +237,16 @@ class DynamicEmbTableOptions:
                 f"local_hbm_for_values must be >= 0 bytes, got {self.local_hbm_for_values}")
         if self.caching and self.local_hbm_for_values is None:
             raise ValueError("caching=True needs local_hbm_for_values (the cache's bytes)")
+
+    def check_shape(self, table: str) -> None:
+        """Raises ``ValueError`` unless ``dim`` and ``max_capacity`` are set (a table
+        built outside the planner has no config to take them from).
+
+        Args:
+            table: the table's name, for the message.
+        """
+        missing = [name for name in ("dim", "max_capacity") if getattr(self, name) is None]
+        if missing:
+            raise ValueError(
+                f"table {table!r}: DynamicEmbTableOptions needs {' and '.join(missing)} "
+                "(only the planner's DynamicEmbParameterConstraints may leave them unset)")

@@ -141,6 +141,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             f"t{i}" for i in range(num_tables)]
         if len(self.table_names) != num_tables or len(set(self.table_names)) != num_tables:
             raise ValueError("table_names must be unique, one per table")
+        for name, options in zip(self.table_names, self.table_options):
+            options.check_shape(name)
         self.feature_table_map = list(feature_table_map) if feature_table_map is not None else list(
             range(num_tables))
         if not self.feature_table_map or not all(

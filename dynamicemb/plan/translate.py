@@ -41,7 +41,7 @@ from torchrec.distributed.types import (
 )
 
 from dynamicemb.plan.format import LookupPlacement, PlanFile, load_plan
-from dynamicemb.planner.types import DynamicEmbParameterConstraints, to_dynamic_sharding
+from dynamicemb.planner.types import dynamic_table_options, to_dynamic_sharding
 
 __all__ = ["Lookup", "from_sharding_plan", "model_lookups", "to_sharding_plan"]
 
@@ -136,11 +136,6 @@ def _table_placements(plan: PlanFile, lookups: List[Lookup]
     return {key: placement for key, (_, placement) in tables.items()}
 
 
-def _dynamic_constraints(constraints: Optional[Mapping[str, ParameterConstraints]]):
-    return {name: c.dynamicemb_options for name, c in (constraints or {}).items()
-            if isinstance(c, DynamicEmbParameterConstraints) and c.use_dynamicemb}
-
-
 def _helper(table: str, placement: LookupPlacement, world_size: int, dynamic: bool):
     """The ``torchrec.distributed.sharding_plan`` helper for one table."""
     if placement.kind == "data_parallel":
@@ -195,7 +190,7 @@ def to_sharding_plan(
     world_size = plan.num_gpus
     resolved = model_lookups(model, lookups)
     placements = _table_placements(plan, resolved)
-    dynamic = _dynamic_constraints(constraints)
+    dynamic = dynamic_table_options(constraints, model)  # dim, max_capacity from the configs
     by_type = {s.module_type: s for s in (sharders or [])}
     module_plans = {}
     for fqn, module in _embedding_modules(model):

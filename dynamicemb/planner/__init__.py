@@ -6,6 +6,7 @@ from dynamicemb.planner.planner import DynamicEmbeddingShardingPlanner
 from dynamicemb.planner.types import (
     DynamicEmbParameterConstraints,
     DynamicEmbParameterSharding,
+    resolve_options,
     to_dynamic_sharding,
 )
 
@@ -16,5 +17,6 @@ __all__ = [
     "DynamicEmbStorageEstimator",
     "DynamicEmbeddingShardingPlanner",
     "dynamic_table_bytes",
+    "resolve_options",
     "to_dynamic_sharding",
 ]

@@ -14,7 +14,7 @@ from torchrec.distributed.types import compute_storage_usage
 
 from dynamicemb.ops.interface import metadata_bytes_per_slot, num_buckets_for, optimizer_state_dim
 from dynamicemb.options import DynamicEmbOptimType, DynamicEmbTableOptions
-from dynamicemb.planner.types import CUSTOMIZED_KERNEL, DynamicEmbParameterConstraints
+from dynamicemb.planner.types import CUSTOMIZED_KERNEL, DynamicEmbParameterConstraints, resolve_options
 
 __all__ = ["DynamicEmbPerfConfig", "DynamicEmbStorageEstimator", "dynamic_table_bytes"]
 
@@ -63,8 +63,10 @@ class DynamicEmbStorageEstimator(EmbeddingStorageEstimator):
             optimizer = fused_params.get("optimizer", DynamicEmbOptimType.EXACT_SGD)
             dense = self._dense_bytes(option, sharder_data_map)
             on_device = self._topology.compute_device in ("cuda", "mtia")
+            rows, dim = option.tensor.shape
+            options = resolve_options(constraint.dynamicemb_options, option.name, dim, rows)
             for shard, (dense_hbm, dense_ddr) in zip(option.shards, dense):
-                device, host = dynamic_table_bytes(constraint.dynamicemb_options, shard.size[0], optimizer)
+                device, host = dynamic_table_bytes(options, shard.size[0], optimizer)
                 hbm = shard.storage.hbm - dense_hbm + (device if on_device else 0)
                 ddr = shard.storage.ddr - dense_ddr + host + (0 if on_device else device)
                 shard.storage = Storage(hbm=max(hbm, 0), ddr=max(ddr, 0), ssd=shard.storage.ssd)

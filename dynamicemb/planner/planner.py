@@ -1,5 +1,6 @@
 """``DynamicEmbeddingShardingPlanner``: TorchRec's planner, aware of dynamic tables."""
 
+import copy
 from typing import Dict, List, Optional
 
 import torch
@@ -12,19 +13,19 @@ from torchrec.distributed.planner.planners import EmbeddingShardingPlanner
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingPlan
 
-from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.planner.estimators import DynamicEmbPerfConfig, DynamicEmbStorageEstimator
-from dynamicemb.planner.types import CUSTOMIZED_KERNEL, DynamicEmbParameterConstraints, to_dynamic_sharding
+from dynamicemb.planner.types import (
+    CUSTOMIZED_KERNEL,
+    DynamicEmbParameterConstraints,
+    dynamic_table_options,
+    to_dynamic_sharding,
+)
 
 __all__ = ["DynamicEmbeddingShardingPlanner"]
 
 
-def _dynamic_options(constraints: Optional[Dict[str, ParameterConstraints]]) -> Dict[str, DynamicEmbTableOptions]:
-    return {
-        name: c.dynamicemb_options
-        for name, c in (constraints or {}).items()
-        if isinstance(c, DynamicEmbParameterConstraints) and c.use_dynamicemb
-    }
+def _is_dynamic(constraint: ParameterConstraints) -> bool:
+    return isinstance(constraint, DynamicEmbParameterConstraints) and constraint.use_dynamicemb
 
 
 class _DynamicEmbEnumerator(EmbeddingEnumerator):
@@ -48,6 +49,9 @@ class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
     planned with the ``customized_kernel`` (row-wise or table-wise), their hash
     tables' bytes are counted against the topology (``DynamicEmbStorageEstimator``),
     and the plan gives them a ``DynamicEmbParameterSharding`` carrying their options.
+    Options' ``dim`` and ``max_capacity`` left ``None`` are filled from the table's
+    config when ``plan`` sees the model (a set value that differs is a ``ValueError``);
+    the constraints given are not modified.
     Other tables are planned as TorchRec would. A topology too small raises
     TorchRec's ``PlannerError``. Pass the dynamic sharders
     (``dynamicemb.shard``) to ``plan``/``collective_plan`` and to DMP.
@@ -62,7 +66,7 @@ class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
 
         constraints = {"items": DynamicEmbParameterConstraints(
             use_dynamicemb=True, sharding_types=["row_wise"],
-            dynamicemb_options=DynamicEmbTableOptions(dim=64, max_capacity=1 << 24))}
+            dynamicemb_options=DynamicEmbTableOptions())}  # dim, max_capacity: from the config
         planner = DynamicEmbeddingShardingPlanner(topology, constraints=constraints)
         plan = planner.collective_plan(model, sharders)
     """
@@ -74,7 +78,12 @@ class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
             topology = Topology(
                 world_size=dist.get_world_size(), local_world_size=get_local_size(),
                 compute_device="cuda" if torch.cuda.is_available() else "cpu")
-        self._dynamic_options = _dynamic_options(constraints)
+        # Own copies of the dynamic constraints: plan() completes their options in place,
+        # where the estimators (which hold this dict) read them.
+        if constraints is not None:
+            constraints = {name: copy.copy(c) if _is_dynamic(c) else c for name, c in constraints.items()}
+        self._dynamic_constraints = {name: c for name, c in (constraints or {}).items() if _is_dynamic(c)}
+        self._declared_options = {name: c.dynamicemb_options for name, c in self._dynamic_constraints.items()}
         if enumerator is None:
             perf = EmbeddingPerfEstimatorFactory.create_with_config(
                 DynamicEmbPerfConfig(), topology=topology, constraints=constraints)
@@ -82,18 +91,28 @@ class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
             enumerator = _DynamicEmbEnumerator(
                 topology=topology, batch_size=batch_size if batch_size is not None else 512,
                 constraints=constraints, estimator=[perf, storage],
-                dynamic_tables=self._dynamic_options)
+                dynamic_tables=self._dynamic_constraints)
         super().__init__(topology=topology, batch_size=batch_size, enumerator=enumerator,
                          constraints=constraints, **kwargs)
 
     def plan(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> ShardingPlan:
         """TorchRec's plan, with dynamic tables' entries as ``DynamicEmbParameterSharding``
-        (converted before ``collective_plan`` broadcasts it)."""
+        (converted before ``collective_plan`` broadcasts it).
+
+        Raises:
+            ValueError: a dynamic table's ``dim`` or ``max_capacity`` differs from its
+                config in ``module``.
+        """
+        for name, constraint in self._dynamic_constraints.items():  # as given, for this module
+            constraint.dynamicemb_options = self._declared_options[name]
+        options = dynamic_table_options(self._dynamic_constraints, module)
+        for name, table_options in options.items():
+            self._dynamic_constraints[name].dynamicemb_options = table_options
         plan = super().plan(module, sharders)
         for module_plan in plan.plan.values():
             if not isinstance(module_plan, EmbeddingModuleShardingPlan):
                 continue
             for name, sharding in list(module_plan.items()):
-                if name in self._dynamic_options:
-                    module_plan[name] = to_dynamic_sharding(sharding, self._dynamic_options[name])
+                if name in options:
+                    module_plan[name] = to_dynamic_sharding(sharding, options[name])
         return plan

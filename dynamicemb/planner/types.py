@@ -3,8 +3,9 @@ that carries its options to the sharded module."""
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
+from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ParameterSharding, ShardingType
@@ -17,6 +18,8 @@ __all__ = [
     "DynamicEmbOptionsRef",
     "DynamicEmbParameterConstraints",
     "DynamicEmbParameterSharding",
+    "dynamic_table_options",
+    "resolve_options",
     "to_dynamic_sharding",
 ]
 
@@ -115,6 +118,10 @@ class DynamicEmbParameterConstraints(ParameterConstraints):
     Dynamic tables may be ``row_wise`` (ids go to the rank ``owner_rank(id, W)``)
     or ``table_wise``; other sharding types are refused. Their ``compute_kernels``
     are always ``["customized_kernel"]``.
+
+    ``dynamicemb_options.dim`` and ``max_capacity`` may be left ``None``: the planner
+    fills them from the table's ``embedding_dim`` and ``num_embeddings`` (see
+    ``resolve_options``); a value that differs from the config is a ``ValueError``.
     """
 
     use_dynamicemb: bool = False
@@ -133,3 +140,67 @@ class DynamicEmbParameterConstraints(ParameterConstraints):
             raise ValueError(
                 f"dynamic tables use compute_kernels=[{CUSTOMIZED_KERNEL!r}], got {self.compute_kernels}")
         self.compute_kernels = [CUSTOMIZED_KERNEL]
+
+
+def resolve_options(options: DynamicEmbTableOptions, table: str, embedding_dim: int,
+                    num_embeddings: int) -> DynamicEmbTableOptions:
+    """A dynamic table's options with ``dim`` and ``max_capacity`` taken from its
+    TorchRec config where they are ``None``.
+
+    ``max_capacity`` is the table's global capacity, ``num_embeddings``: each rank's
+    kernel gets its share (see ``docs/ARCHITECTURE.md``).
+
+    Args:
+        options: the options a constraint (or ``to_dynamic_sharding``) gave.
+        table: the table's name, for the message.
+        embedding_dim, num_embeddings: the table's ``EmbeddingConfig`` /
+            ``EmbeddingBagConfig`` fields.
+
+    Returns:
+        ``options`` itself when nothing is missing, else a filled copy.
+
+    Raises:
+        ValueError: a set field differs from the config (both values named).
+    """
+    fills = {}
+    for field, config_field, value in (("dim", "embedding_dim", embedding_dim),
+                                       ("max_capacity", "num_embeddings", num_embeddings)):
+        given = getattr(options, field)
+        if given is None:
+            fills[field] = value
+        elif given != value:
+            raise ValueError(
+                f"table {table!r}: dynamicemb_options.{field}={given} but {config_field}={value} "
+                f"in the table's config (leave {field} unset to take the config's)")
+    return dataclasses.replace(options, **fills) if fills else options
+
+
+def _table_configs(module: nn.Module) -> Dict[str, Any]:
+    """name -> config of every EmbeddingCollection / EmbeddingBagCollection table in ``module``."""
+    configs: Dict[str, Any] = {}
+    for child in module.modules():
+        for getter in ("embedding_configs", "embedding_bag_configs"):
+            if callable(getattr(child, getter, None)):
+                configs.update((config.name, config) for config in getattr(child, getter)())
+    return configs
+
+
+def dynamic_table_options(constraints: Optional[Mapping[str, ParameterConstraints]],
+                          module: nn.Module) -> Dict[str, DynamicEmbTableOptions]:
+    """Options of the tables that ``constraints`` make dynamic, completed from
+    ``module``'s table configs (``resolve_options``). A constraint naming no table of
+    ``module`` keeps its options as given.
+
+    Args:
+        constraints: the planner's constraints, keyed by table name.
+        module: the unsharded model (tables may be on ``meta``).
+    """
+    configs = _table_configs(module)
+    out = {}
+    for name, constraint in (constraints or {}).items():
+        if not (isinstance(constraint, DynamicEmbParameterConstraints) and constraint.use_dynamicemb):
+            continue
+        config = configs.get(name)
+        out[name] = (constraint.dynamicemb_options if config is None else resolve_options(
+            constraint.dynamicemb_options, name, config.embedding_dim, config.num_embeddings))
+    return out

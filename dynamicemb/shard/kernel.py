@@ -26,7 +26,7 @@ from dynamicemb.options import (
     DynamicEmbPoolingMode,
     DynamicEmbTableOptions,
 )
-from dynamicemb.planner.types import DYNAMICEMB_OPTIONS_KEY
+from dynamicemb.planner.types import DYNAMICEMB_OPTIONS_KEY, resolve_options
 from dynamicemb.shard.input_dist import owner_rank
 
 __all__ = ["DynamicEmbEmbedding", "DynamicEmbEmbeddingBag", "DynamicEmbKeyedOptimizer"]
@@ -58,12 +58,10 @@ class DynamicEmbKeyedOptimizer(FusedOptimizer):
 
 
 def _rank_options(options: DynamicEmbTableOptions, table: ShardedEmbeddingTable) -> DynamicEmbTableOptions:
-    """A table's options on this rank: capacity = its share of ``num_embeddings``;
-    uniform bounds default to TorchRec's (±sqrt(1 / num_embeddings))."""
-    if options.dim != table.embedding_dim:
-        raise ValueError(
-            f"table {table.name!r}: dynamicemb_options.dim={options.dim} but "
-            f"embedding_dim={table.embedding_dim}")
+    """A table's options on this rank: ``dim`` and ``max_capacity`` completed from the
+    config (``resolve_options``), capacity = its share of ``num_embeddings``; uniform
+    bounds default to TorchRec's (±sqrt(1 / num_embeddings))."""
+    options = resolve_options(options, table.name, table.embedding_dim, table.num_embeddings)
     num_shards = len(table.global_metadata.shards_metadata) if table.global_metadata else 1
     capacity = max(table.local_rows, math.ceil(table.num_embeddings / num_shards))
     init_capacity = None

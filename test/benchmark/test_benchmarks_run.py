@@ -1,39 +1,86 @@
-"""The benchmark scripts run end to end at a tiny scale and write what they promise.
-Timings are not checked here: targets live in the benchmarks and benchmark/RESULTS.md."""
+"""The benchmark scripts run end to end at a tiny scale and write what they promise:
+the configured rows, and numbers consistent with what was measured (rates and
+timings positive and finite, ratios equal to the quotients of the reported numbers,
+medians of the configured iteration count). How fast is not checked here: targets
+live in the benchmarks and benchmark/RESULTS.md."""
 
 import json
+import math
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dynamicemb_testing.scripts import ROOT, run_python
 
 
 def run(script, *args):
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmark", script), *args],
-                   check=True, cwd=ROOT, capture_output=True, timeout=600)
+    return run_python([os.path.join(ROOT, "benchmark", script), *args], check=True, timeout=600)
+
+
+def printed_rows(stdout: str, field: str):
+    """The JSON rows a benchmark prints as it goes (one object per line, with ``field``;
+    the run's meta is printed that way too)."""
+    printed = [json.loads(line) for line in stdout.splitlines() if line.startswith("{\"")]
+    return [p for p in printed if field in p]
+
+
+def positive_finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def markdown_rows(path: str):
+    lines = [line for line in open(path).read().splitlines() if line.startswith("|")]
+    return lines[2:]  # after the header and the separator
 
 
 def test_hash_table_benchmark(tmp_path):
     out = str(tmp_path / "ht")
-    run("benchmark_hash_table.py", "--capacity", "8192", "--batch", "1024", "--reps", "2",
-        "--loads", "0.5", "1.0", "--dims", "8", "--out", out)
-    rows = json.load(open(out + ".json"))["rows"]
+    done = run("benchmark_hash_table.py", "--capacity", "8192", "--batch", "1024", "--reps", "2",
+               "--loads", "0.5", "1.0", "--dims", "8", "--out", out)
+    report = json.load(open(out + ".json"))
+    rows, meta = report["rows"], report["meta"]
     assert [(r["load"], r["dim"]) for r in rows] == [(0.5, 8), (1.0, 8)]
     assert all(r["ratio_find_gather_over_gather"] > 0 and r["metadata_bytes_per_slot"] < 24
                for r in rows)
     assert "| load | dim |" in open(out + ".md").read()
+    assert (meta["capacity"], meta["batch"], meta["reps"]) == (8192, 1024, 2)
+    assert printed_rows(done.stdout, "load") == rows  # what it printed is what it wrote
+    assert len(markdown_rows(out + ".md")) == len(rows)
+    for r in rows:
+        rates = [r[k] for k in r if k.endswith("_mkeys_s")]
+        assert len(rates) == 5 and all(positive_finite(x) for x in rates), r
+        # the ratio of times is the inverse ratio of the rates derived from them
+        assert r["ratio_find_gather_over_gather"] == pytest.approx(
+            r["gather_mkeys_s"] / r["find_gather_mkeys_s"], rel=1e-9)
+        assert r["load"] - 1 / 8192 <= r["actual_load"] <= 1.0  # pre-filled to the load
+        assert r["metadata_bytes_per_slot"] > 0 and r["evictions"] >= 0
+
+
+def check_batched_row(r, optimizer, has_torchrec):
+    """One row of benchmark_batched_dynamicemb_tables.py run with the test's settings."""
+    assert (r["batch_size"], r["num_embeddings_per_feature"], r["embedding_dim"],
+            r["num_iterations"], r["optimizer_type"]) == (256, 4096, 16, 2, optimizer)
+    sides = ("dynamicemb", "torchrec") if has_torchrec else ("dynamicemb",)
+    for side in sides:
+        t = {p: r[f"{p}({side})"] for p in ("eval", "forward", "backward", "train")}
+        assert all(positive_finite(x) for x in t.values()), (side, t)
+        # medians of 2 iterations are means, and each train time is forward + backward
+        # of its iteration (ms rounded to 3 decimals)
+        assert t["train"] == pytest.approx(t["forward"] + t["backward"], abs=2e-3), (side, t)
+    if has_torchrec:
+        assert r["train_ratio(dynamicemb/torchrec)"] == round(r["train(dynamicemb)"] / r["train(torchrec)"], 3)
+        assert positive_finite(r["train_ratio_paired(dynamicemb/torchrec)"])
+    assert positive_finite(r["dynamicemb_table_bytes"])
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_batched_tables_benchmark(tmp_path, optimizer):
     out = str(tmp_path / "bt")
-    run("benchmark_batched_dynamicemb_tables.py", "--batch_sizes", "256", "--num_embeddings",
-        "4096", "--optimizers", optimizer, "--num_iterations", "2", "--warmup", "1",
-        "--cache_fractions", "0.5", "--embedding_dim", "16", "--out", out)
-    rows = json.load(open(out + ".json"))["rows"]
+    done = run("benchmark_batched_dynamicemb_tables.py", "--batch_sizes", "256", "--num_embeddings",
+               "4096", "--optimizers", optimizer, "--num_iterations", "2", "--warmup", "1",
+               "--cache_fractions", "0.5", "--embedding_dim", "16", "--out", out)
+    report = json.load(open(out + ".json"))
+    rows = report["rows"]
     assert [r["caching"] for r in rows] == [False, True]
     has_torchrec = optimizer != "adam"  # FBGEMM has no Adam on CPU
     assert all((r["train(torchrec)"] is not None) == has_torchrec for r in rows)
@@ -41,3 +88,20 @@ def test_batched_tables_benchmark(tmp_path, optimizer):
                for r in rows)
     assert 0 <= rows[1]["cache_hit_rate"] <= 1
     assert os.path.getsize(out + ".png") > 0
+    assert printed_rows(done.stdout, "caching") == rows
+    assert len(markdown_rows(out + ".md")) == len(rows)
+    argv = report["meta"]["argv"]
+    assert (argv["num_iterations"], argv["warmup"], argv["optimizers"]) == (2, 1, [optimizer])
+    for r in rows:
+        check_batched_row(r, optimizer, has_torchrec)
+    assert rows[0]["cache_hit_rate"] is None and rows[0]["cache_fraction_of_touched"] is None
+    assert rows[1]["cache_fraction_of_touched"] == 0.5
+    # device bytes: every row (all-resident), then a cache of at least 16 rows and at most
+    # half of the ids that 3 batches of 256 can touch
+    row_bytes = (16 + {"sgd": 0, "adam": 32}[optimizer]) * 4
+    assert rows[0]["hbm_for_embeddings"] == 4096 * row_bytes
+    cache = rows[1]["hbm_for_embeddings"]
+    assert cache % row_bytes == 0 and 16 <= cache // row_bytes <= 3 * 256 // 2
+    assert rows[0]["train_ratio(vs all-resident)"] == 1.0
+    assert rows[1]["train_ratio(vs all-resident)"] == round(
+        rows[1]["train(dynamicemb)"] / rows[0]["train(dynamicemb)"], 3)

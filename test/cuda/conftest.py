@@ -1,23 +1,8 @@
 """CUDA tests: skipped cleanly where there is no GPU or no CuPy."""
 
-import os
-import sys
-
 import pytest
-import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "module"))
-
-
-def cuda_ready() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from dynamicemb_testing.devices import cuda_ready
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from dynamicemb import DynamicEmbOptimType, DynamicEmbPoolingMode
-from test_against_dense import OPTIMIZER_ARGS
-from reference import OPTIMIZERS, POOLINGS, TableSpec, export_dict, id_pool, make_tables, random_batch
+from dynamicemb_testing.module_reference import OPTIMIZER_ARGS, OPTIMIZERS, POOLINGS, TableSpec, export_dict, id_pool, make_tables, random_batch
 
 pytestmark = pytest.mark.cuda
 

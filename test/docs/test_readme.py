@@ -8,11 +8,10 @@ of the block; the block's own lines run unchanged.
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dynamicemb_testing.dist_utils import free_port
+from dynamicemb_testing.scripts import ROOT, run_python
 
 # What the README's prose supplies around a fragment: keyed by a line of the block.
 CONTEXT = {
@@ -69,12 +68,8 @@ def test_readme_python_blocks_run(tmp_path):
         parts.append(block)
     script = tmp_path / "readme_blocks.py"
     script.write_text("\n".join(parts))
-    sys.path.insert(0, os.path.join(ROOT, "test", "shard"))
-    from dist_utils import free_port  # noqa: PLC0415
-
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600,
-                          env=dict(os.environ, README_PORT=str(free_port()), PYTHONWARNINGS="ignore"))
+    done = run_python([script], cwd=str(tmp_path), timeout=600,
+                      env=dict(README_PORT=str(free_port()), PYTHONWARNINGS="ignore"))
     assert done.returncode == 0, done.stderr[-4000:]
 
 

@@ -11,7 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import dlrm_data as dd
+from dynamicemb_testing.dlrm import load_dlrm_data
+
+dd = load_dlrm_data()
 
 N = 300  # samples in the small data sets
 

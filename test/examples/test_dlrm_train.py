@@ -2,20 +2,18 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dynamicemb_testing.dlrm import load_dlrm_data
+from dynamicemb_testing.scripts import ROOT, run_python
 
 
 def torchrun(*args, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         os.path.join(ROOT, "examples", "dlrm", "train.py"), *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    return run_python(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         os.path.join(ROOT, "examples", "dlrm", "train.py"), *args],
+        timeout=timeout, env=dict(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
 
 
 @pytest.mark.parametrize("collection", ["ebc", "ec"])
@@ -40,8 +38,7 @@ def test_training_learns_and_reports(tmp_path, collection):
 def test_training_from_tsv_and_parquet_files(tmp_path):
     """The readers feed the job: files written from synthetic data, one a little
     corrupted (the malformed line is skipped; ranks stop together)."""
-    import dlrm_data  # noqa: PLC0415 (loaded by conftest)
-
+    dlrm_data = load_dlrm_data()
     data = dlrm_data.SyntheticCriteo(6000, 500, scale=0.05)
     train_tsv, eval_tsv = tmp_path / "train.tsv", tmp_path / "eval.tsv"
     dlrm_data.write_tsv(str(train_tsv), data)

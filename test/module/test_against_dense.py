@@ -1,4 +1,4 @@
-"""``BatchedDynamicEmbeddingTables`` against the dense PyTorch reference (``reference.py``).
+"""``BatchedDynamicEmbeddingTables`` against the dense PyTorch reference (``dynamicemb_testing.module_reference``).
 
 Every case imports the same initial rows into module and reference, trains ten random
 batches (hot, huge, negative and duplicate ids; empty bags; a few ids left to the
@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynamicemb import DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbPoolingMode
-from reference import (
+from dynamicemb_testing.module_reference import (
+    OPTIMIZER_ARGS,
     OPTIMIZERS,
     POOLINGS,
     TableSpec,
@@ -29,16 +30,6 @@ from reference import (
 SUM, MEAN, NONE = DynamicEmbPoolingMode.SUM, DynamicEmbPoolingMode.MEAN, DynamicEmbPoolingMode.NONE
 STEPS = 10
 TOL = dict(rtol=1e-6, atol=1e-6)
-
-OPTIMIZER_ARGS = {
-    DynamicEmbOptimType.EXACT_SGD: DynamicEmbOptimizerArgs(DynamicEmbOptimType.EXACT_SGD, 0.1),
-    DynamicEmbOptimType.EXACT_ADAGRAD: DynamicEmbOptimizerArgs(
-        DynamicEmbOptimType.EXACT_ADAGRAD, 0.05, initial_accumulator_value=0.1),
-    DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD: DynamicEmbOptimizerArgs(
-        DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.05, initial_accumulator_value=0.1),
-    DynamicEmbOptimType.ADAM: DynamicEmbOptimizerArgs(DynamicEmbOptimType.ADAM, 0.01),
-}
-
 
 def layout(kind: str, pooling: DynamicEmbPoolingMode):
     """(table specs, feature_table_map).
@@ -80,9 +71,9 @@ def train_and_compare(module, ref, table_pools, seed, weighted=False, steps=STEP
                                                  dtype=dtype)
         out = module(indices, offsets, weights)
         want = ref.forward(indices, offsets, weights)
-        torch.testing.assert_close(out.detach(), want, **TOL, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(out.detach().cpu(), want, **TOL, msg=lambda m: f"step {step}: {m}")
         grad = torch.randn(out.shape, generator=gen)
-        (out * grad).sum().backward()
+        (out * grad.to(out.device)).sum().backward()
         ref.backward(grad)
     assert_tables_match(module, ref, **TOL)
 
@@ -102,27 +93,27 @@ GRID = [
 
 @pytest.mark.parametrize("opt,pooling,kind,weighted", GRID,
                          ids=[f"{o.name}-{p.name}-{k}-{'w' if w else 'nw'}" for o, p, k, w in GRID])
-def test_training_matches_dense(opt, pooling, kind, weighted):
+def test_training_matches_dense(opt, pooling, kind, weighted, device):
     specs, ftm = layout(kind, pooling)
-    module, ref = make_tables(specs, ftm, pooling, OPTIMIZER_ARGS[opt])
+    module, ref = make_tables(specs, ftm, pooling, OPTIMIZER_ARGS[opt], device=device)
     pools = pools_for(specs, seed=zlib.crc32(f"{opt.name}{pooling.name}{kind}".encode()) % 1000)
     import_initial_rows(module, ref, pools, torch.Generator().manual_seed(1))
     train_and_compare(module, ref, pools, seed=2, weighted=weighted)
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
-def test_weight_decay_matches_dense(opt):
+def test_weight_decay_matches_dense(opt, device):
     """L2 weight decay (g + wd * w) for every optimizer, on weighted SUM over mixed tables."""
     args = replace(OPTIMIZER_ARGS[opt], weight_decay=0.05)
     specs, ftm = layout("mixed", SUM)
-    module, ref = make_tables(specs, ftm, SUM, args)
+    module, ref = make_tables(specs, ftm, SUM, args, device=device)
     pools = pools_for(specs, seed=11)
     import_initial_rows(module, ref, pools, torch.Generator().manual_seed(3), with_states=True)
     train_and_compare(module, ref, pools, seed=4, weighted=True)
 
 
 @pytest.mark.parametrize("pooling", [SUM, MEAN], ids=lambda p: p.name)
-def test_per_table_optimizer_override(pooling):
+def test_per_table_optimizer_override(pooling, device):
     """Tables with their own optimizer and learning rate beside one using the module's."""
     specs = [
         TableSpec(dim=4, optimizer=DynamicEmbOptimizerArgs(
@@ -134,25 +125,25 @@ def test_per_table_optimizer_override(pooling):
             DynamicEmbOptimType.EXACT_ADAGRAD, 0.03, eps=1e-3)),
     ]
     module_args = DynamicEmbOptimizerArgs(DynamicEmbOptimType.EXACT_SGD, 0.3)
-    module, ref = make_tables(specs, [0, 1, 2, 1, 3], pooling, module_args)
+    module, ref = make_tables(specs, [0, 1, 2, 1, 3], pooling, module_args, device=device)
     pools = pools_for(specs, seed=21)
     import_initial_rows(module, ref, pools, torch.Generator().manual_seed(5), with_states=True)
     train_and_compare(module, ref, pools, seed=6, weighted=False)
 
 
-def test_int32_inputs_match_dense():
+def test_int32_inputs_match_dense(device):
     """int32 indices and offsets are the same lookups as int64 ones."""
     specs, ftm = layout("mixed", SUM)
-    module, ref = make_tables(specs, ftm, SUM, OPTIMIZER_ARGS[DynamicEmbOptimType.EXACT_ADAGRAD])
+    module, ref = make_tables(specs, ftm, SUM, OPTIMIZER_ARGS[DynamicEmbOptimType.EXACT_ADAGRAD], device=device)
     pools = [[k for k in range(-40, 40, 3)] for _ in specs]
     import_initial_rows(module, ref, pools, torch.Generator().manual_seed(7))
     train_and_compare(module, ref, pools, seed=8, dtype=torch.int32)
 
 
-def test_large_batch_matches_dense():
+def test_large_batch_matches_dense(device):
     """A batch big enough that the kernels take their OpenMP paths (>= 2048 elements)."""
     specs, ftm = [TableSpec(dim=16, max_capacity=4096), TableSpec(dim=16, max_capacity=4096)], [0, 1, 0]
-    module, ref = make_tables(specs, ftm, MEAN, OPTIMIZER_ARGS[DynamicEmbOptimType.ADAM])
+    module, ref = make_tables(specs, ftm, MEAN, OPTIMIZER_ARGS[DynamicEmbOptimType.ADAM], device=device)
     pools = [id_pool(300, 31), id_pool(300, 32)]
     import_initial_rows(module, ref, pools, torch.Generator().manual_seed(9))
     train_and_compare(module, ref, pools, seed=10, steps=3, batch=300)
@@ -178,12 +169,12 @@ def layouts(draw):
     return specs, ftm, pooling, replace(OPTIMIZER_ARGS[opt], weight_decay=wd)
 
 
-@settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(layout_=layouts(), seed=st.integers(0, 2**16), batch=st.integers(0, 4),
        weighted=st.booleans())
-def test_random_layouts_match_dense(layout_, seed, batch, weighted):
+def test_random_layouts_match_dense(layout_, seed, batch, weighted, device):
     specs, ftm, pooling, args = layout_
-    module, ref = make_tables(specs, ftm, pooling, args)
+    module, ref = make_tables(specs, ftm, pooling, args, device=device)
     pools = [id_pool(6, seed + t) for t in range(len(specs))]
     import_initial_rows(module, ref, pools, torch.Generator().manual_seed(seed))
     train_and_compare(module, ref, pools, seed=seed, weighted=weighted and pooling == SUM,
@@ -195,7 +186,7 @@ STREAMED = [(SUM, False), (SUM, True), (MEAN, False), (NONE, False)]
 
 @pytest.mark.parametrize("pooling,weighted", STREAMED,
                          ids=[f"{p.name}-{'w' if w else 'nw'}" for p, w in STREAMED])
-def test_streamed_outputs_match_dense(pooling, weighted):
+def test_streamed_outputs_match_dense(pooling, weighted, device):
     """Outputs of 8 MiB and more are written with streaming stores (``kStreamMinBytes``
     in ``csrc/cpu/embedding.cpp``): columns at odd offsets (dims 7 and 33), empty bags,
     lone rows copied straight from the table, sums and means built in a local row.
@@ -205,7 +196,7 @@ def test_streamed_outputs_match_dense(pooling, weighted):
     else:
         specs = [TableSpec(dim=7, max_capacity=4096), TableSpec(dim=33, max_capacity=4096)]
         ftm, batch = [0, 1, 0], 45000
-    module, ref = make_tables(specs, ftm, pooling, OPTIMIZER_ARGS[DynamicEmbOptimType.EXACT_SGD])
+    module, ref = make_tables(specs, ftm, pooling, OPTIMIZER_ARGS[DynamicEmbOptimType.EXACT_SGD], device=device)
     pools = [id_pool(200, 41), id_pool(200, 42)][: len(specs)]
     import_initial_rows(module, ref, pools, torch.Generator().manual_seed(12))
     width = specs[0].dim if pooling == NONE else sum(specs[t].dim for t in ftm)
@@ -218,5 +209,5 @@ def test_streamed_outputs_match_dense(pooling, weighted):
                                                  weighted=weighted)
         out = module(indices, offsets, weights)
         want = ref.forward(indices, offsets, weights, training=False)
-        torch.testing.assert_close(out, want, **TOL, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(out.cpu(), want, **TOL, msg=lambda m: f"step {step}: {m}")
         del out

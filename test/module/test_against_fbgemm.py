@@ -26,6 +26,8 @@ What FBGEMM's CPU path defines, as observed with fbgemm-gpu-cpu 1.8.0:
   is ``[0, 0, 1]``; ``test_against_dense.py`` covers non-adjacent sharing.
 """
 
+# CPU only: the reference is FBGEMM's CPU kernels.
+
 from dataclasses import dataclass
 from typing import Dict, List
 
@@ -38,7 +40,7 @@ from dynamicemb import (
     DynamicEmbPoolingMode,
     DynamicEmbTableOptions,
 )
-from reference import export_dict, id_pool, random_batch
+from dynamicemb_testing.module_reference import export_dict, id_pool, random_batch
 
 fbgemm_training = pytest.importorskip("fbgemm_gpu.split_table_batched_embeddings_ops_training")
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402

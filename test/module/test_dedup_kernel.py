@@ -1,6 +1,8 @@
 """The dedup kernel: unique (table, key) pairs in first-occurrence order, inverse,
 occurrence counts and the lookups grouped by pair, the same for any thread count."""
 
+# CPU only: tests the CPU dedup kernel's internals.
+
 import pytest
 import torch
 

@@ -23,7 +23,7 @@ from dynamicemb import (
     DynamicEmbTableOptions,
     FrequencyAdmissionStrategy,
 )
-from reference import (
+from dynamicemb_testing.module_reference import (
     SPECIAL_IDS,
     TableSpec,
     assert_tables_match,

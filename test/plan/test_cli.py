@@ -1,16 +1,14 @@
 """``python -m dynamicemb.plan``: every subcommand, and one error line with exit code 2."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from dynamicemb.plan.cli import main
 from dynamicemb.plan.format import load_plan
 from dynamicemb.plan.generators import distributed, dp_and_localized, greedy
-from plan_testing import CRITEO_SIZES, EXAMPLE_MIXED
+from dynamicemb_testing.plan_testing import CRITEO_SIZES, EXAMPLE_MIXED
+from dynamicemb_testing.scripts import run_python
 
 CRITEO = ",".join(map(str, CRITEO_SIZES))
 GREEDY = ["generate", "greedy", "--table-sizes", "10,20", "--num-gpus", "2"]
@@ -135,9 +133,7 @@ def test_argparse_errors_exit_2(capsys):
 
 
 def test_module_help():
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    done = subprocess.run([sys.executable, "-m", "dynamicemb.plan", "--help"], capture_output=True, text=True,
-                          env=env, timeout=120)
+    done = run_python(["-m", "dynamicemb.plan", "--help"], env=dict(PYTHONWARNINGS="ignore"), timeout=120)
     assert done.returncode == 0
     assert "usage: python -m dynamicemb.plan" in done.stdout
     assert "examples:" in done.stdout and "generate greedy" in done.stdout

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynamicemb.plan.format import LookupPlacement, PlanFile, PlanGroup, load_plan
-from plan_testing import EXAMPLE_ALL_DP, EXAMPLE_MIXED, example, make_group as g
+from dynamicemb_testing.plan_testing import EXAMPLE_ALL_DP, EXAMPLE_MIXED, example, make_group as g
 
 DP, TW, RW = "data_parallel", "table_wise", "row_wise"
 

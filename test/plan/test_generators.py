@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from dynamicemb.plan.format import LookupPlacement, PlanGroup, load_plan
 from dynamicemb.plan.generators import distributed, dp_and_localized, greedy
-from plan_testing import CRITEO_SIZES
+from dynamicemb_testing.plan_testing import CRITEO_SIZES
 
 
 def notebook_dp_and_localized(sizes, num_gpus):

@@ -15,9 +15,9 @@ from dynamicemb.plan.generators import distributed, dp_and_localized
 from dynamicemb.planner import DynamicEmbParameterConstraints
 from dynamicemb.planner.types import DynamicEmbParameterSharding
 
-import plan_workers
-from plan_testing import CRITEO_SIZES, EXAMPLE_MIXED
-from dist_utils import run_distributed
+from dynamicemb_testing import plan_workers
+from dynamicemb_testing.plan_testing import CRITEO_SIZES, EXAMPLE_MIXED
+from dynamicemb_testing.dist_utils import run_distributed
 
 CRITEO = CRITEO_SIZES
 # The seed's second 2-GPU example: lookups 0, 2 table-wise on GPU 0, lookups 1, 3 (one
@@ -76,6 +76,20 @@ def test_dynamic_tables_get_the_planner_sharding():
     assert isinstance(sharding, DynamicEmbParameterSharding)
     assert sharding.compute_kernel == "customized_kernel" and sharding.dynamicemb_options == options
     assert not isinstance(plan.plan["ebc"]["t0"], DynamicEmbParameterSharding)
+
+
+def test_dynamic_options_left_unset_come_from_the_table_config():
+    constraints = {"t1": DynamicEmbParameterConstraints(use_dynamicemb=True,
+                                                        dynamicemb_options=DynamicEmbTableOptions())}
+    plan = to_sharding_plan(SEED_EXAMPLE, seed_model(), lookups=["l0", "l1", "l2", "l3", "l4"],
+                            constraints=constraints)
+    options = plan.plan["ebc"]["t1"].dynamicemb_options
+    assert (options.dim, options.max_capacity) == (8, 100)
+    conflicting = {"t1": DynamicEmbParameterConstraints(
+        use_dynamicemb=True, dynamicemb_options=DynamicEmbTableOptions(dim=16))}
+    with pytest.raises(ValueError, match="'t1'.*dim=16.*embedding_dim=8"):
+        to_sharding_plan(SEED_EXAMPLE, seed_model(), lookups=["l0", "l1", "l2", "l3", "l4"],
+                         constraints=conflicting)
 
 
 @pytest.mark.parametrize("generator", [dp_and_localized, distributed], ids=lambda g: g.__name__)

@@ -1,7 +1,7 @@
 """Row-wise EmbeddingBagCollection id dedup (2 gloo ranks) against native TorchRec."""
 
-from dist_utils import run_distributed
-import dedup_workers
+from dynamicemb_testing.dist_utils import run_distributed
+from dynamicemb_testing import dedup_workers
 
 
 def test_ebc_rowwise_dedup_matches_native_tables():

@@ -111,3 +111,65 @@ def test_data_parallel_dynamic_tables_are_refused():
 def test_constraints_need_options():
     with pytest.raises(ValueError, match="dynamicemb_options"):
         DynamicEmbParameterConstraints(use_dynamicemb=True)
+
+
+def _one_rank_gloo(tmp_path):
+    import torch.distributed as dist  # noqa: PLC0415
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+
+
+def test_planner_fills_unset_dim_and_capacity_and_dmp_builds(tmp_path):
+    """EC and EBC dynamic tables with dim/max_capacity left unset: the plan carries the
+    configs' values, the user's constraints are untouched, and DMP builds tables of that
+    dim on one gloo rank (global capacity = num_embeddings, as for set options)."""
+    import torch.distributed as dist  # noqa: PLC0415
+    from torchrec.distributed.model_parallel import DistributedModelParallel  # noqa: PLC0415
+
+    from dynamicemb.shard import get_dynamic_tables  # noqa: PLC0415
+
+    model = nn.Module()
+    model.ec = EmbeddingCollection(tables=[EmbeddingConfig(
+        name="seq", num_embeddings=300, embedding_dim=8, feature_names=["s"])], device=torch.device("meta"))
+    model.ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+        name="pooled", num_embeddings=500, embedding_dim=4, feature_names=["p"])], device=torch.device("meta"))
+    unset = {name: DynamicEmbParameterConstraints(use_dynamicemb=True, sharding_types=["row_wise"],
+                                                  dynamicemb_options=DynamicEmbTableOptions(init_capacity=64))
+             for name in ("seq", "pooled")}
+    topology = Topology(world_size=1, local_world_size=1, compute_device="cpu")
+    _one_rank_gloo(tmp_path)
+    try:
+        plan = DynamicEmbeddingShardingPlanner(topology, batch_size=8, constraints=unset).collective_plan(
+            model, SHARDERS, dist.GroupMember.WORLD)
+        for module, name, dim, rows in (("ec", "seq", 8, 300), ("ebc", "pooled", 4, 500)):
+            options = plan.plan[module][name].dynamicemb_options
+            assert (options.dim, options.max_capacity, options.init_capacity) == (dim, rows, 64), name
+            assert unset[name].dynamicemb_options.dim is None  # the caller's constraints unchanged
+        dmp = DistributedModelParallel(model, plan=plan, sharders=SHARDERS, device=torch.device("cpu"))
+        tables = get_dynamic_tables(dmp)
+        for name, dim, rows in (("seq", 8, 300), ("pooled", 4, 500)):
+            options = tables[name].table_options[tables[name].table_names.index(name)]
+            assert (options.dim, options.max_capacity) == (dim, rows), name
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("field, value, config_value",
+                         [("dim", 16, DIM), ("max_capacity", 2 * ROWS, ROWS)])
+def test_planner_refuses_options_that_conflict_with_the_config(field, value, config_value):
+    options = dict(dim=DIM, max_capacity=ROWS)
+    options[field] = value
+    constraints = {**_constraints(), "big": DynamicEmbParameterConstraints(
+        use_dynamicemb=True, sharding_types=["row_wise"], dynamicemb_options=DynamicEmbTableOptions(**options))}
+    planner = DynamicEmbeddingShardingPlanner(_topology(256 * MiB), batch_size=64, constraints=constraints)
+    with pytest.raises(ValueError, match=rf"'big'.*{field}={value}.*={config_value}"):
+        planner.plan(Model(), SHARDERS)
+
+
+def test_options_without_dim_are_refused_outside_the_planner():
+    from dynamicemb import BatchedDynamicEmbeddingTables  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="'items'.*needs dim"):
+        BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(max_capacity=64)], table_names=["items"])
+    with pytest.raises(ValueError, match="'t0'.*needs dim and max_capacity"):
+        BatchedDynamicEmbeddingTables([DynamicEmbTableOptions()])

@@ -2,8 +2,8 @@
 
 import pytest
 
-from dist_utils import run_distributed
-import workers
+from dynamicemb_testing.dist_utils import run_distributed
+from dynamicemb_testing import shard_workers as workers
 
 
 @pytest.mark.parametrize("optimizer, dedup", [("sgd", True), ("adagrad", True), ("rowwise_adagrad", True),

@@ -50,7 +50,7 @@ def touched_keys(batches) -> int:
     return torch.cat([ids for ids, _ in batches]).unique().numel()
 
 
-def make_module(optimizer, strategy, pooling, caching=False, device_rows=None, max_capacity=8192):
+def make_module(device, optimizer, strategy, pooling, caching=False, device_rows=None, max_capacity=8192):
     row_bytes = (DIM + STATE_FLOATS[optimizer]) * 4
     options = DynamicEmbTableOptions(
         dim=DIM,
@@ -63,7 +63,7 @@ def make_module(optimizer, strategy, pooling, caching=False, device_rows=None, m
     )
     return BatchedDynamicEmbeddingTables(
         [options, options], table_names=["a", "b"], pooling_mode=pooling,
-        optimizer=optimizer, learning_rate=0.05, weight_decay=0.01,
+        optimizer=optimizer, learning_rate=0.05, weight_decay=0.01, device=device,
     )
 
 
@@ -77,7 +77,7 @@ def train(module, batches, prefetch: bool):
         out = module(ids, offsets)
         if prefetch and k + 1 < len(batches):
             module.prefetch(*batches[k + 1])
-        grad = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+        grad = torch.linspace(-1, 1, out.numel(), device=out.device).reshape(out.shape)
         out.backward(grad)
         outputs.append(out.detach())
     return outputs
@@ -117,14 +117,14 @@ def layouts(touched: int):
                          ids=lambda s: s.name)
 @pytest.mark.parametrize("pooling", ["sum", "none"])
 @pytest.mark.parametrize("prefetch", [False, True], ids=["direct", "prefetch"])
-def test_any_cache_size_trains_identically(optimizer, strategy, pooling, prefetch):
+def test_any_cache_size_trains_identically(optimizer, strategy, pooling, prefetch, device):
     batches = power_law_batches(seed=3)
     touched = touched_keys(batches)
-    reference = make_module(optimizer, strategy, pooling)
+    reference = make_module(device, optimizer, strategy, pooling)
     expected_out = train(reference, batches, prefetch=False)
     expected = snapshot(reference)
     for name, (caching, rows) in layouts(touched).items():
-        module = make_module(optimizer, strategy, pooling, caching, rows)
+        module = make_module(device, optimizer, strategy, pooling, caching, rows)
         outputs = train(module, batches, prefetch)
         for got, want in zip(outputs, expected_out):
             assert torch.equal(got, want), name
@@ -135,16 +135,16 @@ def test_any_cache_size_trains_identically(optimizer, strategy, pooling, prefetc
 
 @pytest.mark.parametrize("strategy", [DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.LFU],
                          ids=lambda s: s.name)
-def test_a_full_host_store_evicts_the_same_rows_whatever_the_cache(strategy):
+def test_a_full_host_store_evicts_the_same_rows_whatever_the_cache(strategy, device):
     batches = power_law_batches(seed=5)
     touched = touched_keys(batches)
     small = 256  # per table; the group's host store holds 2 * small rows
     assert touched > 3 * small  # far below the touched keys: it evicts every step
-    reference = make_module(DynamicEmbOptimType.ADAM, strategy, "sum", max_capacity=small)
+    reference = make_module(device, DynamicEmbOptimType.ADAM, strategy, "sum", max_capacity=small)
     train(reference, batches, prefetch=False)
     expected = snapshot(reference)
     for caching, rows in [(True, 32), (True, 128), (False, 64)]:
-        module = make_module(DynamicEmbOptimType.ADAM, strategy, "sum", caching, rows,
+        module = make_module(device, DynamicEmbOptimType.ADAM, strategy, "sum", caching, rows,
                              max_capacity=small)
         train(module, batches, prefetch=False)
         assert_identical(snapshot(module), expected)
@@ -152,12 +152,12 @@ def test_a_full_host_store_evicts_the_same_rows_whatever_the_cache(strategy):
         assert sum(m.host_evictions for m in metrics.values()) > 0
 
 
-def test_eval_through_a_cold_cache_equals_a_warm_one():
+def test_eval_through_a_cold_cache_equals_a_warm_one(device):
     batches = power_law_batches(seed=7)
     rows = touched_keys(batches) // 10
-    module = make_module(DynamicEmbOptimType.EXACT_ADAGRAD, DynamicEmbScoreStrategy.LRU, "sum",
+    module = make_module(device, DynamicEmbOptimType.EXACT_ADAGRAD, DynamicEmbScoreStrategy.LRU, "sum",
                          caching=True, device_rows=rows)
-    reference = make_module(DynamicEmbOptimType.EXACT_ADAGRAD, DynamicEmbScoreStrategy.LRU, "sum")
+    reference = make_module(device, DynamicEmbOptimType.EXACT_ADAGRAD, DynamicEmbScoreStrategy.LRU, "sum")
     train(module, batches, prefetch=False)
     train(reference, batches, prefetch=False)
     module.eval()
@@ -173,9 +173,9 @@ def test_eval_through_a_cold_cache_equals_a_warm_one():
     assert_identical(snapshot(module), before)
 
 
-def test_metrics_add_up():
+def test_metrics_add_up(device):
     batches = power_law_batches(seed=9)
-    module = make_module(DynamicEmbOptimType.EXACT_SGD, DynamicEmbScoreStrategy.LRU, "sum",
+    module = make_module(device, DynamicEmbOptimType.EXACT_SGD, DynamicEmbScoreStrategy.LRU, "sum",
                          caching=True, device_rows=touched_keys(batches) // 10)
     train(module, batches, prefetch=False)
     metrics = module.cache_metrics()

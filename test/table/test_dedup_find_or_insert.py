@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from table_testing import as_keys, make_table, py_export, py_insert, py_stats
+from dynamicemb_testing.table_testing import as_keys, make_table, py_export, py_insert, py_stats
 
 CLOCKED = ["LRU", "STEP", "NO_EVICTION"]
 

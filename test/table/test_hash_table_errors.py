@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from table_testing import as_keys, make_table, state_of
+from dynamicemb_testing.table_testing import as_keys, make_table, state_of
 
 BC = 16
 

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from reference_table import ReferenceHashTable, ref_hash
-from table_testing import (
+from dynamicemb_testing.reference_table import ReferenceHashTable, ref_hash
+from dynamicemb_testing.table_testing import (
     STRATEGIES,
     VALUE_DTYPES,
     Pair,
@@ -236,6 +236,7 @@ def run_eviction_workload(num_threads: int, contiguous: bool = True) -> list:
         torch.set_num_threads(previous)
 
 
+# CPU only: OpenMP thread counts of the CPU kernels.
 def test_results_do_not_depend_on_thread_count():
     one = run_eviction_workload(1)
     assert run_eviction_workload(2) == one

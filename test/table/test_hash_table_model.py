@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from reference_table import keys_in_bucket, ref_hash
-from table_testing import CHECK_MODES, STRATEGIES, Pair, py_export, py_stats
+from dynamicemb_testing.reference_table import keys_in_bucket, ref_hash
+from dynamicemb_testing.table_testing import CHECK_MODES, STRATEGIES, Pair, py_export, py_stats
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 EXTREME_KEYS = [INT64_MIN, INT64_MIN + 1, -(2**32), -1, 0, 1, 2**32, INT64_MAX - 1, INT64_MAX]
@@ -47,6 +47,8 @@ batches = st.tuples(st.integers(0, 64), st.integers(0, 2**32), st.sampled_from([
 small_scores = st.integers(0, 12) | st.just(INT64_MAX)
 
 
+# The state machines run on CPU only: hypothesis drives them outside pytest's fixtures
+# (the directed scenarios below run on every backend).
 class TableVersusModel(RuleBasedStateMachine):
     """Both tables receive every call; outputs and state must match exactly."""
 
@@ -202,17 +204,17 @@ test_error_mode_versus_model = ErrorModeVersusModel.TestCase
 
 
 # ---------------------------------------------------------------------- directed scenarios
-def small_pair(**kw) -> Pair:
+def small_pair(device, **kw) -> Pair:
     kw.setdefault("capacity", 16)
     kw.setdefault("bucket_capacity", 16)
     kw.setdefault("max_load_factor", 1.0)
-    return Pair(**kw)
+    return Pair(device=device, **kw)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("verb", ["find_or_insert", "insert_or_assign", "insert_and_evict"])
-def test_clock_advances_once_per_inserting_call(strategy, verb):
-    p = small_pair(score_strategy=strategy)
+def test_clock_advances_once_per_inserting_call(strategy, verb, device):
+    p = small_pair(device, score_strategy=strategy)
     scores = [4, 4, 4] if strategy == "CUSTOMIZED" else None
     rows = [[]] * 3 if verb != "find_or_insert" else None
     for _ in range(3):
@@ -224,10 +226,10 @@ def test_clock_advances_once_per_inserting_call(strategy, verb):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES + ["LFU-counts"])
-def test_duplicates_in_one_batch(strategy):
+def test_duplicates_in_one_batch(strategy, device):
     scores = [3, 9, 1, 5] if strategy in ("CUSTOMIZED", "LFU-counts") else None
     strategy = strategy.split("-")[0]
-    p = small_pair(score_strategy=strategy, value_dim=2)
+    p = small_pair(device, score_strategy=strategy, value_dim=2)
     p.real.set_step(7)
     p.ref.set_step(7)
     out = p.check("insert_and_evict", [5, 6, 5, 5], rows=[[1, 1], [2, 2], [3, 3], [4, 4]], scores=scores)
@@ -237,8 +239,8 @@ def test_duplicates_in_one_batch(strategy):
     p.assert_same_state()
 
 
-def test_eviction_victim_min_score_lowest_slot_and_pinned_skipped():
-    p = small_pair(score_strategy="CUSTOMIZED", value_dim=1)
+def test_eviction_victim_min_score_lowest_slot_and_pinned_skipped(device):
+    p = small_pair(device, score_strategy="CUSTOMIZED", value_dim=1)
     p.check("insert_or_assign", list(range(16)), rows=[[i] for i in range(16)], scores=[5] * 16)
     p.check("find_or_insert", [3, 9], scores=[1, 1])
     # 100 evicts slot 3 (lowest of the two minima); 101 evicts 9; 102 finds only score-5 slots,
@@ -248,15 +250,15 @@ def test_eviction_victim_min_score_lowest_slot_and_pinned_skipped():
     p.assert_same_state()
 
 
-def test_all_pinned_bucket_fails():
-    p = small_pair(score_strategy="LRU")
+def test_all_pinned_bucket_fails(device):
+    p = small_pair(device, score_strategy="LRU")
     out = p.check("find_or_insert", list(range(17)))
     assert out[0][16] == -1 and p.real.stats.failed_inserts == 1
     p.assert_same_state()
 
 
-def test_deferred_keys_grow_once_and_keep_offsets():
-    p = small_pair(max_capacity=64)
+def test_deferred_keys_grow_once_and_keep_offsets(device):
+    p = small_pair(device, max_capacity=64)
     full = keys_in_bucket(0, 1, 16)
     p.check("find_or_insert", full)
     p.check("erase", full[:3:2])  # holes at offsets 0 and 2
@@ -272,8 +274,8 @@ def test_deferred_keys_grow_once_and_keep_offsets():
         assert s // 16 == ref_hash(t, k) & (p.real.num_buckets - 1)
 
 
-def test_hit_behind_blocked_bucket_is_deferred():
-    p = small_pair(max_capacity=32, score_strategy="LFU")
+def test_hit_behind_blocked_bucket_is_deferred(device):
+    p = small_pair(device, max_capacity=32, score_strategy="LFU")
     full = keys_in_bucket(0, 1, 16)
     p.check("find_or_insert", full)
     out = p.check("find_or_insert", [123456, full[0]])
@@ -281,8 +283,8 @@ def test_hit_behind_blocked_bucket_is_deferred():
     p.assert_same_state()
 
 
-def test_load_factor_growth_happens_before_the_call():
-    p = small_pair(capacity=32, max_capacity=128, max_load_factor=0.5)
+def test_load_factor_growth_happens_before_the_call(device):
+    p = small_pair(device, capacity=32, max_capacity=128, max_load_factor=0.5)
     p.check("find_or_insert", list(range(17)))
     assert p.real.capacity() == 32
     p.check("find_or_insert", [])
@@ -291,8 +293,8 @@ def test_load_factor_growth_happens_before_the_call():
 
 
 @pytest.mark.parametrize("verb", ["find_or_insert", "insert_or_assign", "insert_and_evict"])
-def test_error_mode_undo_keeps_growth(verb):
-    p = small_pair(max_capacity=32, check_mode="ERROR", value_dim=1, score_strategy="STEP")
+def test_error_mode_undo_keeps_growth(verb, device):
+    p = small_pair(device, max_capacity=32, check_mode="ERROR", value_dim=1, score_strategy="STEP")
     b0 = keys_in_bucket(0, 2, 40)
     p.check("insert_or_assign", b0[:16], rows=[[i] for i in range(16)])
     before = {(k, s % 16, v) for k, s, v in zip(*[py_export(p.real.export_batch())[i] for i in (0, 3, 4)])}
@@ -306,8 +308,8 @@ def test_error_mode_undo_keeps_growth(verb):
     p.assert_same_state()
 
 
-def test_find_or_insert_zeroes_inserted_rows_only():
-    p = small_pair(value_dim=2, value_dtype=torch.float64)
+def test_find_or_insert_zeroes_inserted_rows_only(device):
+    p = small_pair(device, value_dim=2, value_dtype=torch.float64)
     p.check("insert_or_assign", [1, 2], rows=[[1.5, 2.5], [3.5, 4.5]])
     p.check("erase", [2])
     out = p.check("find_or_insert", [2, 1])
@@ -318,8 +320,8 @@ def test_find_or_insert_zeroes_inserted_rows_only():
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("verb", ["find_or_insert", "insert_or_assign", "insert_and_evict"])
-def test_empty_batch_is_a_valid_call(strategy, verb):
-    p = small_pair(score_strategy=strategy, value_dim=2)
+def test_empty_batch_is_a_valid_call(strategy, verb, device):
+    p = small_pair(device, score_strategy=strategy, value_dim=2)
     p.check("find_or_insert", [1, 2], scores=[1, 1] if strategy == "CUSTOMIZED" else None)
     scores = [] if strategy == "CUSTOMIZED" else None
     out = p.check(verb, [], rows=[] if verb != "find_or_insert" else None, scores=scores)
@@ -327,8 +329,8 @@ def test_empty_batch_is_a_valid_call(strategy, verb):
     p.assert_same_state()
 
 
-def test_hit_pins_its_slot_against_later_keys_of_the_batch():
-    p = small_pair(score_strategy="CUSTOMIZED")
+def test_hit_pins_its_slot_against_later_keys_of_the_batch(device):
+    p = small_pair(device, score_strategy="CUSTOMIZED")
     keys = list(range(16))
     p.check("find_or_insert", keys, scores=[1] + [5] * 15)
     # key 0 keeps the minimum score, but its hit pinned it: 100 must evict slot 1
@@ -337,11 +339,11 @@ def test_hit_pins_its_slot_against_later_keys_of_the_batch():
     p.assert_same_state()
 
 
-def test_hit_in_blocked_bucket_is_not_pinned_before_its_turn():
+def test_hit_in_blocked_bucket_is_not_pinned_before_its_turn(device):
     # A hit behind a blocked bucket is deferred with the new key before it. After the growth
     # (now at max capacity) the new key comes first and may evict the hit key, which then
     # comes back as an insert.
-    p = small_pair(max_capacity=32, score_strategy="CUSTOMIZED")
+    p = small_pair(device, max_capacity=32, score_strategy="CUSTOMIZED")
     b0 = keys_in_bucket(0, 2, 17)  # bucket 0 after the growth as well
     p.check("find_or_insert", b0[:16], scores=[1] + [5] * 15)
     out = p.check("insert_and_evict", [b0[16], b0[0]], rows=[[], []], scores=[9, 9])
@@ -352,8 +354,8 @@ def test_hit_in_blocked_bucket_is_not_pinned_before_its_turn():
 
 
 @pytest.mark.parametrize("extra, grows", [(0, False), (1, True)])
-def test_load_factor_growth_is_strictly_above(extra, grows):
-    p = small_pair(capacity=32, max_capacity=128, max_load_factor=0.5)
+def test_load_factor_growth_is_strictly_above(extra, grows, device):
+    p = small_pair(device, capacity=32, max_capacity=128, max_load_factor=0.5)
     p.check("find_or_insert", list(range(16 + extra)))
     p.check("find_or_insert", [0])
     assert p.real.capacity() == (64 if grows else 32)
@@ -361,8 +363,8 @@ def test_load_factor_growth_is_strictly_above(extra, grows):
 
 
 @pytest.mark.parametrize("mode", CHECK_MODES)
-def test_check_mode_on_failure(mode, caplog):
-    p = small_pair(score_strategy="NO_EVICTION", check_mode=mode)
+def test_check_mode_on_failure(mode, caplog, device):
+    p = small_pair(device, score_strategy="NO_EVICTION", check_mode=mode)
     p.check("find_or_insert", list(range(16)))
     with caplog.at_level("WARNING"):
         out = p.check("find_or_insert", [100, 3, 101])

@@ -1,5 +1,7 @@
 """Tables' arrays are zeroed and, on Linux, advised onto transparent huge pages."""
 
+# CPU only: huge pages back host allocations (madvise on CPU tensors).
+
 import os
 import sys
 

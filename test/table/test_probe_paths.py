@@ -6,6 +6,8 @@ with AVX-512BW or AVX2, 16 with SSE2, one at a time without) are compiled here i
 small standalone program each and run against ``probe_bucket_scalar``.
 """
 
+# CPU only: compiles and runs the C++ probe paths of the CPU kernels.
+
 import pathlib
 import shutil
 import subprocess

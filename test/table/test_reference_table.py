@@ -4,9 +4,11 @@ These need neither torch nor the compiled table, so the model can be trusted bef
 used as the oracle in the comparison tests.
 """
 
+# No device: tests the pure-Python reference model itself.
+
 import pytest
 
-from reference_table import (
+from dynamicemb_testing.reference_table import (
     ReferenceHashTable,
     keys_in_bucket,
     ref_hash,

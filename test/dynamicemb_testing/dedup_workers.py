@@ -16,7 +16,7 @@ from dynamicemb import DynamicEmbTableOptions
 from dynamicemb.planner import to_dynamic_sharding
 from dynamicemb.shard import DynamicEmbeddingBagCollectionSharder, import_dense_rows, owner_rank
 from dynamicemb.shard.rw_dedup_sharding import DynamicEmbRwDedupInputDist
-from workers import all_rows, full_dense
+from dynamicemb_testing.shard_workers import all_rows, full_dense
 
 CPU = torch.device("cpu")
 BATCH = 4

@@ -40,3 +40,10 @@ def run_distributed(fn, world_size: int, *args) -> None:
     """``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; ``fn`` must live in
     an importable module. Raises if any rank fails."""
     mp.spawn(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+
+
+def fail_on_rank(rank: int, world_size: int, failing_rank: int) -> None:
+    """A rank body that fails on ``failing_rank`` after a collective (for the helper's test)."""
+    dist.barrier()
+    if rank == failing_rank:
+        raise AssertionError(f"rank {rank} fails on purpose")

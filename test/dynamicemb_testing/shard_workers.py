@@ -158,17 +158,19 @@ def _loss(ec_out, ebc_out) -> torch.Tensor:
     return loss
 
 
-def twin_models(rank: int, world_size: int, optimizer: str, steps: int = 10, dedup: bool = True) -> None:
-    """Native TorchRec tables vs the same tables dynamic: outputs, losses, rows."""
-    native, dynamic = _build(world_size, optimizer, False), _build(world_size, optimizer, True, dedup)
-    weights = _initial_weights()
-    for name, weight in weights.items():
+def _load_twins(native, dynamic) -> None:
+    """The same initial rows into the native twin and the dynamic model."""
+    for name, weight in _initial_weights().items():
         _set_dense(native, name, weight)
         if (EC_TABLES.get(name) or EBC_TABLES[name])[3] is None:
             _set_dense(dynamic, name, weight)
         else:
             import_dense_rows(dynamic, name, weight)
-    assert "ec.embeddings.ec_rw.weight" in dynamic.fused_optimizer.params
+
+
+def _train_twins(native, dynamic, rank: int, steps: int) -> None:
+    """Trains both on the same batches: equal outputs and losses at every step, and
+    equal rows at the end."""
     for step in range(steps):
         ec, ebc = _batch(step, rank)
         outs = []
@@ -184,6 +186,7 @@ def twin_models(rank: int, world_size: int, optimizer: str, steps: int = 10, ded
             assert torch.equal(ec_d[name].lengths(), ec_n[name].lengths())
         torch.testing.assert_close(ebc_d.values(), ebc_n.values())
         torch.testing.assert_close(loss_d, loss_n)
+        assert torch.isfinite(loss_d)
     for tables in (EC_TABLES, EBC_TABLES):
         for name, (rows, dim, _, st) in tables.items():
             dense = _full_dense(native, name, (rows, dim))
@@ -193,6 +196,14 @@ def twin_models(rank: int, world_size: int, optimizer: str, steps: int = 10, ded
             keys, embs = all_rows(dynamic, name)
             assert sorted(keys.tolist()) == list(range(rows)), name
             torch.testing.assert_close(embs, dense[keys], msg=lambda m: f"{name}: {m}")
+
+
+def twin_models(rank: int, world_size: int, optimizer: str, steps: int = 10, dedup: bool = True) -> None:
+    """Native TorchRec tables vs the same tables dynamic: outputs, losses, rows."""
+    native, dynamic = _build(world_size, optimizer, False), _build(world_size, optimizer, True, dedup)
+    _load_twins(native, dynamic)
+    assert "ec.embeddings.ec_rw.weight" in dynamic.fused_optimizer.params
+    _train_twins(native, dynamic, rank, steps)
     _check_shared_learning_rate(dynamic, rank)
 
 
@@ -256,9 +267,10 @@ def debug_init_and_dedup(rank: int, world_size: int) -> None:
     assert dict(zip(rows.keys.tolist(), rows.scores.tolist())) == mine
 
 
-def planned_model(rank: int, world_size: int) -> None:
+def planned_model(rank: int, world_size: int, steps: int = 4) -> None:
     """collective_plan with dynamic constraints, then DMP trains: dynamic and static
-    tables side by side, the fused optimizer lists both."""
+    tables side by side, the fused optimizer lists both, and outputs, losses and rows
+    equal those of the native TorchRec twin (hand-built plan) fed the same batches."""
     from torchrec.distributed.planner import ParameterConstraints, Topology
 
     from dynamicemb.planner import DynamicEmbeddingShardingPlanner, DynamicEmbParameterConstraints
@@ -270,10 +282,12 @@ def planned_model(rank: int, world_size: int) -> None:
             if st is None:
                 constraints[name] = ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["fused"])
             else:
+                # the EBC's dynamic tables leave dim and max_capacity to the planner
+                options = (DynamicEmbTableOptions(dim=dim, max_capacity=rows) if name in EC_TABLES
+                           else DynamicEmbTableOptions())
                 constraints[name] = DynamicEmbParameterConstraints(
-                    use_dynamicemb=True, sharding_types=[st],
-                    dynamicemb_options=DynamicEmbTableOptions(dim=dim, max_capacity=rows))
-    fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
+                    use_dynamicemb=True, sharding_types=[st], dynamicemb_options=options)
+    fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1, "eps": 1e-8}  # as _build's
     sharders = [DynamicEmbeddingCollectionSharder(fused_params=fused),
                 DynamicEmbeddingBagCollectionSharder(fused_params=fused)]
     topology = Topology(world_size=world_size, local_world_size=world_size, compute_device="cpu")
@@ -282,11 +296,9 @@ def planned_model(rank: int, world_size: int) -> None:
     dmp = DistributedModelParallel(model, plan=plan, sharders=sharders, device=CPU)
     params = set(dmp.fused_optimizer.params)
     assert {"ec.embeddings.ec_rw.weight", "ec.embeddings.ec_static.weight"} <= params
-    for step in range(2):
-        ec, ebc = _batch(step, rank)
-        loss = _loss(*dmp(ec, ebc))
-        loss.backward()
-        assert torch.isfinite(loss)
+    native = _build(world_size, "sgd", False)
+    _load_twins(native, dmp)
+    _train_twins(native, dmp, rank, steps)
     tables = get_dynamic_tables(dmp)
     assert tables["ec_rw"].table_size("ec_rw") > 0
 

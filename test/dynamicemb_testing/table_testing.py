@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dynamicemb import DynamicEmbCheckMode, DynamicEmbScoreStrategy, ScoredHashTable
-from reference_table import ReferenceHashTable
+from dynamicemb_testing.reference_table import ReferenceHashTable
 
 STRATEGIES = ["LRU", "STEP", "LFU", "CUSTOMIZED", "NO_EVICTION"]
 CHECK_MODES = ["ERROR", "WARNING", "IGNORE"]
@@ -29,15 +29,17 @@ def table_kwargs(**kw) -> dict:
 
 
 def make_table(**kw) -> ScoredHashTable:
+    """``ScoredHashTable(**kw)`` (``device=`` included); enums may be given by name."""
     return ScoredHashTable(**table_kwargs(**kw))
 
 
-def as_keys(keys: Sequence[int]) -> torch.Tensor:
-    return torch.tensor(list(keys), dtype=torch.int64)
+def as_keys(keys: Sequence[int], device="cpu") -> torch.Tensor:
+    return torch.tensor(list(keys), dtype=torch.int64, device=device)
 
 
-def as_values(rows: Sequence[Sequence[float]], n: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor([list(r) for r in rows], dtype=dtype).reshape(n, dim)
+def as_values(rows: Sequence[Sequence[float]], n: int, dim: int, dtype: torch.dtype,
+              device="cpu") -> torch.Tensor:
+    return torch.tensor([list(r) for r in rows], dtype=dtype, device=device).reshape(n, dim)
 
 
 def rows_of(t: torch.Tensor) -> List[tuple]:
@@ -91,11 +93,12 @@ def ref_state_of(ref: ReferenceHashTable) -> dict:
 
 
 class Pair:
-    """A real table and its reference model, driven with the same calls."""
+    """A real table (on ``device``) and its reference model, driven with the same calls."""
 
-    def __init__(self, value_dtype: torch.dtype = torch.float32, **kw):
+    def __init__(self, value_dtype: torch.dtype = torch.float32, device="cpu", **kw):
         self.dtype = value_dtype
-        self.real = make_table(value_dtype=value_dtype, **kw)
+        self.device = torch.device(device)
+        self.real = make_table(value_dtype=value_dtype, device=self.device, **kw)
         self.ref = ReferenceHashTable(**kw)
         self.dim = self.ref.value_dim
         self.last_error = None
@@ -104,15 +107,15 @@ class Pair:
         """(tensor, model rows): the model sees the values rounded to ``value_dtype``."""
         if rows is None:
             return None, None
-        t = as_values(rows, n, self.dim, self.dtype)
+        t = as_values(rows, n, self.dim, self.dtype, self.device)
         return t, rows_of(t)
 
     def call(self, verb: str, keys: Sequence[int], tids=None, rows=None, scores=None):
         """Runs ``verb`` on both; returns (real output as Python, model output, error types)."""
         n = len(keys)
-        kt = as_keys(keys)
-        tt = None if tids is None else torch.tensor(list(tids), dtype=torch.int64)
-        st = None if scores is None else torch.tensor(list(scores), dtype=torch.int64)
+        kt = as_keys(keys, self.device)
+        tt = None if tids is None else torch.tensor(list(tids), dtype=torch.int64, device=self.device)
+        st = None if scores is None else torch.tensor(list(scores), dtype=torch.int64, device=self.device)
         args, ref_args = (kt,), (list(keys),)
         if verb in ("insert_or_assign", "insert_and_evict"):
             vt, vr = self.rows(rows, n)

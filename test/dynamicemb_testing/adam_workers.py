@@ -28,7 +28,7 @@ from dynamicemb import (
     DynamicEmbTableOptions,
 )
 from dynamicemb.planner import to_dynamic_sharding
-from workers import TwinModel
+from dynamicemb_testing.shard_workers import TwinModel
 from dynamicemb.shard import (
     DynamicEmbeddingBagCollectionSharder,
     DynamicEmbeddingCollectionSharder,

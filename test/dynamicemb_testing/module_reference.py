@@ -36,6 +36,15 @@ OPTIMIZERS = [
     DynamicEmbOptimType.ADAM,
 ]
 POOLINGS = [DynamicEmbPoolingMode.SUM, DynamicEmbPoolingMode.MEAN, DynamicEmbPoolingMode.NONE]
+# One setting per optimizer for the tests (shared by the CPU and the CUDA suites).
+OPTIMIZER_ARGS = {
+    DynamicEmbOptimType.EXACT_SGD: DynamicEmbOptimizerArgs(DynamicEmbOptimType.EXACT_SGD, 0.1),
+    DynamicEmbOptimType.EXACT_ADAGRAD: DynamicEmbOptimizerArgs(
+        DynamicEmbOptimType.EXACT_ADAGRAD, 0.05, initial_accumulator_value=0.1),
+    DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD: DynamicEmbOptimizerArgs(
+        DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.05, initial_accumulator_value=0.1),
+    DynamicEmbOptimType.ADAM: DynamicEmbOptimizerArgs(DynamicEmbOptimType.ADAM, 0.01),
+}
 
 # Ids that stress a hash table keyed by raw int64: huge, negative, extremes, zero.
 SPECIAL_IDS = [0, 1, -1, -7, 10**15, -(10**15), 2**62 + 3, 2**63 - 1, -(2**63), 99_999, 100_000]
@@ -330,10 +339,11 @@ def random_batch(
 
 
 def export_dict(module: BatchedDynamicEmbeddingTables, name: str) -> Dict[int, tuple]:
-    """key -> (embedding, optimizer state, score) of a module's table."""
+    """key -> (embedding, optimizer state, score) of a module's table, on CPU."""
     ex = module.export_keys_values(name)
-    return {k: (ex.embeddings[i], ex.optimizer_states[i], int(ex.scores[i]))
-            for i, k in enumerate(ex.keys.tolist())}
+    embeddings, states = ex.embeddings.cpu(), ex.optimizer_states.cpu()
+    return {k: (embeddings[i], states[i], int(score))
+            for i, (k, score) in enumerate(zip(ex.keys.tolist(), ex.scores.tolist()))}
 
 
 def snapshot(module: BatchedDynamicEmbeddingTables) -> Dict[str, Dict[int, tuple]]:

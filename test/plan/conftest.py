@@ -1,9 +1,0 @@
-"""Makes the plan test helpers (``plan_testing``, ``plan_workers``) and the spawning
-helper of test/shard (``dist_utils``) importable."""
-
-import os
-import sys
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "shard"))
