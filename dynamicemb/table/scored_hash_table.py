@@ -200,13 +200,19 @@ class ScoredHashTable:
     def _table_ids(self, table_ids: Optional[torch.Tensor], n: int) -> torch.Tensor:
         if table_ids is None:
             return torch.zeros(n, dtype=torch.int16, device=self.device)
-        return table_ids_as_int16(table_ids, n, self.num_tables)
+        tids = table_ids_as_int16(table_ids, n, self.num_tables)
+        return self._here(tids, "table_ids")
 
     def _keys(self, keys: torch.Tensor) -> torch.Tensor:
         check_keys(keys)
-        if keys.device != self.device:
-            raise ValueError(f"keys are on {keys.device}, the table on {self.device}")
-        return keys.contiguous()
+        return self._here(keys, "keys").contiguous()
+
+    def _here(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """``t`` if it is on the table's device (kernels take raw pointers: a tensor
+        elsewhere would be read as this device's memory)."""
+        if t.device != self.device:
+            raise ValueError(f"{name} are on {t.device}, the table on {self.device}")
+        return t
 
     def _given_scores(self, scores: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
         """CUSTOMIZED: the scores (required). LFU: occurrence counts to add (default 1)."""
@@ -225,6 +231,7 @@ class ScoredHashTable:
             raise TypeError(f"scores must be an int64 tensor, got {getattr(scores, 'dtype', type(scores))}")
         if scores.shape != (n,):
             raise ValueError(f"scores must have shape ({n},), got {tuple(scores.shape)}")
+        self._here(scores, "scores")
         if n > 0 and int(scores.min()) < (1 if lfu else 0):
             raise ValueError("LFU counts must be >= 1" if lfu else "scores must be >= 0")
         return scores.contiguous()

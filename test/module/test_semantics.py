@@ -45,9 +45,9 @@ def options(dim=4, max_capacity=256, init_value: Optional[float] = 0.25, **kw) -
     return DynamicEmbTableOptions(dim=dim, max_capacity=max_capacity, **kw)
 
 
-def module_of(table_options: List[DynamicEmbTableOptions], **kw) -> BatchedDynamicEmbeddingTables:
+def module_of(device, table_options: List[DynamicEmbTableOptions], **kw) -> BatchedDynamicEmbeddingTables:
     kw.setdefault("learning_rate", 0.1)
-    return BatchedDynamicEmbeddingTables(table_options, **kw)
+    return BatchedDynamicEmbeddingTables(table_options, device=device, **kw)
 
 
 def ids(*keys) -> torch.Tensor:
@@ -60,10 +60,11 @@ def one_bag(keys) -> tuple:
 
 
 def train_step(module, indices, offsets, weights=None, seed=0):
+    """One forward and backward (gradients drawn on the CPU); returns the output on the CPU."""
     out = module(indices, offsets, weights)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
-    (out.float() * grad).sum().backward()
-    return out.detach()
+    (out.float() * grad.to(out.device)).sum().backward()
+    return out.detach().cpu()
 
 
 def rows_of(module, name, keys) -> torch.Tensor:
@@ -83,10 +84,11 @@ SCORED = [DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.LFU, DynamicEmbSc
 @pytest.mark.parametrize("strategy", SCORED, ids=lambda s: s.name)
 @pytest.mark.parametrize("opt", [DynamicEmbOptimType.EXACT_ADAGRAD, DynamicEmbOptimType.ADAM],
                          ids=lambda o: o.name)
-def test_eval_never_mutates(strategy, opt):
+def test_eval_never_mutates(strategy, opt, device):
     """Eval lookups (grad enabled or not) change no row, state, score, clock or step."""
     def make():
-        return module_of([options(4, score_strategy=strategy), options(3, score_strategy=strategy)],
+        return module_of(device,
+                         [options(4, score_strategy=strategy), options(3, score_strategy=strategy)],
                          feature_table_map=[0, 1, 0], optimizer=opt)
 
     module, twin = make(), make()
@@ -113,11 +115,12 @@ def test_eval_never_mutates(strategy, opt):
     assert_same_state(module, twin)
 
 
-def test_eval_unseen_ids_read_eval_initializer():
+def test_eval_unseen_ids_read_eval_initializer(device):
     """Stored ids read their row; unseen ids read the eval initializer (zeros by default)."""
     debug = Init(mode=Mode.DEBUG)
-    module = module_of([options(3), options(3, eval_initializer_args=Init(mode=Mode.CONSTANT, value=0.7)),
-                        options(3, eval_initializer_args=debug)],
+    module = module_of(device, [options(3),
+                                options(3, eval_initializer_args=Init(mode=Mode.CONSTANT, value=0.7)),
+                                options(3, eval_initializer_args=debug)],
                        pooling_mode=NONE, feature_table_map=[0, 1, 2])
     stored = ids(5, -(10**15))
     for name in module.table_names:
@@ -128,27 +131,27 @@ def test_eval_unseen_ids_read_eval_initializer():
     stored_rows = {5: [1.0, 2.0, 3.0], -(10**15): [4.0, 5.0, 6.0]}
     unseen_rows = [lambda k: [0.0] * 3, lambda k: [0.7] * 3, lambda k: [float(k % 100_000)] * 3]
     want = [stored_rows[k] if k in stored_rows else unseen_rows[f](k) for f in range(3) for k in keys]
-    torch.testing.assert_close(out, torch.tensor(want), rtol=0, atol=0)
+    torch.testing.assert_close(out.cpu(), torch.tensor(want), rtol=0, atol=0)
     assert all(module.table_size(n) == 2 for n in module.table_names)
 
 
-def test_eval_pooled_adds_eval_rows():
-    module = module_of([options(2, eval_initializer_args=Init(mode=Mode.CONSTANT, value=0.5))],
+def test_eval_pooled_adds_eval_rows(device):
+    module = module_of(device, [options(2, eval_initializer_args=Init(mode=Mode.CONSTANT, value=0.5))],
                        pooling_mode=MEAN)
     module.import_keys_values("t0", ids(1), torch.tensor([[2.0, 4.0]]))
     module.eval()
     out = module(ids(1, 99, 99, 1), ids(0, 3, 3, 4))  # B=3: [1, 99, 99], [], [1]
-    torch.testing.assert_close(out, torch.tensor([[1.0, 5.0 / 3], [0.0, 0.0], [2.0, 4.0]]))
+    torch.testing.assert_close(out.cpu(), torch.tensor([[1.0, 5.0 / 3], [0.0, 0.0], [2.0, 4.0]]))
 
 
 # --------------------------------------------------------------------- initializers
-def test_debug_initializer_is_key_mod_100000():
+def test_debug_initializer_is_key_mod_100000(device):
     keys = SPECIAL_IDS + [123_456_789, -123_456_789, -100_000, -99_999]
-    module = module_of([options(5, initializer_args=Init(mode=Mode.DEBUG))], pooling_mode=NONE)
+    module = module_of(device, [options(5, initializer_args=Init(mode=Mode.DEBUG))], pooling_mode=NONE)
     with torch.no_grad():  # training forward: inserts, no update
         out = module(torch.tensor(keys), ids(0, len(keys)))
     want = torch.tensor([[float(k % 100_000)] * 5 for k in keys])
-    assert torch.equal(out, want)
+    assert torch.equal(out.cpu(), want)
     assert torch.equal(rows_of(module, "t0", keys), want)
     assert (want >= 0).all()
 
@@ -162,13 +165,13 @@ RANDOM_MODES = [
 
 
 @pytest.mark.parametrize("init", RANDOM_MODES, ids=lambda i: f"{i.mode.name}-{i.seed}")
-def test_initializer_is_a_function_of_table_key_column(init):
+def test_initializer_is_a_function_of_table_key_column(init, device):
     """A key's new row does not depend on its batch, its position, duplicates or threads."""
     keys = id_pool(600, 17)
 
     def make():
-        return module_of([options(8, 4096, init_value=None, initializer_args=init),
-                          options(8, 4096, init_value=None, initializer_args=init)],
+        return module_of(device, [options(8, 4096, init_value=None, initializer_args=init),
+                                  options(8, 4096, init_value=None, initializer_args=init)],
                          pooling_mode=NONE)
 
     a, b = make(), make()
@@ -195,18 +198,20 @@ def test_initializer_is_a_function_of_table_key_column(init):
     if init.mode == Mode.NORMAL:
         assert abs(float(t0.mean()) - init.mean) < 0.05 and abs(float(t0.std()) - init.std_dev) < 0.05
     # eval with the same arguments reads the same rows without storing them
-    c = module_of([options(8, 4096, init_value=None, initializer_args=init, eval_initializer_args=init)],
+    c = module_of(device, [options(8, 4096, init_value=None, initializer_args=init,
+                                   eval_initializer_args=init)],
                   pooling_mode=NONE)
     c.eval()
-    assert torch.equal(c(torch.tensor(keys), ids(0, len(keys))), t0)
+    assert torch.equal(c(torch.tensor(keys), ids(0, len(keys))).cpu(), t0)
     assert c.table_size("t0") == 0
 
 
-def test_initializer_seed_changes_rows():
+def test_initializer_seed_changes_rows(device):
     keys = torch.tensor(id_pool(50, 3))
     rows = []
     for seed in (0, 1):
-        m = module_of([options(4, init_value=None, initializer_args=Init(mode=Mode.NORMAL, seed=seed))],
+        m = module_of(device,
+                      [options(4, init_value=None, initializer_args=Init(mode=Mode.NORMAL, seed=seed))],
                       pooling_mode=NONE)
         with torch.no_grad():
             rows.append(m(keys, ids(0, keys.numel())))
@@ -214,24 +219,25 @@ def test_initializer_seed_changes_rows():
 
 
 # ------------------------------------------------------------------------ admission
-def admission_module(threshold: int, **kw):
-    return module_of([options(2, admit_strategy=FrequencyAdmissionStrategy(threshold)),
-                      options(2, admit_strategy=FrequencyAdmissionStrategy(threshold))],
+def admission_module(device, threshold: int, **kw):
+    return module_of(device, [options(2, admit_strategy=FrequencyAdmissionStrategy(threshold)),
+                              options(2, admit_strategy=FrequencyAdmissionStrategy(threshold))],
                      pooling_mode=NONE, optimizer=DynamicEmbOptimType.EXACT_SGD, **kw)
 
 
 def feed(module, f0, f1=(), train=True):
-    """One training (or eval) step, features t0 and t1, loss = sum of outputs."""
+    """One training (or eval) step, features t0 and t1, loss = sum of outputs; returns
+    the output on the CPU."""
     module.train(train)
     keys = list(f0) + list(f1)
     out = module(torch.tensor(keys, dtype=torch.int64), ids(0, len(f0), len(keys)))
     if train:
         out.sum().backward()
-    return out.detach()
+    return out.detach().cpu()
 
 
-def test_admission_counts_occurrences_across_and_within_batches():
-    m = admission_module(3)
+def test_admission_counts_occurrences_across_and_within_batches(device):
+    m = admission_module(device, 3)
     init = torch.full((1, 2), 0.25)
     for seen in (1, 2):  # 10**15 seen once per batch: not stored, not updated
         out = feed(m, [10**15])
@@ -247,8 +253,8 @@ def test_admission_counts_occurrences_across_and_within_batches():
     assert torch.allclose(rows_of(m, "t0", [8]), torch.full((1, 2), 0.25 - 0.1))
 
 
-def test_admission_counts_per_table_and_not_in_eval():
-    m = admission_module(2)
+def test_admission_counts_per_table_and_not_in_eval(device):
+    m = admission_module(device, 2)
     feed(m, [5], [5])  # key 5 once in each table: one occurrence each
     assert m.table_size("t0") == 0 and m.table_size("t1") == 0
     for _ in range(3):
@@ -260,8 +266,8 @@ def test_admission_counts_per_table_and_not_in_eval():
     assert sorted(export_dict(m, "t0")) == [5] and m.table_size("t1") == 0
 
 
-def test_admission_threshold_one_admits_everything():
-    m = admission_module(1)
+def test_admission_threshold_one_admits_everything(device):
+    m = admission_module(device, 1)
     feed(m, [1, 2, 3])
     assert sorted(export_dict(m, "t0")) == [1, 2, 3]
 
@@ -269,9 +275,9 @@ def test_admission_threshold_one_admits_everything():
 # ----------------------------------------------------------------------- empty batches
 @pytest.mark.parametrize("pooling", [SUM, MEAN, NONE], ids=lambda p: p.name)
 @pytest.mark.parametrize("batch", [0, 3], ids=lambda b: f"B{b}")
-def test_empty_batch(pooling, batch):
+def test_empty_batch(pooling, batch, device):
     dims = [4, 4] if pooling == NONE else [4, 3]
-    module = module_of([options(dims[0]), options(dims[1])], feature_table_map=[0, 1, 0],
+    module = module_of(device, [options(dims[0]), options(dims[1])], feature_table_map=[0, 1, 0],
                        pooling_mode=pooling, optimizer=DynamicEmbOptimType.ADAM)
     module.import_keys_values("t0", ids(1, 2), torch.ones(2, dims[0]))
     before = snapshot(module)
@@ -279,13 +285,13 @@ def test_empty_batch(pooling, batch):
         out = module(torch.zeros(0, dtype=dtype), torch.zeros(3 * batch + 1, dtype=dtype))
         want_shape = (0, 4) if pooling == NONE else (batch, sum(dims) + dims[0])
         assert out.shape == want_shape and out.dtype == torch.float32
-        assert torch.equal(out, torch.zeros(want_shape))
+        assert torch.equal(out.cpu(), torch.zeros(want_shape))
         out.sum().backward()
     assert snapshot(module) == before
 
 
-def test_empty_bags_pool_to_zeros():
-    module = module_of([options(2)], pooling_mode=MEAN)
+def test_empty_bags_pool_to_zeros(device):
+    module = module_of(device, [options(2)], pooling_mode=MEAN)
     module.import_keys_values("t0", ids(7), torch.tensor([[3.0, -1.0]]))
     out = train_step(module, ids(7, 7), ids(0, 0, 2, 2))  # B=3: [], [7, 7], []
     assert torch.equal(out, torch.tensor([[0.0, 0.0], [3.0, -1.0], [0.0, 0.0]]))
@@ -321,9 +327,9 @@ BAD = [(p, *c) for p in (SUM, MEAN, NONE) for c in bad_inputs(p)]
 
 
 @pytest.mark.parametrize("at", [2, 20_000, 39_998])
-def test_one_decreasing_offset_in_a_large_batch_is_found(at):
-    # large enough for the offsets check to run on several threads
-    module = module_of([options(4)])
+def test_one_decreasing_offset_in_a_large_batch_is_found(at, device):
+    # large enough for the offsets check to run on several threads (CPU) or blocks (CUDA)
+    module = module_of(device, [options(4)])
     n = 40_000
     offsets = torch.arange(n + 1, dtype=torch.int64)
     offsets[at] = offsets[at + 1] = at - 1  # then offsets[at + 2] = at + 2 again
@@ -334,9 +340,10 @@ def test_one_decreasing_offset_in_a_large_batch_is_found(at):
 
 
 @pytest.mark.parametrize("pooling,what,error,args", BAD, ids=[f"{p.name}-{w}" for p, w, _, _ in BAD])
-def test_bad_input_raises_and_changes_nothing(pooling, what, error, args):
+def test_bad_input_raises_and_changes_nothing(pooling, what, error, args, device):
     def make():
-        return module_of([options(4, score_strategy=DynamicEmbScoreStrategy.STEP),
+        return module_of(device,
+                         [options(4, score_strategy=DynamicEmbScoreStrategy.STEP),
                           options(4, score_strategy=DynamicEmbScoreStrategy.LRU, bucket_capacity=32)],
                          pooling_mode=pooling, optimizer=DynamicEmbOptimType.ADAM)
 
@@ -352,11 +359,11 @@ def test_bad_input_raises_and_changes_nothing(pooling, what, error, args):
     assert_same_state(module, twin)
 
 
-def two_group_overflow():
+def two_group_overflow(device):
     """t0 (STEP, admission 2) beside t1 (16 slots, NO_EVICTION, ERROR): t1 overflows
     after t0 has already stored and counted its keys."""
     def make():
-        return module_of([
+        return module_of(device, [
             options(2, score_strategy=DynamicEmbScoreStrategy.STEP,
                     admit_strategy=FrequencyAdmissionStrategy(2)),
             options(3, max_capacity=16, bucket_capacity=16,
@@ -369,21 +376,21 @@ def two_group_overflow():
     return make, warm, overflow, after
 
 
-def one_group_overflow():
+def one_group_overflow(device):
     """One STEP table in ERROR mode; a batch of 20 new keys for its 16 slots fails."""
     def make():
-        return module_of([options(2, max_capacity=16, bucket_capacity=16,
-                                  score_strategy=DynamicEmbScoreStrategy.STEP,
-                                  safe_check_mode=DynamicEmbCheckMode.ERROR)])
+        return module_of(device, [options(2, max_capacity=16, bucket_capacity=16,
+                                          score_strategy=DynamicEmbScoreStrategy.STEP,
+                                          safe_check_mode=DynamicEmbCheckMode.ERROR)])
     return make, one_bag([1, 2]), one_bag(range(100, 120)), one_bag([3])
 
 
 @pytest.mark.parametrize("scenario", [two_group_overflow, one_group_overflow],
                          ids=lambda f: f.__name__)
-def test_failed_insert_error_changes_nothing(scenario):
+def test_failed_insert_error_changes_nothing(scenario, device):
     """A RuntimeError from a full table (ERROR mode) leaves every table as it was: no
     rows stored in other tables, no admission counts, no training step counted."""
-    make, warm, overflow, after = scenario()
+    make, warm, overflow, after = scenario(device)
     module, twin = make(), make()
     for m in (module, twin):
         train_step(m, *warm)
@@ -397,10 +404,10 @@ def test_failed_insert_error_changes_nothing(scenario):
 # ------------------------------------------------------------------- output dtypes
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("pooling", [SUM, NONE], ids=lambda p: p.name)
-def test_reduced_precision_output(dtype, pooling):
+def test_reduced_precision_output(dtype, pooling, device):
     """The output is the float32 output cast; the updates use the same gradients."""
     def make(out_dtype):
-        m = module_of([options(4), options(4, bucket_capacity=32)], pooling_mode=pooling,
+        m = module_of(device, [options(4), options(4, bucket_capacity=32)], pooling_mode=pooling,
                       optimizer=DynamicEmbOptimType.EXACT_ADAGRAD, output_dtype=out_dtype)
         m.import_keys_values("t0", torch.tensor(SPECIAL_IDS), torch.linspace(-1, 1, 44).reshape(11, 4))
         return m
@@ -413,22 +420,23 @@ def test_reduced_precision_output(dtype, pooling):
         out_low, out_full = low(indices, offsets, weights), full(indices, offsets, weights)
         assert out_low.dtype == dtype
         assert torch.equal(out_low.detach(), out_full.detach().to(dtype))
-        grad = torch.randn(out_low.shape, generator=gen).to(dtype)
+        grad = torch.randn(out_low.shape, generator=gen).to(device=out_low.device, dtype=dtype)
         (out_low * grad).sum().backward()
         (out_full * grad.float()).sum().backward()
     assert_same_state(low, full)
 
 
-def test_output_dtype_refused():
+def test_output_dtype_refused(device):
     with pytest.raises(ValueError):
-        module_of([options(2)], output_dtype=torch.float64)
+        module_of(device, [options(2)], output_dtype=torch.float64)
 
 
 # ---------------------------------------------------------------------- learning rate
-def lr_pair():
+def lr_pair(device):
     specs = [TableSpec(dim=4), TableSpec(dim=3)]
     module, ref = make_tables(specs, [0, 1, 0], SUM,
-                              DynamicEmbOptimizerArgs(DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.1))
+                              DynamicEmbOptimizerArgs(DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.1),
+                              device=device)
     pools = [id_pool(8, 1), id_pool(8, 2), id_pool(8, 1)]
     return module, ref, pools
 
@@ -436,14 +444,14 @@ def lr_pair():
 def step_both(module, ref, pools, gen):
     indices, offsets, _ = random_batch(pools, 4, gen)
     out = module(indices, offsets)
-    torch.testing.assert_close(out.detach(), ref.forward(indices, offsets), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.detach().cpu(), ref.forward(indices, offsets), rtol=1e-6, atol=1e-6)
     grad = torch.randn(out.shape, generator=gen)
-    (out * grad).sum().backward()
+    (out * grad.to(out.device)).sum().backward()
     ref.backward(grad)
 
 
-def test_set_learning_rate_takes_effect():
-    module, ref, pools = lr_pair()
+def test_set_learning_rate_takes_effect(device):
+    module, ref, pools = lr_pair(device)
     gen = torch.Generator().manual_seed(0)
     step_both(module, ref, pools, gen)
     module.set_learning_rate(0.7)
@@ -456,8 +464,8 @@ def test_set_learning_rate_takes_effect():
         module.set_learning_rate(-1.0)
 
 
-def test_param_group_lr_takes_effect_per_table():
-    module, ref, pools = lr_pair()
+def test_param_group_lr_takes_effect_per_table(device):
+    module, ref, pools = lr_pair(device)
     groups = {tuple(g["tables"]): g for g in module.optimizer.param_groups}
     assert sorted(groups) == [("t0",), ("t1",)]
     groups[("t1",)]["lr"] = 0.02
@@ -468,8 +476,8 @@ def test_param_group_lr_takes_effect_per_table():
     assert_tables_match(module, ref)
 
 
-def test_step_lr_scheduler_on_module_optimizer():
-    module, ref, pools = lr_pair()
+def test_step_lr_scheduler_on_module_optimizer(device):
+    module, ref, pools = lr_pair(device)
     scheduler = torch.optim.lr_scheduler.StepLR(module.optimizer, step_size=2, gamma=0.5)
     gen = torch.Generator().manual_seed(2)
     for step in range(6):
@@ -486,8 +494,8 @@ def scores_of(module, name="t0") -> dict:
     return {k: v[2] for k, v in export_dict(module, name).items()}
 
 
-def test_lfu_scores_count_training_sightings():
-    m = module_of([options(2, score_strategy=DynamicEmbScoreStrategy.LFU)])
+def test_lfu_scores_count_training_sightings(device):
+    m = module_of(device, [options(2, score_strategy=DynamicEmbScoreStrategy.LFU)])
     for batch in ([1, 2], [1], [1, 3], [2]):
         train_step(m, *one_bag(batch))
     m.eval()
@@ -495,8 +503,8 @@ def test_lfu_scores_count_training_sightings():
     assert scores_of(m) == {1: 3, 2: 2, 3: 1}
 
 
-def test_lru_scores_order_by_last_use():
-    m = module_of([options(2), options(2)], feature_table_map=[0, 1])  # one group, LRU
+def test_lru_scores_order_by_last_use(device):
+    m = module_of(device, [options(2), options(2)], feature_table_map=[0, 1])  # one group, LRU
     for batch in ([1, 2], [3, 1], [4, 5]):
         train_step(m, torch.tensor(batch), ids(0, 1, 2))  # feature 0 gets batch[0], 1 gets batch[1]
     s0, s1 = scores_of(m, "t0"), scores_of(m, "t1")
@@ -505,15 +513,15 @@ def test_lru_scores_order_by_last_use():
     assert s0[4] == s1[5] and s0[3] == s1[1], "keys of one batch share its clock"
 
 
-def test_step_scores_are_training_steps():
-    m = module_of([options(2, score_strategy=DynamicEmbScoreStrategy.STEP)])
+def test_step_scores_are_training_steps(device):
+    m = module_of(device, [options(2, score_strategy=DynamicEmbScoreStrategy.STEP)])
     for batch in ([1, 2], [1], [3]):
         train_step(m, *one_bag(batch))
     assert scores_of(m) == {1: 2, 2: 1, 3: 3}
 
 
-def test_customized_scores():
-    m = module_of([options(2, score_strategy=DynamicEmbScoreStrategy.CUSTOMIZED), options(2)])
+def test_customized_scores(device):
+    m = module_of(device, [options(2, score_strategy=DynamicEmbScoreStrategy.CUSTOMIZED), options(2)])
     m.set_score({"t0": 7})
     train_step(m, ids(1, 2, 9), ids(0, 2, 3))
     m.set_score({"t0": 3})
@@ -529,9 +537,10 @@ def test_customized_scores():
 
 
 # ----------------------------------------------------------------- capacity, moving rows
-def test_full_lru_table_evicts_oldest_and_keeps_working():
+def test_full_lru_table_evicts_oldest_and_keeps_working(device):
     """One bucket of 16 slots: each batch of 8 new keys evicts the batch before last."""
-    m = module_of([options(2, max_capacity=16, bucket_capacity=16, init_value=0.5)], pooling_mode=NONE)
+    m = module_of(device, [options(2, max_capacity=16, bucket_capacity=16, init_value=0.5)],
+                  pooling_mode=NONE)
     batches = [list(range(100 * i, 100 * i + 8)) for i in range(6)]
     for i, keys in enumerate(batches):
         out = train_step(m, *one_bag(keys))
@@ -543,12 +552,12 @@ def test_full_lru_table_evicts_oldest_and_keeps_working():
     assert torch.equal(out, torch.full((1, 2), 0.5))
 
 
-def test_batch_larger_than_capacity_reads_initializer_for_failed_inserts():
-    m = module_of([options(2, max_capacity=16, bucket_capacity=16, init_value=0.5)], pooling_mode=NONE,
-                  learning_rate=1.0)
+def test_batch_larger_than_capacity_reads_initializer_for_failed_inserts(device):
+    m = module_of(device, [options(2, max_capacity=16, bucket_capacity=16, init_value=0.5)],
+                  pooling_mode=NONE, learning_rate=1.0)
     keys = list(range(1000, 1020))  # 20 unique keys, 16 slots: 4 inserts fail (IGNORE)
     out = m(*one_bag(keys + keys[:3]))
-    assert torch.equal(out.detach(), torch.full((23, 2), 0.5))
+    assert torch.equal(out.detach().cpu(), torch.full((23, 2), 0.5))
     out.sum().backward()
     stored = export_dict(m, "t0")
     assert len(stored) == 16 and set(stored) <= set(keys)
@@ -557,9 +566,10 @@ def test_batch_larger_than_capacity_reads_initializer_for_failed_inserts():
         assert torch.equal(row, torch.full((2,), 0.5 - count)), k
 
 
-def test_growth_between_forward_and_backward():
+def test_growth_between_forward_and_backward(device):
     """Two forwards (the second grows the table), one backward of the sum: right rows move."""
-    m = module_of([options(2, max_capacity=1024, init_capacity=16, bucket_capacity=16, init_value=0.0)])
+    m = module_of(device, [options(2, max_capacity=1024, init_capacity=16, bucket_capacity=16,
+                                   init_value=0.0)])
     group = m._groups[0].table  # internal: only to confirm the scenario happened
     first = [7, -7, 10**15, 3]
     out1 = m(*one_bag(first + [7]))
@@ -580,9 +590,10 @@ def test_growth_between_forward_and_backward():
         assert torch.allclose(got[k][0], torch.full((2,), v)), k
 
 
-def test_eviction_between_forward_and_backward():
+def test_eviction_between_forward_and_backward(device):
     """Rows evicted after the forward get no update; their slots' new keys get only theirs."""
-    m = module_of([options(2, max_capacity=16, bucket_capacity=16, init_value=0.0)], pooling_mode=NONE)
+    m = module_of(device, [options(2, max_capacity=16, bucket_capacity=16, init_value=0.0)],
+                  pooling_mode=NONE)
     old, new = list(range(16)), list(range(100, 116))
     out1 = m(*one_bag(old))
     out2 = m(*one_bag(new))  # evicts every old key
@@ -591,8 +602,8 @@ def test_eviction_between_forward_and_backward():
     assert torch.equal(rows_of(m, "t0", new), torch.full((16, 2), -0.1))
 
 
-def test_import_export_round_trip_and_errors():
-    m = module_of([options(3, score_strategy=DynamicEmbScoreStrategy.LFU)],
+def test_import_export_round_trip_and_errors(device):
+    m = module_of(device, [options(3, score_strategy=DynamicEmbScoreStrategy.LFU)],
                   optimizer=DynamicEmbOptimType.ADAM)
     keys = torch.tensor(SPECIAL_IDS)
     rows = torch.randn(len(SPECIAL_IDS), 3, generator=torch.Generator().manual_seed(0))
@@ -614,11 +625,12 @@ def test_import_export_round_trip_and_errors():
     assert snapshot(m) == before
 
 
-def test_inference_table_in_training_module():
+def test_inference_table_in_training_module(device):
     """A ``training=False`` table never inserts, never updates, has no optimizer state and
     reads unseen ids from its eval initializer, even in a training forward."""
-    m = module_of([options(2), options(2, training=False, bucket_capacity=32,
-                                        eval_initializer_args=Init(mode=Mode.CONSTANT, value=0.5))],
+    m = module_of(device,
+                  [options(2), options(2, training=False, bucket_capacity=32,
+                                       eval_initializer_args=Init(mode=Mode.CONSTANT, value=0.5))],
                   pooling_mode=NONE, optimizer=DynamicEmbOptimType.EXACT_ADAGRAD)
     m.import_keys_values("t1", ids(4), torch.tensor([[1.0, 2.0]]))
     out = train_step(m, ids(4, 4, 9, 4, 9), ids(0, 2, 5))
@@ -629,9 +641,9 @@ def test_inference_table_in_training_module():
     assert sorted(export_dict(m, "t0")) == [4]
 
 
-def test_non_contiguous_and_mixed_dtype_inputs():
+def test_non_contiguous_and_mixed_dtype_inputs(device):
     def make():
-        m = module_of([options(3), options(2)], feature_table_map=[0, 1, 0])
+        m = module_of(device, [options(3), options(2)], feature_table_map=[0, 1, 0])
         m.import_keys_values("t0", ids(1, 2, 3), torch.arange(9.0).reshape(3, 3))
         return m
 

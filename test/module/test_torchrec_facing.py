@@ -22,9 +22,9 @@ def options(dim=4, **kw):
     return DynamicEmbTableOptions(dim=dim, max_capacity=256, **kw)
 
 
-def test_one_placeholder_per_table_in_the_optimizer_groups():
+def test_one_placeholder_per_table_in_the_optimizer_groups(device):
     m = BatchedDynamicEmbeddingTables(
-        [options(4), options(8), options(4)], table_names=["a", "b", "c"])
+        [options(4), options(8), options(4)], table_names=["a", "b", "c"], device=device)
     by_table = dict(m.named_parameters_by_table())
     assert list(by_table) == ["a", "b", "c"]
     assert all(p.numel() == 0 and p.requires_grad for p in by_table.values())
@@ -34,11 +34,12 @@ def test_one_placeholder_per_table_in_the_optimizer_groups():
     assert sorted(n for g in m.optimizer.param_groups for n in g["tables"]) == ["a", "b", "c"]
 
 
-def test_initial_rows_depend_on_table_name_not_position():
+def test_initial_rows_depend_on_table_name_not_position(device):
     keys = torch.tensor([5, -9, 10**15])
-    first = BatchedDynamicEmbeddingTables([options(), options()], table_names=["user", "item"])
-    second = BatchedDynamicEmbeddingTables([options()], table_names=["item"])
-    other = BatchedDynamicEmbeddingTables([options()], table_names=["user2"])
+    first = BatchedDynamicEmbeddingTables([options(), options()], table_names=["user", "item"],
+                                          device=device)
+    second = BatchedDynamicEmbeddingTables([options()], table_names=["item"], device=device)
+    other = BatchedDynamicEmbeddingTables([options()], table_names=["user2"], device=device)
     offsets2 = torch.tensor([0, 0, 0, 0, 1, 2, 3])  # feature 0 (user) empty, B=3
     first(keys, offsets2)
     second(keys, torch.tensor([0, 1, 2, 3]))
@@ -50,28 +51,29 @@ def test_initial_rows_depend_on_table_name_not_position():
     assert not torch.equal(b.embeddings, c.embeddings)
 
 
-def test_frequencies_count_as_occurrences_for_lfu():
-    m = BatchedDynamicEmbeddingTables([options(score_strategy=DynamicEmbScoreStrategy.LFU)])
+def test_frequencies_count_as_occurrences_for_lfu(device):
+    m = BatchedDynamicEmbeddingTables([options(score_strategy=DynamicEmbScoreStrategy.LFU)],
+                                      device=device)
     m(torch.tensor([1, 2]), torch.tensor([0, 1, 2]), frequencies=torch.tensor([3, 1]))
     m(torch.tensor([1, 1]), torch.tensor([0, 2]))
     out = m.export_keys_values("t0")
     assert dict(zip(out.keys.tolist(), out.scores.tolist())) == {1: 5, 2: 1}
 
 
-def test_frequencies_reach_the_admission_threshold():
+def test_frequencies_reach_the_admission_threshold(device):
     m = BatchedDynamicEmbeddingTables(
-        [options(admit_strategy=FrequencyAdmissionStrategy(threshold=4))])
+        [options(admit_strategy=FrequencyAdmissionStrategy(threshold=4))], device=device)
     m(torch.tensor([7, 8]), torch.tensor([0, 2]), frequencies=torch.tensor([3, 1]))
     assert m.table_size("t0") == 0
     m(torch.tensor([7]), torch.tensor([0, 1]))
     assert m.export_keys_values("t0").keys.tolist() == [7]
 
 
-def test_frequencies_do_not_change_the_math():
+def test_frequencies_do_not_change_the_math(device):
     """Frequencies are bookkeeping: outputs and updates follow the lookups only."""
     def run(freq):
         m = BatchedDynamicEmbeddingTables([options()], optimizer=DynamicEmbOptimType.EXACT_SGD,
-                                          learning_rate=0.5)
+                                          learning_rate=0.5, device=device)
         out = m(torch.tensor([1, 2, 1]), torch.tensor([0, 2, 3]), frequencies=freq)
         out.sum().backward()
         return out.detach(), m.export_keys_values("t0").embeddings
@@ -86,17 +88,17 @@ def test_frequencies_do_not_change_the_math():
     (torch.tensor([1]), ValueError),
     (torch.tensor([1, 0]), ValueError),
 ])
-def test_bad_frequencies_are_refused_and_change_nothing(bad, error):
-    m = BatchedDynamicEmbeddingTables([options()])
+def test_bad_frequencies_are_refused_and_change_nothing(bad, error, device):
+    m = BatchedDynamicEmbeddingTables([options()], device=device)
     with pytest.raises(error, match="frequencies"):
         m(torch.tensor([1, 2]), torch.tensor([0, 1, 2]), frequencies=bad)
     assert m.table_size("t0") == 0
 
 
-def test_recycled_outputs_never_overwrite_one_still_held():
+def test_recycled_outputs_never_overwrite_one_still_held(device):
     """Output buffers are reused only when nothing holds them: a kept output, a view of
     it, or a tensor autograd saved stays intact through later forwards."""
-    m = BatchedDynamicEmbeddingTables([options(8)])
+    m = BatchedDynamicEmbeddingTables([options(8)], device=device)
     m.import_keys_values("t0", torch.arange(1, 9), torch.randn(8, 8))
     m.eval()
     with torch.no_grad():

@@ -8,6 +8,7 @@ mid-call, eviction, failed inserts, several tables and both thread counts. Batch
 have thousands of keys so that the dedup and the insert really run on two threads.
 """
 
+import copy
 import random
 
 import pytest
@@ -44,13 +45,14 @@ def skewed_batches(num_batches, n, key_range, num_tables, seed):
     return batches
 
 
-def run_both(batches, with_freqs=False, **table_kw):
-    """Feeds the batches to two twin tables, one per path; returns what each saw."""
-    kw = dict(bucket_capacity=32, max_load_factor=1.0, value_dim=1, **table_kw)
+def run_both(batches, device, with_freqs=False, **table_kw):
+    """Feeds the batches to two twin tables on ``device``, one per path; returns what
+    each saw."""
+    kw = dict(bucket_capacity=32, max_load_factor=1.0, value_dim=1, device=device, **table_kw)
     kw["num_tables"] = max(max(b[1]) for b in batches) + 1
     plain, fused = make_table(**kw), make_table(**kw)
     seen = {"plain": [], "fused": [], "later_passes": 0}
-    kernels = fused._ops.kernels
+    kernels = fused._ops.kernels  # the device's compiled functions (the CPU or CUDA backend's)
 
     class CountingKernels:  # counts the fused path's passes after dedup_upsert
         def __getattr__(self, name):
@@ -58,11 +60,13 @@ def run_both(batches, with_freqs=False, **table_kw):
                 seen["later_passes"] += 1
             return getattr(kernels, name)
 
-    fused._ops = type(fused._ops).__new__(type(fused._ops))  # this table's own backend
+    # This table's own copy of its device's backend (the shared one stays as it is),
+    # with the kernels behind the counter; the copy keeps any other state it holds.
+    fused._ops = copy.copy(fused._ops)
     fused._ops.kernels = CountingKernels()
     for keys, tids, freqs in batches:
-        k, t = as_keys(keys), torch.tensor(tids, dtype=torch.int16)
-        f = torch.tensor(freqs, dtype=torch.int64) if with_freqs else None
+        k, t = as_keys(keys, device), torch.tensor(tids, dtype=torch.int16, device=device)
+        f = torch.tensor(freqs, dtype=torch.int64, device=device) if with_freqs else None
         for name, table in (("plain", plain), ("fused", fused)):
             try:
                 if name == "plain":
@@ -95,14 +99,16 @@ def assert_twins(seen, inputs):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("strategy", CLOCKED + ["LFU"])
-def test_growth_mid_call_matches_dedup_then_insert(strategy, threads):
+def test_growth_mid_call_matches_dedup_then_insert(strategy, threads, device):
     """A small table that grows while batches arrive: keys of full buckets are
     deferred, the table grows, later passes settle them."""
+    if device.type != "cpu" and threads != 1:
+        pytest.skip("threads is the CPU kernels' OpenMP thread count; other devices run once")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         batches = skewed_batches(4, 6000, 20000, 1, seed=1)
-        seen, inputs = run_both(batches, capacity=64, max_capacity=1 << 15,
+        seen, inputs = run_both(batches, device, capacity=64, max_capacity=1 << 15,
                                 score_strategy=strategy)
         assert_twins(seen, inputs)
         stats = seen["fused"][-1][3]
@@ -112,31 +118,32 @@ def test_growth_mid_call_matches_dedup_then_insert(strategy, threads):
 
 
 @pytest.mark.parametrize("strategy", CLOCKED + ["LFU"])
-def test_full_table_evicts_like_dedup_then_insert(strategy):
+def test_full_table_evicts_like_dedup_then_insert(strategy, device):
     batches = skewed_batches(5, 8000, 50000, 3, seed=2)
-    seen, inputs = run_both(batches, with_freqs=True, capacity=2048, max_capacity=2048,
+    seen, inputs = run_both(batches, device, with_freqs=True, capacity=2048, max_capacity=2048,
                             score_strategy=strategy, check_mode="IGNORE")
     assert_twins(seen, inputs)
     stats = seen["fused"][-1][3]
     assert stats["evictions" if strategy != "NO_EVICTION" else "failed_inserts"] > 0
 
 
-def test_failed_inserts_in_error_mode_undo_both_alike():
+def test_failed_inserts_in_error_mode_undo_both_alike(device):
     """NO_EVICTION at max capacity: the call fails, is undone, and raises."""
     batches = skewed_batches(3, 5000, 40000, 1, seed=3)
-    seen, inputs = run_both(batches, capacity=1024, max_capacity=1024,
+    seen, inputs = run_both(batches, device, capacity=1024, max_capacity=1024,
                             score_strategy="NO_EVICTION", check_mode="ERROR")
     assert any(isinstance(outcome, str) for _, outcome, *_ in seen["fused"])
     assert_twins(seen, inputs)
 
 
-def test_small_and_empty_batches():
+def test_small_and_empty_batches(device):
     batches = [([5, 5, 7], [0, 0, 1], [1, 2, 3]), ([], [], []), ([7, 9, 7, 5], [1, 0, 1, 0], [1, 1, 1, 1])]
-    table = make_table(capacity=64, num_tables=2, value_dim=1)
+    table = make_table(capacity=64, num_tables=2, value_dim=1, device=device)
     for keys, tids, freqs in batches:
         unique, pending = table.prepare_dedup_find_or_insert(
-            torch.tensor(keys, dtype=torch.int64), torch.tensor(tids, dtype=torch.int16),
-            torch.tensor(freqs, dtype=torch.int64))
+            torch.tensor(keys, dtype=torch.int64, device=device),
+            torch.tensor(tids, dtype=torch.int16, device=device),
+            torch.tensor(freqs, dtype=torch.int64, device=device))
         pending.commit()
         assert tuple(x.tolist() for x in unique[:4]) == py_dedup(keys, tids, freqs)
         assert unique.starts.tolist()[-1] == len(keys) and sorted(unique.rank.tolist()) == list(
@@ -144,15 +151,15 @@ def test_small_and_empty_batches():
     assert table.size() == 3  # (0, 5), (1, 7), (0, 9)
 
 
-def test_customized_is_refused_and_bad_frequencies_leave_the_table_alone():
+def test_customized_is_refused_and_bad_frequencies_leave_the_table_alone(device):
     with pytest.raises(ValueError, match="CUSTOMIZED"):
-        make_table(capacity=64, score_strategy="CUSTOMIZED").prepare_dedup_find_or_insert(
-            as_keys([1, 2]))
-    table = make_table(capacity=64)
-    keys = as_keys([1, 2, 1])
-    for freqs, error in ((torch.tensor([1, 1, 1], dtype=torch.int32), TypeError),
-                         (torch.tensor([1, 1], dtype=torch.int64), ValueError),
-                         (torch.tensor([1, 0, 1], dtype=torch.int64), ValueError)):
+        make_table(capacity=64, score_strategy="CUSTOMIZED", device=device).prepare_dedup_find_or_insert(
+            as_keys([1, 2], device))
+    table = make_table(capacity=64, device=device)
+    keys = as_keys([1, 2, 1], device)
+    for freqs, error in ((torch.tensor([1, 1, 1], dtype=torch.int32, device=device), TypeError),
+                         (torch.tensor([1, 1], dtype=torch.int64, device=device), ValueError),
+                         (torch.tensor([1, 0, 1], dtype=torch.int64, device=device), ValueError)):
         with pytest.raises(error, match="frequencies"):
             table.prepare_dedup_find_or_insert(keys, frequencies=freqs)
     assert table.size() == 0 and table.clock == 0

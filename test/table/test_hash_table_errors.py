@@ -8,14 +8,16 @@ from dynamicemb_testing.table_testing import as_keys, make_table, state_of
 BC = 16
 
 
-def filled_table(strategy="LRU", value_dim=2, **kw):
+def filled_table(device, strategy="LRU", value_dim=2, **kw):
     """A table past its load factor with room to grow: a bad call must not even grow it."""
     kw = dict(capacity=2 * BC, bucket_capacity=BC, max_capacity=8 * BC, max_load_factor=0.5, **kw)
-    t = make_table(score_strategy=strategy, value_dim=value_dim, num_tables=2, **kw)
+    t = make_table(score_strategy=strategy, value_dim=value_dim, num_tables=2, device=device, **kw)
     n = 20
-    scores = torch.arange(1, n + 1, dtype=torch.int64) if strategy in ("CUSTOMIZED", "LFU") else None
-    values = torch.arange(n * value_dim, dtype=torch.float32).reshape(n, value_dim)
-    t.insert_or_assign(as_keys(range(n)), values, torch.arange(n) % 2, scores=scores)
+    scores = (torch.arange(1, n + 1, dtype=torch.int64, device=device)
+              if strategy in ("CUSTOMIZED", "LFU") else None)
+    values = torch.arange(n * value_dim, dtype=torch.float32, device=device).reshape(n, value_dim)
+    t.insert_or_assign(as_keys(range(n), device), values, torch.arange(n, device=device) % 2,
+                       scores=scores)
     assert t.capacity() == 2 * BC and t.size() > t.capacity() // 2
     return t
 
@@ -51,26 +53,35 @@ def assert_unchanged(t, before):
         (dict(value_dim=-1), "value_dim"),
     ],
 )
-def test_constructor_rejects(kw, match):
+def test_constructor_rejects(kw, match, device):
     args = dict(capacity=256, bucket_capacity=16)
     args.update(kw)
     with pytest.raises(ValueError, match=match):
-        make_table(**args)
+        make_table(device=device, **args)
 
 
 @pytest.mark.parametrize("kw", [dict(num_tables=32767), dict(max_load_factor=1.0), dict(value_dim=0)])
-def test_constructor_accepts_limits(kw):
-    make_table(capacity=16, bucket_capacity=16, **kw)
+def test_constructor_accepts_limits(kw, device):
+    make_table(capacity=16, bucket_capacity=16, device=device, **kw)
 
 
 # ---------------------------------------------------------------------- verbs
 def good_args(t, verb, n=4, dim=2, strategy="LRU"):
-    args = {"keys": as_keys(range(100, 100 + n)), "table_ids": torch.ones(n, dtype=torch.int64)}
+    """Valid arguments of ``verb``, on the table's device."""
+    device = t.device
+    args = {"keys": as_keys(range(100, 100 + n), device),
+            "table_ids": torch.ones(n, dtype=torch.int64, device=device)}
     if verb in ("insert_or_assign", "insert_and_evict"):
-        args["values"] = torch.ones(n, dim)
+        args["values"] = torch.ones(n, dim, device=device)
     if verb in ("find_or_insert", "insert_or_assign", "insert_and_evict") and strategy == "CUSTOMIZED":
-        args["scores"] = torch.full((n,), 3, dtype=torch.int64)
+        args["scores"] = torch.full((n,), 3, dtype=torch.int64, device=device)
     return args
+
+
+def on_device(change: dict, device) -> dict:
+    """``change`` with its tensors moved to ``device`` (dtype and shape kept), so that
+    each bad call is wrong only in the way its case says."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in change.items()}
 
 
 ALL_VERBS = ["find", "find_or_insert", "insert_or_assign", "insert_and_evict", "erase"]
@@ -108,25 +119,25 @@ def assert_bad_call_changes_nothing(t, verb, change, error, match):
     matching ``match``) and leaves the table exactly as it was."""
     before = full_state(t)
     args = good_args(t, verb)
-    args.update(change)
+    args.update(on_device(change, t.device))
     with pytest.raises(error, match=f"(?i){match}"):
         getattr(t, verb)(**args)
     assert_unchanged(t, before)
 
 
 @pytest.mark.parametrize("verb, change, error, match", list(bad_call_cases()))
-def test_bad_call_raises_and_changes_nothing(verb, change, error, match):
-    t = filled_table()
+def test_bad_call_raises_and_changes_nothing(verb, change, error, match, device):
+    t = filled_table(device)
     assert_bad_call_changes_nothing(t, verb, change, error, match)
 
 
 @pytest.mark.parametrize("verb", INSERTING)
 @pytest.mark.parametrize("strategy", ["LRU", "STEP", "NO_EVICTION"])
-def test_scores_refused_by_strategies_without_them(verb, strategy):
-    t = filled_table(strategy)
+def test_scores_refused_by_strategies_without_them(verb, strategy, device):
+    t = filled_table(device, strategy)
     before = full_state(t)
     args = good_args(t, verb)
-    args["scores"] = torch.ones(4, dtype=torch.int64)
+    args["scores"] = torch.ones(4, dtype=torch.int64, device=device)
     with pytest.raises(ValueError, match="(?i)scores"):
         getattr(t, verb)(**args)
     assert_unchanged(t, before)
@@ -144,11 +155,11 @@ CUSTOMIZED_BAD = [
 
 @pytest.mark.parametrize("verb", INSERTING)
 @pytest.mark.parametrize("change, error, match", CUSTOMIZED_BAD)
-def test_customized_scores_checked(verb, change, error, match):
-    t = filled_table("CUSTOMIZED")
+def test_customized_scores_checked(verb, change, error, match, device):
+    t = filled_table(device, "CUSTOMIZED")
     before = full_state(t)
     args = good_args(t, verb, strategy="CUSTOMIZED")
-    args.update(change)
+    args.update(on_device(change, device))
     with pytest.raises(error, match=f"(?i){match}"):
         getattr(t, verb)(**args)
     assert_unchanged(t, before)
@@ -164,14 +175,14 @@ LFU_BAD = [
 
 @pytest.mark.parametrize("verb", INSERTING)
 @pytest.mark.parametrize("change, error, match", LFU_BAD)
-def test_lfu_counts_checked(verb, change, error, match):
-    t = filled_table("LFU")
+def test_lfu_counts_checked(verb, change, error, match, device):
+    t = filled_table(device, "LFU")
     assert_bad_call_changes_nothing(t, verb, change, error, match)
 
 
 @pytest.mark.parametrize("verb", WITH_VALUES)
-def test_values_none_rejected_when_value_dim_positive(verb):
-    t = filled_table()
+def test_values_none_rejected_when_value_dim_positive(verb, device):
+    t = filled_table(device)
     before = full_state(t)
     args = good_args(t, verb)
     args["values"] = None
@@ -181,26 +192,27 @@ def test_values_none_rejected_when_value_dim_positive(verb):
 
 
 @pytest.mark.parametrize("verb", WITH_VALUES)
-def test_values_none_allowed_when_value_dim_zero(verb):
-    t = make_table(capacity=16, bucket_capacity=16, value_dim=0)
-    res = getattr(t, verb)(as_keys([1, 2]), None)
+def test_values_none_allowed_when_value_dim_zero(verb, device):
+    t = make_table(capacity=16, bucket_capacity=16, value_dim=0, device=device)
+    res = getattr(t, verb)(as_keys([1, 2], device), None)
     assert res.inserted.tolist() == [True, True]
 
 
-def test_int32_table_ids_accepted():
-    t = make_table(capacity=32, bucket_capacity=16, num_tables=3, max_load_factor=1.0)
-    tids = torch.tensor([0, 2, 1], dtype=torch.int32)
-    res = t.find_or_insert(as_keys([5, 5, 5]), tids)
+def test_int32_table_ids_accepted(device):
+    t = make_table(capacity=32, bucket_capacity=16, num_tables=3, max_load_factor=1.0, device=device)
+    tids = torch.tensor([0, 2, 1], dtype=torch.int32, device=device)
+    res = t.find_or_insert(as_keys([5, 5, 5], device), tids)
     assert res.inserted.tolist() == [True, True, True]
-    assert torch.equal(t.find(as_keys([5, 5, 5]), tids), res.slots)
-    assert t.erase(as_keys([5]), torch.tensor([2], dtype=torch.int32)).tolist() == [True]
+    assert torch.equal(t.find(as_keys([5, 5, 5], device), tids), res.slots)
+    tid2 = torch.tensor([2], dtype=torch.int32, device=device)
+    assert t.erase(as_keys([5], device), tid2).tolist() == [True]
 
 
 @pytest.mark.parametrize("step", [-1, -(2**63)])
-def test_negative_step_rejected(step):
-    t = make_table(capacity=16, bucket_capacity=16, score_strategy="STEP")
+def test_negative_step_rejected(step, device):
+    t = make_table(capacity=16, bucket_capacity=16, score_strategy="STEP", device=device)
     t.set_step(5)
     with pytest.raises(ValueError, match="(?i)step"):
         t.set_step(step)
-    t.find_or_insert(as_keys([1]))
+    t.find_or_insert(as_keys([1], device))
     assert t.export_batch().scores.tolist() == [5]  # the step stayed 5
