@@ -50,6 +50,13 @@ inline void prefetch_row(const void* row, int64_t dim, int rw = 0) {
   }
 }
 
+// The attribute of a lambda that only prefetches, handed to the procedures of
+// embedding.h as their `before` hook: GCC finds such a function free of side
+// effects (a prefetch is none) and drops the calls to it unless it is inlined
+// first; without this the row prefetches vanished and the pooled forward took
+// 1.45x as long.
+#define DEMB_PREFETCH_HOOK __attribute__((always_inline))
+
 // Outputs at least this large are written with streaming (non-temporal) stores:
 // they cannot stay in the private caches until their consumer reads them, and
 // ordinary stores would first read every output line from memory.
@@ -250,7 +257,7 @@ void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tran
         float* dst = o + b * out_width + col;
         const int64_t begin = off[b], end = off[b + 1];
         const auto row_at = [&](int64_t j) { return src.row(inv[j]); };
-        const auto before = [&](int64_t j) {
+        const auto before = [&](int64_t j) DEMB_PREFETCH_HOOK {
           const int64_t jp = j + kPrefetchAhead;
           if (jp < ahead_end && inv[jp] >= 0) prefetch_row(src.row(inv[jp]), dim);
         };
@@ -411,7 +418,7 @@ void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_
     float* acc = acc_buffer.data();
     const int64_t* grad_pos = pos.data();
     const float* grad_scale = scale.data();
-    const auto before = [&](int64_t e) {
+    const auto before = [&](int64_t e) DEMB_PREFETCH_HOOK {
       const int64_t ep = e + kPrefetchAhead;
       if (ep < num_entries) prefetch_row(g + grad_pos[ep], dim);
     };

@@ -19,8 +19,12 @@
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define DEMB_HD __host__ __device__ __forceinline__
+#define DEMB_HD_INLINED __host__ __device__ __forceinline__
 #else
 #define DEMB_HD inline
+// A per-key procedure that a host loop must inline (its call would pass a dozen
+// arguments per key): the CPU upsert pipeline.
+#define DEMB_HD_INLINED inline __attribute__((always_inline))
 #endif
 
 namespace dynamicemb {

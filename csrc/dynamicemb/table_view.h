@@ -166,7 +166,7 @@ struct PassRecord {
 // bucket since. `blocked` (num_buckets,) flags the buckets found full this pass
 // while the table may grow. Returns the key's status (also written to out).
 template <class Probe, class Rule>
-DEMB_HD int8_t upsert_one(const TableView& v, const Probe& probe, const Rule& rule,
+DEMB_HD_INLINED int8_t upsert_one(const TableView& v, const Probe& probe, const Rule& rule,
                           const PassOptions& opt, const PassOutputs& out, int64_t i,
                           int64_t key, int16_t tid, uint64_t given, const KeyHome& home,
                           int hint, uint8_t* blocked) {
