@@ -16,7 +16,9 @@
 
 namespace dynamicemb {
 
-// The `before` hook of a loop that does not prefetch.
+// The `before` hook of a loop that does not prefetch. A host hook that only
+// prefetches must be inlined early (csrc/cpu/embedding.cpp: DEMB_PREFETCH_HOOK):
+// GCC finds it free of side effects and would drop its calls.
 struct NoPrefetch {
   DEMB_HD void operator()(int64_t /*j*/) const {}
 };
