@@ -1,6 +1,8 @@
-// CPU bulk loops of the scored hash table (OpenMP), over the per-key
-// primitives of dynamicemb/hash_primitives.h. Python (dynamicemb/table) owns the
-// tensors and the policy; these functions only walk them.
+// CPU bulk loops of the scored hash table (OpenMP): loops over the per-key
+// procedures of dynamicemb/table_view.h (find_one, upsert_one, erase_one,
+// undo_one, move_one) that add the threading, the prefetch pipelines and the SIMD
+// digest probe (cpu/probe.h). Python (dynamicemb/table) owns the tensors and the
+// policy; these functions only walk them.
 //
 // `meta` is always the list [keys, scores, tids, digests, occupied, pinned]
 // described in hash_primitives.h; `bc` is the bucket capacity.
@@ -17,9 +19,12 @@
 #include <memory>
 #include <vector>
 
+#include "cpu/checks.h"
 #include "cpu/dedup.h"
 #include "cpu/probe.h"
+#include "cpu/verbs.h"
 #include "dynamicemb/hash_primitives.h"
+#include "dynamicemb/table_view.h"
 
 namespace dynamicemb {
 namespace cpu {
@@ -30,22 +35,11 @@ constexpr int64_t kParallelMinKeys = 4096;
 // Outcomes counted per call: kHit, kInserted, kEvictedAndInserted, kFailed.
 constexpr int kNumOutcomes = 4;
 
-struct TableView {
-  SlotField<int64_t> keys;
-  SlotField<uint64_t> scores;
-  int16_t* tids;
-  uint8_t* digests;
-  uint64_t* occupied;
-  uint64_t* pinned;
-  int64_t num_buckets;
-  int bc;
-  int words;
-
+// The shared TableView plus what only the CPU loops' threading needs.
+struct CpuTableView : TableView {
   int bc_shift;  // log2(bc) when bc is a power of two, else -1
 
-  uint64_t* occupied_of(int64_t b) const { return occupied + b * words; }
   int64_t bucket_of_slot(int64_t s) const { return bc_shift >= 0 ? s >> bc_shift : s / bc; }
-  uint64_t* pinned_of(int64_t b) const { return pinned + b * words; }
   // The thread of `nt` that owns bucket b in calls that split buckets among threads:
   // contiguous ranges, so threads never write the same bitmap cache line (with
   // b % nt, neighbouring buckets' pinned bits shared lines across threads).
@@ -54,14 +48,7 @@ struct TableView {
   }
 };
 
-void check_tensor(const at::Tensor& t, at::ScalarType dtype, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-  TORCH_CHECK(t.scalar_type() == dtype, name, " has dtype ", t.scalar_type(),
-              ", expected ", dtype);
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
-
-TableView view_of(const std::vector<at::Tensor>& meta, int64_t bc) {
+CpuTableView view_of(const std::vector<at::Tensor>& meta, int64_t bc) {
   TORCH_CHECK(meta.size() == 6, "meta must hold 6 tensors, got ", meta.size());
   for (int f = 0; f < 2; ++f) {
     const char* name = f == 0 ? "keys" : "scores";
@@ -76,19 +63,17 @@ TableView view_of(const std::vector<at::Tensor>& meta, int64_t bc) {
   check_tensor(meta[3], at::kByte, "digests");
   check_tensor(meta[4], at::kLong, "occupied");
   check_tensor(meta[5], at::kLong, "pinned");
-  TableView v;
-  v.bc = static_cast<int>(bc);
-  v.words = words_per_bucket(v.bc);
+  const int64_t num_buckets = meta[0].numel() / bc;
+  TORCH_CHECK(num_buckets * bc == meta[0].numel(), "capacity not a multiple of bc");
+  TORCH_CHECK(meta[4].numel() == num_buckets * words_per_bucket(static_cast<int>(bc)),
+              "occupied has wrong size");
+  CpuTableView v;
+  static_cast<TableView&>(v) = table_view(
+      meta[0].data_ptr<int64_t>(), meta[2].data_ptr<int16_t>(), meta[3].data_ptr<uint8_t>(),
+      reinterpret_cast<uint64_t*>(meta[4].data_ptr<int64_t>()),
+      reinterpret_cast<uint64_t*>(meta[5].data_ptr<int64_t>()), num_buckets,
+      static_cast<int>(bc));
   v.bc_shift = (bc & (bc - 1)) == 0 ? __builtin_ctzll(static_cast<uint64_t>(bc)) : -1;
-  v.num_buckets = meta[0].numel() / bc;
-  TORCH_CHECK(v.num_buckets * bc == meta[0].numel(), "capacity not a multiple of bc");
-  TORCH_CHECK(meta[4].numel() == v.num_buckets * v.words, "occupied has wrong size");
-  v.keys = SlotField<int64_t>{meta[0].data_ptr<int64_t>()};
-  v.scores = SlotField<uint64_t>{reinterpret_cast<uint64_t*>(meta[1].data_ptr<int64_t>())};
-  v.tids = meta[2].data_ptr<int16_t>();
-  v.digests = meta[3].data_ptr<uint8_t>();
-  v.occupied = reinterpret_cast<uint64_t*>(meta[4].data_ptr<int64_t>());
-  v.pinned = reinterpret_cast<uint64_t*>(meta[5].data_ptr<int64_t>());
   return v;
 }
 
@@ -108,35 +93,25 @@ constexpr int kChunk = 16;
 
 void find_chunk(const TableView& v, const int64_t* keys, const int16_t* tids,
                 int64_t lo, int64_t hi, bool single_table, int64_t* slots) {
-  int64_t base[kChunk];
-  uint8_t digest[kChunk];
-  int start[kChunk];
+  KeyHome home[kChunk];
   int first[kChunk];
   for (int64_t i = lo; i < hi; ++i) {
-    const uint64_t h = hash_key(keys[i], tids[i]);
-    base[i - lo] = bucket_of(h, v.num_buckets) * v.bc;
-    digest[i - lo] = digest_of(h);
-    start[i - lo] = start_offset(h, v.bc);
-    prefetch(v.digests + base[i - lo] + start[i - lo]);  // the key's start group
+    const KeyHome& at = home[i - lo] = home_of(v, hash_key(keys[i], tids[i]));
+    prefetch(v.digests + at.base + at.start);  // the key's start group
   }
   for (int64_t i = lo; i < hi; ++i) {
-    const int64_t b = base[i - lo];
-    const int j = next_digest_match(v.digests + b, v.bc, digest[i - lo], start[i - lo]);
+    const KeyHome& at = home[i - lo];
+    const int j = next_digest_match(v.digests + at.base, v.bc, at.digest, at.start);
     first[i - lo] = j;
     if (j >= 0) {
-      prefetch(&v.keys[b + j]);
-      if (!single_table) prefetch(v.tids + b + j);
+      prefetch(&v.keys[at.base + j]);
+      if (!single_table) prefetch(v.tids + at.base + j);
     }
   }
   for (int64_t i = lo; i < hi; ++i) {
-    const int64_t b = base[i - lo];
-    int j = first[i - lo];
-    // With one logical table every table id is 0: the key decides alone.
-    if (j < 0 || !(v.keys[b + j] == keys[i] && (single_table || v.tids[b + j] == tids[i]))) {
-      j = probe_bucket(v.keys + b, single_table ? nullptr : v.tids + b, v.digests + b, v.bc,
-                       keys[i], tids[i], digest[i - lo], start[i - lo], j);
-    }
-    slots[i] = j < 0 ? -1 : b + j;
+    const KeyHome& at = home[i - lo];
+    const int j = find_one(v, DigestProbe{}, at, keys[i], tids[i], single_table, first[i - lo]);
+    slots[i] = j < 0 ? -1 : at.base + j;
   }
 }
 
@@ -173,85 +148,15 @@ at::Tensor find(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tenso
 
 namespace {
 
+// One inserting pass: its keys, table ids and given scores (n,), its options and
+// where it writes.
 struct UpsertArgs {
   const int64_t* keys;
   const int16_t* tids;
-  const uint64_t* given;  // nullptr unless CUSTOMIZED
-  bool evicts;
-  bool can_grow;
-  bool one_table;  // every table id is 0: the key decides alone
-  int64_t* slots;
-  int8_t* status;
-  uint64_t* prev_scores;  // nullptr: not recorded
-  int64_t* ev_keys;
-  int16_t* ev_tids;
-  uint64_t* ev_scores;
+  const uint64_t* given;  // nullptr unless a rule needs scores
+  PassOptions opt;
+  PassOutputs out;
 };
-
-// One key of an inserting call; the calling thread owns bucket b. `hint` is a
-// slot offset that held the key a moment ago (or -1): checked, never trusted.
-template <class Rule>
-void upsert_one(const TableView& v, const UpsertArgs& a, const Rule& rule, int64_t i,
-                uint64_t h, int hint, std::vector<uint8_t>& blocked,
-                std::vector<int64_t>& deferred) {
-  const int64_t b = bucket_of(h, v.num_buckets);
-  if (blocked[b]) {
-    a.status[i] = kDeferred;
-    deferred.push_back(i);
-    return;
-  }
-  const int64_t base = b * v.bc;
-  const uint64_t given = a.given ? a.given[i] : 0;
-  uint64_t* occupied = v.occupied_of(b);
-  uint64_t* pinned = v.pinned_of(b);
-  const int start = start_offset(h, v.bc);
-  const uint8_t digest = digest_of(h);
-  int j = hint;
-  if (j < 0 || v.digests[base + j] != digest || v.keys[base + j] != a.keys[i] ||
-      (!a.one_table && v.tids[base + j] != a.tids[i])) {
-    // The hint is only a guess (an earlier key of this pass may have changed the
-    // bucket since), so the whole bucket is probed.
-    j = probe_bucket(v.keys + base, a.one_table ? nullptr : v.tids + base, v.digests + base,
-                     v.bc, a.keys[i], a.tids[i], digest, start);
-  }
-  if (j >= 0) {
-    uint64_t& score = v.scores[base + j];
-    if (a.prev_scores) a.prev_scores[i] = score;
-    score = rule.on_hit(score, given);
-    set_bit(pinned, j);
-    a.slots[i] = base + j;
-    a.status[i] = kHit;
-    return;
-  }
-  int8_t outcome = kInserted;
-  j = first_clear_bit_from(occupied, v.bc, start);
-  if (j < 0) {
-    if (a.can_grow) {
-      blocked[b] = 1;
-      a.status[i] = kDeferred;
-      deferred.push_back(i);
-      return;
-    }
-    j = a.evicts ? choose_victim(v.scores + base, pinned, v.bc) : -1;
-    if (j < 0) {
-      a.slots[i] = -1;
-      a.status[i] = kFailed;
-      return;
-    }
-    a.ev_keys[i] = v.keys[base + j];
-    a.ev_tids[i] = v.tids[base + j];
-    a.ev_scores[i] = v.scores[base + j];
-    outcome = kEvictedAndInserted;
-  }
-  set_bit(occupied, j);
-  set_bit(pinned, j);
-  v.keys[base + j] = a.keys[i];
-  v.tids[base + j] = a.tids[i];
-  v.digests[base + j] = digest;
-  v.scores[base + j] = rule.on_insert(given);
-  a.slots[i] = base + j;
-  a.status[i] = outcome;
-}
 
 // The keys one thread upserts, in order: position p of the feed is key
 // positions(p) with hash hash(p). has(p) says whether it exists.
@@ -298,7 +203,7 @@ struct StreamFeed {
 constexpr int kAhead = 16;
 
 template <class Rule, class Feed>
-void upsert_owned(const TableView& v, const UpsertArgs& a, const Rule& rule, const Feed& feed,
+void upsert_owned(const CpuTableView& v, const UpsertArgs& a, const Rule& rule, const Feed& feed,
                   std::vector<uint8_t>& blocked, std::vector<int64_t>& deferred,
                   int64_t* outcomes) {
   int64_t m = INT64_MAX / 2;  // number of keys, known once the feed says so
@@ -306,33 +211,36 @@ void upsert_owned(const TableView& v, const UpsertArgs& a, const Rule& rule, con
   for (int64_t q = 0; q < m + 2 * kAhead; ++q) {
     if (q < m && !feed.has(q)) m = q;
     if (q < m) {
-      const uint64_t h = feed.hash(q);
-      const int64_t b = bucket_of(h, v.num_buckets);
-      prefetch(v.digests + b * v.bc + start_offset(h, v.bc));
-      prefetch(v.pinned_of(b));
+      const KeyHome at = home_of(v, feed.hash(q));
+      prefetch(v.digests + at.base + at.start);
+      prefetch(v.pinned_of(at.bucket));
     }
     const int64_t r = q - kAhead;
     if (r >= 0 && r < m) {
-      const uint64_t h = feed.hash(r);
-      const int64_t base = bucket_of(h, v.num_buckets) * v.bc;
-      const int j = next_digest_match(v.digests + base, v.bc, digest_of(h), start_offset(h, v.bc));
+      const KeyHome at = home_of(v, feed.hash(r));
+      const int j = next_digest_match(v.digests + at.base, v.bc, at.digest, at.start);
       hints[r % (2 * kAhead)] = j;
       if (j >= 0) {
-        prefetch(&v.keys[base + j]);  // and its score, in the same line
-        if (!a.one_table) prefetch(v.tids + base + j);
+        prefetch(&v.keys[at.base + j]);  // and its score, in the same line
+        if (!a.opt.one_table) prefetch(v.tids + at.base + j);
       }
     }
     const int64_t p = q - 2 * kAhead;
     if (p >= 0 && p < m) {
-      upsert_one(v, a, rule, feed.at(p), feed.hash(p), hints[p % (2 * kAhead)], blocked,
-                 deferred);
+      const int64_t i = feed.at(p);
+      const uint64_t given = a.given ? a.given[i] : 0;
+      if (upsert_one(v, DigestProbe{}, rule, a.opt, a.out, i, a.keys[i], a.tids[i], given,
+                     home_of(v, feed.hash(p)), hints[p % (2 * kAhead)],
+                     blocked.data()) == kDeferred) {
+        deferred.push_back(i);
+      }
     }
   }
   // Unpin this pass's slots except in buckets blocked for growth, whose pins the
   // next pass needs (the caller unpins everything after a call that grew).
   for (int64_t p = 0; p < m; ++p) {
-    const int64_t s = a.slots[feed.at(p)];
-    const int8_t st = a.status[feed.at(p)];
+    const int64_t s = a.out.slots[feed.at(p)];
+    const int8_t st = a.out.status[feed.at(p)];
     if (st != kDeferred) ++outcomes[st];
     if (st == kDeferred || s < 0) continue;
     const int64_t b = v.bucket_of_slot(s);
@@ -342,7 +250,7 @@ void upsert_owned(const TableView& v, const UpsertArgs& a, const Rule& rule, con
 
 // Each thread hashes the pending keys as it partitions them: no separate pass.
 template <class Rule>
-std::vector<int64_t> upsert_all(const TableView& v, const UpsertArgs& a, const Rule& rule,
+std::vector<int64_t> upsert_all(const CpuTableView& v, const UpsertArgs& a, const Rule& rule,
                                 const int64_t* pending, int64_t npending, int64_t* outcomes) {
   std::vector<uint8_t> blocked(v.num_buckets, 0);
   const int threads = npending >= kParallelMinKeys ? omp_get_max_threads() : 1;
@@ -400,21 +308,19 @@ UpsertArgs pass_args(int64_t n, bool evicts, bool can_grow, bool one_table, at::
   a.keys = nullptr;
   a.tids = nullptr;
   a.given = nullptr;
-  a.evicts = evicts;
-  a.can_grow = can_grow;
-  a.one_table = one_table;
-  a.slots = slots.data_ptr<int64_t>();
-  a.status = status.data_ptr<int8_t>();
-  a.prev_scores = nullptr;
+  a.opt = PassOptions{evicts, can_grow, one_table};
+  a.out.slots = slots.data_ptr<int64_t>();
+  a.out.status = status.data_ptr<int8_t>();
+  a.out.prev_scores = nullptr;
   if (prev_scores.has_value()) {
     check_tensor(*prev_scores, at::kLong, "prev_scores");
     TORCH_CHECK(prev_scores->numel() == 0 || prev_scores->numel() >= n,
                 "prev_scores needs room for ", n, " keys");
-    a.prev_scores = optional_ptr<uint64_t>(*prev_scores);
+    a.out.prev_scores = optional_ptr<uint64_t>(*prev_scores);
   }
-  a.ev_keys = ev_keys.data_ptr<int64_t>();
-  a.ev_tids = ev_tids.data_ptr<int16_t>();
-  a.ev_scores = reinterpret_cast<uint64_t*>(ev_scores.data_ptr<int64_t>());
+  a.out.ev_keys = ev_keys.data_ptr<int64_t>();
+  a.out.ev_tids = ev_tids.data_ptr<int16_t>();
+  a.out.ev_scores = reinterpret_cast<uint64_t*>(ev_scores.data_ptr<int64_t>());
   return a;
 }
 
@@ -446,7 +352,7 @@ at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Ten
   check_batch(keys, tids);
   int64_t* counts = outcomes_of(outcomes);
   check_tensor(pending, at::kLong, "pending");
-  const TableView v = view_of(meta, bc);
+  const CpuTableView v = view_of(meta, bc);
   UpsertArgs a = pass_args(keys.numel(), evicts, can_grow, one_table, slots, status, prev_scores,
                            ev_keys, ev_tids, ev_scores);
   a.keys = keys.data_ptr<int64_t>();
@@ -492,7 +398,7 @@ dedup_upsert(
     freq = frequencies->data_ptr<int64_t>();
   }
   int64_t* counted = outcomes_of(outcomes);
-  const TableView v = view_of(meta, bc);
+  const CpuTableView v = view_of(meta, bc);
   auto ukeys = at::empty({n}, keys.options());
   auto utids = at::empty({n}, tids.options());
   auto counts = at::empty({n}, keys.options());
@@ -540,7 +446,7 @@ dedup_upsert(
 // across threads as in upsert, so plain stores suffice.
 void unpin(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& slots) {
   check_tensor(slots, at::kLong, "slots");
-  const TableView v = view_of(meta, bc);
+  const CpuTableView v = view_of(meta, bc);
   const int64_t* s = slots.data_ptr<int64_t>();
   const int64_t n = slots.numel();
   const int threads = n >= kParallelMinKeys ? omp_get_max_threads() : 1;
@@ -563,28 +469,13 @@ void undo_upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tens
                  const at::Tensor& ev_keys, const at::Tensor& ev_tids,
                  const at::Tensor& ev_scores) {
   const TableView v = view_of(meta, bc);
-  const int64_t* s = slots.data_ptr<int64_t>();
-  const int8_t* st = status.data_ptr<int8_t>();
-  const uint64_t* prev = reinterpret_cast<const uint64_t*>(prev_scores.data_ptr<int64_t>());
-  const int64_t* ek = ev_keys.data_ptr<int64_t>();
-  const int16_t* et = ev_tids.data_ptr<int16_t>();
-  const uint64_t* es = reinterpret_cast<const uint64_t*>(ev_scores.data_ptr<int64_t>());
-  for (int64_t i = slots.numel() - 1; i >= 0; --i) {
-    if (s[i] < 0) continue;
-    const int64_t b = s[i] / v.bc;
-    const int j = static_cast<int>(s[i] % v.bc);
-    if (st[i] == kHit) {
-      v.scores[s[i]] = prev[i];
-    } else if (st[i] == kInserted) {
-      clear_bit(v.occupied_of(b), j);
-      v.digests[s[i]] = kEmptyDigest;
-    } else if (st[i] == kEvictedAndInserted) {
-      v.keys[s[i]] = ek[i];
-      v.tids[s[i]] = et[i];
-      v.digests[s[i]] = digest_of(hash_key(ek[i], et[i]));
-      v.scores[s[i]] = es[i];
-    }
-  }
+  const PassRecord r{slots.data_ptr<int64_t>(),
+                     status.data_ptr<int8_t>(),
+                     reinterpret_cast<const uint64_t*>(prev_scores.data_ptr<int64_t>()),
+                     ev_keys.data_ptr<int64_t>(),
+                     ev_tids.data_ptr<int16_t>(),
+                     reinterpret_cast<const uint64_t*>(ev_scores.data_ptr<int64_t>())};
+  for (int64_t i = slots.numel() - 1; i >= 0; --i) undo_one(v, r, i);
 }
 
 // Moves every slot of `old_meta` to the table `new_meta` with twice the buckets,
@@ -598,18 +489,10 @@ at::Tensor grow(const std::vector<at::Tensor>& old_meta,
   int64_t* m = moved.data_ptr<int64_t>();
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < o.num_buckets; ++b) {
+    // An old bucket's slots go to bucket b or b + old buckets: a thread owns both.
     for (int j = 0; j < o.bc; ++j) {
-      if (!test_bit(o.occupied_of(b), j)) continue;
-      const int64_t from = b * bc + j;
-      const int64_t nb = bucket_of(hash_key(o.keys[from], o.tids[from]), n.num_buckets);
-      const int64_t to = nb * bc + j;
-      n.keys[to] = o.keys[from];
-      n.tids[to] = o.tids[from];
-      n.digests[to] = o.digests[from];
-      n.scores[to] = o.scores[from];
-      set_bit(n.occupied_of(nb), j);
-      if (test_bit(o.pinned_of(b), j)) set_bit(n.pinned_of(nb), j);
-      m[from] = to;
+      const int64_t to = move_one<PlainBits>(o, n, b, j);
+      if (to >= 0) m[b * bc + j] = to;
     }
   }
   return moved;
@@ -620,7 +503,7 @@ at::Tensor grow(const std::vector<at::Tensor>& old_meta,
 at::Tensor erase(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
                  const at::Tensor& tids) {
   check_batch(keys, tids);
-  const TableView v = view_of(meta, bc);
+  const CpuTableView v = view_of(meta, bc);
   const int64_t n = keys.numel();
   auto erased = at::zeros({n}, keys.options().dtype(at::kBool));
   bool* e = erased.data_ptr<bool>();
@@ -632,17 +515,9 @@ at::Tensor erase(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tens
     const int me = omp_get_thread_num();
     const int nt = omp_get_num_threads();
     for (int64_t i = 0; i < n; ++i) {
-      const uint64_t h = hash_key(k[i], t[i]);
-      const int64_t b = bucket_of(h, v.num_buckets);
-      if (v.owner_of(b, nt) != me) continue;
-      const int64_t base = b * v.bc;
-      const int j = probe_bucket(v.keys + base, v.tids + base, v.digests + base, v.bc, k[i],
-                                 t[i], digest_of(h), start_offset(h, v.bc));
-      if (j >= 0) {
-        clear_bit(v.occupied_of(b), j);
-        v.digests[base + j] = kEmptyDigest;
-        e[i] = true;
-      }
+      const KeyHome home = home_of(v, hash_key(k[i], t[i]));
+      if (v.owner_of(home.bucket, nt) != me) continue;
+      if (erase_one<PlainBits>(v, DigestProbe{}, home, k[i], t[i])) e[i] = true;
     }
   }
   return erased;

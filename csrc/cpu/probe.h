@@ -1,9 +1,11 @@
 // CPU bucket probe: the digest match of hash_primitives.h, 64 slots at a time
 // (AVX-512BW or AVX2 where the build targets them) and 16 at a time with SSE2 for
-// the rest of a bucket. Returns exactly what probe_bucket_scalar returns.
+// the rest of a bucket. Returns exactly what probe_bucket_scalar returns. The CPU
+// loops hand it to the per-key procedures of table_view.h as DigestProbe.
 #pragma once
 
 #include "dynamicemb/hash_primitives.h"
+#include "dynamicemb/table_view.h"
 
 #if defined(__AVX2__) || defined(__AVX512BW__)
 #include <immintrin.h>
@@ -102,21 +104,30 @@ inline int probe_range(const Keys& keys, const int16_t* tids, const uint8_t* dig
 
 // Offset of (key, table id) in the bucket, or -1: from the key's start offset to
 // the end, then from the beginning (where inserts put it, see first_clear_bit_from).
-// `first` is what next_digest_match returned from `start` (-2: not known) on a
-// bucket that has not changed since, and its slot did not hold the key: a
-// read-only caller that has it skips the slots it already ruled out.
+// `first` is what next_digest_match returned from `start` (kFirstUnknown: not
+// known) on a bucket that has not changed since, and its slot did not hold the
+// key: a read-only caller that has it skips the slots it already ruled out.
 template <class Keys>
 inline int probe_bucket(const Keys& keys, const int16_t* tids, const uint8_t* digests,
                         int bc, int64_t key, int16_t tid, uint8_t digest, int start,
-                        int first = -2) {
+                        int first = kFirstUnknown) {
   int j = -1;
-  if (first == -2) {
+  if (first == kFirstUnknown) {
     j = probe_range(keys, tids, digests, bc, key, tid, digest, start);
   } else if (first >= 0) {  // `first` itself was compared by the caller
     j = probe_range(keys, tids, digests, bc, key, tid, digest, first + 1);
   }
   return j >= 0 || start == 0 ? j : probe_range(keys, tids, digests, start, key, tid, digest, 0);
 }
+
+// The probe policy (table_view.h) of the CPU loops: probe_bucket.
+struct DigestProbe {
+  template <class Keys>
+  int operator()(const Keys& keys, const int16_t* tids, const uint8_t* digests, int bc,
+                 int64_t key, int16_t tid, uint8_t digest, int start, int first) const {
+    return probe_bucket(keys, tids, digests, bc, key, tid, digest, start, first);
+  }
+};
 
 }  // namespace cpu
 }  // namespace dynamicemb

@@ -1,54 +1,21 @@
-// What every CUDA kernel file of dynamicemb shares: the device view of one
-// scored hash table and small warp helpers. Compiled by NVRTC through CuPy
-// (dynamicemb/_cuda.py) and, in the tests, by nvcc; no standard library.
+// What every CUDA kernel file of dynamicemb shares: the kernels' table
+// arguments, the device policies of the per-key procedures (table_view.h) and
+// small warp helpers. Compiled by NVRTC through CuPy (dynamicemb/_cuda.py) and,
+// in the tests, by nvcc; no standard library.
 //
-// The table layout is the one of csrc/dynamicemb/hash_primitives.h, so a CUDA
-// table and a CPU table hold the same bytes for the same contents.
+// The table layout is the one of csrc/dynamicemb/hash_primitives.h and the view
+// is the shared TableView, so a CUDA table and a CPU table hold the same bytes
+// for the same contents.
 #pragma once
 
 #include "dynamicemb/hash_primitives.h"
+#include "dynamicemb/table_view.h"
 
 namespace dynamicemb {
 namespace cuda {
 
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 constexpr int kWarp = 32;
-
-// Device view of one table (the `meta` list of the Python side).
-struct TableView {
-  int64_t* slot_words;  // (capacity, 2): key, score of each slot
-  int16_t* tids;        // (capacity,)
-  uint8_t* digests;     // (capacity,)
-  uint64_t* occupied;   // (num_buckets, words)
-  uint64_t* pinned;     // (num_buckets, words)
-  int64_t num_buckets;
-  int bc;
-
-  __device__ __forceinline__ int words() const { return words_per_bucket(bc); }
-  __device__ __forceinline__ int64_t& key(int64_t s) const { return slot_words[s * kSlotWords]; }
-  __device__ __forceinline__ uint64_t& score(int64_t s) const {
-    return reinterpret_cast<uint64_t*>(slot_words)[s * kSlotWords + 1];
-  }
-  __device__ __forceinline__ uint64_t* occupied_of(int64_t b) const {
-    return occupied + b * words();
-  }
-  __device__ __forceinline__ uint64_t* pinned_of(int64_t b) const { return pinned + b * words(); }
-};
-
-__device__ __forceinline__ TableView table_view(int64_t* slot_words, int16_t* tids,
-                                                uint8_t* digests, uint64_t* occupied,
-                                                uint64_t* pinned, int64_t num_buckets,
-                                                int bc) {
-  TableView v;
-  v.slot_words = slot_words;
-  v.tids = tids;
-  v.digests = digests;
-  v.occupied = occupied;
-  v.pinned = pinned;
-  v.num_buckets = num_buckets;
-  v.bc = bc;
-  return v;
-}
 
 // The kernels' table arguments, in this order, after the outputs they name.
 #define DEMB_TABLE_PARAMS                                                             \
@@ -64,30 +31,45 @@ __device__ __forceinline__ int64_t global_warp() { return global_thread() / kWar
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & (kWarp - 1); }
 
-// Offset in the bucket of (key, tid), or -1: one thread, 16 digests per load,
-// from the key's start group round the bucket. Keys are unique in a table, so
-// the first match is the match (as probe_bucket_scalar finds it).
-__device__ __forceinline__ int probe_thread(const TableView& v, int64_t base, int64_t key,
-                                            int16_t tid, bool one_table, uint8_t digest,
-                                            int start) {
-  const uint32_t pattern = 0x01010101u * digest;
-  for (int n = 0; n < v.bc; n += 16) {
-    const int group = start + n < v.bc ? start + n : start + n - v.bc;
-    const uint4 d = *reinterpret_cast<const uint4*>(v.digests + base + group);
-    const uint32_t words[4] = {d.x, d.y, d.z, d.w};
+// The probe policy (table_view.h) of one CUDA thread: 16 digests per 16-byte
+// load, from the key's start group round the bucket (buckets and groups start on
+// 16 bytes). Keys are unique in a table, so the first match is the match (as
+// probe_bucket_scalar finds it); `first` is not needed.
+struct ThreadProbe {
+  template <class Keys>
+  __device__ __forceinline__ int operator()(const Keys& keys, const int16_t* tids,
+                                            const uint8_t* digests, int bc, int64_t key,
+                                            int16_t tid, uint8_t digest, int start,
+                                            int /*first*/) const {
+    const uint32_t pattern = 0x01010101u * digest;
+    for (int n = 0; n < bc; n += 16) {
+      const int group = start + n < bc ? start + n : start + n - bc;
+      const uint4 d = *reinterpret_cast<const uint4*>(digests + group);
+      const uint32_t words[4] = {d.x, d.y, d.z, d.w};
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      uint32_t m = __vcmpeq4(words[w], pattern);
-      while (m) {
-        const int byte = (__ffs(m) - 1) >> 3;
-        const int j = group + 4 * w + byte;
-        if (v.key(base + j) == key && (one_table || v.tids[base + j] == tid)) return j;
-        m &= ~(0xFFu << (8 * byte));
+      for (int w = 0; w < 4; ++w) {
+        uint32_t m = __vcmpeq4(words[w], pattern);
+        while (m) {
+          const int byte = (__ffs(m) - 1) >> 3;
+          const int j = group + 4 * w + byte;
+          if (keys[j] == key && (tids == nullptr || tids[j] == tid)) return j;
+          m &= ~(0xFFu << (8 * byte));
+        }
       }
     }
+    return -1;
   }
-  return -1;
-}
+};
+
+// The bit policy (table_view.h) of kernels whose threads share a bucket's words.
+struct AtomicBits {
+  __device__ __forceinline__ static void set(uint64_t* bits, int j) {
+    atomicOr(reinterpret_cast<unsigned long long*>(bits + (j >> 6)), 1ull << (j & 63));
+  }
+  __device__ __forceinline__ static void clear(uint64_t* bits, int j) {
+    atomicAnd(reinterpret_cast<unsigned long long*>(bits + (j >> 6)), ~(1ull << (j & 63)));
+  }
+};
 
 // Offset in the bucket of (key, tid), or -1, probed by a whole warp: each lane
 // compares 4 digests of every 128. Every lane returns the same value.
@@ -103,7 +85,7 @@ __device__ __forceinline__ int probe_warp(const TableView& v, int64_t base, int6
       while (m) {
         const int byte = (__ffs(m) - 1) >> 3;
         const int j = j0 + byte;
-        if (v.key(base + j) == key && (one_table || v.tids[base + j] == tid)) {
+        if (v.keys[base + j] == key && (one_table || v.tids[base + j] == tid)) {
           found = j;
           break;
         }
@@ -134,7 +116,7 @@ __device__ __forceinline__ int choose_victim_warp(const TableView& v, int64_t b,
     for (int k = 0; k < 4; ++k) {  // j rises, so the first of equal scores stays
       const int j = chunk + 4 * lane_id() + k;
       if (j >= v.bc || test_bit(pinned, j)) continue;
-      const uint64_t s = v.score(base + j);
+      const uint64_t s = v.scores[base + j];
       if (victim < 0 || s < best) {
         victim = j;
         best = s;

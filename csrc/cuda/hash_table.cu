@@ -1,6 +1,9 @@
-// CUDA kernels of the scored hash table, over the per-key primitives of
-// dynamicemb/hash_primitives.h. dynamicemb/_cuda.py launches them on PyTorch's
-// current stream; the Python side owns the tensors and the policy.
+// CUDA kernels of the scored hash table. find, erase, undo and grow are a
+// thread per key or slot over the per-key procedures of dynamicemb/table_view.h
+// (with the device's probe and atomic bit policies of common.cuh); the inserting
+// pass is the GPU's own warp-cooperative algorithm, which meets the per-key
+// contract written there. dynamicemb/_cuda.py launches them on PyTorch's current
+// stream; the Python side owns the tensors and the policy.
 //
 // Inserting calls are processed bucket by bucket: the caller sorts the keys of a
 // pass by bucket (stably, so each bucket's keys keep their input order) and one
@@ -17,16 +20,6 @@
 namespace dynamicemb {
 namespace cuda {
 namespace {
-
-// Where one inserting pass writes (the `upsert` outputs of the Python side).
-struct PassOutputs {
-  int64_t* slots;
-  int8_t* status;
-  uint64_t* prev_scores;  // nullptr: not recorded
-  int64_t* ev_keys;
-  int16_t* ev_tids;
-  uint64_t* ev_scores;
-};
 
 // Most slots per bucket the inserting kernel supports (bits kept in registers).
 constexpr int kMaxBucketWords = 16;  // bucket_capacity <= 1024
@@ -54,15 +47,15 @@ __device__ int8_t upsert_key(const TableView& v, const PassOutputs& o, const Rul
   const int lane = lane_id();
   bool holds = false;
   if (hint >= 0 && lane == owner_lane(hint)) {
-    holds = v.digests[base + hint] == digest && v.key(base + hint) == key &&
+    holds = v.digests[base + hint] == digest && v.keys[base + hint] == key &&
             (one_table || v.tids[base + hint] == tid);
   }
   int j = __any_sync(kFullMask, holds) ? hint : probe_warp(v, base, key, tid, one_table, digest);
   if (j >= 0) {
     if (lane == owner_lane(j)) {
-      const uint64_t old = v.score(base + j);
+      const uint64_t old = v.scores[base + j];
       if (o.prev_scores) o.prev_scores[i] = old;
-      v.score(base + j) = rule.on_hit(old, given);
+      v.scores[base + j] = rule.on_hit(old, given);
       o.slots[i] = base + j;
       o.status[i] = kHit;
     }
@@ -86,9 +79,9 @@ __device__ int8_t upsert_key(const TableView& v, const PassOutputs& o, const Rul
       return kFailed;
     }
     if (lane == owner_lane(j)) {
-      o.ev_keys[i] = v.key(base + j);
+      o.ev_keys[i] = v.keys[base + j];
       o.ev_tids[i] = v.tids[base + j];
-      o.ev_scores[i] = v.score(base + j);
+      o.ev_scores[i] = v.scores[base + j];
     }
     outcome = kEvictedAndInserted;
   }
@@ -96,10 +89,10 @@ __device__ int8_t upsert_key(const TableView& v, const PassOutputs& o, const Rul
   set_bit(bits.pinned, j);
   set_bit(bits.pinned_here, j);
   if (lane == owner_lane(j)) {
-    v.key(base + j) = key;
+    v.keys[base + j] = key;
     v.tids[base + j] = tid;
     v.digests[base + j] = digest;
-    v.score(base + j) = rule.on_insert(given);
+    v.scores[base + j] = rule.on_insert(given);
     o.slots[i] = base + j;
     o.status[i] = outcome;
   }
@@ -119,7 +112,7 @@ __device__ void upsert_run(const TableView& v, const PassOutputs& o, const Rule&
   const int64_t i0 = order[q0];
   const int64_t b = bucket_of(hash_key(keys[i0], tids[i0]), v.num_buckets);
   BucketBits bits;
-  bits.words = v.words();
+  bits.words = v.words;
   for (int w = 0; w < bits.words; ++w) {
     bits.occupied[w] = v.occupied_of(b)[w];
     bits.pinned[w] = v.pinned_of(b)[w];
@@ -140,8 +133,8 @@ __device__ void upsert_run(const TableView& v, const PassOutputs& o, const Rule&
       my_given = given ? given[my_i] : 0;
       my_h = hash_key(my_key, static_cast<int16_t>(my_tid));
       if (!blocked) {
-        my_hint = probe_thread(v, b * v.bc, my_key, static_cast<int16_t>(my_tid), one_table,
-                               digest_of(my_h), start_offset(my_h, v.bc));
+        my_hint = find_one(v, ThreadProbe{}, home_of(v, my_h), my_key,
+                           static_cast<int16_t>(my_tid), one_table);
       }
     }
     const int in_chunk = q1 - chunk < kWarp ? static_cast<int>(q1 - chunk) : kWarp;
@@ -203,10 +196,9 @@ extern "C" __global__ void demb_find(DEMB_TABLE_PARAMS, const int64_t* keys, con
   const TableView v = DEMB_TABLE_VIEW;
   const int64_t key = keys[i];
   const int16_t tid = one_table ? int16_t{0} : tids[i];
-  const uint64_t h = hash_key(key, tid);
-  const int64_t base = bucket_of(h, v.num_buckets) * v.bc;
-  const int j = probe_thread(v, base, key, tid, one_table, digest_of(h), start_offset(h, v.bc));
-  slots[i] = j < 0 ? -1 : base + j;
+  const KeyHome home = home_of(v, hash_key(key, tid));
+  const int j = find_one(v, ThreadProbe{}, home, key, tid, one_table);
+  slots[i] = j < 0 ? -1 : home.base + j;
 }
 
 // One inserting pass. `order` (m,) holds the pass's key positions sorted stably
@@ -263,23 +255,8 @@ extern "C" __global__ void demb_undo_upsert(DEMB_TABLE_PARAMS, const int64_t* sl
                                             const uint64_t* ev_scores, int64_t n) {
   if (global_thread() != 0) return;
   const TableView v = DEMB_TABLE_VIEW;
-  for (int64_t i = n - 1; i >= 0; --i) {
-    const int64_t s = slots[i];
-    if (s < 0) continue;
-    const int64_t b = s / bc;
-    const int j = static_cast<int>(s - b * bc);
-    if (status[i] == kHit) {
-      v.score(s) = prev_scores[i];
-    } else if (status[i] == kInserted) {
-      clear_bit(v.occupied_of(b), j);
-      v.digests[s] = kEmptyDigest;
-    } else if (status[i] == kEvictedAndInserted) {
-      v.key(s) = ev_keys[i];
-      v.tids[s] = ev_tids[i];
-      v.digests[s] = digest_of(hash_key(ev_keys[i], ev_tids[i]));
-      v.score(s) = ev_scores[i];
-    }
-  }
+  const PassRecord r{slots, status, prev_scores, ev_keys, ev_tids, ev_scores};
+  for (int64_t i = n - 1; i >= 0; --i) undo_one(v, r, i);
 }
 
 // Moves old slot `from` (one thread each) to the table with twice the buckets,
@@ -290,29 +267,14 @@ extern "C" __global__ void demb_grow(DEMB_TABLE_PARAMS, int64_t* new_slot_words,
                                      uint64_t* new_occupied, uint64_t* new_pinned,
                                      int64_t* moved) {
   const int64_t from = global_thread();
-  const TableView o = DEMB_TABLE_VIEW;
   if (from >= num_buckets * bc) return;
-  const int64_t b = from / bc;
-  const int j = static_cast<int>(from - b * bc);
-  if (!test_bit(o.occupied_of(b), j)) {
-    moved[from] = -1;
-    return;
-  }
+  const TableView o = DEMB_TABLE_VIEW;
   const TableView n =
       table_view(new_slot_words, new_tids, new_digests, new_occupied, new_pinned,
                  2 * num_buckets, bc);
-  const int64_t nb = bucket_of(hash_key(o.key(from), o.tids[from]), n.num_buckets);
-  const int64_t to = nb * bc + j;
-  n.key(to) = o.key(from);
-  n.tids[to] = o.tids[from];
-  n.digests[to] = o.digests[from];
-  n.score(to) = o.score(from);
-  const unsigned long long bit = 1ull << (j & 63);
-  atomicOr(reinterpret_cast<unsigned long long*>(n.occupied_of(nb) + (j >> 6)), bit);
-  if (test_bit(o.pinned_of(b), j)) {
-    atomicOr(reinterpret_cast<unsigned long long*>(n.pinned_of(nb) + (j >> 6)), bit);
-  }
-  moved[from] = to;
+  const int64_t b = from / bc;
+  // Threads of neighbouring old slots share the new bitmap words: atomic bits.
+  moved[from] = move_one<AtomicBits>(o, n, b, static_cast<int>(from - b * bc));
 }
 
 // Erases keys that are unique in the call; erased (n,) = whether each was present.
@@ -321,13 +283,7 @@ extern "C" __global__ void demb_erase(DEMB_TABLE_PARAMS, const int64_t* keys,
   const int64_t i = global_thread();
   if (i >= n) return;
   const TableView v = DEMB_TABLE_VIEW;
-  const uint64_t h = hash_key(keys[i], tids[i]);
-  const int64_t b = bucket_of(h, v.num_buckets);
-  const int j = probe_thread(v, b * bc, keys[i], tids[i], false, digest_of(h),
-                             start_offset(h, bc));
-  erased[i] = j >= 0;
-  if (j < 0) return;
-  atomicAnd(reinterpret_cast<unsigned long long*>(v.occupied_of(b) + (j >> 6)),
-            ~(1ull << (j & 63)));
-  v.digests[b * bc + j] = kEmptyDigest;
+  // Threads of other keys of the bucket share its bitmap words: atomic bits.
+  erased[i] = erase_one<AtomicBits>(v, ThreadProbe{}, home_of(v, hash_key(keys[i], tids[i])),
+                                    keys[i], tids[i]);
 }

@@ -19,8 +19,12 @@
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define DEMB_HD __host__ __device__ __forceinline__
+#define DEMB_HD_INLINED __host__ __device__ __forceinline__
 #else
 #define DEMB_HD inline
+// A per-key procedure that a host loop must inline (its call would pass a dozen
+// arguments per key): the CPU upsert pipeline.
+#define DEMB_HD_INLINED inline __attribute__((always_inline))
 #endif
 
 namespace dynamicemb {
@@ -128,15 +132,17 @@ DEMB_HD int choose_victim(const Scores& scores, const uint64_t* pinned, int bc) 
 }
 
 // Scalar probe of one bucket: offset of (key, table id), or -1, scanning from
-// the key's start offset to the end, then from the beginning. Backends may use a
-// vectorized digest match with the same result (see csrc/cpu/probe.h).
+// the key's start offset to the end, then from the beginning. `tids` is nullptr
+// when the table holds one logical table (every id is 0: the key decides alone).
+// Backends may use a vectorized digest match with the same result (see
+// csrc/cpu/probe.h and the probe policies of table_view.h).
 template <class Keys>
 DEMB_HD int probe_bucket_scalar(const Keys& keys, const int16_t* tids,
                                 const uint8_t* digests, int bc, int64_t key, int16_t tid,
                                 uint8_t digest, int start) {
   for (int n = 0; n < bc; ++n) {
     const int j = start + n < bc ? start + n : start + n - bc;
-    if (digests[j] == digest && keys[j] == key && tids[j] == tid) return j;
+    if (digests[j] == digest && keys[j] == key && (tids == nullptr || tids[j] == tid)) return j;
   }
   return -1;
 }

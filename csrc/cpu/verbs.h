@@ -1,0 +1,99 @@
+// Every CPU verb of the extension dynamicemb._C, declared once: bindings.cpp binds
+// them, hash_table.cpp and embedding.cpp define them. Python reaches them only
+// through dynamicemb/_ops.py; dynamicemb/_cuda.py offers the same verbs on CUDA.
+//
+// `meta` is the table's tensor list [keys, scores, tids, digests, occupied, pinned]
+// (csrc/dynamicemb/hash_primitives.h), `bc` its bucket capacity. `tiers` is
+// [device values, host values], both (*, width) float rows [embedding | optimizer
+// state]; the host tensor may be empty. `row_slot` (U,) holds each unique row's
+// reference (csrc/dynamicemb/row_ref.h).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <tuple>
+#include <vector>
+
+namespace dynamicemb {
+namespace cpu {
+
+// ---- the scored hash table (hash_table.cpp)
+
+// The 64-bit hash of each (table id, key). keys (n,) int64, tids (n,) int16.
+at::Tensor hash_keys(const at::Tensor& keys, const at::Tensor& tids);
+// Slot of each key, -1 where absent. Read-only.
+at::Tensor find(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+                const at::Tensor& tids, bool single_table);
+// One inserting pass over keys[pending]; returns the deferred positions (sorted).
+at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+                  const at::Tensor& tids, const c10::optional<at::Tensor>& given, int64_t rule,
+                  int64_t now, bool evicts, bool can_grow, bool one_table,
+                  const at::Tensor& pending, at::Tensor& slots, at::Tensor& status,
+                  const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys,
+                  at::Tensor& ev_tids, at::Tensor& ev_scores, at::Tensor& outcomes);
+// dedup overlapped with a first inserting pass over the unique keys. Returns
+// (unique_keys, unique_tids, inverse, counts, starts, rank, deferred).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+dedup_upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+             const at::Tensor& tids, const c10::optional<at::Tensor>& frequencies, int64_t now,
+             bool evicts, bool can_grow, bool one_table, at::Tensor& slots, at::Tensor& status,
+             const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys,
+             at::Tensor& ev_tids, at::Tensor& ev_scores, at::Tensor& outcomes);
+// Clears the pinned bit of every slot >= 0 of slots (n,).
+void unpin(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& slots);
+// Reverts an inserting call from what its passes wrote (each (n,)), newest first.
+void undo_upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& slots,
+                 const at::Tensor& status, const at::Tensor& prev_scores,
+                 const at::Tensor& ev_keys, const at::Tensor& ev_tids,
+                 const at::Tensor& ev_scores);
+// Moves every slot into new_meta (twice the buckets); returns the new slot of
+// each old slot, -1 where empty: (old capacity,).
+at::Tensor grow(const std::vector<at::Tensor>& old_meta,
+                const std::vector<at::Tensor>& new_meta, int64_t bc);
+// Erases each key once; returns (n,) bool: whether it was there.
+at::Tensor erase(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+                 const at::Tensor& tids);
+// Occupied slots of [start, end), ascending.
+at::Tensor occupied_slots(const std::vector<at::Tensor>& meta, int64_t bc, int64_t start,
+                          int64_t end);
+
+// ---- the embedding module (embedding.cpp)
+
+// 0, or the first problem of an offsets tensor of num_indices lookups.
+int64_t check_offsets(const at::Tensor& offsets, int64_t num_indices);
+// Unique (table, key) pairs in first-occurrence order. Returns (unique_keys,
+// unique_tids, inverse, counts, starts, rank); starts and rank empty unless group.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(
+    const at::Tensor& keys, const at::Tensor& tids,
+    const c10::optional<at::Tensor>& frequencies, bool group);
+// out[rows[i], 0:dim] = the initializer's value of (table, keys[i], column).
+void init_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& keys,
+               int64_t table, int64_t dim, int64_t mode, double mean, double std_dev,
+               double lower, double upper, double value, int64_t seed);
+// Pooled lookup (sum or mean per bag) into out (batch, *) at each feature's column.
+void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
+                    const at::Tensor& row_slot, const at::Tensor& inverse,
+                    const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
+                    const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
+                    at::Tensor& out);
+// Sequence lookup: out (N, dim) row j = row of lookup j.
+void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
+                      const at::Tensor& row_slot, const at::Tensor& inverse, int64_t dim,
+                      at::Tensor& out);
+// Segmented gradient sum of each unique row + the optimizer's update of the row.
+void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
+                    const at::Tensor& starts, const at::Tensor& rank,
+                    const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
+                    const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
+                    const at::Tensor& grad, int64_t kind, double lr, double eps,
+                    double beta1, double beta2, double weight_decay, double step_size,
+                    double bias_correction2_sqrt);
+// Gradient of per-sample weights (SUM pooling): out (N,).
+void per_sample_weight_grad(const std::vector<at::Tensor>& tiers,
+                            const at::Tensor& transient, const at::Tensor& row_slot,
+                            const at::Tensor& inverse, const at::Tensor& offsets,
+                            const at::Tensor& feature_col, int64_t batch, int64_t dim,
+                            const at::Tensor& grad, at::Tensor& out);
+
+}  // namespace cpu
+}  // namespace dynamicemb
