@@ -33,6 +33,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from dynamicemb.ops import resolve_device
 from dynamicemb.ops.interface import HOST_ROW_BIT, RowSources
 from dynamicemb.table import (Deduplicated, Entries, InsertResult, PendingInsert,
                               ScoredHashTable)
@@ -100,7 +101,8 @@ class TieredStorage:
     ) -> None:
         self.host = host
         self.initialize = initialize
-        self.device = host.device if device is None else torch.device(device)
+        self.device = host.device if device is None else resolve_device(device)
+        self._two_devices = self.device != host.device
         self.device_tier = device_tier
         self.promote = promote
         self.host_only = host_only
@@ -163,11 +165,14 @@ class TieredStorage:
         return (self.host.generation, tier, self._moves)
 
     def _on_host(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.host.device)
+        return t.to(self.host.device) if self._two_devices else t
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device) if self._two_devices else t
 
     def _host_refs(self, host_slots: torch.Tensor) -> torch.Tensor:
         """References (on ``device``) of host slots (-1: not stored)."""
-        host_slots = host_slots.to(self.device)
+        host_slots = self._on_device(host_slots)
         if self.device_tier is None and not self.host_only:
             return host_slots
         return torch.where(host_slots >= 0, host_slots + HOST_ROW_BIT, host_slots)
@@ -195,7 +200,9 @@ class TieredStorage:
         frequencies = None if frequencies is None else self._on_host(frequencies)
         unique, pending = self.host.prepare_dedup_find_or_insert(
             self._on_host(keys), self._on_host(tids), frequencies)
-        return Deduplicated(*(None if t is None else t.to(self.device) for t in unique)), pending
+        if self._two_devices:
+            unique = Deduplicated(*(None if t is None else t.to(self.device) for t in unique))
+        return unique, pending
 
     def commit(self, pending: PendingInsert, keys: torch.Tensor,
                tids: torch.Tensor) -> InsertResult:
@@ -218,8 +225,8 @@ class TieredStorage:
         if evicted.keys.numel():
             self._count("host_evictions", evicted.table_ids)
             if self.device_tier is not None:
-                self.device_tier.erase(evicted.keys.to(self.device),
-                                       evicted.table_ids.to(self.device))
+                self.device_tier.erase(self._on_device(evicted.keys),
+                                       self._on_device(evicted.table_ids))
         return result
 
     def place(self, keys, tids, host_slots, new, counts,
@@ -239,7 +246,7 @@ class TieredStorage:
             (U,) row references; -1 where not stored.
         """
         self._count("lookups", tids)
-        host_slots, new = host_slots.to(self.device), new.to(self.device)
+        host_slots, new = self._on_device(host_slots), self._on_device(new)
         refs = self._host_refs(host_slots)
         if self.device_tier is None:
             field = "misses" if self.host_only else "hits"
@@ -295,7 +302,7 @@ class TieredStorage:
                 misses = misses[hottest[:max(room, 0)]]
             order = torch.cat([hit.nonzero().squeeze(1), misses])
             keys, tids, host_slots = keys[order], tids[order], host_slots[order]
-        scores = (self.host.scores_at(self._on_host(host_slots)).to(self.device) if self.promote
+        scores = (self._on_device(self.host.scores_at(self._on_host(host_slots))) if self.promote
                   else None)
         result = tier.find_or_insert(keys, tids, scores)
         # Victims first: a key of this batch may have been evicted by an earlier key
@@ -307,8 +314,8 @@ class TieredStorage:
         fresh = result.inserted
         at = fresh.nonzero().squeeze(1)
         if at.numel():
-            tier.values[result.slots[at]] = self.host.values[self._on_host(host_slots[at])].to(
-                self.device)
+            tier.values[result.slots[at]] = self._on_device(
+                self.host.values[self._on_host(host_slots[at])])
             self._count_where("host_reads", tids, fresh)
             self._moves += 1
         if order is None:
@@ -345,7 +352,8 @@ class TieredStorage:
         store's device; ``slots`` are host slots."""
         rows = self.host.export_batch()
         if self.device_tier is not None and rows.keys.numel():
-            found = self.device_tier.find(rows.keys.to(self.device), rows.table_ids.to(self.device))
+            found = self.device_tier.find(self._on_device(rows.keys),
+                                          self._on_device(rows.table_ids))
             cached = (found >= 0).nonzero().squeeze(1)
             rows.values[self._on_host(cached)] = self._on_host(
                 self.device_tier.values[found[cached]])
@@ -357,10 +365,10 @@ class TieredStorage:
         result = self.host.insert_and_evict(self._on_host(keys), self._on_host(rows),
                                             self._on_host(tids), scores)
         if self.device_tier is not None:
-            self.device_tier.erase(keys.to(self.device), tids.to(self.device))
+            self.device_tier.erase(self._on_device(keys), self._on_device(tids))
             if result.evicted.keys.numel():
-                self.device_tier.erase(result.evicted.keys.to(self.device),
-                                       result.evicted.table_ids.to(self.device))
+                self.device_tier.erase(self._on_device(result.evicted.keys),
+                                       self._on_device(result.evicted.table_ids))
 
     def _add(self, field: str, count: int) -> None:
         """Adds ``count`` to the one table's metric ``field`` (one-table groups)."""
