@@ -463,7 +463,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
     def table_size(self, table_name: str) -> int:
         """Rows stored for one table."""
         group, local = self._location(table_name)
-        return int((group.table.export_batch().table_ids == local).sum())
+        if len(group.table_indices) == 1:
+            return group.table.size()
+        return sum(int(rows.keys.numel()) for rows in self.iter_keys_values(table_name))
 
     def _location(self, table_name: str):
         if table_name not in self.table_names:
