@@ -211,7 +211,9 @@ class FieldWriter:
     def write(self, chunk: torch.Tensor) -> None:
         """Appends ``chunk``: (m,) or (m, columns), converted to the field's dtype."""
         array = np.ascontiguousarray(chunk.detach().cpu().numpy(), dtype=np.dtype(self.dtype))
-        data = memoryview(array).cast("B")
+        if array.size == 0:
+            return
+        data = memoryview(array.reshape(-1)).cast("B")
         self._file.write(data)
         self._crc = zlib.crc32(data, self._crc)
         self._bytes += len(data)

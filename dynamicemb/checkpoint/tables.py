@@ -1,5 +1,6 @@
 """The dynamic tables a rank holds in a model, and which keys it owns of each."""
 
+import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
@@ -31,7 +32,10 @@ class LocalTable:
 
 
 def _sharded(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
-    """(table, kernel) of a TorchRec-sharded model; nothing when TorchRec is absent."""
+    """(table, kernel) of a TorchRec-sharded model; nothing when TorchRec is not
+    loaded (a sharded model implies it is; importing it costs seconds)."""
+    if "torchrec" not in sys.modules:
+        return iter(())
     try:
         from dynamicemb.shard._common import dynamic_kernels  # imports TorchRec
     except ImportError:
