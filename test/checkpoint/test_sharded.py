@@ -1,0 +1,27 @@
+"""Dump and load of DMP models on gloo ranks: exact round trips, and resharding
+(world size and sharding type) followed by training equal to an uninterrupted run."""
+
+import pytest
+
+import ckpt_workers
+from dist_utils import run_distributed
+
+
+def test_sharded_round_trip_is_exact(tmp_path):
+    run_distributed(ckpt_workers.sharded_round_trip, 2, str(tmp_path))
+
+
+# (saved world size, loading world size, loading sharding of table "rw")
+RESHARDINGS = {
+    2: [(1, ["row_wise", "table_wise"]), (4, ["row_wise"])],
+    1: [(2, ["row_wise"])],
+    4: [(2, ["row_wise"])],
+}
+
+
+@pytest.mark.parametrize("saved_world", sorted(RESHARDINGS))
+def test_resharding_then_training_equals_the_uninterrupted_run(tmp_path, saved_world):
+    ckpt, record = str(tmp_path / "ck"), str(tmp_path / "record.pt")
+    run_distributed(ckpt_workers.save_then_continue, saved_world, ckpt, record, "row_wise")
+    for world, kinds in RESHARDINGS[saved_world]:
+        run_distributed(ckpt_workers.load_then_continue, world, ckpt, record, kinds, False)
