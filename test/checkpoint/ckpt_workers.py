@@ -88,11 +88,11 @@ def train(dmp, steps, rank: int, world_size: int) -> List[Dict[str, torch.Tensor
     return outs
 
 
-def global_state(dmp) -> Dict[str, tuple]:
+def global_state(dmp, names=tuple(TABLES)) -> Dict[str, tuple]:
     """Every rank's rows and counters of each table, gathered and sorted by key."""
     tables = get_dynamic_tables(dmp)
     local = {}
-    for name in TABLES:
+    for name in names:
         if name in tables:
             module = tables[name]
             local[name] = (tuple(module.export_keys_values(name)),
@@ -100,7 +100,7 @@ def global_state(dmp) -> Dict[str, tuple]:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     state = {}
-    for name in TABLES:
+    for name in names:
         parts = [g[name] for g in gathered if name in g]
         rows = [torch.cat([p[0][i] for p in parts]) for i in range(4)]
         counters = [torch.cat([p[1][i] for p in parts]) for i in range(3)]
