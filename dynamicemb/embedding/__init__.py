@@ -1,5 +1,6 @@
 """The module layer: ``BatchedDynamicEmbeddingTables`` and its physical table groups."""
 
-from dynamicemb.embedding.module import BatchedDynamicEmbeddingTables, ExportedRows
+from dynamicemb.embedding.module import (BatchedDynamicEmbeddingTables, ExportedCounters,
+                                         ExportedRows, TableClocks)
 
-__all__ = ["BatchedDynamicEmbeddingTables", "ExportedRows"]
+__all__ = ["BatchedDynamicEmbeddingTables", "ExportedCounters", "ExportedRows", "TableClocks"]

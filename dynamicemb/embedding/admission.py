@@ -8,6 +8,7 @@ counts live in a small ``ScoredHashTable`` of their own, bounded by
 import torch
 
 from dynamicemb.options import FrequencyAdmissionStrategy
+from dynamicemb.ops.interface import Entries
 from dynamicemb.table import ScoredHashTable
 
 __all__ = ["Admission"]
@@ -54,3 +55,33 @@ class Admission:
             counted = self.counter.find_or_insert(keys[waiting], tids[waiting])
             ok = counted.slots >= 0
             self.counter.values[counted.slots[ok], 0] += counts[waiting][ok].double()
+
+    # ---------------------------------------------------------- checkpoints
+    def export(self, tid: int) -> Entries:
+        """The counters of local table ``tid``: keys, scores and ``values`` (m, 1)
+        float64 counts."""
+        entries = self.counter.export_batch()
+        mine = entries.table_ids == tid
+        return Entries(*(t[mine] for t in entries))
+
+    def restore(self, tid: int, keys: torch.Tensor, counts: torch.Tensor,
+                scores: torch.Tensor) -> None:
+        """Writes counters of local table ``tid`` with their saved scores.
+
+        Args:
+            keys (Tensor): (m,) int64.
+            counts (Tensor): (m,) float64 occurrences counted.
+            scores (Tensor): (m,) int64 the counters' LRU scores.
+        """
+        tids = torch.full(keys.shape, tid, dtype=torch.int64, device=keys.device)
+        self.counter.insert_or_assign(keys, counts.to(torch.float64).reshape(-1, 1), tids,
+                                      scores, exact_scores=True)
+
+    def clear_table(self, tid: int) -> None:
+        """Forgets every counter of local table ``tid``."""
+        entries = self.counter.export_batch()
+        mine = entries.table_ids == tid
+        if self.counter.num_tables == 1:
+            self.counter.clear()
+        elif bool(mine.any()):
+            self.counter.erase(entries.keys[mine], entries.table_ids[mine])

@@ -8,7 +8,7 @@ is no separate ``step()``.
 
 import logging
 from collections import deque
-from typing import Deque, Dict, List, NamedTuple, Optional, Sequence
+from typing import Deque, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ from dynamicemb.options import (
 )
 from dynamicemb.types import DynamicEmbScoreStrategy
 
-__all__ = ["BatchedDynamicEmbeddingTables", "ExportedRows"]
+__all__ = ["BatchedDynamicEmbeddingTables", "ExportedCounters", "ExportedRows", "TableClocks"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,36 @@ class ExportedRows(NamedTuple):
     embeddings: torch.Tensor
     optimizer_states: torch.Tensor
     scores: torch.Tensor
+
+
+class ExportedCounters(NamedTuple):
+    """A logical table's admission counters (keys seen but not admitted yet).
+
+    Shape:
+        keys: (m,) int64; counts: (m,) float64 occurrences counted; scores: (m,)
+        int64 the counters' LRU scores (which counter is forgotten first).
+    """
+
+    keys: torch.Tensor
+    counts: torch.Tensor
+    scores: torch.Tensor
+
+
+class TableClocks(NamedTuple):
+    """The counters training depends on besides the rows, per physical group (tables
+    sharing a group share them; see ``BatchedDynamicEmbeddingTables.table_clocks``).
+
+    Attributes:
+        optimizer_step: backward passes the group's optimizer applied (Adam's bias
+            correction; 0 for the other optimizers).
+        score_clock: the host store's clock (the LRU score of the latest inserting
+            call).
+        admission_clock: the admission counters' clock (0 without admission).
+    """
+
+    optimizer_step: int
+    score_clock: int
+    admission_clock: int
 
 
 class _Batch(NamedTuple):
@@ -231,10 +261,29 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 raise ValueError(f"scores must be >= 0, got {score}")
             group.custom_scores[local] = int(score)
 
-    def export_keys_values(self, table_name: str) -> ExportedRows:
-        """Every stored row of one table (embedding, optimizer state, score)."""
+    def export_keys_values(self, table_name: str, *,
+                           min_score: Optional[int] = None) -> ExportedRows:
+        """Every stored row of one table (embedding, optimizer state, score), or only
+        those scoring at least ``min_score``. One tensor per field: for large tables
+        iterate with ``iter_keys_values``."""
         group, local = self._location(table_name)
-        exported = group.storage.export()
+        return self._rows_of(group, local, group.storage.export(min_score=min_score))
+
+    def iter_keys_values(self, table_name: str, chunk_slots: int = 1 << 16, *,
+                         min_score: Optional[int] = None) -> Iterator[ExportedRows]:
+        """The stored rows of one table, ``chunk_slots`` host-store slots at a time
+        (each chunk holds at most that many rows: bounded memory for any table size).
+        The table must not change while the iterator is used."""
+        if chunk_slots <= 0:
+            raise ValueError(f"chunk_slots must be positive, got {chunk_slots}")
+        group, local = self._location(table_name)
+        start = 0
+        while start < group.table.capacity():
+            yield self._rows_of(group, local, group.storage.export(start, chunk_slots, min_score))
+            start += chunk_slots
+
+    @staticmethod
+    def _rows_of(group: TableGroup, local: int, exported) -> ExportedRows:
         mine = exported.table_ids == local
         values = exported.values[mine]
         return ExportedRows(
@@ -250,6 +299,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         keys: torch.Tensor,
         embeddings: torch.Tensor,
         optimizer_states: Optional[torch.Tensor] = None,
+        scores: Optional[torch.Tensor] = None,
     ) -> None:
         """Writes rows into one table (inserting or overwriting), e.g. to copy weights in.
 
@@ -258,6 +308,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             embeddings (Tensor): (n, dim) float32.
             optimizer_states (Tensor, optional): (n, state_dim); default: the
                 optimizer's initial state.
+            scores (Tensor, optional): (n,) int64 >= 0 stored exactly, whatever the
+                score strategy (restoring ``export_keys_values``); default: the score
+                the strategy gives an inserting call (CUSTOMIZED: ``set_score``'s).
         """
         group, local = self._location(table_name)
         n = keys.numel()
@@ -276,10 +329,99 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                                            DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD):
             rows[:, group.dim:] = group.optimizer.initial_accumulator_value
         tids = torch.full((n,), local, dtype=torch.int64, device=self.device)
-        scores = None
+        if scores is not None:
+            if scores.shape != (n,):
+                raise ValueError(f"scores must have shape ({n},), got {tuple(scores.shape)}")
+            group.storage.import_rows(keys, tids, rows, scores.to(self.device, torch.int64),
+                                      exact_scores=True)
+            return
         if group.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
             scores = group.custom_scores[tids]
         group.storage.import_rows(keys, tids, rows, scores)
+
+    def clear_table(self, table_name: str) -> None:
+        """Removes every row and admission counter of one table (both tiers); other
+        tables, clocks and steps are unchanged. A load that replaces a table's
+        contents starts here."""
+        group, local = self._location(table_name)
+        group.storage.clear_table(local)
+        if group.admission is not None:
+            group.admission.clear_table(local)
+
+    def optimizer_args(self, table_name: str) -> DynamicEmbOptimizerArgs:
+        """The optimizer settings of one table (its own or the module's)."""
+        return self._location(table_name)[0].optimizer
+
+    def optimizer_state_dim(self, table_name: str) -> int:
+        """Floats of optimizer state stored after the embedding in each row."""
+        return self._location(table_name)[0].state_dim
+
+    def table_clocks(self, table_name: str) -> TableClocks:
+        """The optimizer step and score clocks of the table's physical group."""
+        group, _ = self._location(table_name)
+        admission = 0 if group.admission is None else group.admission.counter.clock
+        return TableClocks(group.adam_step, group.table.clock, admission)
+
+    def set_table_clocks(self, table_name: str, clocks: TableClocks) -> None:
+        """Restores ``table_clocks`` (every table of the group shares them)."""
+        group, _ = self._location(table_name)
+        if min(clocks) < 0:
+            raise ValueError(f"clocks must be >= 0, got {clocks}")
+        group.adam_step = int(clocks.optimizer_step)
+        group.table.set_clock(clocks.score_clock)
+        if group.admission is not None:
+            group.admission.counter.set_clock(clocks.admission_clock)
+
+    @property
+    def train_steps(self) -> int:
+        """Training forwards so far: the STEP strategy scores a batch's keys with
+        ``train_steps + 1``."""
+        return self._train_steps
+
+    def set_train_steps(self, steps: int) -> None:
+        """Restores ``train_steps`` (e.g. from a checkpoint)."""
+        if int(steps) < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        self._train_steps = int(steps)
+
+    def next_score(self, table_name: str) -> int:
+        """The score the next training batch gives the keys it touches (LRU, STEP):
+        rows scoring at least this were touched after this call."""
+        group, _ = self._location(table_name)
+        if group.score_strategy == DynamicEmbScoreStrategy.STEP:
+            return self._train_steps + 1
+        if group.score_strategy == DynamicEmbScoreStrategy.LRU:
+            return group.table.clock + 1
+        raise ValueError(
+            f"table {table_name!r} uses {group.score_strategy.name} scores, which do not "
+            f"order rows by time; next_score needs LRU or STEP")
+
+    def export_admission_counters(self, table_name: str) -> ExportedCounters:
+        """The admission counters of one table (empty without admission)."""
+        group, local = self._location(table_name)
+        if group.admission is None:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return ExportedCounters(empty, empty.double(), empty)
+        entries = group.admission.export(local)
+        return ExportedCounters(entries.keys, entries.values[:, 0], entries.scores)
+
+    def import_admission_counters(self, table_name: str, keys: torch.Tensor,
+                                  counts: torch.Tensor, scores: torch.Tensor) -> None:
+        """Writes admission counters of one table with their saved scores.
+
+        Args:
+            keys (Tensor): (m,) int64.
+            counts (Tensor): (m,) float64 occurrences counted.
+            scores (Tensor): (m,) int64 >= 0.
+        """
+        group, local = self._location(table_name)
+        if group.admission is None:
+            raise ValueError(f"table {table_name!r} has no admission strategy")
+        m = keys.numel()
+        if counts.shape != (m,) or scores.shape != (m,):
+            raise ValueError(f"counts and scores must have shape ({m},)")
+        group.admission.restore(local, keys.to(self.device), counts.to(self.device),
+                                scores.to(self.device, torch.int64))
 
     def prefetch(
         self,
@@ -323,7 +465,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
     def table_size(self, table_name: str) -> int:
         """Rows stored for one table."""
         group, local = self._location(table_name)
-        return int((group.table.export_batch().table_ids == local).sum())
+        if len(group.table_indices) == 1:
+            return group.table.size()
+        return sum(int(rows.keys.numel()) for rows in self.iter_keys_values(table_name))
 
     def _location(self, table_name: str):
         if table_name not in self.table_names:

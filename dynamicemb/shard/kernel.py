@@ -146,6 +146,10 @@ class _DynamicEmbKernelMixin:
             return torch.ones(keys.shape, dtype=torch.bool)
         return owner_rank(keys, num_shards) == self._rank
 
+    def num_shards(self, table_name: str) -> int:
+        """Shards of the table: the world size for row-wise, 1 for table-wise."""
+        return self._num_shards[table_name]
+
     def split_embedding_weights(self) -> List[torch.Tensor]:
         return list(self._placeholders.values())
 

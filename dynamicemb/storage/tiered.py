@@ -347,10 +347,12 @@ class TieredStorage:
         if self.device_tier is not None:
             self.device_tier.clear()
 
-    def export(self) -> Entries:
-        """Every stored row, current values (device-tier copies win), on the host
+    def export(self, start: int = 0, count: Optional[int] = None,
+               min_score: Optional[int] = None) -> Entries:
+        """Stored rows of host slots ``[start, start + count)`` (default: all) scoring
+        at least ``min_score``, current values (device-tier copies win), on the host
         store's device; ``slots`` are host slots."""
-        rows = self.host.export_batch()
+        rows = self.host.export_batch(start, count, min_score)
         if self.device_tier is not None and rows.keys.numel():
             found = self.device_tier.find(self._on_device(rows.keys),
                                           self._on_device(rows.table_ids))
@@ -359,16 +361,37 @@ class TieredStorage:
                 self.device_tier.values[found[cached]])
         return rows
 
-    def import_rows(self, keys, tids, rows, scores) -> None:
-        """Writes rows into the host store; stale device-tier copies are dropped."""
+    def import_rows(self, keys, tids, rows, scores, exact_scores: bool = False) -> None:
+        """Writes rows into the host store; stale device-tier copies are dropped.
+        ``exact_scores``: store ``scores`` as given whatever the strategy."""
         scores = None if scores is None else self._on_host(scores)
         result = self.host.insert_and_evict(self._on_host(keys), self._on_host(rows),
-                                            self._on_host(tids), scores)
+                                            self._on_host(tids), scores,
+                                            exact_scores=exact_scores)
         if self.device_tier is not None:
             self.device_tier.erase(self._on_device(keys), self._on_device(tids))
             if result.evicted.keys.numel():
                 self.device_tier.erase(self._on_device(result.evicted.keys),
                                        self._on_device(result.evicted.table_ids))
+
+    def clear_table(self, tid: int, chunk_slots: int = 1 << 20) -> None:
+        """Removes every row of local table ``tid`` from both tiers (a group of one
+        table is emptied at once; otherwise its keys are erased chunk by chunk)."""
+        if self.host.num_tables == 1:
+            self.host.clear()
+            if self.device_tier is not None:
+                self.device_tier.clear()
+            return
+        for table in (self.host, self.device_tier):
+            if table is None:
+                continue
+            start = 0
+            while start < table.capacity():  # erasing never moves other keys
+                entries = table.export_batch(start, chunk_slots)
+                mine = entries.table_ids == tid
+                if bool(mine.any()):
+                    table.erase(entries.keys[mine], entries.table_ids[mine])
+                start += chunk_slots
 
     def _add(self, field: str, count: int) -> None:
         """Adds ``count`` to the one table's metric ``field`` (one-table groups)."""

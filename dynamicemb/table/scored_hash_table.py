@@ -188,6 +188,14 @@ class ScoredHashTable:
             raise ValueError(f"step must be >= 0, got {step}")
         self._step = int(step)
 
+    def set_clock(self, clock: int) -> None:
+        """Sets the logical clock (restoring a checkpoint): the next inserting call
+        scores LRU keys ``clock + 1``."""
+        if int(clock) < 0:
+            raise ValueError(f"clock must be >= 0, got {clock}")
+        self._check_idle()
+        self._clock = int(clock)
+
     def clear(self) -> None:
         """Empties every slot. The clock, the step and ``stats`` stay."""
         self._check_idle()
@@ -214,11 +222,15 @@ class ScoredHashTable:
             raise ValueError(f"{name} are on {t.device}, the table on {self.device}")
         return t
 
-    def _given_scores(self, scores: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
-        """CUSTOMIZED: the scores (required). LFU: occurrence counts to add (default 1)."""
-        customized = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED
-        lfu = self.score_strategy == DynamicEmbScoreStrategy.LFU
+    def _given_scores(self, scores: Optional[torch.Tensor], n: int,
+                      exact: bool = False) -> Optional[torch.Tensor]:
+        """CUSTOMIZED: the scores (required). LFU: occurrence counts to add (default 1).
+        ``exact``: the scores to store, whatever the strategy (required)."""
+        customized = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED or exact
+        lfu = self.score_strategy == DynamicEmbScoreStrategy.LFU and not exact
         if scores is None:
+            if exact:
+                raise ValueError("exact_scores=True needs scores for every key")
             if customized:
                 raise ValueError("the CUSTOMIZED score strategy needs scores for every key")
             return torch.ones(n, dtype=torch.int64, device=self.device) if lfu else None
@@ -292,6 +304,8 @@ class ScoredHashTable:
         values: Optional[torch.Tensor],
         table_ids: Optional[torch.Tensor] = None,
         scores: Optional[torch.Tensor] = None,
+        *,
+        exact_scores: bool = False,
     ) -> InsertResult:
         """Inserts or overwrites keys with ``values``; evictions are only counted.
 
@@ -299,13 +313,17 @@ class ScoredHashTable:
             keys (Tensor): (n,) int64.
             values (Tensor): (n, value_dim) of ``value_dtype`` (None if value_dim is 0).
             table_ids (Tensor, optional): (n,) int32/int64; None means table 0.
-            scores (Tensor, optional): (n,) int64 >= 0, only with CUSTOMIZED.
+            scores (Tensor, optional): (n,) int64 >= 0, only with CUSTOMIZED (LFU:
+                counts added), unless ``exact_scores``.
+            exact_scores: store ``scores`` as given whatever the strategy (restoring
+                saved rows: an LRU key keeps its saved clock value, an LFU key its
+                count). The call still advances the clock (see ``set_clock``).
 
         Returns:
             ``InsertResult`` with ``evicted=None``.
         """
         return self._upsert(keys, table_ids, scores, values=values, read_evicted=False,
-                            assign=True)
+                            assign=True, exact=exact_scores)
 
     def insert_and_evict(
         self,
@@ -313,10 +331,12 @@ class ScoredHashTable:
         values: Optional[torch.Tensor],
         table_ids: Optional[torch.Tensor] = None,
         scores: Optional[torch.Tensor] = None,
+        *,
+        exact_scores: bool = False,
     ) -> InsertResult:
         """As ``insert_or_assign``, and returns the evicted entries with their rows."""
         return self._upsert(keys, table_ids, scores, values=values, read_evicted=True,
-                            assign=True)
+                            assign=True, exact=exact_scores)
 
     def erase(self, keys: torch.Tensor, table_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Removes keys.
@@ -454,19 +474,21 @@ class ScoredHashTable:
             raise RuntimeError(
                 "the table has a prepared insert: commit() or abort() it before another call")
 
-    def _prepare(self, keys, table_ids, scores, values, read_evicted, assign) -> "PendingInsert":
+    def _prepare(self, keys, table_ids, scores, values, read_evicted, assign,
+                 exact: bool = False) -> "PendingInsert":
         self._check_idle()
         keys = self._keys(keys)
         n = keys.numel()
         tids = self._table_ids(table_ids, n)
-        given = self._given_scores(scores, n)
+        given = self._given_scores(scores, n, exact)
         rows = self._rows(values, n) if assign else None
 
         self._grow_for_load()
         clock_before, now = self._tick()
         upserted = self._ops.upsert(
-            memory=self._memory, keys=keys, table_ids=tids, scores=given, rule=self._rule,
-            now=now, evicts=self._evicts, one_table=self.num_tables == 1)
+            memory=self._memory, keys=keys, table_ids=tids, scores=given,
+            rule=ScoreRule.GIVEN if exact else self._rule, now=now, evicts=self._evicts,
+            one_table=self.num_tables == 1)
         return self._pending_insert(upserted, clock_before, rows, read_evicted, assign)
 
     def _tick(self) -> Tuple[int, int]:
@@ -518,8 +540,10 @@ class ScoredHashTable:
         self._ops.undo_upsert(memory=self._memory, upserted=pending.upserted)
         self._clock = pending.clock_before
 
-    def _upsert(self, keys, table_ids, scores, values, read_evicted, assign=False) -> InsertResult:
-        return self._prepare(keys, table_ids, scores, values, read_evicted, assign).commit()
+    def _upsert(self, keys, table_ids, scores, values, read_evicted, assign=False,
+                exact=False) -> InsertResult:
+        return self._prepare(keys, table_ids, scores, values, read_evicted, assign,
+                             exact).commit()
 
     def _report_failures(self, failed: int, n: int, pending: "PendingInsert") -> None:
         message = (

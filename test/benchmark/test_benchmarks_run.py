@@ -105,3 +105,12 @@ def test_batched_tables_benchmark(tmp_path, optimizer):
     assert rows[0]["train_ratio(vs all-resident)"] == 1.0
     assert rows[1]["train_ratio(vs all-resident)"] == round(
         rows[1]["train(dynamicemb)"] / rows[0]["train(dynamicemb)"], 3)
+
+
+def test_checkpoint_benchmark(tmp_path):
+    out = str(tmp_path / "ck.json")
+    run("benchmark_checkpoint.py", "--rows", "5000", "--dim", "8", "--out", out)
+    result = json.load(open(out))
+    row_bytes = 8 + 8 + 4 * 8 * 3  # key, score, embedding and Adam states
+    assert result["rows"] == 5000 and 0 <= result["bytes"] - 5000 * row_bytes < 10_000  # + manifest
+    assert result["dump_rows_per_s"] > 0 and result["load_rows_per_s"] > 0

@@ -1,0 +1,21 @@
+"""Checkpoints of dynamic tables: dump, load (with resharding) and incremental dump.
+
+``docs/CHECKPOINTS.md`` describes the API, the directory layout, the manifest and
+the binary files, and a save/resume recipe for a DMP model.
+"""
+
+from dynamicemb.checkpoint.dump import DynamicEmbDump
+from dynamicemb.checkpoint.format import FORMAT_VERSION, CheckpointError, Manifest
+from dynamicemb.checkpoint.incremental import incremental_dump
+from dynamicemb.checkpoint.layout import current_version
+from dynamicemb.checkpoint.load import DynamicEmbLoad
+
+__all__ = [
+    "CheckpointError",
+    "DynamicEmbDump",
+    "DynamicEmbLoad",
+    "FORMAT_VERSION",
+    "Manifest",
+    "current_version",
+    "incremental_dump",
+]

@@ -1,0 +1,278 @@
+"""The on-disk format of a checkpoint: the manifest and the binary field files.
+
+A checkpoint version is a directory holding ``manifest.json`` and, per (table,
+rank that held rows of it), one raw little-endian file per field, without header:
+the manifest gives each file's dtype, shape, byte size and CRC-32, so plain numpy
+reads it (``np.fromfile(f, dtype).reshape(shape)``). ``docs/CHECKPOINTS.md`` is
+the reference; this module is its only implementation.
+"""
+
+import dataclasses
+import enum
+import json
+import os
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Dict, List, Optional
+from urllib.parse import quote
+
+import numpy as np
+import torch
+
+__all__ = [
+    "FIELD_DTYPES",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "FieldReader",
+    "FieldWriter",
+    "FileEntry",
+    "Manifest",
+    "ShardEntry",
+    "TableEntry",
+    "field_file_name",
+    "jsonable",
+    "verify_file",
+]
+
+FORMAT_NAME = "dynamicemb-checkpoint"
+FORMAT_VERSION = 1
+
+#: Every field file's dtype (numpy notation, little-endian) and columns
+#: ("dim" / "state_dim": the table's; 0: a 1-D file).
+FIELD_DTYPES = {
+    "keys": "<i8",
+    "embeddings": "<f4",
+    "optimizer_states": "<f4",
+    "scores": "<i8",
+    "counter_keys": "<i8",
+    "counter_counts": "<f8",
+    "counter_scores": "<i8",
+}
+
+_READ_BLOCK = 8 << 20  # bytes per read when verifying a file
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read: what is wrong and which file."""
+
+
+def field_file_name(table: str, rank: int, field_name: str) -> str:
+    """``<table>.rank<rank>.<field>.bin``, the table name percent-encoded."""
+    return f"{quote(table, safe='')}.rank{rank:05d}.{field_name}.bin"
+
+
+def jsonable(value: Any) -> Any:
+    """Options as JSON: dataclasses as dicts, enums by value, dtypes by name."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    return value
+
+
+@dataclass
+class FileEntry:
+    """One field file of a shard.
+
+    Attributes:
+        file: its name in the version directory.
+        dtype: numpy dtype string (little-endian).
+        shape: rows, or rows and columns.
+        bytes: its exact size.
+        crc32: ``zlib.crc32`` of its content.
+    """
+
+    file: str
+    dtype: str
+    shape: List[int]
+    bytes: int
+    crc32: int
+
+
+@dataclass
+class ShardEntry:
+    """The rows one rank held of a table.
+
+    Attributes:
+        rank: the saving rank.
+        rows: rows in its files.
+        counter_rows: admission counters in its files.
+        optimizer_step, score_clock, admission_clock: its ``TableClocks``.
+        train_steps: its module's ``train_steps``.
+        files: field name -> ``FileEntry``.
+    """
+
+    rank: int
+    rows: int
+    counter_rows: int
+    optimizer_step: int
+    score_clock: int
+    admission_clock: int
+    train_steps: int
+    files: Dict[str, FileEntry] = field(default_factory=dict)
+
+
+@dataclass
+class TableEntry:
+    """A saved table.
+
+    Attributes:
+        dim: embedding columns.
+        state_dim: optimizer-state columns per row (0 when states were not saved).
+        optimizer: the optimizer's settings (``DynamicEmbOptimizerArgs`` as JSON).
+        score_strategy: ``DynamicEmbScoreStrategy`` value.
+        options: the rank's ``DynamicEmbTableOptions`` as JSON (informative).
+        sharding: ``row_wise``, ``table_wise`` or ``unsharded`` when saved.
+        num_shards: its shards when saved.
+        rows: rows over all shards.
+        optim: whether optimizer states were saved.
+        counter: whether admission counters were saved.
+        shards: one ``ShardEntry`` per rank that held rows of it.
+    """
+
+    dim: int
+    state_dim: int
+    optimizer: Dict[str, Any]
+    score_strategy: str
+    options: Dict[str, Any]
+    sharding: str
+    num_shards: int
+    rows: int
+    optim: bool
+    counter: bool
+    shards: List[ShardEntry] = field(default_factory=list)
+
+
+@dataclass
+class Manifest:
+    """``manifest.json``: what a checkpoint version holds."""
+
+    world_size: int
+    tables: Dict[str, TableEntry]
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+    byte_order: str = "little"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def read(cls, path: str) -> "Manifest":
+        """Parses and checks ``path`` (format name and version first)."""
+        try:
+            with open(path, "rb") as f:
+                raw = json.loads(f.read().decode("utf-8"))
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: missing manifest") from None
+        except (ValueError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{path}: not a JSON manifest ({err})") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+            raise CheckpointError(f"{path}: not a {FORMAT_NAME} manifest")
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{path}: format_version {raw.get('format_version')!r}; this dynamicemb "
+                f"reads version {FORMAT_VERSION}")
+        try:
+            tables = {}
+            for name, t in raw["tables"].items():
+                shards = [ShardEntry(**{**s, "files": {k: FileEntry(**v) for k, v in s["files"].items()}})
+                          for s in t["shards"]]
+                tables[name] = TableEntry(**{**t, "shards": shards})
+            return cls(world_size=raw["world_size"], tables=tables, format=raw["format"],
+                       format_version=raw["format_version"], byte_order=raw["byte_order"])
+        except (KeyError, TypeError) as err:
+            raise CheckpointError(f"{path}: malformed manifest ({err!r})") from None
+
+
+class FieldWriter:
+    """Appends chunks of one field to its file, counting bytes and the CRC-32.
+
+    Args:
+        directory: the version directory being written.
+        name: the file name.
+        dtype: numpy dtype string of the field.
+        columns: values per row (0: a 1-D field).
+    """
+
+    def __init__(self, directory: str, name: str, dtype: str, columns: int) -> None:
+        self.name, self.dtype, self.columns = name, dtype, columns
+        self.rows = 0
+        self._crc = 0
+        self._bytes = 0
+        self._file: BinaryIO = open(os.path.join(directory, name), "wb")
+
+    def write(self, chunk: torch.Tensor) -> None:
+        """Appends ``chunk``: (m,) or (m, columns), converted to the field's dtype."""
+        array = np.ascontiguousarray(chunk.detach().cpu().numpy(), dtype=np.dtype(self.dtype))
+        if array.size == 0:
+            return
+        data = memoryview(array.reshape(-1)).cast("B")
+        self._file.write(data)
+        self._crc = zlib.crc32(data, self._crc)
+        self._bytes += len(data)
+        self.rows += array.shape[0]
+
+    def close(self) -> FileEntry:
+        """Flushes and fsyncs the file; returns its manifest entry."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        shape = [self.rows, self.columns] if self.columns else [self.rows]
+        return FileEntry(self.name, self.dtype, shape, self._bytes, self._crc)
+
+    def discard(self) -> None:
+        self._file.close()
+
+
+def verify_file(directory: str, entry: FileEntry) -> Optional[str]:
+    """None if the file has the entry's size and CRC-32; else what is wrong."""
+    path = os.path.join(directory, entry.file)
+    expected = int(np.prod(entry.shape, dtype=np.int64)) * np.dtype(entry.dtype).itemsize
+    if expected != entry.bytes:
+        return f"{path}: manifest says {entry.bytes} bytes for shape {entry.shape} of {entry.dtype}"
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        return f"{path}: missing file"
+    if size != entry.bytes:
+        return f"{path}: {size} bytes, the manifest says {entry.bytes} (truncated or altered)"
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(_READ_BLOCK):
+            crc = zlib.crc32(block, crc)
+    if crc != entry.crc32:
+        return f"{path}: checksum mismatch (crc32 {crc:#010x}, manifest {entry.crc32:#010x})"
+    return None
+
+
+class FieldReader:
+    """Reads one field file in consecutive chunks of rows.
+
+    Args:
+        directory: the version directory.
+        entry: the file's manifest entry (verified before).
+    """
+
+    def __init__(self, directory: str, entry: FileEntry) -> None:
+        self.dtype = np.dtype(entry.dtype)
+        self.columns = entry.shape[1] if len(entry.shape) == 2 else 0
+        self.rows = entry.shape[0]
+        self._file: BinaryIO = open(os.path.join(directory, entry.file), "rb")
+
+    def read(self, rows: int) -> torch.Tensor:
+        """The next ``rows`` rows (fewer at the end): (m,) or (m, columns)."""
+        width = max(self.columns, 1)
+        array = np.fromfile(self._file, dtype=self.dtype, count=rows * width)
+        if self.columns:
+            array = array.reshape(-1, self.columns)
+        return torch.from_numpy(array.astype(self.dtype.newbyteorder("="), copy=False))
+
+    def close(self) -> None:
+        self._file.close()

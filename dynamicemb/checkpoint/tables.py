@@ -1,0 +1,79 @@
+"""The dynamic tables a rank holds in a model, and which keys it owns of each."""
+
+import sys
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from dynamicemb.embedding import BatchedDynamicEmbeddingTables
+
+__all__ = ["LocalTable", "local_tables"]
+
+
+@dataclass
+class LocalTable:
+    """A dynamic table stored (wholly or in part) on this rank.
+
+    Attributes:
+        name: the table's name.
+        module: the ``BatchedDynamicEmbeddingTables`` holding it.
+        sharding: ``row_wise``, ``table_wise`` or ``unsharded``.
+        num_shards: ranks sharing its rows (1 unless row-wise).
+        owns: ``owns(keys)`` -> bool mask of the keys (n,) int64 this rank stores.
+    """
+
+    name: str
+    module: BatchedDynamicEmbeddingTables
+    sharding: str
+    num_shards: int
+    owns: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _sharded(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+    """(table, kernel) of a TorchRec-sharded model; nothing when TorchRec is not
+    loaded (a sharded model implies it is; importing it costs seconds)."""
+    if "torchrec" not in sys.modules:
+        return iter(())
+    try:
+        from dynamicemb.shard._common import dynamic_kernels  # imports TorchRec
+    except ImportError:
+        return iter(())
+    return dynamic_kernels(model)
+
+
+def _owns_all(keys: torch.Tensor) -> torch.Tensor:
+    return torch.ones(keys.shape, dtype=torch.bool)
+
+
+def local_tables(model: nn.Module, table_names: Optional[Sequence[str]] = None
+                 ) -> Dict[str, LocalTable]:
+    """Every dynamic table of ``model`` on this rank, by name: those of sharded
+    TorchRec modules and of ``BatchedDynamicEmbeddingTables`` anywhere inside it
+    (``model`` itself included), restricted to ``table_names`` when given.
+
+    Raises:
+        ValueError: two modules of this rank hold a table of the same name.
+    """
+    found: Dict[str, LocalTable] = {}
+    seen = set()
+
+    def add(table: LocalTable) -> None:
+        if table.name in found:
+            raise ValueError(f"two dynamic tables named {table.name!r} on this rank")
+        found[table.name] = table
+
+    for name, kernel in _sharded(model):
+        seen.add(id(kernel.emb_module))
+        shards = kernel.num_shards(name)
+        add(LocalTable(name, kernel.emb_module, "row_wise" if shards > 1 else "table_wise",
+                       shards, lambda keys, k=kernel, n=name: k.owns(n, keys)))
+    for module in model.modules():
+        if isinstance(module, BatchedDynamicEmbeddingTables) and id(module) not in seen:
+            for name in module.table_names:
+                add(LocalTable(name, module, "unsharded", 1, _owns_all))
+    if table_names is not None:
+        wanted = set(table_names)
+        found = {n: t for n, t in found.items() if n in wanted}
+    return found
