@@ -7,6 +7,7 @@ the shared headers as ``dynamicemb/csrc/{cuda,dynamicemb}`` (``RUNTIME_SOURCES``
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sysconfig
@@ -16,6 +17,12 @@ from setuptools.command.build_py import build_py
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def version() -> str:
+    """The one version string: ``__version__`` in ``dynamicemb/__init__.py``."""
+    with open(os.path.join(ROOT, "dynamicemb", "__init__.py")) as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 
 def arch_flags() -> list:
@@ -70,13 +77,21 @@ class BuildPyWithKernelSources(build_py):
 
 setup(
     name="dynamicemb",
-    version="0.1.0",
+    version=version(),
     description="TorchRec-compatible dynamic embedding tables backed by a scored hash table",
     packages=find_packages(include=["dynamicemb", "dynamicemb.*"]),
     python_requires=">=3.10",
     ext_modules=[cpu_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True),
               "build_py": BuildPyWithKernelSources},
-    extras_require={"cuda": ["cupy-cuda13x"]},
+    # torch: the range tested (2.11 with CUDA on the GPU machine, 2.13 CPU here).
+    install_requires=["torch>=2.11", "numpy>=1.24"],
+    extras_require={
+        # TorchRec asks for the CUDA fbgemm-gpu; on CPU-only machines install
+        # fbgemm-gpu-cpu, then torchrec with --no-deps (see requirements-nodeps.txt).
+        "torchrec": ["torchrec>=1.8"],
+        "cuda": ["cupy-cuda13x"],
+        "examples": ["tqdm", "torchmetrics", "pyarrow", "matplotlib"],
+    },
     zip_safe=False,
 )

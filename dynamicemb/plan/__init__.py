@@ -28,6 +28,9 @@ _TRANSLATE = {"Lookup", "from_sharding_plan", "model_lookups", "to_sharding_plan
 
 def __getattr__(name: str):
     if name in _TRANSLATE:  # needs TorchRec
+        from dynamicemb._torchrec import require_torchrec  # noqa: PLC0415
+
+        require_torchrec(f"dynamicemb.plan.{name}")
         from dynamicemb.plan import translate  # noqa: PLC0415
 
         return getattr(translate, name)

@@ -1,6 +1,10 @@
 """Planning dynamic tables with TorchRec's planner: constraints that mark them, a
 storage estimate of their hash tables, and plans that carry their options."""
 
+from dynamicemb._torchrec import require_torchrec
+
+require_torchrec("dynamicemb.planner")
+
 from dynamicemb.planner.estimators import DynamicEmbPerfConfig, DynamicEmbStorageEstimator, dynamic_table_bytes
 from dynamicemb.planner.planner import DynamicEmbeddingShardingPlanner
 from dynamicemb.planner.types import (

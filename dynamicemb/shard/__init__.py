@@ -5,6 +5,10 @@ Dynamic tables are marked in the plan (``DynamicEmbParameterSharding``, made by
 stays TorchRec's, in the same module.
 """
 
+from dynamicemb._torchrec import require_torchrec
+
+require_torchrec("dynamicemb.shard")
+
 from dynamicemb.shard._common import get_dynamic_tables, import_dense_rows
 from dynamicemb.shard.dedup import IdCounters
 from dynamicemb.shard.embedding import (
