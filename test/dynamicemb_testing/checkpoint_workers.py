@@ -5,7 +5,6 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torchrec import EmbeddingCollection, EmbeddingConfig
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
@@ -17,6 +16,7 @@ from dynamicemb import (DynamicEmbDump, DynamicEmbInitializerArgs, DynamicEmbLoa
 from dynamicemb.planner import to_dynamic_sharding
 from dynamicemb.shard import DynamicEmbeddingCollectionSharder, get_dynamic_tables
 from dynamicemb.shard._common import dynamic_kernels
+from dynamicemb_testing.shard_workers import EcModel
 
 CPU = torch.device("cpu")
 # name -> (dim, features); "rw" is row-wise (or table-wise on rank 0), "tw" table-wise
@@ -25,15 +25,6 @@ TABLES = {"rw": (8, ["f", "g"]), "tw": (8, ["h"])}
 FEATURES = ["f", "g", "h"]
 GLOBAL_BATCH = 8
 ROWS = 512
-
-
-class EcModel(nn.Module):
-    def __init__(self, ec: EmbeddingCollection) -> None:
-        super().__init__()
-        self.ec = ec
-
-    def forward(self, kjt: KeyedJaggedTensor):
-        return self.ec(kjt)
 
 
 def build(world_size: int, optimizer: str = "adam", rw_kind: str = "row_wise",
