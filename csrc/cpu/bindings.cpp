@@ -1,10 +1,51 @@
-// Python bindings of the CPU kernels: the module dynamicemb._C, loaded only by
-// dynamicemb/_ops.py.
+// Python bindings of the CPU kernels. setup.py builds these sources once per
+// instruction-set level as dynamicemb._C_<level>; dynamicemb/ops/cpu_kernels.py loads
+// the best one this CPU runs.
+#include <string>
+
+#include <torch/python.h>
+
 #include "cpu/verbs.h"
+
+#ifndef DYNAMICEMB_ISA
+#define DYNAMICEMB_ISA unknown
+#endif
+#define DYNAMICEMB_STRING_(x) #x
+#define DYNAMICEMB_STRING(x) DYNAMICEMB_STRING_(x)
+
+namespace {
+
+// Whether this CPU, and the operating system's saved register state, run code built
+// with -march=<level> (x86-64, x86-64-v2/v3/v4). Called on the baseline copy only, so
+// that the check itself needs nothing the CPU may lack.
+bool cpu_runs(const std::string& level) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  const bool v2 = __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("popcnt") &&
+                  __builtin_cpu_supports("ssse3");
+  const bool v3 = v2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                  __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
+  const bool v4 = v3 && __builtin_cpu_supports("avx512f") &&
+                  __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512cd") &&
+                  __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  if (level == "x86-64") return true;
+  if (level == "x86-64-v2") return v2;
+  if (level == "x86-64-v3") return v3;
+  if (level == "x86-64-v4") return v4;
+  return false;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace c = dynamicemb::cpu;
   m.doc() = "dynamicemb CPU kernels";
+  // The -march target this copy was built for (underscores for dashes).
+  m.attr("isa") = DYNAMICEMB_STRING(DYNAMICEMB_ISA);
+  m.def("cpu_runs", &cpu_runs, "whether this CPU runs code built for -march=<level>");
   m.def("hash_keys", &c::hash_keys, "64-bit hash of (table id, key)");
   m.def("find", &c::find, "slot of each key, -1 if absent");
   m.def("upsert", &c::upsert, "one inserting pass; returns deferred positions");

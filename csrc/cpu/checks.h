@@ -1,7 +1,7 @@
 // Argument checks of the CPU verbs, written once for every .cpp of csrc/cpu.
 #pragma once
 
-#include <torch/extension.h>
+#include "cpu/aten.h"
 
 namespace dynamicemb {
 namespace cpu {

@@ -9,7 +9,6 @@
 // a transient row. `tiers` is [device values, host values], both [*, width] with
 // rows [embedding | optimizer state]; the host tensor may be empty.
 #include <omp.h>
-#include <torch/extension.h>
 
 #if defined(__SSE2__)
 #include <immintrin.h>
@@ -20,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu/aten.h"
 #include "cpu/checks.h"
 #include "cpu/dedup.h"
 #include "cpu/verbs.h"

@@ -7,7 +7,6 @@
 // `meta` is always the list [keys, scores, tids, digests, occupied, pinned]
 // described in hash_primitives.h; `bc` is the bucket capacity.
 #include <omp.h>
-#include <torch/extension.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -19,6 +18,7 @@
 #include <memory>
 #include <vector>
 
+#include "cpu/aten.h"
 #include "cpu/checks.h"
 #include "cpu/dedup.h"
 #include "cpu/probe.h"

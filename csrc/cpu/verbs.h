@@ -1,6 +1,6 @@
-// Every CPU verb of the extension dynamicemb._C, declared once: bindings.cpp binds
-// them, hash_table.cpp and embedding.cpp define them. Python reaches them only
-// through dynamicemb/_ops.py; dynamicemb/_cuda.py offers the same verbs on CUDA.
+// Every CPU verb of the extension dynamicemb._C_<level>, declared once: bindings.cpp
+// binds them, hash_table.cpp and embedding.cpp define them. Python reaches them only
+// through dynamicemb/ops/cpu.py; dynamicemb/ops/cuda.py offers the same verbs on CUDA.
 //
 // `meta` is the table's tensor list [keys, scores, tids, digests, occupied, pinned]
 // (csrc/dynamicemb/hash_primitives.h), `bc` its bucket capacity. `tiers` is
@@ -9,7 +9,7 @@
 // reference (csrc/dynamicemb/row_ref.h).
 #pragma once
 
-#include <torch/extension.h>
+#include "cpu/aten.h"
 
 #include <tuple>
 #include <vector>

@@ -1,6 +1,6 @@
 """The CUDA backend: the kernels of ``csrc/cuda`` compiled at run time by CuPy.
 
-``CudaKernels`` offers the functions of the CPU extension ``dynamicemb._C`` with
+``CudaKernels`` offers the functions of the CPU extension (``csrc/cpu/verbs.h``) with
 the same names, arguments and results, over CUDA tensors; ``CudaBackend`` is the
 ``Backend`` verbs over them (``dynamicemb.ops.kernels``), so the table, storage
 and module code run unchanged on a GPU. Kernels are compiled once per process
@@ -145,7 +145,7 @@ class _StreamHandle:
 
 
 class CudaKernels:
-    """The CUDA implementation of the kernel functions of ``dynamicemb._C``.
+    """The CUDA implementation of the kernel functions of the CPU extension.
 
     Raises:
         ImportError: when CuPy is missing or cannot compile for this machine.
