@@ -57,6 +57,21 @@ def cuda_source_root() -> str:
     raise ImportError(f"dynamicemb's CUDA sources (csrc/cuda) were not found near {package}")
 
 
+def kernel_program(root: str, digest: str, source: str) -> Tuple[str, Tuple[str, ...]]:
+    """The code string and NVRTC options that ``CudaKernels`` hands CuPy for one file
+    of ``csrc/cuda`` (CuPy adds the target architecture).
+
+    Args:
+        root: ``cuda_source_root()``.
+        digest: ``_source_digest(root)``, carried in the code so that CuPy's disk
+            cache sees a change to any header.
+        source: a file name in ``root/cuda``.
+    """
+    with open(os.path.join(root, "cuda", source)) as f:
+        code = f"// sources {digest}\n" + f.read()
+    return code, ("-std=c++17", f"-I{root}")
+
+
 def _source_digest(root: str) -> str:
     """Hash of every header and source: CuPy's disk cache keys on the code string
     only, not on files pulled in with ``-I``, so the code string carries this."""
@@ -169,11 +184,9 @@ class CudaKernels:
     def _module(self, device: int, source: str):
         key = (device, source)
         if key not in self._modules:
-            with open(os.path.join(self._root, "cuda", source)) as f:
-                code = f"// sources {self._digest}\n" + f.read()
+            code, options = kernel_program(self._root, self._digest, source)
             with self._cupy.cuda.Device(device):
-                self._modules[key] = self._cupy.RawModule(
-                    code=code, options=("-std=c++17", f"-I{self._root}"))
+                self._modules[key] = self._cupy.RawModule(code=code, options=options)
         return self._modules[key]
 
     def _function(self, device: int, name: str):

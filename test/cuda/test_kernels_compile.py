@@ -1,9 +1,16 @@
 """Every CUDA kernel compiles, for the GPUs the project targets, with no GPU needed.
 
-nvcc builds each file of csrc/cuda for sm_80 (A100) and sm_90 (H100/H200) with the
-include path CuPy uses at run time; NVRTC itself is exercised by the CUDA tests.
+Each file of csrc/cuda is built for sm_80 (A100) and sm_90 (H100/H200) twice: by nvcc
+(with every warning an error), and by NVRTC, the compiler CuPy uses at run time, with
+the exact code string and options ``CudaKernels`` hands CuPy (``kernel_program``) plus
+the architecture CuPy adds. NVRTC comes from the ``nvidia-cuda-nvrtc`` wheel
+(requirements.txt) or the system; it needs no GPU.
 """
 
+import ctypes
+import ctypes.util
+import glob
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -11,7 +18,7 @@ import sys
 
 import pytest
 
-from dynamicemb.ops.cuda import _KERNELS, cuda_source_root
+from dynamicemb.ops.cuda import _KERNELS, _source_digest, cuda_source_root, kernel_program
 
 ROOT = cuda_source_root()
 SOURCES = sorted(os.listdir(os.path.join(ROOT, "cuda")))
@@ -45,3 +52,50 @@ def test_built_package_carries_kernel_sources(tmp_path):
     for folder in ("cuda", "dynamicemb"):
         want = sorted(os.listdir(os.path.join(ROOT, folder)))
         assert sorted(os.listdir(tmp_path / "dynamicemb" / "csrc" / folder)) == want
+
+
+def nvrtc_library():
+    """libnvrtc from the nvidia-cuda-nvrtc wheel, else the system's, else None."""
+    spec = importlib.util.find_spec("nvidia")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        lib = os.path.join(folder, "*", "lib")
+        found = [f for f in sorted(glob.glob(os.path.join(lib, "libnvrtc.so.*"))) if ".alt." not in f]
+        builtins = [f for f in sorted(glob.glob(os.path.join(lib, "libnvrtc-builtins.so.*")))
+                    if ".alt." not in f]
+        if found and builtins:
+            # NVRTC opens its builtins by name: loaded first, the loader finds them.
+            ctypes.CDLL(builtins[0], mode=ctypes.RTLD_GLOBAL)
+            return ctypes.CDLL(found[0])
+    name = ctypes.util.find_library("nvrtc")
+    return ctypes.CDLL(name) if name else None
+
+
+def nvrtc_compile(lib, code: str, name: str, options) -> str:
+    """Compiles ``code`` with NVRTC; returns "" on success, else the program log."""
+    program = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(program), code.encode(), name.encode(), 0,
+                                  None, None) == 0
+    try:
+        argv = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        status = lib.nvrtcCompileProgram(program, len(options), argv)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(program, log)
+        if status != 0:
+            return log.value.decode(errors="replace") or f"NVRTC status {status}"
+        lib.nvrtcGetCUBINSize(program, ctypes.byref(size))
+        return "" if size.value > 0 else "NVRTC produced an empty cubin"
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("source", [s for s in SOURCES if s.endswith(".cu")])
+def test_kernel_compiles_with_nvrtc_as_cupy_does(source, arch):
+    lib = nvrtc_library()
+    if lib is None:
+        pytest.skip("NVRTC is not installed (pip install nvidia-cuda-nvrtc)")
+    code, options = kernel_program(ROOT, _source_digest(ROOT), source)
+    log = nvrtc_compile(lib, code, source, [*options, f"-arch={arch}"])
+    assert log == "", log
