@@ -16,6 +16,7 @@ Examples::
 """
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from torchrec.distributed.planner import Topology
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+import checkpoint
 from data import CRITEO_CARDINALITIES, NUM_DENSE, CriteoParquetReader, CriteoTsvReader, SyntheticCriteo
 from dynamicemb import DynamicEmbScoreStrategy
 from dynamicemb.planner import DynamicEmbeddingShardingPlanner
@@ -80,14 +82,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--admission-threshold", type=int, default=1,
                    help="occurrences before a new id gets a row (1: admit all)")
     p.add_argument("--plan-file", help="HugeCTR plan file instead of the planner (lookup i = cat_i)")
-    p.add_argument("--checkpoint-dir", help="not available yet (checkpoints are a separate issue)")
-    p.add_argument("--resume", action="store_true", help="not available yet")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="stop after this many steps in all, resumed ones included (0: run every epoch)")
+    p.add_argument("--checkpoint-dir", help="save checkpoints here (two alternating slots)")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="steps between checkpoints (0: only when the run ends)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint-dir")
     p.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl on CUDA, else gloo")
     p.add_argument("--out", default="benchmark/out/dlrm", help="summary.json and plot.png go here")
     args = p.parse_args(argv)
-    if args.checkpoint_dir or args.resume:
-        p.error("--checkpoint-dir and --resume are not available yet: checkpoints of dynamic "
-                "tables are a separate issue (export rows with export_keys_values meanwhile)")
+    if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
+        p.error("--resume and --checkpoint-every need --checkpoint-dir")
+    if args.checkpoint_every < 0 or args.max_steps < 0:
+        p.error("--checkpoint-every and --max-steps must be >= 0")
     if args.data != "synthetic" and not args.train_files:
         p.error(f"--data {args.data} needs --train-files")
     return args
@@ -224,53 +232,86 @@ def main(argv=None) -> None:
     dmp = shard(args, model, tables, device, world)
     dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                       lambda params: torch.optim.Adagrad(params, lr=args.dense_lr))
+    progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "samples": 0, "world_size": world,
+                "history": {"loss": [], "auc": []}, "model_args": checkpoint.model_args(args)}
+    if args.resume:
+        progress = checkpoint.load(args.checkpoint_dir, dmp, dense_opt, args)
+        if progress["world_size"] != world:
+            raise ValueError(f"--resume: the checkpoint was made by {progress['world_size']} ranks, "
+                             f"this run has {world} (each rank's share of the data would change)")
     train, evals = datasets(args, rank, world)
-    history = {"loss": [], "auc": []}
-    bar = None
+    resumed_samples, start = progress["samples"], time.perf_counter()
+    train_loop(args, dmp, dense_opt, train, evals, tables, device, progress)
+    elapsed = time.perf_counter() - start
+    history, step = progress["history"], progress["step"]
+    if evals is not None and (not history["auc"] or history["auc"][-1][0] != step):
+        history["auc"].append((step, evaluate(dmp, evals, tables, device)))
+    if args.checkpoint_dir:
+        checkpoint.save(args.checkpoint_dir, dmp, dense_opt, progress)
+    report = table_report(dmp, tables)
     if rank == 0:
+        summarize(args, history, report, step, progress["samples"],
+                  progress["samples"] - resumed_samples, elapsed, train)
+    dist.destroy_process_group()
+
+
+def train_loop(args, dmp, dense_opt, train, evals, tables, device, progress) -> None:
+    """Trains from ``progress`` (updated in place) to the last epoch or ``--max-steps``,
+    evaluating every ``--eval-every`` and saving every ``--checkpoint-every`` steps."""
+    world, history = dist.get_world_size(), progress["history"]
+    bar = None
+    if dist.get_rank() == 0:
         from tqdm import tqdm  # noqa: PLC0415
 
-        bar = tqdm(total=args.epochs * len(train) if hasattr(train, "__len__") else None, unit="step")
-    step, samples, start = 0, 0, time.perf_counter()
-    for _ in range(args.epochs):
-        for batch in in_step(train, device):
+        bar = tqdm(total=args.epochs * len(train) if hasattr(train, "__len__") else None,
+                   initial=progress["step"], unit="step")
+    start, samples_at_start = time.perf_counter(), progress["samples"]
+    while progress["epoch"] < args.epochs:
+        # A resumed epoch skips the batches it had already trained on.
+        for batch in in_step(itertools.islice(train, progress["batch_in_epoch"], None), device):
+            if args.max_steps and progress["step"] >= args.max_steps:
+                break
             loss, _ = dmp(to_batch(batch, tables, device))
             loss.backward()
             dense_opt.step()
             dense_opt.zero_grad()
-            step += 1
-            samples += batch.labels.numel() * world
-            value = loss.item()
+            progress["step"] += 1
+            progress["batch_in_epoch"] += 1
+            progress["samples"] += batch.labels.numel() * world
+            step, value = progress["step"], loss.item()
             history["loss"].append((step, value))
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{value:.4f}",
-                                samples_s=f"{samples / (time.perf_counter() - start):,.0f}")
+                rate = (progress["samples"] - samples_at_start) / (time.perf_counter() - start)
+                bar.set_postfix(loss=f"{value:.4f}", samples_s=f"{rate:,.0f}")
             if evals is not None and step % args.eval_every == 0:
                 history["auc"].append((step, evaluate(dmp, evals, tables, device)))
-    elapsed = time.perf_counter() - start
-    if evals is not None and (not history["auc"] or history["auc"][-1][0] != step):
-        history["auc"].append((step, evaluate(dmp, evals, tables, device)))
-    report = table_report(dmp, tables)
+            if args.checkpoint_every and step % args.checkpoint_every == 0:
+                checkpoint.save(args.checkpoint_dir, dmp, dense_opt, progress)
+        else:
+            progress["epoch"] += 1
+            progress["batch_in_epoch"] = 0
+            continue
+        break  # --max-steps
     if bar is not None:
         bar.close()
-    if rank == 0:
-        summarize(args, history, report, step, samples, elapsed, train)
-    dist.destroy_process_group()
 
 
-def summarize(args, history, report, step, samples, elapsed, train) -> None:
+def summarize(args, history, report, step, samples, run_samples, elapsed, train) -> None:
+    """Writes summary.json and plot.png; ``samples`` counts resumed steps too,
+    ``run_samples`` (the throughput's) only this run's."""
     os.makedirs(args.out, exist_ok=True)
     auc = history["auc"][-1][1] if history["auc"] else None
     ceiling = train.bayes_auc() if hasattr(train, "bayes_auc") else None
     summary = {"steps": step, "samples": samples, "seconds": round(elapsed, 2),
-               "samples_per_s": round(samples / elapsed, 1), "final_loss": history["loss"][-1][1],
+               "samples_per_s": round(run_samples / elapsed, 1), "final_loss": history["loss"][-1][1],
                "eval_auc": auc, "bayes_auc": ceiling, "dynamic_tables": report,
                "history": history, "args": vars(args)}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     plot(history, os.path.join(args.out, "plot.png"))
-    print(f"\ntrained {step} steps, {samples:,} samples in {elapsed:.1f} s "
+    resumed = "" if run_samples == samples else f" ({run_samples:,} in this run)"
+    print(f"\ntrained {step} steps, {samples:,} samples{resumed} in {elapsed:.1f} s "
           f"({summary['samples_per_s']:,.0f} samples/s); final train loss {summary['final_loss']:.4f}")
     if auc is not None:
         print(f"eval AUC {auc:.4f}" + (f" (ground-truth ceiling {ceiling:.4f})" if ceiling else ""))

@@ -55,7 +55,41 @@ def test_training_from_tsv_and_parquet_files(tmp_path):
         assert summary["samples"] >= 5000 and summary["eval_auc"] is not None
 
 
-def test_unavailable_flags_say_so():
-    done = torchrun("--checkpoint-dir", "/tmp/x", timeout=120)
-    assert done.returncode != 0
-    assert "not available yet" in done.stderr
+SMALL = ("--num-samples", 20000, "--eval-samples", 4000, "--batch-size", 512, "--eval-every", 5,
+         "--cache-fraction", 0.3)
+
+
+def test_a_resumed_run_trains_exactly_as_an_uninterrupted_one(tmp_path):
+    """Stopped at step 12 (checkpoints at 4, 8, 12 in alternating slots), resumed to the
+    end: the same loss at every step, the same eval AUC and rows as one run."""
+    whole = torchrun(*SMALL, "--out", tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    ckpt = tmp_path / "ckpt"
+    first = torchrun(*SMALL, "--out", tmp_path / "first", "--max-steps", 12,
+                     "--checkpoint-dir", ckpt, "--checkpoint-every", 4)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert json.loads((ckpt / "latest.json").read_text())["step"] == 12
+    assert {p.name for p in ckpt.iterdir()} == {"a", "b", "latest.json"}
+    rest = torchrun(*SMALL, "--out", tmp_path / "rest", "--checkpoint-dir", ckpt, "--resume")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    a = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    b = json.loads((tmp_path / "rest" / "summary.json").read_text())
+    assert a["steps"] == b["steps"] > 12 and a["samples"] == b["samples"] == 20000
+    assert a["history"]["loss"] == b["history"]["loss"]
+    assert [x for x in b["history"]["auc"] if x[0] != 12] == a["history"]["auc"]
+    assert {n: t["rows"] for n, t in a["dynamic_tables"].items()} == \
+        {n: t["rows"] for n, t in b["dynamic_tables"].items()}
+    # A resume that would build another model is refused, naming the argument.
+    other = torchrun(*SMALL, "--embedding-dim", 8, "--dense-arch", "64,8", "--out", tmp_path / "x",
+                     "--checkpoint-dir", ckpt, "--resume")
+    assert other.returncode != 0 and "--embedding-dim 16 (now 8)" in other.stderr
+    (ckpt / "latest.json").write_text("{not json")
+    broken = torchrun(*SMALL, "--out", tmp_path / "y", "--checkpoint-dir", ckpt, "--resume")
+    assert broken.returncode != 0 and "is not a checkpoint record" in broken.stderr
+
+
+def test_checkpoint_flags_are_checked(tmp_path):
+    done = torchrun("--resume", timeout=120)
+    assert done.returncode != 0 and "need --checkpoint-dir" in done.stderr
+    done = torchrun(*SMALL, "--checkpoint-dir", tmp_path / "empty", "--resume", "--out", tmp_path)
+    assert done.returncode != 0 and "holds no checkpoint" in done.stderr
