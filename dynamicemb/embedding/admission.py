@@ -7,7 +7,7 @@ counts (a ``KVCounter``, upstream's rule).
 """
 
 import abc
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -133,22 +133,23 @@ class Admission:
 
     Args:
         strategy: threshold, LRU counter capacity, initializer of rejected keys.
-        counter: a ``KVCounter`` (per table: the group's counter holds
-            ``capacity * num_tables`` slots, lowest counts forgotten first), or None
-            for the strategy's LRU counter of ``counter_capacity`` slots.
-        num_tables: logical tables of the group.
+        counters: each logical table's ``KVCounter`` (the group's counter table holds
+            the sum of their capacities, lowest counts forgotten first, as upstream's
+            multi-table counter), or all None for the strategy's LRU counter of
+            ``counter_capacity`` slots.
         device: where the counters live (the group's device).
     """
 
-    def __init__(self, strategy: FrequencyAdmissionStrategy, counter: Optional[KVCounter],
-                 num_tables: int, device: torch.device) -> None:
+    def __init__(self, strategy: FrequencyAdmissionStrategy,
+                 counters: List[Optional[KVCounter]], device: torch.device) -> None:
         self.threshold = strategy.threshold
         self.initializer_args: Optional[DynamicEmbInitializerArgs] = strategy.initializer_args
-        if counter is None:
+        num_tables = len(counters)
+        if counters[0] is None:
             self.counter = HashCounter(strategy.counter_capacity, 128, False, num_tables, device)
         else:
-            self.counter = HashCounter(counter.capacity * num_tables, counter.bucket_capacity,
-                                       True, num_tables, device)
+            self.counter = HashCounter(sum(c.capacity for c in counters),
+                                       counters[0].bucket_capacity, True, num_tables, device)
 
     def admitted(self, stored: torch.Tensor, keys: torch.Tensor, tids: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:

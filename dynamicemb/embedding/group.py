@@ -38,7 +38,9 @@ def group_key(options: DynamicEmbTableOptions, optimizer: DynamicEmbOptimizerArg
         options.training,
         astuple(optimizer),
         options.admit_strategy,
-        options.admission_counter,
+        # tables with KVCounters of any capacity share one counter table (their sum)
+        None if options.admission_counter is None else (
+            options.admission_counter.bucket_capacity, options.admission_counter.key_type),
         options.caching,
         options.device_budget() is None,
     )
@@ -120,8 +122,8 @@ class TableGroup:
         self.storage = TieredStorage.build(self.table, first.caching, device_rows,
                                            device=device, initialize=self.init.stored)
         self.admission = (None if first.admit_strategy is None
-                          else Admission(first.admit_strategy, first.admission_counter,
-                                         len(table_indices), device))
+                          else Admission(first.admit_strategy,
+                                         [o.admission_counter for o in options], device))
         # On the rows' device: indexed by each batch's table ids.
         self.custom_scores = torch.zeros(len(table_indices), dtype=torch.int64, device=device)
         self.adam_step = 0

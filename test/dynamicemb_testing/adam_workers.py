@@ -16,7 +16,8 @@ from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
@@ -220,3 +221,31 @@ def sharded_vs_unsharded(rank: int, world_size: int, fused: Dict, dedup: bool) -
     if adam:  # both sides counted one Adam step per group per backward
         for module in [*tables.values(), ref_ec, ref_ebc]:
             assert all(g.adam_step == STEPS for g in module._groups)
+
+
+# Fused params beyond Adam's defaults, as TorchRec passes them to the sharded kernels.
+# Gradient clipping needs dedup off: with it the kernel clamps each id's gradient
+# summed over a rank's duplicates (as TorchRec's own dedup does), the reference each.
+FUSED_CONFIGS = [
+    ({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05, "eps": 1e-6,
+      "initial_accumulator_value": 0.1, "weight_decay": 0.02,
+      "weight_decay_mode": WeightDecayMode.DECOUPLE, "gradient_clipping": True,
+      "max_gradient": 0.05, "stochastic_rounding": True, "prefetch_pipeline": True}, False),
+    ({"optimizer": EmbOptimType.ADAM, "learning_rate": 0.02, "betas": (0.8, 0.95), "eps": 1e-7,
+      "weight_decay": 0.05, "weight_decay_mode": WeightDecayMode.L2,
+      "output_dtype": SparseType.FP32}, True),
+]
+
+
+def sharded_fused_params(rank: int, world_size: int) -> None:
+    """Each config of ``FUSED_CONFIGS`` reaches the sharded kernels (their optimizer
+    settings equal the reference's, and so do outputs and rows); a fused param dynamic
+    tables cannot honour stops DMP with its name."""
+    for fused, dedup in FUSED_CONFIGS:
+        sharded_vs_unsharded(rank, world_size, fused, dedup)
+    try:
+        _sharded(world_size, {"optimizer": EmbOptimType.EXACT_SGD, "max_norm": 1.0}, True)
+    except ValueError as err:
+        assert "max_norm" in str(err), err
+    else:
+        raise AssertionError("max_norm was accepted by the sharded kernel")
