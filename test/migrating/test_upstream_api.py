@@ -297,3 +297,19 @@ def test_optimizer_args_alias_takes_upstream_fields():
                          weight_decay=0.01, weight_decay_mode=2, initial_accumulator_value=0.1)
     assert args.decay_mode == DynamicEmbWeightDecayMode.DECOUPLE
     assert dataclasses.replace(args, weight_decay=0.0).decay_mode == DynamicEmbWeightDecayMode.NONE
+
+
+def test_checkpoint_table_names_in_upstreams_form(tmp_path):
+    """DynamicEmbDump/DynamicEmbLoad take upstream's ``{collection path: names}``."""
+    def module():
+        options = [DynamicEmbTableOptions(dim=2, max_capacity=64) for _ in range(2)]
+        return BatchedDynamicEmbeddingTables(options, table_names=["a", "b"], learning_rate=0.1)
+    saved = module()
+    saved(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 3])).sum().backward()
+    path = str(tmp_path / "ckpt")
+    dynamicemb.DynamicEmbDump(path, saved, table_names={"model": ["b"]}, optim=True)
+    loaded = module()
+    dynamicemb.DynamicEmbLoad(path, loaded, table_names={"model": ["b"]}, optim=True)
+    assert loaded.table_size("a") == 0
+    got, want = loaded.export_keys_values("b"), saved.export_keys_values("b")
+    assert torch.equal(got.keys, want.keys) and torch.equal(got.embeddings, want.embeddings)
