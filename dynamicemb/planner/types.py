@@ -114,7 +114,8 @@ class DynamicEmbParameterConstraints(ParameterConstraints):
 
     Args:
         use_dynamicemb: plan the table as a dynamic (hash-table) table.
-        dynamicemb_options: its options (required with ``use_dynamicemb``).
+        dynamicemb_options: its options (default ``DynamicEmbTableOptions()``, as
+            upstream's).
 
     Dynamic tables may be ``row_wise`` (ids go to the rank ``owner_rank(id, W)``)
     or ``table_wise``; other sharding types are refused. Their ``compute_kernels``
@@ -131,8 +132,8 @@ class DynamicEmbParameterConstraints(ParameterConstraints):
     def __post_init__(self) -> None:
         if not self.use_dynamicemb:
             return
-        if self.dynamicemb_options is None:
-            raise ValueError("use_dynamicemb=True needs dynamicemb_options")
+        if self.dynamicemb_options is None:  # upstream's default: default options
+            self.dynamicemb_options = DynamicEmbTableOptions()
         if self.sharding_types is None:
             self.sharding_types = list(DYNAMIC_SHARDING_TYPES)
         for sharding_type in self.sharding_types:

@@ -143,3 +143,13 @@ def test_per_rank_meaning_of_capacities_and_budgets():
     assert capped.init_capacity == ROWS // 2
     local = _rank_options(DynamicEmbTableOptions(local_hbm_for_values=640), table)
     assert local.local_hbm_for_values == 640
+
+
+def test_constraints_default_to_default_options():
+    """Upstream's ``DynamicEmbParameterConstraints(use_dynamicemb=True)`` without options."""
+    constraints = {"user": DynamicEmbParameterConstraints(use_dynamicemb=True),
+                   "age": ParameterConstraints(compute_kernels=["fused"])}
+    plan = _plan(DynamicEmbeddingShardingPlanner(TOPOLOGY, constraints=constraints))
+    options = plan.plan["embedding_module"]["user"].dynamicemb_options
+    assert (options.dim, options.max_capacity) == (DIM, ROWS)
+    assert dataclasses.replace(options, dim=None, max_capacity=None) == DynamicEmbTableOptions()
