@@ -3,6 +3,10 @@
 Updates happen inside backward; this object exists so that training code and
 TorchRec see an optimizer as usual: ``param_groups`` with ``lr`` (LR schedulers
 work on it), and ``step()`` / ``zero_grad()`` that have nothing left to do.
+
+Upstream dynamicemb's names live here too: ``EmbOptimType`` is
+``DynamicEmbOptimType`` (FBGEMM's members; ``SGD`` means ``EXACT_SGD``) and
+``OptimizerArgs`` is ``DynamicEmbOptimizerArgs``.
 """
 
 from dataclasses import asdict
@@ -10,9 +14,13 @@ from typing import List, Tuple
 
 import torch
 
-from dynamicemb.options import DynamicEmbOptimizerArgs
+from dynamicemb.options import DynamicEmbOptimizerArgs, DynamicEmbOptimType
 
-__all__ = ["DynamicEmbFusedOptimizer"]
+__all__ = ["DynamicEmbFusedOptimizer", "EmbOptimType", "OptimizerArgs"]
+
+#: Upstream dynamicemb's names (``from dynamicemb.optimizer import EmbOptimType``).
+EmbOptimType = DynamicEmbOptimType
+OptimizerArgs = DynamicEmbOptimizerArgs
 
 
 class DynamicEmbFusedOptimizer(torch.optim.Optimizer):

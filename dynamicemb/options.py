@@ -5,12 +5,16 @@ does what it says, and options that need a part not built yet are refused with
 an error rather than accepted and ignored.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum, unique
-from typing import Optional
+from typing import Any, Optional, Tuple
 
-from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
+import torch
+
+from dynamicemb.types import (DynamicEmbCheckMode, DynamicEmbEvictStrategy,
+                              DynamicEmbScoreStrategy, UpstreamIntValues)
 
 __all__ = [
     "DynamicEmbInitializerArgs",
@@ -19,7 +23,9 @@ __all__ = [
     "DynamicEmbOptimType",
     "DynamicEmbPoolingMode",
     "DynamicEmbTableOptions",
+    "DynamicEmbWeightDecayMode",
     "FrequencyAdmissionStrategy",
+    "KVCounter",
 ]
 
 
@@ -34,36 +40,88 @@ class DynamicEmbInitializerMode(str, Enum):
     DEBUG = "debug"  # every element = key mod 100000
 
 
-@unique
-class DynamicEmbPoolingMode(str, Enum):
+class DynamicEmbPoolingMode(UpstreamIntValues, str, Enum):
+    """How a bag's rows are combined. Upstream's (and FBGEMM's) integers: 0 SUM,
+    1 MEAN, 2 NONE."""
+
     SUM = "sum"
     MEAN = "mean"
     NONE = "none"  # sequence: one row per lookup
 
+    @classmethod
+    def _upstream_order(cls) -> Tuple[str, ...]:
+        return ("SUM", "MEAN", "NONE")
 
-@unique
+
+# Not @unique on purpose: SGD is an alias of EXACT_SGD (FBGEMM's EmbOptimType.SGD,
+# upstream dynamicemb's default, is the same rule for dynamic rows).
 class DynamicEmbOptimType(str, Enum):
-    """Fused optimizers; names as FBGEMM's ``EmbOptimType`` (which is also accepted)."""
+    """Fused optimizers; names as FBGEMM's ``EmbOptimType`` (which is also accepted).
+
+    ``SGD`` is an alias of ``EXACT_SGD``. Other FBGEMM optimizers are refused.
+    """
 
     EXACT_SGD = "exact_sgd"
+    SGD = "exact_sgd"
     ADAM = "adam"
     EXACT_ADAGRAD = "exact_adagrad"
     EXACT_ROWWISE_ADAGRAD = "exact_row_wise_adagrad"
 
     @classmethod
     def of(cls, value) -> "DynamicEmbOptimType":
-        """Accepts this enum, its value, or any enum with a matching name (FBGEMM's)."""
+        """Accepts this enum, its value or name (any case), or any enum with a
+        matching name (FBGEMM's ``EmbOptimType``)."""
         if isinstance(value, cls):
             return value
         name = getattr(value, "name", None)
+        if name is None and isinstance(value, str):
+            name = value.upper()
         if name is not None and name in cls.__members__:
             return cls[name]
         try:
             return cls(value)
         except ValueError:
             raise ValueError(
-                f"unsupported optimizer {value!r}; use one of {[m.name for m in cls]}"
+                f"unsupported optimizer {value!r}; use one of {list(cls.__members__)}"
             ) from None
+
+
+@unique
+class DynamicEmbWeightDecayMode(UpstreamIntValues, str, Enum):
+    """How ``weight_decay`` acts (FBGEMM's ``WeightDecayMode``, which is also accepted,
+    as are its integers 0 NONE, 1 L2, 2 DECOUPLE).
+
+    - ``NONE``: no weight decay (``weight_decay`` must be 0).
+    - ``L2``: ``g + weight_decay * w`` before the update (torch.optim's ``weight_decay``).
+    - ``DECOUPLE``: the row is scaled by ``1 - lr * weight_decay`` before the update
+      (``torch.optim.AdamW``; FBGEMM's and upstream's Adam).
+
+    FBGEMM's COUNTER, COWCLIP and DECOUPLE_GLOBAL are refused.
+    """
+
+    NONE = "none"
+    L2 = "l2"
+    DECOUPLE = "decouple"
+
+    @classmethod
+    def _upstream_order(cls) -> Tuple[str, ...]:
+        return ("NONE", "L2", "DECOUPLE")
+
+    @classmethod
+    def of(cls, value) -> "DynamicEmbWeightDecayMode":
+        """Accepts this enum, its value, FBGEMM's ``WeightDecayMode`` or its integer."""
+        if isinstance(value, cls):
+            return value
+        name = getattr(value, "name", None)
+        if name is not None and not isinstance(value, int):
+            value = name.lower()
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"unsupported weight_decay_mode {getattr(value, 'name', value)!r}; use one of "
+                f"{[m.name for m in cls]} (FBGEMM's COUNTER, COWCLIP and DECOUPLE_GLOBAL are "
+                f"not supported)") from None
 
 
 @dataclass
@@ -114,12 +172,21 @@ def _zeros() -> DynamicEmbInitializerArgs:
 @dataclass
 class DynamicEmbOptimizerArgs:
     """Per-table optimizer settings (HugeCTR's ``opt_params``); overrides the module's.
+    Also importable as ``dynamicemb.optimizer.OptimizerArgs`` (upstream's name).
 
     Args:
-        optimizer: the update rule.
-        learning_rate, eps, beta1, beta2, weight_decay: its hyper-parameters
-            (weight decay is L2: ``g + weight_decay * w``).
+        optimizer: the update rule (``SGD`` is ``EXACT_SGD``).
+        learning_rate, eps, beta1, beta2: its hyper-parameters (an optimizer uses
+            those it has, as in FBGEMM).
+        weight_decay: weight decay coefficient, applied as ``weight_decay_mode`` says.
+        weight_decay_mode: ``L2`` or ``DECOUPLE`` (``DynamicEmbWeightDecayMode`` or
+            FBGEMM's ``WeightDecayMode``). None: FBGEMM's rule for the same fused
+            params, i.e. ``DECOUPLE`` for ADAM; the other optimizers have no weight
+            decay in FBGEMM, so a ``weight_decay`` > 0 without a mode is refused.
         initial_accumulator_value: initial Adagrad state.
+        gradient_clipping, max_gradient: clamp the gradient of the module's output to
+            ``[-max_gradient, max_gradient]`` elementwise before the update and the
+            per-sample weights' gradient (FBGEMM's CPU kernel's and upstream's rule).
     """
 
     optimizer: DynamicEmbOptimType = DynamicEmbOptimType.EXACT_SGD
@@ -129,9 +196,14 @@ class DynamicEmbOptimizerArgs:
     beta2: float = 0.999
     weight_decay: float = 0.0
     initial_accumulator_value: float = 0.0
+    weight_decay_mode: Optional[DynamicEmbWeightDecayMode] = None
+    gradient_clipping: bool = False
+    max_gradient: float = 1.0
 
     def __post_init__(self) -> None:
         self.optimizer = DynamicEmbOptimType.of(self.optimizer)
+        if self.weight_decay_mode is not None:
+            self.weight_decay_mode = DynamicEmbWeightDecayMode.of(self.weight_decay_mode)
         if self.learning_rate < 0:
             raise ValueError(f"learning_rate must be >= 0, got {self.learning_rate}")
         if self.eps <= 0:
@@ -142,6 +214,35 @@ class DynamicEmbOptimizerArgs:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.initial_accumulator_value < 0:
             raise ValueError("initial_accumulator_value must be >= 0")
+        if not isinstance(self.gradient_clipping, bool):
+            raise ValueError(f"gradient_clipping must be a bool, got {self.gradient_clipping!r}")
+        if self.gradient_clipping and not self.max_gradient > 0:
+            raise ValueError(f"max_gradient must be > 0 with gradient_clipping, "
+                             f"got {self.max_gradient}")
+        self.decay_mode  # noqa: B018 (raises for a weight decay that would not apply)
+
+    @property
+    def decay_mode(self) -> DynamicEmbWeightDecayMode:
+        """The weight decay form in effect (``NONE`` when ``weight_decay`` is 0).
+
+        Raises:
+            ValueError: ``weight_decay`` > 0 that would not apply (mode ``NONE``, or
+                no mode for an optimizer FBGEMM gives no weight decay).
+        """
+        mode = self.weight_decay_mode
+        if self.weight_decay == 0:
+            return DynamicEmbWeightDecayMode.NONE
+        if mode is None and self.optimizer == DynamicEmbOptimType.ADAM:
+            return DynamicEmbWeightDecayMode.DECOUPLE
+        if mode is None:
+            raise ValueError(
+                f"weight_decay={self.weight_decay} with {self.optimizer.name}: FBGEMM (and "
+                f"upstream dynamicemb) apply no weight decay to this optimizer; pass "
+                f"weight_decay_mode=L2 or DECOUPLE to apply it, or weight_decay=0")
+        if mode == DynamicEmbWeightDecayMode.NONE:
+            raise ValueError(f"weight_decay={self.weight_decay} has no effect with "
+                             f"weight_decay_mode=NONE; use L2 or DECOUPLE, or weight_decay=0")
+        return mode
 
 
 @dataclass(frozen=True)
@@ -149,22 +250,66 @@ class FrequencyAdmissionStrategy:
     """Admit a key into its table once it was seen ``threshold`` times.
 
     Until then a lookup of the key gets a transient initialized row that is not
-    stored and not updated. Occurrences are counted in a counter table of
-    ``counter_capacity`` slots (LRU: long-unseen counts are forgotten).
+    stored and not updated. Occurrences are counted in a counter table: of
+    ``counter_capacity`` slots forgetting the least recently seen counts (LRU), or
+    the one ``DynamicEmbTableOptions.admission_counter`` describes (``KVCounter``:
+    forgetting the lowest counts, as upstream's).
 
     Args:
-        threshold: occurrences (within and across batches) needed; 1 admits all.
-        counter_capacity: slots of the counter table.
+        threshold: occurrences (within and across batches) needed; 0 and 1 admit all.
+        counter_capacity: slots of the LRU counter table (without a ``KVCounter``).
+        initializer_args: rows of keys not admitted yet (None: the table's
+            training initializer).
     """
 
     threshold: int
     counter_capacity: int = 1 << 20
+    initializer_args: Optional[DynamicEmbInitializerArgs] = None
 
     def __post_init__(self) -> None:
-        if self.threshold < 1:
-            raise ValueError(f"threshold must be >= 1, got {self.threshold}")
+        if self.threshold < 0:
+            raise ValueError(f"threshold must be >= 0, got {self.threshold}")
         if self.counter_capacity < 1:
             raise ValueError(f"counter_capacity must be >= 1, got {self.counter_capacity}")
+        if self.initializer_args is not None and not isinstance(
+                self.initializer_args, DynamicEmbInitializerArgs):
+            raise ValueError("initializer_args must be a DynamicEmbInitializerArgs, got "
+                             f"{type(self.initializer_args).__name__}")
+
+    def __hash__(self) -> int:  # initializer_args is a mutable dataclass
+        return hash((self.threshold, self.counter_capacity,
+                     None if self.initializer_args is None
+                     else dataclasses.astuple(self.initializer_args)))
+
+
+@dataclass(frozen=True)
+class KVCounter:
+    """The admission counter table of one table on each rank (upstream's ``KVCounter``):
+    bounded, a full bucket forgets its lowest count. Its counts are saved by
+    checkpoints with the table.
+
+    Args:
+        capacity: counter slots per rank (e.g. ``get_sharded_table_capacity``).
+        bucket_capacity: slots per bucket (a multiple of 16).
+        key_type: ``torch.int64`` (the only key type; any int64 id is a key).
+    """
+
+    capacity: int
+    bucket_capacity: int = 1024
+    key_type: torch.dtype = torch.int64
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"KVCounter capacity must be >= 1, got {self.capacity}")
+        if self.bucket_capacity <= 0 or self.bucket_capacity % 16:
+            raise ValueError("KVCounter bucket_capacity must be a positive multiple of 16, "
+                             f"got {self.bucket_capacity}")
+        if self.key_type != torch.int64:
+            raise ValueError(f"KVCounter key_type must be torch.int64, got {self.key_type}")
+
+
+#: Row-wise placement names of upstream's ``dist_type`` that mean hash placement here.
+HASH_DIST_TYPES = ("roundrobin", "hash_roundrobin")
 
 
 @dataclass
@@ -178,24 +323,36 @@ class DynamicEmbTableOptions:
         max_capacity: most rows the table holds. May be left ``None`` only in
             ``DynamicEmbParameterConstraints``: the planner fills it from the table's
             ``num_embeddings`` (the global capacity, shared out among the ranks).
-        init_capacity: rows allocated at first (default ``max_capacity``); the
-            table doubles when its load passes ``max_load_factor``.
+        init_capacity: rows allocated at first on each rank (default: the rank's
+            ``max_capacity``; larger is capped to it); the table doubles when its
+            load passes ``max_load_factor``.
         bucket_capacity: slots per hash bucket (multiple of 16).
         max_load_factor: growth threshold in (0, 1].
         score_strategy: eviction scores (LRU/TIMESTAMP, STEP, LFU, CUSTOMIZED,
-            NO_EVICTION).
+            NO_EVICTION; upstream's integers too).
         initializer_args: new rows in training.
         eval_initializer_args: rows of unseen keys in eval (zeros by default).
         safe_check_mode: what a failed insert does.
         caching: keep hot rows in a device cache of ``local_hbm_for_values`` bytes
             over a host store holding every row (rows a batch uses are promoted).
         local_hbm_for_values: device bytes for value rows (embedding + optimizer
-            state). None: every row in device memory. With ``caching=False`` and a
-            budget smaller than the table, rows beyond it live in host memory only
-            (no promotion); 0: a host-only table.
+            state) on each rank. None: every row in device memory. With
+            ``caching=False`` and a budget smaller than the table, rows beyond it
+            live in host memory only (no promotion); 0: a host-only table.
+        global_hbm_for_values: the same budget for the whole table: each of the
+            ranks holding it gets ``ceil(global / ranks)`` (set one of the two).
         admit_strategy: admission of new keys (None: admit all).
+        admission_counter: a ``KVCounter`` for ``admit_strategy``'s counts.
         training: False builds an inference table: no optimizer state, never inserts.
         optimizer_args: per-table optimizer (None: the module's settings).
+        dist_type: row-wise placement, ``roundrobin`` or ``hash_roundrobin`` (upstream's
+            names): both place a key by a hash of it (``owner_rank``);
+            ``continuous`` (key ranges) is refused.
+        index_type: dtype of the ids given (int64 or int32; keys are int64).
+        embedding_dtype: dtype of stored rows; float32 only.
+        evict_strategy: upstream's name for the eviction rule; must agree with
+            ``score_strategy`` (LRU for LRU, LFU for LFU, CUSTOMIZED for the others).
+        external_storage: refused: the external storage interface does not exist yet.
     """
 
     dim: Optional[int] = None
@@ -212,6 +369,13 @@ class DynamicEmbTableOptions:
     admit_strategy: Optional[FrequencyAdmissionStrategy] = None
     training: bool = True
     optimizer_args: Optional[DynamicEmbOptimizerArgs] = None
+    global_hbm_for_values: Optional[int] = None
+    admission_counter: Optional[KVCounter] = None
+    dist_type: str = "roundrobin"
+    index_type: Optional[torch.dtype] = None
+    embedding_dtype: Optional[torch.dtype] = None
+    evict_strategy: Optional[DynamicEmbEvictStrategy] = None
+    external_storage: Any = None
 
     def __post_init__(self) -> None:
         if self.dim is not None and self.dim <= 0:
@@ -227,16 +391,66 @@ class DynamicEmbTableOptions:
         if self.bucket_capacity <= 0 or self.bucket_capacity % 16:
             raise ValueError(
                 f"bucket_capacity must be a positive multiple of 16, got {self.bucket_capacity}"
-            )
+                + (" (upstream's MAX_BUCKET_CAPACITY, one bucket per table, is not supported)"
+                   if self.bucket_capacity == 2**63 - 1 else ""))
         if not 0.0 < self.max_load_factor <= 1.0:
             raise ValueError(f"max_load_factor must be in (0, 1], got {self.max_load_factor}")
-        self.score_strategy = DynamicEmbScoreStrategy(self.score_strategy)
+        self.score_strategy = _single_score_strategy(self.score_strategy)
         self.safe_check_mode = DynamicEmbCheckMode(self.safe_check_mode)
-        if self.local_hbm_for_values is not None and self.local_hbm_for_values < 0:
-            raise ValueError(
-                f"local_hbm_for_values must be >= 0 bytes, got {self.local_hbm_for_values}")
-        if self.caching and self.local_hbm_for_values is None:
-            raise ValueError("caching=True needs local_hbm_for_values (the cache's bytes)")
+        self._check_budgets()
+        self._check_upstream_fields()
+
+    def _check_budgets(self) -> None:
+        for name in ("local_hbm_for_values", "global_hbm_for_values"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 bytes, got {value}")
+        if self.local_hbm_for_values is not None and self.global_hbm_for_values is not None:
+            raise ValueError("set one of local_hbm_for_values (per rank) and "
+                             "global_hbm_for_values (split over the table's ranks), not both")
+        if self.caching and self.local_hbm_for_values is None and self.global_hbm_for_values is None:
+            raise ValueError("caching=True needs local_hbm_for_values or global_hbm_for_values "
+                             "(the cache's bytes)")
+
+    def _check_upstream_fields(self) -> None:
+        """Upstream's fields: what they ask for is done here, or refused."""
+        if self.external_storage is not None:
+            raise ValueError("external_storage is not supported yet: dynamic tables keep "
+                             "every row in their own device and host tiers")
+        if self.dist_type == "continuous":
+            raise ValueError("dist_type='continuous' (contiguous key ranges per rank) is not "
+                             "supported: dynamic tables place keys by hash; use 'roundrobin' "
+                             "or 'hash_roundrobin'")
+        if self.dist_type not in HASH_DIST_TYPES:
+            raise ValueError(f"dist_type must be one of {list(HASH_DIST_TYPES)}, got "
+                             f"{self.dist_type!r}")
+        if self.index_type not in (None, torch.int64, torch.int32):
+            raise ValueError(f"index_type must be torch.int64 or torch.int32, got {self.index_type}")
+        if self.embedding_dtype not in (None, torch.float32):
+            raise ValueError(f"embedding_dtype {self.embedding_dtype} is not supported: rows are "
+                             "stored in float32 (output_dtype sets the output's dtype)")
+        if self.admission_counter is not None:
+            if not isinstance(self.admission_counter, KVCounter):
+                raise ValueError("admission_counter must be a KVCounter, got "
+                                 f"{type(self.admission_counter).__name__}")
+            if self.admit_strategy is None:
+                raise ValueError("admission_counter needs admit_strategy (what the counts decide)")
+        if self.evict_strategy is not None:
+            self.evict_strategy = DynamicEmbEvictStrategy(self.evict_strategy)
+            derived = DynamicEmbEvictStrategy.of_score_strategy(self.score_strategy)
+            if self.evict_strategy != derived:
+                raise ValueError(
+                    f"evict_strategy={self.evict_strategy.name} disagrees with score_strategy="
+                    f"{self.score_strategy.name}, which evicts as {derived.name}: eviction "
+                    f"follows score_strategy (as upstream, which overwrites evict_strategy)")
+
+    def device_budget(self, num_shards: int = 1) -> Optional[int]:
+        """Device bytes for value rows on one of the ``num_shards`` ranks holding the
+        table: ``local_hbm_for_values``, else ``ceil(global_hbm_for_values /
+        num_shards)``, else None (every row in device memory)."""
+        if self.local_hbm_for_values is not None or self.global_hbm_for_values is None:
+            return self.local_hbm_for_values
+        return -(-self.global_hbm_for_values // max(1, num_shards))
 
     def check_shape(self, table: str) -> None:
         """Raises ``ValueError`` unless ``dim`` and ``max_capacity`` are set (a table
@@ -250,3 +464,14 @@ class DynamicEmbTableOptions:
             raise ValueError(
                 f"table {table!r}: DynamicEmbTableOptions needs {' and '.join(missing)} "
                 "(only the planner's DynamicEmbParameterConstraints may leave them unset)")
+
+
+def _single_score_strategy(value) -> DynamicEmbScoreStrategy:
+    """A score strategy; upstream's one-element tuples are unwrapped, compound
+    strategies such as ``(TIMESTAMP, LFU)`` refused."""
+    if isinstance(value, tuple):
+        if len(value) != 1:
+            raise ValueError(f"compound score_strategy {value} is not supported; use one "
+                             "strategy (LRU scores order rows by time for incremental_dump)")
+        value = value[0]
+    return DynamicEmbScoreStrategy(value)

@@ -1,13 +1,46 @@
-"""Enums shared by every layer, defined once (string values)."""
+"""Enums shared by every layer, defined once (string values).
+
+Every enum that upstream NVIDIA dynamicemb defines with integer values also takes
+those integers (``DynamicEmbScoreStrategy(1)`` is ``STEP``), so scripts written
+for upstream run unchanged; unknown values are refused with the accepted ones.
+"""
 
 from enum import Enum, unique
+from typing import Tuple
 
-__all__ = ["DynamicEmbCheckMode", "DynamicEmbScoreStrategy"]
+__all__ = [
+    "DynamicEmbCheckMode",
+    "DynamicEmbEvictStrategy",
+    "DynamicEmbScoreStrategy",
+    "UpstreamIntValues",
+]
+
+
+class UpstreamIntValues:
+    """Mixin for a string-valued enum whose upstream twin has integer values.
+
+    The enum lists its member names in upstream's integer order in
+    ``_upstream_order``; ``Enum(i)`` then returns the member upstream numbers ``i``.
+    Any other value is refused with a ``ValueError`` naming the accepted ones.
+    """
+
+    @classmethod
+    def _upstream_order(cls) -> Tuple[str, ...]:  # pragma: no cover - each enum overrides
+        return ()
+
+    @classmethod
+    def _missing_(cls, value):
+        order = cls._upstream_order()
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(order):
+            return cls[order[value]]
+        accepted = [m.value for m in cls] + list(range(len(order)))
+        raise ValueError(f"{value!r} is not a valid {cls.__name__}; use a member, its value "
+                         f"or upstream's integer: {accepted}")
 
 
 # Not @unique on purpose: TIMESTAMP is an alias of LRU, kept for users of
 # upstream dynamicemb, where the LRU score is a timestamp.
-class DynamicEmbScoreStrategy(str, Enum):
+class DynamicEmbScoreStrategy(UpstreamIntValues, str, Enum):
     """How a slot's score is set; larger scores are kept when a bucket is full.
 
     - ``LRU`` (alias ``TIMESTAMP``): a logical clock advanced by every inserting call.
@@ -16,6 +49,8 @@ class DynamicEmbScoreStrategy(str, Enum):
     - ``CUSTOMIZED``: the caller's score.
     - ``NO_EVICTION``: clock scores, but a full table grows up to its maximum
       capacity and then reports failed inserts instead of evicting.
+
+    Upstream's integers: 0 TIMESTAMP, 1 STEP, 2 CUSTOMIZED, 3 LFU, 4 NO_EVICTION.
     """
 
     LRU = "lru"
@@ -25,16 +60,57 @@ class DynamicEmbScoreStrategy(str, Enum):
     CUSTOMIZED = "customized"
     NO_EVICTION = "no_eviction"
 
+    @classmethod
+    def _upstream_order(cls) -> Tuple[str, ...]:
+        return ("TIMESTAMP", "STEP", "CUSTOMIZED", "LFU", "NO_EVICTION")
+
 
 @unique
-class DynamicEmbCheckMode(str, Enum):
+class DynamicEmbEvictStrategy(UpstreamIntValues, str, Enum):
+    """Upstream's name for the eviction rule, which it derives from the score strategy
+    (``DynamicEmbTableOptions.evict_strategy`` must agree with ``score_strategy``).
+
+    Upstream's integers (HierarchicalKV's): 0 LRU, 1 LFU, 2 EPOCH_LRU, 3 EPOCH_LFU,
+    4 CUSTOMIZED.
+    """
+
+    LRU = "lru"
+    LFU = "lfu"
+    EPOCH_LRU = "epoch_lru"
+    EPOCH_LFU = "epoch_lfu"
+    CUSTOMIZED = "customized"
+
+    @classmethod
+    def _upstream_order(cls) -> Tuple[str, ...]:
+        return ("LRU", "LFU", "EPOCH_LRU", "EPOCH_LFU", "CUSTOMIZED")
+
+    @classmethod
+    def of_score_strategy(cls, strategy: DynamicEmbScoreStrategy) -> "DynamicEmbEvictStrategy":
+        """The eviction rule upstream derives from a score strategy (TIMESTAMP: LRU,
+        LFU: LFU, STEP / CUSTOMIZED / NO_EVICTION: CUSTOMIZED)."""
+        strategy = DynamicEmbScoreStrategy(strategy)
+        if strategy == DynamicEmbScoreStrategy.LRU:
+            return cls.LRU
+        if strategy == DynamicEmbScoreStrategy.LFU:
+            return cls.LFU
+        return cls.CUSTOMIZED
+
+
+@unique
+class DynamicEmbCheckMode(UpstreamIntValues, str, Enum):
     """What a failed insert (no slot could be found) does.
 
     - ``ERROR``: undo the call and raise ``RuntimeError``.
     - ``WARNING``: log a warning; the failed keys get no slot.
     - ``IGNORE``: count it only (``stats.failed_inserts``).
+
+    Upstream's integers: 0 ERROR, 1 WARNING, 2 IGNORE.
     """
 
     ERROR = "error"
     WARNING = "warning"
     IGNORE = "ignore"
+
+    @classmethod
+    def _upstream_order(cls) -> Tuple[str, ...]:
+        return ("ERROR", "WARNING", "IGNORE")

@@ -375,7 +375,7 @@ void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_
                     const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
                     const at::Tensor& grad, int64_t kind, double lr, double eps,
                     double beta1, double beta2, double weight_decay, double step_size,
-                    double bias_correction2_sqrt) {
+                    double bias_correction2_sqrt, double decay_scale) {
   const at::Tensor no_transient = at::empty({0, dim}, tiers[0].options());
   const RowSource src = row_source(tiers, no_transient, row_slot, dim);
   check_tensor(starts, at::kLong, "starts");
@@ -410,7 +410,8 @@ void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_
       static_cast<int32_t>(kind), static_cast<float>(lr), static_cast<float>(eps),
       static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(weight_decay),
       static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2),
-      static_cast<float>(step_size), static_cast<float>(bias_correction2_sqrt));
+      static_cast<float>(step_size), static_cast<float>(bias_correction2_sqrt),
+      static_cast<float>(decay_scale));
 
 #pragma omp parallel if (num_unique * dim >= kParallelMinWork)
   {

@@ -87,7 +87,7 @@ void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_
                     const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
                     const at::Tensor& grad, int64_t kind, double lr, double eps,
                     double beta1, double beta2, double weight_decay, double step_size,
-                    double bias_correction2_sqrt);
+                    double bias_correction2_sqrt, double decay_scale);
 // Gradient of per-sample weights (SUM pooling): out (N,).
 void per_sample_weight_grad(const std::vector<at::Tensor>& tiers,
                             const at::Tensor& transient, const at::Tensor& row_slot,

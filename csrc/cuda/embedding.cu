@@ -152,7 +152,7 @@ extern "C" __global__ void demb_fused_update(float* device_rows, float* host_row
                                              float eps, float beta1, float beta2,
                                              float weight_decay, float one_minus_beta1,
                                              float one_minus_beta2, float step_size,
-                                             float bias_correction2_sqrt) {
+                                             float bias_correction2_sqrt, float decay_scale) {
   extern __shared__ float shared_acc[];
   const int64_t u = global_warp();
   if (u >= num_unique || is_transient_ref(row_ref[u])) return;
@@ -172,7 +172,7 @@ extern "C" __global__ void demb_fused_update(float* device_rows, float* host_row
   __syncwarp();
   const OptimizerParams p =
       optimizer_params(kind, lr, eps, beta1, beta2, weight_decay, one_minus_beta1,
-                       one_minus_beta2, step_size, bias_correction2_sqrt);
+                       one_minus_beta2, step_size, bias_correction2_sqrt, decay_scale);
   float* row = stored_row_of(row_ref[u], device_rows, host_rows, width);
   float* state = row + dim;
   const int d = static_cast<int>(dim);

@@ -1,8 +1,11 @@
 // Per-row fused optimizer updates, written once for both backends.
 //
 // A value row is [embedding (dim) | optimizer state]. `grad` is the row's summed
-// gradient. Every rule first adds L2 weight decay (g + weight_decay * w), then
-// updates the state and the embedding in place. Float operation order follows
+// gradient. Weight decay takes one of two forms (FBGEMM's WeightDecayMode): L2
+// adds weight_decay * w to the gradient before the rule (torch.optim's
+// weight_decay); decoupled scales the row by decay_scale = 1 - lr * weight_decay
+// before the rule (torch.optim.AdamW). The caller sets the unused form to its
+// identity (weight_decay 0, decay_scale 1). Float operation order follows
 // torch.optim so results can be compared bit-for-bit where sums agree.
 #pragma once
 
@@ -39,6 +42,7 @@ struct OptimizerParams {
   float one_minus_beta2;  // 1 - beta2
   float step_size;        // lr / (1 - beta1^step)
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+  float decay_scale;  // decoupled weight decay: 1 - lr * weight_decay (1: none)
 };
 
 // The parameters of one update, in the order of the struct's fields. The Adam
@@ -46,7 +50,8 @@ struct OptimizerParams {
 DEMB_HD OptimizerParams optimizer_params(int32_t kind, float lr, float eps, float beta1,
                                          float beta2, float weight_decay,
                                          float one_minus_beta1, float one_minus_beta2,
-                                         float step_size, float bias_correction2_sqrt) {
+                                         float step_size, float bias_correction2_sqrt,
+                                         float decay_scale) {
   OptimizerParams p;
   p.kind = kind;
   p.lr = lr;
@@ -58,12 +63,14 @@ DEMB_HD OptimizerParams optimizer_params(int32_t kind, float lr, float eps, floa
   p.one_minus_beta2 = one_minus_beta2;
   p.step_size = step_size;
   p.bias_correction2_sqrt = bias_correction2_sqrt;
+  p.decay_scale = decay_scale;
   return p;
 }
 
 DEMB_HD void sgd_row(float* w, const float* g, int dim, const OptimizerParams& p) {
   for (int i = 0; i < dim; ++i) {
     const float gi = g[i] + p.weight_decay * w[i];
+    w[i] *= p.decay_scale;
     w[i] -= p.lr * gi;
   }
 }
@@ -73,6 +80,7 @@ DEMB_HD void adagrad_row(float* w, float* sum, const float* g, int dim,
   for (int i = 0; i < dim; ++i) {
     const float gi = g[i] + p.weight_decay * w[i];
     sum[i] += gi * gi;
+    w[i] *= p.decay_scale;
     w[i] -= p.lr * gi / (sqrtf(sum[i]) + p.eps);
   }
 }
@@ -88,6 +96,7 @@ DEMB_HD void rowwise_adagrad_row(float* w, float* sum, const float* g, int dim,
   const float scale = p.lr / (sqrtf(sum[0]) + p.eps);
   for (int i = 0; i < dim; ++i) {
     const float gi = g[i] + p.weight_decay * w[i];
+    w[i] *= p.decay_scale;
     w[i] -= scale * gi;
   }
 }
@@ -96,6 +105,7 @@ DEMB_HD void adam_row(float* w, float* m, float* v, const float* g, int dim,
                       const OptimizerParams& p) {
   for (int i = 0; i < dim; ++i) {
     const float gi = g[i] + p.weight_decay * w[i];
+    w[i] *= p.decay_scale;  // AdamW: param.mul_(1 - lr * weight_decay) first
     // torch's lerp(m, g, 1 - beta1), then v * beta2 + (1 - beta2) * g * g
     m[i] = p.one_minus_beta1 < 0.5f ? m[i] + p.one_minus_beta1 * (gi - m[i])
                                     : gi - (gi - m[i]) * (1.f - p.one_minus_beta1);

@@ -11,7 +11,7 @@ from dynamicemb.checkpoint._progress import Progress
 from dynamicemb.checkpoint.format import (FIELD_DTYPES, CheckpointError, FieldWriter, Manifest,
                                           ShardEntry, TableEntry, field_file_name, jsonable)
 from dynamicemb.checkpoint.layout import MANIFEST, begin_version, commit_version, discard
-from dynamicemb.checkpoint.tables import LocalTable, local_tables
+from dynamicemb.checkpoint.tables import LocalTable, local_tables, table_name_list
 
 __all__ = ["DynamicEmbDump"]
 
@@ -41,7 +41,8 @@ def DynamicEmbDump(  # noqa: N802 (upstream dynamicemb's name)
         path: the checkpoint directory (shared by every rank's filesystem view).
         model: a DMP-sharded model, or any module containing
             ``BatchedDynamicEmbeddingTables``.
-        table_names: only these tables (default: every dynamic table).
+        table_names: only these tables, as names or upstream's ``{collection path:
+            names}`` (default: every dynamic table).
         optim: also save optimizer states.
         counter: also save admission counters.
         pg: the ranks holding the model (default: the default group, or this
@@ -58,6 +59,7 @@ def DynamicEmbDump(  # noqa: N802 (upstream dynamicemb's name)
 
         DynamicEmbDump("/ckpt/dynamic", model, allow_overwrite=True)
     """
+    table_names = table_name_list(table_names)
     group = Collective(pg)
     tables, error = {}, None
     try:

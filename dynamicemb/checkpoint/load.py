@@ -12,7 +12,7 @@ from dynamicemb.checkpoint._progress import Progress
 from dynamicemb.checkpoint.format import (CheckpointError, FieldReader, Manifest, ShardEntry,
                                           TableEntry, verify_file)
 from dynamicemb.checkpoint.layout import MANIFEST, current_version
-from dynamicemb.checkpoint.tables import LocalTable, local_tables
+from dynamicemb.checkpoint.tables import LocalTable, local_tables, table_name_list
 from dynamicemb.embedding import TableClocks
 
 __all__ = ["DynamicEmbLoad"]
@@ -49,7 +49,8 @@ def DynamicEmbLoad(  # noqa: N802 (upstream dynamicemb's name)
     Args:
         path: the checkpoint directory written by ``DynamicEmbDump``.
         model: the model to fill (sharded or not).
-        table_names: only these tables (default: every dynamic table of the model,
+        table_names: only these tables, as names or upstream's ``{collection path:
+            names}`` (default: every dynamic table of the model,
             each of which must be in the checkpoint).
         optim: load optimizer states and steps; False loads rows with fresh states
             (and optimizer step 0 unless merging).
@@ -63,6 +64,7 @@ def DynamicEmbLoad(  # noqa: N802 (upstream dynamicemb's name)
             missing, of another format version, does not match the model, or a file
             it needs is missing, truncated or altered (the error names the file).
     """
+    table_names = table_name_list(table_names)
     group = Collective(pg)
     tables: Dict[str, LocalTable] = {}
     error = version = manifest = None

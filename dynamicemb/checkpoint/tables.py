@@ -2,14 +2,14 @@
 
 import sys
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from dynamicemb.embedding import BatchedDynamicEmbeddingTables
 
-__all__ = ["LocalTable", "local_tables"]
+__all__ = ["LocalTable", "local_tables", "table_name_list"]
 
 
 @dataclass
@@ -47,11 +47,23 @@ def _owns_all(keys: torch.Tensor) -> torch.Tensor:
     return torch.ones(keys.shape, dtype=torch.bool)
 
 
-def local_tables(model: nn.Module, table_names: Optional[Sequence[str]] = None
+def table_name_list(table_names: Optional[Union[Sequence[str], Mapping[str, Sequence[str]]]]
+                    ) -> Optional[list]:
+    """Table names given as names or as upstream's ``{collection path: names}``."""
+    if table_names is None:
+        return None
+    if isinstance(table_names, Mapping):
+        return [name for names in table_names.values() for name in names]
+    return list(table_names)
+
+
+def local_tables(model: nn.Module,
+                 table_names: Optional[Union[Sequence[str], Mapping[str, Sequence[str]]]] = None
                  ) -> Dict[str, LocalTable]:
     """Every dynamic table of ``model`` on this rank, by name: those of sharded
     TorchRec modules and of ``BatchedDynamicEmbeddingTables`` anywhere inside it
-    (``model`` itself included), restricted to ``table_names`` when given.
+    (``model`` itself included), restricted to ``table_names`` when given (names, or
+    upstream's ``{collection path: names}``, whose names are taken).
 
     Raises:
         ValueError: two modules of this rank hold a table of the same name.
@@ -73,6 +85,7 @@ def local_tables(model: nn.Module, table_names: Optional[Sequence[str]] = None
         if isinstance(module, BatchedDynamicEmbeddingTables) and id(module) not in seen:
             for name in module.table_names:
                 add(LocalTable(name, module, "unsharded", 1, _owns_all))
+    table_names = table_name_list(table_names)
     if table_names is not None:
         wanted = set(table_names)
         found = {n: t for n, t in found.items() if n in wanted}

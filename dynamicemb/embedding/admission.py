@@ -1,35 +1,155 @@
 """Frequency admission: a key gets a stored row once it was seen ``threshold`` times.
 
 Until then its lookups get transient rows (``FrequencyAdmissionStrategy``). The
-counts live in a small ``ScoredHashTable`` of their own, bounded by
-``counter_capacity`` (LRU: the least recently seen counters go first).
+counts live in a ``Counter``: a small ``ScoredHashTable`` of their own, bounded,
+forgetting the least recently seen counts (``counter_capacity``, LRU) or the lowest
+counts (a ``KVCounter``, upstream's rule).
 """
+
+import abc
+from typing import List, Optional
 
 import torch
 
-from dynamicemb.options import FrequencyAdmissionStrategy
 from dynamicemb.ops.interface import Entries
+from dynamicemb.options import DynamicEmbInitializerArgs, FrequencyAdmissionStrategy, KVCounter
 from dynamicemb.table import ScoredHashTable
+from dynamicemb.types import DynamicEmbScoreStrategy
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "Counter", "HashCounter"]
+
+
+class Counter(abc.ABC):
+    """Occurrence counts of keys, per logical table (upstream dynamicemb's ``Counter``
+    interface, plus what checkpoints and atomic batches need).
+
+    Shapes: ``keys`` (n,) int64, ``table_ids`` (n,) int16/int32/int64 local table ids.
+    """
+
+    @abc.abstractmethod
+    def counts(self, keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
+        """(n,) float64 counts of unique keys (0 where not counted); read-only."""
+
+    @abc.abstractmethod
+    def add(self, keys: torch.Tensor, table_ids: torch.Tensor,
+            frequencies: torch.Tensor) -> torch.Tensor:
+        """Adds ``frequencies`` (n,) to the counts of unique keys (a key that finds no
+        slot is not counted); returns the (n,) float64 counts after the addition."""
+
+    @abc.abstractmethod
+    def erase(self, keys: torch.Tensor, table_ids: torch.Tensor) -> None:
+        """Forgets the counts of keys."""
+
+    @abc.abstractmethod
+    def memory_usage(self) -> int:
+        """Bytes held."""
+
+    @abc.abstractmethod
+    def export(self, table_id: int) -> Entries:
+        """The counts of one table: keys, scores and ``values`` (m, 1) float64 counts."""
+
+    @abc.abstractmethod
+    def restore(self, table_id: int, keys: torch.Tensor, counts: torch.Tensor,
+                scores: torch.Tensor) -> None:
+        """Writes counts of one table with their saved scores (``export``'s)."""
+
+    @abc.abstractmethod
+    def clear_table(self, table_id: int) -> None:
+        """Forgets every count of one table."""
+
+
+class HashCounter(Counter):
+    """A ``Counter`` in a ``ScoredHashTable`` whose full buckets forget the least
+    recently counted key (LRU scores) or the lowest count (LFU scores: a key's score
+    is its count, as in upstream's ``KVCounter``).
+
+    Args:
+        capacity: slots (fixed: the table does not grow).
+        bucket_capacity: slots per bucket.
+        lowest_first: forget the lowest count (else the least recently counted).
+        num_tables: logical tables counted.
+        device: where the counts live.
+    """
+
+    def __init__(self, capacity: int, bucket_capacity: int, lowest_first: bool,
+                 num_tables: int, device: torch.device) -> None:
+        self.lowest_first = lowest_first
+        strategy = DynamicEmbScoreStrategy.LFU if lowest_first else DynamicEmbScoreStrategy.LRU
+        self.table = ScoredHashTable(num_tables=num_tables, capacity=capacity,
+                                     bucket_capacity=bucket_capacity, score_strategy=strategy,
+                                     max_load_factor=1.0, value_dim=1,
+                                     value_dtype=torch.float64, device=device)
+
+    @property
+    def clock(self) -> int:
+        """The counter table's clock (its LRU scores)."""
+        return self.table.clock
+
+    def set_clock(self, clock: int) -> None:
+        """Restores ``clock`` (from a checkpoint)."""
+        self.table.set_clock(clock)
+
+    def counts(self, keys, table_ids):
+        slots = self.table.find(keys, table_ids)
+        return torch.where(slots >= 0, self.table.values[slots.clamp(min=0), 0],
+                           torch.zeros((), dtype=torch.float64, device=keys.device))
+
+    def add(self, keys, table_ids, frequencies):
+        scores = frequencies.to(torch.int64) if self.lowest_first else None
+        counted = self.table.find_or_insert(keys, table_ids, scores)
+        ok = counted.slots >= 0
+        self.table.values[counted.slots[ok], 0] += frequencies[ok].double()
+        out = torch.zeros(keys.shape, dtype=torch.float64, device=keys.device)
+        out[ok] = self.table.values[counted.slots[ok], 0]
+        return out
+
+    def erase(self, keys, table_ids):
+        self.table.erase(keys, table_ids)
+
+    def memory_usage(self) -> int:
+        return sum(self.table.memory_bytes().values())
+
+    def export(self, table_id):
+        entries = self.table.export_batch()
+        mine = entries.table_ids == table_id
+        return Entries(*(t[mine] for t in entries))
+
+    def restore(self, table_id, keys, counts, scores):
+        tids = torch.full(keys.shape, table_id, dtype=torch.int64, device=keys.device)
+        self.table.insert_or_assign(keys, counts.to(torch.float64).reshape(-1, 1), tids,
+                                    scores, exact_scores=True)
+
+    def clear_table(self, table_id):
+        entries = self.table.export_batch()
+        mine = entries.table_ids == table_id
+        if self.table.num_tables == 1:
+            self.table.clear()
+        elif bool(mine.any()):
+            self.table.erase(entries.keys[mine], entries.table_ids[mine])
 
 
 class Admission:
     """The occurrence counters of one group's keys that are not stored yet.
 
     Args:
-        strategy: threshold and counter capacity.
-        num_tables: logical tables of the group.
+        strategy: threshold, LRU counter capacity, initializer of rejected keys.
+        counters: each logical table's ``KVCounter`` (the group's counter table holds
+            the sum of their capacities, lowest counts forgotten first, as upstream's
+            multi-table counter), or all None for the strategy's LRU counter of
+            ``counter_capacity`` slots.
         device: where the counters live (the group's device).
     """
 
-    def __init__(self, strategy: FrequencyAdmissionStrategy, num_tables: int,
-                 device: torch.device) -> None:
+    def __init__(self, strategy: FrequencyAdmissionStrategy,
+                 counters: List[Optional[KVCounter]], device: torch.device) -> None:
         self.threshold = strategy.threshold
-        self.counter = ScoredHashTable(num_tables=num_tables,
-                                       capacity=strategy.counter_capacity,
-                                       max_load_factor=1.0, value_dim=1,
-                                       value_dtype=torch.float64, device=device)
+        self.initializer_args: Optional[DynamicEmbInitializerArgs] = strategy.initializer_args
+        num_tables = len(counters)
+        if counters[0] is None:
+            self.counter = HashCounter(strategy.counter_capacity, 128, False, num_tables, device)
+        else:
+            self.counter = HashCounter(sum(c.capacity for c in counters),
+                                       counters[0].bucket_capacity, True, num_tables, device)
 
     def admitted(self, stored: torch.Tensor, keys: torch.Tensor, tids: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:
@@ -39,9 +159,7 @@ class Admission:
         admitted = stored.clone()
         new = (~admitted).nonzero().squeeze(1)
         if new.numel():
-            slots = self.counter.find(keys[new], tids[new])
-            seen = torch.where(slots >= 0, self.counter.values[slots.clamp(min=0), 0],
-                               torch.zeros((), dtype=torch.float64, device=keys.device))
+            seen = self.counter.counts(keys[new], tids[new])
             admitted[new] = seen + counts[new].double() >= self.threshold
         return admitted
 
@@ -52,17 +170,13 @@ class Admission:
         self.counter.erase(keys[stored_now], tids[stored_now])
         waiting = (~admitted).nonzero().squeeze(1)
         if waiting.numel():
-            counted = self.counter.find_or_insert(keys[waiting], tids[waiting])
-            ok = counted.slots >= 0
-            self.counter.values[counted.slots[ok], 0] += counts[waiting][ok].double()
+            self.counter.add(keys[waiting], tids[waiting], counts[waiting])
 
     # ---------------------------------------------------------- checkpoints
     def export(self, tid: int) -> Entries:
         """The counters of local table ``tid``: keys, scores and ``values`` (m, 1)
         float64 counts."""
-        entries = self.counter.export_batch()
-        mine = entries.table_ids == tid
-        return Entries(*(t[mine] for t in entries))
+        return self.counter.export(tid)
 
     def restore(self, tid: int, keys: torch.Tensor, counts: torch.Tensor,
                 scores: torch.Tensor) -> None:
@@ -71,17 +185,10 @@ class Admission:
         Args:
             keys (Tensor): (m,) int64.
             counts (Tensor): (m,) float64 occurrences counted.
-            scores (Tensor): (m,) int64 the counters' LRU scores.
+            scores (Tensor): (m,) int64 the counters' scores.
         """
-        tids = torch.full(keys.shape, tid, dtype=torch.int64, device=keys.device)
-        self.counter.insert_or_assign(keys, counts.to(torch.float64).reshape(-1, 1), tids,
-                                      scores, exact_scores=True)
+        self.counter.restore(tid, keys, counts, scores)
 
     def clear_table(self, tid: int) -> None:
         """Forgets every counter of local table ``tid``."""
-        entries = self.counter.export_batch()
-        mine = entries.table_ids == tid
-        if self.counter.num_tables == 1:
-            self.counter.clear()
-        elif bool(mine.any()):
-            self.counter.erase(entries.keys[mine], entries.table_ids[mine])
+        self.counter.clear_table(tid)

@@ -18,7 +18,8 @@ from dynamicemb.embedding.admission import Admission
 from dynamicemb.embedding.initialization import RowInitializer
 from dynamicemb.ops import for_device
 from dynamicemb.ops.interface import OptimizerUpdate, optimizer_state_dim
-from dynamicemb.options import DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbTableOptions
+from dynamicemb.options import (DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbTableOptions,
+                                DynamicEmbWeightDecayMode)
 from dynamicemb.storage import TieredStorage
 from dynamicemb.table import PendingInsert, ScoredHashTable
 from dynamicemb.types import DynamicEmbScoreStrategy
@@ -37,8 +38,11 @@ def group_key(options: DynamicEmbTableOptions, optimizer: DynamicEmbOptimizerArg
         options.training,
         astuple(optimizer),
         options.admit_strategy,
+        # tables with KVCounters of any capacity share one counter table (their sum)
+        None if options.admission_counter is None else (
+            options.admission_counter.bucket_capacity, options.admission_counter.key_type),
         options.caching,
-        options.local_hbm_for_values is None,
+        options.device_budget() is None,
     )
 
 
@@ -113,12 +117,13 @@ class TableGroup:
             device=device,
         )
         row_bytes = (self.dim + self.state_dim) * 4
-        budgets = [o.local_hbm_for_values for o in options]
+        budgets = [o.device_budget() for o in options]
         device_rows = None if budgets[0] is None else sum(b // row_bytes for b in budgets)
         self.storage = TieredStorage.build(self.table, first.caching, device_rows,
                                            device=device, initialize=self.init.stored)
         self.admission = (None if first.admit_strategy is None
-                          else Admission(first.admit_strategy, len(table_indices), device))
+                          else Admission(first.admit_strategy,
+                                         [o.admission_counter for o in options], device))
         # On the rows' device: indexed by each batch's table ids.
         self.custom_scores = torch.zeros(len(table_indices), dtype=torch.int64, device=device)
         self.adam_step = 0
@@ -193,18 +198,29 @@ class TableGroup:
             new[at[new_at]] = True
             refs = self.storage.place(keys, tids, host_slots, new, lookup.counts)
             self.admission.count(keys, tids, lookup.counts, lookup.admitted, at[new_at])
-        transient = self._transient_rows(keys, tids, refs, train=lookup.insert is not None)
+        transient = self._transient_rows(keys, tids, refs, train=lookup.insert is not None,
+                                         rejected=lookup.admitted)
         return lookup._replace(row_ref=refs, transient=transient,
                                generation=self.storage.generation, insert=None)
 
-    def _transient_rows(self, keys, tids, refs, train: bool) -> torch.Tensor:
+    def _transient_rows(self, keys, tids, refs, train: bool,
+                        rejected: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Initialized rows for unique keys without a stored row (refs < 0); their
-        references become -(t + 1) for transient row t."""
+        references become -(t + 1) for transient row t. Keys not admitted (``rejected``
+        False, given with admission) get the admission strategy's initializer if it
+        has one."""
         if refs.numel() == 0 or int(refs.min()) >= 0:  # every row stored (the common case)
             return self._no_transient
         missing = (refs < 0).nonzero().squeeze(1)
         refs[missing] = -(torch.arange(missing.numel(), dtype=torch.int64, device=self.device) + 1)
-        return self.init.transient(keys[missing], tids[missing], train)
+        rows = self.init.transient(keys[missing], tids[missing], train)
+        args = None if self.admission is None else self.admission.initializer_args
+        if train and rejected is not None and args is not None:
+            waiting = (~rejected[missing]).nonzero().squeeze(1)
+            if waiting.numel():
+                rows[waiting] = self.init.transient(keys[missing][waiting],
+                                                    tids[missing][waiting], train, args=args)
+        return rows
 
     def refresh(self, lookup: Lookup) -> Lookup:
         """The lookup with its row references found again if rows moved since (growth,
@@ -240,6 +256,15 @@ class TableGroup:
                                     feature_col=feature_col, batch=batch, dim=self.dim,
                                     mean=mean, out=out)
 
+    def clip(self, grad: torch.Tensor) -> torch.Tensor:
+        """The output's gradient as this group's backward sees it: clamped elementwise
+        to ``[-max_gradient, max_gradient]`` with ``gradient_clipping`` (FBGEMM's and
+        upstream's rule), else ``grad`` itself."""
+        opt = self.optimizer
+        if not (self.training and opt.gradient_clipping):
+            return grad
+        return grad.clamp(-opt.max_gradient, opt.max_gradient)
+
     def weight_grad(self, lookup: Lookup, grad: torch.Tensor, offsets: torch.Tensor,
                     feature_col: torch.Tensor, batch: int, out: torch.Tensor) -> None:
         """out[j] = <row of lookup j, gradient of its bag> for this group's lookups
@@ -262,9 +287,13 @@ class TableGroup:
             self.adam_step += 1
             step_size = lr / (1 - opt.beta1 ** self.adam_step)
             bias2_sqrt = math.sqrt(1 - opt.beta2 ** self.adam_step)
-        update = OptimizerUpdate(optimizer=opt.optimizer, lr=lr, eps=opt.eps, beta1=opt.beta1,
-                                 beta2=opt.beta2, weight_decay=opt.weight_decay,
-                                 step_size=step_size, bias_correction2_sqrt=bias2_sqrt)
+        mode = opt.decay_mode
+        update = OptimizerUpdate(
+            optimizer=opt.optimizer, lr=lr, eps=opt.eps, beta1=opt.beta1, beta2=opt.beta2,
+            weight_decay=opt.weight_decay if mode == DynamicEmbWeightDecayMode.L2 else 0.0,
+            step_size=step_size, bias_correction2_sqrt=bias2_sqrt,
+            decay_scale=(1.0 - lr * opt.weight_decay
+                         if mode == DynamicEmbWeightDecayMode.DECOUPLE else 1.0))
         self.ops.fused_backward(
             sources=self.storage.sources(self._no_transient), row_ref=lookup.row_ref,
             starts=lookup.starts, rank=lookup.rank, offsets=offsets, weights=weights,

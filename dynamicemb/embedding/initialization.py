@@ -6,7 +6,7 @@ size or device; see ``docs/ARCHITECTURE.md``, "Initializers are functions".
 
 import zlib
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -65,20 +65,21 @@ class RowInitializer:
         self.initial_state = optimizer.initial_accumulator_value if adagrad else 0.0
 
     def fill(self, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
-             tids: torch.Tensor, train: bool) -> None:
+             tids: torch.Tensor, train: bool,
+             args: Optional[DynamicEmbInitializerArgs] = None) -> None:
         """out[rows, :dim] = each key's initial embedding (its logical table's
-        training or eval initializer)."""
+        training or eval initializer, or ``args`` for every table when given)."""
         for local, init in enumerate(self.tables):
             mine = (tids == local).nonzero().squeeze(1) if len(self.tables) > 1 else None
             r, k = (rows, keys) if mine is None else (rows[mine], keys[mine])
             if r.numel() == 0:
                 continue
-            args = init.train if train else init.eval
-            lower, upper = args.bounds(init.max_capacity)
+            use = args if args is not None else init.train if train else init.eval
+            lower, upper = use.bounds(init.max_capacity)
             self.ops.init_rows(out=out, rows=r.contiguous(), keys=k.contiguous(),
-                               stream=init.stream, dim=self.dim, mode=args.mode,
-                               mean=args.mean, std_dev=args.std_dev, lower=lower,
-                               upper=upper, value=args.value, seed=args.seed)
+                               stream=init.stream, dim=self.dim, mode=use.mode,
+                               mean=use.mean, std_dev=use.std_dev, lower=lower,
+                               upper=upper, value=use.value, seed=use.seed)
 
     def stored(self, values: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
                tids: torch.Tensor) -> None:
@@ -87,10 +88,12 @@ class RowInitializer:
         if self.state_dim:
             values[slots, self.dim:] = self.initial_state
 
-    def transient(self, keys: torch.Tensor, tids: torch.Tensor, train: bool) -> torch.Tensor:
-        """(len(keys), dim) initial rows that are not stored."""
+    def transient(self, keys: torch.Tensor, tids: torch.Tensor, train: bool,
+                  args: Optional[DynamicEmbInitializerArgs] = None) -> torch.Tensor:
+        """(len(keys), dim) initial rows that are not stored (``args``: another
+        initializer than the tables', e.g. for keys admission has not admitted yet)."""
         out = torch.empty(keys.numel(), self.dim, dtype=torch.float32, device=keys.device)
         if keys.numel():
             rows = torch.arange(keys.numel(), dtype=torch.int64, device=keys.device)
-            self.fill(out, rows, keys, tids, train)
+            self.fill(out, rows, keys, tids, train, args)
         return out

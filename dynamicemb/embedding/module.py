@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dynamicemb.embedding.buffers import OutputBuffers
+from dynamicemb.embedding.fused_params import check_tbe_keywords, output_dtype_of
 from dynamicemb.embedding.group import Lookup, TableGroup, group_key
 from dynamicemb.ops import for_device, resolve_device
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer
@@ -128,10 +129,20 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         feature_table_map: table of each feature (default: one feature per table).
         pooling_mode: SUM, MEAN, or NONE (sequence; every table must share one dim).
         optimizer: fused optimizer (``DynamicEmbOptimType`` or FBGEMM's ``EmbOptimType``).
-        learning_rate, eps, beta1, beta2, weight_decay, initial_accumulator_value:
-            its hyper-parameters, unless a table's ``optimizer_args`` overrides them.
-        output_dtype: dtype of the output (float32, float16 or bfloat16).
+        learning_rate, eps, beta1, beta2, weight_decay, weight_decay_mode,
+            initial_accumulator_value, gradient_clipping, max_gradient: its settings
+            (``DynamicEmbOptimizerArgs``), unless a table's ``optimizer_args``
+            overrides them.
+        output_dtype: dtype of the output (float32, float16 or bfloat16; FBGEMM's
+            ``SparseType`` too).
         device: where rows live (default CPU); each batch is moved there.
+        **tbe_kwargs: other keywords of FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen``
+            and upstream's ``BatchedDynamicEmbeddingTablesV2`` (``prefetch_pipeline``,
+            ``stochastic_rounding``, ``max_norm``, ...): each is accepted where dynamic
+            tables do what it asks and refused otherwise (``fused_params.py``).
+
+    Every argument after ``feature_table_map`` is keyword-only (upstream's positional
+    order differs).
 
     Shape:
         forward(indices (N,), offsets (F * B + 1,), per_sample_weights (N,)) ->
@@ -151,6 +162,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         table_options: Sequence[DynamicEmbTableOptions],
         table_names: Optional[Sequence[str]] = None,
         feature_table_map: Optional[Sequence[int]] = None,
+        *,
         pooling_mode: DynamicEmbPoolingMode = DynamicEmbPoolingMode.SUM,
         optimizer=DynamicEmbOptimType.EXACT_SGD,
         learning_rate: float = 0.01,
@@ -158,11 +170,23 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         beta1: float = 0.9,
         beta2: float = 0.999,
         weight_decay: float = 0.0,
+        weight_decay_mode=None,
         initial_accumulator_value: float = 0.0,
-        output_dtype: torch.dtype = torch.float32,
+        gradient_clipping: bool = False,
+        max_gradient: float = 1.0,
+        output_dtype=torch.float32,
         device: Optional[torch.device] = None,
+        **tbe_kwargs,
     ) -> None:
         super().__init__()
+        check_tbe_keywords(tbe_kwargs)
+        module_optimizer = DynamicEmbOptimizerArgs(
+            optimizer=optimizer, learning_rate=learning_rate, eps=eps, beta1=beta1,
+            beta2=beta2, weight_decay=weight_decay, weight_decay_mode=weight_decay_mode,
+            initial_accumulator_value=initial_accumulator_value,
+            gradient_clipping=gradient_clipping, max_gradient=max_gradient,
+        )
+        self.output_dtype = output_dtype_of(output_dtype)
         self.table_options = list(table_options)
         num_tables = len(self.table_options)
         if num_tables == 0:
@@ -183,15 +207,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self.feature_dims = [self.dims[t] for t in self.feature_table_map]
         if self.pooling_mode == DynamicEmbPoolingMode.NONE and len(set(self.feature_dims)) > 1:
             raise ValueError(f"pooling NONE needs one dim for all tables, got {sorted(set(self.dims))}")
-        if output_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"output_dtype must be float32, float16 or bfloat16, got {output_dtype}")
-        self.output_dtype = output_dtype
         self.device = resolve_device(device if device is not None else "cpu")
-        module_optimizer = DynamicEmbOptimizerArgs(
-            optimizer=optimizer, learning_rate=learning_rate, eps=eps, beta1=beta1,
-            beta2=beta2, weight_decay=weight_decay,
-            initial_accumulator_value=initial_accumulator_value,
-        )
         self._build_groups(module_optimizer)
         self._train_steps = 0
         self._prefetched: Deque[_Prefetched] = deque()
@@ -641,15 +657,16 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         grad = grad.to(torch.float32).contiguous()
         pooled = self.pooling_mode != DynamicEmbPoolingMode.NONE
         mean = self.pooling_mode == DynamicEmbPoolingMode.MEAN
+        grads = [group.clip(grad) for group in self._groups]  # gradient clipping
         grad_weights = None
         if want_weight_grad:
             grad_weights = torch.zeros(batch.weights.numel(), dtype=torch.float32,
                                        device=self.device)
             for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
-                group.weight_grad(found, grad, batch.offsets, self._feature_col[g],
+                group.weight_grad(found, grads[g], batch.offsets, self._feature_col[g],
                                   batch.batch_size, grad_weights)
         for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
             lr = self.optimizer.param_groups[g]["lr"]
-            group.backward(found, grad, lr, batch.offsets if pooled else None,
+            group.backward(found, grads[g], lr, batch.offsets if pooled else None,
                            batch.weights, self._feature_col[g], batch.batch_size, mean)
         return grad_weights

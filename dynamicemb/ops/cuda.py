@@ -413,7 +413,7 @@ class CudaKernels:
 
     def fused_backward(self, tiers, row_slot, starts, rank, offsets, weights, feature_col,
                        batch, dim, mean, grad, kind, lr, eps, beta1, beta2, weight_decay,
-                       step_size, bias_correction2_sqrt) -> None:
+                       step_size, bias_correction2_sqrt, decay_scale) -> None:
         _expect(grad, torch.float32, "grad")
         _expect(starts, torch.int64, "starts")
         _expect(rank, torch.int64, "rank")
@@ -443,7 +443,7 @@ class CudaKernels:
             _ptr(grad), _ptr(first_piece), _ptr(partial), np.int32(kind), np.float32(lr), np.float32(eps), np.float32(beta1),
             np.float32(beta2), np.float32(weight_decay), np.float32(1.0 - beta1),
             np.float32(1.0 - beta2), np.float32(step_size),
-            np.float32(bias_correction2_sqrt)], shared_mem=_WARPS_PER_BLOCK * int(dim) * 4)
+            np.float32(bias_correction2_sqrt), np.float32(decay_scale)], shared_mem=_WARPS_PER_BLOCK * int(dim) * 4)
 
     def _piece_sums(self, starts, pos, scale, grad, dim):
         """Partial sums of the hot rows' pieces: (first_piece (U + 1,), partial

@@ -249,7 +249,9 @@ class OptimizerUpdate(NamedTuple):
     """One backward's optimizer settings (``optimizer_params``, optimizer_primitives.h).
 
     ``step_size`` and ``bias_correction2_sqrt`` are Adam's for this step (lr and 1.0
-    for the others).
+    for the others). Weight decay is L2 through ``weight_decay`` (added to the
+    gradient) or decoupled through ``decay_scale`` (``1 - lr * weight_decay``, the
+    row is scaled by it before the update); the unused form is 0.0 or 1.0.
     """
 
     optimizer: DynamicEmbOptimType
@@ -260,6 +262,7 @@ class OptimizerUpdate(NamedTuple):
     weight_decay: float
     step_size: float
     bias_correction2_sqrt: float
+    decay_scale: float = 1.0
 
 
 class Backend(abc.ABC):

@@ -165,7 +165,8 @@ class KernelBackend(Backend):
             [sources.device, sources.host], row_ref, starts, rank,
             no_offsets if offsets is None else offsets, weights, feature_col, batch, dim, mean,
             grad, optimizer_code(update.optimizer), update.lr, update.eps, update.beta1,
-            update.beta2, update.weight_decay, update.step_size, update.bias_correction2_sqrt)
+            update.beta2, update.weight_decay, update.step_size, update.bias_correction2_sqrt,
+            update.decay_scale)
 
     def per_sample_weight_grad(self, *, sources, row_ref, inverse, offsets, feature_col,
                                batch, dim, grad, out):

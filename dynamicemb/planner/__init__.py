@@ -6,7 +6,7 @@ from dynamicemb._torchrec import require_torchrec
 require_torchrec("dynamicemb.planner")
 
 from dynamicemb.planner.estimators import DynamicEmbPerfConfig, DynamicEmbStorageEstimator, dynamic_table_bytes
-from dynamicemb.planner.planner import DynamicEmbeddingShardingPlanner
+from dynamicemb.planner.planner import DynamicEmbeddingEnumerator, DynamicEmbeddingShardingPlanner
 from dynamicemb.planner.types import (
     DynamicEmbParameterConstraints,
     DynamicEmbParameterSharding,
@@ -19,6 +19,7 @@ __all__ = [
     "DynamicEmbParameterSharding",
     "DynamicEmbPerfConfig",
     "DynamicEmbStorageEstimator",
+    "DynamicEmbeddingEnumerator",
     "DynamicEmbeddingShardingPlanner",
     "dynamic_table_bytes",
     "resolve_options",

@@ -19,13 +19,16 @@ from dynamicemb.planner.types import CUSTOMIZED_KERNEL, DynamicEmbParameterConst
 __all__ = ["DynamicEmbPerfConfig", "DynamicEmbStorageEstimator", "dynamic_table_bytes"]
 
 def dynamic_table_bytes(options: DynamicEmbTableOptions, rows: int,
-                        optimizer: DynamicEmbOptimType = DynamicEmbOptimType.EXACT_SGD) -> Tuple[int, int]:
+                        optimizer: DynamicEmbOptimType = DynamicEmbOptimType.EXACT_SGD,
+                        num_shards: int = 1) -> Tuple[int, int]:
     """(device bytes, host bytes) of one rank's share of a dynamic table.
 
     Args:
         options: the table's options (tier settings, dim, optimizer override).
         rows: the rank's capacity in rows.
         optimizer: the module's optimizer, unless ``options.optimizer_args`` names one.
+        num_shards: ranks holding the table (``global_hbm_for_values`` is split
+            over them).
 
     The table's own layout: ``rows`` rounded up to whole power-of-two buckets, each
     slot a value row (embedding and optimizer state in float32) and its metadata
@@ -40,9 +43,10 @@ def dynamic_table_bytes(options: DynamicEmbTableOptions, rows: int,
     slots = num_buckets_for(rows, options.bucket_capacity) * options.bucket_capacity
     values = slots * (options.dim + state_dim) * 4
     index = math.ceil(slots * metadata_bytes_per_slot(options.bucket_capacity))
-    if options.local_hbm_for_values is None:
+    budget = options.device_budget(num_shards)
+    if budget is None:
         return values + index, 0
-    device = min(options.local_hbm_for_values, values)
+    device = min(budget, values)
     host = values if options.caching else values - device
     return device, host + index
 
@@ -66,7 +70,8 @@ class DynamicEmbStorageEstimator(EmbeddingStorageEstimator):
             rows, dim = option.tensor.shape
             options = resolve_options(constraint.dynamicemb_options, option.name, dim, rows)
             for shard, (dense_hbm, dense_ddr) in zip(option.shards, dense):
-                device, host = dynamic_table_bytes(options, shard.size[0], optimizer)
+                device, host = dynamic_table_bytes(options, shard.size[0], optimizer,
+                                                   num_shards=len(option.shards))
                 hbm = shard.storage.hbm - dense_hbm + (device if on_device else 0)
                 ddr = shard.storage.ddr - dense_ddr + host + (0 if on_device else device)
                 shard.storage = Storage(hbm=max(hbm, 0), ddr=max(ddr, 0), ssd=shard.storage.ssd)

@@ -1,7 +1,7 @@
 """``DynamicEmbeddingShardingPlanner``: TorchRec's planner, aware of dynamic tables."""
 
 import copy
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -11,29 +11,113 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.estimator.estimator import EmbeddingPerfEstimatorFactory
 from torchrec.distributed.planner.planners import EmbeddingShardingPlanner
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
-from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingPlan
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingPlan, ShardingType
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+
+from dynamicemb.embedding.fused_params import module_kwargs
 
 from dynamicemb.planner.estimators import DynamicEmbPerfConfig, DynamicEmbStorageEstimator
 from dynamicemb.planner.types import (
     CUSTOMIZED_KERNEL,
     DynamicEmbParameterConstraints,
     dynamic_table_options,
+    table_configs,
     to_dynamic_sharding,
 )
 
-__all__ = ["DynamicEmbeddingShardingPlanner"]
+__all__ = ["DynamicEmbeddingEnumerator", "DynamicEmbeddingShardingPlanner"]
 
 
 def _is_dynamic(constraint: ParameterConstraints) -> bool:
     return isinstance(constraint, DynamicEmbParameterConstraints) and constraint.use_dynamicemb
 
 
-class _DynamicEmbEnumerator(EmbeddingEnumerator):
-    """Offers ``customized_kernel`` to dynamic tables only (TorchRec does not guard it)."""
+#: ``EmbeddingShardingPlanner``'s positional parameters (upstream's, after eb_configs).
+_POSITIONAL = ("topology", "batch_size", "enumerator", "storage_reservation", "proposer",
+               "partitioner", "performance_model", "stats", "constraints", "debug")
 
-    def __init__(self, *args, dynamic_tables=(), **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._dynamic_tables = set(dynamic_tables)
+
+def _planner_arguments(args: tuple, eb_configs, kwargs: Dict[str, Any]):
+    """(eb_configs, keyword arguments) from TorchRec's or upstream's call forms: a
+    first positional argument that is a sequence of table configs is ``eb_configs``."""
+    if args and isinstance(args[0], (list, tuple)) and all(
+            isinstance(c, BaseEmbeddingConfig) for c in args[0]):
+        if eb_configs is not None:
+            raise TypeError("eb_configs given twice (positionally and by keyword)")
+        eb_configs, args = args[0], args[1:]
+    if len(args) > len(_POSITIONAL):
+        raise TypeError(f"at most {len(_POSITIONAL)} positional arguments after eb_configs "
+                        f"({', '.join(_POSITIONAL)}), got {len(args)}")
+    kwargs = dict(kwargs)
+    for name, value in zip(_POSITIONAL, args):
+        if name in kwargs:
+            raise TypeError(f"{name} given twice (positionally and by keyword)")
+        kwargs[name] = value
+    return eb_configs, kwargs
+
+
+def _dynamic_sharders(sharders: List[ModuleSharder[nn.Module]], device: str) -> List[ModuleSharder]:
+    """The sharders that build dynamic kernels (they offer ``customized_kernel``)."""
+    return [s for s in sharders
+            if CUSTOMIZED_KERNEL in s.compute_kernels(ShardingType.ROW_WISE.value, device)]
+
+
+def _check_configs(eb_configs: Sequence[BaseEmbeddingConfig]) -> Dict[str, BaseEmbeddingConfig]:
+    configs = list(eb_configs)
+    if not all(isinstance(c, BaseEmbeddingConfig) for c in configs):
+        raise ValueError("eb_configs must be TorchRec table configs (EmbeddingConfig / "
+                         "EmbeddingBagConfig)")
+    names = [c.name for c in configs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"eb_configs names must be unique, got {names}")
+    return {c.name: c for c in configs}
+
+
+def _cross_check(given: Mapping[str, BaseEmbeddingConfig],
+                 model: Mapping[str, BaseEmbeddingConfig]) -> None:
+    """Raises unless every config in ``eb_configs`` is a table of the model with the
+    same shape and data type."""
+    for name, config in given.items():
+        if name not in model:
+            raise ValueError(f"eb_configs names table {name!r}, which the model does not have "
+                             f"(its tables: {sorted(model)})")
+        for field in ("embedding_dim", "num_embeddings", "data_type"):
+            if getattr(config, field) != getattr(model[name], field):
+                raise ValueError(f"table {name!r}: eb_configs has {field}="
+                                 f"{getattr(config, field)}, the model "
+                                 f"{getattr(model[name], field)}")
+
+
+class DynamicEmbeddingEnumerator(EmbeddingEnumerator):
+    """TorchRec's ``EmbeddingEnumerator`` for models with dynamic tables (upstream's
+    name and arguments): offers ``customized_kernel`` to the tables ``constraints``
+    make dynamic and to no other (TorchRec does not guard it), and by default
+    estimates with ``DynamicEmbPerfConfig`` and ``DynamicEmbStorageEstimator``.
+
+    Args:
+        topology, batch_size, constraints, use_exact_enumerate_order: TorchRec's.
+        estimator: default: the dynamic perf and storage estimators.
+
+    Example::
+
+        enumerator = DynamicEmbeddingEnumerator(topology=topology, constraints=constraints)
+        planner = DynamicEmbeddingShardingPlanner(topology=topology, constraints=constraints,
+                                                  enumerator=enumerator)
+    """
+
+    def __init__(self, topology: Topology, batch_size: Optional[int] = 512,
+                 constraints: Optional[Dict[str, ParameterConstraints]] = None,
+                 estimator=None, use_exact_enumerate_order: Optional[bool] = False) -> None:
+        if estimator is None:
+            estimator = [
+                EmbeddingPerfEstimatorFactory.create_with_config(
+                    DynamicEmbPerfConfig(), topology=topology, constraints=constraints),
+                DynamicEmbStorageEstimator(topology=topology, constraints=constraints),
+            ]
+        super().__init__(topology=topology, batch_size=batch_size if batch_size is not None else 512,
+                         constraints=constraints, estimator=estimator,
+                         use_exact_enumerate_order=use_exact_enumerate_order)
+        self._dynamic_tables = {name for name, c in (constraints or {}).items() if _is_dynamic(c)}
 
     def _filter_compute_kernels(self, name: str, allowed_compute_kernels: List[str], sharding_type: str) -> List[str]:
         kernels = super()._filter_compute_kernels(name, allowed_compute_kernels, sharding_type)
@@ -57,10 +141,17 @@ class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
     (``dynamicemb.shard``) to ``plan``/``collective_plan`` and to DMP.
 
     Args:
+        eb_configs: optional, upstream's first argument: the model's table configs.
+            Given, ``plan`` checks that the model's tables agree with them (name,
+            ``embedding_dim``, ``num_embeddings``, ``data_type``). It may be passed
+            first, as upstream does (``DynamicEmbeddingShardingPlanner(eb_configs,
+            topology, ...)``), or by keyword.
         topology, batch_size, constraints: as TorchRec's planner (default topology:
             this process group on CUDA if available, else CPU).
-        enumerator: default: TorchRec's enumerator with the dynamic estimators.
-        **kwargs: the other ``EmbeddingShardingPlanner`` arguments.
+        enumerator: a ``DynamicEmbeddingEnumerator`` (the default).
+        storage_reservation, proposer, partitioner, performance_model, stats, debug,
+            and TorchRec's other keywords: as ``EmbeddingShardingPlanner``'s, in its
+            positional order after ``topology``.
 
     Example::
 
@@ -71,9 +162,14 @@ class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
         plan = planner.collective_plan(model, sharders)
     """
 
-    def __init__(self, topology: Optional[Topology] = None, batch_size: Optional[int] = None,
-                 enumerator=None, constraints: Optional[Dict[str, ParameterConstraints]] = None,
-                 **kwargs) -> None:
+    def __init__(self, *args: Any, eb_configs: Optional[Sequence[BaseEmbeddingConfig]] = None,
+                 **kwargs: Any) -> None:
+        eb_configs, kwargs = _planner_arguments(args, eb_configs, kwargs)
+        self._eb_configs = None if eb_configs is None else _check_configs(eb_configs)
+        topology: Optional[Topology] = kwargs.pop("topology", None)
+        batch_size: Optional[int] = kwargs.pop("batch_size", None)
+        enumerator = kwargs.pop("enumerator", None)
+        constraints: Optional[Dict[str, ParameterConstraints]] = kwargs.pop("constraints", None)
         if topology is None:
             topology = Topology(
                 world_size=dist.get_world_size(), local_world_size=get_local_size(),
@@ -85,13 +181,13 @@ class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
         self._dynamic_constraints = {name: c for name, c in (constraints or {}).items() if _is_dynamic(c)}
         self._declared_options = {name: c.dynamicemb_options for name, c in self._dynamic_constraints.items()}
         if enumerator is None:
-            perf = EmbeddingPerfEstimatorFactory.create_with_config(
-                DynamicEmbPerfConfig(), topology=topology, constraints=constraints)
-            storage = DynamicEmbStorageEstimator(topology=topology, constraints=constraints)
-            enumerator = _DynamicEmbEnumerator(
-                topology=topology, batch_size=batch_size if batch_size is not None else 512,
-                constraints=constraints, estimator=[perf, storage],
-                dynamic_tables=self._dynamic_constraints)
+            enumerator = DynamicEmbeddingEnumerator(topology=topology, batch_size=batch_size,
+                                                    constraints=constraints)
+        elif not isinstance(enumerator, DynamicEmbeddingEnumerator) and self._dynamic_constraints:
+            raise ValueError(
+                f"enumerator must be a DynamicEmbeddingEnumerator when tables are dynamic "
+                f"(a {type(enumerator).__name__} would offer customized_kernel to any table "
+                f"and charge hash tables as dense weights)")
         super().__init__(topology=topology, batch_size=batch_size, enumerator=enumerator,
                          constraints=constraints, **kwargs)
 
@@ -101,8 +197,14 @@ class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
 
         Raises:
             ValueError: a dynamic table's ``dim`` or ``max_capacity`` differs from its
-                config in ``module``.
+                config in ``module``; the model's configs differ from ``eb_configs``; a
+                sharder's fused params hold one dynamic tables cannot honour.
         """
+        if self._eb_configs is not None:
+            _cross_check(self._eb_configs, table_configs(module))
+        if self._dynamic_constraints:
+            for sharder in _dynamic_sharders(sharders, self._topology.compute_device):
+                module_kwargs(sharder.fused_params)  # what the dynamic kernels are built with
         for name, constraint in self._dynamic_constraints.items():  # as given, for this module
             constraint.dynamicemb_options = self._declared_options[name]
         options = dynamic_table_options(self._dynamic_constraints, module)

@@ -20,6 +20,7 @@ __all__ = [
     "DynamicEmbParameterSharding",
     "dynamic_table_options",
     "resolve_options",
+    "table_configs",
     "to_dynamic_sharding",
 ]
 
@@ -113,7 +114,8 @@ class DynamicEmbParameterConstraints(ParameterConstraints):
 
     Args:
         use_dynamicemb: plan the table as a dynamic (hash-table) table.
-        dynamicemb_options: its options (required with ``use_dynamicemb``).
+        dynamicemb_options: its options (default ``DynamicEmbTableOptions()``, as
+            upstream's).
 
     Dynamic tables may be ``row_wise`` (ids go to the rank ``owner_rank(id, W)``)
     or ``table_wise``; other sharding types are refused. Their ``compute_kernels``
@@ -130,8 +132,8 @@ class DynamicEmbParameterConstraints(ParameterConstraints):
     def __post_init__(self) -> None:
         if not self.use_dynamicemb:
             return
-        if self.dynamicemb_options is None:
-            raise ValueError("use_dynamicemb=True needs dynamicemb_options")
+        if self.dynamicemb_options is None:  # upstream's default: default options
+            self.dynamicemb_options = DynamicEmbTableOptions()
         if self.sharding_types is None:
             self.sharding_types = list(DYNAMIC_SHARDING_TYPES)
         for sharding_type in self.sharding_types:
@@ -143,7 +145,7 @@ class DynamicEmbParameterConstraints(ParameterConstraints):
 
 
 def resolve_options(options: DynamicEmbTableOptions, table: str, embedding_dim: int,
-                    num_embeddings: int) -> DynamicEmbTableOptions:
+                    num_embeddings: int, data_type: Any = None) -> DynamicEmbTableOptions:
     """A dynamic table's options with ``dim`` and ``max_capacity`` taken from its
     TorchRec config where they are ``None``.
 
@@ -153,15 +155,21 @@ def resolve_options(options: DynamicEmbTableOptions, table: str, embedding_dim: 
     Args:
         options: the options a constraint (or ``to_dynamic_sharding``) gave.
         table: the table's name, for the message.
-        embedding_dim, num_embeddings: the table's ``EmbeddingConfig`` /
-            ``EmbeddingBagConfig`` fields.
+        embedding_dim, num_embeddings, data_type: the table's ``EmbeddingConfig`` /
+            ``EmbeddingBagConfig`` fields (``data_type`` None: not checked).
 
     Returns:
         ``options`` itself when nothing is missing, else a filled copy.
 
     Raises:
-        ValueError: a set field differs from the config (both values named).
+        ValueError: a set field differs from the config (both values named), or the
+            config's ``data_type`` is not FP32 (dynamic tables store float32 rows).
     """
+    if data_type is not None and getattr(data_type, "name", data_type) != "FP32":
+        raise ValueError(
+            f"table {table!r}: data_type={getattr(data_type, 'name', data_type)} in the table's "
+            f"config, but dynamic tables store float32 rows; use DataType.FP32 (output_dtype "
+            f"sets the output's dtype)")
     fills = {}
     for field, config_field, value in (("dim", "embedding_dim", embedding_dim),
                                        ("max_capacity", "num_embeddings", num_embeddings)):
@@ -175,7 +183,7 @@ def resolve_options(options: DynamicEmbTableOptions, table: str, embedding_dim: 
     return dataclasses.replace(options, **fills) if fills else options
 
 
-def _table_configs(module: nn.Module) -> Dict[str, Any]:
+def table_configs(module: nn.Module) -> Dict[str, Any]:
     """name -> config of every EmbeddingCollection / EmbeddingBagCollection table in ``module``."""
     configs: Dict[str, Any] = {}
     for child in module.modules():
@@ -195,12 +203,13 @@ def dynamic_table_options(constraints: Optional[Mapping[str, ParameterConstraint
         constraints: the planner's constraints, keyed by table name.
         module: the unsharded model (tables may be on ``meta``).
     """
-    configs = _table_configs(module)
+    configs = table_configs(module)
     out = {}
     for name, constraint in (constraints or {}).items():
         if not (isinstance(constraint, DynamicEmbParameterConstraints) and constraint.use_dynamicemb):
             continue
         config = configs.get(name)
         out[name] = (constraint.dynamicemb_options if config is None else resolve_options(
-            constraint.dynamicemb_options, name, config.embedding_dim, config.num_embeddings))
+            constraint.dynamicemb_options, name, config.embedding_dim, config.num_embeddings,
+            config.data_type))
     return out

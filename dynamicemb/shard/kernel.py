@@ -3,6 +3,7 @@ kernel (sequence or pooled) around ``BatchedDynamicEmbeddingTables``."""
 
 import dataclasses
 import math
+import warnings
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
@@ -19,10 +20,10 @@ from torchrec.distributed.utils import append_prefix
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from dynamicemb.embedding.fused_params import module_kwargs
 from dynamicemb.embedding.module import BatchedDynamicEmbeddingTables
 from dynamicemb.options import (
     DynamicEmbInitializerMode,
-    DynamicEmbOptimType,
     DynamicEmbPoolingMode,
     DynamicEmbTableOptions,
 )
@@ -59,14 +60,20 @@ class DynamicEmbKeyedOptimizer(FusedOptimizer):
 
 def _rank_options(options: DynamicEmbTableOptions, table: ShardedEmbeddingTable) -> DynamicEmbTableOptions:
     """A table's options on this rank: ``dim`` and ``max_capacity`` completed from the
-    config (``resolve_options``), capacity = its share of ``num_embeddings``; uniform
+    config (``resolve_options``), capacity = its share of ``num_embeddings``;
+    ``init_capacity`` is per rank (upstream's meaning), capped to that share;
+    ``global_hbm_for_values`` becomes this rank's ``local_hbm_for_values``; uniform
     bounds default to TorchRec's (±sqrt(1 / num_embeddings))."""
-    options = resolve_options(options, table.name, table.embedding_dim, table.num_embeddings)
+    options = resolve_options(options, table.name, table.embedding_dim, table.num_embeddings,
+                              table.data_type)
     num_shards = len(table.global_metadata.shards_metadata) if table.global_metadata else 1
     capacity = max(table.local_rows, math.ceil(table.num_embeddings / num_shards))
     init_capacity = None
     if options.init_capacity is not None:
-        init_capacity = min(capacity, max(1, options.init_capacity * capacity // options.max_capacity))
+        if options.init_capacity > capacity:
+            warnings.warn(f"table {table.name!r}: init_capacity {options.init_capacity} exceeds "
+                          f"this rank's capacity {capacity}; capped to it", UserWarning)
+        init_capacity = min(capacity, options.init_capacity)
     init = options.initializer_args
     if init.mode == DynamicEmbInitializerMode.UNIFORM:
         init = dataclasses.replace(
@@ -75,22 +82,21 @@ def _rank_options(options: DynamicEmbTableOptions, table: ShardedEmbeddingTable)
             upper=table.get_weight_init_max() if init.upper is None else init.upper,
         )
     return dataclasses.replace(options, max_capacity=capacity, init_capacity=init_capacity,
-                               initializer_args=init)
+                               initializer_args=init,
+                               local_hbm_for_values=options.device_budget(num_shards),
+                               global_hbm_for_values=None)
 
 
-def _optimizer_kwargs(fused_params: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """The fused params the module understands (TorchRec's and FBGEMM's names)."""
-    params = dict(fused_params or {})
-    kwargs: Dict[str, Any] = {"optimizer": DynamicEmbOptimType.of(params.get("optimizer", "exact_sgd"))}
-    for name in ("learning_rate", "eps", "beta1", "beta2", "weight_decay"):
-        if name in params:
-            kwargs[name] = float(params[name])
-    if "betas" in params:
-        kwargs["beta1"], kwargs["beta2"] = (float(b) for b in params["betas"])
-    output_dtype = params.get("output_dtype")
-    if output_dtype is not None:
-        kwargs["output_dtype"] = output_dtype.as_dtype() if hasattr(output_dtype, "as_dtype") else output_dtype
-    return kwargs
+def _frequencies(features: KeyedJaggedTensor) -> Optional[torch.Tensor]:
+    """The occurrence counts deduplicated ids carry as weights (sequence kernels)."""
+    counts = features.weights_or_none()
+    return None if counts is None else counts.round().to(torch.int64)
+
+
+def _after_prefetch(forward_stream) -> None:
+    """A prefetch ran on the current stream: the forward stream waits for it."""
+    if forward_stream is not None:
+        forward_stream.wait_stream(torch.cuda.current_stream(forward_stream.device))
 
 
 class _DynamicEmbKernelMixin:
@@ -116,7 +122,7 @@ class _DynamicEmbKernelMixin:
             feature_table_map=self._feature_table_map,
             pooling_mode=pooling,
             device=device,
-            **_optimizer_kwargs(config.fused_params),
+            **module_kwargs(config.fused_params, skip=(DYNAMICEMB_OPTIONS_KEY,)),
         )
         self._rank = dist.get_rank(self._pg) if self._pg is not None else 0
         self._num_shards = {
@@ -192,9 +198,14 @@ class DynamicEmbEmbedding(_DynamicEmbKernelMixin, BaseBatchedEmbedding[torch.Ten
         self._build(config, device, DynamicEmbPoolingMode.NONE)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        counts = features.weights_or_none()
-        frequencies = None if counts is None else counts.round().to(torch.int64)
-        return self._emb_module(features.values(), features.offsets(), frequencies=frequencies)
+        return self._emb_module(features.values(), features.offsets(),
+                                frequencies=_frequencies(features))
+
+    def prefetch(self, features: KeyedJaggedTensor, forward_stream=None) -> None:
+        """Looks up ``features`` ahead of ``forward`` (which must get the same ones)."""
+        self._emb_module.prefetch(features.values(), features.offsets(),
+                                  frequencies=_frequencies(features))
+        _after_prefetch(forward_stream)
 
 
 class DynamicEmbEmbeddingBag(_DynamicEmbKernelMixin, BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerModule):
@@ -215,3 +226,9 @@ class DynamicEmbEmbeddingBag(_DynamicEmbKernelMixin, BaseBatchedEmbeddingBag[tor
         if vbe_output is not None or features.variable_stride_per_key():
             raise NotImplementedError("dynamic tables do not support variable batch sizes (VBE)")
         return self._emb_module(features.values(), features.offsets(), features.weights_or_none())
+
+    def prefetch(self, features: KeyedJaggedTensor, forward_stream=None) -> None:
+        """Looks up ``features`` ahead of ``forward`` (which must get the same ones)."""
+        self._emb_module.prefetch(features.values(), features.offsets(),
+                                  features.weights_or_none())
+        _after_prefetch(forward_stream)

@@ -1,9 +1,12 @@
-"""Rank bodies of the sharded-Adam test (spawned; importable, no pytest here).
+"""Rank bodies of the sharded-Adam and sharded-fused-params tests (spawned;
+importable, no pytest here).
 
 TorchRec's CPU kernels have no Adam, so sharded dynamic tables trained with Adam are
 checked against unsharded ``BatchedDynamicEmbeddingTables`` (one per collection, same
-table names, options and feature_table_map) that every rank feeds with the GLOBAL
-batch (all ranks' inputs, rebuilt from the same seeds). TorchRec divides gradients at
+table names, options and feature_table_map, built with the same fused params as
+keywords) that every rank feeds with the GLOBAL batch (all ranks' inputs, rebuilt
+from the same seeds). The same harness checks that every fused param reaches the
+sharded kernels (``sharded_vs_unsharded``). TorchRec divides gradients at
 the kernel by the world size, so the reference loss is the sum of the ranks' losses
 divided by the world size; both sides run one backward per step (Adam's global step
 per table group is one per backward).
@@ -13,7 +16,8 @@ from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
@@ -27,6 +31,7 @@ from dynamicemb import (
     DynamicEmbPoolingMode,
     DynamicEmbTableOptions,
 )
+from dynamicemb.embedding.fused_params import module_kwargs
 from dynamicemb.planner import to_dynamic_sharding
 from dynamicemb_testing.shard_workers import TwinModel
 from dynamicemb.shard import (
@@ -100,21 +105,21 @@ def _plan(module: nn.Module, tables: Dict, sharder, world_size: int):
     return plan
 
 
-def _sharded(world_size: int) -> DistributedModelParallel:
+def _sharded(world_size: int, fused: Dict, dedup: bool) -> DistributedModelParallel:
     model = TwinModel(EC_TABLES, EBC_TABLES, {})
-    ec_sharder = DynamicEmbeddingCollectionSharder(fused_params=FUSED, use_index_dedup=True)
-    ebc_sharder = DynamicEmbeddingBagCollectionSharder(fused_params=FUSED)
+    ec_sharder = DynamicEmbeddingCollectionSharder(fused_params=fused, use_index_dedup=dedup)
+    ebc_sharder = DynamicEmbeddingBagCollectionSharder(fused_params=fused, use_index_dedup=dedup)
     plan = ShardingPlan({"ec": _plan(model.ec, EC_TABLES, ec_sharder, world_size),
                          "ebc": _plan(model.ebc, EBC_TABLES, ebc_sharder, world_size)})
     return DistributedModelParallel(model, plan=plan, sharders=[ec_sharder, ebc_sharder], device=CPU)
 
 
-def _reference(tables: Dict, pooling: DynamicEmbPoolingMode) -> BatchedDynamicEmbeddingTables:
+def _reference(tables: Dict, pooling: DynamicEmbPoolingMode, fused: Dict) -> BatchedDynamicEmbeddingTables:
     names = list(tables)
     feature_table_map = [t for t, (_, _, features, _) in enumerate(tables.values()) for _ in features]
     return BatchedDynamicEmbeddingTables(
         [_options(n, d, r) for n, (r, d, _, _) in tables.items()], table_names=names,
-        feature_table_map=feature_table_map, pooling_mode=pooling, optimizer=DynamicEmbOptimType.ADAM, **ADAM)
+        feature_table_map=feature_table_map, pooling_mode=pooling, **module_kwargs(fused))
 
 
 def _features(tables: Dict) -> List[str]:
@@ -138,9 +143,18 @@ def sharded_adam_vs_unsharded(rank: int, world_size: int) -> None:
     """Adam (weight decay, non-default betas) on row-wise and table-wise dynamic tables
     of an EC and an EBC: outputs, losses, and finally every stored row and its Adam
     state against unsharded tables fed the global batch."""
-    dmp = _sharded(world_size)
-    ref_ec = _reference(EC_TABLES, DynamicEmbPoolingMode.NONE)
-    ref_ebc = _reference(EBC_TABLES, DynamicEmbPoolingMode.SUM)
+    sharded_vs_unsharded(rank, world_size, FUSED, dedup=True)
+
+
+def sharded_vs_unsharded(rank: int, world_size: int, fused: Dict, dedup: bool) -> None:
+    """Row-wise and table-wise dynamic tables of an EC and an EBC sharded with the
+    sharders' ``fused`` params, against unsharded tables built with the same params as
+    keywords and fed the global batch: outputs, losses, and finally every stored row
+    and its optimizer state."""
+    dmp = _sharded(world_size, fused, dedup)
+    ref_ec = _reference(EC_TABLES, DynamicEmbPoolingMode.NONE, fused)
+    ref_ebc = _reference(EBC_TABLES, DynamicEmbPoolingMode.SUM, fused)
+    adam = DynamicEmbOptimType.of(fused["optimizer"]) == DynamicEmbOptimType.ADAM
     ec_features, ebc_features = _features(EC_TABLES), _features(EBC_TABLES)
     ebc_dims = _feature_dims(EBC_TABLES)
     for step in range(STEPS):
@@ -196,13 +210,42 @@ def sharded_adam_vs_unsharded(rank: int, world_size: int) -> None:
             got = tables[name].export_keys_values(name)
             order_got, order_exp = got.keys.argsort(), expected.keys[owned].argsort()
             assert torch.equal(got.keys[order_got], expected.keys[owned][order_exp]), name
-            assert got.optimizer_states.shape[1] == 2 * dim, name  # Adam: m and v
+            assert tables[name].optimizer_args(name) == ref.optimizer_args(name), name
             for field in ("embeddings", "optimizer_states"):
                 torch.testing.assert_close(getattr(got, field)[order_got],
                                            getattr(expected, field)[owned][order_exp],
                                            msg=lambda m: f"{name} {field}: {m}")
-            # the rows did move (Adam with weight decay touched every stored row)
-            assert bool((got.optimizer_states[:, dim:] > 0).all()), name
-    # both sides counted one Adam step per group per backward
-    for module in [*tables.values(), ref_ec, ref_ebc]:
-        assert all(g.adam_step == STEPS for g in module._groups)
+            if adam:  # the rows did move (Adam touched every stored row)
+                assert got.optimizer_states.shape[1] == 2 * dim, name  # m and v
+                assert bool((got.optimizer_states[:, dim:] > 0).all()), name
+    if adam:  # both sides counted one Adam step per group per backward
+        for module in [*tables.values(), ref_ec, ref_ebc]:
+            assert all(g.adam_step == STEPS for g in module._groups)
+
+
+# Fused params beyond Adam's defaults, as TorchRec passes them to the sharded kernels.
+# Gradient clipping needs dedup off: with it the kernel clamps each id's gradient
+# summed over a rank's duplicates (as TorchRec's own dedup does), the reference each.
+FUSED_CONFIGS = [
+    ({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05, "eps": 1e-6,
+      "initial_accumulator_value": 0.1, "weight_decay": 0.02,
+      "weight_decay_mode": WeightDecayMode.DECOUPLE, "gradient_clipping": True,
+      "max_gradient": 0.05, "stochastic_rounding": True, "prefetch_pipeline": True}, False),
+    ({"optimizer": EmbOptimType.ADAM, "learning_rate": 0.02, "betas": (0.8, 0.95), "eps": 1e-7,
+      "weight_decay": 0.05, "weight_decay_mode": WeightDecayMode.L2,
+      "output_dtype": SparseType.FP32}, True),
+]
+
+
+def sharded_fused_params(rank: int, world_size: int) -> None:
+    """Each config of ``FUSED_CONFIGS`` reaches the sharded kernels (their optimizer
+    settings equal the reference's, and so do outputs and rows); a fused param dynamic
+    tables cannot honour stops DMP with its name."""
+    for fused, dedup in FUSED_CONFIGS:
+        sharded_vs_unsharded(rank, world_size, fused, dedup)
+    try:
+        _sharded(world_size, {"optimizer": EmbOptimType.EXACT_SGD, "max_norm": 1.0}, True)
+    except ValueError as err:
+        assert "max_norm" in str(err), err
+    else:
+        raise AssertionError("max_norm was accepted by the sharded kernel")

@@ -33,6 +33,7 @@ def make_tables(optimizer=DynamicEmbOptimType.ADAM, caching: bool = False,
     return BatchedDynamicEmbeddingTables(options, table_names=["a", "b"],
                                          feature_table_map=[0, 0, 1], optimizer=optimizer,
                                          learning_rate=0.05, weight_decay=0.01,
+                                         weight_decay_mode="l2",
                                          initial_accumulator_value=0.1)
 
 

@@ -13,7 +13,7 @@ module's table into a dict comparable with the reference.
 """
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -27,6 +27,7 @@ from dynamicemb import (
     DynamicEmbOptimType,
     DynamicEmbPoolingMode,
     DynamicEmbTableOptions,
+    DynamicEmbWeightDecayMode,
 )
 
 OPTIMIZERS = [
@@ -84,7 +85,9 @@ def apply_optimizer(
     args: DynamicEmbOptimizerArgs, lr: float, step: int, w: torch.Tensor, s: torch.Tensor,
     g: torch.Tensor,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One update of one row, float32, with torch.optim's formulas and L2 weight decay.
+    """One update of one row, float32, with torch.optim's formulas; weight decay L2
+    (torch.optim's ``weight_decay``) or decoupled (``torch.optim.AdamW``: the row is
+    scaled by ``1 - lr * weight_decay`` first), as ``args.decay_mode`` says.
 
     Args:
         args: optimizer settings (``lr`` given separately: schedulers change it).
@@ -96,7 +99,11 @@ def apply_optimizer(
         The new row and the new state.
     """
     w, s, g = w.clone(), s.clone(), g.clone()
-    g = g + args.weight_decay * w  # L2, as torch.optim's weight_decay
+    mode = args.decay_mode
+    if mode == DynamicEmbWeightDecayMode.L2:
+        g = g + args.weight_decay * w  # as torch.optim's weight_decay
+    elif mode == DynamicEmbWeightDecayMode.DECOUPLE:
+        w = w * (1 - lr * args.weight_decay)  # as torch.optim.AdamW
     kind = args.optimizer
     if kind == DynamicEmbOptimType.EXACT_SGD:
         w = w - lr * g
@@ -233,20 +240,22 @@ class DenseReference:
 
     # -------------------------------------------------------------- backward
     def backward(self, grad_output: torch.Tensor) -> None:
-        """Gradients by autograd, then one optimizer update per looked-up row."""
+        """Gradients by autograd (from the output's gradient clamped to
+        ``[-max_gradient, max_gradient]`` for tables with ``gradient_clipping``), then
+        one optimizer update per looked-up row."""
         out, matrices = self._pending
         self._pending = None
         self.step += 1
         grads = {}
-        leaves = [m for m, _ in matrices.values() if m.numel()]
-        if leaves and out.requires_grad:
-            got = torch.autograd.grad(out, leaves, grad_output.to(torch.float32),
-                                      allow_unused=True)
-            it = iter(got)
-            for table, (m, _) in matrices.items():
-                if m.numel():
-                    g = next(it)
-                    grads[table] = torch.zeros_like(m) if g is None else g
+        for table, (m, _) in matrices.items():
+            if not (m.numel() and out.requires_grad):
+                continue
+            opt = self.tables[table].optimizer
+            g_out = grad_output.to(torch.float32)
+            if opt.gradient_clipping:
+                g_out = g_out.clamp(-opt.max_gradient, opt.max_gradient)
+            g, = torch.autograd.grad(out, [m], g_out, allow_unused=True, retain_graph=True)
+            grads[table] = torch.zeros_like(m) if g is None else g
         for table, (m, pos) in matrices.items():
             t = self.tables[table]
             for key, i in pos.items():
@@ -291,10 +300,7 @@ def make_tables(
         ref_tables.append(RefTable(dim=spec.dim, optimizer=replace(spec.optimizer or optimizer),
                                    init=initializer_row(init, spec.dim)))
     module = BatchedDynamicEmbeddingTables(
-        options, feature_table_map=ftm, pooling_mode=pooling, optimizer=optimizer.optimizer,
-        learning_rate=optimizer.learning_rate, eps=optimizer.eps, beta1=optimizer.beta1,
-        beta2=optimizer.beta2, weight_decay=optimizer.weight_decay,
-        initial_accumulator_value=optimizer.initial_accumulator_value, **module_kw)
+        options, feature_table_map=ftm, pooling_mode=pooling, **asdict(optimizer), **module_kw)
     return module, DenseReference(ref_tables, ftm, pooling)
 
 

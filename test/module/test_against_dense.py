@@ -101,15 +101,35 @@ def test_training_matches_dense(opt, pooling, kind, weighted, device):
     train_and_compare(module, ref, pools, seed=2, weighted=weighted)
 
 
-@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
-def test_weight_decay_matches_dense(opt, device):
-    """L2 weight decay (g + wd * w) for every optimizer, on weighted SUM over mixed tables."""
-    args = replace(OPTIMIZER_ARGS[opt], weight_decay=0.05)
+DECAY_GRID = [(o, m) for o in OPTIMIZERS for m in ("l2", "decouple")] + [
+    (DynamicEmbOptimType.ADAM, None)]  # Adam's default: decoupled, as FBGEMM's
+
+
+@pytest.mark.parametrize("opt,mode", DECAY_GRID,
+                         ids=[f"{o.name}-{m}" for o, m in DECAY_GRID])
+def test_weight_decay_matches_dense(opt, mode, device):
+    """L2 (g + wd * w) and decoupled (w * (1 - lr * wd) first, AdamW) weight decay for
+    every optimizer, on weighted SUM over mixed tables."""
+    args = replace(OPTIMIZER_ARGS[opt], weight_decay=0.05, weight_decay_mode=mode)
     specs, ftm = layout("mixed", SUM)
     module, ref = make_tables(specs, ftm, SUM, args, device=device)
     pools = pools_for(specs, seed=11)
     import_initial_rows(module, ref, pools, torch.Generator().manual_seed(3), with_states=True)
     train_and_compare(module, ref, pools, seed=4, weighted=True)
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
+def test_gradient_clipping_matches_clipped_dense(opt, device):
+    """``gradient_clipping``: each table's rows get the gradient of the output clamped to
+    its own ``max_gradient`` (the module's here, a table's own there, none for a third)."""
+    module_args = replace(OPTIMIZER_ARGS[opt], gradient_clipping=True, max_gradient=0.3)
+    specs = [TableSpec(dim=4), TableSpec(dim=3, optimizer=replace(
+        OPTIMIZER_ARGS[DynamicEmbOptimType.EXACT_SGD], gradient_clipping=True, max_gradient=0.1)),
+        TableSpec(dim=4, optimizer=OPTIMIZER_ARGS[DynamicEmbOptimType.EXACT_ADAGRAD])]
+    module, ref = make_tables(specs, [0, 1, 0, 2], SUM, module_args, device=device)
+    pools = pools_for(specs, seed=41)
+    import_initial_rows(module, ref, pools, torch.Generator().manual_seed(42), with_states=True)
+    train_and_compare(module, ref, pools, seed=43, weighted=True)
 
 
 @pytest.mark.parametrize("pooling", [SUM, MEAN], ids=lambda p: p.name)
@@ -166,7 +186,9 @@ def layouts(draw):
     ftm = draw(st.lists(st.integers(0, num_tables - 1), min_size=1, max_size=4))
     opt = draw(st.sampled_from(OPTIMIZERS))
     wd = draw(st.sampled_from([0.0, 0.01]))
-    return specs, ftm, pooling, replace(OPTIMIZER_ARGS[opt], weight_decay=wd)
+    mode = draw(st.sampled_from(["l2", "decouple"]))
+    return specs, ftm, pooling, replace(OPTIMIZER_ARGS[opt], weight_decay=wd,
+                                        weight_decay_mode=mode)
 
 
 @settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -81,19 +81,21 @@ class Pair:
 
 
 def make_pair(opt: EmbOptimType, pooling, dims: List[int], ftm: List[int], weight_decay=0.0,
-              seed=0, pool_size=10) -> Pair:
-    """Both modules with identical initial rows (every pool id) and optimizer states."""
+              seed=0, pool_size=10, **both) -> Pair:
+    """Both modules with identical initial rows (every pool id) and optimizer states;
+    ``both``: further keywords given to both (FBGEMM's names)."""
     gen = torch.Generator().manual_seed(seed)
     fbgemm = fbgemm_training.SplitTableBatchedEmbeddingBagsCodegen(
         [(pool_size, d, EmbeddingLocation.HOST, fbgemm_training.ComputeDevice.CPU) for d in dims],
         feature_table_map=ftm, optimizer=opt, learning_rate=LR[opt], eps=1e-8,
         weight_decay=weight_decay,
         weight_decay_mode=WeightDecayMode.L2 if weight_decay else WeightDecayMode.NONE,
-        pooling_mode=FBGEMM_POOLING[pooling])
+        pooling_mode=FBGEMM_POOLING[pooling], **both)
     ours = BatchedDynamicEmbeddingTables(
         [DynamicEmbTableOptions(dim=d, max_capacity=256) for d in dims], feature_table_map=ftm,
         pooling_mode=pooling, optimizer=opt, learning_rate=LR[opt], eps=1e-8,
-        weight_decay=weight_decay)
+        weight_decay=weight_decay,
+        weight_decay_mode=WeightDecayMode.L2 if weight_decay else WeightDecayMode.NONE, **both)
     pools = [id_pool(pool_size, seed + 13 * t) for t in range(len(dims))]
     fb_states = fbgemm.split_optimizer_states()
     for t, (name, pool) in enumerate(zip(ours.table_names, pools)):
@@ -134,14 +136,20 @@ def train_both(pair: Pair, seed: int, weighted: bool, batch: int = 6) -> None:
     feature_pools = [pair.pools[t] for t in pair.feature_table_map]
     for step in range(STEPS):
         indices, offsets, weights = random_batch(feature_pools, batch, gen, weighted=weighted)
+        fb_weights = None
+        if weights is not None:  # both get their own leaf: their gradients are compared
+            weights, fb_weights = weights.requires_grad_(), weights.detach().clone().requires_grad_()
         out = pair.ours(indices, offsets, weights)
         fb_out = pair.fbgemm(pair.fbgemm_indices(indices, offsets), offsets,
-                             per_sample_weights=weights)
+                             per_sample_weights=fb_weights)
         torch.testing.assert_close(out.detach(), fb_out.detach(), **TOL,
                                    msg=lambda m: f"step {step} output: {m}")
         grad = torch.randn(out.shape, generator=gen)
         (out * grad).sum().backward()
         (fb_out * grad).sum().backward()
+        if weights is not None:
+            torch.testing.assert_close(weights.grad, fb_weights.grad, **TOL,
+                                       msg=lambda m: f"step {step} weights' gradient: {m}")
     assert_same_tables(pair)
 
 
@@ -189,6 +197,19 @@ def test_weight_decay_matches_fbgemm_l2(opt):
         pytest.skip(f"FBGEMM's CPU {opt.name} ignores weight_decay (see the module docstring)")
     pair = make_pair(opt, SUM, [4, 8], [0, 0, 1], weight_decay=0.05, seed=5)
     train_both(pair, seed=6, weighted=True)
+
+
+CLIP_GRID = [(o, p) for o in OPTIMIZERS for p in (SUM, NONE)]
+
+
+@pytest.mark.parametrize("opt,pooling", CLIP_GRID, ids=[f"{o.name}-{p.name}" for o, p in CLIP_GRID])
+def test_gradient_clipping_matches_fbgemm(opt, pooling):
+    """``gradient_clipping``/``max_gradient`` as FBGEMM's: the output's gradient is clamped
+    elementwise before the update and the per-sample weights' gradient (half of this
+    test's gradients exceed the bound)."""
+    pair = make_pair(opt, pooling, *layout("shared", pooling), seed=7, gradient_clipping=True,
+                     max_gradient=0.5, stochastic_rounding=False)
+    train_both(pair, seed=8, weighted=pooling == SUM)
 
 
 def test_optimizer_enum_of_fbgemm_is_accepted():

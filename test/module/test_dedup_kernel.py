@@ -71,9 +71,9 @@ def test_backward_refuses_a_grouping_that_does_not_fit():
         with pytest.raises(RuntimeError, match="rank must be below"):
             OPS.fused_backward(tiers, torch.tensor([0, 1]), torch.tensor([0, 1, 2]),
                                torch.tensor(rank), no_offsets, None, no_offsets, 0, 2, False,
-                               grad, 0, 0.1, 1e-8, 0.9, 0.999, 0.0, 0.1, 1.0)
+                               grad, 0, 0.1, 1e-8, 0.9, 0.999, 0.0, 0.1, 1.0, 1.0)
     assert torch.equal(values, before)
     OPS.fused_backward(tiers, torch.tensor([0, 1]), torch.tensor([0, 1, 2]),
                        torch.tensor([1, 0]), no_offsets, None, no_offsets, 0, 2, False,
-                       grad, 0, 0.1, 1e-8, 0.9, 0.999, 0.0, 0.1, 1.0)
+                       grad, 0, 0.1, 1e-8, 0.9, 0.999, 0.0, 0.1, 1.0, 1.0)
     assert torch.allclose(values[:2], before[:2] - 0.1) and torch.equal(values[2:], before[2:])

@@ -63,7 +63,8 @@ def make_module(device, optimizer, strategy, pooling, caching=False, device_rows
     )
     return BatchedDynamicEmbeddingTables(
         [options, options], table_names=["a", "b"], pooling_mode=pooling,
-        optimizer=optimizer, learning_rate=0.05, weight_decay=0.01, device=device,
+        optimizer=optimizer, learning_rate=0.05, weight_decay=0.01, weight_decay_mode="l2",
+        device=device,
     )
 
 

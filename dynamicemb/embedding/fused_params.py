@@ -1,0 +1,165 @@
+"""FBGEMM's and upstream's table keywords: each is honoured or refused, never dropped.
+
+``BatchedDynamicEmbeddingTables`` takes the keywords of FBGEMM's
+``SplitTableBatchedEmbeddingBagsCodegen`` and of upstream dynamicemb's
+``BatchedDynamicEmbeddingTablesV2``; TorchRec passes a sharder's fused params to the
+dynamic kernel as the same keywords (``module_kwargs``). The optimizer ones go to
+``DynamicEmbOptimizerArgs``; the others are checked here against what dynamic tables
+do. A keyword whose feature dynamic tables do not have is accepted only at the value
+that leaves the feature off; an unknown keyword is a ``TypeError``.
+"""
+
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+
+from dynamicemb.options import DynamicEmbOptimizerArgs
+
+__all__ = ["OPTIMIZER_KEYWORDS", "check_tbe_keywords", "module_kwargs", "output_dtype_of"]
+
+#: Keywords that make up ``DynamicEmbOptimizerArgs``.
+OPTIMIZER_KEYWORDS = tuple(DynamicEmbOptimizerArgs.__dataclass_fields__)
+
+#: Keywords accepted with any value: dynamic tables already do what they ask.
+_ALWAYS_HONOURED = {
+    "stochastic_rounding": "rows are float32, so there is nothing to round",
+    "bounds_check_mode": "ids are raw keys, so no id is out of bounds",
+    "prefetch_pipeline": "prefetch() is always safe (results equal no prefetch)",
+    "use_index_dedup": "the module always deduplicates the ids of a batch",
+}
+
+#: keyword -> (the values that leave its feature off, why other values are refused).
+_OFF_ONLY: Dict[str, Tuple[tuple, str]] = {
+    "max_norm": ((0.0,), "row max-norm clipping is not implemented"),
+    "momentum": ((0.9,), "it is LARS_SGD's, which dynamic tables do not support"),
+    "eta": ((0.001,), "it is LARS_SGD's, which dynamic tables do not support"),
+    "counter_based_regularization": ((None,), "counter-based regularization is not supported"),
+    "cowclip_regularization": ((None,), "CowClip regularization is not supported"),
+    "global_weight_decay": ((None,), "global weight decay is not supported"),
+    "extra_optimizer_config": ((None,), "extra optimizer configs are not supported"),
+    "optimizer_state_dtypes": ((None, {}), "optimizer states are float32"),
+    "ensemble_mode": ((None,), "ensemble optimizers are not supported"),
+    "emainplace_mode": ((None,), "EMA optimizers are not supported"),
+    "enforce_hbm": ((False,), "placement is set by local_hbm_for_values/caching"),
+    "uvm_non_rowwise_momentum": ((False,), "optimizer states live with their rows"),
+    "uvm_host_mapped": ((False,), "host tiers are plain host memory"),
+    "use_experimental_tbe": ((False,), "there is no experimental kernel"),
+    "record_cache_metrics": ((None, False), "use cache_metrics() instead"),
+    "gather_uvm_cache_stats": ((False,), "use cache_metrics() instead"),
+    "stats_reporter_config": ((None,), "FBGEMM's stats reporter is not supported"),
+    "multipass_prefetch_config": ((None,), "prefetch runs in one pass"),
+    "tbe_input_multiplexer_config": ((None,), "input multiplexing is not supported"),
+    "embedding_shard_info": ((None,), "raw embedding streaming is not supported"),
+    "enable_raw_embedding_streaming": ((False,), "raw embedding streaming is not supported"),
+    "res_params": ((None,), "raw embedding streaming is not supported"),
+    "is_qr_tbe": ((False,), "QR embeddings are not supported"),
+    "preallocated_host_buffers": ((None,), "host tiers are allocated by the table"),
+}
+
+#: TorchRec's UVM-cache keywords: dynamic tables cache by their own options.
+_UVM_CACHE = ("cache_algorithm", "cache_load_factor", "cache_sets", "cache_reserved_memory")
+
+#: Keywords naming a dtype that must be float32 (rows and cached rows are float32).
+_FLOAT32_ONLY = ("weights_precision", "cache_precision")
+
+#: Keywords naming the dtype of ids or offsets given (int64 or int32 both work).
+_INDEX_DTYPES = ("embedding_table_index_type", "embedding_table_offset_type")
+
+
+def _as_dtype(value: Any) -> Any:
+    """torch dtype of a torch dtype, FBGEMM ``SparseType`` or TorchRec ``DataType``."""
+    if isinstance(value, torch.dtype):
+        return value
+    if hasattr(value, "as_dtype"):  # fbgemm_gpu SparseType
+        return value.as_dtype()
+    name = getattr(value, "name", value)
+    return {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}.get(
+        str(name).upper(), value)
+
+
+def output_dtype_of(value: Any) -> torch.dtype:
+    """The output dtype a keyword names (torch dtype, ``SparseType`` or ``DataType``).
+
+    Raises:
+        ValueError: not float32, float16 or bfloat16.
+    """
+    dtype = _as_dtype(value)
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"output_dtype must be float32, float16 or bfloat16, got {value}")
+    return dtype
+
+
+def _equal(value: Any, accepted: tuple) -> bool:
+    try:
+        return any(value is a or (a is not None and value == a) for a in accepted)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def check_tbe_keywords(kwargs: Mapping[str, Any]) -> None:
+    """Checks keywords of FBGEMM's or upstream's table module that are not
+    ``BatchedDynamicEmbeddingTables`` parameters of their own.
+
+    Raises:
+        ValueError: a keyword asks for a feature dynamic tables do not have (named,
+            with what to use instead).
+        TypeError: a keyword neither FBGEMM nor upstream dynamicemb defines.
+    """
+    for name, value in kwargs.items():
+        if name in _ALWAYS_HONOURED:
+            continue
+        if name in _OFF_ONLY:
+            accepted, why = _OFF_ONLY[name]
+            if not _equal(value, accepted):
+                raise ValueError(f"{name}={value!r} is not supported by dynamic tables: {why} "
+                                 f"(accepted: {list(accepted)})")
+        elif name in _UVM_CACHE:
+            raise ValueError(f"{name} configures TorchRec's UVM cache; a dynamic table caches by "
+                             "its DynamicEmbTableOptions (caching, local_hbm_for_values or "
+                             "global_hbm_for_values)")
+        elif name in _FLOAT32_ONLY:
+            if _as_dtype(value) != torch.float32:
+                raise ValueError(f"{name}={value} is not supported: dynamic tables store float32 "
+                                 "rows")
+        elif name in _INDEX_DTYPES:
+            if _as_dtype(value) not in (torch.int64, torch.int32):
+                raise ValueError(f"{name} must be torch.int64 or torch.int32, got {value}")
+        else:
+            raise TypeError(f"unknown table keyword {name!r}: not a parameter of dynamic tables, "
+                            "FBGEMM's table-batched embedding or upstream dynamicemb")
+
+
+def module_kwargs(fused_params: Optional[Mapping[str, Any]],
+                  skip: Tuple[str, ...] = ()) -> Dict[str, Any]:
+    """A dynamic group's TorchRec fused params as ``BatchedDynamicEmbeddingTables``
+    keywords, every one validated (``DynamicEmbOptimizerArgs``, ``output_dtype_of``,
+    ``check_tbe_keywords``).
+
+    TorchRec's own ``__register*`` flags (registration of modules for inference,
+    which its fused kernel also removes before FBGEMM) and the keys in ``skip`` are
+    left out. ``betas`` (from ``torch.optim`` optimizers applied in backward) becomes
+    ``beta1``/``beta2``; ``lr`` becomes ``learning_rate``.
+
+    Args:
+        fused_params: the group's fused params (None: none).
+        skip: keys consumed by the caller (e.g. the per-table options' key).
+
+    Raises:
+        ValueError, TypeError: a param that dynamic tables cannot honour, named.
+    """
+    kwargs = {k: v for k, v in dict(fused_params or {}).items()
+              if k not in skip and not k.startswith("__register")}
+    if "betas" in kwargs:
+        kwargs["beta1"], kwargs["beta2"] = (float(b) for b in kwargs.pop("betas"))
+    if "lr" in kwargs:
+        kwargs["learning_rate"] = kwargs.pop("lr")
+    for name in ("learning_rate", "eps", "beta1", "beta2", "weight_decay",
+                 "initial_accumulator_value", "max_gradient"):
+        if name in kwargs:
+            kwargs[name] = float(kwargs[name])
+    DynamicEmbOptimizerArgs(**{k: v for k, v in kwargs.items() if k in OPTIMIZER_KEYWORDS})
+    if "output_dtype" in kwargs:
+        kwargs["output_dtype"] = output_dtype_of(kwargs["output_dtype"])
+    check_tbe_keywords({k: v for k, v in kwargs.items()
+                        if k not in OPTIMIZER_KEYWORDS and k != "output_dtype"})
+    return kwargs

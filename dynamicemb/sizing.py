@@ -1,0 +1,87 @@
+"""Sizing helpers with upstream dynamicemb's names and arguments, computed for the
+tables this package builds (float32 rows, power-of-two bucket counts).
+
+A row-wise dynamic table of ``num_embeddings`` rows over ``W`` ranks gets
+``ceil(num_embeddings / W)`` rows of capacity per rank, and its hash table rounds
+that up to whole buckets, a power of two of them: ``get_sharded_table_capacity``
+is that slot count, the rows a rank can hold.
+"""
+
+from typing import Any
+
+from dynamicemb.ops.interface import num_buckets_for, optimizer_state_dim
+from dynamicemb.options import DynamicEmbOptimType
+
+__all__ = [
+    "BUCKET_ALIGNMENT",
+    "DEMB_TABLE_ALIGN_SIZE",
+    "align_to_table_size",
+    "get_sharded_table_capacity",
+    "get_table_value_bytes",
+]
+
+#: ``bucket_capacity`` must be a multiple of this.
+BUCKET_ALIGNMENT = 16
+#: Upstream's default alignment of ``align_to_table_size``.
+DEMB_TABLE_ALIGN_SIZE = 16
+
+_DEFAULT_BUCKET_CAPACITY = 128
+
+
+def align_to_table_size(n: int, alignment: int = DEMB_TABLE_ALIGN_SIZE) -> int:
+    """``n`` rounded up to a multiple of ``alignment`` (at least one ``alignment``)."""
+    if alignment <= 0:
+        raise ValueError(f"alignment must be positive, got {alignment}")
+    n = int(n)
+    return alignment if n <= 0 else -(-n // alignment) * alignment
+
+
+def get_sharded_table_capacity(embedding_config: Any, world_size: int,
+                               bucket_capacity: int = _DEFAULT_BUCKET_CAPACITY) -> int:
+    """Rows one rank can hold of a table sharded row-wise over ``world_size`` ranks:
+    its share ``ceil(num_embeddings / world_size)`` rounded up to a power of two of
+    buckets of ``bucket_capacity`` slots.
+
+    Args:
+        embedding_config: the table's TorchRec config (``num_embeddings`` is read).
+        world_size: ranks sharing the table (1 for table-wise).
+        bucket_capacity: the table's ``bucket_capacity`` (a multiple of 16).
+
+    Raises:
+        ValueError: ``world_size`` < 1 or ``bucket_capacity`` not a positive multiple
+            of 16 (upstream's ``MAX_BUCKET_CAPACITY`` included).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    if bucket_capacity <= 0 or bucket_capacity % BUCKET_ALIGNMENT:
+        raise ValueError(f"bucket_capacity must be a positive multiple of {BUCKET_ALIGNMENT}, "
+                         f"got {bucket_capacity}")
+    share = -(-int(embedding_config.num_embeddings) // world_size)
+    return num_buckets_for(share, bucket_capacity) * bucket_capacity
+
+
+def get_table_value_bytes(embedding_config: Any, optimizer_type: Any, world_size: int,
+                          bucket_capacity: int = _DEFAULT_BUCKET_CAPACITY) -> int:
+    """Bytes of the value rows (embedding and optimizer state, float32) of a whole
+    table over ``world_size`` ranks: ``get_sharded_table_capacity`` rows per rank.
+    ``global_hbm_for_values`` set to this keeps every row in device memory.
+
+    Args:
+        embedding_config: the table's TorchRec config (``num_embeddings``,
+            ``embedding_dim``; ``data_type`` must be FP32).
+        optimizer_type: ``EmbOptimType`` (ours or FBGEMM's).
+        world_size: ranks sharing the table.
+        bucket_capacity: the table's ``bucket_capacity``.
+
+    Raises:
+        ValueError: the config's ``data_type`` is not FP32, or an argument of
+            ``get_sharded_table_capacity`` is invalid.
+    """
+    data_type = getattr(embedding_config, "data_type", None)
+    if data_type is not None and getattr(data_type, "name", data_type) != "FP32":
+        raise ValueError(f"table {embedding_config.name!r}: data_type "
+                         f"{getattr(data_type, 'name', data_type)}; dynamic tables store float32")
+    dim = int(embedding_config.embedding_dim)
+    state = optimizer_state_dim(DynamicEmbOptimType.of(optimizer_type), dim)
+    rows = get_sharded_table_capacity(embedding_config, world_size, bucket_capacity) * world_size
+    return rows * (dim + state) * 4
