@@ -3,15 +3,15 @@
 import copy
 from typing import Dict, List, Optional
 
-import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.comm import get_local_size
+from torchrec.distributed.comm import get_local_size, get_topology_domain_multiple
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.estimator.estimator import EmbeddingPerfEstimatorFactory
 from torchrec.distributed.planner.planners import EmbeddingShardingPlanner
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingPlan
+from torchrec.distributed.utils import get_device_type
 
 from dynamicemb.planner.estimators import DynamicEmbPerfConfig, DynamicEmbStorageEstimator
 from dynamicemb.planner.types import (
@@ -57,8 +57,9 @@ class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
     (``dynamicemb.shard``) to ``plan``/``collective_plan`` and to DMP.
 
     Args:
-        topology, batch_size, constraints: as TorchRec's planner (default topology:
-            this process group on CUDA if available, else CPU).
+        topology, batch_size, constraints: as TorchRec's planner. The default
+            topology is TorchRec's: the default process group's world size, nodes of
+            ``LOCAL_WORLD_SIZE`` ranks (``get_local_size``), CUDA if available.
         enumerator: default: TorchRec's enumerator with the dynamic estimators.
         **kwargs: the other ``EmbeddingShardingPlanner`` arguments.
 
@@ -75,9 +76,10 @@ class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
                  enumerator=None, constraints: Optional[Dict[str, ParameterConstraints]] = None,
                  **kwargs) -> None:
         if topology is None:
+            world_size = dist.get_world_size()
             topology = Topology(
-                world_size=dist.get_world_size(), local_world_size=get_local_size(),
-                compute_device="cuda" if torch.cuda.is_available() else "cpu")
+                world_size=world_size, local_world_size=get_local_size(world_size),
+                compute_device=get_device_type(), pod_size=get_topology_domain_multiple())
         # Own copies of the dynamic constraints: plan() completes their options in place,
         # where the estimators (which hold this dict) read them.
         if constraints is not None:
