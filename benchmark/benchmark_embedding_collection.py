@@ -18,25 +18,39 @@ for both columns: TorchRec's own EC dedup calls ``fbgemm::jagged_unique_indices`
 which has no CPU kernel. Ids of feature ``i`` are ``floor(size_i * u**3)`` with
 ``u ~ U(0, 1)`` (skewed toward small ids, so batches repeat ids). Every iteration
 steps the four modules in turn (interleaved, same batch), so noise falls on all of
-them alike; each cell is the median over iterations of the slowest rank.
+them alike; each cell is the median over iterations of the slowest rank. After the
+timed iterations one step of each module runs under ``torch.profiler`` to count the
+collectives it issues (reported per cell).
+
+Each rank uses the cores it may run on divided among the ranks that share them
+(``dynamicemb.shard.threads_per_rank``), not among ``LOCAL_WORLD_SIZE``: several
+torchrun agents on one machine would otherwise each take every core. The sharding
+plans read the node size as TorchRec does (``get_local_size``).
 
 Example::
 
-    torchrun --nproc_per_node 2 benchmark/benchmark_embedding_collection.py --batch_size 8192
+    # one node
+    torchrun --standalone --nproc_per_node 2 benchmark/benchmark_embedding_collection.py --batch_size 8192
+    # two nodes (run on each, NODE_RANK 0 and 1; MASTER_ADDR: node 0's address)
+    torchrun --nnodes 2 --node_rank NODE_RANK --nproc_per_node 1 --master_addr MASTER_ADDR \
+        --master_port 29500 benchmark/benchmark_embedding_collection.py --batch_size 8192
 """
 
 import argparse
-import os
+import math
 import platform
 import statistics
 import time
+from collections import Counter
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
 from torchrec.distributed.types import ShardingPlan
@@ -47,7 +61,8 @@ from _report import write_report
 from dynamicemb import DynamicEmbTableOptions
 from dynamicemb.plan import to_sharding_plan
 from dynamicemb.planner import DynamicEmbParameterConstraints, to_dynamic_sharding
-from dynamicemb.shard import DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder
+from dynamicemb.shard import (DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder,
+                              host_ranks, threads_per_rank)
 
 CRITEO_SIZES = [203931, 18598, 14092, 7012, 18977, 4, 6385, 1245, 49, 186213, 71328, 67288, 11,
                 2168, 7338, 61, 4, 932, 15, 204515, 141526, 199433, 60919, 9137, 71, 34]
@@ -87,11 +102,11 @@ def build(kind: str, dedup: bool, dim: int, world_size: int, collection: str = "
                        if kind == "dynamic" else None)
         model = Model(ec)
         plan = to_sharding_plan(plan_file, model, constraints=constraints, sharders=[sharder],
-                                local_world_size=world_size)
+                                local_world_size=get_local_size(world_size))
         return DistributedModelParallel(model, plan=plan, sharders=[sharder], device=torch.device("cpu"))
     plan = construct_module_sharding_plan(ec, {t.name: row_wise(compute_kernel="fused") for t in tables},
-                                          sharder=sharder, local_size=world_size, world_size=world_size,
-                                          device_type="cpu")
+                                          sharder=sharder, local_size=get_local_size(world_size),
+                                          world_size=world_size, device_type="cpu")
     if kind == "dynamic":
         plan["criteo"] = to_dynamic_sharding(plan["criteo"], options)
     return DistributedModelParallel(Model(ec), plan=ShardingPlan({"ec": plan}), sharders=[sharder],
@@ -110,9 +125,8 @@ def make_batch(batch_size: int, hotness: int, generator: torch.Generator, fused_
     return KeyedJaggedTensor(keys=FEATURES, values=ids.reshape(-1), lengths=lengths)
 
 
-def train_step(dmp: DistributedModelParallel, batch: KeyedJaggedTensor, pooled: bool) -> float:
-    dist.barrier()
-    start = time.perf_counter()
+def step(dmp: DistributedModelParallel, batch: KeyedJaggedTensor, pooled: bool) -> None:
+    """Forward, backward and the fused optimizer's step."""
     out = dmp(batch)
     if pooled:  # EBC: a KeyedTensor
         loss = out.values().sum()
@@ -120,9 +134,29 @@ def train_step(dmp: DistributedModelParallel, batch: KeyedJaggedTensor, pooled: 
         loss = sum(out[f].values().sum() for f in FEATURES)
     loss.backward()
     dmp.fused_optimizer.step()
+
+
+def train_step(dmp: DistributedModelParallel, batch: KeyedJaggedTensor, pooled: bool) -> float:
+    """ms of one ``step`` on the slowest rank."""
+    dist.barrier()
+    start = time.perf_counter()
+    step(dmp, batch, pooled)
     elapsed = torch.tensor([time.perf_counter() - start])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed) * 1e3
+
+
+def count_collectives(dmp: DistributedModelParallel, batch: KeyedJaggedTensor, pooled: bool) -> Dict[str, int]:
+    """The collectives one ``step`` issues on this rank (``c10d::`` ops by name), and
+    ``all_to_all_elements``: the elements this rank's all-to-alls sent."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step(dmp, batch, pooled)
+    events = [e for e in prof.events() if e.name.startswith("c10d::")]
+    counts = dict(Counter(e.name for e in events))
+    # c10d::alltoall_base_(output, input, splits...): the input's shape
+    counts["all_to_all_elements"] = sum(
+        math.prod(e.input_shapes[1]) for e in events if e.name == "c10d::alltoall_base_")
+    return counts
 
 
 def parse_choice(value: str) -> List[str]:
@@ -132,7 +166,7 @@ def parse_choice(value: str) -> List[str]:
     return ["on"] if value in ("true", "1", "on", "yes") else ["off"]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--use_index_dedup", default="both", help="true, false or both")
     parser.add_argument("--use_dynamic_embedding", default="both",
@@ -144,26 +178,31 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="intra-op threads per rank (default: this machine's cores / its ranks)")
     parser.add_argument("--out", default=None,
                         help="output prefix (default benchmark/out/embedding_collection or ..._bag_collection)")
     parser.add_argument("--plan-file", dest="plan_file", default=None,
                         help="HugeCTR plan file (lookups: cat_0..cat_25) used instead of row-wise "
                              "everywhere; the dynamic model's one table needs one placement for all")
     args = parser.parse_args()
-
     if args.out is None:
         args.out = "benchmark/out/" + ("embedding_collection" if args.collection == "ec" else "embedding_bag_collection")
-    dist.init_process_group("gloo")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    dynamic_choice = parse_choice(args.use_dynamic_embedding)
-    kinds = [k for k, choice in zip(KINDS, ["off", "on"]) if choice in dynamic_choice]
-    cells = [(d, k) for d in parse_choice(args.use_index_dedup) for k in kinds]
-    models = {cell: build(cell[1], DEDUP[cell[0]], args.dim, world_size, args.collection, args.plan_file)
-              for cell in cells}
+    return args
+
+
+def layout() -> Dict[str, int]:
+    """How the ranks are spread: TorchRec's nodes and this machine's share (collective)."""
+    world_size = dist.get_world_size()
+    local = get_local_size(world_size)
+    return {"world_size": world_size, "local_world_size": local, "nodes": world_size // local,
+            "ranks_on_this_machine": len(host_ranks())}
+
+
+def run_cells(args, models: Dict[tuple, DistributedModelParallel], rank: int) -> Dict[tuple, List[float]]:
+    """Steps every module on the same batches (interleaved); ms per timed iteration."""
     generator = torch.Generator().manual_seed(1234 + rank)
-    times: Dict[tuple, List[float]] = {cell: [] for cell in cells}
-    ids_sent: Dict[tuple, int] = {}
+    times: Dict[tuple, List[float]] = {cell: [] for cell in models}
     for it in range(args.warmup + args.iterations):
         state = generator.get_state()
         for cell, dmp in models.items():
@@ -172,24 +211,48 @@ def main() -> None:
             elapsed = train_step(dmp, batch, args.collection == "ebc")
             if it >= args.warmup:
                 times[cell].append(elapsed)
+    return times
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(args.threads or threads_per_rank())
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    spread = layout()
+    dynamic_choice = parse_choice(args.use_dynamic_embedding)
+    kinds = [k for k, choice in zip(KINDS, ["off", "on"]) if choice in dynamic_choice]
+    cells = [(d, k) for d in parse_choice(args.use_index_dedup) for k in kinds]
+    models = {cell: build(cell[1], DEDUP[cell[0]], args.dim, world_size, args.collection, args.plan_file)
+              for cell in cells}
+    times = run_cells(args, models, rank)
+    ids_sent: Dict[tuple, int] = {}
+    collectives: Dict[tuple, Dict[str, int]] = {}
+    generator = torch.Generator().manual_seed(4321 + rank)
     for cell, dmp in models.items():
         counters = dmp.module.ec.id_counters
         ids_sent[cell] = int(sum(int(s.sum()) for s in counters.sent.values()))
+        batch = make_batch(args.batch_size, args.hotness, generator, fused_ids=cell[1] == "dynamic")
+        collectives[cell] = count_collectives(dmp, batch, args.collection == "ebc")
     if rank == 0:
-        report(args, world_size, cells, times, ids_sent)
+        report(args, spread, cells, times, ids_sent, collectives)
     dist.destroy_process_group()
 
 
-def report(args, world_size: int, cells, times, ids_sent) -> None:
+def report(args, spread: Dict[str, int], cells, times, ids_sent, collectives) -> None:
     rows = [{"use_index_dedup": DEDUP[d], "table": k, "ms_per_iteration": statistics.median(times[(d, k)]),
-             "ids_sent_by_rank0_all_iterations": ids_sent[(d, k)]} for d, k in cells]
-    meta = {"collection": args.collection, "world_size": world_size, "backend": "gloo", "device": "cpu", "batch_size_per_rank": args.batch_size,
-            "hotness": args.hotness, "dim": args.dim, "features": len(FEATURES), "iterations": args.iterations,
-            "warmup": args.warmup, "threads_per_rank": torch.get_num_threads(), "torch": torch.__version__,
+             "ids_sent_by_rank0_all_iterations": ids_sent[(d, k)],
+             "collectives_per_iteration_rank0": collectives[(d, k)]} for d, k in cells]
+    world_size = spread["world_size"]
+    meta = {"collection": args.collection, **spread, "backend": "gloo", "device": "cpu",
+            "batch_size_per_rank": args.batch_size, "hotness": args.hotness, "dim": args.dim,
+            "features": len(FEATURES), "iterations": args.iterations, "warmup": args.warmup,
+            "threads_per_rank": torch.get_num_threads(), "torch": torch.__version__,
             "machine": platform.machine(), "processor": platform.processor()}
     by_cell = {(r["use_index_dedup"], r["table"]): r["ms_per_iteration"] for r in rows}
     name = "EmbeddingCollection" if args.collection == "ec" else "EmbeddingBagCollection (SUM)"
-    lines = [f"{name}, {world_size} ranks (gloo, CPU), batch {args.batch_size}/rank, "
+    lines = [f"{name}, {world_size} ranks on {spread['nodes']} node(s) (gloo, CPU, "
+             f"{torch.get_num_threads()} threads/rank), batch {args.batch_size}/rank, "
              f"26 features x {args.hotness} ids, dim {args.dim}, SGD; ms per training iteration (median)", "",
              "| use_index_dedup | TorchRec raw table | dynamic table |", "|---|---|---|"]
     for d in ("on", "off"):

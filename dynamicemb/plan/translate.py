@@ -25,6 +25,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.sharding_plan import (
     construct_module_sharding_plan,
@@ -172,7 +173,9 @@ def to_sharding_plan(
         constraints: the dict given to ``DynamicEmbeddingShardingPlanner``; tables with
             ``DynamicEmbParameterConstraints(use_dynamicemb=True)`` are dynamic.
         device: the compute device type, ``"cpu"`` or ``"cuda"``.
-        local_world_size: ranks per node (default: the plan's GPU count).
+        local_world_size: ranks per node (default: TorchRec's ``get_local_size``,
+            ``LOCAL_WORLD_SIZE`` as torchrun sets it); CUDA shards go to device
+            ``rank % local_world_size``.
         sharders: the sharders DMP gets (default: TorchRec's for each module type).
 
     Returns:
@@ -204,7 +207,7 @@ def to_sharding_plan(
                                              config.name in dynamic)
         module_plan = construct_module_sharding_plan(
             module, per_table, sharder=by_type.get(type(module)),
-            local_size=local_world_size or world_size, world_size=world_size,
+            local_size=local_world_size or get_local_size(world_size), world_size=world_size,
             device_type=device)
         for name, options in dynamic.items():
             if name in module_plan:

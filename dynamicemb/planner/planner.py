@@ -3,15 +3,15 @@
 import copy
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.comm import get_local_size
+from torchrec.distributed.comm import get_local_size, get_topology_domain_multiple
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.estimator.estimator import EmbeddingPerfEstimatorFactory
 from torchrec.distributed.planner.planners import EmbeddingShardingPlanner
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingPlan, ShardingType
+from torchrec.distributed.utils import get_device_type
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from dynamicemb.embedding.fused_params import module_kwargs
@@ -146,8 +146,9 @@ class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
             ``embedding_dim``, ``num_embeddings``, ``data_type``). It may be passed
             first, as upstream does (``DynamicEmbeddingShardingPlanner(eb_configs,
             topology, ...)``), or by keyword.
-        topology, batch_size, constraints: as TorchRec's planner (default topology:
-            this process group on CUDA if available, else CPU).
+        topology, batch_size, constraints: as TorchRec's planner. The default
+            topology is TorchRec's: the default process group's world size, nodes of
+            ``LOCAL_WORLD_SIZE`` ranks (``get_local_size``), CUDA if available.
         enumerator: a ``DynamicEmbeddingEnumerator`` (the default).
         storage_reservation, proposer, partitioner, performance_model, stats, debug,
             and TorchRec's other keywords: as ``EmbeddingShardingPlanner``'s, in its
@@ -171,9 +172,10 @@ class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
         enumerator = kwargs.pop("enumerator", None)
         constraints: Optional[Dict[str, ParameterConstraints]] = kwargs.pop("constraints", None)
         if topology is None:
+            world_size = dist.get_world_size()
             topology = Topology(
-                world_size=dist.get_world_size(), local_world_size=get_local_size(),
-                compute_device="cuda" if torch.cuda.is_available() else "cpu")
+                world_size=world_size, local_world_size=get_local_size(world_size),
+                compute_device=get_device_type(), pod_size=get_topology_domain_multiple())
         # Own copies of the dynamic constraints: plan() completes their options in place,
         # where the estimators (which hold this dict) read them.
         if constraints is not None:

@@ -21,6 +21,7 @@ from dynamicemb.shard.embeddingbag import (
 )
 from dynamicemb.shard.input_dist import owner_rank, routing_hash
 from dynamicemb.shard.kernel import DynamicEmbEmbedding, DynamicEmbEmbeddingBag, DynamicEmbKeyedOptimizer
+from dynamicemb.shard.topology import host_ranks, threads_per_rank
 
 __all__ = [
     "DynamicEmbEmbedding",
@@ -32,7 +33,9 @@ __all__ = [
     "ShardedDynamicEmbeddingBagCollection",
     "ShardedDynamicEmbeddingCollection",
     "get_dynamic_tables",
+    "host_ranks",
     "import_dense_rows",
     "owner_rank",
     "routing_hash",
+    "threads_per_rank",
 ]

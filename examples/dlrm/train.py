@@ -9,8 +9,9 @@ Examples::
 
     # CPU, 2 ranks, synthetic Criteo-like data with a learnable ground truth
     torchrun --standalone --nproc_per_node 2 examples/dlrm/train.py --num-samples 200000
-    # GPUs (NCCL), Criteo day files, upstream's sizes
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-endpoint HOST:29500 examples/dlrm/train.py \\
+    # GPUs (NCCL), Criteo day files, upstream's sizes; on each node (NODE_RANK 0, 1)
+    torchrun --nnodes 2 --node_rank NODE_RANK --nproc_per_node 8 --master_addr HOST \\
+        --master_port 29500 examples/dlrm/train.py \\
         --data tsv --train-files day_0,day_1 --eval-files day_23 --embedding-dim 128 \\
         --dense-arch 512,256,128 --over-arch 1024,1024,512,256,1
 """
@@ -41,6 +42,7 @@ from dynamicemb.shard import (
     DynamicEmbeddingBagCollectionSharder,
     DynamicEmbeddingCollectionSharder,
     get_dynamic_tables,
+    threads_per_rank,
 )
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from model import TableSpec, build_model, constraints_for, feature_names, to_kjt
@@ -221,6 +223,8 @@ def main(argv=None) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(args.backend or ("nccl" if device.type == "cuda" else "gloo"))
+    if device.type == "cpu":  # the cores of this machine shared by its ranks, whatever the agents
+        torch.set_num_threads(threads_per_rank())
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     # TorchRec checks ids against num_embeddings; dynamic tables take raw ids by design.

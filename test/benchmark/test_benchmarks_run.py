@@ -7,9 +7,12 @@ live in the benchmarks and benchmark/RESULTS.md."""
 import json
 import math
 import os
+import sys
 
 import pytest
 
+from dynamicemb_testing.dist_utils import free_port
+from dynamicemb_testing.multinode import run_agents
 from dynamicemb_testing.scripts import ROOT, run_python
 
 
@@ -114,3 +117,31 @@ def test_checkpoint_benchmark(tmp_path):
     row_bytes = 8 + 8 + 4 * 8 * 3  # key, score, embedding and Adam states
     assert result["rows"] == 5000 and 0 <= result["bytes"] - 5000 * row_bytes < 10_000  # + manifest
     assert result["dump_rows_per_s"] > 0 and result["load_rows_per_s"] > 0
+
+
+def test_embedding_collection_benchmark_on_one_and_two_nodes(tmp_path):
+    """The .sh on one node (torchrun --standalone, 2 ranks) and on two nodes (one agent
+    each, NNODES/NODE_RANK/MASTER_ADDR): the layout is reported as launched, the ranks
+    split this machine's cores alike, and the same ranks fed the same ids issue the same
+    collectives of the same sizes in both layouts."""
+    script = os.path.join(ROOT, "benchmark", "benchmark_embedding_collection.sh")
+    args = ["true", "both", "64", "--iterations", "1", "--warmup", "0", "--dim", "8"]
+    python = {"PYTHON": sys.executable}
+    run_agents([["bash", script, *args, "--out", tmp_path / "one"]], envs=[dict(python, NPROC="2")])
+    port = str(free_port())
+    run_agents([["bash", script, *args, "--out", tmp_path / "two"]] * 2, envs=[
+        dict(python, NPROC="1", NNODES="2", NODE_RANK=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        for n in (0, 1)])
+    one, two = (json.load(open(tmp_path / f"{name}.json")) for name in ("one", "two"))
+    spread = {name: {k: r["meta"][k] for k in ("world_size", "local_world_size", "nodes", "ranks_on_this_machine")}
+              for name, r in (("one", one), ("two", two))}
+    assert spread == {"one": {"world_size": 2, "local_world_size": 2, "nodes": 1, "ranks_on_this_machine": 2},
+                      "two": {"world_size": 2, "local_world_size": 1, "nodes": 2, "ranks_on_this_machine": 2}}
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert one["meta"]["threads_per_rank"] == two["meta"]["threads_per_rank"] == threads
+    assert [r["table"] for r in one["rows"]] == [r["table"] for r in two["rows"]] == ["torchrec", "dynamic"]
+    for a, b in zip(one["rows"], two["rows"]):
+        assert a["collectives_per_iteration_rank0"] == b["collectives_per_iteration_rank0"], (a, b)
+        assert a["collectives_per_iteration_rank0"]["c10d::alltoall_base_"] > 0
+        assert a["ids_sent_by_rank0_all_iterations"] == b["ids_sent_by_rank0_all_iterations"] > 0
+        assert positive_finite(a["ms_per_iteration"]) and positive_finite(b["ms_per_iteration"])

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 from torch import nn
+from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.types import ShardingPlan
@@ -98,7 +99,7 @@ def _global_batch(batches: List[KeyedJaggedTensor]) -> Tuple[torch.Tensor, torch
 def _plan(module: nn.Module, tables: Dict, sharder, world_size: int):
     helpers = {name: (table_wise(rank=world_size - 1, compute_kernel="fused") if st == "table_wise"
                       else row_wise(compute_kernel="fused")) for name, (_, _, _, st) in tables.items()}
-    plan = construct_module_sharding_plan(module, helpers, sharder=sharder, local_size=world_size,
+    plan = construct_module_sharding_plan(module, helpers, sharder=sharder, local_size=get_local_size(world_size),
                                           world_size=world_size, device_type="cpu")
     for name, (rows, dim, _, _) in tables.items():
         plan[name] = to_dynamic_sharding(plan[name], _options(name, dim, rows))

@@ -6,6 +6,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 from torchrec import EmbeddingCollection, EmbeddingConfig
+from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.types import ShardingPlan
@@ -39,7 +40,7 @@ def build(world_size: int, optimizer: str = "adam", rw_kind: str = "row_wise",
         rank=0, compute_kernel="fused")
     plan = construct_module_sharding_plan(
         ec, {"rw": rw, "tw": table_wise(rank=world_size - 1, compute_kernel="fused")},
-        sharder=sharder, local_size=world_size, world_size=world_size, device_type="cpu")
+        sharder=sharder, local_size=get_local_size(world_size), world_size=world_size, device_type="cpu")
     init = DynamicEmbInitializerArgs(mode="normal", std_dev=0.1)
     budget = 16 * 4 * 3 * 8 if caching else None
     plan["rw"] = to_dynamic_sharding(plan["rw"], DynamicEmbTableOptions(

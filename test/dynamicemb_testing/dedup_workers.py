@@ -6,6 +6,7 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
@@ -56,7 +57,7 @@ def _build(world_size: int, weighted: bool, tables: Dict, dynamic: bool, use_ind
                else EmbeddingBagCollectionSharder(fused_params=fused))
     helpers = {n: (table_wise(rank=world_size - 1, compute_kernel="fused") if st == "table_wise"
                    else row_wise(compute_kernel="fused")) for n, (_, _, _, st, _) in tables.items()}
-    plan = construct_module_sharding_plan(model.ebc, helpers, sharder=sharder, local_size=world_size,
+    plan = construct_module_sharding_plan(model.ebc, helpers, sharder=sharder, local_size=get_local_size(world_size),
                                           world_size=world_size, device_type="cpu")
     if dynamic:
         for n, (r, d, _, _, _) in tables.items():
@@ -110,47 +111,56 @@ def _check_id_counters(dmp, features: KeyedJaggedTensor, tables: Dict, world_siz
 
 def dedup_twins(rank: int, world_size: int, steps: int = 10) -> None:
     """Native TorchRec EBC vs dynamic EBC with row-wise id dedup (on and off),
-    unweighted and weighted, SUM and MEAN: outputs, losses, rows after training;
-    ids sent per destination."""
+    unweighted and weighted, SUM and MEAN (``dedup_twin`` for every variant)."""
     for weighted, tables, dedup in VARIANTS:
-        native = _build(world_size, weighted, tables, False)
-        dynamic = _build(world_size, weighted, tables, True, dedup)
-        g = torch.Generator().manual_seed(5)
-        ids_sent = ids_given = 0
-        assert "ebc.embedding_bags.d_rw1.weight" in dynamic.fused_optimizer.params
-        assert {_key(n) for n in tables} <= set(dynamic.state_dict())
-        for name, (rows, dim, _, _, _) in tables.items():
-            weight = torch.rand(rows, dim, generator=g) - 0.5
-            for shard in native.state_dict()[_key(name)].local_shards():
-                r, c = shard.metadata.shard_offsets
-                n, d = shard.metadata.shard_sizes
-                shard.tensor.copy_(weight[r:r + n, c:c + d])
-            import_dense_rows(dynamic, name, weight)
-        for step in range(steps):
-            features = _batch(step, rank, weighted, _features(tables))
-            outs = []
-            dynamic.module.ebc.id_counters.reset()
-            for dmp in (native, dynamic):
-                out = dmp(features)
-                loss = _loss(out.values())
-                loss.backward()
-                dmp.fused_optimizer.step()
-                outs.append((out, loss.detach()))
-            (out_n, loss_n), (out_d, loss_d) = outs
-            assert out_d.keys() == out_n.keys()
-            torch.testing.assert_close(out_d.values(), out_n.values(),
-                                       msg=lambda m: f"weighted={weighted} step {step}: {m}")
-            torch.testing.assert_close(loss_d, loss_n)
-            sent, given = _check_id_counters(dynamic, features, tables, world_size, dedup)
-            ids_sent += sent
-            ids_given += given
-        for name, (rows, dim, _, _, _) in tables.items():
-            dense = full_dense(native, _key(name), (rows, dim))
-            keys, embs = all_rows(dynamic, name)
-            assert sorted(keys.tolist()) == list(range(rows)), name
-            torch.testing.assert_close(embs, dense[keys], msg=lambda m: f"{name} weighted={weighted}: {m}")
-        assert (ids_sent < ids_given) == dedup, (ids_sent, ids_given)  # the batches do repeat ids
-        _check_pipelined_batches(dynamic, rank, weighted, _features(tables))
+        dedup_twin(rank, world_size, weighted, tables, dedup, steps)
+
+
+def _load_twin_rows(native, dynamic, tables: Dict) -> None:
+    g = torch.Generator().manual_seed(5)
+    for name, (rows, dim, _, _, _) in tables.items():
+        weight = torch.rand(rows, dim, generator=g) - 0.5
+        for shard in native.state_dict()[_key(name)].local_shards():
+            r, c = shard.metadata.shard_offsets
+            n, d = shard.metadata.shard_sizes
+            shard.tensor.copy_(weight[r:r + n, c:c + d])
+        import_dense_rows(dynamic, name, weight)
+
+
+def dedup_twin(rank: int, world_size: int, weighted: bool, tables: Dict, dedup: bool, steps: int = 10) -> None:
+    """One variant: outputs and losses at every step, rows after training, ids sent
+    per destination; then batches in a training pipeline's order."""
+    native = _build(world_size, weighted, tables, False)
+    dynamic = _build(world_size, weighted, tables, True, dedup)
+    assert "ebc.embedding_bags.d_rw1.weight" in dynamic.fused_optimizer.params
+    assert {_key(n) for n in tables} <= set(dynamic.state_dict())
+    _load_twin_rows(native, dynamic, tables)
+    ids_sent = ids_given = 0
+    for step in range(steps):
+        features = _batch(step, rank, weighted, _features(tables))
+        outs = []
+        dynamic.module.ebc.id_counters.reset()
+        for dmp in (native, dynamic):
+            out = dmp(features)
+            loss = _loss(out.values())
+            loss.backward()
+            dmp.fused_optimizer.step()
+            outs.append((out, loss.detach()))
+        (out_n, loss_n), (out_d, loss_d) = outs
+        assert out_d.keys() == out_n.keys()
+        torch.testing.assert_close(out_d.values(), out_n.values(),
+                                   msg=lambda m: f"weighted={weighted} step {step}: {m}")
+        torch.testing.assert_close(loss_d, loss_n)
+        sent, given = _check_id_counters(dynamic, features, tables, world_size, dedup)
+        ids_sent += sent
+        ids_given += given
+    for name, (rows, dim, _, _, _) in tables.items():
+        dense = full_dense(native, _key(name), (rows, dim))
+        keys, embs = all_rows(dynamic, name)
+        assert sorted(keys.tolist()) == list(range(rows)), name
+        torch.testing.assert_close(embs, dense[keys], msg=lambda m: f"{name} weighted={weighted}: {m}")
+    assert (ids_sent < ids_given) == dedup, (ids_sent, ids_given)  # the batches do repeat ids
+    _check_pipelined_batches(dynamic, rank, weighted, _features(tables))
 
 
 def _check_pipelined_batches(dmp, rank: int, weighted: bool, features: List[str]) -> None:

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
     construct_module_sharding_plan,
@@ -88,7 +89,7 @@ def hand_built_plan(model: PlanModel, world_size: int = 2) -> ShardingPlan:
                                          ("ebc", model.ebc, EBC_TABLES, sharders()[1])):
         plan = construct_module_sharding_plan(
             module, {n: helpers[p[0]](p) for n, (_, _, p, _) in tables.items()}, sharder=sharder,
-            local_size=world_size, world_size=world_size, device_type="cpu")
+            local_size=get_local_size(world_size), world_size=world_size, device_type="cpu")
         for name, (rows, _, _, dynamic) in tables.items():
             if dynamic:
                 plan[name] = to_dynamic_sharding(plan[name], DynamicEmbTableOptions(dim=DIM, max_capacity=rows))

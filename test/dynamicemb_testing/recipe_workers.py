@@ -7,6 +7,7 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec import EmbeddingCollection, EmbeddingConfig
+from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
 from torchrec.distributed.types import ShardingPlan
@@ -53,7 +54,7 @@ def build(world_size: int):
     sharder = DynamicEmbeddingCollectionSharder(fused_params=fused)
     plan = construct_module_sharding_plan(
         model.ec, {"rw": row_wise(compute_kernel="fused"), "st": row_wise(compute_kernel="fused")},
-        sharder=sharder, local_size=world_size, world_size=world_size, device_type="cpu")
+        sharder=sharder, local_size=get_local_size(world_size), world_size=world_size, device_type="cpu")
     plan["rw"] = to_dynamic_sharding(plan["rw"], DynamicEmbTableOptions(
         dim=8, max_capacity=512, initializer_args=DynamicEmbInitializerArgs(mode="normal", std_dev=0.1)))
     dmp = DistributedModelParallel(model, plan=ShardingPlan({"ec": plan}), sharders=[sharder],

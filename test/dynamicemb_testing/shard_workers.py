@@ -7,6 +7,7 @@ import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, PoolingType
+from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -69,7 +70,7 @@ class EcModel(nn.Module):
 def _plan(module: nn.Module, tables: Dict, sharder, world_size: int, dynamic: bool):
     helpers = {name: (table_wise(rank=world_size - 1, compute_kernel="fused") if st == "table_wise"
                       else row_wise(compute_kernel="fused")) for name, (_, _, _, st) in tables.items()}
-    plan = construct_module_sharding_plan(module, helpers, sharder=sharder, local_size=world_size,
+    plan = construct_module_sharding_plan(module, helpers, sharder=sharder, local_size=get_local_size(world_size),
                                           world_size=world_size, device_type="cpu")
     if dynamic:
         for name, (rows, dim, _, st) in tables.items():
@@ -230,7 +231,7 @@ def debug_init_and_dedup(rank: int, world_size: int) -> None:
     sharder = DynamicEmbeddingCollectionSharder(fused_params={"learning_rate": 0.0})
     plan = construct_module_sharding_plan(
         ec, {"dbg_rw": row_wise(compute_kernel="fused"), "dbg_tw": table_wise(rank=0, compute_kernel="fused")},
-        sharder=sharder, local_size=world_size, world_size=world_size, device_type="cpu")
+        sharder=sharder, local_size=get_local_size(world_size), world_size=world_size, device_type="cpu")
     for name in tables:
         plan[name] = to_dynamic_sharding(plan[name], DynamicEmbTableOptions(
             dim=4, max_capacity=1 << 12, initializer_args=debug, score_strategy=DynamicEmbScoreStrategy.LFU))
@@ -320,7 +321,7 @@ def data_parallel_beside_dynamic(rank: int, world_size: int) -> None:
     sharder = DynamicEmbeddingCollectionSharder(fused_params={"learning_rate": 0.1})
     plan = construct_module_sharding_plan(
         ec, {"dp": data_parallel(), "dyn": row_wise(compute_kernel="fused")}, sharder=sharder,
-        local_size=world_size, world_size=world_size, device_type="cpu")
+        local_size=get_local_size(world_size), world_size=world_size, device_type="cpu")
     plan["dyn"] = to_dynamic_sharding(plan["dyn"], DynamicEmbTableOptions(dim=4, max_capacity=64))
 
     dmp = DistributedModelParallel(EcModel(ec), plan=ShardingPlan({"ec": plan}), sharders=[sharder], device=CPU)

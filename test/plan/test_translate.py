@@ -61,6 +61,19 @@ def test_seed_example_translates():
                             lookups=lookups) == plan
 
 
+@pytest.mark.parametrize("local_world_size", ["1", "2"])
+def test_cuda_shards_go_to_the_node_local_device(monkeypatch, local_world_size):
+    """Without ``local_world_size``, the node size is TorchRec's (``LOCAL_WORLD_SIZE``
+    as torchrun sets it): GPU ``rank % LOCAL_WORLD_SIZE`` of the shard's node, never
+    a device index past the node's GPUs."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
+    plan = to_sharding_plan(SEED_EXAMPLE, seed_model(), lookups=["l0", "l1", "l2", "l3", "l4"], device="cuda")
+    placed = {(shard.placement.rank(), shard.placement.device())
+              for sharding in plan.plan["ebc"].values() if sharding.sharding_spec is not None
+              for shard in sharding.sharding_spec.shards}
+    assert placed == {(rank, torch.device("cuda", rank % int(local_world_size))) for rank in (0, 1)}
+
+
 def test_default_lookups_are_the_features_in_module_order():
     names = [(lk.feature, lk.table) for lk in model_lookups(seed_model())]
     assert names == [("l0", "t0"), ("l1", "t1"), ("l3", "t1"), ("l2", "t2"), ("l4", "t3")]
