@@ -20,6 +20,25 @@ using namespace dynamicemb::cuda;
       int64_t dim, const int64_t *row_ref
 #define DEMB_ROW_OF(u) row_of(row_ref[u], device_rows, host_rows, width, transient, dim)
 
+// The first problem of offsets (num_bags + 1,) over num_indices lookups, as the
+// CPU's check_offsets: 1 the first entry is not 0, 2 the last is not
+// num_indices, 3 an entry is below the one before. *problem starts at 4 (none)
+// and takes the smallest code found. One thread per entry.
+extern "C" __global__ void demb_check_offsets(const int64_t* offsets, int64_t num_bags,
+                                              int64_t num_indices, unsigned long long* problem) {
+  const int64_t i = global_thread();
+  if (i > num_bags) return;
+  unsigned long long code = 4;
+  if (i == 0 && offsets[0] != 0) {
+    code = 1;
+  } else if (i == num_bags && offsets[i] != num_indices) {
+    code = 2;
+  } else if (i > 0 && offsets[i] < offsets[i - 1]) {
+    code = 3;
+  }
+  if (code < 4) atomicMin(problem, code);
+}
+
 // out[rows[i], c] = the initializer's value of (table, keys[i], c), c < dim.
 extern "C" __global__ void demb_init_rows(float* out, int64_t out_width, const int64_t* rows,
                                           const int64_t* keys, int64_t m, int64_t table,
@@ -126,16 +145,29 @@ __device__ __forceinline__ float entry_sum(const int64_t* pos, const float* scal
 // piece writes partial (pieces, dim), then the row's warp adds its pieces in
 // order. Other rows are summed in rank order, as the CPU backend sums them.
 
-// One warp per piece p of a hot row: partial[p, :] = the sum of its entries
-// [piece_begin[p], piece_end[p]).
-extern "C" __global__ void demb_piece_sums(const int64_t* piece_begin, const int64_t* piece_end,
-                                           int64_t num_pieces, const int64_t* pos,
+// One warp per piece p of a hot row: partial[p, :] = the sum of its entries.
+// Row u's pieces are first_piece[u] to first_piece[u + 1] - 1, and piece
+// p - first_piece[u] of it holds entries starts[u] + piece_entries * (p -
+// first_piece[u]) onwards, at most piece_entries of them. The grid covers a
+// bound on the number of pieces known on the host (the real number,
+// first_piece[num_unique], stays on the device): warps past it return.
+extern "C" __global__ void demb_piece_sums(const int64_t* starts, const int64_t* first_piece,
+                                           int64_t num_unique, int64_t piece_entries,
+                                           int64_t bound, const int64_t* pos,
                                            const float* scale, const float* grad, int64_t dim,
                                            float* partial) {
   const int64_t p = global_warp();
-  if (p >= num_pieces) return;
+  if (p >= bound || p >= first_piece[num_unique]) return;
+  // The row holding piece p: the last u with first_piece[u] <= p.
+  int64_t lo = 0, hi = num_unique;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (first_piece[mid] <= p) lo = mid; else hi = mid;
+  }
+  const int64_t begin = starts[lo] + piece_entries * (p - first_piece[lo]);
+  const int64_t end = min(begin + piece_entries, starts[lo + 1]);
   for (int64_t c = lane_id(); c < dim; c += kWarp) {
-    partial[p * dim + c] = entry_sum(pos, scale, grad, piece_begin[p], piece_end[p], c);
+    partial[p * dim + c] = entry_sum(pos, scale, grad, begin, end, c);
   }
 }
 

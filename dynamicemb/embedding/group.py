@@ -103,6 +103,10 @@ class TableGroup:
         self.score_strategy = first.score_strategy
         self.device = device
         self.ops = for_device(device)
+        if self.ops.max_dim is not None and self.dim > self.ops.max_dim:
+            raise ValueError(
+                f"tables {table_names} have dim {self.dim}; the kernels for {device} take "
+                f"at most {self.ops.max_dim}")
         self.init = RowInitializer(self.ops, table_names, options, self.dim, optimizer,
                                    self.state_dim)
         self.table = ScoredHashTable(  # the host store: index of record

@@ -16,6 +16,7 @@ from torch import nn
 from dynamicemb.embedding.buffers import OutputBuffers
 from dynamicemb.embedding.fused_params import check_tbe_keywords, output_dtype_of
 from dynamicemb.embedding.group import Lookup, TableGroup, group_key
+from dynamicemb.embedding.streams import StreamOrder
 from dynamicemb.ops import for_device, resolve_device
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer
 from dynamicemb.storage import TierMetrics
@@ -212,6 +213,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self._train_steps = 0
         self._prefetched: Deque[_Prefetched] = deque()
         self._outputs = OutputBuffers()
+        self._stream_order = StreamOrder(self.device)
 
     def _build_groups(self, module_optimizer: DynamicEmbOptimizerArgs) -> None:
         by_key: Dict[tuple, List[int]] = {}
@@ -450,11 +452,16 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         """Looks up a coming batch now: dedup, hash-table work, rows fetched into the
         device tier (inserting in training). ``forward`` consumes prefetched batches in
         order and must be given the same ``indices``/``offsets``. Results are identical
-        to not prefetching (see ``docs/ARCHITECTURE.md`` for the one exception)."""
+        to not prefetching (see ``docs/ARCHITECTURE.md`` for the one exception).
+
+        On CUDA, a prefetch on another stream than the last forward or backward
+        first waits for what that stream has enqueued (``StreamOrder``)."""
+        self._stream_order.before_prefetch()
         indices, offsets, _, batch_size = self._validate(indices, offsets, per_sample_weights)
         frequencies = self._validate_frequencies(frequencies, indices.numel())
         lookups = self._lookup(indices, offsets, batch_size, self.training, frequencies)
         self._prefetched.append(_Prefetched(indices, offsets, self.training, lookups))
+        self._stream_order.used()
 
     def flush(self) -> None:
         """Writes every device-tier row back to the host store."""
@@ -527,6 +534,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             out = _LookupFunction.apply(self._table_params[0], weights, self, batch)
         else:
             out = self._compute_output(batch)
+        self._stream_order.used()
         return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
 
     def _validate(self, indices, offsets, weights):
@@ -669,4 +677,5 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             lr = self.optimizer.param_groups[g]["lr"]
             group.backward(found, grads[g], lr, batch.offsets if pooled else None,
                            batch.weights, self._feature_col[g], batch.batch_size, mean)
+        self._stream_order.used()
         return grad_weights

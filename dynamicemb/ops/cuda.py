@@ -30,13 +30,17 @@ _KERNELS = {
                      "demb_unpin", "demb_undo_upsert", "demb_grow", "demb_erase"),
                     "hash_table.cu"),
     **dict.fromkeys(("demb_dedup_insert", "demb_dedup_first"), "dedup.cu"),
-    **dict.fromkeys(("demb_init_rows", "demb_pooled_forward", "demb_sequence_forward",
+    **dict.fromkeys(("demb_check_offsets", "demb_init_rows", "demb_pooled_forward", "demb_sequence_forward",
                      "demb_place_grads", "demb_piece_sums", "demb_fused_update",
                      "demb_per_sample_weight_grad"),
                     "embedding.cu"),
 }
 _BLOCK = 256
 _WARPS_PER_BLOCK = _BLOCK // 32
+# Dynamic shared memory a block may take without the opt-in attribute: the fused
+# update keeps dim floats per warp there, so the widest row one warp can update.
+_SHARED_LIMIT = 48 * 1024
+MAX_DIM = _SHARED_LIMIT // 4
 _DEFERRED = int(InsertStatus.DEFERRED)
 _NUM_OUTCOMES = 4
 # Lookups of one row summed by one warp; hotter rows are split into pieces of
@@ -91,8 +95,20 @@ def _i64(x) -> np.int64:
     return np.int64(int(x))
 
 
-def _grid(threads: int) -> Tuple[int]:
-    return (max(1, (int(threads) + _BLOCK - 1) // _BLOCK),)
+def _grid(threads: int, block: int = _BLOCK) -> Tuple[int]:
+    return (max(1, (int(threads) + block - 1) // block),)
+
+
+def _on_kernel_device(t: torch.Tensor) -> bool:
+    """Whether the kernels can take ``t``'s pointer as device memory (the one test of
+    a tensor's device here; the CPU emulation of ``dynamicemb_testing`` replaces it)."""
+    return t.is_cuda
+
+
+def _host_readable(t: torch.Tensor) -> bool:
+    """Whether the kernels can read ``t`` in place: device memory or pinned host
+    memory (through the unified address space)."""
+    return _on_kernel_device(t) or t.is_pinned()
 
 
 def _expect(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
@@ -100,7 +116,7 @@ def _expect(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
         raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
     if t.dtype != dtype:
         raise TypeError(f"{name} has dtype {t.dtype}, expected {dtype}")
-    if not t.is_cuda:
+    if not _on_kernel_device(t):
         raise ValueError(f"{name} must be a CUDA tensor, got one on {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
@@ -111,6 +127,15 @@ def _expect_batch(keys: torch.Tensor, tids: torch.Tensor) -> None:
     _expect(tids, torch.int16, "table_ids")
     if keys.dim() != 1 or tids.shape != keys.shape:
         raise ValueError("keys and table_ids must be 1-D of one length")
+
+
+def _warps_per_update_block(dim: int) -> int:
+    """Warps per block of the fused update: as many as fit their dim-float
+    accumulators in ``_SHARED_LIMIT`` bytes of shared memory, at most 8."""
+    if not 1 <= dim <= MAX_DIM:
+        raise ValueError(f"the CUDA backend updates rows of at most {MAX_DIM} floats "
+                         f"(dim={dim})")
+    return max(1, min(_WARPS_PER_BLOCK, _SHARED_LIMIT // (4 * int(dim))))
 
 
 def _table_args(meta: Sequence[torch.Tensor], bc: int) -> list:
@@ -138,7 +163,7 @@ def _row_args(tiers: Sequence[torch.Tensor], transient: torch.Tensor,
         raise ValueError("tiers must be [device values, host values]")
     device, host = tiers
     _expect(device, torch.float32, "device values")
-    if host.numel() and not (host.is_cuda or host.is_pinned()):
+    if host.numel() and not _host_readable(host):
         raise ValueError("a host tier read by CUDA kernels must be in pinned memory")
     if host.numel() and host.size(1) != device.size(1):
         raise ValueError("both tiers must have one row width")
@@ -192,7 +217,11 @@ class CudaKernels:
     def _function(self, device: int, name: str):
         key = (device, name)
         if key not in self._functions:
-            self._functions[key] = self._module(device, _KERNELS[name]).get_function(name)
+            module = self._module(device, _KERNELS[name])
+            # CuPy compiles and loads a module at its first get_function, on the
+            # current device: the table's, not whichever device is current.
+            with self._cupy.cuda.Device(device):
+                self._functions[key] = module.get_function(name)
         return self._functions[key]
 
     def _stream(self, device: torch.device):
@@ -207,13 +236,13 @@ class CudaKernels:
         return self._streams[ptr]
 
     def _launch(self, name: str, device: torch.device, threads: int, args: list,
-                shared_mem: int = 0) -> None:
+                shared_mem: int = 0, block: int = _BLOCK) -> None:
         if threads <= 0:
             return
         index = device.index if device.index is not None else torch.cuda.current_device()
         kernel = self._function(index, name)
         with self._cupy.cuda.Device(index), self._stream(device):
-            kernel(_grid(threads), (_BLOCK,), tuple(args), shared_mem=shared_mem)
+            kernel(_grid(threads, block), (block,), tuple(args), shared_mem=shared_mem)
 
     # ------------------------------------------------------------ hash table
     def hash_keys(self, keys: torch.Tensor, tids: torch.Tensor) -> torch.Tensor:
@@ -253,17 +282,20 @@ class CudaKernels:
         order = pending[perm]
         heads = torch.ones(m, dtype=torch.bool, device=keys.device)
         torch.ne(sorted_buckets[1:], sorted_buckets[:-1], out=heads[1:])
-        # One warp per bucket's run (a warp per key would launch mostly idle warps).
-        run_starts = heads.nonzero().squeeze(1)
+        # One warp per bucket's run. The number of runs is not known on the host
+        # (no sync): the starts are padded with m, and a warp whose run starts at m
+        # has nothing to do.
+        run_starts = torch.nonzero_static(heads, size=m, fill_value=m).squeeze(1)
         counts = torch.zeros(_DEFERRED + 1, dtype=torch.int64, device=keys.device)
-        self._launch("demb_upsert", keys.device, 32 * run_starts.numel(), table + [
+        self._launch("demb_upsert", keys.device, 32 * m, table + [
             _ptr(keys), _ptr(tids), _ptr(given), np.int32(rule), np.uint64(now),
             np.bool_(evicts), np.bool_(can_grow), np.bool_(one_table), _ptr(run_starts),
-            _i64(run_starts.numel()), _ptr(order), _i64(m), _ptr(slots), _ptr(status), _ptr(prev_scores),
+            _i64(m), _ptr(order), _i64(m), _ptr(slots), _ptr(status), _ptr(prev_scores),
             _ptr(ev_keys), _ptr(ev_tids), _ptr(ev_scores), _ptr(counts)])
-        counts = counts.cpu()  # the one sync of a pass: the caller needs the counts
-        outcomes += counts[:_NUM_OUTCOMES].to(outcomes.device)
-        if counts[_DEFERRED] == 0:
+        outcomes += counts[:_NUM_OUTCOMES]  # on the device: read once by the caller
+        if not can_grow:  # a key is deferred only while the table may grow
+            return pending[:0]
+        if int(counts[_DEFERRED]) == 0:  # a sync, only while the table may still grow
             return pending[:0]
         return pending[status[pending] == _DEFERRED]
 
@@ -344,23 +376,28 @@ class CudaKernels:
         is_first = first == torch.arange(n, device=dev)
         unique_index = torch.cumsum(is_first, 0) - 1
         inverse = unique_index[first]
-        ukeys, utids = keys[is_first], tids[is_first]
+        positions = is_first.nonzero().squeeze(1)  # the dedup's one sync: the unique count
+        ukeys, utids = keys[positions], tids[positions]
         u = ukeys.numel()
-        weights = (frequencies if frequencies is not None
-                   else torch.ones(n, dtype=torch.int64, device=dev))
-        counts = torch.zeros(u, dtype=torch.int64, device=dev).index_add_(0, inverse, weights)
+        # occurrences by index_add_ (bincount would sync for its size)
+        occurrences = torch.zeros(u, dtype=torch.int64, device=dev).index_add_(
+            0, inverse, torch.ones_like(inverse))
+        counts = occurrences if frequencies is None else torch.zeros(
+            u, dtype=torch.int64, device=dev).index_add_(0, inverse, frequencies)
         if not group:
             empty = torch.empty(0, dtype=torch.int64, device=dev)
             return ukeys, utids, inverse, counts, empty, empty
-        starts, rank = self._group_by_unique(inverse, u)
+        starts, rank = self._group_by_unique(inverse, occurrences)
         return ukeys, utids, inverse, counts, starts, rank
 
     @staticmethod
-    def _group_by_unique(inverse: torch.Tensor, u: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The stable counting sort of ``inverse``: starts (U + 1,), rank (N,)."""
+    def _group_by_unique(inverse: torch.Tensor,
+                         occurrences: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The stable counting sort of ``inverse`` given each unique index's
+        occurrences (U,): starts (U + 1,), rank (N,)."""
         n = inverse.numel()
-        starts = torch.zeros(u + 1, dtype=torch.int64, device=inverse.device)
-        torch.cumsum(torch.bincount(inverse, minlength=u), 0, out=starts[1:])
+        starts = torch.zeros(occurrences.numel() + 1, dtype=torch.int64, device=inverse.device)
+        torch.cumsum(occurrences, 0, out=starts[1:])
         order = torch.sort(inverse, stable=True).indices
         rank = torch.empty(n, dtype=torch.int64, device=inverse.device)
         rank[order] = torch.arange(n, device=inverse.device)
@@ -374,12 +411,12 @@ class CudaKernels:
             raise TypeError(f"offsets has dtype {offsets.dtype}, expected torch.int64")
         if offsets.numel() < 1:
             raise ValueError("offsets must have at least one entry")
-        ends = offsets[[0, -1]].tolist()
-        if ends[0] != 0:
-            return 1
-        if ends[1] != num_indices:
-            return 2
-        return 3 if bool((offsets[1:] < offsets[:-1]).any()) else 0
+        _expect(offsets, torch.int64, "offsets")
+        problem = torch.full((1,), 4, dtype=torch.int64, device=offsets.device)
+        self._launch("demb_check_offsets", offsets.device, offsets.numel(), [
+            _ptr(offsets), _i64(offsets.numel() - 1), _i64(num_indices), _ptr(problem)])
+        code = int(problem)  # the check's one sync: a bad batch raises before any change
+        return 0 if code == 4 else code
 
     def init_rows(self, out, rows, keys, table, dim, mode, mean, std_dev, lower, upper,
                   value, seed) -> None:
@@ -424,7 +461,9 @@ class CudaKernels:
             raise ValueError("starts must have one entry per unique row + 1")
         pooled = offsets.numel() > 0
         n = rank.numel()
-        entries = int(starts[-1])
+        # starts[-1] (the group's lookups) is at most n, the batch's lookups: the
+        # per-entry arrays are sized by that bound rather than read (a sync).
+        entries = n
         dev = grad.device
         pos = torch.zeros(entries, dtype=torch.int64, device=dev)
         scale = torch.zeros(entries, dtype=torch.float32, device=dev)
@@ -434,37 +473,39 @@ class CudaKernels:
             _ptr(rank), _i64(n), _i64(entries), _ptr(offsets if pooled else None),
             _ptr(weights), _ptr(feature_col), _i64(batch), _i64(num_bags), np.bool_(mean),
             np.int64(grad.size(1)), _ptr(pos), _ptr(scale), _ptr(bad)])
-        if int(bad) != 0:
-            raise ValueError("rank must be below starts[-1]")
-        first_piece, partial = self._piece_sums(starts, pos, scale, grad, dim)
+        # bad counts ranks outside [0, entries): the group's own dedup makes rank, so
+        # it is an internal invariant, not read back (that would be a sync).
+        first_piece, partial = self._piece_sums(starts, pos, scale, grad, dim, entries)
+        warps = _warps_per_update_block(dim)
         self._launch("demb_fused_update", dev, 32 * num_unique, [
             _ptr(device_rows), _ptr(host_rows), np.int64(device_rows.size(1)), _i64(dim),
             _ptr(row_slot), _i64(num_unique), _ptr(starts), _ptr(pos), _ptr(scale),
             _ptr(grad), _ptr(first_piece), _ptr(partial), np.int32(kind), np.float32(lr), np.float32(eps), np.float32(beta1),
             np.float32(beta2), np.float32(weight_decay), np.float32(1.0 - beta1),
             np.float32(1.0 - beta2), np.float32(step_size),
-            np.float32(bias_correction2_sqrt), np.float32(decay_scale)], shared_mem=_WARPS_PER_BLOCK * int(dim) * 4)
+            np.float32(bias_correction2_sqrt), np.float32(decay_scale)],
+            shared_mem=warps * int(dim) * 4, block=32 * warps)
 
-    def _piece_sums(self, starts, pos, scale, grad, dim):
+    def _piece_sums(self, starts, pos, scale, grad, dim, entries: int):
         """Partial sums of the hot rows' pieces: (first_piece (U + 1,), partial
-        (pieces, dim)), or (None, None) when no row is hot."""
-        lengths = starts[1:] - starts[:-1]
-        pieces = (lengths + PIECE_ENTRIES - 1) // PIECE_ENTRIES
-        pieces = torch.where(pieces > 1, pieces, torch.zeros_like(pieces))
-        first_piece = torch.zeros_like(starts)
-        torch.cumsum(pieces, 0, out=first_piece[1:])
-        total = int(first_piece[-1])
-        if total == 0:
+        (pieces bound, dim)), or (None, None) when no row can be hot.
+
+        The number of pieces is not read on the host (a sync): a hot row has L >
+        PIECE_ENTRIES entries and ceil(L / PIECE_ENTRIES) < 2 L / PIECE_ENTRIES
+        pieces, so there are fewer than 2 entries / PIECE_ENTRIES in all. The
+        kernel grids over that bound and finds each piece's row itself.
+        """
+        bound = 2 * entries // PIECE_ENTRIES
+        if bound == 0:
             return None, None
-        rows = torch.repeat_interleave(torch.arange(pieces.numel(), device=starts.device),
-                                       pieces, output_size=total)
-        begin = starts[rows] + PIECE_ENTRIES * (
-            torch.arange(total, device=starts.device) - first_piece[rows])
-        end = torch.minimum(begin + PIECE_ENTRIES, starts[rows + 1])
-        partial = torch.empty(total, int(dim), dtype=torch.float32, device=grad.device)
-        self._launch("demb_piece_sums", grad.device, 32 * total, [
-            _ptr(begin), _ptr(end), _i64(total), _ptr(pos), _ptr(scale), _ptr(grad), _i64(dim),
-            _ptr(partial)])
+        pieces = (starts[1:] - starts[:-1] + (PIECE_ENTRIES - 1)) // PIECE_ENTRIES
+        first_piece = torch.zeros_like(starts)
+        torch.cumsum(pieces.masked_fill_(pieces == 1, 0), 0, out=first_piece[1:])
+        partial = torch.empty(bound, int(dim), dtype=torch.float32, device=grad.device)
+        num_unique = starts.numel() - 1
+        self._launch("demb_piece_sums", grad.device, 32 * bound, [
+            _ptr(starts), _ptr(first_piece), _i64(num_unique), _i64(PIECE_ENTRIES),
+            _i64(bound), _ptr(pos), _ptr(scale), _ptr(grad), _i64(dim), _ptr(partial)])
         return first_piece, partial
 
     def per_sample_weight_grad(self, tiers, transient, row_slot, inverse, offsets,
@@ -482,6 +523,9 @@ class CudaBackend(KernelBackend):
     Raises:
         ImportError: when CuPy is missing (the message says what to install).
     """
+
+    #: The widest embedding a group may have (the fused update's shared memory).
+    max_dim = MAX_DIM
 
     def __init__(self) -> None:
         super().__init__(CudaKernels())

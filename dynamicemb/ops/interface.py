@@ -146,6 +146,15 @@ class TableMemory:
     max_num_buckets: int
     bucket_capacity: int
 
+    def __post_init__(self) -> None:
+        # The probes load 16 digests at a time (the CPU's SIMD match, the GPU's
+        # 16-byte loads) from a 16-slot group of a bucket.
+        if len(self.meta) != 6:
+            raise ValueError(f"meta must hold 6 tensors, got {len(self.meta)}")
+        if self.meta[3].data_ptr() % 16:
+            raise ValueError("the digests array must be 16-byte aligned (the probes load "
+                             "16 digests at a time)")
+
     @property
     def capacity(self) -> int:
         return self.num_buckets * self.bucket_capacity
@@ -270,6 +279,9 @@ class Backend(abc.ABC):
     batch tensors must be on the backend's device and contiguous, ids int64, table
     ids int16. Validation of user input happens above (the table and the module);
     a backend checks only what would corrupt memory."""
+
+    #: The widest embedding row its kernels update, or None for no limit.
+    max_dim: Optional[int] = None
 
     # ------------------------------------------------------------ allocation
     @abc.abstractmethod

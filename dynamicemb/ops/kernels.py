@@ -25,7 +25,10 @@ from dynamicemb.ops.interface import (
     optimizer_code,
 )
 
-__all__ = ["KernelBackend"]
+__all__ = ["GROW_CHUNK_BYTES", "KernelBackend"]
+
+#: The most value bytes growth gathers at once (its temporary beyond the two tables).
+GROW_CHUNK_BYTES = 64 << 20
 
 # What an inserting pass writes per key.
 _PER_KEY_OUTPUTS = {
@@ -81,8 +84,10 @@ class KernelBackend(Backend):
         """Per-key outputs of inserting passes over n keys, and their counts."""
         out = {name: torch.empty(n, dtype=dtype, device=device)
                for name, dtype in _PER_KEY_OUTPUTS.items()}
-        # keys that were hits, inserted, evicted and inserted, failed (read on the host)
-        out["outcomes"] = torch.zeros(4, dtype=torch.int64)
+        out["status"].fill_(InsertStatus.DEFERRED)  # not settled yet (what a failure undoes)
+        # keys that were hits, inserted, evicted and inserted, failed: counted on the
+        # device, read on the host once per call
+        out["outcomes"] = torch.zeros(4, dtype=torch.int64, device=device)
         return out
 
     def _passes(self, memory: TableMemory, keys, tids, given, rule: int, now: int,
@@ -90,29 +95,55 @@ class KernelBackend(Backend):
                 passes: int) -> Upserted:
         """Inserting passes over keys[pending] until no key is deferred; the table
         grows for deferred keys between passes (also after ``passes`` already run).
-        Slots decided before a growth are moved with their keys."""
+        Slots decided before a growth are moved with their keys.
+
+        If a growth fails (out of memory), the keys earlier passes settled are undone
+        and their pins released before the error goes on: the table holds what it
+        held before the call (it may stay grown)."""
         growths = 0
         bc = memory.bucket_capacity
-        while pending.numel():
-            if passes:  # the previous pass deferred keys to grow for
-                self.grow(memory=memory)
-                growths += 1
-                done = out["status"] <= InsertStatus.EVICTED_AND_INSERTED
-                hashes = self.kernels.hash_keys(keys[done], tids[done])
-                bucket = torch.bitwise_and(hashes, memory.num_buckets - 1)
-                out["slots"][done] = bucket * bc + out["slots"][done] % bc
-            passes += 1
-            pending = self.kernels.upsert(
-                memory.meta, bc, keys, tids, given, rule, now, evicts, memory.can_grow,
-                one_table, pending, out["slots"], out["status"], out["prev_scores"],
-                out["ev_keys"], out["ev_tids"], out["ev_scores"], out["outcomes"],
-            )
+        try:
+            while pending.numel():
+                if passes:  # the previous pass deferred keys to grow for
+                    self._grow_between_passes(memory, keys, tids, out)
+                    growths += 1
+                passes += 1
+                pending = self.kernels.upsert(
+                    memory.meta, bc, keys, tids, given, rule, now, evicts, memory.can_grow,
+                    one_table, pending, out["slots"], out["status"], out["prev_scores"],
+                    out["ev_keys"], out["ev_tids"], out["ev_scores"], out["outcomes"],
+                )
+        except BaseException:
+            if passes:
+                self._undo_settled(memory, out)
+            raise
         if passes > 1:  # a single pass unpins its own slots in the kernel
             self.kernels.unpin(memory.meta, bc, out["slots"])
-        hits, inserted, evicted, failed = out["outcomes"].tolist()
+        hits, inserted, evicted, failed = out["outcomes"].tolist()  # the call's one sync
         return Upserted(out["slots"], out["status"], out["prev_scores"], out["ev_keys"],
                         out["ev_tids"], out["ev_scores"], hits=hits, inserted=inserted,
                         evicted=evicted, failed=failed, growths=growths)
+
+    def _grow_between_passes(self, memory: TableMemory, keys, tids, out: dict) -> None:
+        """Doubles the table for deferred keys; the settled keys' slots follow their
+        keys (a slot keeps its offset in the bucket). The new slots are computed
+        before the table changes, so a failure leaves slots and table consistent."""
+        bc = memory.bucket_capacity
+        done = out["status"] <= InsertStatus.EVICTED_AND_INSERTED
+        hashes = self.kernels.hash_keys(keys[done], tids[done])
+        bucket = torch.bitwise_and(hashes, 2 * memory.num_buckets - 1)
+        moved = bucket * bc + out["slots"][done] % bc
+        self.grow(memory=memory)
+        out["slots"][done] = moved
+
+    def _undo_settled(self, memory: TableMemory, out: dict) -> None:
+        """Reverts the keys the passes so far settled, and releases their pins."""
+        settled = out["status"] <= InsertStatus.EVICTED_AND_INSERTED
+        slots = torch.where(settled, out["slots"], -1)
+        self.kernels.undo_upsert(memory.meta, memory.bucket_capacity, slots, out["status"],
+                                 out["prev_scores"], out["ev_keys"], out["ev_tids"],
+                                 out["ev_scores"])
+        self.kernels.unpin(memory.meta, memory.bucket_capacity, slots)
 
     def undo_upsert(self, *, memory, upserted):
         self.kernels.undo_upsert(memory.meta, memory.bucket_capacity, upserted.slots,
@@ -120,14 +151,22 @@ class KernelBackend(Backend):
                                  upserted.ev_tids, upserted.ev_scores)
 
     def grow(self, *, memory):
+        """Doubles the table. At its peak it holds the old table, the new one (twice
+        the size), the new slot of every old slot (8 bytes each) and one chunk of moved
+        rows (at most ``GROW_CHUNK_BYTES``); the old table is freed when the caller lets
+        go of it. A failure (out of memory) leaves ``memory`` as it was."""
         new = self.new_table(num_buckets=2 * memory.num_buckets,
                              max_num_buckets=memory.max_num_buckets,
                              bucket_capacity=memory.bucket_capacity,
                              value_dim=memory.values.shape[1], value_dtype=memory.values.dtype,
                              device=memory.values.device)
         moved = self.kernels.grow(memory.meta, new.meta, memory.bucket_capacity)
-        occupied = (moved >= 0).nonzero().squeeze(1)
-        new.values[moved[occupied]] = memory.values[occupied]
+        row_bytes = max(1, memory.values.shape[1] * memory.values.element_size())
+        chunk = max(1, GROW_CHUNK_BYTES // row_bytes)
+        for start in range(0, moved.numel(), chunk):  # rows move a chunk at a time
+            part = moved[start:start + chunk]
+            occupied = (part >= 0).nonzero().squeeze(1)  # growth is rare: a sync is fine
+            new.values[part[occupied]] = memory.values[start:start + chunk][occupied]
         memory.meta, memory.values, memory.num_buckets = new.meta, new.values, new.num_buckets
 
     def erase(self, *, memory, keys, table_ids):

@@ -29,7 +29,7 @@ references and everything ``place``/``resolve`` return are on ``device``.
 
 import logging
 from dataclasses import dataclass, fields
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -75,6 +75,9 @@ class TierMetrics:
         return f"{counts}, hit_rate={self.hit_rate:.3f}"
 
 
+_METRIC_FIELDS = tuple(f.name for f in fields(TierMetrics))
+
+
 class TieredStorage:
     """The rows of one physical group.
 
@@ -106,7 +109,12 @@ class TieredStorage:
         self.device_tier = device_tier
         self.promote = promote
         self.host_only = host_only
-        self.metrics = [TierMetrics() for _ in range(host.num_tables)]
+        # TierMetrics' fields per logical table: what the host knows is counted on
+        # the host, what only the device knows on the device (reading it every batch
+        # would be a sync); ``metrics`` adds them up when someone asks.
+        self._metric_counts = torch.zeros(host.num_tables, len(_METRIC_FIELDS),
+                                          dtype=torch.int64, device=self.device)
+        self._host_metric_counts = [0] * len(_METRIC_FIELDS)  # one-table groups
         self._moves = 0  # promotions and write-backs: a key's row of record moved
         # The absent tier of ``sources()``: on the kernels' device like the other one.
         self._empty = torch.empty(0, host.value_dim, dtype=host.value_dtype, device=self.device)
@@ -180,9 +188,9 @@ class TieredStorage:
     def resolve(self, keys: torch.Tensor, tids: torch.Tensor) -> torch.Tensor:
         """Read-only references of keys (-1 where absent): the device tier's row
         where it holds one, else the host store's."""
-        refs = self._host_refs(self.host.find(self._on_host(keys), self._on_host(tids)))
+        refs = self._host_refs(self.host.find(self._on_host(keys), self._on_host(tids), checked=True))
         if self.device_tier is not None:
-            found = self.device_tier.find(keys, tids)
+            found = self.device_tier.find(keys, tids, checked=True)
             refs = torch.where(found >= 0, found, refs)
         return refs
 
@@ -191,7 +199,8 @@ class TieredStorage:
         """Phase one: the host store decides keys and scores (may raise; see
         ``ScoredHashTable.prepare_find_or_insert``)."""
         scores = None if scores is None else self._on_host(scores)
-        return self.host.prepare_find_or_insert(self._on_host(keys), self._on_host(tids), scores)
+        return self.host.prepare_find_or_insert(self._on_host(keys), self._on_host(tids), scores,
+                                                checked=True)
 
     def prepare_dedup(self, keys, tids, frequencies) -> Tuple[Deduplicated, PendingInsert]:
         """Phase one of a batch with repeated keys: its dedup and ``prepare`` of the
@@ -199,7 +208,7 @@ class TieredStorage:
         The dedup is returned on ``device``."""
         frequencies = None if frequencies is None else self._on_host(frequencies)
         unique, pending = self.host.prepare_dedup_find_or_insert(
-            self._on_host(keys), self._on_host(tids), frequencies)
+            self._on_host(keys), self._on_host(tids), frequencies, checked=True)
         if self._two_devices:
             unique = Deduplicated(*(None if t is None else t.to(self.device) for t in unique))
         return unique, pending
@@ -218,7 +227,7 @@ class TieredStorage:
         """
         result = pending.commit()
         if result.num_inserted and self.initialize is not None:
-            new_at = result.inserted.nonzero().squeeze(1)
+            new_at = torch.nonzero_static(result.inserted, size=result.num_inserted).squeeze(1)
             self.initialize(self.host.values, result.slots[new_at],
                             self._on_host(keys)[new_at], self._on_host(tids)[new_at])
         evicted = result.evicted
@@ -250,7 +259,7 @@ class TieredStorage:
         refs = self._host_refs(host_slots)
         if self.device_tier is None:
             field = "misses" if self.host_only else "hits"
-            if num_stored is not None and len(self.metrics) == 1:
+            if num_stored is not None and self.host.num_tables == 1:
                 self._add(field, num_stored)
             else:
                 self._count_where(field, tids, host_slots >= 0)
@@ -265,7 +274,7 @@ class TieredStorage:
             if self.promote:  # every stored row of the batch goes to the cache
                 candidates = stored
             else:  # rows stay where they are; new rows land in the tier while it has room
-                known = self.device_tier.find(keys, tids)
+                known = self.device_tier.find(keys, tids, checked=True)
                 refs = torch.where(known >= 0, known, refs)
                 hit = known >= 0
                 candidates = stored & new
@@ -293,7 +302,7 @@ class TieredStorage:
         tier = self.device_tier
         order = None
         if self.promote:
-            hit = tier.find(keys, tids) >= 0
+            hit = tier.find(keys, tids, checked=True) >= 0
             room = tier.capacity() - int(hit.sum())
             misses = (~hit).nonzero().squeeze(1)
             if misses.numel() > tier.capacity() - tier.size():  # promoting would evict
@@ -304,7 +313,7 @@ class TieredStorage:
             keys, tids, host_slots = keys[order], tids[order], host_slots[order]
         scores = (self._on_device(self.host.scores_at(self._on_host(host_slots))) if self.promote
                   else None)
-        result = tier.find_or_insert(keys, tids, scores)
+        result = tier.find_or_insert(keys, tids, scores, checked=True)
         # Victims first: a key of this batch may have been evicted by an earlier key
         # of the same call and inserted again, and its fresh row is the victim's.
         evicted = result.evicted
@@ -312,8 +321,8 @@ class TieredStorage:
             self._count("evictions", evicted.table_ids)
             self._write_back(evicted.keys, evicted.table_ids, evicted.values)
         fresh = result.inserted
-        at = fresh.nonzero().squeeze(1)
-        if at.numel():
+        if result.num_inserted:  # its size is known: no sync for the compaction
+            at = torch.nonzero_static(fresh, size=result.num_inserted).squeeze(1)
             tier.values[result.slots[at]] = self._on_device(
                 self.host.values[self._on_host(host_slots[at])])
             self._count_where("host_reads", tids, fresh)
@@ -329,7 +338,7 @@ class TieredStorage:
         if keys.numel() == 0:
             return
         keys, tids, rows = self._on_host(keys), self._on_host(tids), self._on_host(rows)
-        slots = self.host.find(keys, tids)
+        slots = self.host.find(keys, tids, checked=True)
         ok = (slots >= 0).nonzero().squeeze(1)
         self.host.values[slots[ok]] = rows[ok]
         self._count("host_writes", tids[ok])
@@ -393,23 +402,29 @@ class TieredStorage:
                     table.erase(entries.keys[mine], entries.table_ids[mine])
                 start += chunk_slots
 
+    @property
+    def metrics(self) -> List[TierMetrics]:
+        """Per logical table, the traffic between the tiers so far (read from the
+        device: a host sync on a GPU, so read it when needed, not every batch)."""
+        rows = self._metric_counts.tolist()
+        rows[0] = [a + b for a, b in zip(rows[0], self._host_metric_counts)]
+        return [TierMetrics(*row) for row in rows]
+
     def _add(self, field: str, count: int) -> None:
-        """Adds ``count`` to the one table's metric ``field`` (one-table groups)."""
-        setattr(self.metrics[0], field, getattr(self.metrics[0], field) + count)
+        """Adds ``count`` (known on the host) to the one table's metric ``field``."""
+        self._host_metric_counts[_METRIC_FIELDS.index(field)] += count
 
     def _count_where(self, field: str, tids: torch.Tensor, mask: torch.Tensor) -> None:
-        """``_count(field, tids[mask])`` without gathering where one table is counted."""
-        if len(self.metrics) == 1:
-            self._add(field, int(mask.sum()))
-        else:
-            self._count(field, tids[mask])
+        """Counts the keys of ``mask`` for their tables (no compaction, no sync)."""
+        self._metric_counts[:, _METRIC_FIELDS.index(field)].index_add_(
+            0, self._on_device(tids).long(), self._on_device(mask).to(torch.int64))
 
     def _count(self, field: str, tids: torch.Tensor) -> None:
         if tids.numel() == 0:
             return
-        if len(self.metrics) == 1:
+        if self.host.num_tables == 1:
             self._add(field, tids.numel())
             return
-        counts = torch.bincount(tids.long(), minlength=len(self.metrics)).tolist()
-        for m, c in zip(self.metrics, counts):
-            setattr(m, field, getattr(m, field) + c)
+        self._metric_counts[:, _METRIC_FIELDS.index(field)].index_add_(
+            0, self._on_device(tids).long(),
+            torch.ones(tids.numel(), dtype=torch.int64, device=self.device))

@@ -6,6 +6,7 @@ policy (growth for load, the clock, failures, stats); the backend's verbs
 (``dynamicemb.ops``) own the table's memory layout and walk it.
 """
 
+import contextlib
 import logging
 from typing import Optional, Tuple
 
@@ -205,9 +206,15 @@ class ScoredHashTable:
         self._generation += 1
 
     # ------------------------------------------------------------ validation
-    def _table_ids(self, table_ids: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    def _table_ids(self, table_ids: Optional[torch.Tensor], n: int,
+                   checked: bool = False) -> torch.Tensor:
+        """The ids as the kernels take them. ``checked``: the caller built them in range
+        (the storage and the module do), so they are not read on the host: on a GPU
+        the range check is a sync."""
         if table_ids is None:
             return torch.zeros(n, dtype=torch.int16, device=self.device)
+        if checked and table_ids.shape == (n,):
+            return self._here(table_ids, "table_ids").to(torch.int16).contiguous()
         tids = table_ids_as_int16(table_ids, n, self.num_tables)
         return self._here(tids, "table_ids")
 
@@ -223,7 +230,7 @@ class ScoredHashTable:
         return t
 
     def _given_scores(self, scores: Optional[torch.Tensor], n: int,
-                      exact: bool = False) -> Optional[torch.Tensor]:
+                      exact: bool = False, checked: bool = False) -> Optional[torch.Tensor]:
         """CUSTOMIZED: the scores (required). LFU: occurrence counts to add (default 1).
         ``exact``: the scores to store, whatever the strategy (required)."""
         customized = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED or exact
@@ -244,7 +251,7 @@ class ScoredHashTable:
         if scores.shape != (n,):
             raise ValueError(f"scores must have shape ({n},), got {tuple(scores.shape)}")
         self._here(scores, "scores")
-        if n > 0 and int(scores.min()) < (1 if lfu else 0):
+        if n > 0 and not checked and int(scores.min()) < (1 if lfu else 0):
             raise ValueError("LFU counts must be >= 1" if lfu else "scores must be >= 0")
         return scores.contiguous()
 
@@ -264,19 +271,22 @@ class ScoredHashTable:
         return values
 
     # ----------------------------------------------------------------- verbs
-    def find(self, keys: torch.Tensor, table_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def find(self, keys: torch.Tensor, table_ids: Optional[torch.Tensor] = None, *,
+             checked: bool = False) -> torch.Tensor:
         """Slot of each key; never inserts and never changes a score.
 
         Args:
             keys (Tensor): (n,) int64.
             table_ids (Tensor, optional): (n,) int32/int64; None means table 0.
+            checked: ``table_ids`` are int16 and in range, built by the caller
+                (skips the range check, a host sync on a GPU).
 
         Returns:
             (n,) int64 slots, -1 where the key is absent.
         """
         self._check_idle()
         keys = self._keys(keys)
-        tids = self._table_ids(table_ids, keys.numel())
+        tids = self._table_ids(table_ids, keys.numel(), checked)
         return self._ops.find(memory=self._memory, keys=keys, table_ids=tids,
                               one_table=self.num_tables == 1)
 
@@ -285,6 +295,8 @@ class ScoredHashTable:
         keys: torch.Tensor,
         table_ids: Optional[torch.Tensor] = None,
         scores: Optional[torch.Tensor] = None,
+        *,
+        checked: bool = False,
     ) -> InsertResult:
         """Slot of each key, inserting absent keys (their value rows are zeroed).
 
@@ -292,11 +304,14 @@ class ScoredHashTable:
             keys (Tensor): (n,) int64.
             table_ids (Tensor, optional): (n,) int32/int64; None means table 0.
             scores (Tensor, optional): (n,) int64 >= 0, only with CUSTOMIZED.
+            checked: ``table_ids`` (int16) and ``scores`` were built in range by the
+                caller: not read on the host (see ``find``).
 
         Returns:
             ``InsertResult`` with the evicted entries read out.
         """
-        return self._upsert(keys, table_ids, scores, values=None, read_evicted=True)
+        return self._upsert(keys, table_ids, scores, values=None, read_evicted=True,
+                            checked=checked)
 
     def insert_or_assign(
         self,
@@ -409,6 +424,8 @@ class ScoredHashTable:
         keys: torch.Tensor,
         table_ids: Optional[torch.Tensor] = None,
         scores: Optional[torch.Tensor] = None,
+        *,
+        checked: bool = False,
     ) -> "PendingInsert":
         """First phase of ``find_or_insert``: keys, scores and slots are decided, value
         rows are not touched yet. Lets a caller make several tables' inserts atomic:
@@ -421,13 +438,16 @@ class ScoredHashTable:
         Returns:
             ``PendingInsert``; ``commit()`` returns what ``find_or_insert`` returns.
         """
-        return self._prepare(keys, table_ids, scores, values=None, read_evicted=True, assign=False)
+        return self._prepare(keys, table_ids, scores, values=None, read_evicted=True, assign=False,
+                             checked=checked)
 
     def prepare_dedup_find_or_insert(
         self,
         keys: torch.Tensor,
         table_ids: Optional[torch.Tensor] = None,
         frequencies: Optional[torch.Tensor] = None,
+        *,
+        checked: bool = False,
     ) -> Tuple[Deduplicated, PendingInsert]:
         """``prepare_find_or_insert`` of the unique pairs of a batch that may repeat
         keys, returning the dedup too. With a clock-scored strategy (LRU, STEP,
@@ -439,6 +459,8 @@ class ScoredHashTable:
             table_ids (Tensor, optional): (N,) int16/int32/int64; None means table 0.
             frequencies (Tensor, optional): (N,) int64 >= 1, occurrences each key
                 stands for (summed into ``counts``); None means 1 each.
+            checked: ``table_ids`` (int16) and ``frequencies`` were built or checked
+                by the caller: not read on the host (see ``find``).
 
         Returns:
             (``Deduplicated``, ``PendingInsert`` over ``Deduplicated.keys``).
@@ -454,18 +476,21 @@ class ScoredHashTable:
         self._check_idle()
         keys = self._keys(keys)
         n = keys.numel()
-        tids = self._table_ids(table_ids, n)
-        frequencies = check_frequencies(frequencies, n, self.device)
+        tids = self._table_ids(table_ids, n, checked)
+        if not checked:
+            frequencies = check_frequencies(frequencies, n, self.device)
         if self._rule != ScoreRule.CLOCK:  # LFU: the scores are the counts, known after the dedup
             unique = self._ops.dedup(keys=keys, table_ids=tids, frequencies=frequencies,
                                      group=True)
             return unique, self._prepare(unique.keys, unique.table_ids, unique.counts,
-                                         values=None, read_evicted=True, assign=False)
+                                         values=None, read_evicted=True, assign=False,
+                                         checked=True)
         self._grow_for_load()
         clock_before, now = self._tick()
-        unique, upserted = self._ops.dedup_upsert(
-            memory=self._memory, keys=keys, table_ids=tids, frequencies=frequencies, now=now,
-            evicts=self._evicts, one_table=self.num_tables == 1)
+        with self._undone_on_error(clock_before):
+            unique, upserted = self._ops.dedup_upsert(
+                memory=self._memory, keys=keys, table_ids=tids, frequencies=frequencies,
+                now=now, evicts=self._evicts, one_table=self.num_tables == 1)
         return unique, self._pending_insert(upserted, clock_before, None, read_evicted=True,
                                             assign=False)
 
@@ -475,21 +500,35 @@ class ScoredHashTable:
                 "the table has a prepared insert: commit() or abort() it before another call")
 
     def _prepare(self, keys, table_ids, scores, values, read_evicted, assign,
-                 exact: bool = False) -> "PendingInsert":
+                 exact: bool = False, checked: bool = False) -> "PendingInsert":
         self._check_idle()
         keys = self._keys(keys)
         n = keys.numel()
-        tids = self._table_ids(table_ids, n)
-        given = self._given_scores(scores, n, exact)
+        tids = self._table_ids(table_ids, n, checked)
+        given = self._given_scores(scores, n, exact, checked)
         rows = self._rows(values, n) if assign else None
 
         self._grow_for_load()
         clock_before, now = self._tick()
-        upserted = self._ops.upsert(
-            memory=self._memory, keys=keys, table_ids=tids, scores=given,
-            rule=ScoreRule.GIVEN if exact else self._rule, now=now, evicts=self._evicts,
-            one_table=self.num_tables == 1)
+        with self._undone_on_error(clock_before):
+            upserted = self._ops.upsert(
+                memory=self._memory, keys=keys, table_ids=tids, scores=given,
+                rule=ScoreRule.GIVEN if exact else self._rule, now=now, evicts=self._evicts,
+                one_table=self.num_tables == 1)
         return self._pending_insert(upserted, clock_before, rows, read_evicted, assign)
+
+    @contextlib.contextmanager
+    def _undone_on_error(self, clock_before: int):
+        """Around a backend's inserting verb, which undoes its own passes when it
+        fails (a growth out of memory): the clock goes back too, and a growth that
+        did happen is recorded (slots moved: earlier results are stale)."""
+        buckets = self._memory.num_buckets
+        try:
+            yield
+        except BaseException:
+            self._clock = clock_before
+            self._grown((self._memory.num_buckets // buckets).bit_length() - 1)
+            raise
 
     def _tick(self) -> Tuple[int, int]:
         """Advances the clock for an inserting call: (clock before, the call's score)."""
@@ -529,8 +568,9 @@ class ScoredHashTable:
             inserted = torch.zeros(slots.shape, dtype=torch.bool, device=self.device)
         if pending.assign:
             self._assign_rows(slots, pending.rows)
-        elif num_inserted:
-            self._memory.values.index_fill_(0, slots[inserted], 0)
+        elif num_inserted:  # sizes known from the counts: no sync for the compaction
+            new_at = torch.nonzero_static(inserted, size=num_inserted).squeeze(1)
+            self._memory.values.index_fill_(0, slots[new_at], 0)
         return InsertResult(slots=slots, inserted=inserted, evicted=evicted,
                             num_inserted=num_inserted, num_failed=upserted.failed)
 
@@ -541,9 +581,9 @@ class ScoredHashTable:
         self._clock = pending.clock_before
 
     def _upsert(self, keys, table_ids, scores, values, read_evicted, assign=False,
-                exact=False) -> InsertResult:
+                exact=False, checked=False) -> InsertResult:
         return self._prepare(keys, table_ids, scores, values, read_evicted, assign,
-                             exact).commit()
+                             exact, checked).commit()
 
     def _report_failures(self, failed: int, n: int, pending: "PendingInsert") -> None:
         message = (
@@ -563,7 +603,8 @@ class ScoredHashTable:
                        values=self._memory.values[:0])
 
     def _read_evicted(self, upserted) -> Entries:
-        positions = (upserted.status == InsertStatus.EVICTED_AND_INSERTED).nonzero().squeeze(1)
+        positions = torch.nonzero_static(upserted.status == InsertStatus.EVICTED_AND_INSERTED,
+                                         size=upserted.evicted).squeeze(1)
         slots = upserted.slots[positions]
         return Entries(
             keys=upserted.ev_keys[positions],

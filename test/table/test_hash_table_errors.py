@@ -216,3 +216,18 @@ def test_negative_step_rejected(step, device):
         t.set_step(step)
     t.find_or_insert(as_keys([1], device))
     assert t.export_batch().scores.tolist() == [5]  # the step stayed 5
+
+
+def test_misaligned_digests_are_refused():
+    """The probes load 16 digests at a time from 16-byte boundaries."""
+    from dynamicemb.ops import for_device
+    from dynamicemb.ops.interface import TableMemory
+
+    memory = for_device("cpu").new_table(num_buckets=1, max_num_buckets=1, bucket_capacity=BC,
+                                         value_dim=0, value_dtype=torch.float32,
+                                         device=torch.device("cpu"))
+    shifted = torch.zeros(BC + 1, dtype=torch.uint8)[1:]
+    meta = memory.meta[:3] + [shifted] + memory.meta[4:]
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        TableMemory(meta, memory.values, 1, 1, BC)
+    TableMemory(memory.meta, memory.values, 1, 1, BC)  # fresh arrays are aligned

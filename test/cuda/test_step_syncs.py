@@ -1,0 +1,193 @@
+"""The CUDA backend's training step, run on CPU tensors: its results, its host
+synchronizations and its kernel launches (no GPU needed; see
+``dynamicemb_testing/cuda_emulation.py`` and ``sync_guard.py``).
+
+A GPU step is host-bound when the host waits for the device. These tests pin the
+synchronizations that remain on a steady-state step to the sites
+``docs/ARCHITECTURE.md`` names ("Host synchronizations of a training step"): a new
+one anywhere fails them, with its site in the message.
+"""
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dynamicemb import DynamicEmbOptimType, DynamicEmbPoolingMode
+from dynamicemb.ops.cuda import CudaKernels
+from dynamicemb_testing.cuda_emulation import emulated_cuda
+from dynamicemb_testing.module_reference import (OPTIMIZER_ARGS, TableSpec, export_dict,
+                                                 make_tables)
+from dynamicemb_testing.sync_guard import SyncGuard
+
+BATCH, BAG = 256, 4  # 1,024 lookups
+# The kernels take the optimizer's scalars as float32 where the CPU's take float64:
+# Adam may differ in the last bit (as on a GPU; test_module_twins.py).
+TOL = dict(rtol=1e-5, atol=1e-6)
+# The syncs of a steady step, by the function that makes them (docs/ARCHITECTURE.md).
+NO_CACHE_SYNCS = Counter({
+    "check_offsets": 1,  # offsets checked before anything changes
+    "dedup": 1,  # the number of unique ids sizes everything after the dedup
+    "_passes": 1,  # the insert's outcome counts: size, stats, failures
+})
+# One launch each per step (new ids add demb_init_rows): the offsets check, the
+# dedup (2), the insert (bucket order, then the pass), the lookup, the backward (3).
+STEP_KERNELS = {"demb_check_offsets", "demb_dedup_insert", "demb_dedup_first",
+                "demb_buckets_of", "demb_upsert", "demb_pooled_forward", "demb_place_grads",
+                "demb_piece_sums", "demb_fused_update"}
+# aten ops that launch a kernel on a step today (45; 57 with new ids, whose rows are
+# initialized; benchmark/RESULTS.md): the goal is 20 launches in all, which needs
+# the dedup and the backward's sort fused into kernels.
+ATEN_LAUNCH_CEILING = {False: 48, True: 60}
+# The cache path's syncs are the device tier's promotion (issue: HBM cache over host).
+CACHE_SYNC_SITES = {"check_offsets", "dedup", "_passes", "_into_device_tier", "_write_back"}
+CACHE_SYNC_CEILING = 9
+
+
+def _batches(pool: int, count: int, seed: int, hot: bool = False):
+    """(indices, offsets) batches of BATCH bags of BAG ids from [0, pool); ``hot``:
+    one id fills half the batch (a row split into pieces in the backward)."""
+    gen = torch.Generator().manual_seed(seed)
+    offsets = torch.arange(0, BATCH * BAG + 1, BAG)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, pool, (BATCH * BAG,), generator=gen)
+        if hot:
+            ids[::2] = 7
+        out.append((ids, offsets))
+    return out
+
+
+def _module(optimizer=DynamicEmbOptimType.EXACT_SGD, pooling=DynamicEmbPoolingMode.SUM,
+            cache=False, capacity=1 << 13, init_capacity=None):
+    options = {}
+    if cache:
+        options = dict(local_hbm_for_values=16 * 4 * 256, caching=True)
+    if init_capacity:
+        options["init_capacity"] = init_capacity
+    spec = TableSpec(dim=16, max_capacity=capacity, options=options)
+    module, _ = make_tables([spec], pooling=pooling, optimizer=OPTIMIZER_ARGS[optimizer])
+    return module
+
+
+def _step(module, ids, offsets, weights=None):
+    out = module(ids, offsets, weights)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.detach()
+
+
+def _guarded_step(module, kernels, ids, offsets) -> SyncGuard:
+    kernels.launches.clear()
+    with SyncGuard() as guard:
+        kernels.guard = guard
+        _step(module, ids, offsets)
+    kernels.guard = None
+    return guard
+
+
+def _sites(guard: SyncGuard) -> Counter:
+    return Counter(s.where.rsplit(" ", 1)[-1] for s in guard.syncs)
+
+
+OPTS = [DynamicEmbOptimType.EXACT_SGD, DynamicEmbOptimType.ADAM,
+        DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD]
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["all-rows", "cache"])
+@pytest.mark.parametrize("pooling", [DynamicEmbPoolingMode.SUM, DynamicEmbPoolingMode.NONE],
+                         ids=["sum", "none"])
+@pytest.mark.parametrize("optimizer", OPTS, ids=[o.name for o in OPTS])
+def test_cuda_path_trains_as_the_cpu_backend(optimizer, pooling, cache):
+    """The CUDA path's code (emulated kernels) gives the CPU backend's results:
+    new ids, repeated ids, a hot row split into pieces, growth mid-training."""
+    batches = _batches(3000, 2, seed=1) + _batches(3000, 1, seed=2, hot=True)
+    cpu = _module(optimizer, pooling, cache, init_capacity=1024)
+    with emulated_cuda():
+        emulated = _module(optimizer, pooling, cache, init_capacity=1024)
+        for ids, offsets in batches:
+            torch.testing.assert_close(_step(emulated, ids, offsets), _step(cpu, ids, offsets),
+                                       **TOL)
+        assert emulated._groups[0].table.stats.growths > 0
+        want, got = export_dict(cpu, "t0"), export_dict(emulated, "t0")
+    assert want.keys() == got.keys()
+    for key, (row, state, score) in want.items():
+        torch.testing.assert_close(got[key][0], row, **TOL)
+        torch.testing.assert_close(got[key][1], state, **TOL)
+        assert got[key][2] == score
+
+
+@pytest.mark.parametrize("new_ids", [False, True], ids=["ids-present", "new-ids"])
+def test_steady_step_syncs_only_where_named(new_ids):
+    """Ids present, or new ids while the allocated table has room: three syncs."""
+    with emulated_cuda() as kernels:
+        module = _module(capacity=1 << 14)
+        warm = _batches(2000, 2, seed=3)
+        for ids, offsets in warm:
+            _step(module, ids, offsets)
+        ids, offsets = _batches(4000, 1, seed=4)[0] if new_ids else warm[0]
+        guard = _guarded_step(module, kernels, ids, offsets)
+    assert _sites(guard) == NO_CACHE_SYNCS, guard.report()
+    want = STEP_KERNELS | ({"demb_init_rows"} if new_ids else set())
+    assert kernels.launches == Counter(dict.fromkeys(want, 1)), kernels.launches
+    assert guard.launches() <= ATEN_LAUNCH_CEILING[new_ids], guard.launches()
+
+
+def test_a_table_that_may_grow_reads_whether_a_bucket_was_full():
+    """While the table may still grow, a pass also reads whether it deferred keys."""
+    with emulated_cuda() as kernels:
+        module = _module(capacity=1 << 15, init_capacity=1 << 13)
+        ids, offsets = _batches(100, 1, seed=5)[0]
+        _step(module, ids, offsets)
+        guard = _guarded_step(module, kernels, ids, offsets)
+    assert _sites(guard) == NO_CACHE_SYNCS + Counter({"upsert": 1}), guard.report()
+
+
+def test_cache_step_syncs_stay_in_the_cache_code():
+    with emulated_cuda() as kernels:
+        module = _module(cache=True)
+        batches = _batches(3000, 3, seed=6)
+        for ids, offsets in batches:
+            _step(module, ids, offsets)
+        guard = _guarded_step(module, kernels, *batches[0])
+    assert set(_sites(guard)) <= CACHE_SYNC_SITES, guard.report()
+    assert len(guard.syncs) <= CACHE_SYNC_CEILING, guard.report()
+
+
+def test_a_sync_put_back_fails_the_guard(monkeypatch):
+    """The guard is not blind: a dedup that reads its count on the host is caught."""
+    real = CudaKernels.dedup
+
+    def dedup(self, *args):
+        unique = real(self, *args)
+        int(unique[3].sum())  # what a careless edit would add: the summed counts
+        return unique
+
+    monkeypatch.setattr(CudaKernels, "dedup", dedup)
+    with emulated_cuda() as kernels:
+        module = _module()
+        ids, offsets = _batches(100, 1, seed=7)[0]
+        _step(module, ids, offsets)
+        guard = _guarded_step(module, kernels, ids, offsets)
+    assert _sites(guard) == NO_CACHE_SYNCS + Counter({"dedup_upsert": 1}), guard.report()
+
+
+def test_guard_sees_every_kind_of_sync():
+    t = torch.arange(6)
+    with SyncGuard() as guard:
+        t.sum().item()
+        t.tolist()
+        bool(t[0])
+        int(t[1])
+        t.nonzero()
+        t[t > 2]
+        torch.unique(t)
+        torch.bincount(t)
+        torch.repeat_interleave(t, t)
+        torch.repeat_interleave(t, t, output_size=15)  # sized on the host: no sync
+        torch.nonzero_static(t, size=6)  # sized on the host: no sync
+    kinds = [s.what for s in guard.syncs]
+    assert kinds[:4] == ["Tensor.item", "Tensor.tolist", "Tensor.__bool__", "Tensor.__int__"]
+    assert {"aten.nonzero", "aten.index", "aten.bincount", "aten.repeat_interleave"} <= set(kinds)
+    assert any("unique" in k for k in kinds)
+    assert kinds.count("aten.repeat_interleave") == 1

@@ -1,0 +1,233 @@
+"""The CUDA backend's Python code run on CPU tensors, for CI machines without a GPU.
+
+``emulated_cuda()`` makes ``dynamicemb.ops.for_device("cpu")`` return a
+``CudaBackend`` whose kernel launches run on the CPU: each launch of a
+``csrc/cuda`` kernel is counted and executed by the CPU extension's verb with
+the same per-key contract (or, for the backward's three kernels, by the CPU's
+fused backward over the arguments they were given). Everything between the
+launches (the sorts, scans, masks and copies ``dynamicemb/ops/cuda.py`` and the
+layers above run around the kernels) is the real CUDA path's code, so a
+``SyncGuard`` (``sync_guard.py``) sees the host synchronizations and aten ops a GPU
+step would make.
+
+Tensors reach the kernels as raw pointers; the emulation maps them back through
+``_ptr``, which it wraps to remember the tensor behind each pointer of a launch.
+"""
+
+import contextlib
+from collections import Counter
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+import dynamicemb.ops as ops
+from dynamicemb.ops import cpu_kernels
+from dynamicemb.ops import cuda as cuda_backend
+
+__all__ = ["EmulatedCudaKernels", "emulated_cuda"]
+
+# DEMB_TABLE_PARAMS: keys column, tids, digests, occupied, pinned, num_buckets, bc
+_TABLE_ARGS = 7
+# DEMB_ROW_PARAMS: device rows, host rows, width, transient, dim, row_ref
+_ROW_ARGS = 6
+
+
+class EmulatedCudaKernels(cuda_backend.CudaKernels):
+    """``CudaKernels`` whose launches run on the CPU extension.
+
+    Attributes:
+        launches: kernel name -> launches so far.
+        configs: (kernel name, threads, block, dynamic shared bytes) of every launch.
+        guard: a ``SyncGuard`` (or None), paused while an emulated kernel runs.
+    """
+
+    def __init__(self) -> None:  # no CuPy: nothing is compiled
+        self.launches: Counter = Counter()
+        self.configs: list = []
+        self.guard = None
+        self._cpu = cpu_kernels.load()
+        self._tensors: Dict[int, torch.Tensor] = {}
+        self._placed: Optional[list] = None  # the last demb_place_grads arguments
+
+    # ------------------------------------------------------------ plumbing
+    def remember(self, t: Optional[torch.Tensor]) -> np.uint64:
+        """``cuda._ptr`` that remembers which tensor a pointer stands for."""
+        if t is not None and t.numel():
+            self._tensors[t.data_ptr()] = t
+        return _REAL_PTR(t)
+
+    def _t(self, ptr) -> Optional[torch.Tensor]:
+        return self._tensors.get(int(ptr)) if int(ptr) else None
+
+    def _meta(self, args: list, first: int = 0) -> List[torch.Tensor]:
+        """A table's meta list from its DEMB_TABLE_PARAMS at ``args[first:]``."""
+        keys = self._t(args[first])
+        scores = torch.as_strided(keys, keys.shape, keys.stride(), keys.storage_offset() + 1)
+        return [keys, scores] + [self._t(args[first + i]) for i in range(1, 5)]
+
+    def _rows(self, args: list):
+        """(tiers, transient, dim, row_ref) from DEMB_ROW_PARAMS at ``args[0:6]``."""
+        width, dim = int(args[2]), int(args[4])
+        empty = torch.empty(0, width, dtype=torch.float32)
+        device, host = self._t(args[0]), self._t(args[1])
+        transient = self._t(args[3])
+        return ([device if device is not None else empty, host if host is not None else empty],
+                transient if transient is not None else torch.empty(0, dim), dim,
+                self._t(args[5]))
+
+    def _launch(self, name: str, device: torch.device, threads: int, args: list,
+                shared_mem: int = 0, block: int = cuda_backend._BLOCK) -> None:
+        if threads <= 0:
+            return
+        self.launches[name] += 1
+        self.configs.append((name, threads, block, shared_mem))
+        run = getattr(self, "run_" + name[len("demb_"):])
+        context = self.guard.paused() if self.guard is not None else contextlib.nullcontext()
+        with context:
+            run(args)
+
+    # ---------------------------------------------------------- hash table
+    def run_hash_keys(self, a):
+        self._t(a[3]).copy_(self._cpu.hash_keys(self._t(a[0]), self._t(a[1])))
+
+    def run_buckets_of(self, a):
+        pending = self._t(a[2])
+        hashes = self._cpu.hash_keys(self._t(a[0])[pending], self._t(a[1])[pending])
+        self._t(a[5]).copy_(torch.bitwise_and(hashes, int(a[4]) - 1))
+
+    def run_find(self, a):
+        t = _TABLE_ARGS
+        slots = self._cpu.find(self._meta(a), int(a[6]), self._t(a[t]), self._t(a[t + 1]),
+                               bool(a[t + 3]))
+        self._t(a[t + 4]).copy_(slots)
+
+    def run_upsert(self, a):
+        t = _TABLE_ARGS
+        keys, tids, given = self._t(a[t]), self._t(a[t + 1]), self._t(a[t + 2])
+        rule, now = int(a[t + 3]), int(np.int64(a[t + 4]))
+        evicts, can_grow, one_table = bool(a[t + 5]), bool(a[t + 6]), bool(a[t + 7])
+        # The runs are bucket-sorted positions; the CPU walks them in the given order,
+        # so every bucket sees its keys in input order as the warps do.
+        order, m = self._t(a[t + 10]), int(a[t + 11])
+        outs = [self._t(x) for x in a[t + 12:t + 18]]
+        counts = self._t(a[t + 18])
+        outcomes = torch.zeros(4, dtype=torch.int64)
+        deferred = self._cpu.upsert(self._meta(a), int(a[6]), keys, tids, given, rule, now,
+                                    evicts, can_grow, one_table, order[:m].contiguous(), *outs,
+                                    outcomes)
+        counts[:4] += outcomes
+        counts[4] += deferred.numel()
+
+    def run_unpin(self, a):
+        self._cpu.unpin(self._meta(a), int(a[6]), self._t(a[_TABLE_ARGS]))
+
+    def run_undo_upsert(self, a):
+        t = _TABLE_ARGS
+        self._cpu.undo_upsert(self._meta(a), int(a[6]), *[self._t(x) for x in a[t:t + 6]])
+
+    def run_grow(self, a):
+        old = self._meta(a)
+        new = self._meta(a, _TABLE_ARGS)[:6]
+        moved = self._cpu.grow(old, new, int(a[6]))
+        self._t(a[_TABLE_ARGS + 5]).copy_(moved)
+
+    def run_erase(self, a):
+        t = _TABLE_ARGS
+        erased = self._cpu.erase(self._meta(a), int(a[6]), self._t(a[t]), self._t(a[t + 1]))
+        self._t(a[t + 3]).copy_(erased)
+
+    # --------------------------------------------------------------- dedup
+    def run_dedup_insert(self, a):
+        keys, tids, n = self._t(a[0]), self._t(a[1]), int(a[2])
+        _, _, inverse, _, _, _ = self._cpu.dedup(keys, tids, None, False)
+        first = torch.full((n,), n, dtype=torch.int64).scatter_reduce_(
+            0, inverse, torch.arange(n), "amin")
+        self._t(a[5]).copy_(first[inverse])
+
+    def run_dedup_first(self, a):
+        self._t(a[3]).copy_(self._t(a[1]))
+
+    # ----------------------------------------------------------- embedding
+    def run_check_offsets(self, a):
+        code = self._cpu.check_offsets(self._t(a[0]), int(a[2]))
+        problem = self._t(a[3])
+        problem.copy_(torch.minimum(problem, torch.tensor([code or 4])))
+
+    def run_init_rows(self, a):
+        out, rows, keys = self._t(a[0]), self._t(a[2]), self._t(a[3])
+        m = int(a[4])
+        seed = int(np.array(a[13], dtype=np.uint64).view(np.int64))
+        self._cpu.init_rows(out, rows[:m], keys[:m], int(a[5]), int(a[6]), int(a[7]),
+                            float(a[8]), float(a[9]), float(a[10]), float(a[11]),
+                            float(a[12]), seed)
+
+    def run_pooled_forward(self, a):
+        tiers, transient, dim, row_ref = self._rows(a)
+        r = _ROW_ARGS
+        self._cpu.pooled_forward(tiers, transient, row_ref, self._t(a[r]), self._t(a[r + 1]),
+                                 self._t(a[r + 2]), self._t(a[r + 3]), int(a[r + 4]), dim,
+                                 bool(a[r + 6]), self._t(a[r + 7]))
+
+    def run_sequence_forward(self, a):
+        tiers, transient, dim, row_ref = self._rows(a)
+        self._cpu.sequence_forward(tiers, transient, row_ref, self._t(a[_ROW_ARGS]), dim,
+                                   self._t(a[_ROW_ARGS + 2]))
+
+    def run_place_grads(self, a):
+        # The backward's gradients are summed and applied by the CPU's fused backward
+        # when demb_fused_update runs, from the arguments given here.
+        self._placed = a
+
+    def run_piece_sums(self, a):
+        pass
+
+    def run_fused_update(self, a):
+        p = self._placed
+        rank, offsets = self._t(p[0]), self._t(p[3])
+        device_rows, host_rows = self._t(a[0]), self._t(a[1])
+        width, dim = int(a[2]), int(a[3])
+        empty = torch.empty(0, width, dtype=torch.float32)
+        num_unique = int(a[5])
+        self._cpu.fused_backward(
+            [device_rows if device_rows is not None else empty,
+             host_rows if host_rows is not None else empty],
+            self._t(a[4])[:num_unique], self._t(a[6])[:num_unique + 1], rank,
+            offsets if offsets is not None else torch.empty(0, dtype=torch.int64),
+            self._t(p[4]), self._t(p[5]), int(p[6]), dim, bool(p[8]), self._t(a[9]),
+            int(a[12]), float(a[13]), float(a[14]), float(a[15]), float(a[16]),
+            float(a[17]), float(a[20]), float(a[21]), float(a[22]))
+
+    def run_per_sample_weight_grad(self, a):
+        tiers, transient, dim, row_ref = self._rows(a)
+        r = _ROW_ARGS
+        self._cpu.per_sample_weight_grad(tiers, transient, row_ref, self._t(a[r]),
+                                         self._t(a[r + 1]), self._t(a[r + 2]), int(a[r + 3]),
+                                         dim, self._t(a[r + 5]), self._t(a[r + 7]))
+
+
+_REAL_PTR = cuda_backend._ptr
+
+
+@contextlib.contextmanager
+def emulated_cuda(kernels: Optional[EmulatedCudaKernels] = None):
+    """Within: CPU tensors take the CUDA backend's path, kernels emulated on the CPU.
+
+    Args:
+        kernels: the emulation to use again (modules built under an earlier
+            ``emulated_cuda`` keep its backend); default a new one.
+
+    Yields:
+        The ``EmulatedCudaKernels`` (its ``launches`` count every kernel launch).
+    """
+    kernels = EmulatedCudaKernels() if kernels is None else kernels
+    backend = cuda_backend.CudaBackend.__new__(cuda_backend.CudaBackend)
+    cuda_backend.KernelBackend.__init__(backend, kernels)
+    saved = (ops._cpu, cuda_backend._ptr, cuda_backend._on_kernel_device)
+    ops._cpu = lambda: backend
+    cuda_backend._ptr = kernels.remember
+    cuda_backend._on_kernel_device = lambda t: t.device.type == "cpu"
+    try:
+        yield kernels
+    finally:
+        ops._cpu, cuda_backend._ptr, cuda_backend._on_kernel_device = saved
