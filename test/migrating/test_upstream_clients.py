@@ -71,6 +71,9 @@ def test_export_keys_values_in_upstreams_form():
     keys, embeddings = _table().export_keys_values("t0", torch.device("cpu"))  # empty table
     assert keys.shape == (0,) and embeddings.shape == (0, DIM)
     assert isinstance(module.export_keys_values("t0"), dynamicemb.ExportedRows)  # ours, unchanged
+    # what upstream's cache statistics and HSTU training look for with hasattr: absent
+    assert not any(hasattr(module, a) for a in ("cache", "set_record_cache_metrics", "fill_tables"))
+    assert module.cache_metrics()["t0"].lookups == len(ids)
     with pytest.raises(ValueError, match="batch_size"):
         module.export_keys_values("t0", torch.device("cpu"), batch_size=0)
     with pytest.raises(TypeError, match="iter_keys_values"):
