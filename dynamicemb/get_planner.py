@@ -47,6 +47,14 @@ def get_planner_constraints(
     are ``data_parallel``; tables with options are dynamic and ``row_wise``; the
     others are TorchRec's, ``row_wise``. Ids are never bounds-checked.
 
+    Args:
+        eb_configs, data_parallel_embedding_table_names, dynamicemb_options_dict,
+            pipeline_type: as ``get_planner``'s.
+
+    Returns:
+        Table name -> its ``ParameterConstraints`` (``DynamicEmbParameterConstraints``
+        for dynamic tables).
+
     Raises:
         ValueError: an unknown ``pipeline_type``, a name that is not a table of
             ``eb_configs``, or a table both data-parallel and dynamic.
