@@ -30,7 +30,9 @@ from dynamicemb.options import (
 from dynamicemb.sizing import (BUCKET_ALIGNMENT, DEMB_TABLE_ALIGN_SIZE, align_to_table_size,
                                get_sharded_table_capacity, get_table_value_bytes)
 from dynamicemb.table import ScoredHashTable
-from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbEvictStrategy, DynamicEmbScoreStrategy
+from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicEmbEvictStrategy,
+                              DynamicEmbScoreStrategy)
+from dynamicemb._upstream import module_getattr as _module_getattr
 
 __version__ = "0.1.0"
 
@@ -59,6 +61,7 @@ __all__ = [
     "ExportedRows",
     "FrequencyAdmissionStrategy",
     "KVCounter",
+    "MAX_BUCKET_CAPACITY",
     "OptimizerArgs",
     "ScoredHashTable",
     "TableClocks",
@@ -67,3 +70,8 @@ __all__ = [
     "get_table_value_bytes",
     "incremental_dump",
 ]
+
+# upstream's names that are not provided: refused by name, with what to use instead
+__getattr__ = _module_getattr(__name__, lazy={}, refused=(
+    "AdmissionStrategy", "ScoreStrategy", "BATCH_SIZE_PER_DUMP", "data_type_to_dyn_emb",
+    "dyn_emb_to_torch", "torch_to_dyn_emb", "data_type_to_dtype", "string_to_evict_strategy"))

@@ -1,4 +1,7 @@
-"""Upstream dynamicemb's module path of its configuration names (re-exported)."""
+"""Upstream dynamicemb's module path of its configuration names (re-exported; those
+not provided are refused by name, with what to use instead)."""
+
+from dynamicemb._upstream import module_getattr
 
 from dynamicemb.options import (DynamicEmbInitializerArgs, DynamicEmbInitializerMode,
                                 DynamicEmbPoolingMode, DynamicEmbTableOptions)
@@ -20,3 +23,7 @@ __all__ = [
     "get_sharded_table_capacity",
     "get_table_value_bytes",
 ]
+
+__getattr__ = module_getattr(__name__, lazy={}, refused=(
+    "ScoreStrategy", "BATCH_SIZE_PER_DUMP", "data_type_to_dyn_emb", "dyn_emb_to_torch",
+    "torch_to_dyn_emb", "data_type_to_dtype", "string_to_evict_strategy"))

@@ -16,23 +16,12 @@ from torch import nn
 
 from dynamicemb.checkpoint._collective import Collective
 from dynamicemb.checkpoint.incremental import incremental_dump as _dump_by_table
-from dynamicemb.checkpoint.tables import local_tables
+from dynamicemb.checkpoint.tables import local_tables, unwrap
 from dynamicemb.embedding import BatchedDynamicEmbeddingTables
 
 __all__ = ["get_score", "incremental_dump"]
 
 Rows = Tuple[torch.Tensor, torch.Tensor]
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The model inside DMP / DDP wrappers."""
-    while True:
-        if hasattr(model, "_dmp_wrapped_module"):
-            model = model._dmp_wrapped_module
-        elif isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
 
 
 def collection_tables(model: nn.Module) -> Dict[str, List[str]]:
@@ -43,7 +32,7 @@ def collection_tables(model: nn.Module) -> Dict[str, List[str]]:
     for name, table in tables.items():
         by_module.setdefault(id(table.module), []).append(name)
     out: Dict[str, List[str]] = {}
-    for path, module in _unwrap(model).named_modules():
+    for path, module in unwrap(model).named_modules():
         names: List[str] = []
         if isinstance(module, BatchedDynamicEmbeddingTables):
             names = by_module.get(id(module), [])

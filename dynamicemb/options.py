@@ -13,7 +13,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from dynamicemb.types import (DynamicEmbCheckMode, DynamicEmbEvictStrategy,
+from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicEmbEvictStrategy,
                               DynamicEmbScoreStrategy, UpstreamIntValues)
 
 __all__ = [
@@ -342,7 +342,8 @@ class DynamicEmbTableOptions:
         global_hbm_for_values: the same budget for the whole table: each of the
             ranks holding it gets ``ceil(global / ranks)`` (set one of the two).
         admit_strategy: admission of new keys (None: admit all).
-        admission_counter: a ``KVCounter`` for ``admit_strategy``'s counts.
+        admission_counter: a ``KVCounter`` for ``admit_strategy``'s counts. Without
+            ``admit_strategy`` every key is admitted and it counts nothing (as upstream).
         training: False builds an inference table: no optimizer state, never inserts.
         optimizer_args: per-table optimizer (None: the module's settings).
         dist_type: row-wise placement, ``roundrobin`` or ``hash_roundrobin`` (upstream's
@@ -391,8 +392,9 @@ class DynamicEmbTableOptions:
         if self.bucket_capacity <= 0 or self.bucket_capacity % 16:
             raise ValueError(
                 f"bucket_capacity must be a positive multiple of 16, got {self.bucket_capacity}"
-                + (" (upstream's MAX_BUCKET_CAPACITY, one bucket per table, is not supported)"
-                   if self.bucket_capacity == 2**63 - 1 else ""))
+                + (" (upstream's MAX_BUCKET_CAPACITY, one bucket per table, is not supported: "
+                     "leave the default 128)"
+                   if self.bucket_capacity == MAX_BUCKET_CAPACITY else ""))
         if not 0.0 < self.max_load_factor <= 1.0:
             raise ValueError(f"max_load_factor must be in (0, 1], got {self.max_load_factor}")
         self.score_strategy = _single_score_strategy(self.score_strategy)
@@ -433,8 +435,6 @@ class DynamicEmbTableOptions:
             if not isinstance(self.admission_counter, KVCounter):
                 raise ValueError("admission_counter must be a KVCounter, got "
                                  f"{type(self.admission_counter).__name__}")
-            if self.admit_strategy is None:
-                raise ValueError("admission_counter needs admit_strategy (what the counts decide)")
         if self.evict_strategy is not None:
             self.evict_strategy = DynamicEmbEvictStrategy(self.evict_strategy)
             derived = DynamicEmbEvictStrategy.of_score_strategy(self.score_strategy)

@@ -1,19 +1,62 @@
-"""Enums shared by every layer, defined once (string values).
+"""Enums shared by every layer, defined once (string values), and upstream
+dynamicemb's ``dynamicemb.types`` names.
 
 Every enum that upstream NVIDIA dynamicemb defines with integer values also takes
 those integers (``DynamicEmbScoreStrategy(1)`` is ``STEP``), so scripts written
 for upstream run unchanged; unknown values are refused with the accepted ones.
+
+Upstream's other names in this module: its dtypes of stored data (``KEY_TYPE``,
+``EMBEDDING_TYPE``, ``SCORE_TYPE``, ``OPT_STATE_TYPE``) and ``MAX_BUCKET_CAPACITY``
+are defined here; ``DynamicEmbInitializerArgs``, ``DynamicEmbInitializerMode``,
+``Counter``, ``BUCKET_ALIGNMENT`` and ``DEMB_TABLE_ALIGN_SIZE`` are this package's
+objects of those names, imported on first use; the storage and cache interfaces,
+``AdmissionStrategy``, ``MemoryType``, ``COUNTER_TYPE`` and
+``torch_dtype_to_np_dtype`` are refused by name with what to use instead.
 """
 
 from enum import Enum, unique
 from typing import Tuple
 
+import torch
+
+from dynamicemb._upstream import module_getattr
+
 __all__ = [
     "DynamicEmbCheckMode",
     "DynamicEmbEvictStrategy",
     "DynamicEmbScoreStrategy",
+    "EMBEDDING_TYPE",
+    "KEY_TYPE",
+    "MAX_BUCKET_CAPACITY",
+    "OPT_STATE_TYPE",
+    "SCORE_TYPE",
     "UpstreamIntValues",
 ]
+
+#: dtype of stored keys (ids of int32 tables are widened to it).
+KEY_TYPE = torch.int64
+#: dtype of stored embedding rows.
+EMBEDDING_TYPE = torch.float32
+#: dtype of scores.
+SCORE_TYPE = torch.int64
+#: dtype of optimizer states.
+OPT_STATE_TYPE = torch.float32
+#: Upstream's ``bucket_capacity`` meaning "one bucket per table": refused by
+#: ``DynamicEmbTableOptions`` (buckets here hold a multiple of 16 slots).
+MAX_BUCKET_CAPACITY = 2**63 - 1
+
+__getattr__ = module_getattr(
+    __name__,
+    lazy={
+        "DynamicEmbInitializerArgs": "dynamicemb.options:DynamicEmbInitializerArgs",
+        "DynamicEmbInitializerMode": "dynamicemb.options:DynamicEmbInitializerMode",
+        "Counter": "dynamicemb.embedding.admission:Counter",
+        "BUCKET_ALIGNMENT": "dynamicemb.sizing:BUCKET_ALIGNMENT",
+        "DEMB_TABLE_ALIGN_SIZE": "dynamicemb.sizing:DEMB_TABLE_ALIGN_SIZE",
+    },
+    refused=("AdmissionStrategy", "MemoryType", "COUNTER_TYPE", "torch_dtype_to_np_dtype",
+             "Storage", "Cache", "CopyMode", "OptionsT", "OptimizerT"),
+)
 
 
 class UpstreamIntValues:

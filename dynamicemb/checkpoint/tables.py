@@ -2,14 +2,14 @@
 
 import sys
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from dynamicemb.embedding import BatchedDynamicEmbeddingTables
 
-__all__ = ["LocalTable", "local_tables", "table_name_list"]
+__all__ = ["LocalTable", "dynamic_modules", "local_tables", "table_name_list", "unwrap"]
 
 
 @dataclass
@@ -41,6 +41,30 @@ def _sharded(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
     except ImportError:
         return iter(())
     return dynamic_kernels(model)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DMP / DDP wrappers."""
+    while True:
+        if hasattr(model, "_dmp_wrapped_module"):
+            model = model._dmp_wrapped_module
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
+def dynamic_modules(model: nn.Module) -> List[BatchedDynamicEmbeddingTables]:
+    """The ``BatchedDynamicEmbeddingTables`` of ``model`` on this rank, each once:
+    those of sharded TorchRec modules' lookups, then the others anywhere inside it
+    (``model`` itself included)."""
+    found: Dict[int, BatchedDynamicEmbeddingTables] = {}
+    for _, kernel in _sharded(model):
+        found.setdefault(id(kernel.emb_module), kernel.emb_module)
+    for module in model.modules():
+        if isinstance(module, BatchedDynamicEmbeddingTables):
+            found.setdefault(id(module), module)
+    return list(found.values())
 
 
 def _owns_all(keys: torch.Tensor) -> torch.Tensor:

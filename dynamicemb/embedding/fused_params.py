@@ -20,12 +20,15 @@ __all__ = ["OPTIMIZER_KEYWORDS", "check_tbe_keywords", "module_kwargs", "output_
 #: Keywords that make up ``DynamicEmbOptimizerArgs``.
 OPTIMIZER_KEYWORDS = tuple(DynamicEmbOptimizerArgs.__dataclass_fields__)
 
-#: Keywords accepted with any value: dynamic tables already do what they ask.
+#: Keywords accepted with any value: dynamic tables already do what they ask, or
+#: (``enforce_hbm``) upstream's tables take and ignore it as these do.
 _ALWAYS_HONOURED = {
     "stochastic_rounding": "rows are float32, so there is nothing to round",
     "bounds_check_mode": "ids are raw keys, so no id is out of bounds",
     "prefetch_pipeline": "prefetch() is always safe (results equal no prefetch)",
     "use_index_dedup": "the module always deduplicates the ids of a batch",
+    # upstream's planner sets it on every dynamic table and its tables ignore it too
+    "enforce_hbm": "rows are placed by the options' local_hbm_for_values and caching",
 }
 
 #: keyword -> (the values that leave its feature off, why other values are refused).
@@ -40,7 +43,6 @@ _OFF_ONLY: Dict[str, Tuple[tuple, str]] = {
     "optimizer_state_dtypes": ((None, {}), "optimizer states are float32"),
     "ensemble_mode": ((None,), "ensemble optimizers are not supported"),
     "emainplace_mode": ((None,), "EMA optimizers are not supported"),
-    "enforce_hbm": ((False,), "placement is set by local_hbm_for_values/caching"),
     "uvm_non_rowwise_momentum": ((False,), "optimizer states live with their rows"),
     "uvm_host_mapped": ((False,), "host tiers are plain host memory"),
     "use_experimental_tbe": ((False,), "there is no experimental kernel"),

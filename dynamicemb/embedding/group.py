@@ -38,8 +38,9 @@ def group_key(options: DynamicEmbTableOptions, optimizer: DynamicEmbOptimizerArg
         options.training,
         astuple(optimizer),
         options.admit_strategy,
-        # tables with KVCounters of any capacity share one counter table (their sum)
-        None if options.admission_counter is None else (
+        # tables with KVCounters of any capacity share one counter table (their sum);
+        # without admit_strategy a counter counts nothing
+        None if options.admission_counter is None or options.admit_strategy is None else (
             options.admission_counter.bucket_capacity, options.admission_counter.key_type),
         options.caching,
         options.device_budget() is None,

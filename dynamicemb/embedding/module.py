@@ -8,7 +8,7 @@ is no separate ``step()``.
 
 import logging
 from collections import deque
-from typing import Deque, Dict, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Deque, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -279,13 +279,46 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 raise ValueError(f"scores must be >= 0, got {score}")
             group.custom_scores[local] = int(score)
 
-    def export_keys_values(self, table_name: str, *,
-                           min_score: Optional[int] = None) -> ExportedRows:
-        """Every stored row of one table (embedding, optimizer state, score), or only
-        those scoring at least ``min_score``. One tensor per field: for large tables
-        iterate with ``iter_keys_values``."""
-        group, local = self._location(table_name)
-        return self._rows_of(group, local, group.storage.export(min_score=min_score))
+    def export_keys_values(
+        self, table_name: str, device: Optional[torch.device] = None,
+        batch_size: Optional[int] = None, *, min_score: Optional[int] = None,
+    ) -> Union[ExportedRows, Tuple[torch.Tensor, torch.Tensor]]:
+        """Every stored row of one table, or only those scoring at least ``min_score``.
+
+        Called with a ``device`` (upstream's form, ``keys, embeddings =
+        export_keys_values(name, device, batch_size=65536)``), it returns the keys and
+        embeddings on ``device``, read ``batch_size`` host-store slots at a time.
+        Without one it returns ``ExportedRows`` (keys, embeddings, optimizer states and
+        scores, where the rows live); for large tables iterate with
+        ``iter_keys_values``.
+
+        Args:
+            table_name: the table.
+            device: where upstream's ``(keys, embeddings)`` are returned.
+            batch_size: slots read at a time in upstream's form (default 65536).
+            min_score: only rows scoring at least this.
+
+        Returns:
+            ``ExportedRows``, or ``(keys, embeddings)`` when ``device`` is given.
+
+        Shape:
+            keys: (n,) int64; embeddings: (n, dim) float32.
+        """
+        if device is None:
+            if batch_size is not None:
+                raise TypeError("batch_size belongs to upstream's form export_keys_values(name, "
+                                "device, batch_size); pass device, or use iter_keys_values(name, "
+                                "chunk_slots)")
+            group, local = self._location(table_name)
+            return self._rows_of(group, local, group.storage.export(min_score=min_score))
+        batch_size = 65536 if batch_size is None else int(batch_size)
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        device = torch.device(device)
+        # the host store has at least one bucket: there is at least one chunk
+        chunks = list(self.iter_keys_values(table_name, batch_size, min_score=min_score))
+        return (torch.cat([c.keys for c in chunks]).to(device),
+                torch.cat([c.embeddings for c in chunks]).to(device))
 
     def iter_keys_values(self, table_name: str, chunk_slots: int = 1 << 16, *,
                          min_score: Optional[int] = None) -> Iterator[ExportedRows]:

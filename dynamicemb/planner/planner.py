@@ -10,8 +10,9 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.estimator.estimator import EmbeddingPerfEstimatorFactory
 from torchrec.distributed.planner.planners import EmbeddingShardingPlanner
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
-from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingPlan, ShardingType
-from torchrec.distributed.utils import get_device_type
+from torchrec.distributed.types import (EmbeddingModuleShardingPlan, ModuleSharder, ParameterSharding,
+                                       ShardingPlan, ShardingType)
+from torchrec.distributed.utils import add_params_from_parameter_sharding, get_device_type
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from dynamicemb.embedding.fused_params import module_kwargs
@@ -54,6 +55,19 @@ def _planner_arguments(args: tuple, eb_configs, kwargs: Dict[str, Any]):
             raise TypeError(f"{name} given twice (positionally and by keyword)")
         kwargs[name] = value
     return eb_configs, kwargs
+
+
+def _check_table_params(name: str, sharding: ParameterSharding,
+                        sharders: List[ModuleSharder]) -> None:
+    """Refuses, at plan time, the per-table params of a dynamic table's constraint
+    (``cache_params``, ``output_dtype``, ...) that TorchRec would add to its kernel's
+    fused params (``add_params_from_parameter_sharding``) and the kernel cannot honour."""
+    for sharder in sharders:
+        try:
+            module_kwargs(add_params_from_parameter_sharding(dict(sharder.fused_params or {}),
+                                                             sharding))
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"table {name!r}: {err}") from None
 
 
 def _dynamic_sharders(sharders: List[ModuleSharder[nn.Module]], device: str) -> List[ModuleSharder]:
@@ -200,7 +214,8 @@ class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
         Raises:
             ValueError: a dynamic table's ``dim`` or ``max_capacity`` differs from its
                 config in ``module``; the model's configs differ from ``eb_configs``; a
-                sharder's fused params hold one dynamic tables cannot honour.
+                sharder's fused params, or a dynamic table's constraint (``cache_params``,
+                ``output_dtype``, ...), hold one dynamic tables cannot honour.
         """
         if self._eb_configs is not None:
             _cross_check(self._eb_configs, table_configs(module))
@@ -213,10 +228,12 @@ class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
         for name, table_options in options.items():
             self._dynamic_constraints[name].dynamicemb_options = table_options
         plan = super().plan(module, sharders)
+        dynamic_sharders = _dynamic_sharders(sharders, self._topology.compute_device)
         for module_plan in plan.plan.values():
             if not isinstance(module_plan, EmbeddingModuleShardingPlan):
                 continue
             for name, sharding in list(module_plan.items()):
                 if name in options:
                     module_plan[name] = to_dynamic_sharding(sharding, options[name])
+                    _check_table_params(name, sharding, dynamic_sharders)
         return plan

@@ -1,13 +1,15 @@
 """What the sharded EmbeddingCollection and EmbeddingBagCollection share."""
 
-from typing import Dict, Iterator, List, Mapping, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmEmbOptimType
 from torch import nn
 from torchrec.distributed.types import ParameterSharding
 from torchrec.optim.fused import EmptyFusedOptimizer
 
 from dynamicemb.embedding.module import BatchedDynamicEmbeddingTables
+from dynamicemb.options import DynamicEmbOptimType
 from dynamicemb.planner.types import (CUSTOMIZED_KERNEL, DYNAMIC_SHARDING_TYPES,
                                       DynamicEmbParameterSharding,
                                       check_dynamic_sharding_type)
@@ -77,7 +79,18 @@ def import_dense_rows(module: nn.Module, table_name: str, weight: torch.Tensor) 
 
 class DynamicKernelsMixin:
     """For a TorchRec sharder: also offers ``customized_kernel`` (dynamic tables) for
-    the sharding types dynamic tables support."""
+    the sharding types dynamic tables support, and gives TorchRec's own tables an
+    ``optimizer`` fused param of FBGEMM's ``EmbOptimType`` when it was given as
+    ``DynamicEmbOptimType`` (upstream's ``EmbOptimType`` name; dynamic tables take
+    either)."""
+
+    @property
+    def fused_params(self) -> Optional[Dict[str, Any]]:
+        params = super().fused_params
+        optimizer = (params or {}).get("optimizer")
+        if isinstance(optimizer, DynamicEmbOptimType):
+            params = {**params, "optimizer": FbgemmEmbOptimType[optimizer.name]}
+        return params
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         kernels = super().compute_kernels(sharding_type, compute_device_type)

@@ -41,6 +41,7 @@ from dynamicemb import (
     get_sharded_table_capacity,
     get_table_value_bytes,
 )
+from dynamicemb.dump_load import find_sharded_modules, get_dynamic_emb_module
 from dynamicemb.incremental_dump import get_score, incremental_dump
 from dynamicemb.optimizer import EmbOptimType
 from dynamicemb.planner import (
@@ -165,10 +166,14 @@ def _global_ids(steps: range) -> Dict[str, Dict[int, int]]:
 
 
 def _all_rows(model) -> Dict[str, Dict[int, torch.Tensor]]:
-    """Every stored row of every dynamic table, gathered from all ranks."""
-    local = {name: dict(zip(t.export_keys_values(name).keys.tolist(),
-                            t.export_keys_values(name).embeddings))
-             for name, t in get_dynamic_tables(model).items()}
+    """Every stored row of every dynamic table, gathered from all ranks (read as
+    upstream's embedding export reads them)."""
+    local = {}
+    for _, _, sharded in find_sharded_modules(model, ""):
+        for module in get_dynamic_emb_module(sharded):
+            for name in module.table_names:
+                keys, embeddings = module.export_keys_values(name, device=torch.device("cpu"))
+                local[name] = dict(zip(keys.tolist(), embeddings))
     parts: List = [None] * dist.get_world_size()
     dist.all_gather_object(parts, local)
     merged: Dict[str, Dict[int, torch.Tensor]] = {}

@@ -142,7 +142,6 @@ REFUSED_OPTIONS = [
     (dict(evict_strategy=DynamicEmbEvictStrategy.LFU), "evict_strategy"),
     (dict(evict_strategy=2, score_strategy="step"), "evict_strategy"),
     (dict(score_strategy=(0, 3)), "compound score_strategy"),
-    (dict(admission_counter=KVCounter(64)), "admission_counter"),
     (dict(admission_counter=64, admit_strategy=FrequencyAdmissionStrategy(2)), "admission_counter"),
     (dict(local_hbm_for_values=10, global_hbm_for_values=10), "global_hbm_for_values"),
     (dict(global_hbm_for_values=-1), "global_hbm_for_values"),

@@ -13,6 +13,7 @@ from torch import nn
 from torchrec import DataType, EmbeddingCollection, EmbeddingConfig
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 from torchrec.distributed.planner import ParameterConstraints, Topology
+from torchrec.distributed.planner.types import CacheParams
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
 from torchrec.distributed.types import ShardedTensorMetadata, ShardMetadata
@@ -153,3 +154,20 @@ def test_constraints_default_to_default_options():
     options = plan.plan["embedding_module"]["user"].dynamicemb_options
     assert (options.dim, options.max_capacity) == (DIM, ROWS)
     assert dataclasses.replace(options, dim=None, max_capacity=None) == DynamicEmbTableOptions()
+
+
+@pytest.mark.parametrize("field,value,refused", [
+    ("cache_params", CacheParams(load_factor=0.5), "cache_load_factor"),
+    ("cache_params", CacheParams(precision=DataType.FP16), "cache_precision"),
+    ("output_dtype", DataType.INT8, "output_dtype")])
+def test_table_params_of_a_dynamic_constraint_stop_the_plan(field, value, refused):
+    """What TorchRec adds to a table's kernel from its constraint is checked by ``plan``
+    (not first when DMP builds the kernel); ``enforce_hbm`` is accepted (upstream's
+    planner sets it)."""
+    constraints = _constraints()
+    constraints["user"] = dataclasses.replace(constraints["user"], **{field: value})
+    with pytest.raises(ValueError, match=f"'user'.*{refused}"):
+        _plan(DynamicEmbeddingShardingPlanner(TOPOLOGY, constraints=constraints))
+    constraints["user"] = dataclasses.replace(_constraints()["user"], enforce_hbm=True)
+    plan = _plan(DynamicEmbeddingShardingPlanner(TOPOLOGY, constraints=constraints))
+    assert plan.plan["embedding_module"]["user"].enforce_hbm is True

@@ -148,7 +148,7 @@ def test_output_dtype(dtype):
 # keyword -> a value dynamic tables cannot honour (each refused, naming the keyword)
 REFUSED = {
     "max_norm": 1.0, "momentum": 0.5, "eta": 0.01, "counter_based_regularization": object(),
-    "cowclip_regularization": object(), "enforce_hbm": True, "global_weight_decay": object(),
+    "cowclip_regularization": object(), "global_weight_decay": object(),
     "cache_load_factor": 0.2, "cache_algorithm": 0, "cache_sets": 8,
     "cache_reserved_memory": 1.0, "weights_precision": SparseType.FP16,
     "cache_precision": SparseType.FP16, "embedding_table_index_type": torch.float32,
@@ -206,7 +206,8 @@ def test_upstream_keywords_do_what_they_say():
         learning_rate=0.3, eps=1e-8, initial_accumulator_value=0.0, momentum=0.9,
         weight_decay=0.0, weight_decay_mode=WeightDecayMode.NONE, eta=0.001, beta1=0.9,
         beta2=0.999, counter_based_regularization=None, cowclip_regularization=None,
-        embedding_table_index_type=torch.int32, weights_precision=SparseType.FP32)
+        embedding_table_index_type=torch.int32, weights_precision=SparseType.FP32,
+        enforce_hbm=True)
     ours = BatchedDynamicEmbeddingTables(
         [_options(initializer_args=init)], table_names=["t0"], feature_table_map=[0, 0, 0],
         pooling_mode=DynamicEmbPoolingMode.MEAN, optimizer=DynamicEmbOptimType.EXACT_SGD,
