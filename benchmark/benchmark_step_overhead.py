@@ -1,20 +1,17 @@
 """The host's share of a training step: time at a tiny batch, syncs and launches.
 
 At a tiny batch a step is nearly all host work (Python, dispatch, launches), so its
-time is the overhead every batch pays before the kernels' own work. Three modules
-train on the same batches, steps interleaved so that the machine's noise falls on all
-alike:
+time is the overhead every batch pays before the kernels' own work. Two modules
+train on the same batches, steps interleaved so that the machine's noise falls on both
+alike: ``BatchedDynamicEmbeddingTables`` on the CPU backend, and FBGEMM's CPU TBE
+(``SplitTableBatchedEmbeddingBagsCodegen``, the kernel behind TorchRec's fused CPU
+tables) with the same optimizer.
 
-- ``dynamicemb``: ``BatchedDynamicEmbeddingTables`` on the CPU backend;
-- ``dynamicemb_cuda_path``: the same module on the CUDA backend's Python code, its
-  kernels emulated on the CPU (``test/dynamicemb_testing/cuda_emulation.py``): the
-  host work of a GPU step, less the launches' own cost;
-- ``fbgemm_cpu_tbe``: FBGEMM's CPU TBE (``SplitTableBatchedEmbeddingBagsCodegen``),
-  the kernel behind TorchRec's fused CPU tables, with the same optimizer.
-
-It also counts, for one steady-state step of the CUDA path, the host synchronizations
-(by site), the aten ops (and how many would launch a GPU kernel) and the CuPy
-launches, with all rows on the device and with a device cache of 10% of the ids.
+It also counts, for one steady-state step of the CUDA backend's code (run on CPU
+tensors, its kernels emulated: ``test/dynamicemb_testing/cuda_emulation.py``), the
+host synchronizations (by site), the aten ops (and how many would launch a GPU kernel)
+and the CuPy launches, with all rows on the device and with a device cache of 10% of
+the ids. (The emulated step's time is not reported: its kernels run on the CPU.)
 
 Example::
 
@@ -49,6 +46,9 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--count-lookups", type=int, default=4096,
                    help="lookups of the step whose syncs and launches are counted")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads of torch, FBGEMM and our kernels (a tiny batch "
+                        "has no work to share: threads only add their wake-ups)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args()
 
@@ -88,31 +88,18 @@ def time_steps(args):
     FBGEMM's (median of per-iteration ratios)."""
     data = batches(args, args.lookups, 64)
     modules = {"dynamicemb": dynamic_module(args), "fbgemm_cpu_tbe": fbgemm_module(args)}
-    times = {name: [] for name in ("dynamicemb", "dynamicemb_cuda_path", "fbgemm_cpu_tbe")}
-    with emulated_cuda() as kernels:
-        modules["dynamicemb_cuda_path"] = dynamic_module(args)
+    times = {name: [] for name in modules}
     for it in range(args.warmup + args.iterations):
         ids, offsets = data[it % len(data)]
         for name, module in modules.items():
-            context = emulated_cuda(kernels) if name == "dynamicemb_cuda_path" else _nothing()
-            with context:
-                t0 = time.perf_counter()
-                step(module, ids, offsets)
-                elapsed = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            step(module, ids, offsets)
             if it >= args.warmup:
-                times[name].append(elapsed)
+                times[name].append(time.perf_counter() - t0)
     base = times["fbgemm_cpu_tbe"]
     return {name: {"median_us": round(statistics.median(xs) * 1e6, 1),
                    "ratio_to_fbgemm": round(statistics.median(a / b for a, b in zip(xs, base)), 3)}
             for name, xs in times.items()}
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def count_step(args, cache: bool):
@@ -134,7 +121,7 @@ def count_step(args, cache: bool):
 
 def main():
     args = parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)
     result = {"args": vars(args), "host_time": time_steps(args),
               "counts": {"all_rows": count_step(args, False), "cache_10pct": count_step(args, True)}}
     print(json.dumps(result, indent=1))

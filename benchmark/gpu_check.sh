@@ -7,11 +7,11 @@
 # batched-tables benchmarks. Logs, JSON and markdown go to $OUT (default
 # benchmark/out/gpu); `summary.txt` there has one exit code per stage.
 #
-# Stages: GPU_STAGES="build tests sanitizer hash tables profile" (default: all).
+# Stages: GPU_STAGES="build tests sanitizer hash tables steps profile" (default: all).
 set -uo pipefail
 OUT=${OUT:-benchmark/out/gpu}
 PY=${PYTHON:-python3}
-STAGES=${GPU_STAGES:-build tests sanitizer hash tables profile}
+STAGES=${GPU_STAGES:-build tests sanitizer hash tables steps profile}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
@@ -47,5 +47,8 @@ stage tables $PY benchmark/benchmark_gpu_tables.py --batch_sizes 65536 1048576 \
 # 64M rows: SGD only (Adam's states for both tables would not fit in 80 GB at once)
 stage tables $PY benchmark/benchmark_gpu_tables.py --batch_sizes 65536 1048576 \
   --num_embeddings 67108864 --optimizers sgd --out "$OUT/gpu_tables_64M"
+# the step's syncs as PyTorch's sync debug mode sees them (the CPU guard says 3), and
+# training at the widest dims against the CPU
+stage steps $PY benchmark/gpu_step_check.py --lookups 65536
 stage profile $PY benchmark/profile_gpu_step.py --batch 65536 --num_embeddings 8388608
 ! grep -v "rc=0" "$OUT/summary.txt"

@@ -475,7 +475,7 @@ void undo_upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tens
                      ev_keys.data_ptr<int64_t>(),
                      ev_tids.data_ptr<int16_t>(),
                      reinterpret_cast<const uint64_t*>(ev_scores.data_ptr<int64_t>())};
-  for (int64_t i = slots.numel() - 1; i >= 0; --i) undo_one(v, r, i);
+  for (int64_t i = slots.numel() - 1; i >= 0; --i) undo_one<PlainBits>(v, r, i);
 }
 
 // Moves every slot of `old_meta` to the table `new_meta` with twice the buckets,

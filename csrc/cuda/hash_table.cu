@@ -246,17 +246,18 @@ extern "C" __global__ void demb_unpin(DEMB_TABLE_PARAMS, const int64_t* slots, i
             ~(1ull << (j & 63)));
 }
 
-// Reverts an inserting call, newest key first. Rare (aborts and ERROR mode), so
-// one thread walks the keys in order: a slot a call touched twice comes back as
-// it was before the call, as on the CPU.
+// Reverts an inserting call: a thread per key, given only the oldest key of each
+// slot the call touched (slots of the others -1): its record alone restores the
+// slot (undo_one), so slots are independent and their bits are cleared atomically.
 extern "C" __global__ void demb_undo_upsert(DEMB_TABLE_PARAMS, const int64_t* slots,
                                             const int8_t* status, const uint64_t* prev_scores,
                                             const int64_t* ev_keys, const int16_t* ev_tids,
                                             const uint64_t* ev_scores, int64_t n) {
-  if (global_thread() != 0) return;
+  const int64_t i = global_thread();
+  if (i >= n || slots[i] < 0) return;
   const TableView v = DEMB_TABLE_VIEW;
   const PassRecord r{slots, status, prev_scores, ev_keys, ev_tids, ev_scores};
-  for (int64_t i = n - 1; i >= 0; --i) undo_one(v, r, i);
+  undo_one<AtomicBits>(v, r, i);
 }
 
 // Moves old slot `from` (one thread each) to the table with twice the buckets,

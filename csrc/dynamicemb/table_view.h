@@ -234,9 +234,12 @@ DEMB_HD bool erase_one(const TableView& v, const Probe& probe, const KeyHome& ho
 }
 
 // Reverts key i of an inserting pass (ERROR mode, aborts): a hit gets its old
-// score back, a fresh slot is emptied, an evicted victim is put back. Callers
-// walk a call's keys newest first, so a slot the call touched twice ends as it
-// was before the call.
+// score back, a fresh slot is emptied, an evicted victim is put back. Each of
+// these rewrites every field the call changed in the slot from the record of the
+// slot's state before key i, so the oldest key of a call that touched a slot
+// restores it alone: a caller walks the keys newest first (the CPU), or undoes
+// only the oldest key of each slot, all slots at once (the GPU, with atomic bits).
+template <class Bits>
 DEMB_HD void undo_one(const TableView& v, const PassRecord& r, int64_t i) {
   const int64_t s = r.slots[i];
   if (s < 0) return;
@@ -245,7 +248,7 @@ DEMB_HD void undo_one(const TableView& v, const PassRecord& r, int64_t i) {
   if (r.status[i] == kHit) {
     v.scores[s] = r.prev_scores[i];
   } else if (r.status[i] == kInserted) {
-    clear_bit(v.occupied_of(b), j);
+    Bits::clear(v.occupied_of(b), j);
     v.digests[s] = kEmptyDigest;
   } else if (r.status[i] == kEvictedAndInserted) {
     v.keys[s] = r.ev_keys[i];

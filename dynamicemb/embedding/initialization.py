@@ -69,9 +69,14 @@ class RowInitializer:
              args: Optional[DynamicEmbInitializerArgs] = None) -> None:
         """out[rows, :dim] = each key's initial embedding (its logical table's
         training or eval initializer, or ``args`` for every table when given)."""
-        for local, init in enumerate(self.tables):
-            mine = (tids == local).nonzero().squeeze(1) if len(self.tables) > 1 else None
-            r, k = (rows, keys) if mine is None else (rows[mine], keys[mine])
+        if len(self.tables) == 1:
+            parts = [(rows, keys)]
+        else:  # each table's keys: a stable sort by table, cut at sizes read in one sync
+            sizes = torch.zeros(len(self.tables), dtype=torch.int64, device=tids.device).index_add_(
+                0, tids.long(), torch.ones(tids.numel(), dtype=torch.int64, device=tids.device))
+            order = torch.sort(tids, stable=True).indices
+            parts = [(rows[mine], keys[mine]) for mine in torch.split(order, sizes.tolist())]
+        for init, (r, k) in zip(self.tables, parts):
             if r.numel() == 0:
                 continue
             use = args if args is not None else init.train if train else init.eval

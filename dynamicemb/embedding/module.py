@@ -669,12 +669,13 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         tids = self._feature_local_tid[feature]
         if len(self._groups) == 1:
             return [(self._groups[0], indices, tids, None)]
-        group_of_lookup = self._feature_group[feature]
-        parts = []
-        for g, group in enumerate(self._groups):
-            positions = (group_of_lookup == g).nonzero().squeeze(1)
-            parts.append((group, indices[positions], tids[positions].contiguous(), positions))
-        return parts
+        # Each group's lookups in batch order: a stable sort by group, cut at the
+        # groups' sizes (read in one sync for all groups, not one per group).
+        sizes = torch.zeros(len(self._groups), dtype=torch.int64, device=self.device).index_add_(
+            0, self._feature_group, bounds[1:] - bounds[:-1]).tolist()
+        order = torch.sort(self._feature_group[feature], stable=True).indices
+        return [(group, indices[positions], tids[positions].contiguous(), positions)
+                for group, positions in zip(self._groups, torch.split(order, sizes))]
 
     def _compute_output(self, batch: _Batch) -> torch.Tensor:
         mean = self.pooling_mode == DynamicEmbPoolingMode.MEAN

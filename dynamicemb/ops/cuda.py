@@ -317,9 +317,18 @@ class CudaKernels:
 
     def undo_upsert(self, meta, bc, slots, status, prev_scores, ev_keys, ev_tids,
                     ev_scores) -> None:
-        self._launch("demb_undo_upsert", slots.device, 1, _table_args(meta, bc) + [
-            _ptr(slots), _ptr(status), _ptr(prev_scores), _ptr(ev_keys), _ptr(ev_tids),
-            _ptr(ev_scores), _i64(slots.numel())])
+        """Reverts an inserting call, all slots at once: each slot by the oldest key
+        that touched it (a stable sort by slot finds it), whose record holds the
+        slot as it was before the call."""
+        _expect(slots, torch.int64, "slots")
+        by_slot, order = torch.sort(slots, stable=True)
+        oldest = torch.ones_like(by_slot, dtype=torch.bool)
+        torch.ne(by_slot[1:], by_slot[:-1], out=oldest[1:])
+        keep = torch.empty_like(oldest)
+        keep[order] = oldest
+        self._launch("demb_undo_upsert", slots.device, slots.numel(), _table_args(meta, bc) + [
+            _ptr(torch.where(keep, slots, -1)), _ptr(status), _ptr(prev_scores), _ptr(ev_keys),
+            _ptr(ev_tids), _ptr(ev_scores), _i64(slots.numel())])
 
     def grow(self, old_meta, new_meta, bc) -> torch.Tensor:
         old = _table_args(old_meta, bc)

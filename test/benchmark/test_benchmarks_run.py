@@ -145,3 +145,17 @@ def test_embedding_collection_benchmark_on_one_and_two_nodes(tmp_path):
         assert a["collectives_per_iteration_rank0"]["c10d::alltoall_base_"] > 0
         assert a["ids_sent_by_rank0_all_iterations"] == b["ids_sent_by_rank0_all_iterations"] > 0
         assert positive_finite(a["ms_per_iteration"]) and positive_finite(b["ms_per_iteration"])
+
+
+def test_step_overhead_benchmark(tmp_path):
+    out = tmp_path / "overhead.json"
+    run("benchmark_step_overhead.py", "--iterations", "5", "--warmup", "1", "--num-ids", "2000",
+        "--count-lookups", "256", "--out", out)
+    got = json.loads(out.read_text())
+    assert set(got["host_time"]) == {"dynamicemb", "fbgemm_cpu_tbe"}
+    for row in got["host_time"].values():
+        assert positive_finite(row["median_us"]) and positive_finite(row["ratio_to_fbgemm"])
+    for layout in ("all_rows", "cache_10pct"):
+        counts = got["counts"][layout]
+        assert counts["syncs"] == sum(counts["sync_sites"].values())
+        assert 0 < counts["aten_launches"] <= counts["aten_ops"] and counts["cupy_launches"] > 0

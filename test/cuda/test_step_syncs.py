@@ -191,3 +191,20 @@ def test_guard_sees_every_kind_of_sync():
     assert {"aten.nonzero", "aten.index", "aten.bincount", "aten.repeat_interleave"} <= set(kinds)
     assert any("unique" in k for k in kinds)
     assert kinds.count("aten.repeat_interleave") == 1
+
+
+def test_several_groups_sync_once_per_group_not_per_table():
+    """Four tables in two groups (two dims), new ids: the split by group and each
+    multi-table group's new rows cost one sync each, whatever the number of tables."""
+    specs = [TableSpec(dim=8, max_capacity=1 << 13), TableSpec(dim=16, max_capacity=1 << 13),
+             TableSpec(dim=8, max_capacity=1 << 13), TableSpec(dim=16, max_capacity=1 << 13)]
+    with emulated_cuda() as kernels:
+        module, _ = make_tables(specs, optimizer=OPTIMIZER_ARGS[DynamicEmbOptimType.EXACT_SGD])
+        assert len(module._groups) == 2
+        ids, offsets = _batches(3000, 1, seed=8)[0]  # 256 bags: 64 samples x 4 features
+        _step(module, ids, offsets)
+        ids = ids + 5000  # new ids in every table
+        guard = _guarded_step(module, kernels, ids, offsets)
+    want = Counter({"check_offsets": 1, "_split_by_group": 1, "dedup": 2, "_passes": 2,
+                    "fill": 2})
+    assert _sites(guard) == want, guard.report()
