@@ -497,9 +497,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             print(f"  {name}: {metrics}")
 
     def table_size(self, table_name: str) -> int:
-        """Rows stored for one table."""
+        """Rows stored for one table (with a ``ttl``: alive rows, not those expired and
+        waiting for a sweep)."""
         group, local = self._location(table_name)
-        if len(group.table_indices) == 1:
+        if len(group.table_indices) == 1 and group.table.ttl is None:
             return group.table.size()
         return sum(int(rows.keys.numel()) for rows in self.iter_keys_values(table_name))
 

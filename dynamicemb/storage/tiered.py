@@ -412,7 +412,7 @@ class TieredStorage:
                 continue
             start = 0
             while start < table.capacity():  # erasing never moves other keys
-                entries = table.export_batch(start, chunk_slots)
+                entries = table.export_batch(start, chunk_slots, include_expired=True)
                 mine = entries.table_ids == tid
                 if bool(mine.any()):
                     table.erase(entries.keys[mine], entries.table_ids[mine])

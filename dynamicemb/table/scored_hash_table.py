@@ -407,7 +407,8 @@ class ScoredHashTable:
         return erased
 
     def export_batch(
-        self, start: int = 0, count: Optional[int] = None, min_score: Optional[int] = None
+        self, start: int = 0, count: Optional[int] = None, min_score: Optional[int] = None,
+        *, include_expired: bool = False,
     ) -> Entries:
         """Occupied slots of ``[start, start + count)`` whose score is >= ``min_score``;
         rows expired at ``now`` (``ttl``) are skipped.
@@ -418,6 +419,7 @@ class ScoredHashTable:
             min_score: keep only entries scoring at least this (default: all); with
                 LRU_LFU, whose time at least this (``time_of``: upstream's incremental
                 dump thresholds on the timestamp too).
+            include_expired: also rows expired but not swept yet (to erase them).
 
         Returns:
             ``Entries`` in slot order; value rows are copies.
@@ -428,7 +430,8 @@ class ScoredHashTable:
         end = self.capacity() if count is None else min(self.capacity(), start + count)
         memory = self._memory
         slots = self._ops.occupied_slots(memory=memory, start=start, end=max(start, end))
-        floor = max(self.expired_before(self.now), 0 if min_score is None else int(min_score))
+        floor = max(0 if include_expired else self.expired_before(self.now),
+                    0 if min_score is None else int(min_score))
         if floor > 0 or min_score is not None:
             slots = slots[self.time_of(memory.scores[slots]) >= floor]
         return Entries(
@@ -610,8 +613,9 @@ class ScoredHashTable:
         self._generation += 1  # the slot now holds another row of the key
         if self._compound and pending.given is not None:  # a new key's count, not old + new
             at = expired.nonzero().squeeze(1)
+            count = pending.given[at].clamp(max=COMPOUND_TIME_MASK >> 1)  # 2^31 - 1
             self._memory.scores[upserted.slots[at]] = (
-                (pending.given[at] << 32) | (pending.now & COMPOUND_TIME_MASK))
+                (count << 32) | (pending.now & COMPOUND_TIME_MASK))
         return expired, num
 
     def expire(self) -> Expired:

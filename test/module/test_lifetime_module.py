@@ -169,3 +169,16 @@ def test_checkpoint_across_an_expiry(tmp_path):
         assert sorted(c.export_keys_values(name).keys.tolist()) == sorted(
             a.export_keys_values(name).keys.tolist())
     assert sum(expire_model(a).values()) > 0  # a still held them, unswept
+
+
+def test_table_size_and_clear_table_with_expired_rows():
+    """table_size counts alive rows; clear_table removes expired ones too."""
+    module = make_module(S.STEP)
+    empty = (torch.empty(0, dtype=torch.int64), torch.zeros(9, dtype=torch.int64))
+    out = module(torch.arange(6), torch.tensor([0, 3, 3, 3, 3, 6, 6, 6, 6]))
+    out.backward(torch.ones_like(out))
+    for _ in range(TTL + 1):
+        module(*empty)
+    assert module.table_size("a") == module.table_size("b") == 0
+    module.clear_table("a")
+    assert module.expire() == {"a": 0, "b": 3}
