@@ -231,7 +231,7 @@ class ScoredHashTable:
         if int(clock) < 0:
             raise ValueError(f"clock must be >= 0, got {clock}")
         if self._compound and int(clock) >= COMPOUND_TIME_MASK:
-            raise ValueError(f"LRU_LFU scores hold a clock below 2^32, got {clock}")
+            raise ValueError(f"LRU_LFU scores hold a clock below 2^32 - 1, got {clock}")
         self._check_idle()
         self._clock = int(clock)
 
