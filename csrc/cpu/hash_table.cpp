@@ -529,7 +529,8 @@ at::Tensor erase(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tens
 
 // TTL sweep: empties every slot whose last access (score & time_mask) is before
 // `before`; returns (capacity,) bool, the slots it emptied. A thread owns a range of
-// buckets, so plain bit stores suffice.
+// buckets, so plain bit stores suffice; only occupied slots' scores are read (the
+// set bits of each occupancy word).
 at::Tensor expire(const std::vector<at::Tensor>& meta, int64_t bc, int64_t time_mask,
                   int64_t before) {
   TORCH_CHECK(before >= 0, "before must be >= 0");
@@ -540,8 +541,11 @@ at::Tensor expire(const std::vector<at::Tensor>& meta, int64_t bc, int64_t time_
   const uint64_t until = static_cast<uint64_t>(before);
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < v.num_buckets; ++b) {
-    for (int j = 0; j < v.bc; ++j) {
-      if (expire_one<PlainBits>(v, b, j, mask, until)) e[b * bc + j] = true;
+    for (int w = 0; w < v.words; ++w) {
+      for (uint64_t bits = v.occupied_of(b)[w]; bits != 0; bits &= bits - 1) {
+        const int j = w * 64 + count_trailing_zeros(bits);
+        if (expire_one<PlainBits>(v, b, j, mask, until)) e[b * bc + j] = true;
+      }
     }
   }
   return expired;
