@@ -485,7 +485,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             g.storage.reset_cache_states()
 
     def cache_metrics(self) -> Dict[str, TierMetrics]:
-        """Per table: lookups, hits, misses, evictions, host rows read and written."""
+        """Per table: lookups, hits, misses, evictions, host rows read and written, rows
+        expired (``ttl``: swept, or found expired by a lookup)."""
         return {name: self._location(name)[0].storage.metrics[self._location(name)[1]]
                 for name in self.table_names}
 
