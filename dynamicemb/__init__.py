@@ -15,6 +15,7 @@ from dynamicemb.checkpoint import (CheckpointError, DynamicEmbDump, DynamicEmbLo
 from dynamicemb.embedding import (BatchedDynamicEmbeddingTables, ExportedCounters, ExportedRows,
                                   TableClocks)
 from dynamicemb.embedding.admission import Counter
+from dynamicemb.lifetime import expire
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer, EmbOptimType, OptimizerArgs
 from dynamicemb.options import (
     DynamicEmbInitializerArgs,
@@ -66,6 +67,7 @@ __all__ = [
     "ScoredHashTable",
     "TableClocks",
     "align_to_table_size",
+    "expire",
     "get_sharded_table_capacity",
     "get_table_value_bytes",
     "incremental_dump",

@@ -329,7 +329,14 @@ class DynamicEmbTableOptions:
         bucket_capacity: slots per hash bucket (multiple of 16).
         max_load_factor: growth threshold in (0, 1].
         score_strategy: eviction scores (LRU/TIMESTAMP, STEP, LFU, CUSTOMIZED,
-            NO_EVICTION; upstream's integers too).
+            NO_EVICTION, LRU_LFU; upstream's integers and its compound tuple
+            ``(TIMESTAMP, LFU)``, in either order, too).
+        ttl: row lifetime (None: rows live until evicted). A row not looked up for
+            more than ``ttl`` ticks of its table's time expires: a lookup sees a fresh
+            row, as for a never-seen id, and ``expire()`` frees it in every tier. The
+            time is the score's: training steps with STEP, the table's clock (one tick
+            per training batch of its group) with LRU/TIMESTAMP, NO_EVICTION and
+            LRU_LFU. LFU and CUSTOMIZED scores hold no time: refused.
         initializer_args: new rows in training.
         eval_initializer_args: rows of unseen keys in eval (zeros by default).
         safe_check_mode: what a failed insert does.
@@ -377,6 +384,7 @@ class DynamicEmbTableOptions:
     embedding_dtype: Optional[torch.dtype] = None
     evict_strategy: Optional[DynamicEmbEvictStrategy] = None
     external_storage: Any = None
+    ttl: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.dim is not None and self.dim <= 0:
@@ -397,7 +405,8 @@ class DynamicEmbTableOptions:
                    if self.bucket_capacity == MAX_BUCKET_CAPACITY else ""))
         if not 0.0 < self.max_load_factor <= 1.0:
             raise ValueError(f"max_load_factor must be in (0, 1], got {self.max_load_factor}")
-        self.score_strategy = _single_score_strategy(self.score_strategy)
+        self.score_strategy = score_strategy_of(self.score_strategy)
+        check_ttl(self.ttl, self.score_strategy)
         self.safe_check_mode = DynamicEmbCheckMode(self.safe_check_mode)
         self._check_budgets()
         self._check_upstream_fields()
@@ -466,12 +475,36 @@ class DynamicEmbTableOptions:
                 "(only the planner's DynamicEmbParameterConstraints may leave them unset)")
 
 
-def _single_score_strategy(value) -> DynamicEmbScoreStrategy:
-    """A score strategy; upstream's one-element tuples are unwrapped, compound
-    strategies such as ``(TIMESTAMP, LFU)`` refused."""
-    if isinstance(value, tuple):
-        if len(value) != 1:
-            raise ValueError(f"compound score_strategy {value} is not supported; use one "
-                             "strategy (LRU scores order rows by time for incremental_dump)")
-        value = value[0]
+#: Upstream's compound score, as the set of its tuple's members (either order).
+_COMPOUND = frozenset({DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.LFU})
+#: Strategies whose scores hold the time of a row's last access (what a TTL reads).
+TTL_STRATEGIES = (DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.STEP,
+                  DynamicEmbScoreStrategy.NO_EVICTION, DynamicEmbScoreStrategy.LRU_LFU)
+
+
+def score_strategy_of(value) -> DynamicEmbScoreStrategy:
+    """A score strategy from a member, its value, upstream's integer or upstream's
+    tuples: ``(X,)`` is ``X``; ``(TIMESTAMP, LFU)`` in either order is ``LRU_LFU``;
+    other compounds are refused."""
+    if isinstance(value, (tuple, list)):
+        members = [DynamicEmbScoreStrategy(v) for v in value]
+        if len(members) == 1:
+            return members[0]
+        if len(members) == 2 and frozenset(members) == _COMPOUND:
+            return DynamicEmbScoreStrategy.LRU_LFU
+        raise ValueError(f"compound score_strategy {tuple(value)} is not supported; the one "
+                         "compound is (TIMESTAMP, LFU) (LRU_LFU), or use one strategy")
     return DynamicEmbScoreStrategy(value)
+
+
+def check_ttl(ttl, strategy: DynamicEmbScoreStrategy) -> None:
+    """Raises ``ValueError`` naming ``ttl`` unless it is None or a positive int that
+    ``strategy``'s scores can measure."""
+    if ttl is None:
+        return
+    if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl <= 0:
+        raise ValueError(f"ttl must be a positive int (ticks of the table's time), got {ttl!r}")
+    if strategy not in TTL_STRATEGIES:
+        raise ValueError(
+            f"ttl={ttl} needs a score that records the last access; score_strategy="
+            f"{strategy.name} does not (use one of {[s.name for s in TTL_STRATEGIES]})")

@@ -92,8 +92,12 @@ class DynamicEmbScoreStrategy(UpstreamIntValues, str, Enum):
     - ``CUSTOMIZED``: the caller's score.
     - ``NO_EVICTION``: clock scores, but a full table grows up to its maximum
       capacity and then reports failed inserts instead of evicting.
+    - ``LRU_LFU``: upstream's compound ``(TIMESTAMP, LFU)``: one word holding how many
+      times the key was seen (bits 62..32) above the clock of its last access (bits
+      31..0), so eviction takes the least frequent key, the least recent among equals.
 
-    Upstream's integers: 0 TIMESTAMP, 1 STEP, 2 CUSTOMIZED, 3 LFU, 4 NO_EVICTION.
+    Upstream's integers: 0 TIMESTAMP, 1 STEP, 2 CUSTOMIZED, 3 LFU, 4 NO_EVICTION
+    (the compound has none: upstream spells it as the tuple).
     """
 
     LRU = "lru"
@@ -102,6 +106,7 @@ class DynamicEmbScoreStrategy(UpstreamIntValues, str, Enum):
     LFU = "lfu"
     CUSTOMIZED = "customized"
     NO_EVICTION = "no_eviction"
+    LRU_LFU = "lru_lfu"
 
     @classmethod
     def _upstream_order(cls) -> Tuple[str, ...]:
@@ -130,11 +135,12 @@ class DynamicEmbEvictStrategy(UpstreamIntValues, str, Enum):
     @classmethod
     def of_score_strategy(cls, strategy: DynamicEmbScoreStrategy) -> "DynamicEmbEvictStrategy":
         """The eviction rule upstream derives from a score strategy (TIMESTAMP: LRU,
-        LFU: LFU, STEP / CUSTOMIZED / NO_EVICTION: CUSTOMIZED)."""
+        LFU and LRU_LFU (frequency first): LFU, STEP / CUSTOMIZED / NO_EVICTION:
+        CUSTOMIZED)."""
         strategy = DynamicEmbScoreStrategy(strategy)
         if strategy == DynamicEmbScoreStrategy.LRU:
             return cls.LRU
-        if strategy == DynamicEmbScoreStrategy.LFU:
+        if strategy in (DynamicEmbScoreStrategy.LFU, DynamicEmbScoreStrategy.LRU_LFU):
             return cls.LFU
         return cls.CUSTOMIZED
 

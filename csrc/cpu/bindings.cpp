@@ -56,6 +56,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("undo_upsert", &c::undo_upsert, "revert an inserting call");
   m.def("grow", &c::grow, "rehash into twice the buckets");
   m.def("erase", &c::erase, "erase keys");
+  m.def("expire", &c::expire, "TTL sweep: empty slots last accessed before a time");
   m.def("dedup", &c::dedup, "unique (table, key) pairs in first-occurrence order",
         pybind11::arg("keys"), pybind11::arg("tids"), pybind11::arg("frequencies"),
         pybind11::arg("group") = false);

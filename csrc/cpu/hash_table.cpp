@@ -342,7 +342,8 @@ at::Tensor tensor_of(const std::vector<int64_t>& values, const at::TensorOptions
 // outputs) at the pending positions; returns the deferred positions (sorted).
 // outcomes (int64 [4]) += how many keys of the pass were hits, inserted, evicted
 // and inserted, failed (deferred keys are counted by the pass that settles them).
-// rule: 0 clock (score = now), 1 count (LFU, adds given), 2 given (CUSTOMIZED).
+// rule: 0 clock (score = now), 1 count (LFU, adds given), 2 given (CUSTOMIZED),
+// 3 count then clock (LRU_LFU: adds given, stamps now).
 at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
                   const at::Tensor& tids, const c10::optional<at::Tensor>& given, int64_t rule, int64_t now,
                   bool evicts, bool can_grow, bool one_table, const at::Tensor& pending,
@@ -366,6 +367,9 @@ at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Ten
     case 0: deferred = upsert_all(v, a, ClockScore{static_cast<uint64_t>(now)}, p, np, counts); break;
     case 1: deferred = upsert_all(v, a, CountScore{}, p, np, counts); break;
     case 2: deferred = upsert_all(v, a, GivenScore{}, p, np, counts); break;
+    case 3:
+      deferred = upsert_all(v, a, CountThenClockScore{static_cast<uint64_t>(now)}, p, np, counts);
+      break;
     default: TORCH_CHECK(false, "unknown score rule ", rule);
   }
   return tensor_of(deferred, keys.options());
@@ -521,6 +525,30 @@ at::Tensor erase(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tens
     }
   }
   return erased;
+}
+
+// TTL sweep: empties every slot whose last access (score & time_mask) is before
+// `before`; returns (capacity,) bool, the slots it emptied. A thread owns a range of
+// buckets, so plain bit stores suffice; only occupied slots' scores are read (the
+// set bits of each occupancy word).
+at::Tensor expire(const std::vector<at::Tensor>& meta, int64_t bc, int64_t time_mask,
+                  int64_t before) {
+  TORCH_CHECK(before >= 0, "before must be >= 0");
+  const TableView v = view_of(meta, bc);
+  auto expired = at::zeros({v.num_buckets * bc}, meta[0].options().dtype(at::kBool));
+  bool* e = expired.data_ptr<bool>();
+  const uint64_t mask = static_cast<uint64_t>(time_mask);
+  const uint64_t until = static_cast<uint64_t>(before);
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < v.num_buckets; ++b) {
+    for (int w = 0; w < v.words; ++w) {
+      for (uint64_t bits = v.occupied_of(b)[w]; bits != 0; bits &= bits - 1) {
+        const int j = w * 64 + count_trailing_zeros(bits);
+        if (expire_one<PlainBits>(v, b, j, mask, until)) e[b * bc + j] = true;
+      }
+    }
+  }
+  return expired;
 }
 
 // Occupied slots in [start, end), ascending.

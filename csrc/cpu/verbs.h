@@ -53,6 +53,10 @@ at::Tensor grow(const std::vector<at::Tensor>& old_meta,
 // Erases each key once; returns (n,) bool: whether it was there.
 at::Tensor erase(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
                  const at::Tensor& tids);
+// TTL sweep: empties every slot whose last access (score & time_mask) is before
+// `before`; returns (capacity,) bool, the slots it emptied.
+at::Tensor expire(const std::vector<at::Tensor>& meta, int64_t bc, int64_t time_mask,
+                  int64_t before);
 // Occupied slots of [start, end), ascending.
 at::Tensor occupied_slots(const std::vector<at::Tensor>& meta, int64_t bc, int64_t start,
                           int64_t end);

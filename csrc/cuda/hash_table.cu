@@ -204,7 +204,8 @@ extern "C" __global__ void demb_find(DEMB_TABLE_PARAMS, const int64_t* keys, con
 // One inserting pass. `order` (m,) holds the pass's key positions sorted stably
 // by bucket; the keys of a bucket are a run, run r starting at run_starts[r]
 // (num_runs,); one warp per run.
-// rule: 0 clock (score = now), 1 count (adds given), 2 given. counts (5,) +=
+// rule: 0 clock (score = now), 1 count (adds given), 2 given, 3 count then clock
+// (LRU_LFU). counts (5,) +=
 // the pass's keys by InsertStatus (hit, inserted, evicted, failed, deferred).
 extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
                                        const int16_t* tids, const uint64_t* given, int rule,
@@ -228,6 +229,10 @@ extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
     case 1:
       upsert_run(v, o, CountScore{}, keys, tids, given, order, q0, q1, evicts, can_grow,
                  one_table, counts);
+      break;
+    case 3:
+      upsert_run(v, o, CountThenClockScore{now}, keys, tids, given, order, q0, q1, evicts,
+                 can_grow, one_table, counts);
       break;
     default:
       upsert_run(v, o, GivenScore{}, keys, tids, given, order, q0, q1, evicts, can_grow,
@@ -287,4 +292,16 @@ extern "C" __global__ void demb_erase(DEMB_TABLE_PARAMS, const int64_t* keys,
   // Threads of other keys of the bucket share its bitmap words: atomic bits.
   erased[i] = erase_one<AtomicBits>(v, ThreadProbe{}, home_of(v, hash_key(keys[i], tids[i])),
                                     keys[i], tids[i]);
+}
+
+// TTL sweep, one thread per slot: empties slots whose last access (score &
+// time_mask) is before `before`; expired (capacity,) = whether each was emptied.
+extern "C" __global__ void demb_expire(DEMB_TABLE_PARAMS, uint64_t time_mask, uint64_t before,
+                                       bool* expired) {
+  const int64_t s = global_thread();
+  if (s >= num_buckets * bc) return;
+  const TableView v = DEMB_TABLE_VIEW;
+  const int64_t b = s / bc;
+  // Threads of a bucket's slots share its bitmap words: atomic bits.
+  expired[s] = expire_one<AtomicBits>(v, b, static_cast<int>(s - b * bc), time_mask, before);
 }

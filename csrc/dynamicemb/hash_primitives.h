@@ -170,6 +170,28 @@ struct GivenScore {  // CUSTOMIZED: the caller's score
   DEMB_HD uint64_t on_hit(uint64_t /*old*/, uint64_t given) const { return given; }
 };
 
+// LRU_LFU (upstream's compound (TIMESTAMP, LFU)), one word ranked as upstream ranks
+// its two: the count above the clock, so the minimum score is the least frequent
+// key and, among equal counts, the least recently used one.
+//   bits 62..32: times seen, saturating at 2^31 - 1   bits 31..0: the call's clock
+constexpr int kCompoundCountShift = 32;
+constexpr uint64_t kCompoundTimeMask = 0xFFFFFFFFull;
+constexpr uint64_t kCompoundMaxCount = kMaxScore >> kCompoundCountShift;
+
+struct CountThenClockScore {  // `now` < 2^32; `given` is this call's count
+  uint64_t now;
+  DEMB_HD uint64_t pack(uint64_t count) const {
+    return (count << kCompoundCountShift) | (now & kCompoundTimeMask);
+  }
+  DEMB_HD uint64_t on_insert(uint64_t given) const {
+    return pack(given > kCompoundMaxCount ? kCompoundMaxCount : given);
+  }
+  DEMB_HD uint64_t on_hit(uint64_t old, uint64_t given) const {
+    const uint64_t count = old >> kCompoundCountShift;
+    return pack(given > kCompoundMaxCount - count ? kCompoundMaxCount : count + given);
+  }
+};
+
 // Outcome of one key in an inserting call (the kernels' `status` output).
 enum InsertStatus : int8_t {
   kHit = 0,

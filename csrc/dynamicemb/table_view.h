@@ -258,6 +258,21 @@ DEMB_HD void undo_one(const TableView& v, const PassRecord& r, int64_t i) {
   }
 }
 
+// TTL sweep: empties slot j of bucket b when it holds a key whose last access,
+// `score & time_mask` (the whole score for clock and step scores, the low word of
+// LRU_LFU's), is before `before`. Returns whether it did; the key, table id and
+// score stay readable in the slot until another key takes it.
+template <class Bits>
+DEMB_HD bool expire_one(const TableView& v, int64_t b, int j, uint64_t time_mask,
+                        uint64_t before) {
+  if (!test_bit(v.occupied_of(b), j)) return false;
+  const int64_t s = b * v.bc + j;
+  if ((v.scores[s] & time_mask) >= before) return false;
+  Bits::clear(v.occupied_of(b), j);
+  v.digests[s] = kEmptyDigest;
+  return true;
+}
+
 // Growth: moves slot j of old bucket b to `to`, a table with twice the buckets,
 // at the same offset of its new bucket (b or b + from.num_buckets, so no two old
 // buckets meet and no bucket overflows); key, table id, digest, score and pin go

@@ -44,6 +44,7 @@ def group_key(options: DynamicEmbTableOptions, optimizer: DynamicEmbOptimizerArg
             options.admission_counter.bucket_capacity, options.admission_counter.key_type),
         options.caching,
         options.device_budget() is None,
+        options.ttl,
     )
 
 
@@ -120,6 +121,7 @@ class TableGroup:
             value_dim=self.dim + self.state_dim,
             check_mode=first.safe_check_mode,
             device=device,
+            ttl=first.ttl,
         )
         row_bytes = (self.dim + self.state_dim) * 4
         budgets = [o.device_budget() for o in options]
@@ -164,13 +166,14 @@ class TableGroup:
             return lookup._replace(row_ref=self.storage.resolve(lookup.keys, lookup.tids))
         keys_in, tids_in, counts_in, admitted = lookup.keys, lookup.tids, lookup.counts, None
         if self.admission is not None:
-            stored = self.table.find(keys_in, tids_in) >= 0  # the host store indexes every key
+            # The host store indexes every key; a row expired at the insert's time is absent.
+            stored = self.table.find(keys_in, tids_in, at_time=self.table.next_time) >= 0
             admitted = self.admission.admitted(stored, keys_in, tids_in, counts_in)
             keys_in, tids_in, counts_in = keys_in[admitted], tids_in[admitted], counts_in[admitted]
         scores = None
         if self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
             scores = self.custom_scores[tids_in.long()]
-        elif self.score_strategy == DynamicEmbScoreStrategy.LFU:
+        elif self.score_strategy in (DynamicEmbScoreStrategy.LFU, DynamicEmbScoreStrategy.LRU_LFU):
             scores = counts_in  # LFU counts occurrences, not batches
         return lookup._replace(insert=self.storage.prepare(keys_in, tids_in, scores),
                                admitted=admitted)

@@ -441,11 +441,29 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         group, _ = self._location(table_name)
         if group.score_strategy == DynamicEmbScoreStrategy.STEP:
             return self._train_steps + 1
-        if group.score_strategy == DynamicEmbScoreStrategy.LRU:
-            return group.table.clock + 1
+        if group.score_strategy in (DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.LRU_LFU):
+            return group.table.clock + 1  # LRU_LFU: min_score reads the time part
         raise ValueError(
             f"table {table_name!r} uses {group.score_strategy.name} scores, which do not "
-            f"order rows by time; next_score needs LRU or STEP")
+            f"order rows by time; next_score needs LRU, LRU_LFU or STEP")
+
+    def expire(self) -> Dict[str, int]:
+        """TTL sweep: frees, in every tier, the rows of tables with a ``ttl`` that
+        were not looked up for more than ``ttl`` ticks (one kernel pass per group).
+        Each rank sweeps its own rows: no collective.
+
+        Returns:
+            Rows freed per table name (tables with a ttl only); the running totals,
+            with rows found expired by lookups, are ``cache_metrics()[name].expired``.
+        """
+        freed: Dict[str, int] = {}
+        for group in self._groups:
+            if group.table.ttl is None:
+                continue
+            counts = group.storage.expire().tolist()
+            for local, index in enumerate(group.table_indices):
+                freed[self.table_names[index]] = counts[local]
+        return freed
 
     def export_admission_counters(self, table_name: str) -> ExportedCounters:
         """The admission counters of one table (empty without admission)."""
@@ -507,7 +525,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             g.storage.reset_cache_states()
 
     def cache_metrics(self) -> Dict[str, TierMetrics]:
-        """Per table: lookups, hits, misses, evictions, host rows read and written."""
+        """Per table: lookups, hits, misses, evictions, host rows read and written, rows
+        expired (``ttl``: swept, or found expired by a lookup)."""
         return {name: self._location(name)[0].storage.metrics[self._location(name)[1]]
                 for name in self.table_names}
 
@@ -519,9 +538,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             print(f"  {name}: {metrics}")
 
     def table_size(self, table_name: str) -> int:
-        """Rows stored for one table."""
+        """Rows stored for one table (with a ``ttl``: alive rows, not those expired and
+        waiting for a sweep)."""
         group, local = self._location(table_name)
-        if len(group.table_indices) == 1:
+        if len(group.table_indices) == 1 and group.table.ttl is None:
             return group.table.size()
         return sum(int(rows.keys.numel()) for rows in self.iter_keys_values(table_name))
 

@@ -27,7 +27,8 @@ __all__ = ["CudaBackend", "CudaKernels", "cuda_source_root"]
 # Each kernel and the file of csrc/cuda that defines it.
 _KERNELS = {
     **dict.fromkeys(("demb_hash_keys", "demb_buckets_of", "demb_find", "demb_upsert",
-                     "demb_unpin", "demb_undo_upsert", "demb_grow", "demb_erase"),
+                     "demb_unpin", "demb_undo_upsert", "demb_grow", "demb_erase",
+                     "demb_expire"),
                     "hash_table.cu"),
     **dict.fromkeys(("demb_dedup_insert", "demb_dedup_first"), "dedup.cu"),
     **dict.fromkeys(("demb_check_offsets", "demb_init_rows", "demb_pooled_forward", "demb_sequence_forward",
@@ -352,6 +353,15 @@ class CudaKernels:
         erased = torch.zeros(keys.numel(), dtype=torch.bool, device=keys.device)
         erased[positions] = erased_unique
         return erased
+
+    def expire(self, meta, bc, time_mask, before) -> torch.Tensor:
+        """TTL sweep: empties slots last accessed before ``before``; (capacity,) bool."""
+        if before < 0:
+            raise ValueError(f"before must be >= 0, got {before}")
+        expired = torch.empty(meta[2].numel(), dtype=torch.bool, device=meta[2].device)
+        self._launch("demb_expire", expired.device, expired.numel(), _table_args(meta, bc) + [
+            np.uint64(time_mask & 0xFFFFFFFFFFFFFFFF), np.uint64(before), _ptr(expired)])
+        return expired
 
     def occupied_slots(self, meta, bc, start, end) -> torch.Tensor:
         """Occupied slots of [start, end), ascending (digest 0 marks an empty slot)."""

@@ -54,6 +54,14 @@ class ScoreRule(IntEnum):
     CLOCK = 0  # the call's clock or step
     COUNT = 1  # old score + the key's count (LFU)
     GIVEN = 2  # the caller's score
+    COUNT_THEN_CLOCK = 3  # LRU_LFU: count (bits 62..32) + key's count, stamped with the clock
+
+
+#: LRU_LFU scores keep the last access in their low 32 bits (``CountThenClockScore``,
+#: hash_primitives.h), the count above it; clock and step scores are the time itself.
+COMPOUND_COUNT_SHIFT = 32
+COMPOUND_TIME_MASK = (1 << COMPOUND_COUNT_SHIFT) - 1
+ALL_BITS = -1  # the time mask of clock and step scores: the whole score
 
 
 #: Row references >= HOST_ROW_BIT name host-store slots; < 0 name transient rows
@@ -66,6 +74,7 @@ _RULES = {
     DynamicEmbScoreStrategy.LFU: (ScoreRule.COUNT, True),
     DynamicEmbScoreStrategy.CUSTOMIZED: (ScoreRule.GIVEN, True),
     DynamicEmbScoreStrategy.NO_EVICTION: (ScoreRule.CLOCK, False),
+    DynamicEmbScoreStrategy.LRU_LFU: (ScoreRule.COUNT_THEN_CLOCK, True),
 }
 
 
@@ -343,6 +352,12 @@ class Backend(abc.ABC):
     def erase(self, *, memory: TableMemory, keys: torch.Tensor,
               table_ids: torch.Tensor) -> torch.Tensor:
         """(n,) bool: True where the key was present (its first occurrence only)."""
+
+    @abc.abstractmethod
+    def expire(self, *, memory: TableMemory, time_mask: int, before: int) -> torch.Tensor:
+        """TTL sweep: empties every slot whose last access (``score & time_mask``) is
+        below ``before``; returns (capacity,) bool, the slots it emptied (their key,
+        table id and score stay readable until reused)."""
 
     @abc.abstractmethod
     def occupied_slots(self, *, memory: TableMemory, start: int, end: int) -> torch.Tensor:

@@ -172,6 +172,9 @@ class KernelBackend(Backend):
     def erase(self, *, memory, keys, table_ids):
         return self.kernels.erase(memory.meta, memory.bucket_capacity, keys, table_ids)
 
+    def expire(self, *, memory, time_mask, before):
+        return self.kernels.expire(memory.meta, memory.bucket_capacity, time_mask, before)
+
     def occupied_slots(self, *, memory, start, end):
         return self.kernels.occupied_slots(memory.meta, memory.bucket_capacity, start, end)
 

@@ -56,6 +56,8 @@ class TierMetrics:
         host_evictions: rows the full host store evicted (gone from the table).
         host_reads: rows copied from the host store into the device tier.
         host_writes: rows written back from the device tier to the host store.
+        expired: rows past the table's ``ttl``: swept by ``expire()``, or found
+            expired by a training lookup (which then got a fresh row).
     """
 
     lookups: int = 0
@@ -65,6 +67,7 @@ class TierMetrics:
     host_evictions: int = 0
     host_reads: int = 0
     host_writes: int = 0
+    expired: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -191,7 +194,8 @@ class TieredStorage:
         refs = self._host_refs(self.host.find(self._on_host(keys), self._on_host(tids), checked=True))
         if self.device_tier is not None:
             found = self.device_tier.find(keys, tids, checked=True)
-            refs = torch.where(found >= 0, found, refs)
+            # A cached copy of a row the host store holds no more (expired) is dead.
+            refs = torch.where((found >= 0) & (refs >= 0), found, refs)
         return refs
 
     # ----------------------------------------------------------- training
@@ -236,7 +240,28 @@ class TieredStorage:
             if self.device_tier is not None:
                 self.device_tier.erase(self._on_device(evicted.keys),
                                        self._on_device(evicted.table_ids))
+        if result.num_expired:
+            self._drop_expired(self._on_host(keys)[result.expired],
+                               self._on_host(tids)[result.expired])
         return result
+
+    def expire(self) -> torch.Tensor:
+        """TTL sweep of every tier: the host store frees its expired rows (one kernel
+        pass) and the device tier drops its copies of them.
+
+        Returns:
+            (num_tables,) int64: rows freed per local table.
+        """
+        gone = self.host.expire()
+        self._drop_expired(gone.keys, gone.table_ids)
+        return torch.bincount(gone.table_ids.cpu(), minlength=self.host.num_tables)
+
+    def _drop_expired(self, keys: torch.Tensor, tids: torch.Tensor) -> None:
+        """Counts rows the host store found expired and erases their device-tier
+        copies (never written back: the row is dead)."""
+        self._count("expired", tids)
+        if self.device_tier is not None and keys.numel():
+            self.device_tier.erase(self._on_device(keys), self._on_device(tids))
 
     def place(self, keys, tids, host_slots, new, counts,
               num_stored: Optional[int] = None) -> torch.Tensor:
@@ -396,7 +421,7 @@ class TieredStorage:
                 continue
             start = 0
             while start < table.capacity():  # erasing never moves other keys
-                entries = table.export_batch(start, chunk_slots)
+                entries = table.export_batch(start, chunk_slots, include_expired=True)
                 mine = entries.table_ids == tid
                 if bool(mine.any()):
                     table.erase(entries.keys[mine], entries.table_ids[mine])

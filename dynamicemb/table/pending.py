@@ -22,16 +22,21 @@ class PendingInsert:
         rows: the rows to assign (``insert_or_assign``), else None.
         read_evicted: whether the result reads evicted entries out.
         assign: write ``rows`` (True) or zero the rows of new keys (False).
+        now: the call's time (its clock or step), which decides what has expired.
+        given: (n,) the scores or counts given to the kernel (None: none, or exact).
     """
 
     def __init__(self, table, upserted: Upserted, clock_before: int,
-                 rows: Optional[torch.Tensor], read_evicted: bool, assign: bool) -> None:
+                 rows: Optional[torch.Tensor], read_evicted: bool, assign: bool,
+                 now: int = 0, given: Optional[torch.Tensor] = None) -> None:
         self.table = table
         self.upserted = upserted
         self.clock_before = clock_before
         self.rows = rows
         self.read_evicted = read_evicted
         self.assign = assign
+        self.now = now
+        self.given = given
         self._done = False
 
     @property

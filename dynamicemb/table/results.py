@@ -7,7 +7,7 @@ import torch
 
 from dynamicemb.ops.interface import Deduplicated, Entries
 
-__all__ = ["Deduplicated", "Entries", "InsertResult", "TableStats"]
+__all__ = ["Deduplicated", "Entries", "Expired", "InsertResult", "TableStats"]
 
 
 @dataclass
@@ -19,6 +19,7 @@ class TableStats:
     failed_inserts: int = 0
     erases: int = 0
     growths: int = 0
+    expired: int = 0  # rows past their ttl: found expired by a lookup, or swept
 
 
 class InsertResult(NamedTuple):
@@ -26,9 +27,11 @@ class InsertResult(NamedTuple):
 
     Shape:
         slots: (n,) int64, -1 where the insert failed; inserted: (n,) bool, True
-        where the key was new. ``evicted`` (``Entries``, in input order of the keys
-        that evicted them) is None for ``insert_or_assign``. ``num_inserted`` and
-        ``num_failed`` count them (the kernel's own counts).
+        where the key was new (or its row had expired: ``expired`` marks those,
+        None when nothing expired). ``evicted`` (``Entries``, in input order of the
+        keys that evicted them) is None for ``insert_or_assign``. ``num_inserted``
+        and ``num_failed`` count them (the kernel's own counts); ``num_expired``
+        counts ``expired`` (part of ``num_inserted``).
     """
 
     slots: torch.Tensor
@@ -36,3 +39,18 @@ class InsertResult(NamedTuple):
     evicted: Optional[Entries]
     num_inserted: int  # inserted.sum()
     num_failed: int  # (slots < 0).sum()
+    num_expired: int = 0
+    expired: Optional[torch.Tensor] = None
+
+
+class Expired(NamedTuple):
+    """Rows a TTL sweep freed.
+
+    Shape:
+        keys, table_ids, scores, slots: (n,) int64, in slot order.
+    """
+
+    keys: torch.Tensor
+    table_ids: torch.Tensor
+    scores: torch.Tensor
+    slots: torch.Tensor

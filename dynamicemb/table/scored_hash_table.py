@@ -13,11 +13,12 @@ from typing import Optional, Tuple
 import torch
 
 from dynamicemb.ops import for_device, resolve_device
-from dynamicemb.ops.interface import (Deduplicated, Entries, InsertStatus, ScoreRule,
-                                      num_buckets_for, score_rule)
+from dynamicemb.ops.interface import (ALL_BITS, COMPOUND_TIME_MASK, Deduplicated, Entries,
+                                      InsertStatus, ScoreRule, num_buckets_for, score_rule)
+from dynamicemb.options import check_ttl
 from dynamicemb.table.checks import check_frequencies, check_keys, table_ids_as_int16
 from dynamicemb.table.pending import PendingInsert
-from dynamicemb.table.results import InsertResult, TableStats
+from dynamicemb.table.results import Expired, InsertResult, TableStats
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
 __all__ = ["MAX_TABLES", "ScoredHashTable", "hash_keys"]
@@ -63,6 +64,12 @@ class ScoredHashTable:
         value_dtype: dtype of the value rows.
         check_mode: what a failed insert does (see ``DynamicEmbCheckMode``).
         device: where the tensors live (only CPU kernels exist so far).
+        ttl: row lifetime in ticks of the table's time (``now``; None: no expiry).
+            A row whose last access is more than ``ttl`` ticks before a call's time
+            is absent to that call: ``find`` misses it, an inserting call gives it a
+            fresh row (reported as inserted and in ``expired``), ``export_batch``
+            skips it; ``expire()`` frees such rows. Needs LRU, STEP, NO_EVICTION or
+            LRU_LFU scores.
 
     Example::
 
@@ -84,6 +91,7 @@ class ScoredHashTable:
         value_dtype: torch.dtype = torch.float32,
         check_mode: DynamicEmbCheckMode = DynamicEmbCheckMode.IGNORE,
         device: torch.device = torch.device("cpu"),
+        ttl: Optional[int] = None,
     ) -> None:
         if not 1 <= num_tables <= MAX_TABLES:
             raise ValueError(f"num_tables must be in [1, {MAX_TABLES}], got {num_tables}")
@@ -105,6 +113,9 @@ class ScoredHashTable:
         self.num_tables = num_tables
         self.bucket_capacity = bucket_capacity
         self.score_strategy = DynamicEmbScoreStrategy(score_strategy)
+        check_ttl(ttl, self.score_strategy)
+        self.ttl = ttl
+        self._compound = self.score_strategy == DynamicEmbScoreStrategy.LRU_LFU
         self.check_mode = DynamicEmbCheckMode(check_mode)
         self.max_load_factor = float(max_load_factor)
         self.value_dim = value_dim
@@ -183,6 +194,32 @@ class ScoredHashTable:
         values = self._memory.values
         return {"metadata": meta, "values": values.numel() * values.element_size()}
 
+    @property
+    def now(self) -> int:
+        """The table's time, which scores record and ``ttl`` counts: the step with
+        STEP scores, else the clock (the latest inserting call's)."""
+        return self._step if self.score_strategy == DynamicEmbScoreStrategy.STEP else self._clock
+
+    @property
+    def next_time(self) -> int:
+        """The time the next inserting call will record (``now`` after its tick)."""
+        return self._step if self.score_strategy == DynamicEmbScoreStrategy.STEP else self._clock + 1
+
+    def time_of(self, scores: torch.Tensor) -> torch.Tensor:
+        """Last-access times of scores: the score itself, or LRU_LFU's low 32 bits.
+
+        Args:
+            scores (Tensor): (n,) int64.
+
+        Returns:
+            (n,) int64.
+        """
+        return scores & COMPOUND_TIME_MASK if self._compound else scores
+
+    def expired_before(self, time: int) -> int:
+        """Rows whose last access is below this have expired at ``time`` (0: none)."""
+        return 0 if self.ttl is None else max(0, int(time) - self.ttl)
+
     def set_step(self, step: int) -> None:
         """Sets the score that the ``STEP`` strategy gives to the keys it touches."""
         if int(step) < 0:
@@ -194,6 +231,8 @@ class ScoredHashTable:
         scores LRU keys ``clock + 1``."""
         if int(clock) < 0:
             raise ValueError(f"clock must be >= 0, got {clock}")
+        if self._compound and int(clock) >= COMPOUND_TIME_MASK:
+            raise ValueError(f"LRU_LFU scores hold a clock below 2^32 - 1, got {clock}")
         self._check_idle()
         self._clock = int(clock)
 
@@ -234,7 +273,7 @@ class ScoredHashTable:
         """CUSTOMIZED: the scores (required). LFU: occurrence counts to add (default 1).
         ``exact``: the scores to store, whatever the strategy (required)."""
         customized = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED or exact
-        lfu = self.score_strategy == DynamicEmbScoreStrategy.LFU and not exact
+        lfu = self._rule in (ScoreRule.COUNT, ScoreRule.COUNT_THEN_CLOCK) and not exact
         if scores is None:
             if exact:
                 raise ValueError("exact_scores=True needs scores for every key")
@@ -272,7 +311,7 @@ class ScoredHashTable:
 
     # ----------------------------------------------------------------- verbs
     def find(self, keys: torch.Tensor, table_ids: Optional[torch.Tensor] = None, *,
-             checked: bool = False) -> torch.Tensor:
+             checked: bool = False, at_time: Optional[int] = None) -> torch.Tensor:
         """Slot of each key; never inserts and never changes a score.
 
         Args:
@@ -280,6 +319,8 @@ class ScoredHashTable:
             table_ids (Tensor, optional): (n,) int32/int64; None means table 0.
             checked: ``table_ids`` are int16 and in range, built by the caller
                 (skips the range check, a host sync on a GPU).
+            at_time: with a ``ttl``, rows expired at this time are absent (default
+                ``now``; ``next_time`` asks what the next inserting call will see).
 
         Returns:
             (n,) int64 slots, -1 where the key is absent.
@@ -287,8 +328,14 @@ class ScoredHashTable:
         self._check_idle()
         keys = self._keys(keys)
         tids = self._table_ids(table_ids, keys.numel(), checked)
-        return self._ops.find(memory=self._memory, keys=keys, table_ids=tids,
-                              one_table=self.num_tables == 1)
+        slots = self._ops.find(memory=self._memory, keys=keys, table_ids=tids,
+                               one_table=self.num_tables == 1)
+        before = self.expired_before(self.now if at_time is None else at_time)
+        if before > 0:
+            found = slots.clamp(min=0)
+            dead = (slots >= 0) & (self.time_of(self._memory.scores[found]) < before)
+            slots = torch.where(dead, torch.full_like(slots, -1), slots)
+        return slots
 
     def find_or_insert(
         self,
@@ -374,14 +421,19 @@ class ScoredHashTable:
         return erased
 
     def export_batch(
-        self, start: int = 0, count: Optional[int] = None, min_score: Optional[int] = None
+        self, start: int = 0, count: Optional[int] = None, min_score: Optional[int] = None,
+        *, include_expired: bool = False,
     ) -> Entries:
-        """Occupied slots of ``[start, start + count)`` whose score is >= ``min_score``.
+        """Occupied slots of ``[start, start + count)`` whose score is >= ``min_score``;
+        rows expired at ``now`` (``ttl``) are skipped.
 
         Args:
             start: first slot.
             count: number of slots to scan (default: to the end).
-            min_score: keep only entries scoring at least this (default: all).
+            min_score: keep only entries scoring at least this (default: all); with
+                LRU_LFU, whose time at least this (``time_of``: upstream's incremental
+                dump thresholds on the timestamp too).
+            include_expired: also rows expired but not swept yet (to erase them).
 
         Returns:
             ``Entries`` in slot order; value rows are copies.
@@ -392,8 +444,10 @@ class ScoredHashTable:
         end = self.capacity() if count is None else min(self.capacity(), start + count)
         memory = self._memory
         slots = self._ops.occupied_slots(memory=memory, start=start, end=max(start, end))
-        if min_score is not None:
-            slots = slots[memory.scores[slots] >= int(min_score)]
+        floor = max(0 if include_expired else self.expired_before(self.now),
+                    0 if min_score is None else int(min_score))
+        if floor > 0 or min_score is not None:
+            slots = slots[self.time_of(memory.scores[slots]) >= floor]
         return Entries(
             keys=memory.keys[slots],
             table_ids=memory.table_ids[slots].long(),
@@ -492,7 +546,7 @@ class ScoredHashTable:
                 memory=self._memory, keys=keys, table_ids=tids, frequencies=frequencies,
                 now=now, evicts=self._evicts, one_table=self.num_tables == 1)
         return unique, self._pending_insert(upserted, clock_before, None, read_evicted=True,
-                                            assign=False)
+                                            assign=False, now=now)
 
     def _check_idle(self) -> None:
         if self._pending is not None:
@@ -515,7 +569,8 @@ class ScoredHashTable:
                 memory=self._memory, keys=keys, table_ids=tids, scores=given,
                 rule=ScoreRule.GIVEN if exact else self._rule, now=now, evicts=self._evicts,
                 one_table=self.num_tables == 1)
-        return self._pending_insert(upserted, clock_before, rows, read_evicted, assign)
+        return self._pending_insert(upserted, clock_before, rows, read_evicted, assign, now=now,
+                                    given=None if exact else given)
 
     @contextlib.contextmanager
     def _undone_on_error(self, clock_before: int):
@@ -537,10 +592,12 @@ class ScoredHashTable:
         now = self._step if self.score_strategy == DynamicEmbScoreStrategy.STEP else self._clock
         return clock_before, now
 
-    def _pending_insert(self, upserted, clock_before, rows, read_evicted, assign) -> "PendingInsert":
+    def _pending_insert(self, upserted, clock_before, rows, read_evicted, assign, now: int,
+                        given: Optional[torch.Tensor] = None) -> "PendingInsert":
         """The prepared call of a finished upsert; reports failed inserts."""
         self._grown(upserted.growths)
-        pending = PendingInsert(self, upserted, clock_before, rows, read_evicted, assign)
+        pending = PendingInsert(self, upserted, clock_before, rows, read_evicted, assign,
+                                now=now, given=given)
         if upserted.failed:
             self.stats.failed_inserts += upserted.failed
             self._report_failures(upserted.failed, upserted.slots.numel(), pending)
@@ -566,13 +623,67 @@ class ScoredHashTable:
                         | (status == InsertStatus.EVICTED_AND_INSERTED))
         else:  # the common case of a warm table: every key was found
             inserted = torch.zeros(slots.shape, dtype=torch.bool, device=self.device)
+        expired, num_expired = self._expired_hits(pending)
+        if num_expired:
+            inserted = inserted | expired
+            num_inserted += num_expired
         if pending.assign:
             self._assign_rows(slots, pending.rows)
         elif num_inserted:  # sizes known from the counts: no sync for the compaction
             new_at = torch.nonzero_static(inserted, size=num_inserted).squeeze(1)
             self._memory.values.index_fill_(0, slots[new_at], 0)
         return InsertResult(slots=slots, inserted=inserted, evicted=evicted,
-                            num_inserted=num_inserted, num_failed=upserted.failed)
+                            num_inserted=num_inserted, num_failed=upserted.failed,
+                            num_expired=num_expired, expired=expired if num_expired else None)
+
+    def _expired_hits(self, pending: "PendingInsert") -> Tuple[Optional[torch.Tensor], int]:
+        """(n,) bool: the call's hits on rows expired at its time (they now hold a
+        fresh row: a new key's score, zeroed or assigned values), and their count."""
+        before = self.expired_before(pending.now)
+        upserted = pending.upserted
+        if before == 0 or upserted.hits == 0:
+            return None, 0
+        expired = ((upserted.status == InsertStatus.HIT)
+                   & (self.time_of(upserted.prev_scores) < before))
+        num = int(expired.sum())
+        if num == 0:
+            return None, 0
+        self.stats.expired += num
+        self._generation += 1  # the slot now holds another row of the key
+        if self._compound and pending.given is not None:  # a new key's count, not old + new
+            at = expired.nonzero().squeeze(1)
+            count = pending.given[at].clamp(max=COMPOUND_TIME_MASK >> 1)  # 2^31 - 1
+            self._memory.scores[upserted.slots[at]] = (
+                (count << 32) | (pending.now & COMPOUND_TIME_MASK))
+        return expired, num
+
+    def expire(self) -> Expired:
+        """TTL sweep: frees every row whose last access is more than ``ttl`` ticks
+        before ``now`` (one kernel pass over the slots).
+
+        Returns:
+            ``Expired``: the freed keys, table ids, scores and slots, in slot order.
+
+        Raises:
+            ValueError: the table has no ``ttl``.
+        """
+        self._check_idle()
+        if self.ttl is None:
+            raise ValueError("expire() needs a table built with a ttl")
+        memory = self._memory
+        before = self.expired_before(self.now)
+        if before == 0:
+            slots = torch.empty(0, dtype=torch.int64, device=self.device)
+        else:
+            mask = self._ops.expire(memory=memory, before=before,
+                                    time_mask=COMPOUND_TIME_MASK if self._compound else ALL_BITS)
+            slots = mask.nonzero().squeeze(1)
+        n = slots.numel()
+        self._size -= n
+        self._generation += n > 0
+        self.stats.expired += n
+        return Expired(keys=memory.keys[slots], table_ids=memory.table_ids[slots].long(),
+                       scores=memory.scores[slots], slots=slots)
 
     def _abort(self, pending: "PendingInsert") -> None:
         """Undoes a prepared call: contents, scores and clock as before it (growth stays)."""

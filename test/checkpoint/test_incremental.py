@@ -19,7 +19,8 @@ def _touched(steps, table):
 
 
 @pytest.mark.parametrize("caching", [False, True])
-@pytest.mark.parametrize("strategy", [DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.STEP])
+@pytest.mark.parametrize("strategy", [DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.STEP,
+                                      DynamicEmbScoreStrategy.LRU_LFU])
 def test_rows_touched_since_the_threshold(strategy, caching):
     module = make_tables(strategy=strategy, caching=caching, admission=False)
     train(module, range(4))
@@ -40,5 +41,5 @@ def test_rows_touched_since_the_threshold(strategy, caching):
 
 def test_lfu_scores_are_refused():
     module = make_tables(strategy=DynamicEmbScoreStrategy.LFU)
-    with pytest.raises(Exception, match="LRU or STEP"):
+    with pytest.raises(Exception, match="LRU, LRU_LFU or STEP"):
         incremental_dump(module, 0)

@@ -148,3 +148,27 @@ def test_large_batch_matches_cpu():
         both(cpu, gpu, "find_or_insert", keys)
         assert_same_state(cpu, gpu, f"step {step}")
     both(cpu, gpu, "find", keys)
+
+
+@pytest.mark.parametrize("strategy", [DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.STEP,
+                                      DynamicEmbScoreStrategy.LRU_LFU], ids=lambda s: s.name)
+def test_ttl_expiry_and_sweeps_match_cpu(strategy):
+    """Expired hits (fresh rows), finds that skip expired rows and the sweep kernel
+    (a thread per slot on CUDA, a loop over buckets on CPU) leave the same bytes."""
+    rng = random.Random(strategy.name)
+    cpu, gpu = twins(num_tables=2, capacity=256, bucket_capacity=16, score_strategy=strategy,
+                     max_capacity=1024, value_dim=2, ttl=3)
+    pool = [rng.randrange(-2**63, 2**63) for _ in range(600)]
+    for step in range(1, 40):
+        cpu.set_step(step)
+        gpu.set_step(step)
+        n = rng.choice([0, 5, 60, 200])
+        keys = keys_from(rng, pool[:200] if step % 10 < 5 else pool, n)
+        tids = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(step))
+        verb = rng.choice(["find_or_insert", "find_or_insert", "find", "expire"])
+        if verb == "expire":
+            both(cpu, gpu, "expire")
+        else:
+            both(cpu, gpu, verb, keys, tids)
+        assert_same_state(cpu, gpu, f"step {step} {verb}")
+    assert cpu.stats.expired > 0

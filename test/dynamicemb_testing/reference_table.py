@@ -19,7 +19,9 @@ MIX2 = 0x94D049BB133111EB
 MAX_TABLES = 32767
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
-STRATEGIES = ("LRU", "STEP", "LFU", "CUSTOMIZED", "NO_EVICTION")
+STRATEGIES = ("LRU", "STEP", "LFU", "CUSTOMIZED", "NO_EVICTION", "LRU_LFU")
+#: LRU_LFU: count in bits 62..32 (saturating at 2^31 - 1) above the clock in bits 31..0.
+COMPOUND_MAX_COUNT = 2**31 - 1
 CHECK_MODES = ("ERROR", "WARNING", "IGNORE")
 
 
@@ -245,16 +247,16 @@ class ReferenceHashTable:
         return list(table_ids)
 
     def _check_scores(self, n: int, scores: Optional[Sequence[int]]) -> None:
-        """CUSTOMIZED: scores required, >= 0. LFU: optional occurrence counts, >= 1."""
+        """CUSTOMIZED: scores required, >= 0. LFU, LRU_LFU: optional occurrence counts, >= 1."""
         if scores is None:
             if self.strategy == "CUSTOMIZED":
                 raise ValueError("scores are required by the CUSTOMIZED strategy")
             return
-        if self.strategy not in ("CUSTOMIZED", "LFU"):
+        if self.strategy not in ("CUSTOMIZED", "LFU", "LRU_LFU"):
             raise ValueError(f"scores are only taken by CUSTOMIZED (and as counts by LFU), not {self.strategy}")
         if len(scores) != n:
             raise ValueError("scores must have the length of keys")
-        low = 1 if self.strategy == "LFU" else 0
+        low = 1 if self.strategy in ("LFU", "LRU_LFU") else 0
         if any(not low <= x <= INT64_MAX for x in scores):
             raise ValueError(f"scores must be int64 >= {low}")
 
@@ -276,11 +278,19 @@ class ReferenceHashTable:
             return self.step
         if self.strategy == "LFU":
             return 1 if scores is None else scores[i]  # the occurrence count
+        if self.strategy == "LRU_LFU":
+            return self._compound(0, scores, i)
         return scores[i]
+
+    def _compound(self, count: int, scores, i: int) -> int:
+        count = min(count + (1 if scores is None else scores[i]), COMPOUND_MAX_COUNT)
+        return (count << 32) | (self.clock & 0xFFFFFFFF)
 
     def _score_on_hit(self, old: int, i: int, scores) -> int:
         if self.strategy == "LFU":  # saturates at the largest int64
             return min(old + (1 if scores is None else scores[i]), 2**63 - 1)
+        if self.strategy == "LRU_LFU":
+            return self._compound(old >> 32, scores, i)
         return self._score_on_insert(i, scores)
 
     # ----------------------------------------------------------------- read-only verbs
@@ -293,7 +303,9 @@ class ReferenceHashTable:
         end = self.capacity() if count is None else min(self.capacity(), start + count)
         out = RefExported([], [], [], [], [])
         for slot in range(max(0, start), end):
-            if s.occupied[slot] and (min_score is None or s.scores[slot] >= min_score):
+            # LRU_LFU: min_score is compared with the time, the low 32 bits
+            time = s.scores[slot] & 0xFFFFFFFF if self.strategy == "LRU_LFU" else s.scores[slot]
+            if s.occupied[slot] and (min_score is None or time >= min_score):
                 out.keys.append(s.keys[slot])
                 out.table_ids.append(s.tids[slot])
                 out.scores.append(s.scores[slot])

@@ -141,7 +141,7 @@ REFUSED_OPTIONS = [
     (dict(index_type=torch.uint8), "index_type"),
     (dict(evict_strategy=DynamicEmbEvictStrategy.LFU), "evict_strategy"),
     (dict(evict_strategy=2, score_strategy="step"), "evict_strategy"),
-    (dict(score_strategy=(0, 3)), "compound score_strategy"),
+    (dict(score_strategy=(1, 3)), "compound score_strategy"),
     (dict(admission_counter=64, admit_strategy=FrequencyAdmissionStrategy(2)), "admission_counter"),
     (dict(local_hbm_for_values=10, global_hbm_for_values=10), "global_hbm_for_values"),
     (dict(global_hbm_for_values=-1), "global_hbm_for_values"),
@@ -162,6 +162,9 @@ def test_supported_upstream_options():
         assert _options(score_strategy=score, evict_strategy=evict).evict_strategy == \
             DynamicEmbEvictStrategy(evict)
     assert _options(score_strategy=(1,)).score_strategy == DynamicEmbScoreStrategy.STEP
+    for compound in ((0, 3), (3, 0)):  # upstream's (TIMESTAMP, LFU), either order
+        assert _options(score_strategy=compound, evict_strategy="lfu").score_strategy == \
+            DynamicEmbScoreStrategy.LRU_LFU
     for dist in ("roundrobin", "hash_roundrobin"):
         _options(dist_type=dist)
     _options(index_type=torch.int32, embedding_dtype=torch.float32)
