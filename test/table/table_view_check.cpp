@@ -161,8 +161,8 @@ void run(int bc, std::mt19937_64& rng) {
         const PassRecord r = a.record();
         TableView va = scalar.view(), vb = simd.view();
         for (int64_t i = static_cast<int64_t>(keys.size()) - 1; i >= 0; --i) {
-          undo_one(va, r, i);
-          undo_one(vb, r, i);
+          undo_one<PlainBits>(va, r, i);
+          undo_one<PlainBits>(vb, r, i);
         }
         expect(scalar.occupied == before.occupied && scalar.digests == before.digests,
                "undo restores occupancy and digests");
