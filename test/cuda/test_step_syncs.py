@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dynamicemb import DynamicEmbOptimType, DynamicEmbPoolingMode
+from dynamicemb import DynamicEmbOptimType, DynamicEmbPoolingMode, DynamicEmbScoreStrategy
 from dynamicemb.ops.cuda import CudaKernels
 from dynamicemb_testing.cuda_emulation import emulated_cuda
 from dynamicemb_testing.module_reference import (OPTIMIZER_ARGS, TableSpec, export_dict,
@@ -208,3 +208,23 @@ def test_several_groups_sync_once_per_group_not_per_table():
     want = Counter({"check_offsets": 1, "_split_by_group": 1, "dedup": 2, "_passes": 2,
                     "fill": 2})
     assert _sites(guard) == want, guard.report()
+
+
+def test_cuda_path_expires_rows_as_the_cpu_backend():
+    """TTL on the CUDA path's code (the sweep kernel emulated): expired rows come
+    back fresh and a sweep frees the same rows as on the CPU backend."""
+    batches = _batches(400, 4, seed=9)
+    spec = TableSpec(dim=8, max_capacity=1 << 12,
+                     options=dict(ttl=1, score_strategy=DynamicEmbScoreStrategy.STEP))
+    args = OPTIMIZER_ARGS[DynamicEmbOptimType.EXACT_SGD]
+    cpu, _ = make_tables([spec], optimizer=args)
+    with emulated_cuda() as kernels:
+        emulated, _ = make_tables([spec], optimizer=args)
+        for i, (ids, offsets) in enumerate(batches):
+            ids = ids + 1000 * (i % 2)  # every other batch leaves its ids to expire
+            torch.testing.assert_close(_step(emulated, ids, offsets), _step(cpu, ids, offsets),
+                                       **TOL)
+        assert emulated.expire() == cpu.expire()
+        assert kernels.launches["demb_expire"] == 1
+        want, got = export_dict(cpu, "t0"), export_dict(emulated, "t0")
+    assert want.keys() == got.keys()

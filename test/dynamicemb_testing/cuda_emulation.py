@@ -132,6 +132,12 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         moved = self._cpu.grow(old, new, int(a[6]))
         self._t(a[_TABLE_ARGS + 5]).copy_(moved)
 
+    def run_expire(self, a):
+        t = _TABLE_ARGS
+        time_mask = int(np.array(a[t], dtype=np.uint64).view(np.int64))
+        expired = self._cpu.expire(self._meta(a), int(a[6]), time_mask, int(a[t + 1]))
+        self._t(a[t + 2]).copy_(expired)
+
     def run_erase(self, a):
         t = _TABLE_ARGS
         erased = self._cpu.erase(self._meta(a), int(a[6]), self._t(a[t]), self._t(a[t + 1]))
