@@ -15,6 +15,7 @@ from dynamicemb.checkpoint import (CheckpointError, DynamicEmbDump, DynamicEmbLo
 from dynamicemb.embedding import (BatchedDynamicEmbeddingTables, ExportedCounters, ExportedRows,
                                   TableClocks)
 from dynamicemb.embedding.admission import Counter
+from dynamicemb.inference import InferenceEmbeddingTables, to_inference
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer, EmbOptimType, OptimizerArgs
 from dynamicemb.options import (
     DynamicEmbInitializerArgs,
@@ -58,6 +59,7 @@ __all__ = [
     "ExportedCounters",
     "ExportedRows",
     "FrequencyAdmissionStrategy",
+    "InferenceEmbeddingTables",
     "KVCounter",
     "OptimizerArgs",
     "ScoredHashTable",
@@ -66,4 +68,5 @@ __all__ = [
     "get_sharded_table_capacity",
     "get_table_value_bytes",
     "incremental_dump",
+    "to_inference",
 ]
