@@ -492,6 +492,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         return self._groups[g], local
 
     # ------------------------------------------------------------- forward
+    # torch.compile breaks the graph here: a lookup drives hash-table kernels that
+    # change state (inserts, scores) and a fused backward, which Dynamo cannot trace.
+    # Serving uses ``dynamicemb.inference``, whose lookup is a traceable custom op.
+    @torch.compiler.disable
     def forward(
         self,
         indices: torch.Tensor,
