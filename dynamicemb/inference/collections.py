@@ -36,10 +36,11 @@ def _batch(features: KeyedJaggedTensor, names: Sequence[str]) -> Tuple[torch.Ten
 
 
 class InferenceEmbeddingBagCollection(nn.Module):
-    """A frozen ``EmbeddingBagCollection``: ``forward(KeyedJaggedTensor) -> KeyedTensor``.
+    """A frozen ``EmbeddingBagCollection``: ``forward(KeyedJaggedTensor) -> KeyedTensor``
+    (one group of tables per pooling, SUM or MEAN; outputs in the collection's order).
 
     Args:
-        tables: the collection's ``EmbeddingBagConfig``s (one pooling, SUM or MEAN).
+        tables: the collection's ``EmbeddingBagConfig``s.
         rows: table name -> (keys (n,) int64, embeddings (n, dim)) for every table.
         eval_initializers: table name -> the row unseen ids get (default zeros).
         dtype: how rows are stored (float32, float16, bfloat16).
@@ -51,26 +52,42 @@ class InferenceEmbeddingBagCollection(nn.Module):
                  dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None
                  ) -> None:
         super().__init__()
-        poolings = {c.pooling for c in tables}
-        if len(poolings) != 1 or next(iter(poolings)) not in _POOLING:
-            raise ValueError(f"an inference EmbeddingBagCollection takes one pooling, SUM or "
-                             f"MEAN, got {sorted(p.name for p in poolings)}")
+        unknown = sorted({c.pooling.name for c in tables if c.pooling not in _POOLING})
+        if unknown:
+            raise ValueError(f"inference bags pool SUM or MEAN, got {unknown}")
         inits = dict(eval_initializers or {})
         self._configs = list(tables)
         self.features = [f for c in tables for f in c.feature_names]
-        feature_map = [t for t, c in enumerate(tables) for _ in c.feature_names]
-        self.dims = [tables[t].embedding_dim for t in feature_map]
-        self.tables = InferenceEmbeddingTables(
-            [_options(c, inits.get(c.name)) for c in tables], [c.name for c in tables],
-            feature_map, rows=rows, pooling_mode=_POOLING[tables[0].pooling], dtype=dtype,
-            device=device)
+        self.dims = [c.embedding_dim for c in tables for _ in c.feature_names]
+        self.group_features: List[List[str]] = []
+        groups, where = [], {}
+        for pooling in dict.fromkeys(c.pooling for c in tables):
+            mine = [c for c in tables if c.pooling == pooling]
+            names = [f for c in mine for f in c.feature_names]
+            col = 0
+            for f, c in ((f, c) for c in mine for f in c.feature_names):
+                where[f] = (len(groups), col)
+                col += c.embedding_dim
+            self.group_features.append(names)
+            groups.append(InferenceEmbeddingTables(
+                [_options(c, inits.get(c.name)) for c in mine], [c.name for c in mine],
+                [t for t, c in enumerate(mine) for _ in c.feature_names], rows=rows,
+                pooling_mode=_POOLING[pooling], dtype=dtype, device=device))
+        self.groups = nn.ModuleList(groups)
+        #: (group, first column) of each output feature, in the collection's order.
+        self._columns = [where[f] for f in self.features]
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
         return self._configs
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        indices, offsets, weights = _batch(features, self.features)
-        pooled = self.tables(indices, offsets, weights)
+        parts = [tables(*_batch(features, names))
+                 for names, tables in zip(self.group_features, self.groups)]
+        if len(parts) == 1:
+            pooled = parts[0]
+        else:
+            pooled = torch.cat([parts[g][:, col:col + dim]
+                                for (g, col), dim in zip(self._columns, self.dims)], dim=1)
         return KeyedTensor(keys=self.features, length_per_key=self.dims, values=pooled)
 
 

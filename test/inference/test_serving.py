@@ -177,22 +177,35 @@ def test_training_module_under_compile_equals_eager():
 
 
 def test_dmp_two_ranks_served_on_one(tmp_path):
-    from torchrec import EmbeddingCollection, EmbeddingConfig
+    """EC and EBC tables trained under DMP on 2 ranks (dynamic row-wise and table-wise,
+    a static table in each, SUM and MEAN bags), dumped, served by the unsharded
+    model's twin in this process: every rank's eval outputs (EC exactly)."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from dynamicemb.inference.collections import InferenceEmbeddingCollection
-    from dynamicemb_testing import checkpoint_workers as ckpt
+    from dynamicemb.inference.collections import (InferenceEmbeddingBagCollection,
+                                                  InferenceEmbeddingCollection)
     from dynamicemb_testing import serving_workers
+    from dynamicemb_testing import shard_workers as sw
     from dynamicemb_testing.dist_utils import run_distributed
-    from dynamicemb_testing.shard_workers import EcModel
 
     path, record = str(tmp_path / "ck"), str(tmp_path / "record.pt")
     run_distributed(serving_workers.train_dump_and_eval, 2, path, record)
-    ec = EmbeddingCollection(tables=[
-        EmbeddingConfig(name=n, num_embeddings=ckpt.ROWS, embedding_dim=d, feature_names=f)
-        for n, (d, f) in ckpt.TABLES.items()])
-    model = to_inference(EcModel(ec), checkpoint=path)
+    saved = torch.load(record, weights_only=True)
+    model = sw.TwinModel().to_empty(device="cpu")
+    for name, weight in saved["static"].items():
+        table = model.ec.embeddings if name in sw.EC_TABLES else model.ebc.embedding_bags
+        table[name].weight.data.copy_(weight)
+    model = to_inference(model, checkpoint=path)
     assert isinstance(model.ec, InferenceEmbeddingCollection)
-    for step, want in zip(serving_workers.EVAL_STEPS, torch.load(record, weights_only=True)):
-        out = model(ckpt.local_batch(step, 0, 1))
-        for f in ckpt.FEATURES:
-            assert torch.equal(out[f].values(), want[f]), f
+    assert isinstance(model.ebc, InferenceEmbeddingBagCollection)
+    for batch in saved["evals"]:
+        ec_out, ebc_out = model(KeyedJaggedTensor(**batch["ec"]), KeyedJaggedTensor(**batch["ebc"]))
+        # A sharded EBC orders its keys by sharding, and pools row-wise tables in
+        # another float order (partial sums per rank, or the sender's embedding_bag
+        # after dedup): equal to rounding. Exactness against the unsharded pooling is
+        # test_twin_equals_eval_exactly_in_float32.
+        got = ebc_out.to_dict()
+        for f, want in batch["ebc_out"].items():
+            torch.testing.assert_close(got[f], want, rtol=1e-6, atol=1e-6, msg=f)
+        for f, want in batch["ec_out"].items():
+            assert torch.equal(ec_out[f].values(), want), f
