@@ -209,3 +209,31 @@ def test_dmp_two_ranks_served_on_one(tmp_path):
             torch.testing.assert_close(got[f], want, rtol=1e-6, atol=1e-6, msg=f)
         for f, want in batch["ec_out"].items():
             assert torch.equal(ec_out[f].values(), want), f
+
+
+@pytest.mark.parametrize("pooling", [-1, 1])
+def test_upstream_exportable_tables(tmp_path, pooling):
+    from dynamicemb.exportable_tables import InferenceEmbeddingCollection
+
+    mode = DynamicEmbPoolingMode.NONE if pooling == -1 else DynamicEmbPoolingMode.SUM
+    module = _trained(DynamicEmbPoolingMode.NONE)
+    module.pooling_mode = mode  # same rows, pooled or not
+    path = str(tmp_path / "ck")
+    DynamicEmbDump(path, module)
+    upstream = InferenceEmbeddingCollection(
+        [DynamicEmbTableOptions(dim=4, max_capacity=512) for _ in range(3)], True, pooling,
+        table_names=["a", "b", "c"], feature_table_map=FEATURES)
+    upstream.load_from_dynamicemb_file(path)
+    indices, offsets, _ = _batch(30)
+    want = module(indices, offsets)
+    if pooling == 1:  # (B, F * D) -> upstream's (F * B, D), feature-major
+        want = want.reshape(want.shape[0], len(FEATURES), 4).transpose(0, 1).reshape(-1, 4)
+    assert torch.equal(upstream(indices, offsets, offsets), want)
+    if pooling == -1:  # rows by index: tables of capacity 4, 4 and the remaining 2
+        by_index = InferenceEmbeddingCollection(
+            [DynamicEmbTableOptions(dim=4, max_capacity=4) for _ in range(3)], False, -1,
+            feature_table_map=FEATURES)
+        weights = torch.randn(10, 4)
+        by_index.load_from_embedding_table(weights)
+        ids, offs = torch.tensor([1, 3, 0, 1]), torch.tensor([0, 1, 2, 3, 4])
+        assert torch.equal(by_index(ids, offs), weights[[1, 4 + 3, 4 + 0, 8 + 1]])
