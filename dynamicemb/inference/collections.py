@@ -26,13 +26,28 @@ def _options(config, eval_init: Optional[DynamicEmbInitializerArgs]) -> DynamicE
     return options
 
 
+def _lengths(features: KeyedJaggedTensor, names: Sequence[str]) -> List[torch.Tensor]:
+    """Each named feature's (B,) lengths. When the KJT holds exactly these features in
+    this order they are views of its lengths: no per-key split, so an exported model
+    holds no FBGEMM op (TorchRec's split computes offsets with one)."""
+    if list(features.keys()) == list(names):
+        return list(features.lengths().view(len(names), -1).unbind(0))
+    return [features[f].lengths() for f in names]
+
+
 def _batch(features: KeyedJaggedTensor, names: Sequence[str]) -> Tuple[torch.Tensor, ...]:
     """(indices, offsets, weights or None) of the named features, feature-major."""
-    jts = [features[f] for f in names]
-    lengths = torch.cat([jt.lengths() for jt in jts])
+    if list(features.keys()) == list(names):
+        lengths = features.lengths()
+        values, weights = features.values(), features.weights_or_none()
+    else:
+        jts = [features[f] for f in names]
+        lengths = torch.cat([jt.lengths() for jt in jts])
+        values = torch.cat([jt.values() for jt in jts])
+        weights = None if jts[0].weights_or_none() is None else torch.cat(
+            [jt.weights() for jt in jts])
     offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-    weights = None if jts[0].weights_or_none() is None else torch.cat([jt.weights() for jt in jts])
-    return torch.cat([jt.values() for jt in jts]), offsets, weights
+    return values, offsets, weights
 
 
 class InferenceEmbeddingBagCollection(nn.Module):
@@ -126,9 +141,10 @@ class InferenceEmbeddingCollection(nn.Module):
         for names, tables in zip(self.features, self.groups):
             indices, offsets, _ = _batch(features, names)
             rows = tables(indices, offsets)
-            sizes = [features[f].lengths().sum() for f in names]
-            for f, part in zip(names, torch.split(rows, [int(s) for s in sizes])):
-                out[f] = JaggedTensor(values=part, lengths=features[f].lengths())
+            lengths = _lengths(features, names)
+            parts = torch.split(rows, [int(n.sum()) for n in lengths])
+            for f, part, n in zip(names, parts, lengths):
+                out[f] = JaggedTensor(values=part, lengths=n)
         return out
 
 
