@@ -35,6 +35,16 @@ def _lengths(features: KeyedJaggedTensor, names: Sequence[str]) -> List[torch.Te
     return [features[f].lengths() for f in names]
 
 
+def _sizes(lengths: List[torch.Tensor], total) -> List[int]:
+    """Ids per feature: data-dependent sizes that ``torch.export`` accepts (each a
+    size, all summing to ``total``)."""
+    sizes = [n.sum().item() for n in lengths]
+    for size in sizes:
+        torch._check_is_size(size)
+    torch._check(sum(sizes) == total)
+    return sizes
+
+
 def _batch(features: KeyedJaggedTensor, names: Sequence[str]) -> Tuple[torch.Tensor, ...]:
     """(indices, offsets, weights or None) of the named features, feature-major."""
     if list(features.keys()) == list(names):
@@ -142,7 +152,7 @@ class InferenceEmbeddingCollection(nn.Module):
             indices, offsets, _ = _batch(features, names)
             rows = tables(indices, offsets)
             lengths = _lengths(features, names)
-            parts = torch.split(rows, [int(n.sum()) for n in lengths])
+            parts = torch.split(rows, _sizes(lengths, rows.shape[0]))
             for f, part, n in zip(names, parts, lengths):
                 out[f] = JaggedTensor(values=part, lengths=n)
         return out
