@@ -44,8 +44,9 @@ def build_index(keys: torch.Tensor, tids: torch.Tensor, num_tables: int,
         names: their names (for errors).
 
     Returns:
-        The index arrays (``frozen_lookup``'s ``index``) and (C,) int32 row of each
-        slot (-1: empty), row i being the i-th key given.
+        The index arrays (``frozen_lookup``'s ``index``) and (C + 1,) int64 row of
+        each slot (-1: empty), row i being the i-th key given; the last entry is -1,
+        so the slot -1 of an absent key indexes it and reads "absent".
 
     Raises:
         ValueError: a key given twice for one table (a damaged or merged dump).
@@ -56,7 +57,7 @@ def build_index(keys: torch.Tensor, tids: torch.Tensor, num_tables: int,
     memory = ops.new_table(num_buckets=buckets, max_num_buckets=buckets * 16,
                            bucket_capacity=_BUCKET_CAPACITY, value_dim=0,
                            value_dtype=torch.float32, device=keys.device)
-    row_of_slot = torch.full((memory.capacity,), -1, dtype=torch.int32, device=keys.device)
+    row_of_slot = torch.full((memory.capacity + 1,), -1, dtype=torch.int64, device=keys.device)
     if n:
         done = ops.upsert(memory=memory, keys=keys, table_ids=tids, scores=None,
                           rule=ScoreRule.CLOCK, now=1, evicts=False, one_table=num_tables == 1)
@@ -66,8 +67,7 @@ def build_index(keys: torch.Tensor, tids: torch.Tensor, num_tables: int,
                              f"more than once")
         if done.failed:  # 16 doublings past a 3/4 load: never for distinct keys
             raise RuntimeError(f"{done.failed} keys found no slot in the frozen index")
-        row_of_slot = torch.full((memory.capacity,), -1, dtype=torch.int32, device=keys.device)
-        row_of_slot[done.slots] = torch.arange(n, dtype=torch.int32, device=keys.device)
+        row_of_slot[done.slots] = torch.arange(n, dtype=torch.int64, device=keys.device)
     keys_scores = memory.meta[0].as_strided((memory.capacity, 2), (2, 1))
     keys_scores[:, 1] = 0  # scores are not served
     return [keys_scores, *memory.meta[2:]], row_of_slot

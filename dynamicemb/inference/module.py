@@ -14,6 +14,7 @@ from dynamicemb.inference.frozen import FrozenGroup, check_row_dtype
 from dynamicemb.inference.ops import POOLING_CODES, frozen_lookup
 from dynamicemb.ops import resolve_device
 from dynamicemb.options import DynamicEmbPoolingMode, DynamicEmbTableOptions
+from dynamicemb.table.checks import check_batch_types
 
 __all__ = ["InferenceEmbeddingTables"]
 
@@ -174,19 +175,8 @@ def _check_tables(options, names, features, rows: Rows) -> None:
 def _check_batch(indices, offsets, weights, pooling: DynamicEmbPoolingMode) -> None:
     """TypeError/ValueError for a batch of the wrong types or shapes (data checks run
     in the op)."""
-    for name, t in (("indices", indices), ("offsets", offsets)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
-        if t.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    if weights is not None:
-        if pooling != DynamicEmbPoolingMode.SUM:
-            raise ValueError(f"per_sample_weights need SUM pooling, this module uses "
-                             f"{pooling.name}")
-        if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
-            raise TypeError("per_sample_weights must be a floating-point tensor")
-        if weights.dim() != 1:
-            raise ValueError(f"per_sample_weights must be 1-D like indices, got shape "
-                             f"{tuple(weights.shape)}")
+    check_batch_types(indices, offsets, weights, "" if pooling == DynamicEmbPoolingMode.SUM
+                      else f"this module uses {pooling.name}")
+    if weights is not None and weights.dim() != 1:
+        raise ValueError(f"per_sample_weights must be 1-D like indices, got shape "
+                         f"{tuple(weights.shape)}")

@@ -52,7 +52,8 @@ def frozen_lookup(
         weights (Tensor, optional): (N,) float32 per-sample weights (SUM only).
         index: the hash table's arrays: keys and scores (C, 2) int64, table ids (C,)
             int16, digests (C,) uint8, occupied and pinned bits (buckets, words) int64.
-        row_of_slot (Tensor): (C,) int32, the row of each occupied slot.
+        row_of_slot (Tensor): (C + 1,) int64, the row of each slot, -1 where empty
+            and at the end (where an absent key's slot -1 points).
         rows (Tensor): (R, dim) float32, float16 or bfloat16 stored rows.
         feature_tids (Tensor): (F,) int16 table of each feature (the group's ids).
         feature_cols (Tensor): (F,) int64 first output column of each feature, -1
@@ -103,7 +104,7 @@ def _lookup(ops: Backend, ids, offsets, weights, index, row_of_slot, rows, featu
     if weights is not None and weights.numel() != ids.numel():
         raise ValueError(f"per_sample_weights must have shape ({ids.numel()},) like ids, "
                          f"got {tuple(weights.shape)}")
-    tids = _lookup_tables(offsets, feature_tids, batch, ids.numel())
+    tids = _lookup_tables(offsets, feature_tids, batch, ids.numel(), init_ints.shape[0])
     refs, transient = _row_refs(ops, ids, tids, index, row_of_slot, rows, init_ints,
                                 init_floats, bucket_capacity)
     inverse = torch.arange(ids.numel(), dtype=torch.int64, device=ids.device)
@@ -125,10 +126,10 @@ def _lookup(ops: Backend, ids, offsets, weights, index, row_of_slot, rows, featu
     return out
 
 
-def _lookup_tables(offsets, feature_tids, batch, n):
+def _lookup_tables(offsets, feature_tids, batch, n, num_tables):
     """(N,) int16 table of each lookup, from the bag boundaries of its feature."""
-    if feature_tids.numel() == 1:
-        return feature_tids.expand(n).contiguous()
+    if num_tables == 1:  # every lookup of this group is table 0's
+        return torch.zeros(n, dtype=torch.int16, device=offsets.device)
     bounds = offsets[::max(batch, 1)] if batch else torch.zeros(
         feature_tids.numel() + 1, dtype=torch.int64, device=offsets.device)
     return torch.repeat_interleave(feature_tids, bounds[1:] - bounds[:-1], output_size=n)
@@ -144,15 +145,14 @@ def _row_refs(ops, ids, tids, index, row_of_slot, rows, init_ints, init_floats,
                          num_buckets, bucket_capacity)
     slots = ops.find(memory=memory, keys=ids, table_ids=tids,
                      one_table=init_ints.shape[0] == 1)
-    found = slots >= 0
-    refs = torch.where(found, row_of_slot[slots.clamp(min=0)].long(), slots)
-    missing = (~found).nonzero().squeeze(1)
+    refs = row_of_slot[slots]  # slot -1 reads the sentinel -1: one gather, no mask
+    missing = (refs < 0).nonzero().squeeze(1)
     widen = rows.dtype != torch.float32
-    held = found.nonzero().squeeze(1) if widen else None
+    held = (refs >= 0).nonzero().squeeze(1) if widen else None
     count = missing.numel() + (held.numel() if widen else 0)
     transient = torch.empty(count, rows.shape[1], dtype=torch.float32, device=ids.device)
     if widen and held.numel():
-        transient[:held.numel()] = rows[refs[held]].float()
+        transient[:held.numel()] = rows[refs[held]]
         refs[held] = -(torch.arange(held.numel(), device=ids.device) + 1)
     if missing.numel():
         first = count - missing.numel()
