@@ -145,3 +145,18 @@ def test_embedding_collection_benchmark_on_one_and_two_nodes(tmp_path):
         assert a["collectives_per_iteration_rank0"]["c10d::alltoall_base_"] > 0
         assert a["ids_sent_by_rank0_all_iterations"] == b["ids_sent_by_rank0_all_iterations"] > 0
         assert positive_finite(a["ms_per_iteration"]) and positive_finite(b["ms_per_iteration"])
+
+
+def test_inference_benchmark():
+    """The serving benchmark at a tiny size: the float32 twin equals the training eval
+    (asserted inside), every path reports a positive time and ratios are quotients."""
+    done = run("benchmark_inference.py", "--rows", 2000, "--batch", 64, "--repeats", 3)
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
+            if line.startswith("| ") and "ms" not in line and "bytes" not in line]
+    times = {r[0].strip(): [float(x) for x in r[1:]] for r in rows if len(r) == 4}
+    assert set(times) == {"training eval", "inference fp32", "inference fp16", "inference bf16",
+                          "sorted keys + searchsorted", "nn.EmbeddingBag"}
+    base = times["training eval"][0]
+    for median, rate, ratio in times.values():
+        assert positive_finite(median) and positive_finite(rate)
+        assert ratio == pytest.approx(median / base, rel=0.02, abs=0.01)  # printed rounded
