@@ -23,8 +23,7 @@ __all__ = ["POOLING_CODES", "frozen_lookup"]
 POOLING_CODES = {"SUM": 0, "MEAN": 1, "NONE": 2}
 _NONE = POOLING_CODES["NONE"]
 
-#: Columns of ``init_floats``: mean, std_dev, lower, upper, value; of ``init_ints``:
-#: stream, mode code, seed (``dynamicemb.inference.frozen.InitSpec``).
+#: The op's qualified name (``torch.ops.dynamicemb.frozen_lookup``).
 _LIB = "dynamicemb::frozen_lookup"
 
 
@@ -58,8 +57,9 @@ def frozen_lookup(
         feature_tids (Tensor): (F,) int16 table of each feature (the group's ids).
         feature_cols (Tensor): (F,) int64 first output column of each feature, -1
             for a feature of another group.
-        init_ints, init_floats (Tensor): (T, 3) int64 and (T, 5) float64, each
-            table's eval initializer (the row an unseen id gets).
+        init_ints, init_floats (Tensor): (T, 3) int64 (stream, mode code, seed) and
+            (T, 5) float64 (mean, std_dev, lower, upper, value): each table's eval
+            initializer, the row an unseen id gets (``frozen.init_spec``).
         bucket_capacity: slots per bucket of the index.
         out_cols: columns of the output (every group's features).
         pooling: ``POOLING_CODES`` value.

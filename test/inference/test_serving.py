@@ -237,3 +237,12 @@ def test_upstream_exportable_tables(tmp_path, pooling):
         by_index.load_from_embedding_table(weights)
         ids, offs = torch.tensor([1, 3, 0, 1]), torch.tensor([0, 1, 2, 3, 4])
         assert torch.equal(by_index(ids, offs), weights[[1, 4 + 3, 4 + 0, 8 + 1]])
+
+
+def test_op_has_cpu_cuda_and_fake_kernels():
+    """Registered on import, for CPU and CUDA (the CUDA kernel runs the CUDA backend's
+    kernels; it needs a GPU to run) and with a fake kernel for tracing."""
+    import dynamicemb  # noqa: F401
+
+    for key in ("CPU", "CUDA", "Meta"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("dynamicemb::frozen_lookup", key), key
