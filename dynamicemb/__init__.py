@@ -15,6 +15,7 @@ from dynamicemb.checkpoint import (CheckpointError, DynamicEmbDump, DynamicEmbLo
 from dynamicemb.embedding import (BatchedDynamicEmbeddingTables, ExportedCounters, ExportedRows,
                                   TableClocks)
 from dynamicemb.embedding.admission import Counter
+from dynamicemb.inference import InferenceEmbeddingTables, to_inference
 from dynamicemb.lifetime import expire
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer, EmbOptimType, OptimizerArgs
 from dynamicemb.options import (
@@ -61,6 +62,7 @@ __all__ = [
     "ExportedCounters",
     "ExportedRows",
     "FrequencyAdmissionStrategy",
+    "InferenceEmbeddingTables",
     "KVCounter",
     "MAX_BUCKET_CAPACITY",
     "OptimizerArgs",
@@ -71,6 +73,7 @@ __all__ = [
     "get_sharded_table_capacity",
     "get_table_value_bytes",
     "incremental_dump",
+    "to_inference",
 ]
 
 # upstream's names that are not provided: refused by name, with what to use instead

@@ -20,7 +20,7 @@ from dynamicemb.embedding.streams import StreamOrder
 from dynamicemb.ops import for_device, resolve_device
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer
 from dynamicemb.storage import TierMetrics
-from dynamicemb.table.checks import check_frequencies
+from dynamicemb.table.checks import check_batch_types, check_frequencies
 from dynamicemb.options import (
     DynamicEmbOptimizerArgs,
     DynamicEmbOptimType,
@@ -552,6 +552,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         return self._groups[g], local
 
     # ------------------------------------------------------------- forward
+    # torch.compile breaks the graph here: a lookup drives hash-table kernels that
+    # change state (inserts, scores) and a fused backward, which Dynamo cannot trace.
+    # Serving uses ``dynamicemb.inference``, whose lookup is a traceable custom op.
+    @torch.compiler.disable
     def forward(
         self,
         indices: torch.Tensor,
@@ -591,13 +595,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
 
     def _validate(self, indices, offsets, weights):
-        for name, t in (("indices", indices), ("offsets", offsets)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype not in (torch.int32, torch.int64):
-                raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
-            if t.dim() != 1:
-                raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+        pooling = self.pooling_mode
+        check_batch_types(indices, offsets, weights, "" if pooling == DynamicEmbPoolingMode.SUM
+                          else f"this module uses {pooling.name}")
         num_bags = offsets.numel() - 1
         if num_bags < 0 or num_bags % self._num_features:
             raise ValueError(
@@ -614,11 +614,6 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         if problem:
             raise ValueError("offsets must be non-decreasing")
         if weights is not None:
-            if self.pooling_mode != DynamicEmbPoolingMode.SUM:
-                raise ValueError(
-                    f"per_sample_weights need SUM pooling, this module uses {self.pooling_mode.name}")
-            if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
-                raise TypeError("per_sample_weights must be a floating-point tensor")
             if weights.shape != (n,):
                 raise ValueError(
                     f"per_sample_weights must have shape ({n},) like indices, got {tuple(weights.shape)}")

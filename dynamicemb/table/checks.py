@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["check_frequencies", "check_keys", "table_ids_as_int16"]
+__all__ = ["check_batch_types", "check_frequencies", "check_keys", "table_ids_as_int16"]
 
 
 def check_keys(keys: torch.Tensor) -> None:
@@ -15,6 +15,25 @@ def check_keys(keys: torch.Tensor) -> None:
         raise TypeError(f"keys must be int64, got {keys.dtype}")
     if keys.dim() != 1:
         raise ValueError(f"keys must be 1-D, got shape {tuple(keys.shape)}")
+
+
+def check_batch_types(indices, offsets, weights, weights_allowed: str = "") -> None:
+    """Raises unless ``indices`` and ``offsets`` are 1-D int32/int64 tensors and
+    ``weights`` is None or a floating-point tensor; ``weights_allowed``, when not
+    empty, says why weights are refused (e.g. the module's pooling)."""
+    for name, t in (("indices", indices), ("offsets", offsets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if weights is None:
+        return
+    if weights_allowed:
+        raise ValueError(f"per_sample_weights need SUM pooling, {weights_allowed}")
+    if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
+        raise TypeError("per_sample_weights must be a floating-point tensor")
 
 
 def check_frequencies(frequencies: Optional[torch.Tensor], n: int, device: torch.device,

@@ -35,6 +35,7 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 import checkpoint
+import serving
 from data import CRITEO_CARDINALITIES, NUM_DENSE, CriteoParquetReader, CriteoTsvReader, SyntheticCriteo
 from dynamicemb import DynamicEmbScoreStrategy
 from dynamicemb.planner import DynamicEmbeddingShardingPlanner
@@ -91,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="steps between checkpoints (0: only when the run ends)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--serving-artifact", help="after training, write the exported inference "
+                   "model here (examples/dlrm/serving.py)")
     p.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl on CUDA, else gloo")
     p.add_argument("--out", default="benchmark/out/dlrm", help="summary.json and plot.png go here")
     args = p.parse_args(argv)
@@ -252,6 +255,12 @@ def main(argv=None) -> None:
         history["auc"].append((step, evaluate(dmp, evals, tables, device)))
     if args.checkpoint_dir:
         checkpoint.save(args.checkpoint_dir, dmp, dense_opt, progress)
+    if args.serving_artifact:
+        sample = to_batch(next(iter(evals if evals is not None else train)), tables, device)
+        serving.write(args.serving_artifact, dmp, lambda: build_model(
+            tables, args.embedding_dim, [int(x) for x in args.dense_arch.split(",")],
+            [int(x) for x in args.over_arch.split(",")], num_dense=NUM_DENSE,
+            collection=args.collection), tables, sample)
     report = table_report(dmp, tables)
     if rank == 0:
         summarize(args, history, report, step, progress["samples"],

@@ -159,3 +159,18 @@ def test_step_overhead_benchmark(tmp_path):
         counts = got["counts"][layout]
         assert counts["syncs"] == sum(counts["sync_sites"].values())
         assert 0 < counts["aten_launches"] <= counts["aten_ops"] and counts["cupy_launches"] > 0
+
+
+def test_inference_benchmark():
+    """The serving benchmark at a tiny size: the float32 twin equals the training eval
+    (asserted inside), every path reports a positive time and ratios are quotients."""
+    done = run("benchmark_inference.py", "--rows", 2000, "--batch", 64, "--repeats", 3)
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
+            if line.startswith("| ") and "ms" not in line and "bytes" not in line]
+    times = {r[0].strip(): [float(x) for x in r[1:]] for r in rows if len(r) == 4}
+    assert set(times) == {"training eval", "inference fp32", "inference fp16", "inference bf16",
+                          "sorted keys + searchsorted", "nn.EmbeddingBag"}
+    base = times["training eval"][0]
+    for median, rate, ratio in times.values():
+        assert positive_finite(median) and positive_finite(rate)
+        assert ratio == pytest.approx(median / base, rel=0.02, abs=0.01)  # printed rounded

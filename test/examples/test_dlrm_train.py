@@ -16,11 +16,28 @@ def torchrun(*args, timeout=600):
         timeout=timeout, env=dict(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
 
 
+# A server: only dynamicemb imported; the trained model's logits, at two batch sizes.
+_SERVER = """
+import sys, torch
+import dynamicemb  # registers the lookup op
+model = torch.export.load(sys.argv[1] + "/model.pt2").module()
+sample = torch.load(sys.argv[1] + "/sample.pt", weights_only=True)
+logits = model(sample["dense"], sample["ids"])
+torch.testing.assert_close(logits, sample["logits"], rtol=1e-5, atol=1e-6)
+half = sample["dense"].shape[0] // 2  # another batch size
+features = sample["ids"].numel() // sample["dense"].shape[0]
+ids = sample["ids"].reshape(features, -1)[:, :half].reshape(-1)
+torch.testing.assert_close(model(sample["dense"][:half], ids), sample["logits"][:half],
+                           rtol=1e-5, atol=1e-6)
+print("served", logits.shape[0])
+"""
+
+
 @pytest.mark.parametrize("collection", ["ebc", "ec"])
 def test_training_learns_and_reports(tmp_path, collection):
     done = torchrun("--num-samples", 40000, "--eval-samples", 8000, "--batch-size", 512,
                     "--eval-every", 20, "--cache-fraction", 0.3, "--collection", collection,
-                    "--out", tmp_path)
+                    "--out", tmp_path, "--serving-artifact", tmp_path / "serving")
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     losses = [loss for _, loss in summary["history"]["loss"]]
@@ -33,6 +50,8 @@ def test_training_learns_and_reports(tmp_path, collection):
     assert all(t["evictions"] > 0 and 0 < t["hit_rate"] < 1 for t in dynamic.values())
     assert (tmp_path / "plot.png").stat().st_size > 1000
     assert "eval AUC" in done.stdout and "plot:" in done.stdout
+    served = run_python(["-c", _SERVER, tmp_path / "serving"], timeout=300)
+    assert served.returncode == 0 and "served 512" in served.stdout, served.stderr[-3000:]
 
 
 def test_training_from_tsv_and_parquet_files(tmp_path):

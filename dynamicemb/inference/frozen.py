@@ -1,0 +1,136 @@
+"""A frozen table group: a read-only scored hash table over compact stored rows.
+
+The index is the training table's layout (``docs/ARCHITECTURE.md``, "The scored hash
+table"), built once by the backend's ``upsert`` and then only read by ``find``; the
+rows are stored compactly in key order of arrival, in float32, float16 or bfloat16,
+with a slot -> row map beside the index. No optimizer state, no scores kept live.
+"""
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from dynamicemb.embedding.initialization import init_stream
+from dynamicemb.ops import for_device
+from dynamicemb.ops.interface import ScoreRule, init_mode_code, num_buckets_for
+from dynamicemb.options import DynamicEmbTableOptions
+
+__all__ = ["ROW_DTYPES", "FrozenGroup", "check_row_dtype"]
+
+#: The dtypes a frozen table may store its rows in.
+ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: Slots per bucket and target load of a frozen index (loads land in [0.375, 0.75]).
+_BUCKET_CAPACITY = 128
+_LOAD = 0.75
+
+
+def check_row_dtype(dtype, what: str = "frozen rows") -> torch.dtype:
+    """``dtype`` if it is one of ``ROW_DTYPES``; else a ValueError naming it."""
+    if dtype not in ROW_DTYPES:
+        raise ValueError(f"{what} can be {[str(d) for d in ROW_DTYPES]}, got {dtype}")
+    return dtype
+
+
+def build_index(keys: torch.Tensor, tids: torch.Tensor, num_tables: int,
+                names: Sequence[str]) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """A read-only hash index of (table id, key) pairs.
+
+    Args:
+        keys (Tensor): (n,) int64, unique per table.
+        tids (Tensor): (n,) int16 local table ids.
+        num_tables: tables sharing the index.
+        names: their names (for errors).
+
+    Returns:
+        The index arrays (``frozen_lookup``'s ``index``) and (C + 1,) int64 row of
+        each slot (-1: empty), row i being the i-th key given; the last entry is -1,
+        so the slot -1 of an absent key indexes it and reads "absent".
+
+    Raises:
+        ValueError: a key given twice for one table (a damaged or merged dump).
+    """
+    ops = for_device(keys.device)
+    n = keys.numel()
+    buckets = num_buckets_for(max(1, -(-n * 4 // 3)), _BUCKET_CAPACITY)
+    memory = ops.new_table(num_buckets=buckets, max_num_buckets=buckets * 16,
+                           bucket_capacity=_BUCKET_CAPACITY, value_dim=0,
+                           value_dtype=torch.float32, device=keys.device)
+    row_of_slot = torch.full((memory.capacity + 1,), -1, dtype=torch.int64, device=keys.device)
+    if n:
+        done = ops.upsert(memory=memory, keys=keys, table_ids=tids, scores=None,
+                          rule=ScoreRule.CLOCK, now=1, evicts=False, one_table=num_tables == 1)
+        if done.hits:
+            twice = done.status.eq(0).nonzero()[0, 0]
+            raise ValueError(f"table {names[int(tids[twice])]!r} has key {int(keys[twice])} "
+                             f"more than once")
+        if done.failed:  # 16 doublings past a 3/4 load: never for distinct keys
+            raise RuntimeError(f"{done.failed} keys found no slot in the frozen index")
+        row_of_slot[done.slots] = torch.arange(n, dtype=torch.int64, device=keys.device)
+    keys_scores = memory.meta[0].as_strided((memory.capacity, 2), (2, 1))
+    keys_scores[:, 1] = 0  # scores are not served
+    return [keys_scores, *memory.meta[2:]], row_of_slot
+
+
+def init_spec(names: Sequence[str], options: Sequence[DynamicEmbTableOptions]
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(T, 3) int64 (stream, mode code, seed) and (T, 5) float64 (mean, std_dev, lower,
+    upper, value) of each table's eval initializer, as training's eval fills rows."""
+    ints, floats = [], []
+    for name, o in zip(names, options):
+        args = o.eval_initializer_args
+        lower, upper = args.bounds(o.max_capacity)
+        ints.append([init_stream(name), init_mode_code(args.mode), args.seed])
+        floats.append([args.mean, args.std_dev, lower, upper, args.value])
+    return (torch.tensor(ints, dtype=torch.int64),
+            torch.tensor(floats, dtype=torch.float64))
+
+
+class FrozenGroup(nn.Module):
+    """The frozen rows of tables of one dim, looked up by ``frozen_lookup``.
+
+    Args:
+        names, options: the group's tables (local table id = position).
+        rows: table name -> (keys (n,) int64, embeddings (n, dim)).
+        dtype: how rows are stored (``ROW_DTYPES``).
+        feature_tables: each feature's table name (all of the module's features).
+        feature_cols: each feature's first output column, -1 for other groups'.
+        device: where rows and index live.
+    """
+
+    def __init__(self, names: Sequence[str], options: Sequence[DynamicEmbTableOptions],
+                 rows: Dict[str, Tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype,
+                 feature_tables: Sequence[str], feature_cols: Sequence[int],
+                 device: torch.device) -> None:
+        super().__init__()
+        self.names = list(names)
+        self.dim = options[0].dim
+        keys = [rows[n][0].to(device, torch.int64).reshape(-1) for n in names]
+        tids = torch.cat([torch.full((k.numel(),), t, dtype=torch.int16, device=device)
+                          for t, k in enumerate(keys)])
+        index, row_of_slot = build_index(torch.cat(keys), tids, len(names), self.names)
+        for i, name in enumerate(("index_keys_scores", "index_table_ids", "index_digests",
+                                  "index_occupied", "index_pinned")):
+            self.register_buffer(name, index[i])
+        self.register_buffer("row_of_slot", row_of_slot)
+        self.register_buffer("rows", torch.cat(
+            [rows[n][1].to(device=device, dtype=dtype) for n in names]).contiguous())
+        local = {n: t for t, n in enumerate(names)}
+        self.register_buffer("feature_tids", torch.tensor(
+            [local.get(n, 0) for n in feature_tables], dtype=torch.int16, device=device))
+        self.register_buffer("feature_cols", torch.tensor(feature_cols, dtype=torch.int64,
+                                                          device=device))
+        ints, floats = init_spec(names, options)
+        self.register_buffer("init_ints", ints.to(device))
+        self.register_buffer("init_floats", floats.to(device))
+
+    def index(self) -> List[torch.Tensor]:
+        """The index arrays in ``frozen_lookup``'s order."""
+        return [self.index_keys_scores, self.index_table_ids, self.index_digests,
+                self.index_occupied, self.index_pinned]
+
+    def memory_bytes(self) -> Dict[str, int]:
+        """Bytes of the index (metadata and slot -> row map) and of the rows."""
+        index = sum(t.numel() * t.element_size() for t in self.index() + [self.row_of_slot])
+        return {"index": index, "rows": self.rows.numel() * self.rows.element_size()}

@@ -1,0 +1,182 @@
+"""``InferenceEmbeddingTables``: frozen dynamic tables behind the training module's call.
+
+The calling convention is ``BatchedDynamicEmbeddingTables``' (FBGEMM's table-batched
+embedding), and so are the outputs: an eval forward of the trained module and a
+forward of its inference twin give the same tensor (bit for bit with float32 rows).
+"""
+
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from dynamicemb.inference.frozen import FrozenGroup, check_row_dtype
+from dynamicemb.inference.ops import POOLING_CODES, frozen_lookup
+from dynamicemb.ops import resolve_device
+from dynamicemb.options import DynamicEmbPoolingMode, DynamicEmbTableOptions
+from dynamicemb.table.checks import check_batch_types
+
+__all__ = ["InferenceEmbeddingTables"]
+
+#: Rows: table name -> (keys (n,) int64, embeddings (n, dim)).
+Rows = Mapping[str, Tuple[torch.Tensor, torch.Tensor]]
+
+
+class InferenceEmbeddingTables(nn.Module):
+    """Dynamic tables frozen for serving: lookup only, no optimizer state.
+
+    Ids a table holds get their stored row; unseen ids get the table's eval
+    initializer row (zeros by default), as the training module's eval does. Lookups
+    run ``torch.ops.dynamicemb.frozen_lookup``, so the module traces under
+    ``torch.compile`` (no graph break) and ``torch.export``.
+
+    Args:
+        table_options: one ``DynamicEmbTableOptions`` per table (``dim``,
+            ``max_capacity`` and ``eval_initializer_args`` are read).
+        table_names: the tables' names (their initializer streams; default ``t0, …``).
+        feature_table_map: table of each feature (default: one feature per table).
+        rows: table name -> (keys (n,) int64, embeddings (n, dim)) for every table.
+        pooling_mode: SUM, MEAN or NONE (one dim for all tables).
+        dtype: how rows are stored: float32 (exact), float16 or bfloat16 (rows
+            rounded once to 16 bits; lookups and pooling run in float32).
+        output_dtype: the output's dtype.
+        device: where rows and lookups live (default CPU).
+
+    Shape:
+        forward(indices (N,), offsets (F * B + 1,), per_sample_weights (N,)) ->
+        (B, sum of feature dims) for SUM/MEAN, (N, dim) for NONE.
+
+    Example::
+
+        twin = InferenceEmbeddingTables.from_module(trained, dtype=torch.float16)
+        program = torch.export.export(twin, (indices, offsets))
+    """
+
+    def __init__(self, table_options: Sequence[DynamicEmbTableOptions],
+                 table_names: Optional[Sequence[str]] = None,
+                 feature_table_map: Optional[Sequence[int]] = None, *, rows: Rows,
+                 pooling_mode: DynamicEmbPoolingMode = DynamicEmbPoolingMode.SUM,
+                 dtype: torch.dtype = torch.float32,
+                 output_dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        options = list(table_options)
+        names = list(table_names) if table_names is not None else [
+            f"t{i}" for i in range(len(options))]
+        features = list(feature_table_map) if feature_table_map is not None else list(
+            range(len(options)))
+        _check_tables(options, names, features, rows)
+        self.dtype = check_row_dtype(dtype)
+        self.output_dtype = check_row_dtype(output_dtype, "output_dtype")
+        self.pooling_mode = DynamicEmbPoolingMode(pooling_mode)
+        self.table_names = names
+        self.feature_table_map = features
+        self.feature_dims = [options[t].dim for t in features]
+        if self.pooling_mode == DynamicEmbPoolingMode.NONE and len(set(self.feature_dims)) > 1:
+            raise ValueError(f"pooling NONE needs one dim for all tables, got "
+                             f"{sorted(set(self.feature_dims))}")
+        device = resolve_device(device if device is not None else "cpu")
+        self.num_features = len(features)
+        self.out_cols = sum(self.feature_dims)
+        self.groups = nn.ModuleList(self._groups(options, rows, device))
+
+    def _groups(self, options, rows: Rows, device) -> List[FrozenGroup]:
+        """One frozen group per dim (its tables share one index)."""
+        starts = [0]
+        for d in self.feature_dims[:-1]:
+            starts.append(starts[-1] + d)
+        feature_names = [self.table_names[t] for t in self.feature_table_map]
+        groups = []
+        for dim in dict.fromkeys(o.dim for o in options):
+            mine = [t for t, o in enumerate(options) if o.dim == dim]
+            cols = [s if options[t].dim == dim else -1
+                    for s, t in zip(starts, self.feature_table_map)]
+            groups.append(FrozenGroup([self.table_names[t] for t in mine],
+                                      [options[t] for t in mine], rows, self.dtype,
+                                      feature_names, cols, device))
+        return groups
+
+    @classmethod
+    def from_module(cls, module: nn.Module, dtype: torch.dtype = torch.float32,
+                    device: Optional[torch.device] = None) -> "InferenceEmbeddingTables":
+        """The inference twin of a ``BatchedDynamicEmbeddingTables`` (its current rows,
+        tables, features, pooling and output dtype; same device unless given)."""
+        rows = {}
+        for name in module.table_names:
+            exported = module.export_keys_values(name)
+            rows[name] = (exported.keys, exported.embeddings)
+        return cls(module.table_options, module.table_names, module.feature_table_map,
+                   rows=rows, pooling_mode=module.pooling_mode, dtype=dtype,
+                   output_dtype=module.output_dtype,
+                   device=device if device is not None else module.device)
+
+    def memory_bytes(self) -> Dict[str, int]:
+        """Bytes held: ``index`` (hash metadata and slot -> row maps) and ``rows``."""
+        total = {"index": 0, "rows": 0}
+        for g in self.groups:
+            for key, value in g.memory_bytes().items():
+                total[key] += value
+        return total
+
+    def num_rows(self) -> int:
+        """Rows stored over all tables."""
+        return sum(int(g.rows.shape[0]) for g in self.groups)
+
+    def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
+                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Looks ids up and pools them per bag.
+
+        Args:
+            indices (Tensor): (N,) int32/int64 raw ids, feature-major.
+            offsets (Tensor): (F * B + 1,) int32/int64, non-decreasing from 0 to N.
+            per_sample_weights (Tensor, optional): (N,) float weights (SUM only).
+
+        Returns:
+            (B, sum of feature dims) for SUM/MEAN; (N, dim) for NONE.
+        """
+        _check_batch(indices, offsets, per_sample_weights, self.pooling_mode)
+        device = self.groups[0].rows.device
+        indices = indices.to(device=device, dtype=torch.int64).contiguous()
+        offsets = offsets.to(device=device, dtype=torch.int64).contiguous()
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.to(device=device,
+                                                       dtype=torch.float32).contiguous()
+        out = None
+        for g in self.groups:
+            part = frozen_lookup(indices, offsets, per_sample_weights, g.index(),
+                                 g.row_of_slot, g.rows, g.feature_tids, g.feature_cols,
+                                 g.init_ints, g.init_floats, 128, self.out_cols,
+                                 POOLING_CODES[self.pooling_mode.name])
+            out = part if out is None else out + part
+        return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
+
+
+def _check_tables(options, names, features, rows: Rows) -> None:
+    """ValueError naming what is wrong with the tables, features or rows."""
+    if not options:
+        raise ValueError("table_options must name at least one table")
+    if len(names) != len(options) or len(set(names)) != len(names):
+        raise ValueError("table_names must be unique, one per table")
+    if not features or not all(0 <= t < len(options) for t in features):
+        raise ValueError(f"feature_table_map entries must be in [0, {len(options)})")
+    for name, o in zip(names, options):
+        if name not in rows:
+            raise ValueError(f"no rows given for table {name!r} (rows hold {sorted(rows)})")
+        keys, embeddings = rows[name]
+        if keys.dtype != torch.int64 or keys.dim() != 1:
+            raise ValueError(f"table {name!r}: keys must be (n,) int64, got "
+                             f"{tuple(keys.shape)} {keys.dtype}")
+        if tuple(embeddings.shape) != (keys.numel(), o.dim) or \
+                not embeddings.is_floating_point():
+            raise ValueError(f"table {name!r}: embeddings must be ({keys.numel()}, {o.dim}) "
+                             f"floating point, got {tuple(embeddings.shape)} {embeddings.dtype}")
+
+
+def _check_batch(indices, offsets, weights, pooling: DynamicEmbPoolingMode) -> None:
+    """TypeError/ValueError for a batch of the wrong types or shapes (data checks run
+    in the op)."""
+    check_batch_types(indices, offsets, weights, "" if pooling == DynamicEmbPoolingMode.SUM
+                      else f"this module uses {pooling.name}")
+    if weights is not None and weights.dim() != 1:
+        raise ValueError(f"per_sample_weights must be 1-D like indices, got shape "
+                         f"{tuple(weights.shape)}")

@@ -1,0 +1,178 @@
+"""The frozen-table lookup as a PyTorch custom op: ``torch.ops.dynamicemb.frozen_lookup``.
+
+Registered with ``torch.library.custom_op`` when ``dynamicemb`` is imported, with a
+fake implementation for shape propagation, so ``torch.compile`` traces it without a
+graph break and ``torch.export`` records it as one node that a fresh process
+resolves after ``import dynamicemb``. The CPU and CUDA kernels are the training
+kernels' (``find``, ``init_rows``, ``pooled_forward``, ``sequence_forward``) reached
+through the backend seam (``dynamicemb.ops.for_device``); the compiled code loads at
+the first call, not at import. The CUDA registration has not run on a GPU here.
+"""
+
+from typing import List, Optional
+
+import torch
+
+from dynamicemb.ops import for_device
+from dynamicemb.ops.interface import Backend, RowSources, TableMemory, init_mode_code
+from dynamicemb.options import DynamicEmbInitializerMode
+
+__all__ = ["POOLING_CODES", "frozen_lookup"]
+
+#: The op's ``pooling`` argument: SUM and MEAN pool bags, NONE returns a row per id.
+POOLING_CODES = {"SUM": 0, "MEAN": 1, "NONE": 2}
+_NONE = POOLING_CODES["NONE"]
+
+#: The op's qualified name (``torch.ops.dynamicemb.frozen_lookup``).
+_LIB = "dynamicemb::frozen_lookup"
+
+
+@torch.library.custom_op(_LIB, mutates_args=(), device_types="cpu")
+def frozen_lookup(
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: Optional[torch.Tensor],
+    index: List[torch.Tensor],
+    row_of_slot: torch.Tensor,
+    rows: torch.Tensor,
+    feature_tids: torch.Tensor,
+    feature_cols: torch.Tensor,
+    init_ints: torch.Tensor,
+    init_floats: torch.Tensor,
+    bucket_capacity: int,
+    out_cols: int,
+    pooling: int,
+) -> torch.Tensor:
+    """Looks ids up in a frozen table group and pools them per bag.
+
+    Args:
+        ids (Tensor): (N,) int64 raw ids, feature-major.
+        offsets (Tensor): (F * B + 1,) int64 bag boundaries (bag ``f * B + b``).
+        weights (Tensor, optional): (N,) float32 per-sample weights (SUM only).
+        index: the hash table's arrays: keys and scores (C, 2) int64, table ids (C,)
+            int16, digests (C,) uint8, occupied and pinned bits (buckets, words) int64.
+        row_of_slot (Tensor): (C + 1,) int64, the row of each slot, -1 where empty
+            and at the end (where an absent key's slot -1 points).
+        rows (Tensor): (R, dim) float32, float16 or bfloat16 stored rows.
+        feature_tids (Tensor): (F,) int16 table of each feature (the group's ids).
+        feature_cols (Tensor): (F,) int64 first output column of each feature, -1
+            for a feature of another group.
+        init_ints, init_floats (Tensor): (T, 3) int64 (stream, mode code, seed) and
+            (T, 5) float64 (mean, std_dev, lower, upper, value): each table's eval
+            initializer, the row an unseen id gets (``frozen.init_spec``).
+        bucket_capacity: slots per bucket of the index.
+        out_cols: columns of the output (every group's features).
+        pooling: ``POOLING_CODES`` value.
+
+    Returns:
+        (B, out_cols) float32 pooled bags (columns of other groups are zero), or
+        (N, dim) for pooling NONE.
+    """
+    return _lookup(for_device(ids.device), ids, offsets, weights, index, row_of_slot, rows,
+                   feature_tids, feature_cols, init_ints, init_floats, bucket_capacity,
+                   out_cols, pooling)
+
+
+@frozen_lookup.register_kernel("cuda")
+def _frozen_lookup_cuda(ids, offsets, weights, index, row_of_slot, rows, feature_tids,
+                        feature_cols, init_ints, init_floats, bucket_capacity, out_cols,
+                        pooling):
+    return _lookup(for_device(ids.device), ids, offsets, weights, index, row_of_slot, rows,
+                   feature_tids, feature_cols, init_ints, init_floats, bucket_capacity,
+                   out_cols, pooling)
+
+
+@frozen_lookup.register_fake
+def _frozen_lookup_fake(ids, offsets, weights, index, row_of_slot, rows, feature_tids,
+                        feature_cols, init_ints, init_floats, bucket_capacity, out_cols,
+                        pooling):
+    if pooling == _NONE:
+        return ids.new_empty((ids.shape[0], rows.shape[1]), dtype=torch.float32)
+    batch = (offsets.shape[0] - 1) // feature_tids.shape[0]
+    return ids.new_empty((batch, out_cols), dtype=torch.float32)
+
+
+def _lookup(ops: Backend, ids, offsets, weights, index, row_of_slot, rows, feature_tids,
+            feature_cols, init_ints, init_floats, bucket_capacity, out_cols, pooling):
+    num_features = feature_tids.numel()
+    batch = (offsets.numel() - 1) // num_features
+    problem = ops.check_offsets(offsets=offsets, num_indices=ids.numel())
+    if problem or (offsets.numel() - 1) % num_features:
+        raise ValueError(
+            f"offsets must have num_features * batch_size + 1 = {num_features} * B + 1 "
+            f"non-decreasing entries from 0 to len(ids)={ids.numel()}")
+    if weights is not None and weights.numel() != ids.numel():
+        raise ValueError(f"per_sample_weights must have shape ({ids.numel()},) like ids, "
+                         f"got {tuple(weights.shape)}")
+    tids = _lookup_tables(offsets, feature_tids, batch, ids.numel(), init_ints.shape[0])
+    refs, transient = _row_refs(ops, ids, tids, index, row_of_slot, rows, init_ints,
+                                init_floats, bucket_capacity)
+    inverse = torch.arange(ids.numel(), dtype=torch.int64, device=ids.device)
+    stored = rows if rows.dtype == torch.float32 else rows.new_empty((0, rows.shape[1]),
+                                                                     dtype=torch.float32)
+    sources = RowSources(stored, stored.new_empty((0, rows.shape[1])), transient)
+    dim = rows.shape[1]
+    if pooling == _NONE:
+        out = torch.empty(ids.numel(), dim, dtype=torch.float32, device=ids.device)
+        ops.sequence_forward(sources=sources, row_ref=refs, inverse=inverse, dim=dim, out=out)
+        return out
+    # Columns of other groups stay zero: the module adds the groups' outputs.
+    alone = bool((feature_cols >= 0).all()) and num_features * dim == out_cols
+    out = (torch.empty if alone else torch.zeros)(batch, out_cols, dtype=torch.float32,
+                                                 device=ids.device)
+    ops.pooled_forward(sources=sources, row_ref=refs, inverse=inverse, offsets=offsets,
+                       weights=weights, feature_col=feature_cols, batch=batch, dim=dim,
+                       mean=pooling == POOLING_CODES["MEAN"], out=out)
+    return out
+
+
+def _lookup_tables(offsets, feature_tids, batch, n, num_tables):
+    """(N,) int16 table of each lookup, from the bag boundaries of its feature."""
+    if num_tables == 1:  # every lookup of this group is table 0's
+        return torch.zeros(n, dtype=torch.int16, device=offsets.device)
+    bounds = offsets[::max(batch, 1)] if batch else torch.zeros(
+        feature_tids.numel() + 1, dtype=torch.int64, device=offsets.device)
+    return torch.repeat_interleave(feature_tids, bounds[1:] - bounds[:-1], output_size=n)
+
+
+def _row_refs(ops, ids, tids, index, row_of_slot, rows, init_ints, init_floats,
+              bucket_capacity):
+    """Row references of the lookups (``row_ref.h``) and the transient rows they name:
+    float32 rows are read in place, 16-bit rows are widened into transient rows, and
+    unseen ids get their table's eval-initializer row."""
+    num_buckets = index[4].shape[0]
+    memory = TableMemory([index[0][:, 0], index[0][:, 1], *index[1:]], rows, num_buckets,
+                         num_buckets, bucket_capacity)
+    slots = ops.find(memory=memory, keys=ids, table_ids=tids,
+                     one_table=init_ints.shape[0] == 1)
+    refs = row_of_slot[slots]  # slot -1 reads the sentinel -1: one gather, no mask
+    missing = (refs < 0).nonzero().squeeze(1)
+    widen = rows.dtype != torch.float32
+    held = (refs >= 0).nonzero().squeeze(1) if widen else None
+    count = missing.numel() + (held.numel() if widen else 0)
+    transient = torch.empty(count, rows.shape[1], dtype=torch.float32, device=ids.device)
+    if widen and held.numel():
+        transient[:held.numel()] = rows[refs[held]]
+        refs[held] = -(torch.arange(held.numel(), device=ids.device) + 1)
+    if missing.numel():
+        first = count - missing.numel()
+        at = torch.arange(first, count, dtype=torch.int64, device=ids.device)
+        _init_rows(ops, transient, at, ids[missing], tids[missing], init_ints, init_floats)
+        refs[missing] = -(at + 1)
+    return refs, transient
+
+
+def _init_rows(ops, out, at, keys, tids, init_ints, init_floats):
+    """out[at] = each key's eval-initializer row (its table's stream and mode)."""
+    ints, floats = init_ints.tolist(), init_floats.tolist()
+    for table, ((stream, mode, seed), (mean, std, lower, upper, value)) in enumerate(
+            zip(ints, floats)):
+        mine = (tids == table).nonzero().squeeze(1) if len(ints) > 1 else None
+        rows, k = (at, keys) if mine is None else (at[mine], keys[mine])
+        if rows.numel():
+            ops.init_rows(out=out, rows=rows.contiguous(), keys=k.contiguous(), stream=stream,
+                          dim=out.shape[1], mode=_MODES[mode], mean=mean, std_dev=std,
+                          lower=lower, upper=upper, value=value, seed=seed)
+
+
+_MODES = {init_mode_code(mode): mode for mode in DynamicEmbInitializerMode}

@@ -1,0 +1,69 @@
+"""``to_inference``: a trained model's dynamic modules swapped for their frozen twins."""
+
+import sys
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dynamicemb.embedding import BatchedDynamicEmbeddingTables
+from dynamicemb.inference.module import InferenceEmbeddingTables
+
+__all__ = ["to_inference"]
+
+
+def to_inference(model: nn.Module, *, checkpoint: Optional[str] = None,
+                 dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None) -> nn.Module:
+    """Swaps, in place, every dynamic module of ``model`` for its inference twin, the
+    way TorchRec's inference helpers swap modules, and returns ``model`` in eval mode.
+
+    ``BatchedDynamicEmbeddingTables`` become ``InferenceEmbeddingTables`` (rows from
+    the module itself, or from ``checkpoint`` when given). With TorchRec loaded,
+    unsharded ``EmbeddingCollection``/``EmbeddingBagCollection`` modules become
+    ``InferenceEmbeddingCollection``/``InferenceEmbeddingBagCollection``: their
+    dynamic tables' rows come from ``checkpoint`` (a ``DynamicEmbDump`` of any world
+    size and sharding), their static tables' rows from their weights. A model
+    sharded by ``DistributedModelParallel`` is refused: dump it with
+    ``DynamicEmbDump`` and convert the unsharded model with ``checkpoint=``.
+
+    Args:
+        model: the trained model (not sharded).
+        checkpoint: a ``DynamicEmbDump`` directory.
+        dtype: how frozen rows are stored (float32, float16, bfloat16).
+        device: where the twins live (default: each module's).
+
+    Raises:
+        ValueError: a sharded model, a table missing from the checkpoint, a dtype
+            the twins cannot hold; nothing is swapped then.
+        CheckpointError: a damaged checkpoint; nothing is swapped then.
+    """
+    twins = {}
+    for name, module in model.named_modules():
+        if any(name.startswith(done + ".") for done in twins):
+            continue
+        twin = _twin(module, checkpoint, dtype, device)
+        if twin is not None:
+            twins[name] = twin
+    for name, twin in twins.items():  # every twin built: now swap
+        if name == "":
+            return twin.eval()
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, twin)
+    return model.eval()
+
+
+def _twin(module: nn.Module, checkpoint, dtype, device) -> Optional[nn.Module]:
+    if isinstance(module, BatchedDynamicEmbeddingTables):
+        if checkpoint is None:
+            return InferenceEmbeddingTables.from_module(module, dtype=dtype, device=device)
+        from dynamicemb.inference.checkpoint import read_rows  # noqa: PLC0415
+        rows, _ = read_rows(checkpoint, module.table_names)
+        return InferenceEmbeddingTables(
+            module.table_options, module.table_names, module.feature_table_map, rows=rows,
+            pooling_mode=module.pooling_mode, dtype=dtype, output_dtype=module.output_dtype,
+            device=device if device is not None else module.device)
+    if "torchrec" not in sys.modules:
+        return None
+    from dynamicemb.inference.collections import collection_twin  # noqa: PLC0415 (TorchRec)
+    return collection_twin(module, checkpoint, dtype, device)
