@@ -100,7 +100,7 @@ def main():
     print("|---|---|---|---|")
     for name, t in times.items():
         med = statistics.median(t)
-        print(f"| {name} | {med * 1e3:.2f} | {n / med / 1e6:.1f} | {med / base:.2f} |")
+        print(f"| {name} | {med * 1e3:.2f} | {n / med / 1e6:.3g} | {med / base:.2f} |")
     print("| path | bytes per row (index + rows) |")
     print("|---|---|")
     table = module._groups[0].table
