@@ -16,6 +16,7 @@ from torch import nn
 from dynamicemb.embedding.buffers import OutputBuffers
 from dynamicemb.embedding.fused_params import check_tbe_keywords, output_dtype_of
 from dynamicemb.embedding.group import Lookup, TableGroup, group_key
+from dynamicemb.embedding.state import load_tables_state, tables_state
 from dynamicemb.ops import for_device, resolve_device
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer
 from dynamicemb.storage import TierMetrics
@@ -484,6 +485,22 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         if len(group.table_indices) == 1:
             return group.table.size()
         return sum(int(rows.keys.numel()) for rows in self.iter_keys_values(table_name))
+
+    def get_extra_state(self) -> Dict[str, object]:
+        """The tables' contents for ``state_dict()`` (key ``<prefix>_extra_state``):
+        per table its keys, embeddings, optimizer states, scores, admission counters
+        and clocks as CPU tensors, and ``train_steps``; device caches are flushed
+        first. It holds one copy of every row (``docs/CHECKPOINTS.md``)."""
+        return tables_state(self)
+
+    def set_extra_state(self, state: Dict[str, object]) -> None:
+        """Replaces every table's contents with a ``get_extra_state`` of a module
+        with the same tables (names, dims, optimizer, score strategy).
+
+        Raises:
+            ValueError: naming what differs; no table has changed.
+        """
+        load_tables_state(self, state)
 
     def _location(self, table_name: str):
         if table_name not in self.table_names:

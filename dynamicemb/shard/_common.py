@@ -1,13 +1,15 @@
 """What the sharded EmbeddingCollection and EmbeddingBagCollection share."""
 
-from typing import Dict, Iterator, List, Mapping, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmEmbOptimType
 from torch import nn
 from torchrec.distributed.types import ParameterSharding
 from torchrec.optim.fused import EmptyFusedOptimizer
 
 from dynamicemb.embedding.module import BatchedDynamicEmbeddingTables
+from dynamicemb.options import DynamicEmbOptimType
 from dynamicemb.planner.types import (CUSTOMIZED_KERNEL, DYNAMIC_SHARDING_TYPES,
                                       DynamicEmbParameterSharding,
                                       check_dynamic_sharding_type)
@@ -75,9 +77,23 @@ def import_dense_rows(module: nn.Module, table_name: str, weight: torch.Tensor) 
     return imported
 
 
+def fbgemm_fused_params(params: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """A sharder's fused params with this package's optimizer enum replaced by
+    FBGEMM's member of the same name: static tables of the collection are built by
+    FBGEMM, which knows only its own ``EmbOptimType`` (dynamic tables take either)."""
+    if params is None or not isinstance(params.get("optimizer"), DynamicEmbOptimType):
+        return params
+    return {**params, "optimizer": FbgemmEmbOptimType[params["optimizer"].name]}
+
+
 class DynamicKernelsMixin:
     """For a TorchRec sharder: also offers ``customized_kernel`` (dynamic tables) for
-    the sharding types dynamic tables support."""
+    the sharding types dynamic tables support, and gives static tables FBGEMM's
+    ``EmbOptimType`` when ``fused_params`` name this package's (one enum for both)."""
+
+    @property
+    def fused_params(self) -> Optional[Dict[str, Any]]:
+        return fbgemm_fused_params(super().fused_params)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         kernels = super().compute_kernels(sharding_type, compute_device_type)
