@@ -211,6 +211,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self.device = resolve_device(device if device is not None else "cpu")
         self._build_groups(module_optimizer)
         self._train_steps = 0
+        self._version = self._saved_version = 0  # see content_version
         self._prefetched: Deque[_Prefetched] = deque()
         self._outputs = OutputBuffers()
 
@@ -330,6 +331,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 the strategy gives an inserting call (CUSTOMIZED: ``set_score``'s).
         """
         group, local = self._location(table_name)
+        self._changed()
         n = keys.numel()
         if embeddings.shape != (n, group.dim):
             raise ValueError(f"embeddings must have shape ({n}, {group.dim}), got {tuple(embeddings.shape)}")
@@ -361,6 +363,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         tables, clocks and steps are unchanged. A load that replaces a table's
         contents starts here."""
         group, local = self._location(table_name)
+        self._changed()
         group.storage.clear_table(local)
         if group.admission is not None:
             group.admission.clear_table(local)
@@ -384,6 +387,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         group, _ = self._location(table_name)
         if min(clocks) < 0:
             raise ValueError(f"clocks must be >= 0, got {clocks}")
+        self._changed()
         group.adam_step = int(clocks.optimizer_step)
         group.table.set_clock(clocks.score_clock)
         if group.admission is not None:
@@ -399,6 +403,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         """Restores ``train_steps`` (e.g. from a checkpoint)."""
         if int(steps) < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
+        self._changed()
         self._train_steps = int(steps)
 
     def next_score(self, table_name: str) -> int:
@@ -437,6 +442,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         m = keys.numel()
         if counts.shape != (m,) or scores.shape != (m,):
             raise ValueError(f"counts and scores must have shape ({m},)")
+        self._changed()
         group.admission.restore(local, keys.to(self.device), counts.to(self.device),
                                 scores.to(self.device, torch.int64))
 
@@ -485,6 +491,27 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         if len(group.table_indices) == 1:
             return group.table.size()
         return sum(int(rows.keys.numel()) for rows in self.iter_keys_values(table_name))
+
+    @property
+    def content_version(self) -> int:
+        """Counts the calls that changed rows, counters or clocks (training lookups and
+        backwards, imports, clears, restores)."""
+        return self._version
+
+    def mark_saved(self) -> None:
+        """Records that the current contents are in a checkpoint (``DynamicEmbDump``
+        wrote them or ``DynamicEmbLoad`` read them): ``saved`` is True until they
+        change."""
+        self._saved_version = self._version
+
+    @property
+    def saved(self) -> bool:
+        """Whether the contents are those of the last ``mark_saved`` (a module never
+        changed counts as saved: it holds nothing to lose)."""
+        return self._version == self._saved_version
+
+    def _changed(self) -> None:
+        self._version += 1
 
     def get_extra_state(self) -> Dict[str, object]:
         """The tables' contents for ``state_dict()`` (key ``<prefix>_extra_state``):
@@ -618,6 +645,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             raise
         if insert:
             self._train_steps += 1
+            self._changed()
         lookups = [g.finish_lookup(p) for g, p in zip(self._groups, pending)]
         for g, (found, (_, _, _, positions)) in enumerate(zip(lookups, parts)):
             if positions is not None:  # back to positions in the whole batch
@@ -682,6 +710,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
                 group.weight_grad(found, grads[g], batch.offsets, self._feature_col[g],
                                   batch.batch_size, grad_weights)
+        self._changed()
         for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
             lr = self.optimizer.param_groups[g]["lr"]
             group.backward(found, grads[g], lr, batch.offsets if pooled else None,
