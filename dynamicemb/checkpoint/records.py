@@ -4,7 +4,8 @@ Each record is a row of ``RecordLayout.columns`` int64 words: ``kind``, ``key``,
 ``score``, then the payload. A row record's payload is its embedding and optimizer
 state (float32, two per word); an admission counter's is its count (float64
 bits); the header record (one per saving rank, first) holds the clocks. Records
-of any saving rank load into any table of the same dim and optimizer.
+of any saving rank load into any table of the same dim and optimizer (the header
+holds the saved dim and state columns in its key and score words).
 """
 
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ def export_records(module, table: str, layout: RecordLayout) -> torch.Tensor:
     m = counters.keys.numel()
     out = torch.zeros(1 + rows + m, layout.columns, dtype=torch.int64)
     clocks = module.table_clocks(table)
-    out[0, 0] = HEADER
+    out[0, :_FIXED] = torch.tensor([HEADER, layout.dim, layout.state_dim])
     out[0, _FIXED:_FIXED + _HEADER_WORDS] = torch.tensor(list(clocks) + [module.train_steps])
     filled = 1
     for chunk in module.iter_keys_values(table):
@@ -121,8 +122,12 @@ class TableLoad:
     def add_records(self, records: torch.Tensor) -> None:
         """Imports one chunk of saved records (r, columns) int64."""
         kind = records[:, 0]
-        for header in records[kind == HEADER, _FIXED:_FIXED + _HEADER_WORDS].tolist():
-            self.clocks = [max(a, b) for a, b in zip(self.clocks, header)]
+        for header in records[kind == HEADER, 1:_FIXED + _HEADER_WORDS].tolist():
+            if header[:2] != [self.layout.dim, self.layout.state_dim]:
+                raise ValueError(
+                    f"dynamic table {self.name!r}: saved with dim {header[0]} + {header[1]} "
+                    f"optimizer-state columns, this table has {self.layout.describe()}")
+            self.clocks = [max(a, b) for a, b in zip(self.clocks, header[2:])]
         rows = records[(kind == ROW) & self.owns(records[:, 1])]
         if rows.shape[0]:
             values = self.layout.unpack_values(rows[:, _FIXED:_FIXED + self.layout.value_words])

@@ -85,7 +85,7 @@ class DynamicTableState(torch.Tensor):
 
     ``torch.distributed.checkpoint.save`` writes the rank's records in chunks of
     ``CHUNK_RECORDS`` (exported when DCP plans the save: one copy of the rank's
-    rows until the entry is dropped); ``torch.distributed.checkpoint.load``
+    rows until DCP has taken the last chunk); ``torch.distributed.checkpoint.load``
     empties the table when it plans the load, then imports each chunk it reads
     (keeping the keys this rank owns) and restores the clocks. Pickling it
     (``torch.save`` of the state dict) gives an empty tensor when the table is in
@@ -103,7 +103,9 @@ class DynamicTableState(torch.Tensor):
         entry = torch.Tensor._make_subclass(cls, torch.empty(0, dtype=torch.int64))
         entry.table, entry.kernel = table, kernel
         entry.record_layout = RecordLayout.of(kernel.emb_module, table)
+        entry._load = None  # the TableLoad of a dcp.load
         entry._records = None  # the records being saved
+        entry._unsent = 0  # chunks DCP has not taken yet
         entry._offset = 0
         return entry
 
@@ -126,6 +128,7 @@ class DynamicTableState(torch.Tensor):
 
     # ---------------------------------------------------------------- save
     def __create_write_items__(self, fqn: str, obj: Any) -> List[WriteItem]:
+        self._load = None
         self._records = export_records(self.kernel.emb_module, self.table, self.record_layout)
         self._offset, total = _place(self.kernel, self.table, self._records.shape[0])
         columns = self.record_layout.columns
@@ -139,13 +142,21 @@ class DynamicTableState(torch.Tensor):
                     chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([rows, columns])),
                     properties=TensorProperties(dtype=torch.int64),
                     size=torch.Size([total, columns]))))
+        self._unsent = len(items)
         return items
 
     def __get_tensor_shard__(self, index: MetadataIndex):
-        if self._records is not None:  # a chunk DCP saves
-            start = index.offset[0] - self._offset
-            return self._records[start:start + CHUNK_RECORDS]
-        return _Receiver(self.record_layout, self._load)  # the target of a load
+        if self._load is not None:  # the target of a load
+            return _Receiver(self.record_layout, self._load)
+        if self._records is None:
+            raise RuntimeError(f"dynamic table {self.table!r}: DCP asked for a chunk already "
+                               f"written (this entry serves one dcp.save)")
+        start = index.offset[0] - self._offset  # a chunk DCP saves
+        chunk = self._records[start:start + CHUNK_RECORDS]
+        self._unsent -= 1
+        if self._unsent == 0:  # every chunk is in DCP's hands: the copy goes
+            self._records = None
+        return chunk
 
     # ---------------------------------------------------------------- load
     def __create_chunk_list__(self) -> List[ChunkStorageMetadata]:

@@ -170,6 +170,9 @@ def dcp_round_trips(rank: int, world_size: int, directory: str) -> None:
     dcp_load(loaded, ck2)
     assert torch.equal(train(loaded, range(4, 9)), want_outs)
     assert_rows(dynamic_rows(loaded), want_rows, exact=True)
+    other = {"model": build(world_size, FbgemmEmbOptimType.EXACT_SGD).state_dict()}  # no states
+    _expect_refusal(lambda: dcp.load(other, checkpoint_id=ck2), "dynamic table 'rw'",
+                    "dim 8 + 0 optimizer-state columns")
 
     one = dist.new_group([0])
     if rank == 0:  # 2 -> 1, then a 1-rank checkpoint
