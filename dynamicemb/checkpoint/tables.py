@@ -9,7 +9,7 @@ from torch import nn
 
 from dynamicemb.embedding import BatchedDynamicEmbeddingTables
 
-__all__ = ["LocalTable", "dynamic_modules", "local_tables", "table_name_list", "unwrap"]
+__all__ = ["LocalTable", "dynamic_modules", "local_tables", "mark_saved", "table_name_list", "unwrap"]
 
 
 @dataclass
@@ -114,3 +114,11 @@ def local_tables(model: nn.Module,
         wanted = set(table_names)
         found = {n: t for n, t in found.items() if n in wanted}
     return found
+
+
+def mark_saved(tables: Dict[str, LocalTable]) -> None:
+    """Marks the modules whose every table is in ``tables`` as saved (a DMP state
+    dict may then be pickled without them; see ``docs/CHECKPOINTS.md``)."""
+    for module in {id(t.module): t.module for t in tables.values()}.values():
+        if all(name in tables for name in module.table_names):
+            module.mark_saved()

@@ -16,6 +16,7 @@ from torch import nn
 from dynamicemb.embedding.buffers import OutputBuffers
 from dynamicemb.embedding.fused_params import check_tbe_keywords, output_dtype_of
 from dynamicemb.embedding.group import Lookup, TableGroup, group_key
+from dynamicemb.embedding.state import load_tables_state, tables_state
 from dynamicemb.embedding.streams import StreamOrder
 from dynamicemb.ops import for_device, resolve_device
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer
@@ -211,6 +212,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self.device = resolve_device(device if device is not None else "cpu")
         self._build_groups(module_optimizer)
         self._train_steps = 0
+        self._version = self._saved_version = 0  # see content_version
         self._prefetched: Deque[_Prefetched] = deque()
         self._outputs = OutputBuffers()
         self._stream_order = StreamOrder(self.device)
@@ -364,6 +366,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 the strategy gives an inserting call (CUSTOMIZED: ``set_score``'s).
         """
         group, local = self._location(table_name)
+        self._changed()
         n = keys.numel()
         if embeddings.shape != (n, group.dim):
             raise ValueError(f"embeddings must have shape ({n}, {group.dim}), got {tuple(embeddings.shape)}")
@@ -395,6 +398,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         tables, clocks and steps are unchanged. A load that replaces a table's
         contents starts here."""
         group, local = self._location(table_name)
+        self._changed()
         group.storage.clear_table(local)
         if group.admission is not None:
             group.admission.clear_table(local)
@@ -418,6 +422,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         group, _ = self._location(table_name)
         if min(clocks) < 0:
             raise ValueError(f"clocks must be >= 0, got {clocks}")
+        self._changed()
         group.adam_step = int(clocks.optimizer_step)
         group.table.set_clock(clocks.score_clock)
         if group.admission is not None:
@@ -433,6 +438,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         """Restores ``train_steps`` (e.g. from a checkpoint)."""
         if int(steps) < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
+        self._changed()
         self._train_steps = int(steps)
 
     def next_score(self, table_name: str) -> int:
@@ -489,6 +495,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         m = keys.numel()
         if counts.shape != (m,) or scores.shape != (m,):
             raise ValueError(f"counts and scores must have shape ({m},)")
+        self._changed()
         group.admission.restore(local, keys.to(self.device), counts.to(self.device),
                                 scores.to(self.device, torch.int64))
 
@@ -544,6 +551,43 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         if len(group.table_indices) == 1 and group.table.ttl is None:
             return group.table.size()
         return sum(int(rows.keys.numel()) for rows in self.iter_keys_values(table_name))
+
+    @property
+    def content_version(self) -> int:
+        """Counts the calls that changed rows, counters or clocks (training lookups and
+        backwards, imports, clears, restores)."""
+        return self._version
+
+    def mark_saved(self) -> None:
+        """Records that the current contents are in a checkpoint (``DynamicEmbDump``
+        wrote them or ``DynamicEmbLoad`` read them): ``saved`` is True until they
+        change."""
+        self._saved_version = self._version
+
+    @property
+    def saved(self) -> bool:
+        """Whether the contents are those of the last ``mark_saved`` (a module never
+        changed counts as saved: it holds nothing to lose)."""
+        return self._version == self._saved_version
+
+    def _changed(self) -> None:
+        self._version += 1
+
+    def get_extra_state(self) -> Dict[str, object]:
+        """The tables' contents for ``state_dict()`` (key ``<prefix>_extra_state``):
+        per table its keys, embeddings, optimizer states, scores, admission counters
+        and clocks as CPU tensors, and ``train_steps``; device caches are flushed
+        first. It holds one copy of every row (``docs/CHECKPOINTS.md``)."""
+        return tables_state(self)
+
+    def set_extra_state(self, state: Dict[str, object]) -> None:
+        """Replaces every table's contents with a ``get_extra_state`` of a module
+        with the same tables (names, dims, optimizer, score strategy).
+
+        Raises:
+            ValueError: naming what differs; no table has changed.
+        """
+        load_tables_state(self, state)
 
     def _location(self, table_name: str):
         if table_name not in self.table_names:
@@ -657,6 +701,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             raise
         if insert:
             self._train_steps += 1
+            self._changed()
         lookups = [g.finish_lookup(p) for g, p in zip(self._groups, pending)]
         for g, (found, (_, _, _, positions)) in enumerate(zip(lookups, parts)):
             if positions is not None:  # back to positions in the whole batch
@@ -722,6 +767,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
                 group.weight_grad(found, grads[g], batch.offsets, self._feature_col[g],
                                   batch.batch_size, grad_weights)
+        self._changed()
         for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
             lr = self.optimizer.param_groups[g]["lr"]
             group.backward(found, grads[g], lr, batch.offsets if pooled else None,

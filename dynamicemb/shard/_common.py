@@ -77,20 +77,23 @@ def import_dense_rows(module: nn.Module, table_name: str, weight: torch.Tensor) 
     return imported
 
 
+def fbgemm_fused_params(params: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """A sharder's fused params with this package's optimizer enum replaced by
+    FBGEMM's member of the same name: static tables of the collection are built by
+    FBGEMM, which knows only its own ``EmbOptimType`` (dynamic tables take either)."""
+    if params is None or not isinstance(params.get("optimizer"), DynamicEmbOptimType):
+        return params
+    return {**params, "optimizer": FbgemmEmbOptimType[params["optimizer"].name]}
+
+
 class DynamicKernelsMixin:
     """For a TorchRec sharder: also offers ``customized_kernel`` (dynamic tables) for
-    the sharding types dynamic tables support, and gives TorchRec's own tables an
-    ``optimizer`` fused param of FBGEMM's ``EmbOptimType`` when it was given as
-    ``DynamicEmbOptimType`` (upstream's ``EmbOptimType`` name; dynamic tables take
-    either)."""
+    the sharding types dynamic tables support, and gives static tables FBGEMM's
+    ``EmbOptimType`` when ``fused_params`` name this package's (one enum for both)."""
 
     @property
     def fused_params(self) -> Optional[Dict[str, Any]]:
-        params = super().fused_params
-        optimizer = (params or {}).get("optimizer")
-        if isinstance(optimizer, DynamicEmbOptimType):
-            params = {**params, "optimizer": FbgemmEmbOptimType[optimizer.name]}
-        return params
+        return fbgemm_fused_params(super().fused_params)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         kernels = super().compute_kernels(sharding_type, compute_device_type)

@@ -24,6 +24,7 @@ from dynamicemb.shard.dp_sharding import DynamicEmbDpSequenceEmbeddingSharding
 from dynamicemb.shard.dedup import IdCounters, count_sent_ids, dedup_features, table_spans
 from dynamicemb.shard.input_dist import DynamicEmbRwSparseFeaturesDist
 from dynamicemb.shard.rw_sharding import DynamicEmbRwSequenceEmbeddingSharding
+from dynamicemb.shard.state_dict import register_state_hooks
 from dynamicemb.shard.tw_sharding import DynamicEmbTwSequenceEmbeddingSharding
 
 __all__ = ["DynamicEmbeddingCollectionSharder", "ShardedDynamicEmbeddingCollection"]
@@ -42,6 +43,7 @@ class ShardedDynamicEmbeddingCollection(ShardedEmbeddingCollection):
         check_dynamic_plan(table_name_to_parameter_sharding)
         self.id_counters = IdCounters(env.world_size)
         super().__init__(module, table_name_to_parameter_sharding, env, *args, **kwargs)
+        register_state_hooks(self, "embeddings")
 
     @classmethod
     def create_embedding_sharding(cls, sharding_type: str, sharding_infos, env: ShardingEnv,

@@ -33,6 +33,7 @@ from dynamicemb.shard.rw_dedup_sharding import (
     dedup_applies,
 )
 from dynamicemb.shard.rw_sharding import DynamicEmbRwPooledEmbeddingSharding
+from dynamicemb.shard.state_dict import register_state_hooks
 from dynamicemb.shard.tw_sharding import DynamicEmbTwPooledEmbeddingSharding
 
 __all__ = ["DynamicEmbeddingBagCollectionSharder", "ShardedDynamicEmbeddingBagCollection"]
@@ -54,6 +55,7 @@ class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         check_dynamic_plan(table_name_to_parameter_sharding)
         self.id_counters = IdCounters(env.world_size)
         super().__init__(module, table_name_to_parameter_sharding, env, *args, **kwargs)
+        register_state_hooks(self, "embedding_bags")
         if self._has_mean_pooling_callback:
             # TorchRec 1.8 divides every feature outside the row-wise SUM list by its
             # length once any row-wise table uses MEAN, including table-wise MEAN
