@@ -1,19 +1,10 @@
 """The main job (examples/dlrm/train.py) at a tiny size: 2 gloo ranks under torchrun."""
 
 import json
-import os
 
 import pytest
 
-from dynamicemb_testing.dlrm import load_dlrm_data
-from dynamicemb_testing.scripts import ROOT, run_python
-
-
-def torchrun(*args, timeout=600):
-    return run_python(
-        ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         os.path.join(ROOT, "examples", "dlrm", "train.py"), *args],
-        timeout=timeout, env=dict(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+from dynamicemb_testing.dlrm import load_dlrm_data, torchrun
 
 
 @pytest.mark.parametrize("collection", ["ebc", "ec"])
