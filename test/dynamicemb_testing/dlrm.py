@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from types import ModuleType
+from typing import Dict, Optional
 
 from dynamicemb_testing.scripts import ROOT, run_python
 
@@ -31,7 +32,8 @@ def load_dlrm_data() -> ModuleType:
     return sys.modules[_NAME]
 
 
-def torchrun(*args, timeout: float = 600) -> subprocess.CompletedProcess:
+def torchrun(*args, timeout: float = 600, env: Optional[Dict[str, str]] = None
+             ) -> subprocess.CompletedProcess:
     """``examples/dlrm/train.py *args`` on 2 gloo ranks under torchrun (standalone,
-    loopback), output captured; see ``run_python``."""
-    return run_python(TORCHRUN + [*args], timeout=timeout, env=JOB_ENV)
+    loopback), output captured, ``env`` added to ``JOB_ENV``; see ``run_python``."""
+    return run_python(TORCHRUN + [*args], timeout=timeout, env=dict(JOB_ENV, **(env or {})))
