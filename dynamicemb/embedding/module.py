@@ -87,6 +87,12 @@ class _Batch(NamedTuple):
     lookups: List[Lookup]
 
 
+def _check_has_data(t: torch.Tensor, name: str) -> None:
+    """Raises for a tensor without data (the meta device): it cannot be moved to the rows."""
+    if t.device.type == "meta":
+        raise ValueError(f"{name} are on the meta device, which holds no data")
+
+
 class _Prefetched(NamedTuple):
     indices: torch.Tensor
     offsets: torch.Tensor
@@ -513,6 +519,14 @@ class BatchedDynamicEmbeddingTables(nn.Module):
 
         Returns:
             (B, sum of feature dims) for SUM/MEAN; (N, dim) for NONE.
+
+        Raises:
+            TypeError, ValueError: on bad input, before any table changes: ids or
+                offsets of another dtype (int8/int16/uint*/bool/float), not 1-D, on
+                the meta device, offsets that do not bound the ids, weights of
+                another length or not finite. Non-contiguous tensors, and tensors on
+                another device than the rows, are accepted (copied). The backward
+                raises ``ValueError`` on a NaN/inf gradient and updates no row.
         """
         indices, offsets, weights, batch_size = self._validate(indices, offsets, per_sample_weights)
         frequencies = self._validate_frequencies(frequencies, indices.numel())
@@ -537,6 +551,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
             if t.dim() != 1:
                 raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+            _check_has_data(t, name)
         num_bags = offsets.numel() - 1
         if num_bags < 0 or num_bags % self._num_features:
             raise ValueError(
@@ -561,7 +576,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             if weights.shape != (n,):
                 raise ValueError(
                     f"per_sample_weights must have shape ({n},) like indices, got {tuple(weights.shape)}")
+            _check_has_data(weights, "per_sample_weights")
             weights = weights.to(device=self.device, dtype=torch.float32).contiguous()
+            if not bool(torch.isfinite(weights).all()):
+                raise ValueError("per_sample_weights must be finite, got NaN or inf")
         indices = indices.to(device=self.device, dtype=torch.int64).contiguous()
         return indices, offsets, weights, num_bags // self._num_features
 
@@ -655,6 +673,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         """Backward: gradients of the weights (if wanted, from the rows before the
         update), then the fused optimizer on every group."""
         grad = grad.to(torch.float32).contiguous()
+        if not bool(torch.isfinite(grad).all()):  # before any update: no table changes
+            raise ValueError(
+                "the gradient of the embedding output holds NaN or inf; this batch's update "
+                "is refused and no table changed (look for the non-finite loss upstream)")
         pooled = self.pooling_mode != DynamicEmbPoolingMode.NONE
         mean = self.pooling_mode == DynamicEmbPoolingMode.MEAN
         grads = [group.clip(grad) for group in self._groups]  # gradient clipping
