@@ -7,6 +7,7 @@ live in the benchmarks and benchmark/RESULTS.md."""
 import json
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -145,3 +146,12 @@ def test_embedding_collection_benchmark_on_one_and_two_nodes(tmp_path):
         assert a["collectives_per_iteration_rank0"]["c10d::alltoall_base_"] > 0
         assert a["ids_sent_by_rank0_all_iterations"] == b["ids_sent_by_rank0_all_iterations"] > 0
         assert positive_finite(a["ms_per_iteration"]) and positive_finite(b["ms_per_iteration"])
+
+
+def test_input_checks_benchmark():
+    done = run("benchmark_input_checks.py", "--batch", "64", "--features", "2", "--dim", "8", "--steps", "3",
+               "--capacity", "4096")
+    step_ms, check_ms, ratio = (float(x) for x in re.search(
+        r"train step ([\d.]+) ms \(median of 3\), the two checks ([\d.]+) ms, ratio ([\d.]+)",
+        done.stdout).groups())
+    assert step_ms > 0 and check_ms >= 0 and ratio == pytest.approx(check_ms / step_ms, abs=1e-3)
