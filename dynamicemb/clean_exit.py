@@ -15,9 +15,10 @@ or a global can keep the group until finalization.
 
 ``install()`` (run when ``dynamicemb`` is imported) registers an ``atexit`` hook
 that runs while the interpreter is still whole: it destroys the default process
-group if the program did not, collects garbage so that an unreferenced group's
-destructor joins its worker threads there, and, for a group that something still
-holds, lets the worker threads take the GIL for a moment to release what they hold.
+group if the program did not (when every group is Gloo), collects garbage so that
+an unreferenced group's destructor joins its worker threads there, and, for a group
+that something still holds, lets the worker threads take the GIL for a moment to
+release what they hold.
 """
 
 import atexit
@@ -51,10 +52,18 @@ def _live_groups():
     return refs
 
 
+def _all_gloo(dist) -> bool:
+    """Whether every registered group runs on Gloo only (the race is Gloo's; an NCCL
+    group is left to its own shutdown, whose teardown may involve the peers)."""
+    from torch.distributed.distributed_c10d import _world  # noqa: PLC0415
+
+    return all(dist.get_backend(group) == "gloo" for group in list(_world.pg_map))
+
+
 def release_process_groups() -> bool:
     """Destroys the default process group (and every other) if it is still
-    initialized, collects garbage, and gives the worker threads of any group that is
-    still referenced ``GRACE_S`` seconds to finish with the GIL.
+    initialized and all Gloo, collects garbage, and gives the worker threads of any
+    group that is still referenced ``GRACE_S`` seconds to finish with the GIL.
 
     Returns:
         True if no process group object outlives the call (its threads are joined).
@@ -64,7 +73,7 @@ def release_process_groups() -> bool:
     import torch.distributed as dist  # noqa: PLC0415
 
     groups = _live_groups()
-    if dist.is_available() and dist.is_initialized():
+    if groups and _all_gloo(dist):
         dist.destroy_process_group()
     gc.collect()  # a group kept only by a cycle (a sharded model's) is freed here
     if any(ref() is not None for ref in groups):
