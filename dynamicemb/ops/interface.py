@@ -291,6 +291,9 @@ class Backend(abc.ABC):
 
     #: The widest embedding row its kernels update, or None for no limit.
     max_dim: Optional[int] = None
+    #: Whether reading a value of its tensors on the host costs nothing (the CPU) or
+    #: waits for the device (a GPU: checks of data that need one are left out of a step).
+    free_host_reads: bool = True
 
     # ------------------------------------------------------------ allocation
     @abc.abstractmethod

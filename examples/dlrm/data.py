@@ -43,6 +43,11 @@ _PROBLEMS = {1: "wrong field count", 2: "label not 0/1", 3: "non-integer dense f
 _MAX_WARNINGS = 3
 
 
+class DataError(RuntimeError):
+    """A data file the job cannot use: missing, unreadable, empty, without a usable row,
+    or not enough rows for the ranks. The message names the file and the reason."""
+
+
 class Batch(NamedTuple):
     """One batch of Criteo samples.
 
@@ -337,9 +342,10 @@ class _BackgroundReader:
         self.rank, self.world_size = rank, world_size
         self.rows_read = 0  # valid rows handed out in the current pass
         self.malformed = 0  # rows skipped in the current pass, as far as the thread has parsed
+        self.first_problem: Optional[str] = None  # "path:row (reason)" of this pass's first skip
 
     def __iter__(self) -> Iterator[Batch]:
-        self.rows_read, self.malformed = 0, 0
+        self.rows_read, self.malformed, self.first_problem = 0, 0, None
         items: "queue.Queue" = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
         worker = threading.Thread(target=self._produce, args=(items, stop), daemon=True)
@@ -351,9 +357,9 @@ class _BackgroundReader:
                 except queue.Empty:
                     if worker.is_alive() or not items.empty():
                         continue
-                    raise RuntimeError(f"{type(self).__name__}: the reader thread died")
+                    raise DataError(f"{type(self).__name__}: the reader thread died")
                 if isinstance(item, BaseException):
-                    raise RuntimeError(f"{type(self).__name__} failed: {item}") from item
+                    raise DataError(f"{type(self).__name__} failed: {item}") from item
                 batch, self.malformed = item
                 if batch is None:
                     return
@@ -406,6 +412,9 @@ class _BackgroundReader:
 
     def _report(self, block: _Block, seen: int) -> int:
         bad = np.flatnonzero(block.problem)
+        if len(bad) and self.first_problem is None:
+            self.first_problem = (f"{self._unit} {block.path}:{block.rows[bad[0]]} "
+                                  f"({_PROBLEMS[int(block.problem[bad[0]])]})")
         for j in bad[:max(0, _MAX_WARNINGS - seen)]:
             logger.warning("%s: skipping malformed %s %s:%d (%s)", type(self).__name__, self._unit,
                            block.path, block.rows[j], _PROBLEMS[int(block.problem[j])])
@@ -417,7 +426,7 @@ class _BackgroundReader:
             try:
                 first += yield from self._file_blocks(path, first)
             except Exception as error:
-                raise RuntimeError(f"error reading {path}: {error!r}") from error
+                raise DataError(f"error reading {path}: {error!r}") from error
 
     def _file_blocks(self, path: str, first: int) -> Generator[_Block, None, int]:
         """Yields this rank's rows of ``path`` in blocks; returns the file's number of rows."""

@@ -21,7 +21,9 @@ import itertools
 import json
 import logging
 import os
+import sys
 import time
+from datetime import timedelta
 from typing import Dict, List
 
 import torch
@@ -36,7 +38,8 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 import checkpoint
 import serving
-from data import CRITEO_CARDINALITIES, NUM_DENSE, CriteoParquetReader, CriteoTsvReader, SyntheticCriteo
+from checks import check_eval_labels, check_files, check_rows, in_step
+from data import CRITEO_CARDINALITIES, NUM_DENSE, CriteoParquetReader, CriteoTsvReader, DataError, SyntheticCriteo
 from dynamicemb import DynamicEmbScoreStrategy
 from dynamicemb.planner import DynamicEmbeddingShardingPlanner
 from dynamicemb.shard import (
@@ -95,10 +98,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--serving-artifact", help="after training, write the exported inference "
                    "model here (examples/dlrm/serving.py)")
     p.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl on CUDA, else gloo")
+    p.add_argument("--pg-timeout", type=float, default=300.0,
+                   help="seconds a collective waits for the other ranks before the job fails "
+                        "(PyTorch's default is 30 minutes)")
     p.add_argument("--out", default="benchmark/out/dlrm", help="summary.json and plot.png go here")
     args = p.parse_args(argv)
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         p.error("--resume and --checkpoint-every need --checkpoint-dir")
+    if args.pg_timeout <= 0:
+        p.error("--pg-timeout must be > 0")
     if args.checkpoint_every < 0 or args.max_steps < 0:
         p.error("--checkpoint-every and --max-steps must be >= 0")
     if args.data != "synthetic" and not args.train_files:
@@ -114,6 +122,23 @@ def table_specs(args) -> List[TableSpec]:
 
 
 def datasets(args, rank: int, world: int):
+    """The training and eval data of this rank, checked on every rank (``checks.py``):
+    a missing, empty or unusable file, or a rank without a row, raises ``DataError``."""
+    train, evals = _datasets(args, rank, world)
+    check_rows(train, _describe(args, "train"))
+    if evals is not None:
+        check_rows(evals, _describe(args, "eval"))
+    return train, evals
+
+
+def _describe(args, which: str) -> str:
+    """The data set named as on the command line, for messages."""
+    if args.data == "synthetic":
+        return f"--num-samples {args.num_samples}" if which == "train" else f"--eval-samples {args.eval_samples}"
+    return f"--{which}-files {getattr(args, which + '_files')}"
+
+
+def _datasets(args, rank: int, world: int):
     if args.data == "synthetic":
         train = SyntheticCriteo(args.num_samples, args.batch_size, scale=args.scale, alpha=args.alpha,
                                 seed=args.seed, rank=rank, world_size=world, signal=args.signal)
@@ -123,6 +148,9 @@ def datasets(args, rank: int, world: int):
                                 start=args.num_samples)
         return train, evals
     reader = CriteoTsvReader if args.data == "tsv" else CriteoParquetReader
+    check_files(args.train_files.split(","), "--train-files")
+    if args.eval_files:
+        check_files(args.eval_files.split(","), "--eval-files")
     train = reader(args.train_files.split(","), args.batch_size, rank=rank, world_size=world)
     evals = reader(args.eval_files.split(","), args.batch_size, rank=rank, world_size=world) \
         if args.eval_files else None
@@ -152,33 +180,27 @@ def shard(args, model, tables, device: torch.device, world: int) -> DistributedM
     return DistributedModelParallel(model, plan=plan, sharders=sharders, device=device)
 
 
-def in_step(batches, device):
-    """The batches while every rank still has one (ranks may hold different counts:
-    a reader skips malformed lines per rank), so no rank waits alone in a collective."""
-    source = iter(batches)
-    while True:
-        batch = next(source, None)
-        have = torch.tensor([0 if batch is None else 1], device=device)
-        dist.all_reduce(have, op=dist.ReduceOp.MIN)
-        if not int(have):
-            return
-        yield batch
-
-
 def to_batch(batch, tables, device) -> TorchRecBatch:
     return TorchRecBatch(dense_features=batch.dense.to(device), sparse_features=to_kjt(batch.sparse, tables).to(device),
                          labels=batch.labels.to(device))
 
 
-def evaluate(dmp, evals, tables, device) -> float:
-    """Eval AUC over every rank's eval samples (torchmetrics syncs the ranks)."""
+def evaluate(args, dmp, evals, tables, device) -> float:
+    """Eval AUC over every rank's eval samples (torchmetrics syncs the ranks).
+
+    Raises:
+        DataError: on every rank, if the eval rows hold one class only.
+    """
     auroc = torchmetrics.AUROC(task="binary").to(device)
+    positives, total = 0, 0
     dmp.eval()
     with torch.no_grad():
-        for batch in in_step(evals, device):
+        for batch in in_step(evals, _describe(args, "eval")):
             _, (_, logits, labels) = dmp(to_batch(batch, tables, device))
             auroc.update(torch.sigmoid(logits), labels.long())
+            positives, total = positives + int(labels.sum()), total + labels.numel()
     dmp.train()
+    check_eval_labels(positives, total, _describe(args, "eval"))
     return float(auroc.compute())
 
 
@@ -220,18 +242,34 @@ def plot(history: Dict[str, List], path: str) -> None:
 
 
 def main(argv=None) -> None:
+    """Runs the job; a data file it cannot use ends every rank with one line on stderr
+    (``error: <file>: <reason>``) and exit status 1."""
     args = parse_args(argv)
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() \
         else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(args.backend or ("nccl" if device.type == "cuda" else "gloo"))
+    dist.init_process_group(args.backend or ("nccl" if device.type == "cuda" else "gloo"),
+                            timeout=timedelta(seconds=args.pg_timeout))
+    try:
+        run(args, device)
+    except DataError as error:  # raised on every rank alike (checks.py)
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        dist.barrier()  # every rank has printed before torchrun sees the first exit
+        sys.exit(1)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args, device: torch.device) -> None:
+    """The job on an initialized process group: build, shard, (resume,) train, report."""
     if device.type == "cpu":  # the cores of this machine shared by its ranks, whatever the agents
         torch.set_num_threads(threads_per_rank())
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     # TorchRec checks ids against num_embeddings; dynamic tables take raw ids by design.
     logging.getLogger("torchrec.sparse.jagged_tensor_validator").setLevel(logging.ERROR)
+    train, evals = datasets(args, rank, world)  # checked first: a bad file fails fast
     tables = table_specs(args)
     model = build_model(tables, args.embedding_dim, [int(x) for x in args.dense_arch.split(",")],
                         [int(x) for x in args.over_arch.split(",")], num_dense=NUM_DENSE,
@@ -246,13 +284,12 @@ def main(argv=None) -> None:
         if progress["world_size"] != world:
             raise ValueError(f"--resume: the checkpoint was made by {progress['world_size']} ranks, "
                              f"this run has {world} (each rank's share of the data would change)")
-    train, evals = datasets(args, rank, world)
     resumed_samples, start = progress["samples"], time.perf_counter()
     train_loop(args, dmp, dense_opt, train, evals, tables, device, progress)
     elapsed = time.perf_counter() - start
     history, step = progress["history"], progress["step"]
     if evals is not None and (not history["auc"] or history["auc"][-1][0] != step):
-        history["auc"].append((step, evaluate(dmp, evals, tables, device)))
+        history["auc"].append((step, evaluate(args, dmp, evals, tables, device)))
     if args.checkpoint_dir:
         checkpoint.save(args.checkpoint_dir, dmp, dense_opt, progress)
     if args.serving_artifact:
@@ -265,23 +302,31 @@ def main(argv=None) -> None:
     if rank == 0:
         summarize(args, history, report, step, progress["samples"],
                   progress["samples"] - resumed_samples, elapsed, train)
-    dist.destroy_process_group()
 
 
 def train_loop(args, dmp, dense_opt, train, evals, tables, device, progress) -> None:
     """Trains from ``progress`` (updated in place) to the last epoch or ``--max-steps``,
     evaluating every ``--eval-every`` and saving every ``--checkpoint-every`` steps."""
-    world, history = dist.get_world_size(), progress["history"]
     bar = None
     if dist.get_rank() == 0:
         from tqdm import tqdm  # noqa: PLC0415
 
         bar = tqdm(total=args.epochs * len(train) if hasattr(train, "__len__") else None,
                    initial=progress["step"], unit="step")
+    try:
+        _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, bar)
+    finally:
+        if bar is not None:
+            bar.close()  # ends its line, also before an error message
+
+
+def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, bar) -> None:
+    world, history = dist.get_world_size(), progress["history"]
     start, samples_at_start = time.perf_counter(), progress["samples"]
     while progress["epoch"] < args.epochs:
         # A resumed epoch skips the batches it had already trained on.
-        for batch in in_step(itertools.islice(train, progress["batch_in_epoch"], None), device):
+        for batch in in_step(itertools.islice(train, progress["batch_in_epoch"], None),
+                             _describe(args, "train")):
             if args.max_steps and progress["step"] >= args.max_steps:
                 break
             loss, _ = dmp(to_batch(batch, tables, device))
@@ -298,7 +343,7 @@ def train_loop(args, dmp, dense_opt, train, evals, tables, device, progress) -> 
                 rate = (progress["samples"] - samples_at_start) / (time.perf_counter() - start)
                 bar.set_postfix(loss=f"{value:.4f}", samples_s=f"{rate:,.0f}")
             if evals is not None and step % args.eval_every == 0:
-                history["auc"].append((step, evaluate(dmp, evals, tables, device)))
+                history["auc"].append((step, evaluate(args, dmp, evals, tables, device)))
             if args.checkpoint_every and step % args.checkpoint_every == 0:
                 checkpoint.save(args.checkpoint_dir, dmp, dense_opt, progress)
         else:
@@ -306,8 +351,6 @@ def train_loop(args, dmp, dense_opt, train, evals, tables, device, progress) -> 
             progress["batch_in_epoch"] = 0
             continue
         break  # --max-steps
-    if bar is not None:
-        bar.close()
 
 
 def summarize(args, history, report, step, samples, run_samples, elapsed, train) -> None:
@@ -317,15 +360,16 @@ def summarize(args, history, report, step, samples, run_samples, elapsed, train)
     auc = history["auc"][-1][1] if history["auc"] else None
     ceiling = train.bayes_auc() if hasattr(train, "bayes_auc") else None
     summary = {"steps": step, "samples": samples, "seconds": round(elapsed, 2),
-               "samples_per_s": round(run_samples / elapsed, 1), "final_loss": history["loss"][-1][1],
+               "samples_per_s": round(run_samples / elapsed, 1), "final_loss": history["loss"][-1][1] if history["loss"] else None,
                "eval_auc": auc, "bayes_auc": ceiling, "dynamic_tables": report,
                "history": history, "args": vars(args)}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     plot(history, os.path.join(args.out, "plot.png"))
     resumed = "" if run_samples == samples else f" ({run_samples:,} in this run)"
+    loss = "-" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}"
     print(f"\ntrained {step} steps, {samples:,} samples{resumed} in {elapsed:.1f} s "
-          f"({summary['samples_per_s']:,.0f} samples/s); final train loss {summary['final_loss']:.4f}")
+          f"({summary['samples_per_s']:,.0f} samples/s); final train loss {loss}")
     if auc is not None:
         print(f"eval AUC {auc:.4f}" + (f" (ground-truth ceiling {ceiling:.4f})" if ceiling else ""))
     print("\n| dynamic table | rows held | max rows | cache hit rate | cache evictions |")

@@ -7,6 +7,7 @@ live in the benchmarks and benchmark/RESULTS.md."""
 import json
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -174,3 +175,12 @@ def test_inference_benchmark():
     for median, rate, ratio in times.values():
         assert positive_finite(median) and positive_finite(rate)
         assert ratio == pytest.approx(median / base, rel=0.02, abs=0.01)  # printed rounded
+
+
+def test_input_checks_benchmark():
+    done = run("benchmark_input_checks.py", "--batch", "64", "--features", "2", "--dim", "8", "--steps", "3",
+               "--capacity", "4096")
+    step_ms, check_ms, ratio = (float(x) for x in re.search(
+        r"train step ([\d.]+) ms \(median of 3\), the two checks ([\d.]+) ms, ratio ([\d.]+)",
+        done.stdout).groups())
+    assert step_ms > 0 and check_ms >= 0 and ratio == pytest.approx(check_ms / step_ms, abs=1e-3)

@@ -2,18 +2,12 @@
 
 import json
 import os
+import time
 
 import pytest
 
-from dynamicemb_testing.dlrm import load_dlrm_data
-from dynamicemb_testing.scripts import ROOT, run_python
-
-
-def torchrun(*args, timeout=600):
-    return run_python(
-        ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         os.path.join(ROOT, "examples", "dlrm", "train.py"), *args],
-        timeout=timeout, env=dict(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+from dynamicemb_testing.dlrm import load_dlrm_data, torchrun
+from dynamicemb_testing.scripts import TEST_DIR
 
 
 # A server: only dynamicemb imported; the trained model's logits, at two batch sizes.
@@ -78,11 +72,28 @@ SMALL = ("--num-samples", 20000, "--eval-samples", 4000, "--batch-size", 512, "-
          "--cache-fraction", 0.3)
 
 
-def test_a_resumed_run_trains_exactly_as_an_uninterrupted_one(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The summary of one run of SMALL from start to end."""
+    out = tmp_path_factory.mktemp("whole")
+    whole = torchrun(*SMALL, "--out", out)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def assert_same_training(a, b, resumed_at: int) -> None:
+    """Summaries ``a`` (uninterrupted) and ``b`` (resumed at step ``resumed_at``): the
+    same loss at every step, the same eval AUCs and rows."""
+    assert a["steps"] == b["steps"] > resumed_at and a["samples"] == b["samples"] == 20000
+    assert a["history"]["loss"] == b["history"]["loss"]
+    assert [x for x in b["history"]["auc"] if x[0] != resumed_at] == a["history"]["auc"]
+    assert {n: t["rows"] for n, t in a["dynamic_tables"].items()} == \
+        {n: t["rows"] for n, t in b["dynamic_tables"].items()}
+
+
+def test_a_resumed_run_trains_exactly_as_an_uninterrupted_one(tmp_path, uninterrupted):
     """Stopped at step 12 (checkpoints at 4, 8, 12 in alternating slots), resumed to the
     end: the same loss at every step, the same eval AUC and rows as one run."""
-    whole = torchrun(*SMALL, "--out", tmp_path / "whole")
-    assert whole.returncode == 0, whole.stderr[-3000:]
     ckpt = tmp_path / "ckpt"
     first = torchrun(*SMALL, "--out", tmp_path / "first", "--max-steps", 12,
                      "--checkpoint-dir", ckpt, "--checkpoint-every", 4)
@@ -91,13 +102,7 @@ def test_a_resumed_run_trains_exactly_as_an_uninterrupted_one(tmp_path):
     assert {p.name for p in ckpt.iterdir()} == {"a", "b", "latest.json"}
     rest = torchrun(*SMALL, "--out", tmp_path / "rest", "--checkpoint-dir", ckpt, "--resume")
     assert rest.returncode == 0, rest.stderr[-3000:]
-    a = json.loads((tmp_path / "whole" / "summary.json").read_text())
-    b = json.loads((tmp_path / "rest" / "summary.json").read_text())
-    assert a["steps"] == b["steps"] > 12 and a["samples"] == b["samples"] == 20000
-    assert a["history"]["loss"] == b["history"]["loss"]
-    assert [x for x in b["history"]["auc"] if x[0] != 12] == a["history"]["auc"]
-    assert {n: t["rows"] for n, t in a["dynamic_tables"].items()} == \
-        {n: t["rows"] for n, t in b["dynamic_tables"].items()}
+    assert_same_training(uninterrupted, json.loads((tmp_path / "rest" / "summary.json").read_text()), 12)
     # A resume that would build another model is refused, naming the argument.
     other = torchrun(*SMALL, "--embedding-dim", 8, "--dense-arch", "64,8", "--out", tmp_path / "x",
                      "--checkpoint-dir", ckpt, "--resume")
@@ -112,3 +117,26 @@ def test_checkpoint_flags_are_checked(tmp_path):
     assert done.returncode != 0 and "need --checkpoint-dir" in done.stderr
     done = torchrun(*SMALL, "--checkpoint-dir", tmp_path / "empty", "--resume", "--out", tmp_path)
     assert done.returncode != 0 and "holds no checkpoint" in done.stderr
+
+
+def test_a_rank_killed_inside_the_all_to_all_ends_the_job_and_resume_continues(
+        tmp_path, uninterrupted, monkeypatch):
+    """Rank 1 is SIGKILLed in the all-to-all of step 9 (``fault_injection``), after the
+    checkpoint of step 8: the job ends within seconds (exit status non-zero; the
+    process-group timeout is 20 s, torchrun stops the others), the step-8 checkpoint
+    is intact, and ``--resume`` trains to the same losses and rows as one run."""
+    monkeypatch.setenv("PYTHONPATH", os.path.join(TEST_DIR, "dynamicemb_testing", "fault_injection"))
+    ckpt = tmp_path / "ckpt"
+    killed = torchrun(*SMALL, "--out", tmp_path / "killed", "--checkpoint-dir", ckpt,
+                      "--checkpoint-every", 4, "--pg-timeout", 20, timeout=300,
+                      env=dict(DYNAMICEMB_KILL_RANK="1", DYNAMICEMB_KILL_DIR=str(ckpt),
+                               DYNAMICEMB_KILL_AFTER_STEP="8"))
+    ended = time.time()
+    assert killed.returncode != 0 and (ckpt / "killed_at").exists(), killed.stderr[-3000:]
+    assert "exitcode  : -9" in killed.stderr, killed.stderr[-3000:]  # torchrun saw the SIGKILL
+    assert ended - float((ckpt / "killed_at").read_text()) < 60
+    assert json.loads((ckpt / "latest.json").read_text())["step"] == 8
+    monkeypatch.undo()  # the resume runs without the fault injection
+    rest = torchrun(*SMALL, "--out", tmp_path / "rest", "--checkpoint-dir", ckpt, "--resume")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert_same_training(uninterrupted, json.loads((tmp_path / "rest" / "summary.json").read_text()), 8)
