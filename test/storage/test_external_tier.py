@@ -127,3 +127,70 @@ def test_a_batch_larger_than_the_host_budget_fails_and_is_undone(tmp_path):
     with pytest.raises(ExternalStorageError, match="found no slot in the host store"):
         module(ids, offsets)
     assert_identical(snapshot(module), before)
+
+
+def _fail(kind, server):
+    """Makes ``server`` fail as ``kind`` says; returns the repair."""
+    import redis
+    client = redis.Redis(host="127.0.0.1", port=server.port)
+    if kind == "killed":
+        server.kill()
+        return server.start  # same port and directory: the AOF brings the rows back
+    if kind == "slow":
+        server.pause()
+        return server.resume
+    used = client.info("memory")["used_memory"]  # full: no room for another row
+    client.config_set("maxmemory", used + 256)
+    client.config_set("maxmemory-policy", "noeviction")
+    return lambda: client.config_set("maxmemory", 0)
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("killed", "ConnectionError|Connection refused"), ("slow", "Timeout"), ("full", "OutOfMemory"),
+])
+def test_a_failing_redis_fails_the_step_by_name_and_training_resumes(redis_servers, kind,
+                                                                     message):
+    (server,) = redis_servers(1, aof=True)
+    spec = RedisStorage((server.address,), timeout=0.5)
+    data = batches(steps=9)
+    reference = make_module(DynamicEmbOptimType.ADAM, LRU)
+    module = make_module(DynamicEmbOptimType.ADAM, LRU, spec)
+    expected = train(reference, data, prefetch=False)
+    got = train(module, data[:5], prefetch=False)
+    before = snapshot(module)
+    repair = _fail(kind, server)
+    with pytest.raises(ExternalStorageError, match=rf"{server.address}.*\['a', 'b'\].*({message})"):
+        module(*data[5])
+    repair()
+    assert_identical(snapshot(module), before)  # no row half-written or lost
+    got += train(module, data[5:], prefetch=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert_identical(snapshot(module), snapshot(reference))
+
+
+def test_an_unreachable_store_fails_the_first_step_by_name():
+    from dynamicemb_testing.redis_servers import free_port
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    module = make_module(DynamicEmbOptimType.EXACT_SGD, LRU, f"redis://{address}")
+    ids, offsets = batches(steps=1)[0]
+    with pytest.raises(ExternalStorageError, match=rf"redis://{address}.*\['a', 'b'\]"):
+        module(ids, offsets)
+    with pytest.raises(ExternalStorageError, match="failed to scan"):
+        module.export_keys_values("a")
+
+
+def test_a_stored_row_of_the_wrong_size_fails_the_step_and_undoes_it(tmp_path):
+    from dynamicemb.storage.external.rocksdb import RocksDBStore
+    store = RocksDBStore(str(tmp_path / "db"), DIM + STATE_FLOATS[DynamicEmbOptimType.ADAM])
+    module = make_module(DynamicEmbOptimType.ADAM, LRU, store)
+    data = batches(steps=3)
+    train(module, data[:2], prefetch=False)
+    before = snapshot(module)
+    ids = data[2][0]
+    new = ids[~torch.isin(ids, module.export_keys_values("a").keys)][:1]
+    store._put(store._pack_keys(new, torch.zeros_like(new)), [b"short"])
+    with pytest.raises(ExternalStorageError, match=r"rocksdb:.*\[5\] bytes.*\['a', 'b'\]"):
+        module(*data[2])
+    store.delete(new, torch.zeros_like(new))
+    assert_identical(snapshot(module), before)  # the step was undone in every tier
+    module(*data[2])  # and goes through once the store is sound

@@ -53,9 +53,13 @@ class RedisStore(KVStore):
             raise ValueError(f"namespace must not contain ':' or '*', got {namespace!r}")
         self.namespace = namespace
         self._prefix = namespace.encode() + b":"
+        from redis.backoff import ExponentialBackoff
+        from redis.retry import Retry
+        # A lost connection is tried again twice, within about 0.2 s, then the verb fails.
         self._clients = [
             redis.Redis(host=host, port=int(port), socket_timeout=timeout,
-                        socket_connect_timeout=timeout)
+                        socket_connect_timeout=timeout,
+                        retry=Retry(ExponentialBackoff(cap=0.1, base=0.05), 2))
             for host, port in (a.rsplit(":", 1) for a in addresses)
         ]
 

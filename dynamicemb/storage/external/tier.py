@@ -30,6 +30,13 @@ __all__ = ["ExternalTier", "Staged"]
 logger = logging.getLogger(__name__)
 
 
+def _brief(error: Exception, limit: int = 200) -> str:
+    """The error's message, printable and at most ``limit`` characters (a store's
+    errors may quote a whole binary command)."""
+    text = ascii(str(error))[1:-1]
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class Staged(NamedTuple):
     """What a step's first phase fetched from below, for ``restore``.
 
@@ -68,11 +75,11 @@ class ExternalTier:
         try:
             return verb(*args)
         except ExternalStorageError as e:
-            raise ExternalStorageError(f"tables {self.label}: {e}") from e
+            raise ExternalStorageError(f"{e} (tables {self.label})") from e
         except Exception as e:
             raise ExternalStorageError(
                 f"external store {self.store.name} of tables {self.label} failed to {what}: "
-                f"{type(e).__name__}: {e}") from e
+                f"{type(e).__name__}: {_brief(e)}") from e
 
     # ------------------------------------------------------------- a step
     def stage(self, pending: PendingInsert, keys: torch.Tensor, tids: torch.Tensor,
