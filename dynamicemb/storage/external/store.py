@@ -85,10 +85,12 @@ class KVStore(abc.ABC):
                 f"external store {self.name} returned rows of {sizes} bytes, expected "
                 f"{self.value_bytes} (a score and {self.row_width} floats): written by a table "
                 f"of another width, or corrupted")
-        mask = torch.from_numpy(found)
+        at = torch.from_numpy(np.flatnonzero(found))  # index_select: faster than a mask
         packed = np.frombuffer(b"".join(hits), dtype=np.uint8).reshape(len(hits), self.value_bytes)
         scores, rows = self._unpack_values(packed)
-        return mask, StoredRows(keys[mask], table_ids[mask].long(), scores, rows)
+        return torch.from_numpy(found), StoredRows(keys.index_select(0, at),
+                                                   table_ids.index_select(0, at).long(),
+                                                   scores, rows)
 
     def put(self, keys: torch.Tensor, table_ids: torch.Tensor, rows: torch.Tensor,
             scores: torch.Tensor) -> None:
@@ -177,12 +179,12 @@ class KVStore(abc.ABC):
 
     def _pack_values(self, rows: torch.Tensor, scores: torch.Tensor) -> List[bytes]:
         n = rows.shape[0]
-        packed = torch.empty(n, self.value_bytes, dtype=torch.uint8)
-        packed[:, :SCORE_BYTES] = scores.detach().cpu().to(torch.int64).contiguous().view(
-            torch.uint8).reshape(n, SCORE_BYTES)
-        packed[:, SCORE_BYTES:] = rows.detach().cpu().to(torch.float32).contiguous().view(
-            torch.uint8).reshape(n, -1)
-        return packed.numpy().view(f"V{self.value_bytes}").reshape(n).tolist()
+        packed = np.empty((n, self.value_bytes), dtype=np.uint8)
+        packed[:, :SCORE_BYTES] = (scores.detach().cpu().to(torch.int64).contiguous()
+                                   .numpy().view(np.uint8).reshape(n, SCORE_BYTES))
+        packed[:, SCORE_BYTES:] = (rows.detach().cpu().to(torch.float32).contiguous()
+                                   .numpy().view(np.uint8).reshape(n, -1))
+        return packed.view(f"V{self.value_bytes}").reshape(n).tolist()
 
     def _unpack_values(self, packed: np.ndarray):
         packed = packed.reshape(-1, self.value_bytes)
