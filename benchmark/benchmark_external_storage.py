@@ -39,9 +39,10 @@ def parse_args():
     p.add_argument("--batch", type=int, default=16384, help="keys per store call")
     p.add_argument("--width", type=int, default=64, help="floats per stored row")
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--steps", type=int, default=30, help="timed training steps")
+    p.add_argument("--steps", type=int, default=60, help="timed training steps")
     p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--ids", type=int, default=8192, help="ids per training batch")
+    p.add_argument("--ids", type=int, default=1024,
+                   help="ids per training batch (a batch's keys must fit in the host budget)")
     p.add_argument("--rows", type=int, default=1_000_000, help="rows of the memory part")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
@@ -211,8 +212,9 @@ def part_train(args):
     host_rows = touched // 10
     tmp = tempfile.mkdtemp(prefix="bench-ext-")
     server = redis_or_none()
+    name_rocks = "10% in host, rest in RocksDB"
     layouts = {"all rows in host memory": make(args),
-               "10% in host, rest in RocksDB": make(args, os.path.join(tmp, "db"), host_rows)}
+               name_rocks: make(args, os.path.join(tmp, "db"), host_rows)}
     if server is not None:
         layouts["10% in host, rest in Redis (loopback)"] = make(
             args, RedisStorage((server.address,)), host_rows)
@@ -227,7 +229,8 @@ def part_train(args):
         base = statistics.median(times["all rows in host memory"])
         print(f"\n{args.ids} ids per step (power law over 2M keys, alpha 1.05), dim "
               f"{args.dim}, row-wise Adagrad, {touched} rows touched, host budget {host_rows} "
-              f"rows; median of {args.steps} interleaved steps\n")
+              f"rows (the host store: {layouts[name_rocks]._groups[0].table.max_capacity()} "
+              f"rows, power-of-two buckets); median of {args.steps} interleaved steps\n")
         print("| layout | step (ms) | steps/s | time / all-in-host | rows down / up |\n"
               "|---|---|---|---|---|")
         for name, t in times.items():
