@@ -44,6 +44,9 @@ def parse_args():
     p.add_argument("--ids", type=int, default=1024,
                    help="ids per training batch (a batch's keys must fit in the host budget)")
     p.add_argument("--rows", type=int, default=1_000_000, help="rows of the memory part")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch/OpenMP threads (see RESULTS.md: 2 threads on a loaded 2-core VM "
+                        "wait a scheduler tick per parallel region after a store call)")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -291,11 +294,11 @@ def part_memory(args):
 
 def main():
     args = parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     if args.memory_child:
         return memory_child(args, args.memory_child)
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.1f}")
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.threads} threads, "
+          f"load average {os.getloadavg()[0]:.1f}")
     for part in ("stores", "train", "memory"):
         if args.part in (part, "all"):
             globals()[f"part_{part}"](args)

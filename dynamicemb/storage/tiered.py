@@ -39,6 +39,7 @@ import torch
 
 from dynamicemb.ops import resolve_device
 from dynamicemb.ops.interface import HOST_ROW_BIT, RowSources
+from dynamicemb.storage.external.store import ExternalStorageError
 from dynamicemb.table import (Deduplicated, Entries, InsertResult, PendingInsert,
                               ScoredHashTable)
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
@@ -423,7 +424,15 @@ class TieredStorage:
 
     def import_rows(self, keys, tids, rows, scores, exact_scores: bool = False) -> None:
         """Writes rows into the host store; stale device-tier copies are dropped.
-        ``exact_scores``: store ``scores`` as given whatever the strategy."""
+        ``exact_scores``: store ``scores`` as given whatever the strategy. With an
+        external tier, in chunks of a quarter of the host store (its victims go down)."""
+        chunk = max(self.host.bucket_capacity, self.host.max_capacity() // 4)
+        if self.external is not None and keys.numel() > chunk:
+            for at in range(0, keys.numel(), chunk):
+                part = slice(at, at + chunk)
+                self.import_rows(keys[part], tids[part], rows[part],
+                                 None if scores is None else scores[part], exact_scores)
+            return
         scores = None if scores is None else self._on_host(scores)
         keys, tids = self._on_host(keys), self._on_host(tids)
         if self.external is not None:
@@ -431,7 +440,7 @@ class TieredStorage:
         result = self.host.insert_and_evict(keys, self._on_host(rows), tids, scores,
                                             exact_scores=exact_scores)
         if self.external is not None:
-            self._import_below(keys, tids, result.evicted)
+            self._import_below(keys, tids, result)
         if self.device_tier is not None:
             self.device_tier.erase(self._on_device(keys), self._on_device(tids))
             if result.evicted.keys.numel():
@@ -451,9 +460,15 @@ class TieredStorage:
         scores[absent[found.to(absent.device)]] += below.scores.to(scores.device)
         return scores, True
 
-    def _import_below(self, keys, tids, evicted: Entries) -> None:
+    def _import_below(self, keys, tids, result: InsertResult) -> None:
         """After ``import_rows``: victims (current rows) go down; rows of imported keys
-        below are stale and deleted."""
+        below are stale and deleted. Keys that found no host slot fail the import."""
+        evicted = result.evicted
+        if result.num_failed:
+            raise ExternalStorageError(
+                f"{result.num_failed} of {keys.numel()} imported keys found no slot in the "
+                f"host store of {self.host.max_capacity()} rows in front of "
+                f"{self.external.describe()}: raise local_host_for_values")
         if evicted.keys.numel() and self.device_tier is not None:
             found = self.device_tier.find(self._on_device(evicted.keys),
                                           self._on_device(evicted.table_ids))
