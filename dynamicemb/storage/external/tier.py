@@ -49,7 +49,6 @@ class Staged(NamedTuple):
     at: torch.Tensor
     scores: torch.Tensor
     rows: torch.Tensor
-    evicted: int
 
 
 class ExternalTier:
@@ -106,12 +105,10 @@ class ExternalTier:
         empty = torch.empty(0, dtype=torch.int64)
         new_at = pending.new_keys().nonzero().squeeze(1) if pending.num_new else empty
         if new_at.numel() == 0:
-            return Staged(pending, empty, empty, torch.empty(0, self.store.row_width),
-                          victims.keys.numel())
+            return Staged(pending, empty, empty, torch.empty(0, self.store.row_width))
         found, rows = self._call("read rows", self.store.get, keys[new_at].cpu(),
                                  tids[new_at].cpu())
-        return Staged(pending, new_at[found.to(new_at.device)], rows.scores, rows.rows,
-                      victims.keys.numel())
+        return Staged(pending, new_at[found.to(new_at.device)], rows.scores, rows.rows)
 
     def restore(self, result: InsertResult, staged: Staged, keys: torch.Tensor,
                 tids: torch.Tensor) -> InsertResult:
