@@ -35,7 +35,8 @@ from dynamicemb import (BatchedDynamicEmbeddingTables, DynamicEmbInitializerArgs
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=["stores", "train", "memory", "all"], default="all")
+    p.add_argument("--part", nargs="+", choices=["stores", "train", "memory", "all"],
+                   default=["all"])
     p.add_argument("--batch", type=int, default=16384, help="keys per store call")
     p.add_argument("--width", type=int, default=64, help="floats per stored row")
     p.add_argument("--repeats", type=int, default=15)
@@ -212,7 +213,7 @@ def step(module, ids, offsets):
 def part_train(args):
     warm, data = batches(args, 5, seed=1), batches(args, args.steps)
     touched = torch.cat([i for i, _ in warm + data]).unique().numel()
-    host_rows = touched // 10
+    host_rows = max(touched // 10, 128)  # at least one bucket
     tmp = tempfile.mkdtemp(prefix="bench-ext-")
     server = redis_or_none()
     name_rocks = "10% in host, rest in RocksDB"
@@ -300,7 +301,7 @@ def main():
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.threads} threads, "
           f"load average {os.getloadavg()[0]:.1f}")
     for part in ("stores", "train", "memory"):
-        if args.part in (part, "all"):
+        if part in args.part or "all" in args.part:
             globals()[f"part_{part}"](args)
 
 
