@@ -32,6 +32,8 @@ from dynamicemb.options import (
 )
 from dynamicemb.sizing import (BUCKET_ALIGNMENT, DEMB_TABLE_ALIGN_SIZE, align_to_table_size,
                                get_sharded_table_capacity, get_table_value_bytes)
+from dynamicemb.storage.external import (ExternalStorageError, KVStore, RedisStorage,
+                                         RocksDBStorage)
 from dynamicemb.table import ScoredHashTable
 from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicEmbEvictStrategy,
                               DynamicEmbScoreStrategy)
@@ -65,11 +67,15 @@ __all__ = [
     "EmbOptimType",
     "ExportedCounters",
     "ExportedRows",
+    "ExternalStorageError",
     "FrequencyAdmissionStrategy",
     "InferenceEmbeddingTables",
     "KVCounter",
+    "KVStore",
     "MAX_BUCKET_CAPACITY",
     "OptimizerArgs",
+    "RedisStorage",
+    "RocksDBStorage",
     "ScoredHashTable",
     "TableClocks",
     "align_to_table_size",

@@ -360,7 +360,17 @@ class DynamicEmbTableOptions:
         embedding_dtype: dtype of stored rows; float32 only.
         evict_strategy: upstream's name for the eviction rule; must agree with
             ``score_strategy`` (LRU for LRU, LFU for LFU, CUSTOMIZED for the others).
-        external_storage: refused: the external storage interface does not exist yet.
+        external_storage: a third tier below host memory
+            (``dynamicemb.storage.external``): a directory path (RocksDB there), a
+            ``"redis://host:port[,host:port...]"`` URL, a ``RocksDBStorage`` or
+            ``RedisStorage`` spec, or an open ``KVStore``. Rows the host store evicts
+            go down to it and come back when their keys return: no row is dropped
+            for lack of host memory. Not with NO_EVICTION (the host store must evict).
+        local_host_for_values: host bytes for value rows (embedding + optimizer
+            state) on each rank, with ``external_storage``: the host store holds at
+            most this many bytes of rows (rounded down to a power-of-two number of
+            buckets, at least one), the rest lives in the external store. None: the
+            host store holds ``max_capacity`` rows.
     """
 
     dim: Optional[int] = None
@@ -385,6 +395,7 @@ class DynamicEmbTableOptions:
     evict_strategy: Optional[DynamicEmbEvictStrategy] = None
     external_storage: Any = None
     ttl: Optional[int] = None
+    local_host_for_values: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.dim is not None and self.dim <= 0:
@@ -425,9 +436,7 @@ class DynamicEmbTableOptions:
 
     def _check_upstream_fields(self) -> None:
         """Upstream's fields: what they ask for is done here, or refused."""
-        if self.external_storage is not None:
-            raise ValueError("external_storage is not supported yet: dynamic tables keep "
-                             "every row in their own device and host tiers")
+        self._check_external()
         if self.dist_type == "continuous":
             raise ValueError("dist_type='continuous' (contiguous key ranges per rank) is not "
                              "supported: dynamic tables place keys by hash; use 'roundrobin' "
@@ -452,6 +461,25 @@ class DynamicEmbTableOptions:
                     f"evict_strategy={self.evict_strategy.name} disagrees with score_strategy="
                     f"{self.score_strategy.name}, which evicts as {derived.name}: eviction "
                     f"follows score_strategy (as upstream, which overwrites evict_strategy)")
+
+    def _check_external(self) -> None:
+        if self.local_host_for_values is not None:
+            if self.external_storage is None:
+                raise ValueError("local_host_for_values bounds the host store in front of an "
+                                 "external store: set external_storage too")
+            if self.local_host_for_values <= 0:
+                raise ValueError(f"local_host_for_values must be positive bytes, got "
+                                 f"{self.local_host_for_values}")
+        if self.external_storage is None:
+            return
+        from dynamicemb.storage.external.spec import as_storage_spec
+        self.external_storage = as_storage_spec(self.external_storage)
+        if self.score_strategy == DynamicEmbScoreStrategy.NO_EVICTION:
+            raise ValueError("external_storage needs a host store that evicts its rows down "
+                             "to it: NO_EVICTION never evicts; use LRU")
+        if self.ttl is not None:
+            raise ValueError("ttl with external_storage is not supported yet: rows in the "
+                             "external store would not expire; drop one of the two")
 
     def device_budget(self, num_shards: int = 1) -> Optional[int]:
         """Device bytes for value rows on one of the ``num_shards`` ranks holding the

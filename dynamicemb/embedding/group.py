@@ -21,6 +21,8 @@ from dynamicemb.ops.interface import OptimizerUpdate, optimizer_state_dim
 from dynamicemb.options import (DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbTableOptions,
                                 DynamicEmbWeightDecayMode)
 from dynamicemb.storage import TieredStorage
+from dynamicemb.storage.external import namespace_of, open_store
+from dynamicemb.storage.external.tier import ExternalTier
 from dynamicemb.table import PendingInsert, ScoredHashTable
 from dynamicemb.types import DynamicEmbScoreStrategy
 
@@ -45,7 +47,38 @@ def group_key(options: DynamicEmbTableOptions, optimizer: DynamicEmbOptimizerArg
         options.caching,
         options.device_budget() is None,
         options.ttl,
+        options.external_storage,
+        options.local_host_for_values is None,
     )
+
+
+def host_budget_rows(options: List[DynamicEmbTableOptions], row_bytes: int,
+                     table_names: List[str]) -> int:
+    """The host store's most rows: the tables' ``max_capacity``, or with an external
+    store and ``local_host_for_values`` the largest power-of-two number of buckets
+    within that budget."""
+    total = sum(o.max_capacity for o in options)
+    budgets = [o.local_host_for_values for o in options]
+    if budgets[0] is None:
+        return total
+    bucket = options[0].bucket_capacity
+    rows = sum(b // row_bytes for b in budgets)
+    if rows < bucket:
+        raise ValueError(f"tables {table_names}: local_host_for_values holds {rows} rows of "
+                         f"{row_bytes} B, less than one bucket ({bucket} rows)")
+    return min(total, bucket << ((rows // bucket).bit_length() - 1))
+
+
+def external_tier(options: DynamicEmbTableOptions, host: ScoredHashTable,
+                  table_names: List[str]) -> Optional[ExternalTier]:
+    """The external tier of a group whose first table's ``options`` name a store."""
+    if options.external_storage is None:
+        return None
+    dist = torch.distributed
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+    store = open_store(options.external_storage, namespace_of(table_names, rank),
+                       host.value_dim)
+    return ExternalTier(store, host, str(table_names))
 
 
 class Lookup(NamedTuple):
@@ -111,10 +144,12 @@ class TableGroup:
                 f"at most {self.ops.max_dim}")
         self.init = RowInitializer(self.ops, table_names, options, self.dim, optimizer,
                                    self.state_dim)
+        row_bytes = (self.dim + self.state_dim) * 4
+        host_rows = host_budget_rows(options, row_bytes, table_names)
         self.table = ScoredHashTable(  # the host store: index of record
             num_tables=len(table_indices),
-            capacity=sum(o.init_capacity or o.max_capacity for o in options),
-            max_capacity=sum(o.max_capacity for o in options),
+            capacity=min(sum(o.init_capacity or o.max_capacity for o in options), host_rows),
+            max_capacity=host_rows,
             bucket_capacity=first.bucket_capacity,
             score_strategy=first.score_strategy,
             max_load_factor=first.max_load_factor,
@@ -123,11 +158,11 @@ class TableGroup:
             device=device,
             ttl=first.ttl,
         )
-        row_bytes = (self.dim + self.state_dim) * 4
         budgets = [o.device_budget() for o in options]
         device_rows = None if budgets[0] is None else sum(b // row_bytes for b in budgets)
         self.storage = TieredStorage.build(self.table, first.caching, device_rows,
-                                           device=device, initialize=self.init.stored)
+                                           device=device, initialize=self.init.stored,
+                                           external=external_tier(first, self.table, table_names))
         self.admission = (None if first.admit_strategy is None
                           else Admission(first.admit_strategy,
                                          [o.admission_counter for o in options], device))
@@ -166,8 +201,9 @@ class TableGroup:
             return lookup._replace(row_ref=self.storage.resolve(lookup.keys, lookup.tids))
         keys_in, tids_in, counts_in, admitted = lookup.keys, lookup.tids, lookup.counts, None
         if self.admission is not None:
-            # The host store indexes every key; a row expired at the insert's time is absent.
-            stored = self.table.find(keys_in, tids_in, at_time=self.table.next_time) >= 0
+            # The table indexes every key in its tiers; a row expired at the insert's
+            # time is absent.
+            stored = self.storage.contains(keys_in, tids_in, at_time=self.table.next_time)
             admitted = self.admission.admitted(stored, keys_in, tids_in, counts_in)
             keys_in, tids_in, counts_in = keys_in[admitted], tids_in[admitted], counts_in[admitted]
         scores = None
@@ -222,6 +258,8 @@ class TableGroup:
         missing = (refs < 0).nonzero().squeeze(1)
         refs[missing] = -(torch.arange(missing.numel(), dtype=torch.int64, device=self.device) + 1)
         rows = self.init.transient(keys[missing], tids[missing], train)
+        if not train:  # rows of the external tier are read where they are
+            self.storage.fill_from_below(keys[missing], tids[missing], rows)
         args = None if self.admission is None else self.admission.initializer_args
         if train and rejected is not None and args is not None:
             waiting = (~rejected[missing]).nonzero().squeeze(1)

@@ -328,6 +328,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                                 "device, batch_size); pass device, or use iter_keys_values(name, "
                                 "chunk_slots)")
             group, local = self._location(table_name)
+            if group.storage.external is not None:  # every tier's rows
+                return self._cat_rows(list(self.iter_keys_values(table_name,
+                                                                 min_score=min_score)))
             return self._rows_of(group, local, group.storage.export(min_score=min_score))
         batch_size = 65536 if batch_size is None else int(batch_size)
         if batch_size <= 0:
@@ -340,16 +343,20 @@ class BatchedDynamicEmbeddingTables(nn.Module):
 
     def iter_keys_values(self, table_name: str, chunk_slots: int = 1 << 16, *,
                          min_score: Optional[int] = None) -> Iterator[ExportedRows]:
-        """The stored rows of one table, ``chunk_slots`` host-store slots at a time
+        """The stored rows of one table, ``chunk_slots`` host-store slots at a time, then
+        the external tier's rows (if any) ``chunk_slots`` rows at a time
         (each chunk holds at most that many rows: bounded memory for any table size).
         The table must not change while the iterator is used."""
         if chunk_slots <= 0:
             raise ValueError(f"chunk_slots must be positive, got {chunk_slots}")
         group, local = self._location(table_name)
-        start = 0
-        while start < group.table.capacity():
-            yield self._rows_of(group, local, group.storage.export(start, chunk_slots, min_score))
-            start += chunk_slots
+        for rows in group.storage.export_chunks(chunk_slots, min_score):
+            yield self._rows_of(group, local, rows)
+
+    @staticmethod
+    def _cat_rows(chunks: List[ExportedRows]) -> ExportedRows:
+        return ExportedRows(*(torch.cat([getattr(c, f) for c in chunks])
+                              for f in ExportedRows._fields))
 
     @staticmethod
     def _rows_of(group: TableGroup, local: int, exported) -> ExportedRows:
@@ -564,7 +571,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         """Rows stored for one table (with a ``ttl``: alive rows, not those expired and
         waiting for a sweep)."""
         group, local = self._location(table_name)
-        if len(group.table_indices) == 1 and group.table.ttl is None:
+        if (len(group.table_indices) == 1 and group.table.ttl is None
+                and group.storage.external is None):
             return group.table.size()
         return sum(int(rows.keys.numel()) for rows in self.iter_keys_values(table_name))
 

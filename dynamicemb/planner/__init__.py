@@ -5,7 +5,8 @@ from dynamicemb._torchrec import require_torchrec
 
 require_torchrec("dynamicemb.planner")
 
-from dynamicemb.planner.estimators import DynamicEmbPerfConfig, DynamicEmbStorageEstimator, dynamic_table_bytes
+from dynamicemb.planner.estimators import (DynamicEmbPerfConfig, DynamicEmbStorageEstimator,
+                                           dynamic_table_bytes, external_table_bytes)
 from dynamicemb.planner.planner import DynamicEmbeddingEnumerator, DynamicEmbeddingShardingPlanner
 from dynamicemb.planner.types import (
     DynamicEmbParameterConstraints,
@@ -22,6 +23,7 @@ __all__ = [
     "DynamicEmbeddingEnumerator",
     "DynamicEmbeddingShardingPlanner",
     "dynamic_table_bytes",
+    "external_table_bytes",
     "resolve_options",
     "to_dynamic_sharding",
 ]

@@ -16,7 +16,8 @@ from dynamicemb.ops.interface import metadata_bytes_per_slot, num_buckets_for, o
 from dynamicemb.options import DynamicEmbOptimType, DynamicEmbTableOptions
 from dynamicemb.planner.types import CUSTOMIZED_KERNEL, DynamicEmbParameterConstraints, resolve_options
 
-__all__ = ["DynamicEmbPerfConfig", "DynamicEmbStorageEstimator", "dynamic_table_bytes"]
+__all__ = ["DynamicEmbPerfConfig", "DynamicEmbStorageEstimator", "dynamic_table_bytes",
+           "external_table_bytes"]
 
 def dynamic_table_bytes(options: DynamicEmbTableOptions, rows: int,
                         optimizer: DynamicEmbOptimType = DynamicEmbOptimType.EXACT_SGD,
@@ -35,13 +36,13 @@ def dynamic_table_bytes(options: DynamicEmbTableOptions, rows: int,
     (``metadata_bytes_per_slot``, what ``ScoredHashTable.memory_bytes`` counts). With
     ``local_hbm_for_values=None`` everything is in device memory; otherwise the
     device holds that budget (a cache when ``caching``) and the host the rest (every
-    row when ``caching``) together with the index.
+    row when ``caching``) together with the index. With an external store and
+    ``local_host_for_values`` the host holds at most that budget of rows (and their
+    index); the rest is ``external_table_bytes``.
     """
-    if options.optimizer_args is not None:
-        optimizer = options.optimizer_args.optimizer
-    state_dim = optimizer_state_dim(DynamicEmbOptimType.of(optimizer), options.dim) if options.training else 0
-    slots = num_buckets_for(rows, options.bucket_capacity) * options.bucket_capacity
-    values = slots * (options.dim + state_dim) * 4
+    slots, row_bytes = _slots_and_row_bytes(options, rows, optimizer)
+    slots -= _external_rows(options, slots, row_bytes)
+    values = slots * row_bytes
     index = math.ceil(slots * metadata_bytes_per_slot(options.bucket_capacity))
     budget = options.device_budget(num_shards)
     if budget is None:
@@ -51,10 +52,35 @@ def dynamic_table_bytes(options: DynamicEmbTableOptions, rows: int,
     return device, host + index
 
 
+def external_table_bytes(options: DynamicEmbTableOptions, rows: int,
+                         optimizer: DynamicEmbOptimType = DynamicEmbOptimType.EXACT_SGD) -> int:
+    """Bytes of rows of one rank's share of a table that live in its external store
+    (rows beyond ``local_host_for_values``; 0 without an external store or budget),
+    value rows and scores as the store packs them (keys excluded)."""
+    slots, row_bytes = _slots_and_row_bytes(options, rows, optimizer)
+    return _external_rows(options, slots, row_bytes) * (row_bytes + 8)
+
+
+def _slots_and_row_bytes(options: DynamicEmbTableOptions, rows: int,
+                         optimizer: DynamicEmbOptimType) -> Tuple[int, int]:
+    if options.optimizer_args is not None:
+        optimizer = options.optimizer_args.optimizer
+    state_dim = optimizer_state_dim(DynamicEmbOptimType.of(optimizer), options.dim) if options.training else 0
+    slots = num_buckets_for(rows, options.bucket_capacity) * options.bucket_capacity
+    return slots, (options.dim + state_dim) * 4
+
+
+def _external_rows(options: DynamicEmbTableOptions, slots: int, row_bytes: int) -> int:
+    if options.external_storage is None or options.local_host_for_values is None:
+        return 0
+    return max(0, slots - options.local_host_for_values // row_bytes)
+
+
 class DynamicEmbStorageEstimator(EmbeddingStorageEstimator):
     """TorchRec's storage estimator, with dynamic tables charged by
     ``dynamic_table_bytes`` instead of as dense ``rows x dim`` weights. On a CPU
-    topology device bytes are host (DDR) bytes."""
+    topology device bytes are host (DDR) bytes. Rows in an external store are
+    charged to the shard's SSD tier (``external_table_bytes``), the third tier."""
 
     def estimate(self, sharding_options: List[ShardingOption], sharder_data_map) -> None:
         super().estimate(sharding_options, sharder_data_map)
@@ -74,7 +100,8 @@ class DynamicEmbStorageEstimator(EmbeddingStorageEstimator):
                                                    num_shards=len(option.shards))
                 hbm = shard.storage.hbm - dense_hbm + (device if on_device else 0)
                 ddr = shard.storage.ddr - dense_ddr + host + (0 if on_device else device)
-                shard.storage = Storage(hbm=max(hbm, 0), ddr=max(ddr, 0), ssd=shard.storage.ssd)
+                ssd = shard.storage.ssd + external_table_bytes(options, shard.size[0], optimizer)
+                shard.storage = Storage(hbm=max(hbm, 0), ddr=max(ddr, 0), ssd=ssd)
 
     def _dense_bytes(self, option: ShardingOption, sharder_data_map) -> List[Tuple[int, int]]:
         """What TorchRec charged per shard for the table as a dense weight (hbm, ddr)."""

@@ -16,7 +16,11 @@ The **device tier** holds rows in accelerator memory:
   it while it has room and stays; other rows are used where they are, in host
   memory, without promotion.
 
-With no budget the host store itself is the device tier (one tier). Kernels
+With no budget the host store itself is the device tier (one tier). Below the
+host store an **external tier** (``dynamicemb.storage.external``) may take the
+rows the host store evicts and give them back when their keys return: the host
+store is then the index of the rows in memory, the external store of the rest.
+ Kernels
 address rows by reference (``csrc/dynamicemb/row_ref.h``): a device slot, a host
 slot tagged with ``HOST_ROW_BIT``, or a transient row. A batch that does not fit
 in the cache is served from the host store for the rest.
@@ -29,12 +33,13 @@ references and everything ``place``/``resolve`` return are on ``device``.
 
 import logging
 from dataclasses import dataclass, fields
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 
 from dynamicemb.ops import resolve_device
 from dynamicemb.ops.interface import HOST_ROW_BIT, RowSources
+from dynamicemb.storage.external.store import ExternalStorageError
 from dynamicemb.table import (Deduplicated, Entries, InsertResult, PendingInsert,
                               ScoredHashTable)
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
@@ -58,6 +63,8 @@ class TierMetrics:
         host_writes: rows written back from the device tier to the host store.
         expired: rows past the table's ``ttl``: swept by ``expire()``, or found
             expired by a training lookup (which then got a fresh row).
+        external_reads: rows that came back from the external tier.
+        external_writes: rows the host store evicted down to the external tier.
     """
 
     lookups: int = 0
@@ -68,6 +75,8 @@ class TierMetrics:
     host_reads: int = 0
     host_writes: int = 0
     expired: int = 0
+    external_reads: int = 0
+    external_writes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -94,6 +103,7 @@ class TieredStorage:
             the host store's device).
         initialize: ``initialize(values, slots, keys, tids)`` writes the initial rows
             of keys the host store inserts (default: they stay zero).
+        external: an ``ExternalTier`` below the host store, or None.
     """
 
     def __init__(
@@ -104,8 +114,11 @@ class TieredStorage:
         host_only: bool = False,
         device: Optional[torch.device] = None,
         initialize: Optional[Callable] = None,
+        external=None,
     ) -> None:
         self.host = host
+        self.external = external
+        self._staged = None  # the external tier's part of the prepared insert
         self.initialize = initialize
         self.device = host.device if device is None else resolve_device(device)
         self._two_devices = self.device != host.device
@@ -125,14 +138,16 @@ class TieredStorage:
     @classmethod
     def build(cls, host: ScoredHashTable, caching: bool, device_rows: Optional[int],
               device: Optional[torch.device] = None,
-              initialize: Optional[Callable] = None) -> "TieredStorage":
+              initialize: Optional[Callable] = None, external=None) -> "TieredStorage":
         """The layout for a device budget of ``device_rows`` rows (None: unlimited),
-        with the device tier on ``device`` (default: the host store's)."""
+        with the device tier on ``device`` (default: the host store's), over an
+        ``external`` tier or none."""
         device = host.device if device is None else device
         if device_rows is None or (not caching and device_rows >= host.max_capacity()):
-            return cls(host, device=device, initialize=initialize)
+            return cls(host, device=device, initialize=initialize, external=external)
         if device_rows < 16:  # smaller than one bucket: no device tier at all
-            return cls(host, host_only=True, device=device, initialize=initialize)
+            return cls(host, host_only=True, device=device, initialize=initialize,
+                       external=external)
         bucket = min(host.bucket_capacity, 16 * (device_rows // 16))
         buckets = 1 << ((device_rows // bucket).bit_length() - 1)  # round down: stay in budget
         tier = ScoredHashTable(
@@ -147,9 +162,14 @@ class TieredStorage:
             check_mode=DynamicEmbCheckMode.IGNORE,  # a full device tier is normal
             device=device,
         )
-        return cls(host, tier, promote=caching, device=device, initialize=initialize)
+        return cls(host, tier, promote=caching, device=device, initialize=initialize,
+                   external=external)
 
     def describe(self) -> str:
+        below = "" if self.external is None else f", over {self.external.describe()}"
+        return self._describe_memory() + below
+
+    def _describe_memory(self) -> str:
         row_bytes = self.host.value_dim * self.host.values.element_size()
         host = f"host store up to {self.host.max_capacity()} rows ({self.host.max_capacity() * row_bytes} B)"
         if self.device_tier is None:
@@ -203,8 +223,10 @@ class TieredStorage:
         """Phase one: the host store decides keys and scores (may raise; see
         ``ScoredHashTable.prepare_find_or_insert``)."""
         scores = None if scores is None else self._on_host(scores)
-        return self.host.prepare_find_or_insert(self._on_host(keys), self._on_host(tids), scores,
-                                                checked=True)
+        keys, tids = self._on_host(keys), self._on_host(tids)
+        pending = self.host.prepare_find_or_insert(keys, tids, scores, checked=True)
+        self._stage_below(pending, keys, tids)
+        return pending
 
     def prepare_dedup(self, keys, tids, frequencies) -> Tuple[Deduplicated, PendingInsert]:
         """Phase one of a batch with repeated keys: its dedup and ``prepare`` of the
@@ -213,9 +235,30 @@ class TieredStorage:
         frequencies = None if frequencies is None else self._on_host(frequencies)
         unique, pending = self.host.prepare_dedup_find_or_insert(
             self._on_host(keys), self._on_host(tids), frequencies, checked=True)
+        self._stage_below(pending, unique.keys, unique.table_ids)
         if self._two_devices:
             unique = Deduplicated(*(None if t is None else t.to(self.device) for t in unique))
         return unique, pending
+
+    def _stage_below(self, pending: PendingInsert, keys, tids) -> None:
+        """With an external tier: the insert's victims (current rows: a device-tier
+        copy wins) go down and the rows of its new keys come up now; a failing store
+        aborts ``pending`` and raises."""
+        if self.external is None:
+            return
+        try:
+            victims = pending.evicted()
+            if victims.keys.numel() and self.device_tier is not None:
+                found = self.device_tier.find(self._on_device(victims.keys),
+                                              self._on_device(victims.table_ids), checked=True)
+                cached = (found >= 0).nonzero().squeeze(1)
+                victims.values[self._on_host(cached)] = self._on_host(
+                    self.device_tier.values[found[cached]])
+            self._staged = self.external.stage(pending, keys, tids, victims)
+        except BaseException:
+            self._staged = None
+            pending.abort()
+            raise
 
     def commit(self, pending: PendingInsert, keys: torch.Tensor,
                tids: torch.Tensor) -> InsertResult:
@@ -230,6 +273,12 @@ class TieredStorage:
             The host store's result: slots are host slots, on the host store's device.
         """
         result = pending.commit()
+        staged, self._staged = self._staged, None
+        if staged is not None and staged.pending is pending:
+            result = self.external.restore(result, staged, self._on_host(keys),
+                                           self._on_host(tids))
+            self._count_below("external_reads", tids, staged.at)
+            self._count_below("external_writes", result.evicted.table_ids, None)
         if result.num_inserted and self.initialize is not None:
             new_at = torch.nonzero_static(result.inserted, size=result.num_inserted).squeeze(1)
             self.initialize(self.host.values, result.slots[new_at],
@@ -370,10 +419,13 @@ class TieredStorage:
 
     # ------------------------------------------------------------ upkeep
     def flush(self) -> None:
-        """Writes every device-tier row back to the host store."""
+        """Writes every device-tier row back to the host store (and makes the external
+        tier's writes durable)."""
         if self.device_tier is not None:
             rows = self.device_tier.export_batch()
             self._write_back(rows.keys, rows.table_ids, rows.values)
+        if self.external is not None:
+            self.external.flush()
 
     def reset_cache_states(self) -> None:
         """Flushes, then empties the device tier (a cold cache)."""
@@ -397,20 +449,103 @@ class TieredStorage:
 
     def import_rows(self, keys, tids, rows, scores, exact_scores: bool = False) -> None:
         """Writes rows into the host store; stale device-tier copies are dropped.
-        ``exact_scores``: store ``scores`` as given whatever the strategy."""
+        ``exact_scores``: store ``scores`` as given whatever the strategy. With an
+        external tier, in chunks of a quarter of the host store (its victims go down)."""
+        chunk = max(self.host.bucket_capacity, self.host.max_capacity() // 4)
+        if self.external is not None and keys.numel() > chunk:
+            for at in range(0, keys.numel(), chunk):
+                part = slice(at, at + chunk)
+                self.import_rows(keys[part], tids[part], rows[part],
+                                 None if scores is None else scores[part], exact_scores)
+            return
         scores = None if scores is None else self._on_host(scores)
-        result = self.host.insert_and_evict(self._on_host(keys), self._on_host(rows),
-                                            self._on_host(tids), scores,
+        keys, tids = self._on_host(keys), self._on_host(tids)
+        if self.external is not None:
+            scores, exact_scores = self._imported_scores(keys, tids, scores, exact_scores)
+        result = self.host.insert_and_evict(keys, self._on_host(rows), tids, scores,
                                             exact_scores=exact_scores)
+        if self.external is not None:
+            self._import_below(keys, tids, result)
         if self.device_tier is not None:
             self.device_tier.erase(self._on_device(keys), self._on_device(tids))
             if result.evicted.keys.numel():
                 self.device_tier.erase(self._on_device(result.evicted.keys),
                                        self._on_device(result.evicted.table_ids))
 
+    def _imported_scores(self, keys, tids, scores, exact_scores):
+        """LFU counts given to ``import_rows`` add to the count of a row below, as
+        they would to a row in the host store."""
+        if exact_scores or self.host.score_strategy != DynamicEmbScoreStrategy.LFU:
+            return scores, exact_scores
+        absent = (self.host.find(keys, tids) < 0).nonzero().squeeze(1)
+        found, below = self.external.get(keys[absent], tids[absent])
+        if not bool(found.any()):
+            return scores, exact_scores
+        scores = torch.ones_like(keys) if scores is None else scores.clone()
+        scores[absent[found.to(absent.device)]] += below.scores.to(scores.device)
+        return scores, True
+
+    def _import_below(self, keys, tids, result: InsertResult) -> None:
+        """After ``import_rows``: victims (current rows) go down; rows of imported keys
+        below are stale and deleted. Keys that found no host slot fail the import."""
+        evicted = result.evicted
+        if result.num_failed:
+            raise ExternalStorageError(
+                f"{result.num_failed} of {keys.numel()} imported keys found no slot in the "
+                f"host store of {self.host.max_capacity()} rows in front of "
+                f"{self.external.describe()}: raise local_host_for_values")
+        if evicted.keys.numel() and self.device_tier is not None:
+            found = self.device_tier.find(self._on_device(evicted.keys),
+                                          self._on_device(evicted.table_ids))
+            cached = (found >= 0).nonzero().squeeze(1)
+            evicted.values[self._on_host(cached)] = self._on_host(
+                self.device_tier.values[found[cached]])
+        self.external.put(evicted)
+        self._count_below("external_writes", evicted.table_ids, None)
+        landed = self.host.find(keys, tids) >= 0
+        self.external.delete(keys[landed], tids[landed])
+
+    def export_chunks(self, chunk_slots: int = 1 << 16,
+                      min_score: Optional[int] = None) -> Iterator[Entries]:
+        """Every row of every tier scoring at least ``min_score``, at most
+        ``chunk_slots`` rows per item: the host store's slots (as ``export``), then
+        the external tier's rows (``slots`` -1)."""
+        start = 0
+        while start < self.host.capacity():
+            yield self.export(start, chunk_slots, min_score)
+            start += chunk_slots
+        if self.external is not None:
+            yield from self.external.export_chunks(chunk_slots, min_score)
+
+    def contains(self, keys: torch.Tensor, tids: torch.Tensor,
+                 at_time: Optional[int] = None) -> torch.Tensor:
+        """(n,) bool on ``device``: whether the table stores each key, in any tier
+        (``at_time``: as ``ScoredHashTable.find``, rows expired then are absent)."""
+        stored = self.host.find(self._on_host(keys), self._on_host(tids), checked=True,
+                                at_time=at_time) >= 0
+        if self.external is not None:
+            absent = (~stored).nonzero().squeeze(1)
+            if absent.numel():
+                found, _ = self.external.get(self._on_host(keys)[absent],
+                                             self._on_host(tids)[absent])
+                stored[absent] = found.to(stored.device)
+        return self._on_device(stored)
+
+    def fill_from_below(self, keys: torch.Tensor, tids: torch.Tensor,
+                        rows: torch.Tensor) -> None:
+        """rows[i] = the first ``rows.shape[1]`` floats of key i's row in the external
+        tier, where it holds one (reading keys the host store does not hold)."""
+        if self.external is None or keys.numel() == 0:
+            return
+        found, below = self.external.get(self._on_host(keys), self._on_host(tids))
+        at = found.nonzero().squeeze(1).to(rows.device)
+        rows[at] = below.rows[:, :rows.shape[1]].to(rows.device, rows.dtype)
+
     def clear_table(self, tid: int, chunk_slots: int = 1 << 20) -> None:
-        """Removes every row of local table ``tid`` from both tiers (a group of one
+        """Removes every row of local table ``tid`` from every tier (a group of one
         table is emptied at once; otherwise its keys are erased chunk by chunk)."""
+        if self.external is not None:
+            self.external.clear_table(tid, only_table=self.host.num_tables == 1)
         if self.host.num_tables == 1:
             self.host.clear()
             if self.device_tier is not None:
@@ -443,6 +578,12 @@ class TieredStorage:
         """Counts the keys of ``mask`` for their tables (no compaction, no sync)."""
         self._metric_counts[:, _METRIC_FIELDS.index(field)].index_add_(
             0, self._on_device(tids).long(), self._on_device(mask).to(torch.int64))
+
+    def _count_below(self, field: str, tids: torch.Tensor, at: Optional[torch.Tensor]) -> None:
+        """Counts the keys ``tids[at]`` (all of ``tids`` when ``at`` is None)."""
+        if at is not None:
+            tids = tids[at.to(tids.device)]
+        self._count(field, tids)
 
     def _count(self, field: str, tids: torch.Tensor) -> None:
         if tids.numel() == 0:

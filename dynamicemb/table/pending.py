@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from dynamicemb.ops.interface import Upserted
+from dynamicemb.ops.interface import Entries, Upserted
 from dynamicemb.table.results import InsertResult
 
 __all__ = ["PendingInsert"]
@@ -43,6 +43,27 @@ class PendingInsert:
     def slots(self) -> torch.Tensor:
         """(n,) int64 slots decided by the call, -1 where the insert failed."""
         return self.upserted.slots
+
+    @property
+    def num_failed(self) -> int:
+        """Keys that found no slot."""
+        return self.upserted.failed
+
+    @property
+    def num_new(self) -> int:
+        """Keys new to the table (inserted, evicting or not)."""
+        return self.upserted.inserted + self.upserted.evicted
+
+    def new_keys(self) -> torch.Tensor:
+        """(n,) bool, True where the key is new to the table (before ``commit``)."""
+        return self.table._inserted_mask(self.upserted)
+
+    def evicted(self) -> "Entries":
+        """The entries this call evicts, with their rows, read before ``commit`` (which
+        overwrites them); in input order of the keys that evict them."""
+        if self.upserted.evicted == 0:
+            return self.table._no_evicted()
+        return self.table._read_evicted(self.upserted)
 
     def _finish(self) -> None:
         if self._done:

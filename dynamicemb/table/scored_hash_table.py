@@ -188,6 +188,17 @@ class ScoredHashTable:
         self._check_idle()
         return self._memory.scores[slots]
 
+    def set_scores_at(self, slots: torch.Tensor, scores: torch.Tensor) -> None:
+        """Overwrites the scores of occupied slots (restoring rows that come back from
+        a tier below).
+
+        Args:
+            slots (Tensor): (n,) int64 slots, each holding a key.
+            scores (Tensor): (n,) int64.
+        """
+        self._check_idle()
+        self._memory.scores[slots] = self._here(scores, "scores").to(torch.int64)
+
     def memory_bytes(self) -> dict:
         """Bytes held: ``metadata`` (keys, scores, ids, digests, bits) and ``values``."""
         meta = sum(t.numel() * t.element_size() for t in self._memory.meta)
@@ -607,7 +618,7 @@ class ScoredHashTable:
     def _commit(self, pending: "PendingInsert") -> InsertResult:
         self._pending = None
         upserted = pending.upserted
-        slots, status = upserted.slots, upserted.status
+        slots = upserted.slots
         num_evicted = upserted.evicted
         num_inserted = upserted.inserted + num_evicted
         self._size += num_inserted - num_evicted
@@ -619,8 +630,7 @@ class ScoredHashTable:
         if pending.read_evicted:
             evicted = (self._read_evicted(upserted) if num_evicted else self._no_evicted())
         if num_inserted:
-            inserted = ((status == InsertStatus.INSERTED)
-                        | (status == InsertStatus.EVICTED_AND_INSERTED))
+            inserted = self._inserted_mask(upserted)
         else:  # the common case of a warm table: every key was found
             inserted = torch.zeros(slots.shape, dtype=torch.bool, device=self.device)
         expired, num_expired = self._expired_hits(pending)
@@ -684,6 +694,11 @@ class ScoredHashTable:
         self.stats.expired += n
         return Expired(keys=memory.keys[slots], table_ids=memory.table_ids[slots].long(),
                        scores=memory.scores[slots], slots=slots)
+
+    @staticmethod
+    def _inserted_mask(upserted) -> torch.Tensor:
+        status = upserted.status
+        return (status == InsertStatus.INSERTED) | (status == InsertStatus.EVICTED_AND_INSERTED)
 
     def _abort(self, pending: "PendingInsert") -> None:
         """Undoes a prepared call: contents, scores and clock as before it (growth stays)."""

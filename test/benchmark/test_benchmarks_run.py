@@ -184,3 +184,21 @@ def test_input_checks_benchmark():
         r"train step ([\d.]+) ms \(median of 3\), the two checks ([\d.]+) ms, ratio ([\d.]+)",
         done.stdout).groups())
     assert step_ms > 0 and check_ms >= 0 and ratio == pytest.approx(check_ms / step_ms, abs=1e-3)
+
+
+def test_external_storage_benchmark():
+    """Store overhead and training over RocksDB (and Redis where installed), tiny."""
+    done = run("benchmark_external_storage.py", "--part", "stores", "train", "--batch", "256",
+               "--repeats", "3", "--steps", "3", "--ids", "64")
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| store") and
+            not line.startswith("| layout")]
+    stores = [r for r in rows if r[1].strip() in ("get", "put")]
+    assert {r[0].strip() for r in stores} >= {"RocksDB"}
+    for _, _, ours, raw, ratio, paired in stores:
+        assert positive_finite(float(paired))
+        assert abs(float(raw) / float(ours) - float(ratio)) < 0.02 + 0.1 * float(ratio)
+    layouts = [r for r in rows if r[1].strip() not in ("get", "put")]
+    assert layouts[0][0].strip() == "all rows in host memory" and len(layouts) >= 2
+    for name, ms, steps, ratio, moved in layouts:
+        assert abs(1000 / float(ms) - float(steps)) < 0.1 * float(steps) + 1

@@ -27,6 +27,16 @@ def test_resharding_then_training_equals_the_uninterrupted_run(tmp_path, saved_w
         run_distributed(ckpt_workers.load_then_continue, world, ckpt, record, kinds, False)
 
 
+def test_resharding_into_an_external_tier_equals_the_uninterrupted_run(tmp_path):
+    """Saved by 2 ranks with every row in memory; loaded by 1 and 2 ranks whose "rw"
+    keeps 128 rows per rank in host memory and the rest in RocksDB."""
+    ckpt, record = str(tmp_path / "ck"), str(tmp_path / "record.pt")
+    run_distributed(ckpt_workers.save_then_continue, 2, ckpt, record, "row_wise")
+    for world in (1, 2):
+        run_distributed(ckpt_workers.load_then_continue, world, ckpt, record, ["row_wise"],
+                        False, str(tmp_path / "rocks"))
+
+
 def test_documented_recipe_resumes_bit_identically(tmp_path):
     """Train 10 steps, save with the docs' recipe, train 10 more; new processes load
     with the recipe and train the same 10: losses, dense parameters, static rows and

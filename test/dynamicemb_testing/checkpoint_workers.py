@@ -1,7 +1,7 @@
 """Rank bodies of the sharded checkpoint tests (spawned; importable, no pytest here)."""
 
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,10 @@ ROWS = 512
 
 
 def build(world_size: int, optimizer: str = "adam", rw_kind: str = "row_wise",
-          caching: bool = False) -> DistributedModelParallel:
-    """The EC model sharded over ``world_size`` ranks; "rw" row-wise or table-wise."""
+          caching: bool = False, external: Optional[str] = None) -> DistributedModelParallel:
+    """The EC model sharded over ``world_size`` ranks; "rw" row-wise or table-wise;
+    with ``external`` (a directory) "rw" keeps 128 rows per rank in host memory and
+    the rest in RocksDB there."""
     ec = EmbeddingCollection(tables=[
         EmbeddingConfig(name=n, num_embeddings=ROWS, embedding_dim=d, feature_names=f)
         for n, (d, f) in TABLES.items()], device=torch.device("meta"))
@@ -45,7 +47,9 @@ def build(world_size: int, optimizer: str = "adam", rw_kind: str = "row_wise",
     budget = 16 * 4 * 3 * 8 if caching else None
     plan["rw"] = to_dynamic_sharding(plan["rw"], DynamicEmbTableOptions(
         dim=8, max_capacity=ROWS, initializer_args=init, caching=caching,
-        local_hbm_for_values=budget, admit_strategy=FrequencyAdmissionStrategy(threshold=2)))
+        local_hbm_for_values=budget, admit_strategy=FrequencyAdmissionStrategy(threshold=2),
+        external_storage=external,
+        local_host_for_values=None if external is None else 128 * (8 + 16) * 4))
     plan["tw"] = to_dynamic_sharding(plan["tw"], DynamicEmbTableOptions(
         dim=8, max_capacity=ROWS, initializer_args=init))
     return DistributedModelParallel(EcModel(ec), plan=ShardingPlan({"ec": plan}),
@@ -126,15 +130,17 @@ def save_then_continue(rank: int, world_size: int, ckpt: str, record: str, rw_ki
 
 
 def load_then_continue(rank: int, world_size: int, ckpt: str, record: str, rw_kinds: List[str],
-                       exact: bool) -> None:
-    """Loads into another world size / sharding; 5 steps equal the uninterrupted run."""
+                       exact: bool, external: Optional[str] = None) -> None:
+    """Loads into another world size / sharding (with ``external``: "rw" over RocksDB
+    in that directory); 5 steps equal the uninterrupted run."""
     for rw_kind in rw_kinds:
-        _load_then_continue(rank, world_size, ckpt, record, rw_kind, exact)
+        where = None if external is None else f"{external}/{world_size}-{rw_kind}"
+        _load_then_continue(rank, world_size, ckpt, record, rw_kind, exact, where)
 
 
 def _load_then_continue(rank: int, world_size: int, ckpt: str, record: str, rw_kind: str,
-                        exact: bool) -> None:
-    dmp = build(world_size, rw_kind=rw_kind)
+                        exact: bool, external: Optional[str] = None) -> None:
+    dmp = build(world_size, rw_kind=rw_kind, external=external)
     train(dmp, range(3), rank, world_size)  # other contents first: the load replaces them
     DynamicEmbLoad(ckpt, dmp)
     tables = get_dynamic_tables(dmp)

@@ -17,6 +17,7 @@ from dynamicemb.planner import (
     DynamicEmbParameterConstraints,
     DynamicEmbParameterSharding,
     dynamic_table_bytes,
+    external_table_bytes,
     to_dynamic_sharding,
 )
 from dynamicemb.shard import DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder
@@ -82,6 +83,26 @@ def test_storage_estimate_charges_the_hash_table():
     for shard in options[0].shards:  # CPU topology: device bytes are DDR, plus I/O buffers
         assert shard.storage.hbm == 0
         assert device <= shard.storage.ddr < device + dense
+
+
+def test_rows_in_an_external_store_are_charged_to_the_third_tier(tmp_path):
+    host_rows = 1 << 12
+    constraints = _constraints()
+    constraints["big"].dynamicemb_options = DynamicEmbTableOptions(
+        dim=DIM, max_capacity=ROWS, external_storage=str(tmp_path),
+        local_host_for_values=host_rows * DIM * 4)
+    planner = DynamicEmbeddingShardingPlanner(_topology(256 * MiB), batch_size=64,
+                                              constraints=constraints)
+    options = [o for o in planner._enumerator.enumerate(Model(), SHARDERS) if o.name == "big"]
+    rows = options[0].shards[0].size[0]
+    table_options = constraints["big"].dynamicemb_options
+    device, host = dynamic_table_bytes(table_options, rows)
+    table = ScoredHashTable(capacity=host_rows, bucket_capacity=128, value_dim=DIM)
+    assert device == sum(table.memory_bytes().values()) and host == 0  # the budget only
+    below = external_table_bytes(table_options, rows)
+    assert below == (rows - host_rows) * (DIM * 4 + 8)
+    for shard in options[0].shards:
+        assert shard.storage.ssd >= below and device <= shard.storage.ddr
 
 
 def test_topology_too_small_for_the_hash_table_raises():

@@ -1,0 +1,106 @@
+"""What ``DynamicEmbTableOptions(external_storage=...)`` accepts, and opening it.
+
+- a directory path (``str`` or ``os.PathLike``): RocksDB there (``RocksDBStorage``);
+- ``"redis://host:port[,host:port...]"``: those Redis servers (``RedisStorage``);
+- a ``RocksDBStorage`` or ``RedisStorage`` spec with more settings;
+- an open ``KVStore`` (one table group only: its tables share it).
+
+A spec opens one store per table group and rank: RocksDB in the subdirectory
+``<namespace>`` of its path, Redis under the key prefix ``<namespace>:``, where the
+namespace is the group's table names (and ``rank<r>`` when torch.distributed runs).
+"""
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Tuple
+
+from dynamicemb.storage.external.store import KVStore
+
+__all__ = ["RedisStorage", "RocksDBStorage", "as_storage_spec", "namespace_of", "open_store"]
+
+
+@dataclass(frozen=True)
+class RocksDBStorage:
+    """RocksDB under ``path`` (a directory per table group and rank).
+
+    Args:
+        path: a local directory.
+        sync: make every write durable at once (slower); else ``flush`` does.
+    """
+
+    path: str
+    sync: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
+            raise ValueError(f"RocksDBStorage needs a directory path, got {self.path!r}")
+        object.__setattr__(self, "path", os.fspath(self.path))
+
+    def open(self, namespace: str, row_width: int) -> KVStore:
+        from dynamicemb.storage.external.rocksdb import RocksDBStore
+        return RocksDBStore(os.path.join(self.path, namespace), row_width, sync=self.sync)
+
+
+@dataclass(frozen=True)
+class RedisStorage:
+    """Redis (or Valkey) servers, keys spread over them by ``redis.server_of``.
+
+    Args:
+        addresses: ``host:port`` of each server.
+        timeout: seconds a reply may take before the step fails.
+    """
+
+    addresses: Tuple[str, ...]
+    timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        addresses = ((self.addresses,) if isinstance(self.addresses, str)
+                     else tuple(self.addresses))
+        for a in addresses:
+            if not re.fullmatch(r"[^\s:,/]+:\d+", a):
+                raise ValueError(f"RedisStorage addresses must be host:port, got {a!r}")
+        if not addresses:
+            raise ValueError("RedisStorage needs at least one host:port")
+        if not self.timeout > 0:
+            raise ValueError(f"RedisStorage timeout must be positive, got {self.timeout}")
+        object.__setattr__(self, "addresses", addresses)
+
+    def open(self, namespace: str, row_width: int) -> KVStore:
+        from dynamicemb.storage.external.redis import RedisStore
+        return RedisStore(self.addresses, namespace, row_width, timeout=self.timeout)
+
+
+def as_storage_spec(value: Any):
+    """The spec or store ``value`` names (see the module docstring).
+
+    Raises:
+        ValueError: ``value`` is none of them.
+    """
+    if isinstance(value, (RocksDBStorage, RedisStorage, KVStore)):
+        return value
+    if isinstance(value, os.PathLike) or isinstance(value, str):
+        text = os.fspath(value)
+        if text.startswith("redis://"):
+            return RedisStorage(tuple(a for a in text[len("redis://"):].rstrip("/").split(",")))
+        return RocksDBStorage(text)
+    raise ValueError(
+        "external_storage must be a directory path (RocksDB), 'redis://host:port[,...]', "
+        f"a RocksDBStorage/RedisStorage spec or a KVStore, got {type(value).__name__}")
+
+
+def namespace_of(table_names, rank: int = -1) -> str:
+    """A store namespace for a table group (and a rank, when >= 0)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", "+".join(table_names))
+    return name if rank < 0 else f"{name}.rank{rank}"
+
+
+def open_store(spec, namespace: str, row_width: int) -> KVStore:
+    """The store of one table group: ``spec`` opened in ``namespace``, or ``spec``
+    itself when it is an open store (its row width must match)."""
+    if isinstance(spec, KVStore):
+        if spec.row_width != row_width:
+            raise ValueError(f"external store {spec.name} holds rows of {spec.row_width} floats, "
+                             f"the table group needs {row_width}")
+        return spec
+    return spec.open(namespace, row_width)

@@ -1,0 +1,208 @@
+"""The third tier: an external store below a group's host store.
+
+With an external tier the host store holds at most its budget of rows. What it
+evicts goes down (``stage`` writes the victims before the host commits), and a key
+the host store inserts is first looked up below: a row found there comes back with
+its score instead of being initialized (``restore``). Each key lives in one tier:
+a row that comes back is deleted below. Training is therefore bit-identical to a
+host store holding every row, whatever the split.
+
+All store traffic of a step happens in its first phase: a failing store aborts the
+host store's prepared insert, so the step is undone and raises
+``ExternalStorageError`` naming the store and the table. Only the deletion of rows
+that came back follows the commit; if it fails, the stale copies are masked by the
+host store (which every lookup asks first), retried with the next step, and never
+exported.
+"""
+
+import logging
+from typing import Iterator, NamedTuple, Optional
+
+import torch
+
+from dynamicemb.ops.interface import Entries
+from dynamicemb.storage.external.store import ExternalStorageError, KVStore
+from dynamicemb.table import InsertResult, PendingInsert, ScoredHashTable
+from dynamicemb.types import DynamicEmbScoreStrategy
+
+__all__ = ["ExternalTier", "Staged"]
+
+logger = logging.getLogger(__name__)
+
+
+def _brief(error: Exception, limit: int = 200) -> str:
+    """The error's message, printable and at most ``limit`` characters (a store's
+    errors may quote a whole binary command)."""
+    text = ascii(str(error))[1:-1]
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class Staged(NamedTuple):
+    """What a step's first phase fetched from below, for ``restore``.
+
+    Shape:
+        at: (r,) positions, among the prepared keys, of keys found below;
+        scores: (r,) their stored scores; rows: (r, width) their rows.
+    """
+
+    pending: PendingInsert
+    at: torch.Tensor
+    scores: torch.Tensor
+    rows: torch.Tensor
+
+
+class ExternalTier:
+    """A ``KVStore`` under a host store.
+
+    Args:
+        store: the open store.
+        host: the host store it backs.
+        label: the tables it holds, for messages.
+    """
+
+    def __init__(self, store: KVStore, host: ScoredHashTable, label: str) -> None:
+        if store.row_width != host.value_dim:
+            raise ValueError(f"external store {store.name} holds rows of {store.row_width} "
+                             f"floats, tables {label} need {host.value_dim}")
+        self.store = store
+        self.host = host
+        self.label = label
+        self._stale: Optional[tuple] = None  # (keys, tids) to delete below, retried
+
+    def _call(self, what: str, verb, *args):
+        """``verb(*args)``, with a store's failure re-raised naming the store and tables."""
+        try:
+            return verb(*args)
+        except ExternalStorageError as e:
+            raise ExternalStorageError(f"{e} (tables {self.label})") from e
+        except Exception as e:
+            raise ExternalStorageError(
+                f"external store {self.store.name} of tables {self.label} failed to {what}: "
+                f"{type(e).__name__}: {_brief(e)}") from e
+
+    # ------------------------------------------------------------- a step
+    def stage(self, pending: PendingInsert, keys: torch.Tensor, tids: torch.Tensor,
+              victims: Entries) -> Staged:
+        """Phase one, before the host store commits: writes ``victims`` (the rows the
+        insert evicts, current values) below and reads the rows of the keys new to
+        the host store. Raises ``ExternalStorageError``; the caller aborts ``pending``.
+
+        Args:
+            pending: the host store's prepared insert of ``keys``.
+            keys, tids: (n,) the prepared keys, on the host store's device.
+            victims: entries the insert evicts from the host store.
+        """
+        if pending.num_failed:
+            raise ExternalStorageError(
+                f"tables {self.label}: {pending.num_failed} of {keys.numel()} keys found no "
+                f"slot in the host store of {self.host.max_capacity()} rows in front of "
+                f"{self.store.name}: a batch must fit in the host budget (raise "
+                f"local_host_for_values or bucket_capacity)")
+        self._retry_stale()
+        if victims.keys.numel():
+            self._call("write evicted rows", self.store.put, victims.keys.cpu(),
+                       victims.table_ids.cpu(), victims.values.cpu(), victims.scores.cpu())
+        empty = torch.empty(0, dtype=torch.int64)
+        new_at = pending.new_keys().nonzero().squeeze(1) if pending.num_new else empty
+        if new_at.numel() == 0:
+            return Staged(pending, empty, empty, torch.empty(0, self.store.row_width))
+        found, rows = self._call("read rows", self.store.get, keys[new_at].cpu(),
+                                 tids[new_at].cpu())
+        return Staged(pending, new_at[found.to(new_at.device)], rows.scores, rows.rows)
+
+    def restore(self, result: InsertResult, staged: Staged, keys: torch.Tensor,
+                tids: torch.Tensor) -> InsertResult:
+        """Phase two, after the host store committed: the rows found below take their
+        host slots with their scores (LFU adds the stored count to this batch's), are
+        no longer new, and are deleted below.
+
+        Returns:
+            ``result`` with those keys no longer counted as inserted.
+        """
+        if staged.at.numel() == 0:
+            return result
+        device = self.host.device
+        at = staged.at.to(device)
+        slots = result.slots[at]
+        self.host.values[slots] = staged.rows.to(device)
+        if self.host.score_strategy == DynamicEmbScoreStrategy.LFU:  # counts add up
+            self.host.set_scores_at(slots, staged.scores.to(device) + self.host.scores_at(slots))
+        # the other strategies give a key the same score whether it was found or new
+        inserted = result.inserted.clone()
+        inserted[at] = False
+        self._delete_below(keys[at].cpu(), tids[at].cpu())
+        return result._replace(inserted=inserted,
+                               num_inserted=result.num_inserted - at.numel())
+
+    def _delete_below(self, keys: torch.Tensor, tids: torch.Tensor) -> None:
+        try:
+            self.store.delete(keys, tids)
+        except Exception as e:  # masked by the host store; retried with the next step
+            logger.warning("external store %s of tables %s: deleting %d rows that came back "
+                           "failed (%s); retried with the next step", self.store.name,
+                           self.label, keys.numel(), e)
+            if self._stale is not None:
+                keys, tids = torch.cat([self._stale[0], keys]), torch.cat([self._stale[1], tids])
+            self._stale = (keys, tids)
+
+    def _retry_stale(self) -> None:
+        if self._stale is None:
+            return
+        keys, tids = self._stale
+        live = self.host.find(keys.to(self.host.device), tids.to(self.host.device)) >= 0
+        at = live.cpu().nonzero().squeeze(1)  # stale only while the host holds the key
+        self._call("delete rows that came back", self.store.delete, keys[at], tids[at])
+        self._stale = None
+
+    # ------------------------------------------------------ other verbs
+    def get(self, keys: torch.Tensor, tids: torch.Tensor):
+        """(found (n,) bool, ``StoredRows`` of the found keys) on the CPU."""
+        return self._call("read rows", self.store.get, keys.cpu(), tids.cpu())
+
+    def put(self, entries: Entries) -> None:
+        """Writes entries (the host store's victims outside a step)."""
+        if entries.keys.numel():
+            self._call("write evicted rows", self.store.put, entries.keys.cpu(),
+                       entries.table_ids.cpu(), entries.values.cpu(), entries.scores.cpu())
+
+    def delete(self, keys: torch.Tensor, tids: torch.Tensor) -> None:
+        if keys.numel():
+            self._call("delete rows", self.store.delete, keys.cpu(), tids.cpu())
+
+    def export_chunks(self, chunk: int, min_score: Optional[int] = None) -> Iterator[Entries]:
+        """The rows below, at most ``chunk`` per item, scoring at least ``min_score``,
+        on the host store's device; keys the host store holds are skipped (its row is
+        the current one). ``slots`` are -1."""
+        device = self.host.device
+        scan = self._call("scan", self.store.scan, chunk)
+        while True:
+            part = self._call("scan", next, scan, None)
+            if part is None:
+                return
+            keep = self.host.find(part.keys.to(device), part.table_ids.to(device)) < 0
+            if min_score is not None:
+                keep &= part.scores.to(device) >= int(min_score)
+            keep = keep.cpu()
+            if bool(keep.any()):
+                yield Entries(keys=part.keys[keep].to(device),
+                              table_ids=part.table_ids[keep].to(device),
+                              scores=part.scores[keep].to(device),
+                              slots=torch.full((int(keep.sum()),), -1, dtype=torch.int64,
+                                               device=device),
+                              values=part.rows[keep].to(device))
+
+    def clear_table(self, tid: int, only_table: bool) -> None:
+        """Removes the rows of local table ``tid`` below (every row when ``only_table``)."""
+        if only_table:
+            self._call("clear", self.store.clear)
+            return
+        doomed = [(c.keys[c.table_ids == tid], c.table_ids[c.table_ids == tid])
+                  for c in self._call("scan", lambda: list(self.store.scan()))]
+        for keys, tids in doomed:
+            self.delete(keys, tids)
+
+    def flush(self) -> None:
+        self._call("flush", self.store.flush)
+
+    def describe(self) -> str:
+        return f"external store {self.store.name}"
