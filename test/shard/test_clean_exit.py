@@ -48,13 +48,19 @@ def test_the_exit_hook_destroys_and_frees_the_group(how):
 SHAPES = os.path.join(TEST_DIR, "dynamicemb_testing", "exit_shapes.py")
 
 
+# Each launch costs 8-30 s on 2 cores (two ranks importing torch and TorchRec): the
+# suite runs 8; DYNAMICEMB_EXIT_LAUNCHES=40 runs the issue's 40 (40/40 exited 0 on
+# 2026-11-25 in 1,247 s; benchmark/RESULTS.md, "Reliability").
+LAUNCHES = int(os.environ.get("DYNAMICEMB_EXIT_LAUNCHES", "8"))
+
+
 @pytest.mark.slow
-def test_forty_launches_in_the_shapes_that_aborted_all_exit_0(tmp_path):
-    """40 consecutive 2-rank torchrun launches, alternating the test workers' shape
-    (destroy, return) and upstream's script shape (no destroy, the model a global),
-    each training a dynamic table (cache, dedup) and writing a checkpoint."""
+def test_consecutive_launches_in_the_shapes_that_aborted_all_exit_0(tmp_path):
+    """Consecutive 2-rank torchrun launches (LAUNCHES), alternating the test workers'
+    shape (destroy, return) and upstream's script shape (no destroy, the model a
+    global), each training a dynamic table (cache, dedup) and writing a checkpoint."""
     failures = []
-    for launch in range(40):
+    for launch in range(LAUNCHES):
         shape = ("destroy", "keep")[launch % 2]
         done = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", 2,
                            SHAPES, "--shape", shape, "--out", tmp_path / "ckpt"],
