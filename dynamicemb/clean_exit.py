@@ -18,7 +18,10 @@ that runs while the interpreter is still whole: it destroys the default process
 group if the program did not (when every group is Gloo), collects garbage so that
 an unreferenced group's destructor joins its worker threads there, and, for a group
 that something still holds, lets the worker threads take the GIL for a moment to
-release what they hold.
+release what they hold. One such holder is PyTorch itself: importing ``torch._dynamo``
+(``dynamicemb`` does, for its ``torch.compiler.disable``) after a group exists keeps
+that group alive (measured with torch 2.13); import ``dynamicemb`` before
+``init_process_group``, as scripts do, and the group is freed.
 """
 
 import atexit

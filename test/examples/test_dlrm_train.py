@@ -7,7 +7,7 @@ import time
 import pytest
 
 from dynamicemb_testing.dlrm import load_dlrm_data, torchrun
-from dynamicemb_testing.scripts import TEST_DIR
+from dynamicemb_testing.scripts import TEST_DIR, run_python
 
 
 # A server: only dynamicemb imported; the trained model's logits, at two batch sizes.

@@ -19,11 +19,14 @@ pytestmark = pytest.mark.distributed
 RELEASE = textwrap.dedent("""
     import atexit, os, sys
     import torch, torch.distributed as dist
+    atexit.register(lambda: print("at exit, initialized:", dist.is_initialized(), flush=True))
+    # imported before the group is made, as scripts do: its hook runs before the one
+    # above (atexit is last in, first out); torch._dynamo, which it imports, holds a
+    # group that exists when it is imported (the hook then only waits; see clean_exit)
+    import dynamicemb
+    from dynamicemb.clean_exit import release_process_groups
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
     dist.init_process_group("gloo", rank=0, world_size=1)
-    atexit.register(lambda: print("at exit, initialized:", dist.is_initialized(), flush=True))
-    import dynamicemb  # its hook runs before the one above (atexit is last in, first out)
-    from dynamicemb.clean_exit import release_process_groups
     x = torch.ones(3)
     dist.all_reduce(x)
     if sys.argv[2] == "release":
