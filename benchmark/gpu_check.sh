@@ -7,11 +7,11 @@
 # batched-tables benchmarks. Logs, JSON and markdown go to $OUT (default
 # benchmark/out/gpu); `summary.txt` there has one exit code per stage.
 #
-# Stages: GPU_STAGES="build tests sanitizer hash tables steps profile" (default: all).
+# Stages: GPU_STAGES="build tests sanitizer racecheck hash tables steps profile" (default: all).
 set -uo pipefail
 OUT=${OUT:-benchmark/out/gpu}
 PY=${PYTHON:-python3}
-STAGES=${GPU_STAGES:-build tests sanitizer hash tables steps profile}
+STAGES=${GPU_STAGES:-build tests sanitizer racecheck hash tables steps profile}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
@@ -38,6 +38,10 @@ stage tests $PY -m pytest ${GPU_TESTS:-test/cuda test/table test/module test/sto
 stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 \
   $PY -m pytest -q -p no:cacheprovider test/cuda/test_table_twins.py test/cuda/test_module_twins.py \
   -k "(random_calls and LRU and 16) or EXACT_SGD-SUM-w or ADAM-MEAN"
+# shared-memory hazards (the fused update's per-warp rows, the inserting warps)
+stage racecheck compute-sanitizer --tool racecheck --error-exitcode 1 \
+  $PY -m pytest -q -p no:cacheprovider test/cuda/test_table_twins.py test/cuda/test_module_twins.py \
+  -k "(random_calls and LRU and 16) or ADAM-SUM-w or large_batch"
 stage hash $PY benchmark/benchmark_hash_table.py --device cuda --capacity 1048576 \
   --batch 1048576 --dims 8 64 128 --reps 20 --out "$OUT/hash_table_1M"
 stage hash $PY benchmark/benchmark_hash_table.py --device cuda --capacity 67108864 \

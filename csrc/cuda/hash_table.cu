@@ -219,6 +219,10 @@ extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
   if (r >= num_runs) return;
   const int64_t q0 = run_starts[r];
   const int64_t q1 = r + 1 < num_runs ? run_starts[r + 1] : m;
+  // The starts are padded with m past the last run: such a warp has no run. (Reading
+  // order[m] would be out of bounds, and writing back its garbage bucket's bits
+  // would race with the warp that owns that bucket.)
+  if (q0 >= q1) return;
   const TableView v = DEMB_TABLE_VIEW;
   const PassOutputs o{slots, status, prev_scores, ev_keys, ev_tids, ev_scores};
   switch (rule) {

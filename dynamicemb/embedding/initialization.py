@@ -91,7 +91,9 @@ class RowInitializer:
         """values[slots] = the full initial value rows of new stored keys."""
         self.fill(values, slots, keys, tids, train=True)
         if self.state_dim:
-            values[slots, self.dim:] = self.initial_state
+            # index_fill_ takes the number as a kernel argument (an indexed
+            # assignment would copy it from host memory: a sync on a GPU)
+            values[:, self.dim:].index_fill_(0, slots, self.initial_state)
 
     def transient(self, keys: torch.Tensor, tids: torch.Tensor, train: bool,
                   args: Optional[DynamicEmbInitializerArgs] = None) -> torch.Tensor:

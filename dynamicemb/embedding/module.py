@@ -536,8 +536,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         to not prefetching (see ``docs/ARCHITECTURE.md`` for the one exception).
 
         On CUDA, a prefetch on another stream than the last forward or backward
-        first waits for what that stream has enqueued (``StreamOrder``)."""
-        self._stream_order.before_prefetch()
+        first waits for what that stream has enqueued, and the next forward or
+        backward on the training stream waits for the prefetch (``StreamOrder``)."""
+        self._stream_order.before_use()
         indices, offsets, _, batch_size = self._validate(indices, offsets, per_sample_weights)
         frequencies = self._validate_frequencies(frequencies, indices.numel())
         lookups = self._lookup(indices, offsets, batch_size, self.training, frequencies)
@@ -657,6 +658,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         indices, offsets, weights, batch_size = self._validate(indices, offsets, per_sample_weights)
         frequencies = self._validate_frequencies(frequencies, indices.numel())
         training = self.training
+        self._stream_order.before_use()
         if self._prefetched:
             lookups = self._take_prefetched(indices, offsets)
         else:
@@ -793,6 +795,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                          want_weight_grad: bool = False) -> Optional[torch.Tensor]:
         """Backward: gradients of the weights (if wanted, from the rows before the
         update), then the fused optimizer on every group."""
+        self._stream_order.before_use()
         grad = grad.to(torch.float32).contiguous()
         if self._check_data and not _all_finite(grad):  # before any update: no table changes
             raise ValueError(

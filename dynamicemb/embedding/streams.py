@@ -1,11 +1,17 @@
 """The order of a module's work across CUDA streams.
 
 TorchRec's prefetch pipelines run ``prefetch(i + 1)`` on a side stream after the
-host has enqueued ``forward(i)`` on the training stream. A prefetch changes rows
-(evictions, write-backs, new rows in reused slots) that ``forward(i)``'s lookup may
-not have read yet: it must wait for the work already enqueued on the stream that
-last used the tables. (The other direction, the training stream waiting for a
-prefetch, is the pipeline's: ``forward_stream`` in the sharded kernels.)
+host has enqueued ``forward(i)`` on the training stream, and enqueue ``backward(i)``
+on the training stream after the prefetch. Each of them reads and writes the same
+hash table and rows: a prefetch evicts, writes back and reuses slots that
+``forward(i)``'s lookup may not have read yet, and ``backward(i)`` looks its rows
+up again (when a prefetch moved them) and updates them while the prefetch may
+still be inserting. So each use of the tables first waits for the work already
+enqueued on the stream that used them last, when that is another stream; uses on
+one stream are ordered by the stream itself. (The training stream waiting for a
+prefetch before ``forward(i + 1)`` is also the pipeline's: ``forward_stream`` in the
+sharded kernels.) What still overlaps a prefetch is everything else enqueued on the
+training stream meanwhile: the dense layers' forward and backward.
 """
 
 from typing import Any, Optional
@@ -16,7 +22,7 @@ __all__ = ["StreamOrder"]
 
 
 class StreamOrder:
-    """Orders a prefetch after the last use of the tables on another stream.
+    """Orders each use of the tables after their last use on another stream.
 
     Args:
         device: the tables' device; only CUDA devices have streams to order.
@@ -29,16 +35,17 @@ class StreamOrder:
         self.device = device
         self._last = None
 
-    def used(self) -> None:
-        """The current stream has just enqueued work that reads or writes the rows."""
-        if self.streams is not None:
-            self._last = self.streams.current_stream(self.device)
-
-    def before_prefetch(self) -> None:
+    def before_use(self) -> None:
         """The current stream waits for everything enqueued so far on the stream that
-        last used the rows, when that is another stream."""
+        last used the rows, when that is another stream (called before a forward's
+        lookup, a backward's update and a prefetch)."""
         if self.streams is None or self._last is None:
             return
         current = self.streams.current_stream(self.device)
         if current != self._last:
             current.wait_stream(self._last)
+
+    def used(self) -> None:
+        """The current stream has just enqueued work that reads or writes the rows."""
+        if self.streams is not None:
+            self._last = self.streams.current_stream(self.device)

@@ -106,9 +106,11 @@ class _StreamRecorder:
         return self._stream(self.current)
 
 
-def test_prefetch_waits_for_the_stream_that_last_used_the_tables():
+def test_each_use_waits_for_the_stream_that_last_used_the_tables():
     """TorchRec's order: forward(i) on the training stream, then prefetch(i + 1) on
-    its own stream; the prefetch must wait for forward(i) (it reuses slots)."""
+    its own stream, then backward(i) on the training stream. The prefetch must wait
+    for forward(i) (it reuses slots), backward(i) for the prefetch (it looks rows up
+    again and updates them), the next forward for both."""
     module = BatchedDynamicEmbeddingTables(
         [DynamicEmbTableOptions(dim=4, max_capacity=64, local_hbm_for_values=4 * 4 * 16,
                                 caching=True)], learning_rate=0.1)
@@ -119,9 +121,19 @@ def test_prefetch_waits_for_the_stream_that_last_used_the_tables():
     module.prefetch(*batches[0])
     assert streams.waits == []  # nothing used the tables before
     streams.current = "train"
-    module(*batches[0]).sum().backward()
+    module(*batches[0]).sum().backward()  # the forward waits for the prefetch
+    train_waits = [("train", "prefetch")]
+    assert streams.waits == train_waits
     streams.current = "prefetch"
     module.prefetch(*batches[1])
-    assert streams.waits == [("prefetch", "train")]
-    module.prefetch(*batches[2])  # the same stream used them last: no wait
-    assert streams.waits == [("prefetch", "train")]
+    module.prefetch(*batches[2])  # the same stream used them last: no second wait
+    assert streams.waits == train_waits + [("prefetch", "train")]
+    streams.current = "train"
+    out = module(*batches[1])
+    streams.current = "prefetch"
+    module.prefetch(torch.tensor([7, 8]), torch.tensor([0, 1, 2]))
+    streams.current = "train"
+    out.sum().backward()  # backward(1) after prefetch(3): waits for it
+    module(*batches[2])  # forward(2) after backward(1): same stream, no wait
+    assert streams.waits == train_waits + [("prefetch", "train"), ("train", "prefetch"),
+                                           ("prefetch", "train"), ("train", "prefetch")]

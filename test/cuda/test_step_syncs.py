@@ -117,11 +117,14 @@ def test_cuda_path_trains_as_the_cpu_backend(optimizer, pooling, cache):
         assert got[key][2] == score
 
 
+@pytest.mark.parametrize("optimizer", [DynamicEmbOptimType.EXACT_SGD, DynamicEmbOptimType.ADAM],
+                         ids=["sgd", "adam"])
 @pytest.mark.parametrize("new_ids", [False, True], ids=["ids-present", "new-ids"])
-def test_steady_step_syncs_only_where_named(new_ids):
-    """Ids present, or new ids while the allocated table has room: three syncs."""
+def test_steady_step_syncs_only_where_named(new_ids, optimizer):
+    """Ids present, or new ids while the allocated table has room: three syncs
+    (Adam's new rows get their state without one)."""
     with emulated_cuda() as kernels:
-        module = _module(capacity=1 << 14)
+        module = _module(optimizer, capacity=1 << 14)
         warm = _batches(2000, 2, seed=3)
         for ids, offsets in warm:
             _step(module, ids, offsets)
@@ -186,11 +189,14 @@ def test_guard_sees_every_kind_of_sync():
         torch.repeat_interleave(t, t)
         torch.repeat_interleave(t, t, output_size=15)  # sized on the host: no sync
         torch.nonzero_static(t, size=6)  # sized on the host: no sync
+        t[torch.tensor([1, 2])] = 9  # the 9 is copied from host memory on a GPU
+        t.index_fill_(0, torch.tensor([1, 2]), 9)  # a kernel argument: no sync
     kinds = [s.what for s in guard.syncs]
     assert kinds[:4] == ["Tensor.item", "Tensor.tolist", "Tensor.__bool__", "Tensor.__int__"]
     assert {"aten.nonzero", "aten.index", "aten.bincount", "aten.repeat_interleave"} <= set(kinds)
     assert any("unique" in k for k in kinds)
     assert kinds.count("aten.repeat_interleave") == 1
+    assert kinds.count("aten.index_put_") == 1
 
 
 def test_several_groups_sync_once_per_group_not_per_table():

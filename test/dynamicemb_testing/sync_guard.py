@@ -3,7 +3,8 @@
 ``SyncGuard`` records every aten op run inside it (with its tensor arguments'
 shapes) and every call that would make a GPU wait for the device: the aten ops that
 read device data into host memory or size their output by data (``nonzero``,
-``unique``, boolean-mask indexing, ``bincount``, ...) and the ``Tensor`` methods that
+``unique``, boolean-mask indexing, ``bincount``, ...), an indexed assignment of a
+Python number (its value is copied from host memory), and the ``Tensor`` methods that
 hand a value to Python (``item``, ``tolist``, ``cpu``, ``bool``/``int``/``float``).
 Run over CPU tensors (where none of them costs anything) it shows what the same
 code does on a GPU; ``cuda_emulation.emulated_cuda`` routes the CUDA backend's
@@ -64,6 +65,13 @@ def _is_bool_index(arg) -> bool:
     return False
 
 
+def _is_host_scalar(args) -> bool:
+    """``t[index] = 2.0``: a Python number becomes a 0-dim CPU tensor that a CUDA
+    ``index_put_`` copies to the device (a sync). ``index_fill_`` takes it as a
+    kernel argument instead."""
+    return len(args) > 2 and isinstance(args[2], torch.Tensor) and args[2].dim() == 0
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, guard: "SyncGuard") -> None:
         super().__init__()
@@ -82,6 +90,8 @@ class _Recorder(TorchDispatchMode):
             if name in ("index", "index_put", "index_put_") and _is_bool_index(
                     args[1] if len(args) > 1 else None):
                 syncs = True
+            if name in ("index_put", "index_put_") and _is_host_scalar(args):
+                syncs = True  # on a GPU: a pageable host-to-device copy of the value
             if syncs:
                 guard.syncs.append(Sync(f"aten.{name}", _site()))
         return func(*args, **kwargs)

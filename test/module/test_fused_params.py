@@ -10,6 +10,8 @@ every optimizer with both weight decay forms and gradient clipping.
 
 import pytest
 import torch
+
+pytest.importorskip("fbgemm_gpu", reason="FBGEMM's enums are what this suite maps")
 from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmOptimType
 from fbgemm_gpu.split_embedding_configs import SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode

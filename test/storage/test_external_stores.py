@@ -4,6 +4,9 @@ batched verbs against a dict model, namespaces, scans, clear, bad rows."""
 import pytest
 import torch
 
+pytest.importorskip("rocksdict", reason="the external stores are tested against the real rocksdict (requirements.txt pins it)")
+pytest.importorskip("redis", reason="the external stores are tested against the real redis (requirements.txt pins it)")
+
 from dynamicemb.storage.external import ExternalStorageError, KVStore, as_storage_spec
 from dynamicemb.storage.external.redis import server_of
 

@@ -6,6 +6,9 @@ fails the step by name and leaves the tiers as they were."""
 import pytest
 import torch
 
+pytest.importorskip("rocksdict", reason="the external stores are tested against the real rocksdict (requirements.txt pins it)")
+pytest.importorskip("redis", reason="the external stores are tested against the real redis (requirements.txt pins it)")
+
 from dynamicemb import (BatchedDynamicEmbeddingTables, DynamicEmbDump, DynamicEmbLoad,
                         DynamicEmbInitializerArgs, DynamicEmbOptimType, DynamicEmbScoreStrategy,
                         DynamicEmbTableOptions, incremental_dump)
