@@ -1,7 +1,8 @@
 // CUDA dedup of (table id, key) pairs: an open-addressing set over one batch in
 // which each entry ends holding the smallest position of its pair. Position
 // order then gives the unique pairs in first-occurrence order, as the CPU dedup
-// gives them (dynamicemb/_cuda.py finishes with a scan).
+// gives them (dynamicemb/ops/cuda.py scans the first-position flags between the
+// two kernels below).
 #include "cuda/common.cuh"
 
 using namespace dynamicemb;
@@ -34,9 +35,34 @@ extern "C" __global__ void demb_dedup_insert(const int64_t* keys, const int16_t*
   where[i] = pos;
 }
 
-// first[i] = the first position of the pair of position i (set[where[i]]).
+// first[i] = the first position of the pair of position i (set[where[i]]), and
+// is_first[i] = whether i is that position (1 or 0; its scan numbers the pairs).
 extern "C" __global__ void demb_dedup_first(const int32_t* set, const int64_t* where, int64_t n,
-                                            int64_t* first) {
+                                            int64_t* first, int64_t* is_first) {
   const int64_t i = global_thread();
-  if (i < n) first[i] = set[where[i]];
+  if (i >= n) return;
+  first[i] = set[where[i]];
+  is_first[i] = first[i] == i;
+}
+
+// Given number[i] = the inclusive scan of is_first (so the pair first seen at i is
+// unique pair number[i] - 1): inverse[i] = its pair's number, occurrences[u] +=
+// 1 (zeroed before), and the first position of each pair writes its key and
+// table id to unique_keys/unique_tids. Integer atomics: the counts are exact
+// whatever the order.
+extern "C" __global__ void demb_dedup_number(const int64_t* keys, const int16_t* tids,
+                                             const int64_t* first, const int64_t* number,
+                                             int64_t n, int64_t* unique_keys,
+                                             int16_t* unique_tids, int64_t* inverse,
+                                             unsigned long long* occurrences) {
+  const int64_t i = global_thread();
+  if (i >= n) return;
+  const int64_t f = first[i];
+  const int64_t u = number[f] - 1;
+  inverse[i] = u;
+  atomicAdd(occurrences + u, 1ull);
+  if (f == i) {
+    unique_keys[u] = keys[i];
+    unique_tids[u] = tids[i];
+  }
 }

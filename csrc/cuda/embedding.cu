@@ -140,10 +140,24 @@ __device__ __forceinline__ float entry_sum(const int64_t* pos, const float* scal
   return a;
 }
 
-// Hot rows (more lookups than one piece holds, _cuda.PIECE_ENTRIES) are summed
+// Hot rows (more lookups than one piece holds, ops/cuda.py PIECE_ENTRIES) are summed
 // in two levels so that no warp walks a power law's head alone: one warp per
 // piece writes partial (pieces, dim), then the row's warp adds its pieces in
 // order. Other rows are summed in rank order, as the CPU backend sums them.
+
+// The pieces of each unique row u (entries starts[u] to starts[u + 1] - 1): a row
+// of more than piece_entries entries has ceil(entries / piece_entries) pieces, any
+// other none. pieces (num_unique,) is scanned into first_piece[1:] by the caller;
+// thread 0 writes first_piece[0] = 0.
+extern "C" __global__ void demb_piece_counts(const int64_t* starts, int64_t num_unique,
+                                             int64_t piece_entries, int64_t* pieces,
+                                             int64_t* first_piece) {
+  const int64_t u = global_thread();
+  if (u == 0) first_piece[0] = 0;
+  if (u >= num_unique) return;
+  const int64_t entries = starts[u + 1] - starts[u];
+  pieces[u] = entries > piece_entries ? (entries + piece_entries - 1) / piece_entries : 0;
+}
 
 // One warp per piece p of a hot row: partial[p, :] = the sum of its entries.
 // Row u's pieces are first_piece[u] to first_piece[u + 1] - 1, and piece

@@ -30,9 +30,10 @@ _KERNELS = {
                      "demb_unpin", "demb_undo_upsert", "demb_grow", "demb_erase",
                      "demb_expire"),
                     "hash_table.cu"),
-    **dict.fromkeys(("demb_dedup_insert", "demb_dedup_first"), "dedup.cu"),
+    **dict.fromkeys(("demb_dedup_insert", "demb_dedup_first", "demb_dedup_number"), "dedup.cu"),
     **dict.fromkeys(("demb_check_offsets", "demb_init_rows", "demb_pooled_forward", "demb_sequence_forward",
-                     "demb_place_grads", "demb_piece_sums", "demb_fused_update",
+                     "demb_place_grads", "demb_piece_counts", "demb_piece_sums",
+                     "demb_fused_update",
                      "demb_per_sample_weight_grad"),
                     "embedding.cu"),
 }
@@ -368,8 +369,10 @@ class CudaKernels:
         return (meta[3][start:end] != 0).nonzero().squeeze(1) + start
 
     # ------------------------------------------------------------------ dedup
-    def _first_positions(self, keys: torch.Tensor, tids: torch.Tensor) -> torch.Tensor:
-        """(n,) int64: the first position of each position's (table id, key) pair."""
+    def _first_positions(self, keys: torch.Tensor,
+                         tids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(n,) int64 each: the first position of each position's (table id, key)
+        pair, and whether the position is that first one (1 or 0)."""
         n = keys.numel()
         if n >= 2 ** 31:
             raise ValueError(f"dedup takes fewer than 2^31 keys, got {n}")
@@ -379,11 +382,12 @@ class CudaKernels:
         table = torch.full((size,), -1, dtype=torch.int32, device=keys.device)
         where = torch.empty(n, dtype=torch.int64, device=keys.device)
         first = torch.empty(n, dtype=torch.int64, device=keys.device)
+        is_first = torch.empty(n, dtype=torch.int64, device=keys.device)
         self._launch("demb_dedup_insert", keys.device, n,
                      [_ptr(keys), _ptr(tids), _i64(n), _ptr(table), _i64(size - 1), _ptr(where)])
         self._launch("demb_dedup_first", keys.device, n,
-                     [_ptr(table), _ptr(where), _i64(n), _ptr(first)])
-        return first
+                     [_ptr(table), _ptr(where), _i64(n), _ptr(first), _ptr(is_first)])
+        return first, is_first
 
     def dedup(self, keys, tids, frequencies, group=False):
         """Unique pairs in first-occurrence order: (keys, tids, inverse, counts,
@@ -391,16 +395,16 @@ class CudaKernels:
         _expect_batch(keys, tids)
         n = keys.numel()
         dev = keys.device
-        first = self._first_positions(keys, tids)
-        is_first = first == torch.arange(n, device=dev)
-        unique_index = torch.cumsum(is_first, 0) - 1
-        inverse = unique_index[first]
-        positions = is_first.nonzero().squeeze(1)  # the dedup's one sync: the unique count
-        ukeys, utids = keys[positions], tids[positions]
-        u = ukeys.numel()
-        # occurrences by index_add_ (bincount would sync for its size)
-        occurrences = torch.zeros(u, dtype=torch.int64, device=dev).index_add_(
-            0, inverse, torch.ones_like(inverse))
+        first, is_first = self._first_positions(keys, tids)
+        number = torch.cumsum(is_first, 0)  # pair first seen at i: number[i] - 1
+        u = int(number[-1]) if n else 0  # the dedup's one sync: the unique count
+        ukeys = torch.empty(u, dtype=torch.int64, device=dev)
+        utids = torch.empty(u, dtype=tids.dtype, device=dev)
+        inverse = torch.empty(n, dtype=torch.int64, device=dev)
+        occurrences = torch.zeros(u, dtype=torch.int64, device=dev)
+        self._launch("demb_dedup_number", dev, n, [
+            _ptr(keys), _ptr(tids), _ptr(first), _ptr(number), _i64(n), _ptr(ukeys),
+            _ptr(utids), _ptr(inverse), _ptr(occurrences)])
         counts = occurrences if frequencies is None else torch.zeros(
             u, dtype=torch.int64, device=dev).index_add_(0, inverse, frequencies)
         if not group:
@@ -484,8 +488,9 @@ class CudaKernels:
         # per-entry arrays are sized by that bound rather than read (a sync).
         entries = n
         dev = grad.device
-        pos = torch.zeros(entries, dtype=torch.int64, device=dev)
-        scale = torch.zeros(entries, dtype=torch.float32, device=dev)
+        # every entry the update reads (below starts[-1]) is placed: no zeroing
+        pos = torch.empty(entries, dtype=torch.int64, device=dev)
+        scale = torch.empty(entries, dtype=torch.float32, device=dev)
         bad = torch.zeros(1, dtype=torch.int64, device=dev)
         num_bags = offsets.numel() - 1 if pooled else 0
         self._launch("demb_place_grads", dev, num_bags if pooled else n, [
@@ -517,11 +522,14 @@ class CudaKernels:
         bound = 2 * entries // PIECE_ENTRIES
         if bound == 0:
             return None, None
-        pieces = (starts[1:] - starts[:-1] + (PIECE_ENTRIES - 1)) // PIECE_ENTRIES
-        first_piece = torch.zeros_like(starts)
-        torch.cumsum(pieces.masked_fill_(pieces == 1, 0), 0, out=first_piece[1:])
-        partial = torch.empty(bound, int(dim), dtype=torch.float32, device=grad.device)
         num_unique = starts.numel() - 1
+        pieces = torch.empty(num_unique, dtype=torch.int64, device=grad.device)
+        first_piece = torch.empty_like(starts)
+        self._launch("demb_piece_counts", grad.device, max(num_unique, 1), [
+            _ptr(starts), _i64(num_unique), _i64(PIECE_ENTRIES), _ptr(pieces),
+            _ptr(first_piece)])
+        torch.cumsum(pieces, 0, out=first_piece[1:])
+        partial = torch.empty(bound, int(dim), dtype=torch.float32, device=grad.device)
         self._launch("demb_piece_sums", grad.device, 32 * bound, [
             _ptr(starts), _ptr(first_piece), _i64(num_unique), _i64(PIECE_ENTRIES),
             _i64(bound), _ptr(pos), _ptr(scale), _ptr(grad), _i64(dim), _ptr(partial)])

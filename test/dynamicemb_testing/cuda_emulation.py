@@ -152,7 +152,19 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         self._t(a[5]).copy_(first[inverse])
 
     def run_dedup_first(self, a):
-        self._t(a[3]).copy_(self._t(a[1]))
+        first = self._t(a[3])
+        first.copy_(self._t(a[1]))
+        self._t(a[4]).copy_(first == torch.arange(first.numel()))
+
+    def run_dedup_number(self, a):
+        keys, tids, first, number = (self._t(a[i]) for i in range(4))
+        ukeys, utids, inverse, occurrences = (self._t(a[i]) for i in range(5, 9))
+        inverse.copy_(number[first] - 1)
+        if occurrences is not None:  # None: no unique pair (n = 0 launches nothing)
+            occurrences.index_add_(0, inverse, torch.ones_like(inverse))
+        is_first = first == torch.arange(first.numel())
+        ukeys.copy_(keys[is_first])
+        utids.copy_(tids[is_first])
 
     # ----------------------------------------------------------- embedding
     def run_check_offsets(self, a):
@@ -185,8 +197,16 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         # when demb_fused_update runs, from the arguments given here.
         self._placed = a
 
+    def run_piece_counts(self, a):
+        starts, num_unique, piece = self._t(a[0]), int(a[1]), int(a[2])
+        entries = starts[1:num_unique + 1] - starts[:num_unique]
+        pieces = torch.where(entries > piece, (entries + piece - 1) // piece, 0)
+        if num_unique:
+            self._t(a[3]).copy_(pieces)
+        self._t(a[4])[0] = 0
+
     def run_piece_sums(self, a):
-        pass
+        pass  # the CPU's fused backward sums the hot rows (run_fused_update)
 
     def run_fused_update(self, a):
         p = self._placed
