@@ -344,8 +344,7 @@ class CudaKernels:
     def erase(self, meta, bc, keys, tids) -> torch.Tensor:
         """Erases each key once: a key given twice is erased by its first occurrence."""
         _expect_batch(keys, tids)
-        first = self._first_positions(keys, tids)
-        is_first = first == torch.arange(keys.numel(), device=keys.device)
+        _, is_first = self._first_positions(keys, tids)
         positions = is_first.nonzero().squeeze(1)
         ukeys, utids = keys[positions], tids[positions]
         erased_unique = torch.empty(ukeys.numel(), dtype=torch.bool, device=keys.device)
