@@ -17,7 +17,7 @@ import torch
 from dynamicemb.embedding.admission import Admission
 from dynamicemb.embedding.initialization import RowInitializer
 from dynamicemb.ops import for_device
-from dynamicemb.ops.interface import OptimizerUpdate, optimizer_state_dim
+from dynamicemb.ops.interface import OptimizerUpdate, num_buckets_for, optimizer_state_dim
 from dynamicemb.options import (DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbTableOptions,
                                 DynamicEmbWeightDecayMode)
 from dynamicemb.storage import TieredStorage
@@ -146,6 +146,8 @@ class TableGroup:
                                    self.state_dim)
         row_bytes = (self.dim + self.state_dim) * 4
         host_rows = host_budget_rows(options, row_bytes, table_names)
+        budgets = [o.device_budget() for o in options]
+        device_rows = None if budgets[0] is None else sum(b // row_bytes for b in budgets)
         self.table = ScoredHashTable(  # the host store: index of record
             num_tables=len(table_indices),
             capacity=min(sum(o.init_capacity or o.max_capacity for o in options), host_rows),
@@ -157,9 +159,13 @@ class TableGroup:
             check_mode=first.safe_check_mode,
             device=device,
             ttl=first.ttl,
+            # under a device budget the host store's rows are in host memory (on a
+            # GPU: pinned, read and written in place by the kernels); its index
+            # stays on the device
+            values_in_host_memory=TieredStorage.host_store_off_device(
+                first.caching, device_rows,
+                num_buckets_for(host_rows, first.bucket_capacity) * first.bucket_capacity),
         )
-        budgets = [o.device_budget() for o in options]
-        device_rows = None if budgets[0] is None else sum(b // row_bytes for b in budgets)
         self.storage = TieredStorage.build(self.table, first.caching, device_rows,
                                            device=device, initialize=self.init.stored,
                                            external=external_tier(first, self.table, table_names))

@@ -147,6 +147,8 @@ class TableMemory:
         num_buckets: a power of two.
         max_num_buckets: the most buckets growth may reach.
         bucket_capacity: slots per bucket, a multiple of 16.
+        values_in_host_memory: ``values`` is host memory the backend's kernels read
+            and write in place (``Backend.host_zeros``); growth keeps it there.
     """
 
     meta: List[torch.Tensor]
@@ -154,6 +156,7 @@ class TableMemory:
     num_buckets: int
     max_num_buckets: int
     bucket_capacity: int
+    values_in_host_memory: bool = False
 
     def __post_init__(self) -> None:
         # The probes load 16 digests at a time (the CPU's SIMD match, the GPU's
@@ -300,9 +303,18 @@ class Backend(abc.ABC):
     def zeros(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Zeroed memory for a table's arrays (the backend picks how: huge pages...)."""
 
+    def host_zeros(self, shape: Sequence[int], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+        """Zeroed host memory that this backend's kernels and torch ops on ``device``
+        read and write in place: a host store's value rows under a device budget.
+        Where the device is the host (the CPU), the same as ``zeros``."""
+        return self.zeros(shape, dtype, device)
+
     def new_table(self, *, num_buckets: int, max_num_buckets: int, bucket_capacity: int,
-                  value_dim: int, value_dtype: torch.dtype, device: torch.device) -> TableMemory:
-        """An empty table's memory."""
+                  value_dim: int, value_dtype: torch.dtype, device: torch.device,
+                  values_in_host_memory: bool = False) -> TableMemory:
+        """An empty table's memory; its value rows in host memory when
+        ``values_in_host_memory`` (``host_zeros``), the index on ``device``."""
         slots = num_buckets * bucket_capacity
         words = (bucket_capacity + 63) // 64
         keys_and_scores = self.zeros((slots, 2), torch.int64, device)
@@ -314,8 +326,10 @@ class Backend(abc.ABC):
             self.zeros((num_buckets, words), torch.int64, device),
             self.zeros((num_buckets, words), torch.int64, device),
         ]
-        values = self.zeros((slots, value_dim), value_dtype, device)
-        return TableMemory(meta, values, num_buckets, max_num_buckets, bucket_capacity)
+        allocate = self.host_zeros if values_in_host_memory else self.zeros
+        values = allocate((slots, value_dim), value_dtype, device)
+        return TableMemory(meta, values, num_buckets, max_num_buckets, bucket_capacity,
+                           values_in_host_memory)
 
     # ------------------------------------------------------------ hash table
     @abc.abstractmethod

@@ -159,7 +159,8 @@ class KernelBackend(Backend):
                              max_num_buckets=memory.max_num_buckets,
                              bucket_capacity=memory.bucket_capacity,
                              value_dim=memory.values.shape[1], value_dtype=memory.values.dtype,
-                             device=memory.values.device)
+                             device=memory.values.device,
+                             values_in_host_memory=memory.values_in_host_memory)
         moved = self.kernels.grow(memory.meta, new.meta, memory.bucket_capacity)
         row_bytes = max(1, memory.values.shape[1] * memory.values.element_size())
         chunk = max(1, GROW_CHUNK_BYTES // row_bytes)

@@ -35,8 +35,11 @@ def dynamic_table_bytes(options: DynamicEmbTableOptions, rows: int,
     slot a value row (embedding and optimizer state in float32) and its metadata
     (``metadata_bytes_per_slot``, what ``ScoredHashTable.memory_bytes`` counts). With
     ``local_hbm_for_values=None`` everything is in device memory; otherwise the
-    device holds that budget (a cache when ``caching``) and the host the rest (every
-    row when ``caching``) together with the index. With an external store and
+    device holds that budget of rows (a cache when ``caching``) with their index,
+    and the index of every row (the host store's, which kernels probe on the
+    device), while the host holds the rest of the value rows (every row when
+    ``caching``). A budget that holds every row without ``caching`` keeps the whole
+    table on the device. With an external store and
     ``local_host_for_values`` the host holds at most that budget of rows (and their
     index); the rest is ``external_table_bytes``.
     """
@@ -45,11 +48,12 @@ def dynamic_table_bytes(options: DynamicEmbTableOptions, rows: int,
     values = slots * row_bytes
     index = math.ceil(slots * metadata_bytes_per_slot(options.bucket_capacity))
     budget = options.device_budget(num_shards)
-    if budget is None:
+    if budget is None or (not options.caching and budget >= values):
         return values + index, 0
     device = min(budget, values)
+    device_index = math.ceil(device // row_bytes * metadata_bytes_per_slot(options.bucket_capacity))
     host = values if options.caching else values - device
-    return device, host + index
+    return device + device_index + index, host
 
 
 def external_table_bytes(options: DynamicEmbTableOptions, rows: int,

@@ -135,6 +135,13 @@ class TieredStorage:
         # The absent tier of ``sources()``: on the kernels' device like the other one.
         self._empty = torch.empty(0, host.value_dim, dtype=host.value_dtype, device=self.device)
 
+    @staticmethod
+    def host_store_off_device(caching: bool, device_rows: Optional[int], host_rows: int) -> bool:
+        """Whether ``build`` leaves rows to the host store alone for a device budget
+        of ``device_rows`` (None: unlimited) over a host store of up to ``host_rows``:
+        then its value rows belong in host memory (``values_in_host_memory``)."""
+        return device_rows is not None and (caching or device_rows < host_rows)
+
     @classmethod
     def build(cls, host: ScoredHashTable, caching: bool, device_rows: Optional[int],
               device: Optional[torch.device] = None,
@@ -143,7 +150,7 @@ class TieredStorage:
         with the device tier on ``device`` (default: the host store's), over an
         ``external`` tier or none."""
         device = host.device if device is None else device
-        if device_rows is None or (not caching and device_rows >= host.max_capacity()):
+        if not cls.host_store_off_device(caching, device_rows, host.max_capacity()):
             return cls(host, device=device, initialize=initialize, external=external)
         if device_rows < 16:  # smaller than one bucket: no device tier at all
             return cls(host, host_only=True, device=device, initialize=initialize,
@@ -171,7 +178,9 @@ class TieredStorage:
 
     def _describe_memory(self) -> str:
         row_bytes = self.host.value_dim * self.host.values.element_size()
-        host = f"host store up to {self.host.max_capacity()} rows ({self.host.max_capacity() * row_bytes} B)"
+        where = " in host memory" if self.host.values_in_host_memory else ""
+        host = (f"host store up to {self.host.max_capacity()} rows "
+                f"({self.host.max_capacity() * row_bytes} B{where})")
         if self.device_tier is None:
             return f"host store only: {host}" if self.host_only else f"one tier: {host}"
         kind = "cache" if self.promote else "placement tier (no promotion)"

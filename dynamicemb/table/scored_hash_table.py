@@ -63,7 +63,11 @@ class ScoredHashTable:
         value_dim: width of a value row (0: keys only).
         value_dtype: dtype of the value rows.
         check_mode: what a failed insert does (see ``DynamicEmbCheckMode``).
-        device: where the tensors live (only CPU kernels exist so far).
+        device: where the tensors live (CPU or CUDA).
+        values_in_host_memory: keep the value rows in host memory that the device's
+            kernels read and write in place (on CUDA: pinned and mapped into the
+            GPU's address space; the index stays on the GPU). Lets a table's rows
+            exceed the GPU's memory. The same as the default on CPU.
         ttl: row lifetime in ticks of the table's time (``now``; None: no expiry).
             A row whose last access is more than ``ttl`` ticks before a call's time
             is absent to that call: ``find`` misses it, an inserting call gives it a
@@ -92,6 +96,7 @@ class ScoredHashTable:
         check_mode: DynamicEmbCheckMode = DynamicEmbCheckMode.IGNORE,
         device: torch.device = torch.device("cpu"),
         ttl: Optional[int] = None,
+        values_in_host_memory: bool = False,
     ) -> None:
         if not 1 <= num_tables <= MAX_TABLES:
             raise ValueError(f"num_tables must be in [1, {MAX_TABLES}], got {num_tables}")
@@ -128,7 +133,7 @@ class ScoredHashTable:
             num_buckets=num_buckets_for(capacity, bucket_capacity),
             max_num_buckets=num_buckets_for(max_capacity, bucket_capacity),
             bucket_capacity=bucket_capacity, value_dim=value_dim, value_dtype=value_dtype,
-            device=self.device)
+            device=self.device, values_in_host_memory=values_in_host_memory)
         self._size = 0
         self._clock = 0
         self._step = 0
@@ -140,6 +145,11 @@ class ScoredHashTable:
     def values(self) -> torch.Tensor:
         """Value rows, ``[capacity, value_dim]``, indexed by slot."""
         return self._memory.values
+
+    @property
+    def values_in_host_memory(self) -> bool:
+        """Whether the value rows are in host memory the device reads in place."""
+        return self._memory.values_in_host_memory
 
     @property
     def clock(self) -> int:

@@ -49,6 +49,13 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         self._cpu = cpu_kernels.load()
         self._tensors: Dict[int, torch.Tensor] = {}
         self._placed: Optional[list] = None  # the last demb_place_grads arguments
+        # (shape, dtype) of every host-memory allocation (``mapped_host_zeros``)
+        self.host_allocations: list = []
+
+    def mapped_host_zeros(self, shape, dtype, device) -> torch.Tensor:
+        """Stands in for the pinned, GPU-mapped host memory: plain zeros, recorded."""
+        self.host_allocations.append((tuple(shape), dtype))
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     # ------------------------------------------------------------ plumbing
     def remember(self, t: Optional[torch.Tensor]) -> np.uint64:
@@ -249,11 +256,14 @@ def emulated_cuda(kernels: Optional[EmulatedCudaKernels] = None):
     kernels = EmulatedCudaKernels() if kernels is None else kernels
     backend = cuda_backend.CudaBackend.__new__(cuda_backend.CudaBackend)
     cuda_backend.KernelBackend.__init__(backend, kernels)
-    saved = (ops._cpu, cuda_backend._ptr, cuda_backend._on_kernel_device)
+    saved = (ops._cpu, cuda_backend._ptr, cuda_backend._on_kernel_device,
+             cuda_backend.mapped_host_zeros)
     ops._cpu = lambda: backend
     cuda_backend._ptr = kernels.remember
     cuda_backend._on_kernel_device = lambda t: t.device.type == "cpu"
+    cuda_backend.mapped_host_zeros = kernels.mapped_host_zeros
     try:
         yield kernels
     finally:
-        ops._cpu, cuda_backend._ptr, cuda_backend._on_kernel_device = saved
+        (ops._cpu, cuda_backend._ptr, cuda_backend._on_kernel_device,
+         cuda_backend.mapped_host_zeros) = saved
