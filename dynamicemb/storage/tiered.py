@@ -49,6 +49,10 @@ __all__ = ["TierMetrics", "TieredStorage"]
 logger = logging.getLogger(__name__)
 
 
+# Sorts a batch's cache hits before every miss (above any occurrence count).
+_HIT_RANK = torch.iinfo(torch.int64).max
+
+
 @dataclass
 class TierMetrics:
     """Counts of one table's traffic between the tiers (unique keys per batch).
@@ -386,13 +390,20 @@ class TieredStorage:
         order = None
         if self.promote:
             hit = tier.find(keys, tids, checked=True) >= 0
-            room = tier.capacity() - int(hit.sum())
-            misses = (~hit).nonzero().squeeze(1)
-            if misses.numel() > tier.capacity() - tier.size():  # promoting would evict
-                misses = misses[counts[misses] > 1]
-                hottest = torch.argsort(counts[misses], descending=True, stable=True)
-                misses = misses[hottest[:max(room, 0)]]
-            order = torch.cat([hit.nonzero().squeeze(1), misses])
+            miss = ~hit
+            hot = miss & (counts > 1)
+            # the three counts in one sync
+            num_hits, num_misses, num_hot = torch.stack(
+                [hit.sum(), miss.sum(), hot.sum()]).tolist()
+            if num_misses > tier.capacity() - tier.size():  # promoting would evict
+                taken, rank = min(num_hot, max(tier.capacity() - num_hits, 0)), counts
+                miss = hot
+            else:
+                taken, rank = num_misses, torch.zeros_like(counts)
+            # one stable sort: the hits in batch order, then the misses taken (hottest
+            # first when not all fit, else in batch order); the rest are left out
+            rank = torch.where(hit, _HIT_RANK, torch.where(miss, rank, -1))
+            order = torch.argsort(rank, descending=True, stable=True)[:num_hits + taken]
             keys, tids, host_slots = keys[order], tids[order], host_slots[order]
         scores = (self._on_device(self.host.scores_at(self._on_host(host_slots))) if self.promote
                   else None)
