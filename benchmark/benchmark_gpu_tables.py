@@ -8,6 +8,12 @@ rows, dim 128, a batch of ``batch_size`` single-id bags with power-law ids (alph
 optimizer (SGD; Adam as ``torch.optim.SparseAdam``), the best static table this
 machine has without FBGEMM's CUDA build; both hold every row before timing.
 
+``--hbm_gib`` adds the seed's caching rows: with that many GiB of device memory for
+value rows, ``cache`` (an HBM cache over the host store, whose rows are in pinned host
+memory) and ``in-place`` (rows beyond the budget read and updated in host memory, no
+promotion), each timed beside the same static table (one dynamic layout built at a
+time), with the cache's hit rate.
+
 Per iteration, each module in turn (so noise falls on both alike): ``forward``
 (training forward), ``backward`` (backward with the optimizer step), ``train``
 (both), ``eval`` (no-grad forward in eval mode), each wall-clock between device
@@ -64,12 +70,15 @@ class Static(torch.nn.Module):
 
 
 class Dynamic(torch.nn.Module):
-    """One dynamic table holding every id (pre-filled), its optimizer fused."""
+    """One dynamic table holding every id (pre-filled), its optimizer fused; with
+    ``hbm_bytes``, that device budget as a cache (``caching``) or placed rows."""
 
-    def __init__(self, num_embeddings: int, dim: int, optimizer: str, device) -> None:
+    def __init__(self, num_embeddings: int, dim: int, optimizer: str, device,
+                 hbm_bytes=None, caching: bool = False) -> None:
         super().__init__()
         options = DynamicEmbTableOptions(dim=dim, max_capacity=num_embeddings,
-                                         init_capacity=num_embeddings)
+                                         init_capacity=num_embeddings, caching=caching,
+                                         local_hbm_for_values=hbm_bytes)
         self.tables = BatchedDynamicEmbeddingTables(
             [options], optimizer=OPTIMIZERS[optimizer], learning_rate=LR, device=device)
         chunk = 1 << 22
@@ -113,26 +122,43 @@ def time_pair(modules: Dict[str, torch.nn.Module], batches, grad, iterations: in
     return times
 
 
-def run_config(args, batch: int, num_embeddings: int, optimizer: str, device) -> Dict:
+def layouts(args) -> List[tuple]:
+    """(name, device bytes or None, caching) of each dynamic layout to time."""
+    out = [] if args.skip_all_hbm else [("all-hbm", None, False)]
+    for gib in args.hbm_gib:
+        out += [(f"cache {gib:g} GiB", int(gib * 2**30), True),
+                (f"in-place {gib:g} GiB", int(gib * 2**30), False)]
+    return out
+
+
+def run_config(args, batch: int, num_embeddings: int, optimizer: str, device) -> List[Dict]:
     gen = torch.Generator(device).manual_seed(0)
     offsets = torch.arange(batch + 1, device=device)
     batches = [(power_law_ids(batch, num_embeddings, args.alpha, gen), offsets)
                for _ in range(args.distinct_batches)]
     grad = torch.randn(batch, args.embedding_dim, generator=gen, device=device)
-    modules = {"static": Static(num_embeddings, args.embedding_dim, optimizer, device),
-               "dynamicemb": Dynamic(num_embeddings, args.embedding_dim, optimizer, device)}
-    times = time_pair(modules, batches, grad, args.num_iterations, args.warmup, device)
-    row = {"batch_size": batch, "num_embeddings": num_embeddings, "optimizer": optimizer,
-           "embedding_dim": args.embedding_dim, "alpha": args.alpha,
-           "iterations": args.num_iterations}
-    for name in modules:
-        for phase, ts in times[name].items():
-            row[f"{phase}({name})"] = round(statistics.median(ts), 4)
-    pairs = [d / s for d, s in zip(times["dynamicemb"]["train"], times["static"]["train"])]
-    row["train ratio (paired)"] = round(statistics.median(pairs), 3)
-    del modules
-    torch.cuda.empty_cache()
-    return row
+    static = Static(num_embeddings, args.embedding_dim, optimizer, device)
+    rows = []
+    for layout, hbm_bytes, caching in layouts(args):
+        dynamic = Dynamic(num_embeddings, args.embedding_dim, optimizer, device, hbm_bytes,
+                          caching)
+        modules = {"static": static, "dynamicemb": dynamic}
+        times = time_pair(modules, batches, grad, args.num_iterations, args.warmup, device)
+        row = {"batch_size": batch, "num_embeddings": num_embeddings, "optimizer": optimizer,
+               "embedding_dim": args.embedding_dim, "alpha": args.alpha,
+               "iterations": args.num_iterations, "layout": layout}
+        for name in modules:
+            for phase, ts in times[name].items():
+                row[f"{phase}({name})"] = round(statistics.median(ts), 4)
+        pairs = [d / s for d, s in zip(times["dynamicemb"]["train"], times["static"]["train"])]
+        row["train ratio (paired)"] = round(statistics.median(pairs), 3)
+        metrics = dynamic.tables.cache_metrics()["t0"]
+        row["cache hit rate"] = round(metrics.hit_rate, 4) if caching else None
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del modules, dynamic
+        torch.cuda.empty_cache()
+    return rows
 
 
 def markdown(rows: List[Dict]) -> str:
@@ -151,6 +177,10 @@ def main() -> None:
     parser.add_argument("--num_iterations", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--distinct_batches", type=int, default=8)
+    parser.add_argument("--hbm_gib", type=float, nargs="*", default=[],
+                        help="device GiB for value rows: adds a cache and an in-place row each")
+    parser.add_argument("--skip_all_hbm", action="store_true",
+                        help="time only the --hbm_gib layouts")
     parser.add_argument("--out", default="benchmark/out/gpu_tables")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -158,8 +188,7 @@ def main() -> None:
     for n in args.num_embeddings:
         for batch in args.batch_sizes:
             for opt in args.optimizers:
-                rows.append(run_config(args, batch, n, opt, device))
-                print(json.dumps(rows[-1]), flush=True)
+                rows += run_config(args, batch, n, opt, device)
     meta = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
             "unit": "ms, median"}
     table = markdown(rows)

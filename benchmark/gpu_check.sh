@@ -7,11 +7,11 @@
 # batched-tables benchmarks. Logs, JSON and markdown go to $OUT (default
 # benchmark/out/gpu); `summary.txt` there has one exit code per stage.
 #
-# Stages: GPU_STAGES="build tests sanitizer racecheck hash tables steps profile" (default: all).
+# Stages: GPU_STAGES="build tests sanitizer racecheck hash tables caching steps profile" (default: all).
 set -uo pipefail
 OUT=${OUT:-benchmark/out/gpu}
 PY=${PYTHON:-python3}
-STAGES=${GPU_STAGES:-build tests sanitizer racecheck hash tables steps profile}
+STAGES=${GPU_STAGES:-build tests sanitizer racecheck hash tables caching steps profile}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
@@ -51,6 +51,14 @@ stage tables $PY benchmark/benchmark_gpu_tables.py --batch_sizes 65536 1048576 \
 # 64M rows: SGD only (Adam's states for both tables would not fit in 80 GB at once)
 stage tables $PY benchmark/benchmark_gpu_tables.py --batch_sizes 65536 1048576 \
   --num_embeddings 67108864 --optimizers sgd --out "$OUT/gpu_tables_64M"
+# the seed's caching rows: 4 and 12 GiB of HBM for value rows, an HBM cache over the
+# host store (rows in pinned host memory) and rows read in place, beside the static table
+stage caching $PY benchmark/benchmark_gpu_tables.py --batch_sizes 65536 1048576 \
+  --num_embeddings 8388608 --optimizers sgd adam --hbm_gib 4 --skip_all_hbm \
+  --out "$OUT/gpu_caching_8M"
+stage caching $PY benchmark/benchmark_gpu_tables.py --batch_sizes 65536 1048576 \
+  --num_embeddings 67108864 --optimizers sgd --hbm_gib 4 12 --skip_all_hbm \
+  --out "$OUT/gpu_caching_64M"
 # the step's syncs as PyTorch's sync debug mode sees them (the CPU guard says 3), and
 # training at the widest dims against the CPU
 stage steps $PY benchmark/gpu_step_check.py --lookups 65536
