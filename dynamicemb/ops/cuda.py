@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from dynamicemb.ops.interface import InsertStatus
-from dynamicemb.ops.kernels import KernelBackend
+from dynamicemb.ops.kernels import DeferredCount, KernelBackend
 
 __all__ = ["CudaBackend", "CudaKernels", "cuda_source_root", "mapped_host_zeros"]
 
@@ -314,7 +314,9 @@ class CudaKernels:
     def upsert(self, meta, bc, keys, tids, given, rule, now, evicts, can_grow, one_table,
                pending, slots, status, prev_scores, ev_keys, ev_tids, ev_scores,
                outcomes) -> torch.Tensor:
-        """One inserting pass over keys[pending]; returns the deferred positions."""
+        """One inserting pass over keys[pending]; returns the deferred positions, or
+        while the table may grow a ``DeferredCount`` (their number stays on the
+        device until the caller reads it with the outcomes)."""
         _expect_batch(keys, tids)
         _expect(pending, torch.int64, "pending")
         if rule != 0 and given is None:
@@ -346,9 +348,8 @@ class CudaKernels:
         outcomes += counts[:_NUM_OUTCOMES]  # on the device: read once by the caller
         if not can_grow:  # a key is deferred only while the table may grow
             return pending[:0]
-        if int(counts[_DEFERRED]) == 0:  # a sync, only while the table may still grow
-            return pending[:0]
-        return pending[status[pending] == _DEFERRED]
+        # how many were deferred is read by the caller with the outcome counts
+        return DeferredCount(counts[_DEFERRED:], pending, status)
 
     def dedup_upsert(self, meta, bc, keys, tids, frequencies, now, evicts, can_grow,
                      one_table, slots, status, prev_scores, ev_keys, ev_tids, ev_scores,

@@ -8,7 +8,7 @@ between them, and reads the kernels' outcome counts. Only ``cpu.py`` and
 ``cuda.py`` instantiate it, each with its kernels and its allocator.
 """
 
-from typing import Any, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -25,10 +25,30 @@ from dynamicemb.ops.interface import (
     optimizer_code,
 )
 
-__all__ = ["GROW_CHUNK_BYTES", "KernelBackend"]
+__all__ = ["DeferredCount", "GROW_CHUNK_BYTES", "KernelBackend"]
 
 #: The most value bytes growth gathers at once (its temporary beyond the two tables).
 GROW_CHUNK_BYTES = 64 << 20
+
+class DeferredCount(NamedTuple):
+    """What an inserting pass returns when only the device knows how many keys it
+    deferred (the CUDA kernels, while the table may grow): the count is read
+    together with the call's outcome counts, in one sync.
+
+    Attributes:
+        count: (1,) int64 on the device, the pass's deferred keys.
+        pending: (m,) the positions the pass was given.
+        status: (n,) int8 per-key statuses (deferred keys hold DEFERRED).
+    """
+
+    count: torch.Tensor
+    pending: torch.Tensor
+    status: torch.Tensor
+
+    def positions(self) -> torch.Tensor:
+        """The deferred positions (compacted: a sync, only when some were deferred)."""
+        return self.pending[self.status[self.pending] == InsertStatus.DEFERRED]
+
 
 # What an inserting pass writes per key.
 _PER_KEY_OUTPUTS = {
@@ -102,13 +122,22 @@ class KernelBackend(Backend):
         held before the call (it may stay grown)."""
         growths = 0
         bc = memory.bucket_capacity
+        counts = None  # the outcome counts, once read
+        deferred = pending  # positions, or a DeferredCount (``pending`` is the caller's)
         try:
-            while pending.numel():
+            while True:
+                if isinstance(deferred, DeferredCount):  # one sync for both counts
+                    *counts, num_deferred = torch.cat([out["outcomes"], deferred.count]).tolist()
+                    deferred = deferred.pending[:0] if num_deferred == 0 else deferred.positions()
+                pending = deferred
+                if not pending.numel():
+                    break
+                counts = None  # another pass adds to them
                 if passes:  # the previous pass deferred keys to grow for
                     self._grow_between_passes(memory, keys, tids, out)
                     growths += 1
                 passes += 1
-                pending = self.kernels.upsert(
+                deferred = self.kernels.upsert(
                     memory.meta, bc, keys, tids, given, rule, now, evicts, memory.can_grow,
                     one_table, pending, out["slots"], out["status"], out["prev_scores"],
                     out["ev_keys"], out["ev_tids"], out["ev_scores"], out["outcomes"],
@@ -119,7 +148,9 @@ class KernelBackend(Backend):
             raise
         if passes > 1:  # a single pass unpins its own slots in the kernel
             self.kernels.unpin(memory.meta, bc, out["slots"])
-        hits, inserted, evicted, failed = out["outcomes"].tolist()  # the call's one sync
+        if counts is None:
+            counts = out["outcomes"].tolist()  # the call's one sync
+        hits, inserted, evicted, failed = counts
         return Upserted(out["slots"], out["status"], out["prev_scores"], out["ev_keys"],
                         out["ev_tids"], out["ev_scores"], hits=hits, inserted=inserted,
                         evicted=evicted, failed=failed, growths=growths)

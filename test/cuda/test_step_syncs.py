@@ -139,14 +139,16 @@ def test_steady_step_syncs_only_where_named(new_ids, optimizer):
     assert guard.launches() <= ATEN_LAUNCH_CEILING[new_ids], guard.launches()
 
 
-def test_a_table_that_may_grow_reads_whether_a_bucket_was_full():
-    """While the table may still grow, a pass also reads whether it deferred keys."""
+def test_a_table_that_may_grow_reads_its_deferrals_with_the_outcomes():
+    """While the table may still grow, whether a pass deferred keys (a full bucket)
+    is read in the same sync as the call's outcome counts: still three syncs."""
     with emulated_cuda() as kernels:
         module = _module(capacity=1 << 15, init_capacity=1 << 13)
         ids, offsets = _batches(100, 1, seed=5)[0]
         _step(module, ids, offsets)
         guard = _guarded_step(module, kernels, ids, offsets)
-    assert _sites(guard) == NO_CACHE_SYNCS + Counter({"upsert": 1}), guard.report()
+    assert module._groups[0].table.capacity() < 1 << 15  # it may still grow
+    assert _sites(guard) == NO_CACHE_SYNCS, guard.report()
 
 
 def test_cache_step_syncs_stay_in_the_cache_code():
