@@ -30,6 +30,7 @@ __all__ = ["DeferredCount", "GROW_CHUNK_BYTES", "KernelBackend"]
 #: The most value bytes growth gathers at once (its temporary beyond the two tables).
 GROW_CHUNK_BYTES = 64 << 20
 
+
 class DeferredCount(NamedTuple):
     """What an inserting pass returns when only the device knows how many keys it
     deferred (the CUDA kernels, while the table may grow): the count is read
