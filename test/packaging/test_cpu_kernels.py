@@ -24,6 +24,16 @@ REFERENCE_SUITES = (
     "test/storage/test_exactness.py",
 )
 
+# The suites under pytest in a process that first says which copy it runs (one process:
+# a separate one for the check cost 5 s).
+_SUITES = """
+import sys
+import pytest
+from dynamicemb.ops import for_device
+print("USED", for_device("cpu").kernels.__name__, flush=True)
+sys.exit(pytest.main(["-x", "-p", "no:cacheprovider", *sys.argv[1:]]))
+"""
+
 # What /proc/cpuinfo must list for a level (the psABI's x86-64 levels).
 LEVEL_FLAGS = {
     "x86_64_v3": {"avx2", "fma", "bmi1", "bmi2", "sse4_2", "popcnt"},
@@ -41,10 +51,6 @@ def cpu_flags():
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     pytest.skip("/proc/cpuinfo lists no flags")
-
-
-def forced(copy, code):
-    return run_python(["-c", code], env={"DYNAMICEMB_CPU_KERNELS": copy})
 
 
 @pytest.mark.skipif(not X86_64, reason="the levels are x86-64's")
@@ -90,13 +96,31 @@ def test_the_choice_is_logged_once_at_debug_level():
     assert lines[0].startswith("dynamicemb ") and used in lines[0]
 
 
+# Forces each copy of argv in turn and asks for the CPU backend; prints how each ended.
+# One process for both copies (a process each cost 5 s): the variable is read when the
+# kernels load, and a refused load leaves nothing cached.
+_REFUSALS = """
+import os, sys
+import torch
+from dynamicemb.ops import cpu_kernels, for_device
+for copy in sys.argv[1:]:
+    os.environ["DYNAMICEMB_CPU_KERNELS"] = copy
+    cpu_kernels.load.cache_clear()
+    try:
+        print("LOADED", copy, for_device("cpu").kernels.__name__)
+    except Exception as err:
+        print("REFUSED", copy, type(err).__name__, err)
+"""
+
+
 def test_an_unknown_or_unbuilt_copy_is_refused_by_name():
-    done = forced("avx9000", "import torch; from dynamicemb.ops import for_device; for_device('cpu')")
-    assert done.returncode != 0
-    assert "DYNAMICEMB_CPU_KERNELS='avx9000'" in done.stderr and "x86_64_v3" in done.stderr
     missing = [c for c in cpu_kernels.COPIES if c not in cpu_kernels.built()]
-    done = forced(missing[0], "import torch; from dynamicemb.ops import for_device; for_device('cpu')")
-    assert done.returncode != 0 and "is not built in this install" in done.stderr
+    done = run_python(["-c", _REFUSALS, "avx9000", missing[0]], check=True)
+    unknown, unbuilt = done.stdout.splitlines()
+    assert unknown.startswith("REFUSED avx9000 ValueError "), done.stdout
+    assert "DYNAMICEMB_CPU_KERNELS='avx9000'" in unknown and "x86_64_v3" in unknown
+    assert unbuilt.startswith(f"REFUSED {missing[0]} ImportError "), done.stdout
+    assert "is not built in this install" in unbuilt
 
 
 @pytest.mark.parametrize("copy", cpu_kernels.COPIES)
@@ -107,9 +131,9 @@ def test_each_copy_this_cpu_runs_passes_the_reference_suites(copy):
         pytest.skip(f"this CPU cannot run {copy}")
     if copy == cpu_kernels.runnable()[0]:
         pytest.skip(f"{copy} is the default copy: every other test here runs it")
-    used = forced(copy, "from dynamicemb.ops import for_device; print(for_device('cpu').kernels.__name__)")
-    assert used.stdout.strip() == f"dynamicemb._C_{copy}", used.stderr[-2000:]
-    suites = run_python(["-m", "pytest", "-x", "-p", "no:cacheprovider", *REFERENCE_SUITES],
-                        env={"DYNAMICEMB_CPU_KERNELS": copy}, timeout=1200)
+    suites = run_python(["-c", _SUITES, *REFERENCE_SUITES], env={"DYNAMICEMB_CPU_KERNELS": copy},
+                        timeout=1200)
+    used = suites.stdout.splitlines()[0] if suites.stdout else ""
+    assert used == f"USED dynamicemb._C_{copy}", suites.stdout[-4000:] + suites.stderr[-2000:]
     assert suites.returncode == 0, suites.stdout[-4000:] + suites.stderr[-2000:]
     assert " passed" in suites.stdout and " failed" not in suites.stdout

@@ -31,7 +31,10 @@ def test_torch_is_a_requirement_and_the_optional_stacks_are_extras():
     assert {"tqdm", "torchmetrics", "pyarrow", "matplotlib"} <= requirement_names("examples")
 
 
-# A process in which `import torchrec` fails as it does where TorchRec is not installed.
+# One process in which `import torchrec` fails as it does where TorchRec is not
+# installed. Each statement of argv runs from the state the core's imports left: the
+# dynamicemb modules it added are dropped before the next, as a new process would not
+# have them (a process per statement cost 6 s each).
 _WITHOUT_TORCHREC = """
 import sys
 class NoTorchRec:
@@ -40,22 +43,39 @@ class NoTorchRec:
             raise ImportError("No module named 'torchrec'")
 sys.meta_path.insert(0, NoTorchRec())
 import dynamicemb, dynamicemb.table, dynamicemb.checkpoint  # the core needs no TorchRec
-try:
-    import {module}
-except ImportError as err:
-    print("ERROR", err)
-else:
-    print("IMPORTED")
+core = set(sys.modules)
+for statement in sys.argv[1:]:
+    try:
+        exec(statement, {})
+    except ImportError as err:
+        print("ERROR", err)
+    else:
+        print("IMPORTED")
+    print(SEPARATOR)
+    for name in [m for m in sys.modules if m not in core and m.split(".")[0] == "dynamicemb"]:
+        del sys.modules[name]
 """
+SEPARATOR = "-" * 20 + " next statement " + "-" * 20
+LAYERS = [
+    ("import dynamicemb.shard", "dynamicemb.shard"),
+    ("import dynamicemb.planner", "dynamicemb.planner"),
+    ("import dynamicemb.plan; dynamicemb.plan.to_sharding_plan", "dynamicemb.plan.to_sharding_plan"),
+]
 
 
-@pytest.mark.parametrize("module, named", [
-    ("dynamicemb.shard", "dynamicemb.shard"),
-    ("dynamicemb.planner", "dynamicemb.planner"),
-    ("dynamicemb.plan; dynamicemb.plan.to_sharding_plan", "dynamicemb.plan.to_sharding_plan"),
-])
-def test_torchrec_layers_say_how_to_install_torchrec(module, named):
-    done = run_python(["-c", _WITHOUT_TORCHREC.format(module=module)], check=True)
-    assert done.stdout.startswith("ERROR"), done.stdout
+@pytest.fixture(scope="module")
+def without_torchrec():
+    """{statement: what running it printed} in the one process without TorchRec."""
+    statements = [statement for statement, _ in LAYERS]
+    done = run_python(["-c", f"SEPARATOR = {SEPARATOR!r}\n" + _WITHOUT_TORCHREC, *statements], check=True)
+    outputs = done.stdout.split(SEPARATOR + "\n")
+    assert len(outputs) == len(statements) + 1 and outputs[-1] == "", done.stdout
+    return dict(zip(statements, outputs))
+
+
+@pytest.mark.parametrize("statement, named", LAYERS)
+def test_torchrec_layers_say_how_to_install_torchrec(without_torchrec, statement, named):
+    out = without_torchrec[statement]
+    assert out.startswith("ERROR"), out
     for words in (named, "pip install 'dynamicemb[torchrec]'", "fbgemm-gpu-cpu", "--no-deps"):
-        assert words in done.stdout
+        assert words in out
