@@ -254,7 +254,10 @@ def main(argv=None) -> None:
     try:
         run(args, device)
     except DataError as error:  # raised on every rank alike (checks.py)
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        # one write: with unbuffered stderr, print's text and newline are two writes,
+        # and the ranks' lines (one shared stream under torchrun) could interleave
+        sys.stderr.write(f"error: {error}\n")
+        sys.stderr.flush()
         dist.barrier()  # every rank has printed before torchrun sees the first exit
         sys.exit(1)
     finally:
