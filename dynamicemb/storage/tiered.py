@@ -159,6 +159,9 @@ class TieredStorage:
         if device_rows < 16:  # smaller than one bucket: no device tier at all
             return cls(host, host_only=True, device=device, initialize=initialize,
                        external=external)
+        # a cache never holds more rows than the table can: a budget beyond that
+        # (a typo, or a global budget split over few rows) allocates no more
+        device_rows = min(device_rows, host.max_capacity())
         bucket = min(host.bucket_capacity, 16 * (device_rows // 16))
         buckets = 1 << ((device_rows // bucket).bit_length() - 1)  # round down: stay in budget
         tier = ScoredHashTable(

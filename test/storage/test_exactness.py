@@ -187,3 +187,19 @@ def test_metrics_add_up(device):
     module.flush()
     flushed = module.cache_metrics()
     assert sum(m.host_writes for m in flushed.values()) > sum(m.evictions for m in flushed.values())
+
+
+def test_a_budget_beyond_the_table_allocates_a_cache_no_larger_than_it(device):
+    """A terabyte of budget over a table of 16,384 rows (a typo, or a global budget
+    split over few rows): the cache holds every row the table can, no more, and
+    trains as the single tier does."""
+    batches = power_law_batches(seed=10)
+    module = make_module(device, DynamicEmbOptimType.ADAM, DynamicEmbScoreStrategy.LRU, "sum",
+                         caching=True, device_rows=1 << 35)
+    reference = make_module(device, DynamicEmbOptimType.ADAM, DynamicEmbScoreStrategy.LRU, "sum")
+    storage = module._groups[0].storage
+    assert storage.device_tier.capacity() == storage.host.max_capacity() == 2 * 8192
+    assert_identical(snapshot(module), snapshot(reference))
+    for a, b in zip(train(module, batches, prefetch=False), train(reference, batches, prefetch=False)):
+        assert torch.equal(a, b)
+    assert_identical(snapshot(module), snapshot(reference))
