@@ -95,7 +95,7 @@ extern "C" __global__ void demb_sequence_forward(DEMB_ROW_PARAMS, const int64_t*
 // Where each lookup's gradient is and how it is scaled, placed at its rank:
 // pos[rank[j]] = offset of its gradient row in grad, scale[rank[j]] = weight x
 // (1 / bag length for MEAN). One thread per bag (pooled) or lookup (sequence).
-// Ranks outside [0, entries) are skipped and counted in bad[0].
+// Ranks outside [0, entries) are skipped (and counted in bad[0] when bad is given).
 extern "C" __global__ void demb_place_grads(const int64_t* rank, int64_t n, int64_t entries,
                                             const int64_t* offsets, const float* weights,
                                             const int64_t* feature_col, int64_t batch,
@@ -119,7 +119,7 @@ extern "C" __global__ void demb_place_grads(const int64_t* rank, int64_t n, int6
     const int64_t r = rank[j];
     if (r < 0) continue;
     if (r >= entries) {
-      atomicAdd(bad, 1ull);
+      if (bad != nullptr) atomicAdd(bad, 1ull);
       continue;
     }
     pos[r] = p;

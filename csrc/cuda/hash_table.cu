@@ -178,13 +178,14 @@ extern "C" __global__ void demb_hash_keys(const int64_t* keys, const int16_t* ti
   if (i < n) out[i] = static_cast<int64_t>(hash_key(keys[i], tids[i]));
 }
 
-// buckets[p] = bucket of keys[pending[p]]; pending (m,), buckets (m,) int32.
+// buckets[p] = bucket of keys[pending[p]] (of keys[p] when pending is null); pending (m,),
+// buckets (m,) int32.
 extern "C" __global__ void demb_buckets_of(const int64_t* keys, const int16_t* tids,
                                            const int64_t* pending, int64_t m,
                                            int64_t num_buckets, int32_t* buckets) {
   const int64_t p = global_thread();
   if (p >= m) return;
-  const int64_t i = pending[p];
+  const int64_t i = pending == nullptr ? p : pending[p];  // null: every key
   buckets[p] = static_cast<int32_t>(bucket_of(hash_key(keys[i], tids[i]), num_buckets));
 }
 

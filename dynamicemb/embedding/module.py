@@ -22,6 +22,7 @@ from dynamicemb.ops import for_device, resolve_device
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer
 from dynamicemb.storage import TierMetrics
 from dynamicemb.table.checks import check_batch_types, check_frequencies
+from dynamicemb.table.shared_zeros import SharedZeros
 from dynamicemb.options import (
     DynamicEmbOptimizerArgs,
     DynamicEmbOptimType,
@@ -229,6 +230,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self._prefetched: Deque[_Prefetched] = deque()
         self._outputs = OutputBuffers()
         self._stream_order = StreamOrder(self.device)
+        self._zero_tids = SharedZeros(torch.int16, self.device)  # a one-table module's
         # Checks of a batch's values (finite weights and gradients) where they cost no
         # host sync: on the CPU; on a GPU a step does not wait for them.
         self._check_data = for_device(self.device).free_host_reads
@@ -758,8 +760,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         """(group, keys, local table ids, positions in the batch or None) per group."""
         n = indices.numel()
         if len(self._groups) == 1 and len(self._groups[0].table_indices) == 1:
-            return [(self._groups[0], indices,
-                     torch.zeros(n, dtype=torch.int16, device=self.device), None)]
+            return [(self._groups[0], indices, self._zero_tids.take(n), None)]
         bounds = offsets[:: max(batch_size, 1)] if batch_size else torch.zeros(
             self._num_features + 1, dtype=torch.int64, device=self.device)
         feature = torch.repeat_interleave(

@@ -314,25 +314,27 @@ class CudaKernels:
     def upsert(self, meta, bc, keys, tids, given, rule, now, evicts, can_grow, one_table,
                pending, slots, status, prev_scores, ev_keys, ev_tids, ev_scores,
                outcomes) -> torch.Tensor:
-        """One inserting pass over keys[pending]; returns the deferred positions, or
-        while the table may grow a ``DeferredCount`` (their number stays on the
-        device until the caller reads it with the outcomes)."""
+        """One inserting pass over keys[pending] (``pending=None``: every key, without
+        building the positions); returns the deferred positions, or while the table
+        may grow a ``DeferredCount`` (their number stays on the device until the
+        caller reads it with the outcomes)."""
         _expect_batch(keys, tids)
-        _expect(pending, torch.int64, "pending")
+        if pending is not None:
+            _expect(pending, torch.int64, "pending")
         if rule != 0 and given is None:
             raise ValueError("the count and given-score rules need scores")
         if bc > _MAX_BUCKET_CAPACITY:
             raise ValueError(f"the CUDA backend inserts into buckets of at most "
                              f"{_MAX_BUCKET_CAPACITY} slots, got bucket_capacity={bc}")
-        m = pending.numel()
+        m = keys.numel() if pending is None else pending.numel()
         if m == 0:
-            return pending.clone()
+            return torch.empty(0, dtype=torch.int64, device=keys.device)
         table = _table_args(meta, bc)
         buckets = torch.empty(m, dtype=torch.int32, device=keys.device)
         self._launch("demb_buckets_of", keys.device, m,
                      [_ptr(keys), _ptr(tids), _ptr(pending), _i64(m), table[5], _ptr(buckets)])
         sorted_buckets, perm = torch.sort(buckets, stable=True)
-        order = pending[perm]
+        order = perm if pending is None else pending[perm]
         heads = torch.ones(m, dtype=torch.bool, device=keys.device)
         torch.ne(sorted_buckets[1:], sorted_buckets[:-1], out=heads[1:])
         # One warp per bucket's run. The number of runs is not known on the host
@@ -347,18 +349,18 @@ class CudaKernels:
             _ptr(ev_keys), _ptr(ev_tids), _ptr(ev_scores), _ptr(counts)])
         outcomes += counts[:_NUM_OUTCOMES]  # on the device: read once by the caller
         if not can_grow:  # a key is deferred only while the table may grow
-            return pending[:0]
+            return torch.empty(0, dtype=torch.int64, device=keys.device)
         # how many were deferred is read by the caller with the outcome counts
-        return DeferredCount(counts[_DEFERRED:], pending, status)
+        return DeferredCount(counts[_DEFERRED:], pending,
+                             status[:keys.numel()] if pending is None else status)
 
     def dedup_upsert(self, meta, bc, keys, tids, frequencies, now, evicts, can_grow,
                      one_table, slots, status, prev_scores, ev_keys, ev_tids, ev_scores,
                      outcomes):
         """``dedup`` (grouped) then a first clock-rule pass over the unique keys."""
         ukeys, utids, inverse, counts, starts, rank = self.dedup(keys, tids, frequencies, True)
-        pending = torch.arange(ukeys.numel(), dtype=torch.int64, device=keys.device)
         deferred = self.upsert(meta, bc, ukeys, utids, None, 0, now, evicts, can_grow,
-                               one_table, pending, slots, status, prev_scores, ev_keys,
+                               one_table, None, slots, status, prev_scores, ev_keys,
                                ev_tids, ev_scores, outcomes)
         return ukeys, utids, inverse, counts, starts, rank, deferred
 
@@ -540,14 +542,14 @@ class CudaKernels:
         # every entry the update reads (below starts[-1]) is placed: no zeroing
         pos = torch.empty(entries, dtype=torch.int64, device=dev)
         scale = torch.empty(entries, dtype=torch.float32, device=dev)
-        bad = torch.zeros(1, dtype=torch.int64, device=dev)
         num_bags = offsets.numel() - 1 if pooled else 0
         self._launch("demb_place_grads", dev, num_bags if pooled else n, [
             _ptr(rank), _i64(n), _i64(entries), _ptr(offsets if pooled else None),
             _ptr(weights), _ptr(feature_col), _i64(batch), _i64(num_bags), np.bool_(mean),
-            np.int64(grad.size(1)), _ptr(pos), _ptr(scale), _ptr(bad)])
-        # bad counts ranks outside [0, entries): the group's own dedup makes rank, so
-        # it is an internal invariant, not read back (that would be a sync).
+            np.int64(grad.size(1)), _ptr(pos), _ptr(scale), _ptr(None)])
+        # No counter of ranks outside [0, entries) (the kernel skips them): the
+        # group's own dedup makes rank, an internal invariant; reading a count back
+        # would be a sync, and zeroing one a launch.
         first_piece, partial = self._piece_sums(starts, pos, scale, grad, dim, entries)
         warps = _warps_per_update_block(dim)
         self._launch("demb_fused_update", dev, 32 * num_unique, [

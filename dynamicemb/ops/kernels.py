@@ -38,17 +38,24 @@ class DeferredCount(NamedTuple):
 
     Attributes:
         count: (1,) int64 on the device, the pass's deferred keys.
-        pending: (m,) the positions the pass was given.
-        status: (n,) int8 per-key statuses (deferred keys hold DEFERRED).
+        pending: (m,) the positions the pass was given; None: every key.
+        status: (n,) int8 per-key statuses (deferred keys hold DEFERRED); when
+            ``pending`` is None, exactly the pass's keys'.
     """
 
     count: torch.Tensor
-    pending: torch.Tensor
+    pending: Optional[torch.Tensor]
     status: torch.Tensor
 
     def positions(self) -> torch.Tensor:
         """The deferred positions (compacted: a sync, only when some were deferred)."""
+        if self.pending is None:  # the pass was given every key
+            return (self.status == InsertStatus.DEFERRED).nonzero().squeeze(1)
         return self.pending[self.status[self.pending] == InsertStatus.DEFERRED]
+
+    def none(self) -> torch.Tensor:
+        """No position: what is left when the pass deferred nothing."""
+        return torch.empty(0, dtype=torch.int64, device=self.status.device)
 
 
 # What an inserting pass writes per key.
@@ -129,7 +136,7 @@ class KernelBackend(Backend):
             while True:
                 if isinstance(deferred, DeferredCount):  # one sync for both counts
                     *counts, num_deferred = torch.cat([out["outcomes"], deferred.count]).tolist()
-                    deferred = deferred.pending[:0] if num_deferred == 0 else deferred.positions()
+                    deferred = deferred.none() if num_deferred == 0 else deferred.positions()
                 pending = deferred
                 if not pending.numel():
                     break

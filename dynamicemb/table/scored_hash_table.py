@@ -19,6 +19,7 @@ from dynamicemb.options import check_ttl
 from dynamicemb.table.checks import check_frequencies, check_keys, table_ids_as_int16
 from dynamicemb.table.pending import PendingInsert
 from dynamicemb.table.results import Expired, InsertResult, TableStats
+from dynamicemb.table.shared_zeros import SharedZeros
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
 __all__ = ["MAX_TABLES", "ScoredHashTable", "hash_keys"]
@@ -139,6 +140,7 @@ class ScoredHashTable:
         self._step = 0
         self._generation = 0
         self._pending: Optional[PendingInsert] = None
+        self._none_inserted = SharedZeros(torch.bool, self.device)
 
     # ----------------------------------------------------------------- state
     @property
@@ -642,7 +644,7 @@ class ScoredHashTable:
         if num_inserted:
             inserted = self._inserted_mask(upserted)
         else:  # the common case of a warm table: every key was found
-            inserted = torch.zeros(slots.shape, dtype=torch.bool, device=self.device)
+            inserted = self._none_inserted.take(slots.numel())
         expired, num_expired = self._expired_hits(pending)
         if num_expired:
             inserted = inserted | expired

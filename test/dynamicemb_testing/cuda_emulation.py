@@ -99,8 +99,10 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         self._t(a[3]).copy_(self._cpu.hash_keys(self._t(a[0]), self._t(a[1])))
 
     def run_buckets_of(self, a):
-        pending = self._t(a[2])
-        hashes = self._cpu.hash_keys(self._t(a[0])[pending], self._t(a[1])[pending])
+        keys, tids, pending = self._t(a[0]), self._t(a[1]), self._t(a[2])
+        if pending is not None:  # a null pointer: every key
+            keys, tids = keys[pending], tids[pending]
+        hashes = self._cpu.hash_keys(keys, tids)
         self._t(a[5]).copy_(torch.bitwise_and(hashes, int(a[4]) - 1))
 
     def run_find(self, a):
