@@ -103,12 +103,14 @@ __device__ int8_t upsert_key(const TableView& v, const PassOutputs& o, const Rul
 // a time: each lane loads one key and probes for it (its hint), then the warp
 // settles the 32 in order with the key's fields broadcast by shuffles. At the
 // end the bucket's bits are stored, this pass's pins cleared unless the bucket
-// is blocked (the next pass needs them). counts (5,) += the run's keys by status.
+// is blocked (the next pass needs them). outcomes (4,) += the run's settled keys by
+// status, deferred[0] += its deferred keys (when deferred is given).
 template <class Rule>
 __device__ void upsert_run(const TableView& v, const PassOutputs& o, const Rule& rule,
                            const int64_t* keys, const int16_t* tids, const uint64_t* given,
                            const int64_t* order, int64_t q0, int64_t q1, bool evicts,
-                           bool can_grow, bool one_table, unsigned long long* counts) {
+                           bool can_grow, bool one_table, unsigned long long* outcomes,
+                           unsigned long long* deferred) {
   const int64_t i0 = order[q0];
   const int64_t b = bucket_of(hash_key(keys[i0], tids[i0]), v.num_buckets);
   BucketBits bits;
@@ -154,9 +156,10 @@ __device__ void upsert_run(const TableView& v, const PassOutputs& o, const Rule&
     }
   }
   if (lane_id() == 0) {
-    for (int s = 0; s <= kDeferred; ++s) {
-      if (counted[s]) atomicAdd(counts + s, counted[s]);
+    for (int s = 0; s < kDeferred; ++s) {
+      if (counted[s]) atomicAdd(outcomes + s, counted[s]);
     }
+    if (deferred != nullptr && counted[kDeferred]) atomicAdd(deferred, counted[kDeferred]);
     for (int w = 0; w < bits.words; ++w) {
       v.occupied_of(b)[w] = bits.occupied[w];
       v.pinned_of(b)[w] = blocked ? bits.pinned[w] : bits.pinned[w] & ~bits.pinned_here[w];
@@ -206,8 +209,9 @@ extern "C" __global__ void demb_find(DEMB_TABLE_PARAMS, const int64_t* keys, con
 // by bucket; the keys of a bucket are a run, run r starting at run_starts[r]
 // (num_runs,); one warp per run.
 // rule: 0 clock (score = now), 1 count (adds given), 2 given, 3 count then clock
-// (LRU_LFU). counts (5,) +=
-// the pass's keys by InsertStatus (hit, inserted, evicted, failed, deferred).
+// (LRU_LFU). outcomes (4,) += the pass's keys by InsertStatus (hit, inserted, evicted,
+// failed); deferred[0] += its deferred keys (null: not counted, as when the table
+// cannot grow and no key is deferred).
 extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
                                        const int16_t* tids, const uint64_t* given, int rule,
                                        uint64_t now, bool evicts, bool can_grow, bool one_table,
@@ -215,7 +219,8 @@ extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
                                        const int64_t* order, int64_t m, int64_t* slots, int8_t* status,
                                        uint64_t* prev_scores, int64_t* ev_keys,
                                        int16_t* ev_tids, uint64_t* ev_scores,
-                                       unsigned long long* counts) {
+                                       unsigned long long* outcomes,
+                                       unsigned long long* deferred) {
   const int64_t r = global_warp();
   if (r >= num_runs) return;
   const int64_t q0 = run_starts[r];
@@ -229,19 +234,19 @@ extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
   switch (rule) {
     case 0:
       upsert_run(v, o, ClockScore{now}, keys, tids, given, order, q0, q1, evicts, can_grow,
-                 one_table, counts);
+                 one_table, outcomes, deferred);
       break;
     case 1:
       upsert_run(v, o, CountScore{}, keys, tids, given, order, q0, q1, evicts, can_grow,
-                 one_table, counts);
+                 one_table, outcomes, deferred);
       break;
     case 3:
       upsert_run(v, o, CountThenClockScore{now}, keys, tids, given, order, q0, q1, evicts,
-                 can_grow, one_table, counts);
+                 can_grow, one_table, outcomes, deferred);
       break;
     default:
       upsert_run(v, o, GivenScore{}, keys, tids, given, order, q0, q1, evicts, can_grow,
-                 one_table, counts);
+                 one_table, outcomes, deferred);
       break;
   }
 }

@@ -20,7 +20,6 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from dynamicemb.ops.interface import InsertStatus
 from dynamicemb.ops.kernels import DeferredCount, KernelBackend
 
 __all__ = ["CudaBackend", "CudaKernels", "cuda_source_root", "mapped_host_zeros"]
@@ -44,7 +43,6 @@ _WARPS_PER_BLOCK = _BLOCK // 32
 # update keeps dim floats per warp there, so the widest row one warp can update.
 _SHARED_LIMIT = 48 * 1024
 MAX_DIM = _SHARED_LIMIT // 4
-_DEFERRED = int(InsertStatus.DEFERRED)
 _NUM_OUTCOMES = 4
 # Lookups of one row summed by one warp; hotter rows are split into pieces of
 # this many, summed in parallel, then added in order (csrc/cuda/embedding.cu).
@@ -341,17 +339,22 @@ class CudaKernels:
         # (no sync): the starts are padded with m, and a warp whose run starts at m
         # has nothing to do.
         run_starts = torch.nonzero_static(heads, size=m, fill_value=m).squeeze(1)
-        counts = torch.zeros(_DEFERRED + 1, dtype=torch.int64, device=keys.device)
+        # The kernel adds to the caller's outcome counts (on the device: read once by
+        # the caller), and counts deferred keys only while the table may grow (no
+        # key is deferred otherwise).
+        _expect(outcomes, torch.int64, "outcomes")
+        if outcomes.numel() != _NUM_OUTCOMES:
+            raise ValueError(f"outcomes must hold {_NUM_OUTCOMES} counts")
+        deferred = torch.zeros(1, dtype=torch.int64, device=keys.device) if can_grow else None
         self._launch("demb_upsert", keys.device, 32 * m, table + [
             _ptr(keys), _ptr(tids), _ptr(given), np.int32(rule), np.uint64(now),
             np.bool_(evicts), np.bool_(can_grow), np.bool_(one_table), _ptr(run_starts),
             _i64(m), _ptr(order), _i64(m), _ptr(slots), _ptr(status), _ptr(prev_scores),
-            _ptr(ev_keys), _ptr(ev_tids), _ptr(ev_scores), _ptr(counts)])
-        outcomes += counts[:_NUM_OUTCOMES]  # on the device: read once by the caller
-        if not can_grow:  # a key is deferred only while the table may grow
+            _ptr(ev_keys), _ptr(ev_tids), _ptr(ev_scores), _ptr(outcomes), _ptr(deferred)])
+        if deferred is None:
             return torch.empty(0, dtype=torch.int64, device=keys.device)
         # how many were deferred is read by the caller with the outcome counts
-        return DeferredCount(counts[_DEFERRED:], pending,
+        return DeferredCount(deferred, pending,
                              status[:keys.numel()] if pending is None else status)
 
     def dedup_upsert(self, meta, bc, keys, tids, frequencies, now, evicts, can_grow,

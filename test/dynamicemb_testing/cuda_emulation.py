@@ -120,13 +120,16 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         # so every bucket sees its keys in input order as the warps do.
         order, m = self._t(a[t + 10]), int(a[t + 11])
         outs = [self._t(x) for x in a[t + 12:t + 18]]
-        counts = self._t(a[t + 18])
-        outcomes = torch.zeros(4, dtype=torch.int64)
+        outcomes, deferred_count = self._t(a[t + 18]), self._t(a[t + 19])
+        counts = torch.zeros(4, dtype=torch.int64)
         deferred = self._cpu.upsert(self._meta(a), int(a[6]), keys, tids, given, rule, now,
                                     evicts, can_grow, one_table, order[:m].contiguous(), *outs,
-                                    outcomes)
-        counts[:4] += outcomes
-        counts[4] += deferred.numel()
+                                    counts)
+        outcomes += counts
+        if deferred_count is not None:
+            deferred_count += deferred.numel()
+        elif deferred.numel():
+            raise AssertionError("a pass deferred keys with no counter for them")
 
     def run_unpin(self, a):
         self._cpu.unpin(self._meta(a), int(a[6]), self._t(a[_TABLE_ARGS]))
