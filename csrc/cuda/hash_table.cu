@@ -205,9 +205,21 @@ extern "C" __global__ void demb_find(DEMB_TABLE_PARAMS, const int64_t* keys, con
   slots[i] = j < 0 ? -1 : home.base + j;
 }
 
+// The end of the run of bucket b that starts at q0 in sorted_buckets (m,): the first
+// position past q0 of another bucket, or m. The warp reads 32 positions at a time.
+__device__ int64_t run_end(const int32_t* sorted_buckets, int64_t m, int64_t q0, int32_t b) {
+  for (int64_t base = q0 + 1; base < m; base += kWarp) {
+    const int64_t q = base + lane_id();
+    const unsigned other = __ballot_sync(kFullMask, q >= m || sorted_buckets[q] != b);
+    if (other) return min(m, base + __ffs(other) - 1);
+  }
+  return m;
+}
+
 // One inserting pass. `order` (m,) holds the pass's key positions sorted stably
-// by bucket; the keys of a bucket are a run, run r starting at run_starts[r]
-// (num_runs,); one warp per run.
+// by bucket, sorted_buckets (m,) their buckets: the keys of a bucket are a run. One
+// warp per position; the warp at a run's first position settles the run, the others
+// return (so the host never learns how many runs there are).
 // rule: 0 clock (score = now), 1 count (adds given), 2 given, 3 count then clock
 // (LRU_LFU). outcomes (4,) += the pass's keys by InsertStatus (hit, inserted, evicted,
 // failed); deferred[0] += its deferred keys (null: not counted, as when the table
@@ -215,20 +227,17 @@ extern "C" __global__ void demb_find(DEMB_TABLE_PARAMS, const int64_t* keys, con
 extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
                                        const int16_t* tids, const uint64_t* given, int rule,
                                        uint64_t now, bool evicts, bool can_grow, bool one_table,
-                                       const int64_t* run_starts, int64_t num_runs,
-                                       const int64_t* order, int64_t m, int64_t* slots, int8_t* status,
+                                       const int32_t* sorted_buckets, const int64_t* order,
+                                       int64_t m, int64_t* slots, int8_t* status,
                                        uint64_t* prev_scores, int64_t* ev_keys,
                                        int16_t* ev_tids, uint64_t* ev_scores,
                                        unsigned long long* outcomes,
                                        unsigned long long* deferred) {
-  const int64_t r = global_warp();
-  if (r >= num_runs) return;
-  const int64_t q0 = run_starts[r];
-  const int64_t q1 = r + 1 < num_runs ? run_starts[r + 1] : m;
-  // The starts are padded with m past the last run: such a warp has no run. (Reading
-  // order[m] would be out of bounds, and writing back its garbage bucket's bits
-  // would race with the warp that owns that bucket.)
-  if (q0 >= q1) return;
+  const int64_t q0 = global_warp();  // the same for the warp's lanes: uniform exits
+  if (q0 >= m) return;
+  const int32_t b = sorted_buckets[q0];
+  if (q0 > 0 && sorted_buckets[q0 - 1] == b) return;  // inside a run: not its start
+  const int64_t q1 = run_end(sorted_buckets, m, q0, b);
   const TableView v = DEMB_TABLE_VIEW;
   const PassOutputs o{slots, status, prev_scores, ev_keys, ev_tids, ev_scores};
   switch (rule) {

@@ -319,6 +319,9 @@ class CudaKernels:
         _expect_batch(keys, tids)
         if pending is not None:
             _expect(pending, torch.int64, "pending")
+        _expect(outcomes, torch.int64, "outcomes")
+        if outcomes.numel() != _NUM_OUTCOMES:
+            raise ValueError(f"outcomes must hold {_NUM_OUTCOMES} counts")
         if rule != 0 and given is None:
             raise ValueError("the count and given-score rules need scores")
         if bc > _MAX_BUCKET_CAPACITY:
@@ -333,23 +336,14 @@ class CudaKernels:
                      [_ptr(keys), _ptr(tids), _ptr(pending), _i64(m), table[5], _ptr(buckets)])
         sorted_buckets, perm = torch.sort(buckets, stable=True)
         order = perm if pending is None else pending[perm]
-        heads = torch.ones(m, dtype=torch.bool, device=keys.device)
-        torch.ne(sorted_buckets[1:], sorted_buckets[:-1], out=heads[1:])
-        # One warp per bucket's run. The number of runs is not known on the host
-        # (no sync): the starts are padded with m, and a warp whose run starts at m
-        # has nothing to do.
-        run_starts = torch.nonzero_static(heads, size=m, fill_value=m).squeeze(1)
         # The kernel adds to the caller's outcome counts (on the device: read once by
         # the caller), and counts deferred keys only while the table may grow (no
         # key is deferred otherwise).
-        _expect(outcomes, torch.int64, "outcomes")
-        if outcomes.numel() != _NUM_OUTCOMES:
-            raise ValueError(f"outcomes must hold {_NUM_OUTCOMES} counts")
         deferred = torch.zeros(1, dtype=torch.int64, device=keys.device) if can_grow else None
         self._launch("demb_upsert", keys.device, 32 * m, table + [
             _ptr(keys), _ptr(tids), _ptr(given), np.int32(rule), np.uint64(now),
-            np.bool_(evicts), np.bool_(can_grow), np.bool_(one_table), _ptr(run_starts),
-            _i64(m), _ptr(order), _i64(m), _ptr(slots), _ptr(status), _ptr(prev_scores),
+            np.bool_(evicts), np.bool_(can_grow), np.bool_(one_table), _ptr(sorted_buckets),
+            _ptr(order), _i64(m), _ptr(slots), _ptr(status), _ptr(prev_scores),
             _ptr(ev_keys), _ptr(ev_tids), _ptr(ev_scores), _ptr(outcomes), _ptr(deferred)])
         if deferred is None:
             return torch.empty(0, dtype=torch.int64, device=keys.device)

@@ -39,12 +39,15 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
     Attributes:
         launches: kernel name -> launches so far.
         configs: (kernel name, threads, block, dynamic shared bytes) of every launch.
+        argument_types: kernel name -> every tuple of argument types it was given.
         guard: a ``SyncGuard`` (or None), paused while an emulated kernel runs.
     """
 
     def __init__(self) -> None:  # no CuPy: nothing is compiled
         self.launches: Counter = Counter()
         self.configs: list = []
+        # kernel name -> the tuples of argument types its launches passed
+        self.argument_types: Dict[str, set] = {}
         self.guard = None
         self._cpu = cpu_kernels.load()
         self._tensors: Dict[int, torch.Tensor] = {}
@@ -89,6 +92,7 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
             return
         self.launches[name] += 1
         self.configs.append((name, threads, block, shared_mem))
+        self.argument_types.setdefault(name, set()).add(tuple(type(x) for x in args))
         run = getattr(self, "run_" + name[len("demb_"):])
         context = self.guard.paused() if self.guard is not None else contextlib.nullcontext()
         with context:
@@ -118,9 +122,9 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         evicts, can_grow, one_table = bool(a[t + 5]), bool(a[t + 6]), bool(a[t + 7])
         # The runs are bucket-sorted positions; the CPU walks them in the given order,
         # so every bucket sees its keys in input order as the warps do.
-        order, m = self._t(a[t + 10]), int(a[t + 11])
-        outs = [self._t(x) for x in a[t + 12:t + 18]]
-        outcomes, deferred_count = self._t(a[t + 18]), self._t(a[t + 19])
+        order, m = self._t(a[t + 9]), int(a[t + 10])
+        outs = [self._t(x) for x in a[t + 11:t + 17]]
+        outcomes, deferred_count = self._t(a[t + 17]), self._t(a[t + 18])
         counts = torch.zeros(4, dtype=torch.int64)
         deferred = self._cpu.upsert(self._meta(a), int(a[6]), keys, tids, given, rule, now,
                                     evicts, can_grow, one_table, order[:m].contiguous(), *outs,

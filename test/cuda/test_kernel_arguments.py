@@ -1,0 +1,134 @@
+"""Every kernel launch passes what the kernel's C signature takes, without a GPU.
+
+CuPy packs each numpy scalar of a launch by its own type: a missing, extra, shifted
+or mistyped argument does not fail the launch, it hands the kernel garbage, seen
+only on a GPU. Here the CUDA path runs emulated (``cuda_emulation.py``) through the
+verbs that launch every kernel; each launch's argument types are recorded and
+compared, position by position, with the signature read from ``csrc/cuda``: a
+pointer or ``uint64_t`` is a ``numpy.uint64``, ``int64_t`` a ``numpy.int64``,
+``int``/``int32_t`` a ``numpy.int32``, ``bool`` a ``numpy.bool_``, ``float`` a
+``numpy.float32``.
+"""
+
+import os
+import re
+from typing import Dict, List
+
+import numpy as np
+import pytest
+import torch
+
+from dynamicemb import (BatchedDynamicEmbeddingTables, DynamicEmbCheckMode,
+                        DynamicEmbOptimType, DynamicEmbPoolingMode, DynamicEmbScoreStrategy,
+                        DynamicEmbTableOptions)
+from dynamicemb.ops.cuda import _KERNELS, cuda_source_root
+from dynamicemb.table.scored_hash_table import ScoredHashTable
+from dynamicemb_testing.cuda_emulation import emulated_cuda
+
+_SCALARS = {"int64_t": np.int64, "uint64_t": np.uint64, "int": np.int32, "int32_t": np.int32,
+            "bool": np.bool_, "float": np.float32}
+
+
+def _sources() -> Dict[str, str]:
+    folder = os.path.join(cuda_source_root(), "cuda")
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name)) as f:
+            out[name] = f.read()
+    return out
+
+
+def _parameter_macros(sources: Dict[str, str]) -> Dict[str, str]:
+    """The ``#define DEMB_*_PARAMS`` lists of csrc/cuda, continuation lines joined."""
+    macros = {}
+    for text in sources.values():
+        for m in re.finditer(r"#define (DEMB_\w+_PARAMS)\s+((?:.*\\\n)*.*)", text):
+            macros[m.group(1)] = m.group(2).replace("\\\n", " ")
+    return macros
+
+
+def signature(name: str, sources: Dict[str, str], macros: Dict[str, str]) -> List[type]:
+    """The numpy type of each parameter of kernel ``name``."""
+    text = sources[_KERNELS[name]]
+    head = f'extern "C" __global__ void {name}('
+    start = text.index(head) + len(head)
+    params = text[start:text.index(")", start)]
+    for macro, body in macros.items():
+        params = params.replace(macro, body)
+    types = []
+    for param in params.split(","):
+        words = param.replace("*", " * ").split()
+        if "*" in words:
+            types.append(np.uint64)
+            continue
+        c_type = " ".join(w for w in words[:-1] if w != "const")
+        assert c_type in _SCALARS, f"{name}: parameter {param.strip()!r}"
+        types.append(_SCALARS[c_type])
+    return types
+
+
+def _batch(gen, num_bags: int, bag: int, pool: int):
+    ids = torch.randint(0, pool, (num_bags * bag,), generator=gen)
+    ids[::2] = 7  # a row hot enough to be summed in pieces
+    return ids, torch.arange(0, num_bags * bag + 1, bag)
+
+
+def _launch_every_kernel(kernels) -> None:
+    gen = torch.Generator().manual_seed(0)
+    # Adam with weights that want a gradient, a table that grows mid-batch
+    pooled = BatchedDynamicEmbeddingTables(
+        [DynamicEmbTableOptions(dim=16, max_capacity=1 << 13, init_capacity=256)],
+        optimizer=DynamicEmbOptimType.ADAM, learning_rate=0.1)
+    for _ in range(2):
+        ids, offsets = _batch(gen, 256, 4, 3000)
+        weights = torch.rand(ids.numel(), generator=gen).requires_grad_()
+        pooled(ids, offsets, weights).sum().backward()
+    sequence = BatchedDynamicEmbeddingTables(
+        [DynamicEmbTableOptions(dim=8, max_capacity=1024)],
+        pooling_mode=DynamicEmbPoolingMode.NONE, optimizer=DynamicEmbOptimType.EXACT_SGD,
+        learning_rate=0.1)
+    ids, offsets = _batch(gen, 16, 2, 100)
+    sequence(ids, offsets).sum().backward()
+    # the table verbs no step launches
+    table = ScoredHashTable(capacity=256, bucket_capacity=16, value_dim=4, ttl=2)
+    keys = torch.arange(100)
+    table.find_or_insert(keys)
+    table.find(keys)
+    table.erase(keys[:10])
+    for _ in range(4):
+        table.find_or_insert(keys[50:60])
+    table.expire()
+    full = ScoredHashTable(capacity=16, bucket_capacity=16,
+                           score_strategy=DynamicEmbScoreStrategy.NO_EVICTION,
+                           check_mode=DynamicEmbCheckMode.ERROR)
+    with pytest.raises(RuntimeError, match="undone"):  # undo_upsert
+        full.find_or_insert(torch.arange(40))
+
+
+def test_every_launch_matches_its_kernel_signature():
+    sources = _sources()
+    macros = _parameter_macros(sources)
+    with emulated_cuda() as kernels:
+        _launch_every_kernel(kernels)
+    assert set(kernels.argument_types) == set(_KERNELS), \
+        f"not launched: {sorted(set(_KERNELS) - set(kernels.argument_types))}"
+    for name, launches in sorted(kernels.argument_types.items()):
+        want = signature(name, sources, macros)
+        for got in launches:
+            assert len(got) == len(want), f"{name}: {len(got)} arguments, takes {len(want)}"
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert g is w, f"{name}: argument {i} is {g.__name__}, the kernel takes {w.__name__}"
+
+
+def test_a_shifted_argument_is_caught():
+    """The comparison is not blind: demb_upsert's signature with one parameter dropped
+    fails against what the step passes."""
+    sources = _sources()
+    macros = _parameter_macros(sources)
+    want = signature("demb_upsert", sources, macros)
+    with emulated_cuda() as kernels:
+        module = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=8, max_capacity=256)])
+        module(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3]))
+    (got,) = kernels.argument_types["demb_upsert"]
+    assert list(got) == want
+    assert list(got) != want[:-2] + want[-1:]
