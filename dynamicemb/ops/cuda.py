@@ -449,7 +449,10 @@ class CudaKernels:
         ukeys = torch.empty(u, dtype=torch.int64, device=dev)
         utids = torch.empty(u, dtype=tids.dtype, device=dev)
         inverse = torch.empty(n, dtype=torch.int64, device=dev)
-        occurrences = torch.zeros(u, dtype=torch.int64, device=dev)
+        # occurrences (U,), counted by atomics, and the grouping's starts (U + 1,)
+        # whose first entry is 0: zeroed by one fill
+        zeroed = torch.zeros(2 * u + 1 if group else u, dtype=torch.int64, device=dev)
+        occurrences = zeroed[:u]
         self._launch("demb_dedup_number", dev, n, [
             _ptr(keys), _ptr(tids), _ptr(first), _ptr(number), _i64(n), _ptr(ukeys),
             _ptr(utids), _ptr(inverse), _ptr(occurrences)])
@@ -458,16 +461,16 @@ class CudaKernels:
         if not group:
             empty = torch.empty(0, dtype=torch.int64, device=dev)
             return ukeys, utids, inverse, counts, empty, empty
-        starts, rank = self._group_by_unique(inverse, occurrences)
+        starts, rank = self._group_by_unique(inverse, occurrences, zeroed[u:])
         return ukeys, utids, inverse, counts, starts, rank
 
     @staticmethod
-    def _group_by_unique(inverse: torch.Tensor,
-                         occurrences: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _group_by_unique(inverse: torch.Tensor, occurrences: torch.Tensor,
+                         starts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """The stable counting sort of ``inverse`` given each unique index's
-        occurrences (U,): starts (U + 1,), rank (N,)."""
+        occurrences (U,): starts (U + 1,; given with its first entry 0, filled
+        here), rank (N,)."""
         n = inverse.numel()
-        starts = torch.zeros(occurrences.numel() + 1, dtype=torch.int64, device=inverse.device)
         torch.cumsum(occurrences, 0, out=starts[1:])
         order = torch.sort(inverse, stable=True).indices
         rank = torch.empty(n, dtype=torch.int64, device=inverse.device)

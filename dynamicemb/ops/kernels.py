@@ -110,9 +110,10 @@ class KernelBackend(Backend):
 
     def _pass_outputs(self, n: int, device: torch.device) -> dict:
         """Per-key outputs of inserting passes over n keys, and their counts."""
+        # Not filled: a pass writes every key it is given, and a call's first pass is
+        # given every key (what a failure undoes is read only after a pass ran).
         out = {name: torch.empty(n, dtype=dtype, device=device)
                for name, dtype in _PER_KEY_OUTPUTS.items()}
-        out["status"].fill_(InsertStatus.DEFERRED)  # not settled yet (what a failure undoes)
         # keys that were hits, inserted, evicted and inserted, failed: counted on the
         # device, read on the host once per call
         out["outcomes"] = torch.zeros(4, dtype=torch.int64, device=device)
@@ -144,12 +145,12 @@ class KernelBackend(Backend):
                 if passes:  # the previous pass deferred keys to grow for
                     self._grow_between_passes(memory, keys, tids, out)
                     growths += 1
-                passes += 1
                 deferred = self.kernels.upsert(
                     memory.meta, bc, keys, tids, given, rule, now, evicts, memory.can_grow,
                     one_table, pending, out["slots"], out["status"], out["prev_scores"],
                     out["ev_keys"], out["ev_tids"], out["ev_scores"], out["outcomes"],
                 )
+                passes += 1  # after the pass: one refused before it wrote undoes nothing
         except BaseException:
             if passes:
                 self._undo_settled(memory, out)
