@@ -48,13 +48,15 @@ extern "C" __global__ void demb_dedup_first(const int32_t* set, const int64_t* w
 // Given number[i] = the inclusive scan of is_first (so the pair first seen at i is
 // unique pair number[i] - 1): inverse[i] = its pair's number, occurrences[u] +=
 // 1 (zeroed before), and the first position of each pair writes its key and
-// table id to unique_keys/unique_tids. Integer atomics: the counts are exact
-// whatever the order.
+// table id to unique_keys/unique_tids, and when unique_buckets is given its bucket
+// in a table of num_buckets (what an inserting pass over the unique pairs sorts
+// by). Integer atomics: the counts are exact whatever the order.
 extern "C" __global__ void demb_dedup_number(const int64_t* keys, const int16_t* tids,
                                              const int64_t* first, const int64_t* number,
                                              int64_t n, int64_t* unique_keys,
                                              int16_t* unique_tids, int64_t* inverse,
-                                             unsigned long long* occurrences) {
+                                             unsigned long long* occurrences,
+                                             int64_t num_buckets, int32_t* unique_buckets) {
   const int64_t i = global_thread();
   if (i >= n) return;
   const int64_t f = first[i];
@@ -64,5 +66,8 @@ extern "C" __global__ void demb_dedup_number(const int64_t* keys, const int16_t*
   if (f == i) {
     unique_keys[u] = keys[i];
     unique_tids[u] = tids[i];
+    if (unique_buckets != nullptr) {
+      unique_buckets[u] = static_cast<int32_t>(bucket_of(hash_key(keys[i], tids[i]), num_buckets));
+    }
   }
 }

@@ -311,11 +311,12 @@ class CudaKernels:
 
     def upsert(self, meta, bc, keys, tids, given, rule, now, evicts, can_grow, one_table,
                pending, slots, status, prev_scores, ev_keys, ev_tids, ev_scores,
-               outcomes) -> torch.Tensor:
+               outcomes, buckets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One inserting pass over keys[pending] (``pending=None``: every key, without
-        building the positions); returns the deferred positions, or while the table
-        may grow a ``DeferredCount`` (their number stays on the device until the
-        caller reads it with the outcomes)."""
+        building the positions; ``buckets``: their buckets, when the caller has
+        them); returns the deferred positions, or while the table may grow a
+        ``DeferredCount`` (their number stays on the device until the caller reads
+        it with the outcomes)."""
         _expect_batch(keys, tids)
         if pending is not None:
             _expect(pending, torch.int64, "pending")
@@ -331,9 +332,13 @@ class CudaKernels:
         if m == 0:
             return torch.empty(0, dtype=torch.int64, device=keys.device)
         table = _table_args(meta, bc)
-        buckets = torch.empty(m, dtype=torch.int32, device=keys.device)
-        self._launch("demb_buckets_of", keys.device, m,
-                     [_ptr(keys), _ptr(tids), _ptr(pending), _i64(m), table[5], _ptr(buckets)])
+        if buckets is None:
+            buckets = torch.empty(m, dtype=torch.int32, device=keys.device)
+            self._launch("demb_buckets_of", keys.device, m, [
+                _ptr(keys), _ptr(tids), _ptr(pending), _i64(m), table[5], _ptr(buckets)])
+        elif pending is not None or buckets.shape != (m,) or buckets.dtype != torch.int32:
+            raise ValueError("buckets are given for every key of a pass: (m,) int32, "
+                             "pending=None")
         sorted_buckets, perm = torch.sort(buckets, stable=True)
         order = perm if pending is None else pending[perm]
         # The kernel adds to the caller's outcome counts (on the device: read once by
@@ -355,10 +360,12 @@ class CudaKernels:
                      one_table, slots, status, prev_scores, ev_keys, ev_tids, ev_scores,
                      outcomes):
         """``dedup`` (grouped) then a first clock-rule pass over the unique keys."""
-        ukeys, utids, inverse, counts, starts, rank = self.dedup(keys, tids, frequencies, True)
+        table = _table_args(meta, bc)
+        unique, buckets = self._dedup(keys, tids, frequencies, True, num_buckets=int(table[5]))
+        ukeys, utids, inverse, counts, starts, rank = unique
         deferred = self.upsert(meta, bc, ukeys, utids, None, 0, now, evicts, can_grow,
                                one_table, None, slots, status, prev_scores, ev_keys,
-                               ev_tids, ev_scores, outcomes)
+                               ev_tids, ev_scores, outcomes, buckets=buckets)
         return ukeys, utids, inverse, counts, starts, rank, deferred
 
     def unpin(self, meta, bc, slots) -> None:
@@ -440,6 +447,12 @@ class CudaKernels:
     def dedup(self, keys, tids, frequencies, group=False):
         """Unique pairs in first-occurrence order: (keys, tids, inverse, counts,
         starts, rank); starts and rank are empty unless ``group``."""
+        return self._dedup(keys, tids, frequencies, group)[0]
+
+    def _dedup(self, keys, tids, frequencies, group: bool, num_buckets: Optional[int] = None):
+        """``dedup``'s tuple, and with ``num_buckets`` each unique pair's bucket in a
+        table of that many buckets ((U,) int32, written by the numbering kernel:
+        an inserting pass needs no launch of its own to find them), else None."""
         _expect_batch(keys, tids)
         n = keys.numel()
         dev = keys.device
@@ -453,16 +466,19 @@ class CudaKernels:
         # whose first entry is 0: zeroed by one fill
         zeroed = torch.zeros(2 * u + 1 if group else u, dtype=torch.int64, device=dev)
         occurrences = zeroed[:u]
+        buckets = (None if num_buckets is None
+                   else torch.empty(u, dtype=torch.int32, device=dev))
         self._launch("demb_dedup_number", dev, n, [
             _ptr(keys), _ptr(tids), _ptr(first), _ptr(number), _i64(n), _ptr(ukeys),
-            _ptr(utids), _ptr(inverse), _ptr(occurrences)])
+            _ptr(utids), _ptr(inverse), _ptr(occurrences), _i64(num_buckets or 0),
+            _ptr(buckets)])
         counts = occurrences if frequencies is None else torch.zeros(
             u, dtype=torch.int64, device=dev).index_add_(0, inverse, frequencies)
         if not group:
             empty = torch.empty(0, dtype=torch.int64, device=dev)
-            return ukeys, utids, inverse, counts, empty, empty
+            return (ukeys, utids, inverse, counts, empty, empty), buckets
         starts, rank = self._group_by_unique(inverse, occurrences, zeroed[u:])
-        return ukeys, utids, inverse, counts, starts, rank
+        return (ukeys, utids, inverse, counts, starts, rank), buckets
 
     @staticmethod
     def _group_by_unique(inverse: torch.Tensor, occurrences: torch.Tensor,

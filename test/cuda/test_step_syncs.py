@@ -28,13 +28,14 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 # The syncs of a steady step, by the function that makes them (docs/ARCHITECTURE.md).
 NO_CACHE_SYNCS = Counter({
     "check_offsets": 1,  # offsets checked before anything changes
-    "dedup": 1,  # the number of unique ids sizes everything after the dedup
+    "_dedup": 1,  # the number of unique ids sizes everything after the dedup
     "_passes": 1,  # the insert's outcome counts: size, stats, failures
 })
 # One launch each per step (new ids add demb_init_rows): the offsets check, the
-# dedup (3), the insert (bucket order, then the pass), the lookup, the backward (4).
+# dedup (3; its numbering also gives the unique keys' buckets), the insert, the
+# lookup, the backward (4).
 STEP_KERNELS = {"demb_check_offsets", "demb_dedup_insert", "demb_dedup_first",
-                "demb_dedup_number", "demb_buckets_of", "demb_upsert", "demb_pooled_forward",
+                "demb_dedup_number", "demb_upsert", "demb_pooled_forward",
                 "demb_place_grads", "demb_piece_counts", "demb_piece_sums", "demb_fused_update"}
 # aten ops that launch a kernel on a step today, the test's own loss (5) included: 16,
 # 27 with new ids (their rows are initialized). 28 and 38 before this session's cuts
@@ -47,7 +48,7 @@ ATEN_LAUNCH_CEILING = {False: 16, True: 27}
 # The cache path adds the promotion's counts (one read) and the write-back's compaction to
 # the step's, and a second outcome read (the cache's own insert): 6 (9 before the
 # promotion's four reads became one; issue: HBM cache over host).
-CACHE_SYNC_SITES = {"check_offsets", "dedup", "_passes", "_into_device_tier", "_write_back"}
+CACHE_SYNC_SITES = {"check_offsets", "_dedup", "_passes", "_into_device_tier", "_write_back"}
 CACHE_SYNC_CEILING = 6
 
 
@@ -167,14 +168,14 @@ def test_cache_step_syncs_stay_in_the_cache_code():
 
 def test_a_sync_put_back_fails_the_guard(monkeypatch):
     """The guard is not blind: a dedup that reads its count on the host is caught."""
-    real = CudaKernels.dedup
+    real = CudaKernels._dedup
 
-    def dedup(self, *args):
-        unique = real(self, *args)
+    def dedup(self, *args, **kwargs):
+        unique, buckets = real(self, *args, **kwargs)
         int(unique[3].sum())  # what a careless edit would add: the summed counts
-        return unique
+        return unique, buckets
 
-    monkeypatch.setattr(CudaKernels, "dedup", dedup)
+    monkeypatch.setattr(CudaKernels, "_dedup", dedup)
     with emulated_cuda() as kernels:
         module = _module()
         ids, offsets = _batches(100, 1, seed=7)[0]
@@ -219,7 +220,7 @@ def test_several_groups_sync_once_per_group_not_per_table():
         _step(module, ids, offsets)
         ids = ids + 5000  # new ids in every table
         guard = _guarded_step(module, kernels, ids, offsets)
-    want = Counter({"check_offsets": 1, "_split_by_group": 1, "dedup": 2, "_passes": 2,
+    want = Counter({"check_offsets": 1, "_split_by_group": 1, "_dedup": 2, "_passes": 2,
                     "fill": 2})
     assert _sites(guard) == want, guard.report()
 

@@ -181,6 +181,9 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         is_first = first == torch.arange(first.numel())
         ukeys.copy_(keys[is_first])
         utids.copy_(tids[is_first])
+        buckets = self._t(a[10])
+        if buckets is not None:  # given for an inserting pass over the unique pairs
+            buckets.copy_(torch.bitwise_and(self._cpu.hash_keys(ukeys, utids), int(a[9]) - 1))
 
     # ----------------------------------------------------------- embedding
     def run_check_offsets(self, a):
