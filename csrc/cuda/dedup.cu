@@ -8,9 +8,10 @@
 using namespace dynamicemb;
 using namespace dynamicemb::cuda;
 
-constexpr int32_t kEmptyEntry = -1;
+// An entry holds a position + 1 (a zeroed set is empty: its fill is shared).
+constexpr int32_t kEmptyEntry = 0;
 
-// Inserts position i of keys (n,) into `set` (mask + 1 entries, all -1), and
+// Inserts position i of keys (n,) into `set` (mask + 1 entries, all 0), and
 // records in where (n,) the entry of its pair. An entry only ever holds
 // positions of one pair, so atomicMin leaves the first of them.
 extern "C" __global__ void demb_dedup_insert(const int64_t* keys, const int16_t* tids, int64_t n,
@@ -23,11 +24,11 @@ extern "C" __global__ void demb_dedup_insert(const int64_t* keys, const int16_t*
   while (true) {
     int32_t held = set[pos];
     if (held == kEmptyEntry) {
-      held = atomicCAS(&set[pos], kEmptyEntry, static_cast<int32_t>(i));
+      held = atomicCAS(&set[pos], kEmptyEntry, static_cast<int32_t>(i + 1));
       if (held == kEmptyEntry) break;
     }
-    if (keys[held] == key && tids[held] == tid) {
-      atomicMin(&set[pos], static_cast<int32_t>(i));
+    if (keys[held - 1] == key && tids[held - 1] == tid) {
+      atomicMin(&set[pos], static_cast<int32_t>(i + 1));
       break;
     }
     pos = (pos + 1) & mask;
@@ -35,13 +36,13 @@ extern "C" __global__ void demb_dedup_insert(const int64_t* keys, const int16_t*
   where[i] = pos;
 }
 
-// first[i] = the first position of the pair of position i (set[where[i]]), and
+// first[i] = the first position of the pair of position i (set[where[i]] - 1), and
 // is_first[i] = whether i is that position (1 or 0; its scan numbers the pairs).
 extern "C" __global__ void demb_dedup_first(const int32_t* set, const int64_t* where, int64_t n,
                                             int64_t* first, int64_t* is_first) {
   const int64_t i = global_thread();
   if (i >= n) return;
-  first[i] = set[where[i]];
+  first[i] = set[where[i]] - 1;
   is_first[i] = first[i] == i;
 }
 

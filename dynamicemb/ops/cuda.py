@@ -400,7 +400,7 @@ class CudaKernels:
     def erase(self, meta, bc, keys, tids) -> torch.Tensor:
         """Erases each key once: a key given twice is erased by its first occurrence."""
         _expect_batch(keys, tids)
-        _, is_first = self._first_positions(keys, tids)
+        _, is_first, _ = self._first_positions(keys, tids)
         positions = is_first.nonzero().squeeze(1)
         ukeys, utids = keys[positions], tids[positions]
         erased_unique = torch.empty(ukeys.numel(), dtype=torch.bool, device=keys.device)
@@ -424,17 +424,20 @@ class CudaKernels:
         return (meta[3][start:end] != 0).nonzero().squeeze(1) + start
 
     # ------------------------------------------------------------------ dedup
-    def _first_positions(self, keys: torch.Tensor,
-                         tids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _first_positions(self, keys: torch.Tensor, tids: torch.Tensor,
+                         zeros: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(n,) int64 each: the first position of each position's (table id, key)
-        pair, and whether the position is that first one (1 or 0)."""
+        pair, and whether the position is that first one (1 or 0); and ``zeros``
+        int64 zeros for the caller, from the set's own fill (one launch for both)."""
         n = keys.numel()
         if n >= 2 ** 31:
             raise ValueError(f"dedup takes fewer than 2^31 keys, got {n}")
         size = 16
         while size < 2 * n:
             size <<= 1
-        table = torch.full((size,), -1, dtype=torch.int32, device=keys.device)
+        # the set's entries (int32, 0: empty) and the caller's zeros
+        zeroed = torch.zeros(size // 2 + zeros, dtype=torch.int64, device=keys.device)
+        table = zeroed[:size // 2].view(torch.int32)
         where = torch.empty(n, dtype=torch.int64, device=keys.device)
         first = torch.empty(n, dtype=torch.int64, device=keys.device)
         is_first = torch.empty(n, dtype=torch.int64, device=keys.device)
@@ -442,7 +445,7 @@ class CudaKernels:
                      [_ptr(keys), _ptr(tids), _i64(n), _ptr(table), _i64(size - 1), _ptr(where)])
         self._launch("demb_dedup_first", keys.device, n,
                      [_ptr(table), _ptr(where), _i64(n), _ptr(first), _ptr(is_first)])
-        return first, is_first
+        return first, is_first, zeroed[size // 2:]
 
     def dedup(self, keys, tids, frequencies, group=False):
         """Unique pairs in first-occurrence order: (keys, tids, inverse, counts,
@@ -456,15 +459,15 @@ class CudaKernels:
         _expect_batch(keys, tids)
         n = keys.numel()
         dev = keys.device
-        first, is_first = self._first_positions(keys, tids)
+        # zeros for the occurrences (U,), counted by atomics, and the grouping's
+        # starts (U + 1,) whose first entry is 0, U <= n
+        first, is_first, zeroed = self._first_positions(keys, tids,
+                                                        zeros=2 * n + 1 if group else n)
         number = torch.cumsum(is_first, 0)  # pair first seen at i: number[i] - 1
         u = int(number[-1]) if n else 0  # the dedup's one sync: the unique count
         ukeys = torch.empty(u, dtype=torch.int64, device=dev)
         utids = torch.empty(u, dtype=tids.dtype, device=dev)
         inverse = torch.empty(n, dtype=torch.int64, device=dev)
-        # occurrences (U,), counted by atomics, and the grouping's starts (U + 1,)
-        # whose first entry is 0: zeroed by one fill
-        zeroed = torch.zeros(2 * u + 1 if group else u, dtype=torch.int64, device=dev)
         occurrences = zeroed[:u]
         buckets = (None if num_buckets is None
                    else torch.empty(u, dtype=torch.int32, device=dev))
@@ -477,7 +480,7 @@ class CudaKernels:
         if not group:
             empty = torch.empty(0, dtype=torch.int64, device=dev)
             return (ukeys, utids, inverse, counts, empty, empty), buckets
-        starts, rank = self._group_by_unique(inverse, occurrences, zeroed[u:])
+        starts, rank = self._group_by_unique(inverse, occurrences, zeroed[u:2 * u + 1])
         return (ukeys, utids, inverse, counts, starts, rank), buckets
 
     @staticmethod
