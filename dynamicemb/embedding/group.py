@@ -241,7 +241,7 @@ class TableGroup:
         else:
             at = lookup.admitted.nonzero().squeeze(1)
             result = self.storage.commit(lookup.insert, keys[at], tids[at])
-            new_at = result.inserted.nonzero().squeeze(1).to(self.device)
+            new_at = result.inserted_positions().to(self.device)
             host_slots = torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
             host_slots[at] = result.slots.to(self.device)
             new = torch.zeros_like(lookup.admitted)

@@ -296,7 +296,7 @@ class TieredStorage:
             self._count_below("external_reads", tids, staged.at)
             self._count_below("external_writes", result.evicted.table_ids, None)
         if result.num_inserted and self.initialize is not None:
-            new_at = torch.nonzero_static(result.inserted, size=result.num_inserted).squeeze(1)
+            new_at = result.inserted_positions()
             self.initialize(self.host.values, result.slots[new_at],
                             self._on_host(keys)[new_at], self._on_host(tids)[new_at])
         evicted = result.evicted
@@ -419,7 +419,7 @@ class TieredStorage:
             self._write_back(evicted.keys, evicted.table_ids, evicted.values)
         fresh = result.inserted
         if result.num_inserted:  # its size is known: no sync for the compaction
-            at = torch.nonzero_static(fresh, size=result.num_inserted).squeeze(1)
+            at = result.inserted_positions()
             tier.values[result.slots[at]] = self._on_device(
                 self.host.values[self._on_host(host_slots[at])])
             self._count_where("host_reads", tids, fresh)

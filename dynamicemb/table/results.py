@@ -31,7 +31,9 @@ class InsertResult(NamedTuple):
         None when nothing expired). ``evicted`` (``Entries``, in input order of the
         keys that evicted them) is None for ``insert_or_assign``. ``num_inserted``
         and ``num_failed`` count them (the kernel's own counts); ``num_expired``
-        counts ``expired`` (part of ``num_inserted``).
+        counts ``expired`` (part of ``num_inserted``). ``inserted_at``:
+        (num_inserted,) int64, the positions where ``inserted`` is True, ascending
+        (None when none is, or when ``inserted`` was changed after the call).
     """
 
     slots: torch.Tensor
@@ -41,6 +43,14 @@ class InsertResult(NamedTuple):
     num_failed: int  # (slots < 0).sum()
     num_expired: int = 0
     expired: Optional[torch.Tensor] = None
+    inserted_at: Optional[torch.Tensor] = None
+
+    def inserted_positions(self) -> torch.Tensor:
+        """(num_inserted,) int64: the positions where ``inserted`` is True, ascending
+        (sized by ``num_inserted``: no sync)."""
+        if self.inserted_at is not None:
+            return self.inserted_at
+        return torch.nonzero_static(self.inserted, size=self.num_inserted).squeeze(1)
 
 
 class Expired(NamedTuple):

@@ -651,12 +651,15 @@ class ScoredHashTable:
             num_inserted += num_expired
         if pending.assign:
             self._assign_rows(slots, pending.rows)
-        elif num_inserted:  # sizes known from the counts: no sync for the compaction
-            new_at = torch.nonzero_static(inserted, size=num_inserted).squeeze(1)
-            self._memory.values.index_fill_(0, slots[new_at], 0)
+        inserted_at = None
+        if num_inserted:  # sizes known from the counts: no sync for the compaction
+            inserted_at = torch.nonzero_static(inserted, size=num_inserted).squeeze(1)
+        if not pending.assign and num_inserted:
+            self._memory.values.index_fill_(0, slots[inserted_at], 0)
         return InsertResult(slots=slots, inserted=inserted, evicted=evicted,
                             num_inserted=num_inserted, num_failed=upserted.failed,
-                            num_expired=num_expired, expired=expired if num_expired else None)
+                            num_expired=num_expired, expired=expired if num_expired else None,
+                            inserted_at=inserted_at)
 
     def _expired_hits(self, pending: "PendingInsert") -> Tuple[Optional[torch.Tensor], int]:
         """(n,) bool: the call's hits on rows expired at its time (they now hold a
@@ -709,8 +712,9 @@ class ScoredHashTable:
 
     @staticmethod
     def _inserted_mask(upserted) -> torch.Tensor:
-        status = upserted.status
-        return (status == InsertStatus.INSERTED) | (status == InsertStatus.EVICTED_AND_INSERTED)
+        """Status INSERTED or EVICTED_AND_INSERTED (1 or 2): status - 1 seen as uint8
+        is below 2 (HIT wraps to 255): two ops where two compares and an or are three."""
+        return (upserted.status - InsertStatus.INSERTED).view(torch.uint8) < 2
 
     def _abort(self, pending: "PendingInsert") -> None:
         """Undoes a prepared call: contents, scores and clock as before it (growth stays)."""

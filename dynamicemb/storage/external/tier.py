@@ -131,7 +131,7 @@ class ExternalTier:
         inserted = result.inserted.clone()
         inserted[at] = False
         self._delete_below(keys[at].cpu(), tids[at].cpu())
-        return result._replace(inserted=inserted,
+        return result._replace(inserted=inserted, inserted_at=None,
                                num_inserted=result.num_inserted - at.numel())
 
     def _delete_below(self, keys: torch.Tensor, tids: torch.Tensor) -> None:
