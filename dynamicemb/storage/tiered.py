@@ -217,11 +217,14 @@ class TieredStorage:
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device) if self._two_devices else t
 
-    def _host_refs(self, host_slots: torch.Tensor) -> torch.Tensor:
-        """References (on ``device``) of host slots (-1: not stored)."""
+    def _host_refs(self, host_slots: torch.Tensor, all_stored: bool = False) -> torch.Tensor:
+        """References (on ``device``) of host slots (-1: not stored; ``all_stored``:
+        the caller knows none is -1)."""
         host_slots = self._on_device(host_slots)
         if self.device_tier is None and not self.host_only:
             return host_slots
+        if all_stored:
+            return host_slots + HOST_ROW_BIT
         return torch.where(host_slots >= 0, host_slots + HOST_ROW_BIT, host_slots)
 
     def resolve(self, keys: torch.Tensor, tids: torch.Tensor) -> torch.Tensor:
@@ -346,7 +349,7 @@ class TieredStorage:
         """
         self._count("lookups", tids)
         host_slots, new = self._on_device(host_slots), self._on_device(new)
-        refs = self._host_refs(host_slots)
+        refs = self._host_refs(host_slots, all_stored=num_stored == keys.numel())
         if self.device_tier is None:
             field = "misses" if self.host_only else "hits"
             if num_stored is not None and self.host.num_tables == 1:
@@ -354,33 +357,40 @@ class TieredStorage:
             else:
                 self._count_where(field, tids, host_slots >= 0)
             return refs
-        stored = host_slots >= 0
         if self.promote and num_stored == keys.numel():
             # Every key is stored (the usual case): no positions to pick.
-            slots, fresh = self._into_device_tier(keys, tids, host_slots, counts)
+            slots, fresh, num_hits = self._into_device_tier(keys, tids, host_slots, counts)
             refs = torch.where(slots >= 0, slots, refs)
+            if self.host.num_tables == 1:  # counted on the host: no mask, no launch
+                self._add("hits", num_hits)
+                self._add("misses", num_stored - num_hits)
+                return refs
             hit = (slots >= 0) & ~fresh
-        else:
-            if self.promote:  # every stored row of the batch goes to the cache
-                candidates = stored
-            else:  # rows stay where they are; new rows land in the tier while it has room
-                known = self.device_tier.find(keys, tids, checked=True)
-                refs = torch.where(known >= 0, known, refs)
-                hit = known >= 0
-                candidates = stored & new
-            at = candidates.nonzero().squeeze(1)
-            slots, fresh = self._into_device_tier(keys[at], tids[at], host_slots[at], counts[at])
-            refs[at] = torch.where(slots >= 0, slots, refs[at])
-            if self.promote:
-                hit = torch.zeros_like(stored)
-                hit[at] = (slots >= 0) & ~fresh
+            self._count_where("hits", tids, hit)
+            self._count_where("misses", tids, ~hit)
+            return refs
+        stored = host_slots >= 0
+        if self.promote:  # every stored row of the batch goes to the cache
+            candidates = stored
+        else:  # rows stay where they are; new rows land in the tier while it has room
+            known = self.device_tier.find(keys, tids, checked=True)
+            refs = torch.where(known >= 0, known, refs)
+            hit = known >= 0
+            candidates = stored & new
+        at = candidates.nonzero().squeeze(1)
+        slots, fresh, _ = self._into_device_tier(keys[at], tids[at], host_slots[at], counts[at])
+        refs[at] = torch.where(slots >= 0, slots, refs[at])
+        if self.promote:
+            hit = torch.zeros_like(stored)
+            hit[at] = (slots >= 0) & ~fresh
         self._count_where("hits", tids, hit)
         self._count_where("misses", tids, stored & ~hit)
         return refs
 
     def _into_device_tier(self, keys, tids, host_slots, counts):
         """find_or_insert into the device tier: rows of new entries are copied from the
-        host store, victims are written back. Returns (slots (-1: not there), fresh).
+        host store, victims are written back. Returns (slots (-1: not there), fresh,
+        the number of keys the cache held before the call, or None without a cache).
 
         A cache takes the batch's hits first (pinned before any miss picks a victim),
         then its misses; when they would not all fit in free slots, only misses that
@@ -390,22 +400,19 @@ class TieredStorage:
         out rows that come back, and cost a copy in and a write-back each. The rest
         are read and updated where they are, in the host store."""
         tier = self.device_tier
-        order = None
+        order, num_hits = None, None
         if self.promote:
             hit = tier.find(keys, tids, checked=True) >= 0
-            miss = ~hit
-            hot = miss & (counts > 1)
-            # the three counts in one sync
-            num_hits, num_misses, num_hot = torch.stack(
-                [hit.sum(), miss.sum(), hot.sum()]).tolist()
-            if num_misses > tier.capacity() - tier.size():  # promoting would evict
-                taken, rank = min(num_hot, max(tier.capacity() - num_hits, 0)), counts
-                miss = hot
-            else:
-                taken, rank = num_misses, torch.zeros_like(counts)
+            hot = (counts > 1) & ~hit
+            num_hits, num_hot = torch.stack([hit.sum(), hot.sum()]).tolist()  # one sync
+            num_misses = keys.numel() - num_hits
             # one stable sort: the hits in batch order, then the misses taken (hottest
             # first when not all fit, else in batch order); the rest are left out
-            rank = torch.where(hit, _HIT_RANK, torch.where(miss, rank, -1))
+            if num_misses > tier.capacity() - tier.size():  # promoting would evict
+                taken = min(num_hot, max(tier.capacity() - num_hits, 0))
+                rank = torch.where(hit, _HIT_RANK, torch.where(hot, counts, -1))
+            else:
+                taken, rank = num_misses, hit.to(torch.int64)
             order = torch.argsort(rank, descending=True, stable=True)[:num_hits + taken]
             keys, tids, host_slots = keys[order], tids[order], host_slots[order]
         scores = (self._on_device(self.host.scores_at(self._on_host(host_slots))) if self.promote
@@ -422,14 +429,17 @@ class TieredStorage:
             at = result.inserted_positions()
             tier.values[result.slots[at]] = self._on_device(
                 self.host.values[self._on_host(host_slots[at])])
-            self._count_where("host_reads", tids, fresh)
+            if self.host.num_tables == 1:
+                self._add("host_reads", result.num_inserted)
+            else:
+                self._count_where("host_reads", tids, fresh)
             self._moves += 1
         if order is None:
-            return result.slots, fresh
+            return result.slots, fresh, num_hits
         slots = torch.full(hit.shape, -1, dtype=torch.int64, device=result.slots.device)
         new = torch.zeros_like(hit)
         slots[order], new[order] = result.slots, fresh
-        return slots, new
+        return slots, new, num_hits
 
     def _write_back(self, keys, tids, rows) -> None:
         if keys.numel() == 0:

@@ -54,6 +54,10 @@ STEP_LAUNCH_BUDGET = 20
 # promotion's four reads became one; issue: HBM cache over host).
 CACHE_SYNC_SITES = {"check_offsets", "_dedup", "_passes", "_into_device_tier", "_write_back"}
 CACHE_SYNC_CEILING = 6
+# aten launches of a cache step (10% cache, its loss included): 67, with 14 CuPy
+# launches; 105 and 15 at the start of session 11 (one-table metrics counted on the
+# host, fewer masks in the promotion). The issue's budget is 30 in all.
+CACHE_ATEN_LAUNCH_CEILING = 67
 
 
 def _batches(pool: int, count: int, seed: int, hot: bool = False):
@@ -171,6 +175,7 @@ def test_cache_step_syncs_stay_in_the_cache_code():
         guard = _guarded_step(module, kernels, *batches[0])
     assert set(_sites(guard)) <= CACHE_SYNC_SITES, guard.report()
     assert len(guard.syncs) <= CACHE_SYNC_CEILING, guard.report()
+    assert guard.launches() <= CACHE_ATEN_LAUNCH_CEILING, guard.launches()
 
 
 def test_a_sync_put_back_fails_the_guard(monkeypatch):
