@@ -359,9 +359,11 @@ class TieredStorage:
             return refs
         if self.promote and num_stored == keys.numel():
             # Every key is stored (the usual case): no positions to pick.
-            slots, fresh, num_hits = self._into_device_tier(keys, tids, host_slots, counts)
+            one_table = self.host.num_tables == 1
+            slots, fresh, num_hits = self._into_device_tier(keys, tids, host_slots, counts,
+                                                            want_fresh=not one_table)
             refs = torch.where(slots >= 0, slots, refs)
-            if self.host.num_tables == 1:  # counted on the host: no mask, no launch
+            if one_table:  # counted on the host: no mask, no launch
                 self._add("hits", num_hits)
                 self._add("misses", num_stored - num_hits)
                 return refs
@@ -387,10 +389,11 @@ class TieredStorage:
         self._count_where("misses", tids, stored & ~hit)
         return refs
 
-    def _into_device_tier(self, keys, tids, host_slots, counts):
+    def _into_device_tier(self, keys, tids, host_slots, counts, want_fresh: bool = True):
         """find_or_insert into the device tier: rows of new entries are copied from the
-        host store, victims are written back. Returns (slots (-1: not there), fresh,
-        the number of keys the cache held before the call, or None without a cache).
+        host store, victims are written back. Returns (slots (-1: not there), fresh
+        (None unless ``want_fresh``), the number of keys the cache held before the
+        call, or None without a cache).
 
         A cache takes the batch's hits first (pinned before any miss picks a victim),
         then its misses; when they would not all fit in free slots, only misses that
@@ -437,8 +440,11 @@ class TieredStorage:
         if order is None:
             return result.slots, fresh, num_hits
         slots = torch.full(hit.shape, -1, dtype=torch.int64, device=result.slots.device)
+        slots[order] = result.slots
+        if not want_fresh:
+            return slots, None, num_hits
         new = torch.zeros_like(hit)
-        slots[order], new[order] = result.slots, fresh
+        new[order] = fresh
         return slots, new, num_hits
 
     def _write_back(self, keys, tids, rows) -> None:
