@@ -12,7 +12,7 @@ pointer or ``uint64_t`` is a ``numpy.uint64``, ``int64_t`` a ``numpy.int64``,
 
 import os
 import re
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import pytest
@@ -105,6 +105,17 @@ def _launch_every_kernel(kernels) -> None:
         full.find_or_insert(torch.arange(40))
 
 
+def mismatch(name: str, got: tuple, want: List[type]) -> Optional[str]:
+    """Why the argument types ``got`` of a launch of ``name`` do not fit ``want``, or
+    None when they do."""
+    if len(got) != len(want):
+        return f"{name}: {len(got)} arguments, takes {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g is not w:
+            return f"{name}: argument {i} is {g.__name__}, the kernel takes {w.__name__}"
+    return None
+
+
 def test_every_launch_matches_its_kernel_signature():
     sources = _sources()
     macros = _parameter_macros(sources)
@@ -115,14 +126,12 @@ def test_every_launch_matches_its_kernel_signature():
     for name, launches in sorted(kernels.argument_types.items()):
         want = signature(name, sources, macros)
         for got in launches:
-            assert len(got) == len(want), f"{name}: {len(got)} arguments, takes {len(want)}"
-            for i, (g, w) in enumerate(zip(got, want)):
-                assert g is w, f"{name}: argument {i} is {g.__name__}, the kernel takes {w.__name__}"
+            assert mismatch(name, got, want) is None, mismatch(name, got, want)
 
 
-def test_a_shifted_argument_is_caught():
-    """The comparison is not blind: demb_upsert's signature with one parameter dropped
-    fails against what the step passes."""
+def test_a_shifted_or_mistyped_argument_is_caught():
+    """The comparison is not blind: what a step passes to demb_upsert fits its
+    signature, and fails it with one parameter dropped or one type changed."""
     sources = _sources()
     macros = _parameter_macros(sources)
     want = signature("demb_upsert", sources, macros)
@@ -130,5 +139,8 @@ def test_a_shifted_argument_is_caught():
         module = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=8, max_capacity=256)])
         module(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3]))
     (got,) = kernels.argument_types["demb_upsert"]
-    assert list(got) == want
-    assert list(got) != want[:-2] + want[-1:]
+    assert mismatch("demb_upsert", got, want) is None
+    assert "arguments, takes" in mismatch("demb_upsert", got, want[:-2] + want[-1:])
+    m = want.index(np.int64, 8)  # the pass's key count, after the table's parameters
+    mistyped = want[:m] + [np.int32] + want[m + 1:]
+    assert f"argument {m} is int64" in mismatch("demb_upsert", got, mistyped)
