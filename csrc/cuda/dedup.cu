@@ -52,14 +52,32 @@ extern "C" __global__ void demb_dedup_first(const int32_t* set, const int64_t* w
 // table id to unique_keys/unique_tids, and when unique_buckets is given its bucket
 // in a table of num_buckets (what an inserting pass over the unique pairs sorts
 // by). Integer atomics: the counts are exact whatever the order.
+//
+// padded: the unique arrays have n entries, and those past the unique count
+// (number[n - 1], which stays on the device) are padding: key 0, table 0, bucket
+// kNoBucket (an inserting pass marks them failed and counts nothing). error
+// (null: none): a batch refused by the module's input check (*error != 0) has no
+// unique pair: every position pads (padded) and every inverse is -1, so nothing
+// after the dedup reads or changes a row for it.
 extern "C" __global__ void demb_dedup_number(const int64_t* keys, const int16_t* tids,
                                              const int64_t* first, const int64_t* number,
                                              int64_t n, int64_t* unique_keys,
                                              int16_t* unique_tids, int64_t* inverse,
                                              unsigned long long* occurrences,
-                                             int64_t num_buckets, int32_t* unique_buckets) {
+                                             int64_t num_buckets, int32_t* unique_buckets,
+                                             bool padded, const int64_t* error) {
   const int64_t i = global_thread();
   if (i >= n) return;
+  const bool refused = error != nullptr && *error != 0;
+  if (padded && i >= (refused ? 0 : number[n - 1])) {
+    unique_keys[i] = 0;
+    unique_tids[i] = 0;
+    if (unique_buckets != nullptr) unique_buckets[i] = kNoBucket;
+  }
+  if (refused) {
+    inverse[i] = -1;
+    return;
+  }
   const int64_t f = first[i];
   const int64_t u = number[f] - 1;
   inverse[i] = u;

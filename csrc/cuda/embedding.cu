@@ -14,21 +14,69 @@ using namespace dynamicemb;
 using namespace dynamicemb::cuda;
 
 // Row arguments of the lookup kernels: the two tiers' values (one width), the
-// batch's transient rows (dim wide) and the row reference of each unique row.
+// batch's transient rows (dim wide), the row reference of each unique row, and
+// for a step counted on the device (which has no transient rows) the unique
+// keys, their table ids and the tables' initializers (init_ints (T, 3): stream,
+// mode, seed; init_floats (T, 5): mean, std_dev, lower, upper, value), else null.
 #define DEMB_ROW_PARAMS                                                                   \
   const float *device_rows, const float *host_rows, int64_t width, const float *transient, \
-      int64_t dim, const int64_t *row_ref
-#define DEMB_ROW_OF(u) row_of(row_ref[u], device_rows, host_rows, width, transient, dim)
+      int64_t dim, const int64_t *row_ref, const int64_t *init_keys,                       \
+      const int16_t *init_tids, const int64_t *init_ints, const float *init_floats
+#define DEMB_ROWS                                                                     \
+  RowReader {                                                                         \
+    device_rows, host_rows, width, transient, dim, row_ref, init_keys, init_tids,     \
+        init_ints, init_floats                                                        \
+  }
+
+// Table t's initializer from the packed arrays of DEMB_ROW_PARAMS.
+__device__ __forceinline__ InitParams init_params_of(const int64_t* ints, const float* floats,
+                                                     int64_t t) {
+  return InitParams{static_cast<int32_t>(ints[3 * t + 1]), floats[5 * t], floats[5 * t + 1],
+                    floats[5 * t + 2], floats[5 * t + 3], floats[5 * t + 4],
+                    static_cast<uint64_t>(ints[3 * t + 2])};
+}
+
+// Reads element c of unique row u. A negative reference names a transient row,
+// or, when the initializers are given, a key that found no slot: its row is its
+// table's initializer's, computed here (initializers are functions of the key).
+struct RowReader {
+  const float* device_rows;
+  const float* host_rows;
+  int64_t width;
+  const float* transient;
+  int64_t dim;
+  const int64_t* row_ref;
+  const int64_t* init_keys;
+  const int16_t* init_tids;
+  const int64_t* init_ints;
+  const float* init_floats;
+
+  __device__ __forceinline__ float at(int64_t u, int64_t c) const {
+    const int64_t r = row_ref[u];
+    if (r < 0 && init_ints != nullptr) {
+      const int64_t t = init_tids[u];
+      return init_element(init_params_of(init_ints, init_floats, t), init_ints[3 * t],
+                          init_keys[u], static_cast<int>(c));
+    }
+    return row_of(r, device_rows, host_rows, width, transient, dim)[c];
+  }
+};
+
+// Whether the module's input check refused this batch (error: its word, or null).
+__device__ __forceinline__ bool refused(const int64_t* error) {
+  return error != nullptr && *error != 0;
+}
 
 // The first problem of offsets (num_bags + 1,) over num_indices lookups, as the
 // CPU's check_offsets: 1 the first entry is not 0, 2 the last is not
-// num_indices, 3 an entry is below the one before. *problem starts at 4 (none)
-// and takes the smallest code found. One thread per entry.
+// num_indices, 3 an entry is below the one before. The word *error takes
+// max(4 - code) over the problems found (the smallest code wins; 0: none found,
+// so a word that starts at 0 stays 0 for a good batch). One thread per entry.
 extern "C" __global__ void demb_check_offsets(const int64_t* offsets, int64_t num_bags,
-                                              int64_t num_indices, unsigned long long* problem) {
+                                              int64_t num_indices, unsigned long long* error) {
   const int64_t i = global_thread();
   if (i > num_bags) return;
-  unsigned long long code = 4;
+  unsigned long long code = 0;
   if (i == 0 && offsets[0] != 0) {
     code = 1;
   } else if (i == num_bags && offsets[i] != num_indices) {
@@ -36,7 +84,7 @@ extern "C" __global__ void demb_check_offsets(const int64_t* offsets, int64_t nu
   } else if (i > 0 && offsets[i] < offsets[i - 1]) {
     code = 3;
   }
-  if (code < 4) atomicMin(problem, code);
+  if (code) atomicMax(error, 4 - code);
 }
 
 // out[rows[i], c] = the initializer's value of (table, keys[i], c), c < dim.
@@ -53,24 +101,49 @@ extern "C" __global__ void demb_init_rows(float* out, int64_t out_width, const i
   out[rows[i] * out_width + c] = init_element(p, table, keys[i], c);
 }
 
+// The full rows of the keys an inserting call just stored, a thread per element:
+// for each i < n whose status is kInserted or kEvictedAndInserted, values[slots[i],
+// c] = its table's initializer's value for c < dim and state_value for the
+// optimizer state after it (c < width). Keys of other statuses (hits, failures,
+// padding) are left alone, so the host needs no count of the new keys.
+extern "C" __global__ void demb_init_new_rows(float* values, int64_t width, const int64_t* slots,
+                                              const int8_t* status, const int64_t* keys,
+                                              const int16_t* tids, int64_t n, int64_t dim,
+                                              const int64_t* init_ints, const float* init_floats,
+                                              float state_value) {
+  const int64_t e = global_thread();
+  if (e >= n * width) return;
+  const int64_t i = e / width;
+  if (status[i] != kInserted && status[i] != kEvictedAndInserted) return;
+  const int64_t c = e - i * width;
+  const int64_t t = tids[i];
+  values[slots[i] * width + c] =
+      c < dim ? init_element(init_params_of(init_ints, init_floats, t), init_ints[3 * t], keys[i],
+                             static_cast<int>(c))
+              : state_value;
+}
+
 // Pooled lookup, one warp per bag k = f * batch + b: out[b, col(f) + c] = the
 // (weighted) sum, or mean, of the bag's rows. Empty bags write zeros.
+// A batch the input check refused (error) pools to zeros: its offsets are not read.
 extern "C" __global__ void demb_pooled_forward(DEMB_ROW_PARAMS, const int64_t* inverse,
                                                const int64_t* offsets, const float* weights,
                                                const int64_t* feature_col, int64_t batch,
                                                int64_t num_bags, bool mean, float* out,
-                                               int64_t out_width) {
+                                               int64_t out_width, const int64_t* error) {
   const int64_t k = global_warp();
   if (k >= num_bags) return;
   const int64_t col = feature_col[k / batch];
   if (col < 0) return;
   float* dst = out + (k % batch) * out_width + col;
-  const int64_t begin = offsets[k], end = offsets[k + 1];
+  const bool bad = refused(error);
+  const int64_t begin = bad ? 0 : offsets[k], end = bad ? 0 : offsets[k + 1];
   const float inv_len = end > begin ? 1.f / static_cast<float>(end - begin) : 0.f;
+  const RowReader rows = DEMB_ROWS;
   for (int64_t c = lane_id(); c < dim; c += kWarp) {
     float acc = 0.f;
     for (int64_t j = begin; j < end; ++j) {
-      const float x = DEMB_ROW_OF(inverse[j])[c];
+      const float x = rows.at(inverse[j], c);
       if (j == begin) {
         acc = weights ? weights[j] * x : x;
       } else {
@@ -82,29 +155,35 @@ extern "C" __global__ void demb_pooled_forward(DEMB_ROW_PARAMS, const int64_t* i
 }
 
 // Sequence lookup, one thread per element: out[j, c] = row of inverse[j]
-// (positions with inverse < 0 are left as they are).
+// (positions with inverse < 0 are left as they are; a refused batch's are zeros).
 extern "C" __global__ void demb_sequence_forward(DEMB_ROW_PARAMS, const int64_t* inverse,
-                                                 int64_t n, float* out) {
+                                                 int64_t n, float* out, const int64_t* error) {
   const int64_t e = global_thread();
   if (e >= n * dim) return;
+  if (refused(error)) {
+    out[e] = 0.f;
+    return;
+  }
   const int64_t j = e / dim;
   if (inverse[j] < 0) return;
-  out[e] = DEMB_ROW_OF(inverse[j])[e - j * dim];
+  out[e] = DEMB_ROWS.at(inverse[j], e - j * dim);
 }
 
 // Where each lookup's gradient is and how it is scaled, placed at its rank:
 // pos[rank[j]] = offset of its gradient row in grad, scale[rank[j]] = weight x
 // (1 / bag length for MEAN). One thread per bag (pooled) or lookup (sequence).
 // Ranks outside [0, entries) are skipped (and counted in bad[0] when bad is given).
+// A batch the input check refused (error) places nothing: its offsets are not read
+// (and its dedup gave no unique row to update).
 extern "C" __global__ void demb_place_grads(const int64_t* rank, int64_t n, int64_t entries,
                                             const int64_t* offsets, const float* weights,
                                             const int64_t* feature_col, int64_t batch,
                                             int64_t num_bags, bool mean, int64_t grad_width,
                                             int64_t* pos, float* scale,
-                                            unsigned long long* bad) {
+                                            unsigned long long* bad, const int64_t* error) {
   const int64_t k = global_thread();
   const bool pooled = offsets != nullptr;
-  if (k >= (pooled ? num_bags : n)) return;
+  if (k >= (pooled ? num_bags : n) || refused(error)) return;
   int64_t begin = k, end = k + 1, p = k * grad_width;
   float bag_scale = 1.f;
   if (pooled) {
@@ -188,7 +267,10 @@ extern "C" __global__ void demb_piece_sums(const int64_t* starts, const int64_t*
 // One warp per unique row u: sums its lookups' scaled gradients (entries
 // starts[u] to starts[u + 1] - 1 of pos/scale, in rank order; or, for a hot
 // row, its pieces' partial sums first_piece[u] to first_piece[u + 1] - 1) and
-// applies the optimizer to its stored row. Shared memory: dim floats per warp.
+// applies the optimizer to its stored row. A row with no entry is a padding
+// position of a step counted on the device (every unique row has a lookup): it
+// is skipped, as are rows not stored (transient or computed). Shared memory: dim
+// floats per warp.
 extern "C" __global__ void demb_fused_update(float* device_rows, float* host_rows, int64_t width,
                                              int64_t dim, const int64_t* row_ref,
                                              int64_t num_unique, const int64_t* starts,
@@ -201,9 +283,10 @@ extern "C" __global__ void demb_fused_update(float* device_rows, float* host_row
                                              float bias_correction2_sqrt, float decay_scale) {
   extern __shared__ float shared_acc[];
   const int64_t u = global_warp();
-  if (u >= num_unique || is_transient_ref(row_ref[u])) return;
-  float* acc = shared_acc + (threadIdx.x / kWarp) * dim;
+  if (u >= num_unique) return;
   const int64_t begin = starts[u], end = starts[u + 1];
+  if (begin == end || is_transient_ref(row_ref[u])) return;
+  float* acc = shared_acc + (threadIdx.x / kWarp) * dim;
   const int64_t p0 = first_piece ? first_piece[u] : 0, p1 = first_piece ? first_piece[u + 1] : 0;
   for (int64_t c = lane_id(); c < dim; c += kWarp) {
     float a = 0.f;
@@ -238,22 +321,23 @@ extern "C" __global__ void demb_fused_update(float* device_rows, float* host_row
 
 // Gradient of per-sample weights, one warp per bag, a lookup per lane:
 // out[j] = dot(grad[b, col(f):+dim], row of inverse[j]), summed in column order.
+// A refused batch (error) writes nothing: its offsets are not read.
 extern "C" __global__ void demb_per_sample_weight_grad(DEMB_ROW_PARAMS, const int64_t* inverse,
                                                        const int64_t* offsets,
                                                        const int64_t* feature_col,
                                                        int64_t batch, int64_t num_bags,
                                                        const float* grad, int64_t grad_width,
-                                                       float* out) {
+                                                       float* out, const int64_t* error) {
   const int64_t k = global_warp();
-  if (k >= num_bags) return;
+  if (k >= num_bags || refused(error)) return;
   const int64_t col = feature_col[k / batch];
   if (col < 0) return;
   const float* gk = grad + (k % batch) * grad_width + col;
+  const RowReader rows = DEMB_ROWS;
   for (int64_t j = offsets[k] + lane_id(); j < offsets[k + 1]; j += kWarp) {
     if (inverse[j] < 0) continue;
-    const float* row = DEMB_ROW_OF(inverse[j]);
     float dot = 0.f;
-    for (int64_t c = 0; c < dim; ++c) dot = fmaf(gk[c], row[c], dot);
+    for (int64_t c = 0; c < dim; ++c) dot = fmaf(gk[c], rows.at(inverse[j], c), dot);
     out[j] = dot;
   }
 }

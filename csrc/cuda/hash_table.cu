@@ -219,7 +219,9 @@ __device__ int64_t run_end(const int32_t* sorted_buckets, int64_t m, int64_t q0,
 // One inserting pass. `order` (m,) holds the pass's key positions sorted stably
 // by bucket, sorted_buckets (m,) their buckets: the keys of a bucket are a run. One
 // warp per position; the warp at a run's first position settles the run, the others
-// return (so the host never learns how many runs there are).
+// return (so the host never learns how many runs there are). A position of bucket
+// kNoBucket (padding, dedup.cu) gets slot -1 and status kFailed from its own warp
+// and is counted nowhere.
 // rule: 0 clock (score = now), 1 count (adds given), 2 given, 3 count then clock
 // (LRU_LFU). outcomes (4,) += the pass's keys by InsertStatus (hit, inserted, evicted,
 // failed); deferred[0] += its deferred keys (null: not counted, as when the table
@@ -236,6 +238,13 @@ extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
   const int64_t q0 = global_warp();  // the same for the warp's lanes: uniform exits
   if (q0 >= m) return;
   const int32_t b = sorted_buckets[q0];
+  if (b == kNoBucket) {  // a padding position: no slot, and no count
+    if (lane_id() == 0) {
+      slots[order[q0]] = -1;
+      status[order[q0]] = kFailed;
+    }
+    return;
+  }
   if (q0 > 0 && sorted_buckets[q0 - 1] == b) return;  // inside a run: not its start
   const int64_t q1 = run_end(sorted_buckets, m, q0, b);
   const TableView v = DEMB_TABLE_VIEW;

@@ -17,7 +17,8 @@ import torch
 from dynamicemb.embedding.admission import Admission
 from dynamicemb.embedding.initialization import RowInitializer
 from dynamicemb.ops import for_device
-from dynamicemb.ops.interface import OptimizerUpdate, num_buckets_for, optimizer_state_dim
+from dynamicemb.ops.interface import (InitRows, OptimizerUpdate, num_buckets_for,
+                                      optimizer_state_dim)
 from dynamicemb.options import (DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbTableOptions,
                                 DynamicEmbWeightDecayMode)
 from dynamicemb.storage import TieredStorage
@@ -96,6 +97,11 @@ class Lookup(NamedTuple):
         (``dynamicemb.storage``; -(t + 1) for row t of ``transient``, [T, dim]);
         generation: the storage's when looked up; insert: the prepared insert until
         it is committed; admitted: (U,) bool, None without admission.
+
+        A padded lookup (``TableGroup.counts_on_device``) has N entries where others
+        have U: the unique rows, then padding (no lookup, reference -1); ``init``
+        gives the kernels the initializers that compute the rows of negative
+        references (keys whose insert failed), so it has no transient rows.
     """
 
     keys: torch.Tensor
@@ -109,6 +115,7 @@ class Lookup(NamedTuple):
     generation: Optional[tuple] = None
     insert: Optional[PendingInsert] = None
     admitted: Optional[torch.Tensor] = None
+    init: Optional[InitRows] = None
 
 
 class TableGroup:
@@ -166,9 +173,10 @@ class TableGroup:
                 first.caching, device_rows,
                 num_buckets_for(host_rows, first.bucket_capacity) * first.bucket_capacity),
         )
-        self.storage = TieredStorage.build(self.table, first.caching, device_rows,
-                                           device=device, initialize=self.init.stored,
-                                           external=external_tier(first, self.table, table_names))
+        self.storage = TieredStorage.build(
+            self.table, first.caching, device_rows, device=device, initialize=self.init.stored,
+            external=external_tier(first, self.table, table_names),
+            initialize_new=self.init.stored_new if self.ops.counts_on_device else None)
         self.admission = (None if first.admit_strategy is None
                           else Admission(first.admit_strategy,
                                          [o.admission_counter for o in options], device))
@@ -178,8 +186,18 @@ class TableGroup:
         self._no_transient = torch.empty(0, self.dim, dtype=torch.float32, device=device)
 
     # ------------------------------------------------------------- lookup
+    def counts_on_device(self, insert: bool) -> bool:
+        """Whether a lookup (training when ``insert``) may run with every size and count
+        left on the device: a training lookup of a group without admission or
+        CUSTOMIZED scores whose storage allows it (``TieredStorage.counts_on_device``).
+        Then ``begin_lookup`` takes the module's error word."""
+        return (insert and self.training and self.admission is None
+                and self.score_strategy != DynamicEmbScoreStrategy.CUSTOMIZED
+                and self.storage.counts_on_device)
+
     def begin_lookup(self, keys: torch.Tensor, tids: torch.Tensor, insert: bool,
-                     frequencies: Optional[torch.Tensor] = None) -> Lookup:
+                     frequencies: Optional[torch.Tensor] = None,
+                     error: Optional[torch.Tensor] = None) -> Lookup:
         """Phase one of a lookup: dedup, admission decision, hash-table slots decided.
 
         Nothing observable changes until ``finish_lookup``; ``abort_lookup`` undoes
@@ -191,8 +209,20 @@ class TableGroup:
             insert: training: insert admitted unseen keys; else only find.
             frequencies (Tensor, optional): (N,) int64 occurrences each lookup stands
                 for (ids deduplicated upstream); default 1.
+            error (Tensor, optional): (1,) int64, the module's input-check word of this
+                batch: given only where ``counts_on_device(insert)``, and then the
+                lookup is padded (nothing read on the host) and a batch whose word is
+                set changes nothing.
         """
         train = insert and self.training
+        if error is not None:
+            unique, pending = self.storage.prepare_dedup(keys, tids, frequencies, padded=True,
+                                                         error=error)
+            return Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
+                          counts=unique.counts, starts=unique.starts, rank=unique.rank,
+                          insert=pending,
+                          init=InitRows(unique.keys, unique.table_ids,
+                                        self.init.spec(True, self.device)))
         if (train and self.admission is None
                 and self.score_strategy != DynamicEmbScoreStrategy.CUSTOMIZED):
             # Nothing to decide between the dedup and the insert: one overlapped call.
@@ -229,6 +259,10 @@ class TableGroup:
         their tiers, count admissions. Unique keys without a stored row get transient
         rows."""
         keys, tids = lookup.keys, lookup.tids
+        if lookup.init is not None:  # padded: failed keys' rows are computed where read
+            refs = self.storage.commit_padded(lookup.insert, keys, tids, lookup.counts)
+            return lookup._replace(row_ref=refs, transient=self._no_transient,
+                                   generation=self.storage.generation, insert=None)
         if lookup.insert is None:
             refs = lookup.row_ref
         elif lookup.admitted is None:  # every unique key went to the host store
@@ -293,20 +327,25 @@ class TableGroup:
         return lookup._replace(row_ref=refs, generation=self.storage.generation)
 
     # ------------------------------------------------------------ kernels
+    def _sources(self, lookup: Lookup):
+        return self.storage.sources(lookup.transient)._replace(init=lookup.init)
+
     def forward(self, lookup: Lookup, offsets: Optional[torch.Tensor],
                 weights: Optional[torch.Tensor], feature_col: torch.Tensor, batch: int,
-                mean: bool, out: torch.Tensor) -> None:
+                mean: bool, out: torch.Tensor, error: Optional[torch.Tensor] = None) -> None:
         """Writes this group's part of ``out``: pooled bags into its features' columns
-        (``offsets`` given), or a row per lookup (sequence, ``offsets`` None)."""
-        sources = self.storage.sources(lookup.transient)
+        (``offsets`` given), or a row per lookup (sequence, ``offsets`` None).
+        ``error``: the batch's input-check word (a refused batch reads zeros)."""
+        sources = self._sources(lookup)
         if offsets is None:
             self.ops.sequence_forward(sources=sources, row_ref=lookup.row_ref,
-                                      inverse=lookup.inverse, dim=self.dim, out=out)
+                                      inverse=lookup.inverse, dim=self.dim, out=out,
+                                      error=error)
         else:
             self.ops.pooled_forward(sources=sources, row_ref=lookup.row_ref,
                                     inverse=lookup.inverse, offsets=offsets, weights=weights,
                                     feature_col=feature_col, batch=batch, dim=self.dim,
-                                    mean=mean, out=out)
+                                    mean=mean, out=out, error=error)
 
     def clip(self, grad: torch.Tensor) -> torch.Tensor:
         """The output's gradient as this group's backward sees it: clamped elementwise
@@ -318,18 +357,21 @@ class TableGroup:
         return grad.clamp(-opt.max_gradient, opt.max_gradient)
 
     def weight_grad(self, lookup: Lookup, grad: torch.Tensor, offsets: torch.Tensor,
-                    feature_col: torch.Tensor, batch: int, out: torch.Tensor) -> None:
+                    feature_col: torch.Tensor, batch: int, out: torch.Tensor,
+                    error: Optional[torch.Tensor] = None) -> None:
         """out[j] = <row of lookup j, gradient of its bag> for this group's lookups
         (rows as they were in the forward: call before ``backward``)."""
         self.ops.per_sample_weight_grad(
-            sources=self.storage.sources(lookup.transient), row_ref=lookup.row_ref,
+            sources=self._sources(lookup), row_ref=lookup.row_ref,
             inverse=lookup.inverse, offsets=offsets, feature_col=feature_col, batch=batch,
-            dim=self.dim, grad=grad, out=out)
+            dim=self.dim, grad=grad, out=out, error=error)
 
     def backward(self, lookup: Lookup, grad: torch.Tensor, lr: float,
                  offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
-                 feature_col: torch.Tensor, batch: int, mean: bool) -> None:
-        """Sums each stored row's gradient and applies the fused optimizer."""
+                 feature_col: torch.Tensor, batch: int, mean: bool,
+                 error: Optional[torch.Tensor] = None) -> None:
+        """Sums each stored row's gradient and applies the fused optimizer (nothing
+        for a batch whose input-check word ``error`` is set)."""
         if not self.training:
             return
         lookup = self.refresh(lookup)
@@ -350,4 +392,4 @@ class TableGroup:
             sources=self.storage.sources(self._no_transient), row_ref=lookup.row_ref,
             starts=lookup.starts, rank=lookup.rank, offsets=offsets, weights=weights,
             feature_col=feature_col, batch=batch, dim=self.dim, mean=mean, grad=grad,
-            update=update)
+            update=update, error=error)

@@ -6,11 +6,11 @@ size or device; see ``docs/ARCHITECTURE.md``, "Initializers are functions".
 
 import zlib
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from dynamicemb.ops.interface import Backend
+from dynamicemb.ops.interface import Backend, InitSpec, init_mode_code
 from dynamicemb.options import (
     DynamicEmbInitializerArgs,
     DynamicEmbOptimizerArgs,
@@ -18,7 +18,7 @@ from dynamicemb.options import (
     DynamicEmbTableOptions,
 )
 
-__all__ = ["RowInitializer", "init_stream"]
+__all__ = ["RowInitializer", "init_spec", "init_stream"]
 
 
 def init_stream(table_name: str) -> int:
@@ -26,6 +26,21 @@ def init_stream(table_name: str) -> int:
     name. A key therefore starts with the same row in every module that names the
     table alike (sharded or not, whatever its position)."""
     return zlib.crc32(table_name.encode("utf-8"))
+
+
+def init_spec(names: Sequence[str], options: Sequence[DynamicEmbTableOptions],
+              train: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(T, 3) int64 (stream, mode code, seed) and (T, 5) float64 (mean, std_dev, lower,
+    upper, value) of each table's eval initializer (``train``: its training one), as
+    the kernels take them (``InitSpec``, in float32 there)."""
+    ints, floats = [], []
+    for name, o in zip(names, options):
+        args = o.initializer_args if train else o.eval_initializer_args
+        lower, upper = args.bounds(o.max_capacity)
+        ints.append([init_stream(name), init_mode_code(args.mode), args.seed])
+        floats.append([args.mean, args.std_dev, lower, upper, args.value])
+    return (torch.tensor(ints, dtype=torch.int64),
+            torch.tensor(floats, dtype=torch.float64))
 
 
 @dataclass
@@ -63,6 +78,17 @@ class RowInitializer:
         self.state_dim = state_dim
         #: The first value of every optimizer-state float.
         self.initial_state = optimizer.initial_accumulator_value if adagrad else 0.0
+        self._names, self._options = list(table_names), list(options)
+        self._specs = {}  # (train, device) -> InitSpec
+
+    def spec(self, train: bool, device: torch.device) -> InitSpec:
+        """The tables' training (or eval) initializers packed for the kernels, on
+        ``device`` (built once)."""
+        key = (train, device)
+        if key not in self._specs:
+            ints, floats = init_spec(self._names, self._options, train)
+            self._specs[key] = InitSpec(ints.to(device), floats.to(device, torch.float32))
+        return self._specs[key]
 
     def fill(self, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
              tids: torch.Tensor, train: bool,
@@ -94,6 +120,15 @@ class RowInitializer:
             # index_fill_ takes the number as a kernel argument (an indexed
             # assignment would copy it from host memory: a sync on a GPU)
             values[:, self.dim:].index_fill_(0, slots, self.initial_state)
+
+    def stored_new(self, values: torch.Tensor, slots: torch.Tensor, status: torch.Tensor,
+                   keys: torch.Tensor, tids: torch.Tensor) -> None:
+        """``stored`` for the keys whose status (``InsertStatus``) says they were just
+        inserted, in one launch with no count of them (a padded insert)."""
+        self.ops.init_new_rows(values=values, slots=slots, status=status, keys=keys,
+                               table_ids=tids, dim=self.dim,
+                               spec=self.spec(True, values.device),
+                               state_value=self.initial_state)
 
     def transient(self, keys: torch.Tensor, tids: torch.Tensor, train: bool,
                   args: Optional[DynamicEmbInitializerArgs] = None) -> torch.Tensor:

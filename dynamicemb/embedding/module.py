@@ -16,6 +16,7 @@ from torch import nn
 from dynamicemb.embedding.buffers import OutputBuffers
 from dynamicemb.embedding.fused_params import check_tbe_keywords, output_dtype_of
 from dynamicemb.embedding.group import Lookup, TableGroup, group_key
+from dynamicemb.embedding.input_errors import CheckedBatch, InputErrors, offsets_message
 from dynamicemb.embedding.state import load_tables_state, tables_state
 from dynamicemb.embedding.streams import StreamOrder
 from dynamicemb.ops import for_device, resolve_device
@@ -88,6 +89,8 @@ class _Batch(NamedTuple):
     batch_size: int
     num_indices: int  # N
     lookups: List[Lookup]
+    error: Optional[torch.Tensor] = None  # the check's word, where checked on the device
+    check: Optional[CheckedBatch] = None
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -152,6 +155,12 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         output_dtype: dtype of the output (float32, float16 or bfloat16; FBGEMM's
             ``SparseType`` too).
         device: where rows live (default CPU); each batch is moved there.
+        sync_checks: on a GPU, raise for bad offsets in the call that gets them (one
+            host sync per step). By default a training step that keeps its counts on
+            the device checks them in a kernel: the bad batch's output is zeros, it
+            changes no table, and the error is raised at the next call (see
+            ``docs/ARCHITECTURE.md``, "Host synchronizations of a training step").
+            The CPU always raises at once.
         **tbe_kwargs: other keywords of FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen``
             and upstream's ``BatchedDynamicEmbeddingTablesV2`` (``prefetch_pipeline``,
             ``stochastic_rounding``, ``max_norm``, ...): each is accepted where dynamic
@@ -192,6 +201,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         max_gradient: float = 1.0,
         output_dtype=torch.float32,
         device: Optional[torch.device] = None,
+        sync_checks: bool = False,
         **tbe_kwargs,
     ) -> None:
         super().__init__()
@@ -234,6 +244,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         # Checks of a batch's values (finite weights and gradients) where they cost no
         # host sync: on the CPU; on a GPU a step does not wait for them.
         self._check_data = for_device(self.device).free_host_reads
+        # On a backend that counts on the device, a step of one group checks its
+        # offsets into this word (read by the host at the next call).
+        self._errors = (InputErrors(self.device, at_once=sync_checks)
+                        if for_device(self.device).counts_on_device else None)
 
     def _build_groups(self, module_optimizer: DynamicEmbOptimizerArgs) -> None:
         by_key: Dict[tuple, List[int]] = {}
@@ -541,6 +555,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         first waits for what that stream has enqueued, and the next forward or
         backward on the training stream waits for the prefetch (``StreamOrder``)."""
         self._stream_order.before_use()
+        self._raise_refused()
         indices, offsets, _, batch_size = self._validate(indices, offsets, per_sample_weights)
         frequencies = self._validate_frequencies(frequencies, indices.numel())
         lookups = self._lookup(indices, offsets, batch_size, self.training, frequencies)
@@ -657,16 +672,21 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 another device than the rows, are accepted (copied). The backward
                 raises ``ValueError`` on a NaN/inf gradient and updates no row.
         """
-        indices, offsets, weights, batch_size = self._validate(indices, offsets, per_sample_weights)
-        frequencies = self._validate_frequencies(frequencies, indices.numel())
+        self._raise_refused()
         training = self.training
+        counted = self._counted(training)
+        check = self._check_on_device() if counted else None
+        indices, offsets, weights, batch_size = self._validate(indices, offsets, per_sample_weights,
+                                                               check)
+        frequencies = self._validate_frequencies(frequencies, indices.numel())
         self._stream_order.before_use()
+        error = self._errors.word if counted else None
         if self._prefetched:
             lookups = self._take_prefetched(indices, offsets)
         else:
-            lookups = self._lookup(indices, offsets, batch_size, training, frequencies)
+            lookups = self._lookup(indices, offsets, batch_size, training, frequencies, error)
         batch = _Batch(offsets, None if weights is None else weights.detach(), batch_size,
-                       indices.numel(), lookups)
+                       indices.numel(), lookups, error, check)
         if training and torch.is_grad_enabled() and any(g.training for g in self._groups):
             out = _LookupFunction.apply(self._table_params[0], weights, self, batch)
         else:
@@ -674,7 +694,35 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self._stream_order.used()
         return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
 
-    def _validate(self, indices, offsets, weights):
+    def _raise_refused(self) -> None:
+        """Raises the error of a batch an earlier call's kernel refused (bad offsets)."""
+        if self._errors is not None:
+            self._errors.raise_if_refused()
+
+    def _counted(self, training: bool) -> bool:
+        """Whether this call's step keeps every count on the device: a backend that
+        can, one group, and a lookup that group can run padded."""
+        return (self._errors is not None and len(self._groups) == 1
+                and self._groups[0].counts_on_device(training))
+
+    def _check_on_device(self) -> CheckedBatch:
+        """A batch to be checked by a kernel: how to put back what its lookup
+        advances on the host, should the check fail (read at the next call)."""
+        steps = self._train_steps
+        clocks = [(g.table.clock, g.table.step, g.adam_step) for g in self._groups]
+
+        def restore() -> None:
+            self._train_steps = steps
+            for g, (clock, step, adam_step) in zip(self._groups, clocks):
+                g.table.set_clock(clock)
+                g.table.set_step(step)
+                g.adam_step = adam_step
+
+        return CheckedBatch(None, 0, restore)
+
+    def _validate(self, indices, offsets, weights, check: Optional[CheckedBatch] = None):
+        """The batch on the module's device, checked: at once, or with ``check`` by a
+        kernel into the error word (``InputErrors``)."""
         pooling = self.pooling_mode
         check_batch_types(indices, offsets, weights, "" if pooling == DynamicEmbPoolingMode.SUM
                           else f"this module uses {pooling.name}")
@@ -688,13 +736,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         # The batch moves to the rows' device (a no-op when it is there already).
         offsets = offsets.to(device=self.device, dtype=torch.int64).contiguous()
         n = indices.numel()
-        problem = for_device(self.device).check_offsets(offsets=offsets, num_indices=n)
-        if problem in (1, 2):
-            raise ValueError(
-                f"offsets must start at 0 and end at len(indices)={n}, "
-                f"got {int(offsets[0])} and {int(offsets[-1])}")
-        if problem:
-            raise ValueError("offsets must be non-decreasing")
+        if check is None:
+            problem = for_device(self.device).check_offsets(offsets=offsets, num_indices=n)
+            if problem:
+                raise ValueError(offsets_message(problem, offsets, n))
         if weights is not None:
             if weights.shape != (n,):
                 raise ValueError(
@@ -704,6 +749,11 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             if self._check_data and not _all_finite(weights):
                 raise ValueError("per_sample_weights must be finite, got NaN or inf")
         indices = indices.to(device=self.device, dtype=torch.int64).contiguous()
+        if check is not None:  # last: a batch refused at once has changed nothing
+            for_device(self.device).check_offsets(offsets=offsets, num_indices=n,
+                                                  error=self._errors.word)
+            check.offsets, check.num_indices = offsets, n
+            self._errors.checked(check)
         return indices, offsets, weights, num_bags // self._num_features
 
     def _take_prefetched(self, indices, offsets) -> List[Lookup]:
@@ -717,12 +767,16 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         return [g.refresh(found) for g, found in zip(self._groups, head.lookups)]
 
     def _validate_frequencies(self, frequencies, n: int) -> Optional[torch.Tensor]:
-        return check_frequencies(frequencies, n, self.device, like="indices", int32=True)
+        # their values (>= 1) are read only where that costs no sync, as the weights'
+        return check_frequencies(frequencies, n, self.device, like="indices", int32=True,
+                                 check_values=self._check_data)
 
     def _lookup(self, indices, offsets, batch_size, insert: bool,
-                frequencies: Optional[torch.Tensor] = None) -> List[Lookup]:
+                frequencies: Optional[torch.Tensor] = None,
+                error: Optional[torch.Tensor] = None) -> List[Lookup]:
         """Every group's lookup, atomically: if one group fails (a full table in ERROR
-        mode), the groups before it are rolled back and no table changes."""
+        mode), the groups before it are rolled back and no table changes. ``error``:
+        the batch's check word, for a step counted on the device (one group)."""
         if insert:  # STEP scores: the training step this forward belongs to
             for g in self._groups:
                 g.table.set_step(self._train_steps + 1)
@@ -733,7 +787,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 freq = frequencies
                 if freq is not None and positions is not None:
                     freq = freq[positions]
-                pending.append(group.begin_lookup(keys, tids, insert, freq))
+                pending.append(group.begin_lookup(keys, tids, insert, freq, error))
         except BaseException:
             for group, p in reversed(list(zip(self._groups, pending))):
                 group.abort_lookup(p)
@@ -763,9 +817,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             return [(self._groups[0], indices, self._zero_tids.take(n), None)]
         bounds = offsets[:: max(batch_size, 1)] if batch_size else torch.zeros(
             self._num_features + 1, dtype=torch.int64, device=self.device)
-        feature = torch.repeat_interleave(
-            torch.arange(self._num_features, device=self.device), bounds[1:] - bounds[:-1],
-            output_size=n)
+        # each lookup's feature: how many features end at or before it (a search, not
+        # a repeat: offsets a kernel has yet to refuse still give features in range)
+        feature = torch.searchsorted(bounds[1:], torch.arange(n, device=self.device),
+                                     right=True).clamp_(max=self._num_features - 1)
         tids = self._feature_local_tid[feature]
         if len(self._groups) == 1:
             return [(self._groups[0], indices, tids, None)]
@@ -789,13 +844,15 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         pooled = self.pooling_mode != DynamicEmbPoolingMode.NONE
         for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
             group.forward(found, batch.offsets if pooled else None, batch.weights,
-                          self._feature_col[g], batch.batch_size, mean, out)
+                          self._feature_col[g], batch.batch_size, mean, out, batch.error)
         return out
 
     def _apply_gradients(self, batch: _Batch, grad: torch.Tensor,
                          want_weight_grad: bool = False) -> Optional[torch.Tensor]:
         """Backward: gradients of the weights (if wanted, from the rows before the
         update), then the fused optimizer on every group."""
+        if batch.check is not None and batch.check.refused:  # raised already: no update
+            return None
         self._stream_order.before_use()
         grad = grad.to(torch.float32).contiguous()
         if self._check_data and not _all_finite(grad):  # before any update: no table changes
@@ -811,11 +868,12 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                                        device=self.device)
             for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
                 group.weight_grad(found, grads[g], batch.offsets, self._feature_col[g],
-                                  batch.batch_size, grad_weights)
+                                  batch.batch_size, grad_weights, batch.error)
         self._changed()
         for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
             lr = self.optimizer.param_groups[g]["lr"]
             group.backward(found, grads[g], lr, batch.offsets if pooled else None,
-                           batch.weights, self._feature_col[g], batch.batch_size, mean)
+                           batch.weights, self._feature_col[g], batch.batch_size, mean,
+                           batch.error)
         self._stream_order.used()
         return grad_weights

@@ -11,9 +11,9 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 from torch import nn
 
-from dynamicemb.embedding.initialization import init_stream
+from dynamicemb.embedding.initialization import init_spec
 from dynamicemb.ops import for_device
-from dynamicemb.ops.interface import ScoreRule, init_mode_code, num_buckets_for
+from dynamicemb.ops.interface import ScoreRule, num_buckets_for
 from dynamicemb.options import DynamicEmbTableOptions
 
 __all__ = ["ROW_DTYPES", "FrozenGroup", "check_row_dtype"]
@@ -71,20 +71,6 @@ def build_index(keys: torch.Tensor, tids: torch.Tensor, num_tables: int,
     keys_scores = memory.meta[0].as_strided((memory.capacity, 2), (2, 1))
     keys_scores[:, 1] = 0  # scores are not served
     return [keys_scores, *memory.meta[2:]], row_of_slot
-
-
-def init_spec(names: Sequence[str], options: Sequence[DynamicEmbTableOptions]
-              ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(T, 3) int64 (stream, mode code, seed) and (T, 5) float64 (mean, std_dev, lower,
-    upper, value) of each table's eval initializer, as training's eval fills rows."""
-    ints, floats = [], []
-    for name, o in zip(names, options):
-        args = o.eval_initializer_args
-        lower, upper = args.bounds(o.max_capacity)
-        ints.append([init_stream(name), init_mode_code(args.mode), args.seed])
-        floats.append([args.mean, args.std_dev, lower, upper, args.value])
-    return (torch.tensor(ints, dtype=torch.int64),
-            torch.tensor(floats, dtype=torch.float64))
 
 
 class FrozenGroup(nn.Module):

@@ -15,11 +15,12 @@ warp, so results equal the CPU backend's (see ``csrc/cuda/hash_table.cu``).
 import hashlib
 import os
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from dynamicemb.ops.interface import offsets_problem
 from dynamicemb.ops.kernels import DeferredCount, KernelBackend
 
 __all__ = ["CudaBackend", "CudaKernels", "cuda_source_root", "mapped_host_zeros"]
@@ -31,7 +32,8 @@ _KERNELS = {
                      "demb_expire"),
                     "hash_table.cu"),
     **dict.fromkeys(("demb_dedup_insert", "demb_dedup_first", "demb_dedup_number"), "dedup.cu"),
-    **dict.fromkeys(("demb_check_offsets", "demb_init_rows", "demb_pooled_forward", "demb_sequence_forward",
+    **dict.fromkeys(("demb_check_offsets", "demb_init_rows", "demb_init_new_rows",
+                     "demb_pooled_forward", "demb_sequence_forward",
                      "demb_place_grads", "demb_piece_counts", "demb_piece_sums",
                      "demb_fused_update",
                      "demb_per_sample_weight_grad"),
@@ -205,9 +207,11 @@ def _table_args(meta: Sequence[torch.Tensor], bc: int) -> list:
 
 
 def _row_args(tiers: Sequence[torch.Tensor], transient: torch.Tensor,
-              row_ref: torch.Tensor, dim: int) -> list:
+              row_ref: torch.Tensor, dim: int, init=None) -> list:
     """The DEMB_ROW_PARAMS of csrc/cuda/embedding.cu. A host tier must be pinned
-    (or empty): the GPU reads its rows through the unified address space."""
+    (or empty): the GPU reads its rows through the unified address space. ``init``
+    (``InitRows``, or None): rows of negative references computed from the
+    initializers instead of read from ``transient``."""
     if len(tiers) != 2:
         raise ValueError("tiers must be [device values, host values]")
     device, host = tiers
@@ -219,8 +223,33 @@ def _row_args(tiers: Sequence[torch.Tensor], transient: torch.Tensor,
     if device.size(1) < dim:
         raise ValueError(f"value rows ({device.size(1)} wide) are narrower than dim {dim}")
     _expect(row_ref, torch.int64, "row_ref")
+    computed = [_ptr(None)] * 4
+    if init is not None:
+        _expect_batch(init.keys, init.table_ids)
+        _expect_init_spec(init.spec)
+        if init.keys.numel() != row_ref.numel():
+            raise ValueError("init keys must have one entry per row reference")
+        computed = [_ptr(init.keys), _ptr(init.table_ids), _ptr(init.spec.ints),
+                    _ptr(init.spec.floats)]
     return [_ptr(device), _ptr(host), np.int64(device.size(1)), _ptr(transient),
-            np.int64(dim), _ptr(row_ref)]
+            np.int64(dim), _ptr(row_ref)] + computed
+
+
+def _expect_init_spec(spec) -> None:
+    _expect(spec.ints, torch.int64, "init ints")
+    _expect(spec.floats, torch.float32, "init floats")
+    if spec.ints.dim() != 2 or spec.ints.size(1) != 3 or spec.floats.shape != (
+            spec.ints.size(0), 5):
+        raise ValueError("an InitSpec holds (T, 3) ints and (T, 5) floats")
+
+
+def _error_arg(error: Optional[torch.Tensor]) -> np.uint64:
+    """The module's error word as a kernel's ``error`` pointer (null: none)."""
+    if error is not None:
+        _expect(error, torch.int64, "error")
+        if error.numel() != 1:
+            raise ValueError("the error word is one int64")
+    return _ptr(error)
 
 
 class _StreamHandle:
@@ -361,12 +390,39 @@ class CudaKernels:
                      outcomes):
         """``dedup`` (grouped) then a first clock-rule pass over the unique keys."""
         table = _table_args(meta, bc)
-        unique, buckets = self._dedup(keys, tids, frequencies, True, num_buckets=int(table[5]))
+        unique, buckets, _ = self._dedup(keys, tids, frequencies, True,
+                                         num_buckets=int(table[5]))
         ukeys, utids, inverse, counts, starts, rank = unique
         deferred = self.upsert(meta, bc, ukeys, utids, None, 0, now, evicts, can_grow,
                                one_table, None, slots, status, prev_scores, ev_keys,
                                ev_tids, ev_scores, outcomes, buckets=buckets)
         return ukeys, utids, inverse, counts, starts, rank, deferred
+
+    def padded_dedup_upsert(self, meta, bc, keys, tids, frequencies, rule, now, evicts,
+                            one_table, error):
+        """``dedup`` (grouped) padded to the n keys, then one inserting pass over them
+        into a table that cannot grow (so no key is deferred): nothing is read on
+        the host. ``rule`` 0 scores by the clock; a count rule by the dedup's counts.
+
+        Returns:
+            (ukeys, utids, inverse, counts, starts, rank, slots, status, prev_scores,
+            ev_keys, ev_tids, ev_scores, outcomes): the per-key arrays have n
+            entries; padding gets slot -1 and status FAILED and is counted nowhere;
+            outcomes (4,) on the device.
+        """
+        table = _table_args(meta, bc)
+        n = keys.numel()
+        # the pass's outcome counts come from the dedup's one zero fill
+        unique, buckets, outcomes = self._dedup(keys, tids, frequencies, True,
+                                                num_buckets=int(table[5]), padded=True,
+                                                error=error, zeros=_NUM_OUTCOMES)
+        ukeys, utids, inverse, counts, starts, rank = unique
+        outs = [torch.empty(n, dtype=dtype, device=keys.device) for dtype in (
+            torch.int64, torch.int8, torch.int64, torch.int64, torch.int16, torch.int64)]
+        given = None if rule == 0 else counts
+        self.upsert(meta, bc, ukeys, utids, given, rule, now, evicts, False, one_table, None,
+                    *outs, outcomes, buckets=buckets)
+        return (ukeys, utids, inverse, counts, starts, rank, *outs, outcomes)
 
     def unpin(self, meta, bc, slots) -> None:
         _expect(slots, torch.int64, "slots")
@@ -452,19 +508,31 @@ class CudaKernels:
         starts, rank); starts and rank are empty unless ``group``."""
         return self._dedup(keys, tids, frequencies, group)[0]
 
-    def _dedup(self, keys, tids, frequencies, group: bool, num_buckets: Optional[int] = None):
-        """``dedup``'s tuple, and with ``num_buckets`` each unique pair's bucket in a
+    def _dedup(self, keys, tids, frequencies, group: bool, num_buckets: Optional[int] = None,
+               padded: bool = False, error: Optional[torch.Tensor] = None,
+               zeros: int = 0):
+        """``dedup``'s tuple; with ``num_buckets`` each unique pair's bucket in a
         table of that many buckets ((U,) int32, written by the numbering kernel:
-        an inserting pass needs no launch of its own to find them), else None."""
+        an inserting pass needs no launch of its own to find them), else None; and
+        ``zeros`` int64 zeros for the caller, from the dedup's own fill.
+
+        ``padded``: the unique arrays have N entries (padding past the unique
+        count, which is not read: no sync); ``error``: the module's error word (a
+        refused batch has no unique pair)."""
         _expect_batch(keys, tids)
         n = keys.numel()
         dev = keys.device
-        # zeros for the occurrences (U,), counted by atomics, and the grouping's
-        # starts (U + 1,) whose first entry is 0, U <= n
-        first, is_first, zeroed = self._first_positions(keys, tids,
-                                                        zeros=2 * n + 1 if group else n)
+        u_bound = n  # the unique count is at most n
+        # zeros for the occurrences (U,), counted by atomics, the grouping's starts
+        # (U + 1,) whose first entry is 0, and the caller's
+        first, is_first, zeroed = self._first_positions(
+            keys, tids, zeros=(2 * n + 1 if group else n) + zeros)
+        caller_zeros = zeroed[zeroed.numel() - zeros:]
         number = torch.cumsum(is_first, 0)  # pair first seen at i: number[i] - 1
-        u = int(number[-1]) if n else 0  # the dedup's one sync: the unique count
+        if padded:
+            u = u_bound
+        else:
+            u = int(number[-1]) if n else 0  # the dedup's one sync: the unique count
         ukeys = torch.empty(u, dtype=torch.int64, device=dev)
         utids = torch.empty(u, dtype=tids.dtype, device=dev)
         inverse = torch.empty(n, dtype=torch.int64, device=dev)
@@ -474,14 +542,18 @@ class CudaKernels:
         self._launch("demb_dedup_number", dev, n, [
             _ptr(keys), _ptr(tids), _ptr(first), _ptr(number), _i64(n), _ptr(ukeys),
             _ptr(utids), _ptr(inverse), _ptr(occurrences), _i64(num_buckets or 0),
-            _ptr(buckets)])
-        counts = occurrences if frequencies is None else torch.zeros(
-            u, dtype=torch.int64, device=dev).index_add_(0, inverse, frequencies)
+            _ptr(buckets), np.bool_(padded), _error_arg(error)])
+        counts = occurrences
+        if frequencies is not None:
+            # a refused batch's inverse is -1: its frequencies go to an entry past the pairs
+            at = inverse if error is None else torch.where(inverse >= 0, inverse, u)
+            counts = torch.zeros(u + 1, dtype=torch.int64, device=dev).index_add_(
+                0, at, frequencies)[:u]
         if not group:
             empty = torch.empty(0, dtype=torch.int64, device=dev)
-            return (ukeys, utids, inverse, counts, empty, empty), buckets
+            return (ukeys, utids, inverse, counts, empty, empty), buckets, caller_zeros
         starts, rank = self._group_by_unique(inverse, occurrences, zeroed[u:2 * u + 1])
-        return (ukeys, utids, inverse, counts, starts, rank), buckets
+        return (ukeys, utids, inverse, counts, starts, rank), buckets, caller_zeros
 
     @staticmethod
     def _group_by_unique(inverse: torch.Tensor, occurrences: torch.Tensor,
@@ -497,19 +569,22 @@ class CudaKernels:
         return starts, rank
 
     # -------------------------------------------------------------- embedding
-    def check_offsets(self, offsets: torch.Tensor, num_indices: int) -> int:
+    def check_offsets(self, offsets: torch.Tensor, num_indices: int,
+                      error: Optional[torch.Tensor] = None) -> Optional[int]:
         """0, or the first problem: 1 first entry not 0, 2 last not num_indices,
-        3 decreasing."""
+        3 decreasing. With ``error`` (the module's word): recorded there, not read
+        (None is returned)."""
         if offsets.dtype != torch.int64:
             raise TypeError(f"offsets has dtype {offsets.dtype}, expected torch.int64")
         if offsets.numel() < 1:
             raise ValueError("offsets must have at least one entry")
         _expect(offsets, torch.int64, "offsets")
-        problem = torch.full((1,), 4, dtype=torch.int64, device=offsets.device)
+        word = torch.zeros(1, dtype=torch.int64, device=offsets.device) if error is None else error
         self._launch("demb_check_offsets", offsets.device, offsets.numel(), [
-            _ptr(offsets), _i64(offsets.numel() - 1), _i64(num_indices), _ptr(problem)])
-        code = int(problem)  # the check's one sync: a bad batch raises before any change
-        return 0 if code == 4 else code
+            _ptr(offsets), _i64(offsets.numel() - 1), _i64(num_indices), _error_arg(word)])
+        if error is not None:
+            return None
+        return offsets_problem(int(word))  # a bad batch raises before any change: a sync
 
     def init_rows(self, out, rows, keys, table, dim, mode, mean, std_dev, lower, upper,
                   value, seed) -> None:
@@ -525,25 +600,44 @@ class CudaKernels:
             np.float32(lower), np.float32(upper), np.float32(value),
             np.uint64(int(seed) & 0xFFFFFFFFFFFFFFFF)])
 
+    def init_new_rows(self, values, slots, status, keys, tids, dim, spec,
+                      state_value) -> None:
+        """The full initial rows of the keys whose status is INSERTED or
+        EVICTED_AND_INSERTED (one thread per element; no count needed)."""
+        _expect(values, torch.float32, "values")
+        _expect(slots, torch.int64, "slots")
+        _expect(status, torch.int8, "status")
+        _expect_batch(keys, tids)
+        _expect_init_spec(spec)
+        n = slots.numel()
+        if status.numel() != n or keys.numel() != n or values.dim() != 2:
+            raise ValueError("slots, status and keys need one length; values [C, width]")
+        width = values.size(1)
+        self._launch("demb_init_new_rows", values.device, n * width, [
+            _ptr(values), np.int64(width), _ptr(slots), _ptr(status), _ptr(keys), _ptr(tids),
+            _i64(n), _i64(dim), _ptr(spec.ints), _ptr(spec.floats), np.float32(state_value)])
+
     def pooled_forward(self, tiers, transient, row_slot, inverse, offsets, weights,
-                       feature_col, batch, dim, mean, out) -> None:
-        rows = _row_args(tiers, transient, row_slot, dim)
+                       feature_col, batch, dim, mean, out, init=None, error=None) -> None:
+        rows = _row_args(tiers, transient, row_slot, dim, init)
         num_bags = offsets.numel() - 1
         if num_bags != feature_col.numel() * batch:
             raise ValueError("offsets must have num_features * batch + 1 entries")
         self._launch("demb_pooled_forward", out.device, 32 * num_bags, rows + [
             _ptr(inverse), _ptr(offsets), _ptr(weights), _ptr(feature_col), _i64(batch),
-            _i64(num_bags), np.bool_(mean), _ptr(out), np.int64(out.size(1))])
+            _i64(num_bags), np.bool_(mean), _ptr(out), np.int64(out.size(1)),
+            _error_arg(error)])
 
-    def sequence_forward(self, tiers, transient, row_slot, inverse, dim, out) -> None:
-        rows = _row_args(tiers, transient, row_slot, dim)
+    def sequence_forward(self, tiers, transient, row_slot, inverse, dim, out, init=None,
+                         error=None) -> None:
+        rows = _row_args(tiers, transient, row_slot, dim, init)
         n = inverse.numel()
         self._launch("demb_sequence_forward", out.device, n * dim,
-                     rows + [_ptr(inverse), _i64(n), _ptr(out)])
+                     rows + [_ptr(inverse), _i64(n), _ptr(out), _error_arg(error)])
 
     def fused_backward(self, tiers, row_slot, starts, rank, offsets, weights, feature_col,
                        batch, dim, mean, grad, kind, lr, eps, beta1, beta2, weight_decay,
-                       step_size, bias_correction2_sqrt, decay_scale) -> None:
+                       step_size, bias_correction2_sqrt, decay_scale, error=None) -> None:
         _expect(grad, torch.float32, "grad")
         _expect(starts, torch.int64, "starts")
         _expect(rank, torch.int64, "rank")
@@ -565,7 +659,7 @@ class CudaKernels:
         self._launch("demb_place_grads", dev, num_bags if pooled else n, [
             _ptr(rank), _i64(n), _i64(entries), _ptr(offsets if pooled else None),
             _ptr(weights), _ptr(feature_col), _i64(batch), _i64(num_bags), np.bool_(mean),
-            np.int64(grad.size(1)), _ptr(pos), _ptr(scale), _ptr(None)])
+            np.int64(grad.size(1)), _ptr(pos), _ptr(scale), _ptr(None), _error_arg(error)])
         # No counter of ranks outside [0, entries) (the kernel skips them): the
         # group's own dedup makes rank, an internal invariant; reading a count back
         # would be a sync, and zeroing one a launch.
@@ -606,12 +700,13 @@ class CudaKernels:
         return first_piece, partial
 
     def per_sample_weight_grad(self, tiers, transient, row_slot, inverse, offsets,
-                               feature_col, batch, dim, grad, out) -> None:
-        rows = _row_args(tiers, transient, row_slot, dim)
+                               feature_col, batch, dim, grad, out, init=None,
+                               error=None) -> None:
+        rows = _row_args(tiers, transient, row_slot, dim, init)
         num_bags = offsets.numel() - 1
         self._launch("demb_per_sample_weight_grad", out.device, 32 * num_bags, rows + [
             _ptr(inverse), _ptr(offsets), _ptr(feature_col), _i64(batch), _i64(num_bags),
-            _ptr(grad), np.int64(grad.size(1)), _ptr(out)])
+            _ptr(grad), np.int64(grad.size(1)), _ptr(out), _error_arg(error)])
 
 
 class CudaBackend(KernelBackend):
@@ -624,6 +719,7 @@ class CudaBackend(KernelBackend):
     #: The widest embedding a group may have (the fused update's shared memory).
     max_dim = MAX_DIM
     free_host_reads = False
+    counts_on_device = True
 
     def __init__(self) -> None:
         super().__init__(CudaKernels())

@@ -23,6 +23,8 @@ __all__ = [
     "Deduplicated",
     "Entries",
     "HOST_ROW_BIT",
+    "InitRows",
+    "InitSpec",
     "InsertStatus",
     "OptimizerUpdate",
     "RowSources",
@@ -32,6 +34,7 @@ __all__ = [
     "init_mode_code",
     "metadata_bytes_per_slot",
     "num_buckets_for",
+    "offsets_problem",
     "optimizer_code",
     "optimizer_state_dim",
     "score_rule",
@@ -107,6 +110,13 @@ def optimizer_code(optimizer: DynamicEmbOptimType) -> int:
 def init_mode_code(mode: DynamicEmbInitializerMode) -> int:
     """The kernels' code of an initializer mode."""
     return _INIT_MODE_CODES[mode]
+
+
+def offsets_problem(word: int) -> int:
+    """The offsets problem code of ``Backend.check_offsets`` held by an error word
+    (the kernel keeps max(4 - code) over the problems, so the smallest code wins;
+    a word of 0 holds none)."""
+    return 4 - int(word) if word else 0
 
 
 def optimizer_state_dim(optimizer: DynamicEmbOptimType, dim: int) -> int:
@@ -201,6 +211,8 @@ class Upserted(NamedTuple):
         ev_keys, ev_tids, ev_scores: (n,) the entry a key evicted, where
         status is EVICTED_AND_INSERTED. hits, inserted, evicted, failed count the
         statuses; growths counts the doublings the verb did for full buckets.
+        counts: (4,) int64 on the device, the same four counts, when a padded verb
+        left them there (``Backend.counts_on_device``: the four ints are then None).
     """
 
     slots: torch.Tensor
@@ -209,11 +221,12 @@ class Upserted(NamedTuple):
     ev_keys: torch.Tensor
     ev_tids: torch.Tensor
     ev_scores: torch.Tensor
-    hits: int
-    inserted: int
-    evicted: int
-    failed: int
+    hits: Optional[int]
+    inserted: Optional[int]
+    evicted: Optional[int]
+    failed: Optional[int]
     growths: int
+    counts: Optional[torch.Tensor] = None
 
 
 class Deduplicated(NamedTuple):
@@ -227,6 +240,11 @@ class Deduplicated(NamedTuple):
         pair (a stable sort by ``inverse``): the keys of pair u have ranks
         ``starts[u]`` to ``starts[u + 1] - 1``, in input order (what a fused
         backward walks); None when grouping was not asked for.
+
+        Padded (``Backend.padded_dedup_upsert``): keys, table_ids and counts have N
+        entries, the first U the unique pairs and the rest padding (key 0, table 0,
+        count 0, no lookup; an inserting pass gives them slot -1 and counts
+        nothing), starts N + 1; U stays on the device.
     """
 
     keys: torch.Tensor
@@ -252,18 +270,48 @@ class Entries(NamedTuple):
     values: torch.Tensor
 
 
+class InitSpec(NamedTuple):
+    """The initializers of a group's logical tables, packed for the kernels.
+
+    Shape:
+        ints: (T, 3) int64 (stream, mode code, seed) and floats: (T, 5) float32
+        (mean, std_dev, lower, upper, value), one row per local table id.
+    """
+
+    ints: torch.Tensor
+    floats: torch.Tensor
+
+
+class InitRows(NamedTuple):
+    """Rows that kernels compute where they read them: on a backend that counts on
+    the device, a unique key without a stored row (a negative row reference: its
+    insert failed) reads its table's initializer's row, so a step needs no count of
+    such keys and no transient rows.
+
+    Shape:
+        keys: (U,) int64 and table_ids: (U,) int16, the unique keys the references
+        belong to; spec: their tables' initializers.
+    """
+
+    keys: torch.Tensor
+    table_ids: torch.Tensor
+    spec: InitSpec
+
+
 class RowSources(NamedTuple):
     """Where the rows a lookup references live (``row_ref.h``).
 
     Shape:
         device: (C, width) the device tier's values; host: (H, width) the host
         store's values (empty when one tier holds everything); transient: (T, dim)
-        this batch's transient rows.
+        this batch's transient rows; init: rows computed from the initializers
+        instead (``InitRows``; then there are no transient rows), or None.
     """
 
     device: torch.Tensor
     host: torch.Tensor
     transient: torch.Tensor
+    init: Optional[InitRows] = None
 
 
 class OptimizerUpdate(NamedTuple):
@@ -297,6 +345,11 @@ class Backend(abc.ABC):
     #: Whether reading a value of its tensors on the host costs nothing (the CPU) or
     #: waits for the device (a GPU: checks of data that need one are left out of a step).
     free_host_reads: bool = True
+    #: Whether a training step may keep its counts in device memory (the CUDA
+    #: backend): a padded ``dedup_upsert``, new rows initialized by status
+    #: (``init_new_rows``), rows of failed keys computed where read (``InitRows``)
+    #: and the offsets check into an error word that later kernels read.
+    counts_on_device: bool = False
 
     # ------------------------------------------------------------ allocation
     @abc.abstractmethod
@@ -356,6 +409,25 @@ class Backend(abc.ABC):
         """``dedup(group=True)`` then ``upsert`` of the unique keys with the clock rule,
         which a backend may overlap."""
 
+    def padded_dedup_upsert(self, *, memory: TableMemory, keys: torch.Tensor,
+                            table_ids: torch.Tensor, frequencies: Optional[torch.Tensor],
+                            rule: ScoreRule, now: int, evicts: bool, one_table: bool,
+                            error: Optional[torch.Tensor]) -> Tuple[Deduplicated, Upserted]:
+        """``dedup_upsert`` with every size and count left on the device (only where
+        ``counts_on_device``, into a table that cannot grow): the dedup is padded to
+        the N keys, the upsert's counts are ``Upserted.counts``. ``rule``: CLOCK, or a
+        count rule whose scores are the dedup's counts. ``error`` ((1,) int64 or
+        None): a batch whose word is set has no unique key and changes nothing."""
+        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+
+    def init_new_rows(self, *, values: torch.Tensor, slots: torch.Tensor,
+                      status: torch.Tensor, keys: torch.Tensor, table_ids: torch.Tensor,
+                      dim: int, spec: InitSpec, state_value: float) -> None:
+        """values[slots[i]] = the full initial row (initializer, then ``state_value``
+        for the optimizer state) of each key whose ``status`` is INSERTED or
+        EVICTED_AND_INSERTED (only where ``counts_on_device``)."""
+        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+
     @abc.abstractmethod
     def undo_upsert(self, *, memory: TableMemory, upserted: Upserted) -> None:
         """Reverts an ``upsert``'s contents and scores (growth stays)."""
@@ -387,9 +459,12 @@ class Backend(abc.ABC):
 
     # ------------------------------------------------------------- embedding
     @abc.abstractmethod
-    def check_offsets(self, *, offsets: torch.Tensor, num_indices: int) -> int:
+    def check_offsets(self, *, offsets: torch.Tensor, num_indices: int,
+                      error: Optional[torch.Tensor] = None) -> Optional[int]:
         """0 if ``offsets`` go from 0 to ``num_indices`` without decreasing; 1 or 2 if
-        the first or last is wrong; 3 if they decrease."""
+        the first or last is wrong; 3 if they decrease. With ``error`` ((1,) int64
+        word, only where ``counts_on_device``): the problem goes into the word
+        (``error_code`` reads it) and None is returned, nothing read on the host."""
 
     @abc.abstractmethod
     def init_rows(self, *, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
@@ -398,16 +473,22 @@ class Backend(abc.ABC):
                   seed: int) -> None:
         """out[rows[i], :dim] = the initial row of keys[i] in table ``stream``."""
 
+    # The embedding verbs take the module's error word (``check_offsets``) where the
+    # backend counts on the device: a batch whose word is set reads no offsets,
+    # pools to zeros and updates nothing. None: the batch was checked on the host.
+
     @abc.abstractmethod
     def pooled_forward(self, *, sources: RowSources, row_ref: torch.Tensor,
                        inverse: torch.Tensor, offsets: torch.Tensor,
                        weights: Optional[torch.Tensor], feature_col: torch.Tensor,
-                       batch: int, dim: int, mean: bool, out: torch.Tensor) -> None:
+                       batch: int, dim: int, mean: bool, out: torch.Tensor,
+                       error: Optional[torch.Tensor] = None) -> None:
         """Writes the pooled bags of one group's features into their columns of ``out``."""
 
     @abc.abstractmethod
     def sequence_forward(self, *, sources: RowSources, row_ref: torch.Tensor,
-                         inverse: torch.Tensor, dim: int, out: torch.Tensor) -> None:
+                         inverse: torch.Tensor, dim: int, out: torch.Tensor,
+                         error: Optional[torch.Tensor] = None) -> None:
         """Writes the row of each of one group's lookups into its row of ``out``."""
 
     @abc.abstractmethod
@@ -415,13 +496,16 @@ class Backend(abc.ABC):
                        starts: torch.Tensor, rank: torch.Tensor,
                        offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
                        feature_col: torch.Tensor, batch: int, dim: int, mean: bool,
-                       grad: torch.Tensor, update: OptimizerUpdate) -> None:
+                       grad: torch.Tensor, update: OptimizerUpdate,
+                       error: Optional[torch.Tensor] = None) -> None:
         """Sums each stored row's gradient and applies the optimizer to it in place
-        (``offsets`` None: sequence lookups)."""
+        (``offsets`` None: sequence lookups). Rows with no lookup (padding) and rows
+        not stored are skipped."""
 
     @abc.abstractmethod
     def per_sample_weight_grad(self, *, sources: RowSources, row_ref: torch.Tensor,
                                inverse: torch.Tensor, offsets: torch.Tensor,
                                feature_col: torch.Tensor, batch: int, dim: int,
-                               grad: torch.Tensor, out: torch.Tensor) -> None:
+                               grad: torch.Tensor, out: torch.Tensor,
+                               error: Optional[torch.Tensor] = None) -> None:
         """out[j] = <row of lookup j, gradient of its bag> for one group's lookups."""

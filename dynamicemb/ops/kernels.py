@@ -8,7 +8,7 @@ between them, and reads the kernels' outcome counts. Only ``cpu.py`` and
 ``cuda.py`` instantiate it, each with its kernels and its allocator.
 """
 
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -17,7 +17,6 @@ from dynamicemb.ops.interface import (
     Deduplicated,
     InsertStatus,
     OptimizerUpdate,
-    RowSources,
     ScoreRule,
     TableMemory,
     Upserted,
@@ -107,6 +106,26 @@ class KernelBackend(Backend):
         upserted = self._passes(memory, unique.keys, unique.table_ids, None, int(ScoreRule.CLOCK),
                                 now, evicts, one_table, out, deferred, passes=1)
         return unique, upserted
+
+    def padded_dedup_upsert(self, *, memory, keys, table_ids, frequencies, rule, now, evicts,
+                            one_table, error):
+        if not self.counts_on_device:
+            raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+        if memory.can_grow:  # a full bucket would defer keys to a growth
+            raise ValueError("a padded dedup_upsert needs a table that cannot grow")
+        *unique, slots, status, prev, ev_keys, ev_tids, ev_scores, counts = (
+            self.kernels.padded_dedup_upsert(memory.meta, memory.bucket_capacity, keys,
+                                             table_ids, frequencies, int(rule), now, evicts,
+                                             one_table, error))
+        return Deduplicated(*unique), Upserted(slots, status, prev, ev_keys, ev_tids, ev_scores,
+                                               hits=None, inserted=None, evicted=None,
+                                               failed=None, growths=0, counts=counts)
+
+    def init_new_rows(self, *, values, slots, status, keys, table_ids, dim, spec, state_value):
+        if not self.counts_on_device:
+            raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+        self.kernels.init_new_rows(values, slots, status, keys, table_ids, dim, spec,
+                                   state_value)
 
     def _pass_outputs(self, n: int, device: torch.device) -> dict:
         """Per-key outputs of inserting passes over n keys, and their counts."""
@@ -224,35 +243,47 @@ class KernelBackend(Backend):
         return unique if group else unique._replace(starts=None, rank=None)
 
     # ------------------------------------------------------------- embedding
-    def check_offsets(self, *, offsets, num_indices):
-        return self.kernels.check_offsets(offsets, num_indices)
+    def check_offsets(self, *, offsets, num_indices, error=None):
+        return self.kernels.check_offsets(offsets, num_indices, **self._counted(error=error))
 
     def init_rows(self, *, out, rows, keys, stream, dim, mode, mean, std_dev, lower, upper,
                   value, seed):
         self.kernels.init_rows(out, rows, keys, stream, dim, init_mode_code(mode), mean,
                                std_dev, lower, upper, value, seed)
 
-    def pooled_forward(self, *, sources, row_ref, inverse, offsets, weights, feature_col,
-                       batch, dim, mean, out):
-        self.kernels.pooled_forward([sources.device, sources.host], sources.transient, row_ref,
-                                    inverse, offsets, weights, feature_col, batch, dim, mean, out)
+    def _counted(self, **arguments) -> dict:
+        """The keyword arguments of a step counted on the device (computed init rows,
+        the error word) that are given; a backend that reads its counts takes none."""
+        given = {name: value for name, value in arguments.items() if value is not None}
+        if given and not self.counts_on_device:
+            raise ValueError(f"{type(self).__name__} checks batches and makes transient "
+                             f"rows on the host: no {' or '.join(given)}")
+        return given
 
-    def sequence_forward(self, *, sources, row_ref, inverse, dim, out):
+    def pooled_forward(self, *, sources, row_ref, inverse, offsets, weights, feature_col,
+                       batch, dim, mean, out, error=None):
+        self.kernels.pooled_forward([sources.device, sources.host], sources.transient, row_ref,
+                                    inverse, offsets, weights, feature_col, batch, dim, mean, out,
+                                    **self._counted(init=sources.init, error=error))
+
+    def sequence_forward(self, *, sources, row_ref, inverse, dim, out, error=None):
         self.kernels.sequence_forward([sources.device, sources.host], sources.transient,
-                                      row_ref, inverse, dim, out)
+                                      row_ref, inverse, dim, out,
+                                      **self._counted(init=sources.init, error=error))
 
     def fused_backward(self, *, sources, row_ref, starts, rank, offsets, weights, feature_col,
-                       batch, dim, mean, grad, update: OptimizerUpdate):
+                       batch, dim, mean, grad, update: OptimizerUpdate, error=None):
         no_offsets = torch.empty(0, dtype=torch.int64, device=grad.device)
         self.kernels.fused_backward(
             [sources.device, sources.host], row_ref, starts, rank,
             no_offsets if offsets is None else offsets, weights, feature_col, batch, dim, mean,
             grad, optimizer_code(update.optimizer), update.lr, update.eps, update.beta1,
             update.beta2, update.weight_decay, update.step_size, update.bias_correction2_sqrt,
-            update.decay_scale)
+            update.decay_scale, **self._counted(error=error))
 
     def per_sample_weight_grad(self, *, sources, row_ref, inverse, offsets, feature_col,
-                               batch, dim, grad, out):
+                               batch, dim, grad, out, error=None):
         self.kernels.per_sample_weight_grad([sources.device, sources.host], sources.transient,
                                             row_ref, inverse, offsets, feature_col, batch, dim,
-                                            grad, out)
+                                            grad, out,
+                                            **self._counted(init=sources.init, error=error))

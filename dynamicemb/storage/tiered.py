@@ -38,10 +38,11 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import torch
 
 from dynamicemb.ops import resolve_device
-from dynamicemb.ops.interface import HOST_ROW_BIT, RowSources
+from dynamicemb.ops.interface import HOST_ROW_BIT, InsertStatus, RowSources
 from dynamicemb.storage.external.store import ExternalStorageError
 from dynamicemb.table import (Deduplicated, Entries, InsertResult, PendingInsert,
                               ScoredHashTable)
+from dynamicemb.table.device_counts import DeviceCounts
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
 __all__ = ["TierMetrics", "TieredStorage"]
@@ -108,6 +109,10 @@ class TieredStorage:
         initialize: ``initialize(values, slots, keys, tids)`` writes the initial rows
             of keys the host store inserts (default: they stay zero).
         external: an ``ExternalTier`` below the host store, or None.
+        initialize_new: ``initialize_new(values, slots, status, keys, tids)`` writes
+            the initial rows of the keys whose status says the host store just
+            inserted them: what a padded insert needs (``commit_padded``); without
+            it no insert is padded.
     """
 
     def __init__(
@@ -119,11 +124,13 @@ class TieredStorage:
         device: Optional[torch.device] = None,
         initialize: Optional[Callable] = None,
         external=None,
+        initialize_new: Optional[Callable] = None,
     ) -> None:
         self.host = host
         self.external = external
         self._staged = None  # the external tier's part of the prepared insert
         self.initialize = initialize
+        self.initialize_new = initialize_new
         self.device = host.device if device is None else resolve_device(device)
         self._two_devices = self.device != host.device
         self.device_tier = device_tier
@@ -135,6 +142,9 @@ class TieredStorage:
         self._metric_counts = torch.zeros(host.num_tables, len(_METRIC_FIELDS),
                                           dtype=torch.int64, device=self.device)
         self._host_metric_counts = [0] * len(_METRIC_FIELDS)  # one-table groups
+        # a one-table group's padded inserts' outcome counts (hits, inserted,
+        # evicted, failed), turned into metrics when they are read
+        self._padded_outcomes = DeviceCounts()
         self._moves = 0  # promotions and write-backs: a key's row of record moved
         # The absent tier of ``sources()``: on the kernels' device like the other one.
         self._empty = torch.empty(0, host.value_dim, dtype=host.value_dtype, device=self.device)
@@ -149,13 +159,15 @@ class TieredStorage:
     @classmethod
     def build(cls, host: ScoredHashTable, caching: bool, device_rows: Optional[int],
               device: Optional[torch.device] = None,
-              initialize: Optional[Callable] = None, external=None) -> "TieredStorage":
+              initialize: Optional[Callable] = None, external=None,
+              initialize_new: Optional[Callable] = None) -> "TieredStorage":
         """The layout for a device budget of ``device_rows`` rows (None: unlimited),
         with the device tier on ``device`` (default: the host store's), over an
         ``external`` tier or none."""
         device = host.device if device is None else device
         if not cls.host_store_off_device(caching, device_rows, host.max_capacity()):
-            return cls(host, device=device, initialize=initialize, external=external)
+            return cls(host, device=device, initialize=initialize, external=external,
+                       initialize_new=initialize_new)
         if device_rows < 16:  # smaller than one bucket: no device tier at all
             return cls(host, host_only=True, device=device, initialize=initialize,
                        external=external)
@@ -238,6 +250,15 @@ class TieredStorage:
         return refs
 
     # ----------------------------------------------------------- training
+    @property
+    def counts_on_device(self) -> bool:
+        """Whether a training lookup may run padded, every count left on the device
+        (``prepare_dedup(padded=True)``, ``commit_padded``): one tier in device
+        memory whose host store allows it (``ScoredHashTable.counts_on_device``),
+        no tier below, and an ``initialize_new``."""
+        return (self.device_tier is None and not self.host_only and self.external is None
+                and self.initialize_new is not None and self.host.counts_on_device)
+
     def prepare(self, keys, tids, scores) -> PendingInsert:
         """Phase one: the host store decides keys and scores (may raise; see
         ``ScoredHashTable.prepare_find_or_insert``)."""
@@ -247,13 +268,18 @@ class TieredStorage:
         self._stage_below(pending, keys, tids)
         return pending
 
-    def prepare_dedup(self, keys, tids, frequencies) -> Tuple[Deduplicated, PendingInsert]:
+    def prepare_dedup(self, keys, tids, frequencies, padded: bool = False,
+                      error: Optional[torch.Tensor] = None) -> Tuple[Deduplicated,
+                                                                     PendingInsert]:
         """Phase one of a batch with repeated keys: its dedup and ``prepare`` of the
-        unique keys in one call (see ``ScoredHashTable.prepare_dedup_find_or_insert``).
-        The dedup is returned on ``device``."""
+        unique keys in one call (see ``ScoredHashTable.prepare_dedup_find_or_insert``,
+        whose ``padded`` and ``error`` these are; ``padded`` where
+        ``counts_on_device``, then ``commit_padded`` follows). The dedup is returned
+        on ``device``."""
         frequencies = None if frequencies is None else self._on_host(frequencies)
         unique, pending = self.host.prepare_dedup_find_or_insert(
-            self._on_host(keys), self._on_host(tids), frequencies, checked=True)
+            self._on_host(keys), self._on_host(tids), frequencies, checked=True,
+            padded=padded, error=error)
         self._stage_below(pending, unique.keys, unique.table_ids)
         if self._two_devices:
             unique = Deduplicated(*(None if t is None else t.to(self.device) for t in unique))
@@ -312,6 +338,34 @@ class TieredStorage:
             self._drop_expired(self._on_host(keys)[result.expired],
                                self._on_host(tids)[result.expired])
         return result
+
+    def commit_padded(self, pending: PendingInsert, keys: torch.Tensor, tids: torch.Tensor,
+                      counts: torch.Tensor) -> torch.Tensor:
+        """Phase two of a padded insert (``prepare_dedup(padded=True)``): commits,
+        initializes the rows of new keys (by status: no count needed) and counts the
+        traffic on the device.
+
+        Args:
+            pending: from ``prepare_dedup(padded=True)``.
+            keys, tids, counts: (N,) its dedup's unique keys, table ids and counts
+                (padding: count 0).
+
+        Returns:
+            (N,) row references: each unique key's slot in the one tier, -1 where its
+            insert failed (a padded lookup reads its initializer's row there).
+        """
+        upserted = pending.upserted
+        result = pending.commit()
+        self.initialize_new(self.host.values, result.slots, result.status, keys, tids)
+        if self.host.num_tables == 1:
+            self._padded_outcomes.add(result.counts)
+        else:  # per table, without a count: padding has count 0 and slot -1
+            self._count_where("lookups", tids, counts > 0)
+            self._count_where("hits", tids, result.slots >= 0)
+            evicted = result.status == InsertStatus.EVICTED_AND_INSERTED
+            self._count_where("host_evictions", torch.where(evicted, upserted.ev_tids, 0),
+                              evicted)
+        return result.slots
 
     def expire(self) -> torch.Tensor:
         """TTL sweep of every tier: the host store frees its expired rows (one kernel
@@ -605,9 +659,21 @@ class TieredStorage:
     def metrics(self) -> List[TierMetrics]:
         """Per logical table, the traffic between the tiers so far (read from the
         device: a host sync on a GPU, so read it when needed, not every batch)."""
+        self._settle_padded_outcomes()
         rows = self._metric_counts.tolist()
         rows[0] = [a + b for a, b in zip(rows[0], self._host_metric_counts)]
         return [TierMetrics(*row) for row in rows]
+
+    def _settle_padded_outcomes(self) -> None:
+        """A one-table group's padded inserts as metrics: every unique key is a lookup,
+        a hit unless its insert failed (one tier), and an evicting insert evicts."""
+        if not self._padded_outcomes:
+            return
+        hits, inserted, evicted, failed = self._padded_outcomes.take()
+        lookups = hits + inserted + evicted + failed
+        self._add("lookups", lookups)
+        self._add("hits", lookups - failed)
+        self._add("host_evictions", evicted)
 
     def _add(self, field: str, count: int) -> None:
         """Adds ``count`` (known on the host) to the one table's metric ``field``."""

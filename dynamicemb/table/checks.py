@@ -37,7 +37,8 @@ def check_batch_types(indices, offsets, weights, weights_allowed: str = "") -> N
 
 
 def check_frequencies(frequencies: Optional[torch.Tensor], n: int, device: torch.device,
-                      like: str = "keys", int32: bool = False) -> Optional[torch.Tensor]:
+                      like: str = "keys", int32: bool = False,
+                      check_values: bool = True) -> Optional[torch.Tensor]:
     """``frequencies`` as a contiguous int64 tensor on ``device``, or None.
 
     Args:
@@ -48,6 +49,8 @@ def check_frequencies(frequencies: Optional[torch.Tensor], n: int, device: torch
         like: what the shape must match, for the message.
         int32: accept int32 too (the module takes TorchRec's id dtypes; the table
             takes int64 only).
+        check_values: check that every count is >= 1 (reads them on the host: the
+            module's GPU step does not).
 
     Raises:
         TypeError, ValueError: on a wrong dtype, shape or a count below 1.
@@ -61,7 +64,7 @@ def check_frequencies(frequencies: Optional[torch.Tensor], n: int, device: torch
     if frequencies.shape != (n,):
         raise ValueError(
             f"frequencies must have shape ({n},) like {like}, got {tuple(frequencies.shape)}")
-    if n and int(frequencies.min()) < 1:
+    if check_values and n and int(frequencies.min()) < 1:
         raise ValueError("frequencies must be >= 1")
     return frequencies.to(device=device, dtype=torch.int64).contiguous()
 

@@ -34,16 +34,24 @@ class InsertResult(NamedTuple):
         counts ``expired`` (part of ``num_inserted``). ``inserted_at``:
         (num_inserted,) int64, the positions where ``inserted`` is True, ascending
         (None when none is, or when ``inserted`` was changed after the call).
+
+        A padded call (``prepare_dedup_find_or_insert(padded=True)``) reads nothing
+        on the host: ``inserted``, ``evicted``, ``num_inserted`` and ``num_failed``
+        are None, ``status`` (n,) int8 tells each key's ``InsertStatus`` (padding:
+        FAILED, slot -1) and ``counts`` (4,) int64 on the device the call's hits,
+        inserts, evicting inserts and failures.
     """
 
     slots: torch.Tensor
-    inserted: torch.Tensor
+    inserted: Optional[torch.Tensor]
     evicted: Optional[Entries]
-    num_inserted: int  # inserted.sum()
-    num_failed: int  # (slots < 0).sum()
+    num_inserted: Optional[int]  # inserted.sum()
+    num_failed: Optional[int]  # (slots < 0).sum()
     num_expired: int = 0
     expired: Optional[torch.Tensor] = None
     inserted_at: Optional[torch.Tensor] = None
+    status: Optional[torch.Tensor] = None
+    counts: Optional[torch.Tensor] = None
 
     def inserted_positions(self) -> torch.Tensor:
         """(num_inserted,) int64: the positions where ``inserted`` is True, ascending

@@ -17,6 +17,7 @@ from dynamicemb.ops.interface import (ALL_BITS, COMPOUND_TIME_MASK, Deduplicated
                                       InsertStatus, ScoreRule, num_buckets_for, score_rule)
 from dynamicemb.options import check_ttl
 from dynamicemb.table.checks import check_frequencies, check_keys, table_ids_as_int16
+from dynamicemb.table.device_counts import DeviceCounts
 from dynamicemb.table.pending import PendingInsert
 from dynamicemb.table.results import Expired, InsertResult, TableStats
 from dynamicemb.table.shared_zeros import SharedZeros
@@ -127,7 +128,10 @@ class ScoredHashTable:
         self.value_dim = value_dim
         self.value_dtype = value_dtype
         self.device = resolve_device(device)
-        self.stats = TableStats()
+        self._stats = TableStats()
+        # what padded calls counted on the device (hits, inserted, evicted, failed),
+        # added to the size and the stats when either is read
+        self._device_counts = DeviceCounts()
         self._ops = for_device(self.device)
         self._rule, self._evicts = score_rule(self.score_strategy)
         self._memory = self._ops.new_table(
@@ -135,7 +139,7 @@ class ScoredHashTable:
             max_num_buckets=num_buckets_for(max_capacity, bucket_capacity),
             bucket_capacity=bucket_capacity, value_dim=value_dim, value_dtype=value_dtype,
             device=self.device, values_in_host_memory=values_in_host_memory)
-        self._size = 0
+        self._host_size = 0
         self._clock = 0
         self._step = 0
         self._generation = 0
@@ -143,6 +147,43 @@ class ScoredHashTable:
         self._none_inserted = SharedZeros(torch.bool, self.device)
 
     # ----------------------------------------------------------------- state
+    @property
+    def stats(self) -> TableStats:
+        """Running counts of what the table did (never reset by ``clear``). Reading
+        them reads what padded calls left on the device (one sync)."""
+        self._settle_device_counts()
+        return self._stats
+
+    @property
+    def _size(self) -> int:
+        # keys stored; reading (or writing) it reads the padded calls' counts first
+        self._settle_device_counts()
+        return self._host_size
+
+    @_size.setter
+    def _size(self, value: int) -> None:
+        self._settle_device_counts()
+        self._host_size = value
+
+    def _settle_device_counts(self) -> None:
+        """Adds what padded calls counted on the device to the size and the stats."""
+        if not self._device_counts:
+            return
+        _, inserted, evicted, failed = self._device_counts.take()
+        self._host_size += inserted  # an evicting insert replaces a key
+        self._stats.inserts += inserted + evicted
+        self._stats.evictions += evicted
+        self._stats.failed_inserts += failed
+
+    @property
+    def counts_on_device(self) -> bool:
+        """Whether ``prepare_dedup_find_or_insert(padded=True)`` may run: the backend
+        keeps counts on the device, and nothing the call decides needs them on the
+        host: the table cannot grow (no key waits for a growth), failed inserts are
+        ignored (IGNORE: neither raised nor logged) and rows do not expire."""
+        return (self._ops.counts_on_device and not self._memory.can_grow
+                and self.check_mode == DynamicEmbCheckMode.IGNORE and self.ttl is None)
+
     @property
     def values(self) -> torch.Tensor:
         """Value rows, ``[capacity, value_dim]``, indexed by slot."""
@@ -486,13 +527,14 @@ class ScoredHashTable:
         self._grown(1)
 
     def _grown(self, growths: int) -> None:
-        self._generation += growths > 0
-        self.stats.growths += growths
+        if growths:
+            self._generation += 1
+            self._stats.growths += growths
 
     def _grow_for_load(self) -> None:
         while (
-            self._size > self.max_load_factor * self.capacity()
-            and self._memory.can_grow
+            self._memory.can_grow  # first: a table that cannot grow needs no size
+            and self._size > self.max_load_factor * self.capacity()
         ):
             self._grow()
 
@@ -525,11 +567,20 @@ class ScoredHashTable:
         frequencies: Optional[torch.Tensor] = None,
         *,
         checked: bool = False,
+        padded: bool = False,
+        error: Optional[torch.Tensor] = None,
     ) -> Tuple[Deduplicated, PendingInsert]:
         """``prepare_find_or_insert`` of the unique pairs of a batch that may repeat
         keys, returning the dedup too. With a clock-scored strategy (LRU, STEP,
         NO_EVICTION) the dedup and the insert overlap: one thread finds the unique
         pairs while another inserts them. LFU adds each pair's count to its score.
+
+        ``padded`` (where ``counts_on_device``): nothing is read on the host. The
+        dedup's arrays and the insert's per-key arrays have N entries (padding past
+        the unique pairs: ``Deduplicated``); the commit's ``InsertResult`` has the
+        per-key ``status`` and the call's ``counts`` on the device instead of masks
+        and numbers; it leaves the rows of new keys to the caller
+        (``Backend.init_new_rows``). Size and ``stats`` take the counts when read.
 
         Args:
             keys (Tensor): (N,) int64.
@@ -538,13 +589,18 @@ class ScoredHashTable:
                 stands for (summed into ``counts``); None means 1 each.
             checked: ``table_ids`` (int16) and ``frequencies`` were built or checked
                 by the caller: not read on the host (see ``find``).
+            padded: see above.
+            error (Tensor, optional): (1,) int64, a padded call's input-check word
+                (``Backend.check_offsets``): when set, the batch has no unique key
+                and the call changes nothing.
 
         Returns:
             (``Deduplicated``, ``PendingInsert`` over ``Deduplicated.keys``).
 
         Raises:
             ValueError: with the CUSTOMIZED strategy, whose scores are per key: dedup
-                first and call ``prepare_find_or_insert``.
+                first and call ``prepare_find_or_insert``; ``padded`` where not
+                ``counts_on_device``.
         """
         if self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
             raise ValueError(
@@ -556,6 +612,8 @@ class ScoredHashTable:
         tids = self._table_ids(table_ids, n, checked)
         if not checked:
             frequencies = check_frequencies(frequencies, n, self.device)
+        if padded:
+            return self._prepare_padded(keys, tids, frequencies, error)
         if self._rule != ScoreRule.CLOCK:  # LFU: the scores are the counts, known after the dedup
             unique = self._ops.dedup(keys=keys, table_ids=tids, frequencies=frequencies,
                                      group=True)
@@ -569,6 +627,21 @@ class ScoredHashTable:
                 memory=self._memory, keys=keys, table_ids=tids, frequencies=frequencies,
                 now=now, evicts=self._evicts, one_table=self.num_tables == 1)
         return unique, self._pending_insert(upserted, clock_before, None, read_evicted=True,
+                                            assign=False, now=now)
+
+    def _prepare_padded(self, keys, tids, frequencies, error) -> Tuple[Deduplicated,
+                                                                       PendingInsert]:
+        if not self.counts_on_device:
+            raise ValueError(
+                "a padded insert needs a backend that counts on the device and a table "
+                "that cannot grow, ignores failed inserts and has no ttl")
+        clock_before, now = self._tick()
+        with self._undone_on_error(clock_before):
+            unique, upserted = self._ops.padded_dedup_upsert(
+                memory=self._memory, keys=keys, table_ids=tids, frequencies=frequencies,
+                rule=self._rule, now=now, evicts=self._evicts,
+                one_table=self.num_tables == 1, error=error)
+        return unique, self._pending_insert(upserted, clock_before, None, read_evicted=False,
                                             assign=False, now=now)
 
     def _check_idle(self) -> None:
@@ -631,6 +704,12 @@ class ScoredHashTable:
         self._pending = None
         upserted = pending.upserted
         slots = upserted.slots
+        if upserted.counts is not None:  # padded: every count stays on the device
+            self._device_counts.add(upserted.counts)
+            self._generation += self._evicts  # whether a key was evicted is not read
+            return InsertResult(slots=slots, inserted=None, evicted=None, num_inserted=None,
+                                num_failed=None, status=upserted.status,
+                                counts=upserted.counts)
         num_evicted = upserted.evicted
         num_inserted = upserted.inserted + num_evicted
         self._size += num_inserted - num_evicted

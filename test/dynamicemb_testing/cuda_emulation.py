@@ -29,8 +29,12 @@ __all__ = ["EmulatedCudaKernels", "emulated_cuda"]
 
 # DEMB_TABLE_PARAMS: keys column, tids, digests, occupied, pinned, num_buckets, bc
 _TABLE_ARGS = 7
-# DEMB_ROW_PARAMS: device rows, host rows, width, transient, dim, row_ref
-_ROW_ARGS = 6
+# DEMB_ROW_PARAMS: device rows, host rows, width, transient, dim, row_ref, and the
+# computed rows' unique keys, table ids, init ints and init floats
+_ROW_ARGS = 10
+# kNoBucket of csrc/cuda/common.cuh: a padding position's bucket
+_NO_BUCKET = 0x7FFFFFFF
+_FAILED = 3  # InsertStatus.FAILED
 
 
 class EmulatedCudaKernels(cuda_backend.CudaKernels):
@@ -70,6 +74,11 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
     def _t(self, ptr) -> Optional[torch.Tensor]:
         return self._tensors.get(int(ptr)) if int(ptr) else None
 
+    def _ids(self, ptr) -> torch.Tensor:
+        """An int64 array argument, empty where the launch passed none (null)."""
+        t = self._t(ptr)
+        return t if t is not None else torch.empty(0, dtype=torch.int64)
+
     def _meta(self, args: list, first: int = 0) -> List[torch.Tensor]:
         """A table's meta list from its DEMB_TABLE_PARAMS at ``args[first:]``."""
         keys = self._t(args[first])
@@ -77,14 +86,34 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         return [keys, scores] + [self._t(args[first + i]) for i in range(1, 5)]
 
     def _rows(self, args: list):
-        """(tiers, transient, dim, row_ref) from DEMB_ROW_PARAMS at ``args[0:6]``."""
+        """(tiers, transient, dim, row_ref) from DEMB_ROW_PARAMS at ``args[0:10]``. Rows
+        the kernel would compute from the initializers (negative references when the
+        init arrays are given) become transient rows of the CPU's ``init_rows``."""
         width, dim = int(args[2]), int(args[4])
         empty = torch.empty(0, width, dtype=torch.float32)
         device, host = self._t(args[0]), self._t(args[1])
-        transient = self._t(args[3])
+        transient, row_ref = self._t(args[3]), self._ids(args[5])
+        if int(args[8]):  # computed rows: a transient row per unique row
+            keys, tids = self._t(args[6]), self._t(args[7])
+            transient = torch.zeros(row_ref.numel(), dim)
+            self._init(transient, torch.arange(row_ref.numel()), keys, tids, dim,
+                       self._t(args[8]), self._t(args[9]))
+            row_ref = torch.where(row_ref < 0, -(torch.arange(row_ref.numel()) + 1), row_ref)
         return ([device if device is not None else empty, host if host is not None else empty],
-                transient if transient is not None else torch.empty(0, dim), dim,
-                self._t(args[5]))
+                transient if transient is not None else torch.empty(0, dim), dim, row_ref)
+
+    def _init(self, out, rows, keys, tids, dim, ints, floats) -> None:
+        """out[rows[i], :dim] = key i's initial row in its table (packed InitSpec)."""
+        for table, ((stream, mode, seed), (mean, std, lower, upper, value)) in enumerate(
+                zip(ints.tolist(), floats.tolist())):
+            mine = (tids.long() == table).nonzero().squeeze(1)
+            if mine.numel():
+                self._cpu.init_rows(out, rows[mine].contiguous(), keys[mine].contiguous(),
+                                    stream, dim, mode, mean, std, lower, upper, value, seed)
+
+    @staticmethod
+    def _refused(error) -> bool:
+        return error is not None and int(error[0]) != 0
 
     def _launch(self, name: str, device: torch.device, threads: int, args: list,
                 shared_mem: int = 0, block: int = cuda_backend._BLOCK) -> None:
@@ -125,10 +154,14 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         order, m = self._t(a[t + 9]), int(a[t + 10])
         outs = [self._t(x) for x in a[t + 11:t + 17]]
         outcomes, deferred_count = self._t(a[t + 17]), self._t(a[t + 18])
+        # padding positions (bucket kNoBucket): slot -1, FAILED, counted nowhere
+        padding = self._t(a[t + 8])[:m] == _NO_BUCKET
+        outs[0][order[:m][padding]] = -1
+        outs[1][order[:m][padding]] = _FAILED
         counts = torch.zeros(4, dtype=torch.int64)
         deferred = self._cpu.upsert(self._meta(a), int(a[6]), keys, tids, given, rule, now,
-                                    evicts, can_grow, one_table, order[:m].contiguous(), *outs,
-                                    counts)
+                                    evicts, can_grow, one_table,
+                                    order[:m][~padding].contiguous(), *outs, counts)
         outcomes += counts
         if deferred_count is not None:
             deferred_count += deferred.numel()
@@ -175,21 +208,42 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
     def run_dedup_number(self, a):
         keys, tids, first, number = (self._t(a[i]) for i in range(4))
         ukeys, utids, inverse, occurrences = (self._t(a[i]) for i in range(5, 9))
+        buckets, padded, refused = self._t(a[10]), bool(a[11]), self._refused(self._t(a[12]))
+        if padded:  # past the unique count: key 0, table 0, no bucket
+            u = 0 if refused else int(number[-1])
+            ukeys[u:] = 0
+            utids[u:] = 0
+            if buckets is not None:
+                buckets[u:] = _NO_BUCKET
+        if refused:
+            inverse.fill_(-1)
+            return
         inverse.copy_(number[first] - 1)
         if occurrences is not None:  # None: no unique pair (n = 0 launches nothing)
             occurrences.index_add_(0, inverse, torch.ones_like(inverse))
         is_first = first == torch.arange(first.numel())
-        ukeys.copy_(keys[is_first])
-        utids.copy_(tids[is_first])
-        buckets = self._t(a[10])
+        u = int(is_first.sum())
+        ukeys[:u] = keys[is_first]
+        utids[:u] = tids[is_first]
         if buckets is not None:  # given for an inserting pass over the unique pairs
-            buckets.copy_(torch.bitwise_and(self._cpu.hash_keys(ukeys, utids), int(a[9]) - 1))
+            buckets[:u] = torch.bitwise_and(self._cpu.hash_keys(ukeys[:u], utids[:u]),
+                                            int(a[9]) - 1)
 
     # ----------------------------------------------------------- embedding
     def run_check_offsets(self, a):
         code = self._cpu.check_offsets(self._t(a[0]), int(a[2]))
-        problem = self._t(a[3])
-        problem.copy_(torch.minimum(problem, torch.tensor([code or 4])))
+        error = self._t(a[3])  # keeps max(4 - code): the smallest code wins
+        if code:
+            error.copy_(torch.maximum(error, torch.tensor([4 - code])))
+
+    def run_init_new_rows(self, a):
+        values, slots, status = self._t(a[0]), self._t(a[2]), self._t(a[3])
+        keys, tids, dim = self._t(a[4]), self._t(a[5]), int(a[7])
+        new = ((status == 1) | (status == 2)).nonzero().squeeze(1)
+        if new.numel():
+            self._init(values, slots[new], keys[new], tids[new], dim, self._t(a[8]),
+                       self._t(a[9]))
+            values[slots[new], dim:] = float(a[10])
 
     def run_init_rows(self, a):
         out, rows, keys = self._t(a[0]), self._t(a[2]), self._t(a[3])
@@ -200,21 +254,31 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
                             float(a[12]), seed)
 
     def run_pooled_forward(self, a):
-        tiers, transient, dim, row_ref = self._rows(a)
         r = _ROW_ARGS
-        self._cpu.pooled_forward(tiers, transient, row_ref, self._t(a[r]), self._t(a[r + 1]),
+        if self._refused(self._t(a[r + 9])):  # zeros for every bag of the group
+            out, feature_col, batch = self._t(a[r + 7]), self._t(a[r + 3]), int(a[r + 4])
+            for col in feature_col.tolist():
+                if col >= 0:
+                    out[:batch, col:col + int(a[4])] = 0
+            return
+        tiers, transient, dim, row_ref = self._rows(a)
+        self._cpu.pooled_forward(tiers, transient, row_ref, self._ids(a[r]), self._t(a[r + 1]),
                                  self._t(a[r + 2]), self._t(a[r + 3]), int(a[r + 4]), dim,
                                  bool(a[r + 6]), self._t(a[r + 7]))
 
     def run_sequence_forward(self, a):
+        if self._refused(self._t(a[_ROW_ARGS + 3])):
+            self._t(a[_ROW_ARGS + 2]).zero_()
+            return
         tiers, transient, dim, row_ref = self._rows(a)
-        self._cpu.sequence_forward(tiers, transient, row_ref, self._t(a[_ROW_ARGS]), dim,
+        self._cpu.sequence_forward(tiers, transient, row_ref, self._ids(a[_ROW_ARGS]), dim,
                                    self._t(a[_ROW_ARGS + 2]))
 
     def run_place_grads(self, a):
         # The backward's gradients are summed and applied by the CPU's fused backward
-        # when demb_fused_update runs, from the arguments given here.
-        self._placed = a
+        # when demb_fused_update runs, from the arguments given here (a refused
+        # batch places nothing, and its rows have no entry).
+        self._placed = None if self._refused(self._t(a[13])) else a
 
     def run_piece_counts(self, a):
         starts, num_unique, piece = self._t(a[0]), int(a[1]), int(a[2])
@@ -229,24 +293,32 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
 
     def run_fused_update(self, a):
         p = self._placed
+        if p is None:
+            return
         rank, offsets = self._t(p[0]), self._t(p[3])
         device_rows, host_rows = self._t(a[0]), self._t(a[1])
         width, dim = int(a[2]), int(a[3])
         empty = torch.empty(0, width, dtype=torch.float32)
-        num_unique = int(a[5])
+        starts = self._t(a[6])
+        # rows with no entry are padding (the kernel skips them), all after the real ones
+        num_unique = int((starts[1:int(a[5]) + 1] > starts[:int(a[5])]).sum())
         self._cpu.fused_backward(
             [device_rows if device_rows is not None else empty,
              host_rows if host_rows is not None else empty],
             self._t(a[4])[:num_unique], self._t(a[6])[:num_unique + 1], rank,
             offsets if offsets is not None else torch.empty(0, dtype=torch.int64),
             self._t(p[4]), self._t(p[5]), int(p[6]), dim, bool(p[8]), self._t(a[9]),
-            int(a[12]), float(a[13]), float(a[14]), float(a[15]), float(a[16]),
+            # beta as 1 - the kernel's (1 - beta): the float32 1 - beta the kernel
+            # multiplies by is what a float32 beta would lose 1e-5 of
+            int(a[12]), float(a[13]), float(a[14]), 1.0 - float(a[18]), 1.0 - float(a[19]),
             float(a[17]), float(a[20]), float(a[21]), float(a[22]))
 
     def run_per_sample_weight_grad(self, a):
-        tiers, transient, dim, row_ref = self._rows(a)
         r = _ROW_ARGS
-        self._cpu.per_sample_weight_grad(tiers, transient, row_ref, self._t(a[r]),
+        if self._refused(self._t(a[r + 8])):
+            return
+        tiers, transient, dim, row_ref = self._rows(a)
+        self._cpu.per_sample_weight_grad(tiers, transient, row_ref, self._ids(a[r]),
                                          self._t(a[r + 1]), self._t(a[r + 2]), int(a[r + 3]),
                                          dim, self._t(a[r + 5]), self._t(a[r + 7]))
 

@@ -19,3 +19,27 @@ def cuda_ready() -> bool:
 def devices() -> List[str]:
     """``["cpu"]``, plus ``"cuda"`` where the CUDA backend can run."""
     return ["cpu", "cuda"] if cuda_ready() else ["cpu"]
+
+
+def reads_values_on_host(device) -> bool:
+    """Whether the backend ``device`` takes (the CUDA path under ``emulated_cuda``
+    included) checks a batch's values on the host: only where that costs no sync."""
+    from dynamicemb.ops import for_device  # noqa: PLC0415 (after emulated_cuda applies)
+
+    return for_device(torch.device(device)).free_host_reads
+
+
+def expect_refused(module, bad: tuple, error: type, match: str, next_call: tuple) -> None:
+    """``module(*bad)`` is refused with ``error``: at once, or, on a training step that
+    keeps its counts on the device (``InputErrors``), by ``module(*next_call)``, the
+    bad call having returned zeros; either way no table changed (the caller checks)."""
+    import pytest  # noqa: PLC0415
+
+    if not module._counted(module.training):
+        with pytest.raises(error, match=match):
+            module(*bad)
+        return
+    out = module(*bad)
+    assert not bool(out.detach().cpu().any()), "a refused batch's output is zeros"
+    with pytest.raises(error, match=match):
+        module(*next_call)
