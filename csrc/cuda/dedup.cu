@@ -58,17 +58,24 @@ extern "C" __global__ void demb_dedup_first(const int32_t* set, const int64_t* w
 // kNoBucket (an inserting pass marks them failed and counts nothing). error
 // (null: none): a batch refused by the module's input check (*error != 0) has no
 // unique pair: every position pads (padded) and every inverse is -1, so nothing
-// after the dedup reads or changes a row for it.
+// after the dedup reads or changes a row for it. time (null: none): the table's
+// clock and step (2,), advanced by one for the call unless it is refused (the
+// launch has at least one thread, so an empty batch ticks too).
 extern "C" __global__ void demb_dedup_number(const int64_t* keys, const int16_t* tids,
                                              const int64_t* first, const int64_t* number,
                                              int64_t n, int64_t* unique_keys,
                                              int16_t* unique_tids, int64_t* inverse,
                                              unsigned long long* occurrences,
                                              int64_t num_buckets, int32_t* unique_buckets,
-                                             bool padded, const int64_t* error) {
+                                             bool padded, const int64_t* error,
+                                             int64_t* time) {
   const int64_t i = global_thread();
-  if (i >= n) return;
   const bool refused = error != nullptr && *error != 0;
+  if (i == 0 && time != nullptr && !refused) {
+    ++time[0];
+    ++time[1];
+  }
+  if (i >= n) return;
   if (padded && i >= (refused ? 0 : number[n - 1])) {
     unique_keys[i] = 0;
     unique_tids[i] = 0;

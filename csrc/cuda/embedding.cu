@@ -174,16 +174,21 @@ extern "C" __global__ void demb_sequence_forward(DEMB_ROW_PARAMS, const int64_t*
 // (1 / bag length for MEAN). One thread per bag (pooled) or lookup (sequence).
 // Ranks outside [0, entries) are skipped (and counted in bad[0] when bad is given).
 // A batch the input check refused (error) places nothing: its offsets are not read
-// (and its dedup gave no unique row to update).
+// (and its dedup gave no unique row to update). optimizer_step (null: none): the
+// optimizer's step count in device memory, advanced by one for the backward unless
+// the batch is refused (the launch has at least one thread).
 extern "C" __global__ void demb_place_grads(const int64_t* rank, int64_t n, int64_t entries,
                                             const int64_t* offsets, const float* weights,
                                             const int64_t* feature_col, int64_t batch,
                                             int64_t num_bags, bool mean, int64_t grad_width,
                                             int64_t* pos, float* scale,
-                                            unsigned long long* bad, const int64_t* error) {
+                                            unsigned long long* bad, const int64_t* error,
+                                            int64_t* optimizer_step) {
   const int64_t k = global_thread();
   const bool pooled = offsets != nullptr;
-  if (k >= (pooled ? num_bags : n) || refused(error)) return;
+  if (refused(error)) return;
+  if (k == 0 && optimizer_step != nullptr) ++*optimizer_step;
+  if (k >= (pooled ? num_bags : n)) return;
   int64_t begin = k, end = k + 1, p = k * grad_width;
   float bag_scale = 1.f;
   if (pooled) {
@@ -269,8 +274,10 @@ extern "C" __global__ void demb_piece_sums(const int64_t* starts, const int64_t*
 // row, its pieces' partial sums first_piece[u] to first_piece[u + 1] - 1) and
 // applies the optimizer to its stored row. A row with no entry is a padding
 // position of a step counted on the device (every unique row has a lookup): it
-// is skipped, as are rows not stored (transient or computed). Shared memory: dim
-// floats per warp.
+// is skipped, as are rows not stored (transient or computed). lr_at and step_at
+// (null: none): the learning rate and the optimizer's step count in device memory,
+// from which the step's scalars are computed here (schedule_step) instead of
+// taken from the arguments. Shared memory: dim floats per warp.
 extern "C" __global__ void demb_fused_update(float* device_rows, float* host_rows, int64_t width,
                                              int64_t dim, const int64_t* row_ref,
                                              int64_t num_unique, const int64_t* starts,
@@ -280,7 +287,10 @@ extern "C" __global__ void demb_fused_update(float* device_rows, float* host_row
                                              float eps, float beta1, float beta2,
                                              float weight_decay, float one_minus_beta1,
                                              float one_minus_beta2, float step_size,
-                                             float bias_correction2_sqrt, float decay_scale) {
+                                             float bias_correction2_sqrt, float decay_scale,
+                                             const double* lr_at, const int64_t* step_at,
+                                             double beta1_exact, double beta2_exact,
+                                             double decoupled_decay) {
   extern __shared__ float shared_acc[];
   const int64_t u = global_warp();
   if (u >= num_unique) return;
@@ -299,9 +309,12 @@ extern "C" __global__ void demb_fused_update(float* device_rows, float* host_row
     acc[c] = a;
   }
   __syncwarp();
-  const OptimizerParams p =
+  OptimizerParams p =
       optimizer_params(kind, lr, eps, beta1, beta2, weight_decay, one_minus_beta1,
                        one_minus_beta2, step_size, bias_correction2_sqrt, decay_scale);
+  if (lr_at != nullptr) {
+    schedule_step(p, *lr_at, *step_at, beta1_exact, beta2_exact, decoupled_decay);
+  }
   float* row = stored_row_of(row_ref[u], device_rows, host_rows, width);
   float* state = row + dim;
   const int d = static_cast<int>(dim);

@@ -225,7 +225,8 @@ __device__ int64_t run_end(const int32_t* sorted_buckets, int64_t m, int64_t q0,
 // rule: 0 clock (score = now), 1 count (adds given), 2 given, 3 count then clock
 // (LRU_LFU). outcomes (4,) += the pass's keys by InsertStatus (hit, inserted, evicted,
 // failed); deferred[0] += its deferred keys (null: not counted, as when the table
-// cannot grow and no key is deferred).
+// cannot grow and no key is deferred). now_at (null: none): the call's time is
+// *now_at (the table's clock or step in device memory) instead of now.
 extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
                                        const int16_t* tids, const uint64_t* given, int rule,
                                        uint64_t now, bool evicts, bool can_grow, bool one_table,
@@ -234,9 +235,10 @@ extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
                                        uint64_t* prev_scores, int64_t* ev_keys,
                                        int16_t* ev_tids, uint64_t* ev_scores,
                                        unsigned long long* outcomes,
-                                       unsigned long long* deferred) {
+                                       unsigned long long* deferred, const int64_t* now_at) {
   const int64_t q0 = global_warp();  // the same for the warp's lanes: uniform exits
   if (q0 >= m) return;
+  if (now_at != nullptr) now = static_cast<uint64_t>(*now_at);
   const int32_t b = sorted_buckets[q0];
   if (b == kNoBucket) {  // a padding position: no slot, and no count
     if (lane_id() == 0) {

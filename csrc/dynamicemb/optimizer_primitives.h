@@ -67,6 +67,24 @@ DEMB_HD OptimizerParams optimizer_params(int32_t kind, float lr, float eps, floa
   return p;
 }
 
+// The scalars of one update that change from step to step, computed from the
+// learning rate and the optimizer's step count where the update runs (a step
+// whose scalars live in device memory: a CUDA graph replays it as it is), in
+// double as the host computes them: Adam's step size lr / (1 - beta1^step) and
+// sqrt(1 - beta2^step), and the decoupled weight decay's scale 1 - lr * decay
+// (decay 0: none).
+DEMB_HD void schedule_step(OptimizerParams& p, double lr, int64_t step, double beta1,
+                           double beta2, double decoupled_decay) {
+  p.lr = static_cast<float>(lr);
+  p.step_size = p.lr;
+  p.bias_correction2_sqrt = 1.f;
+  if (p.kind == kAdam) {
+    p.step_size = static_cast<float>(lr / (1.0 - pow(beta1, static_cast<double>(step))));
+    p.bias_correction2_sqrt = static_cast<float>(sqrt(1.0 - pow(beta2, static_cast<double>(step))));
+  }
+  p.decay_scale = static_cast<float>(1.0 - lr * decoupled_decay);
+}
+
 DEMB_HD void sgd_row(float* w, const float* g, int dim, const OptimizerParams& p) {
   for (int i = 0; i < dim; ++i) {
     const float gi = g[i] + p.weight_decay * w[i];

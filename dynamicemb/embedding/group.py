@@ -17,14 +17,15 @@ import torch
 from dynamicemb.embedding.admission import Admission
 from dynamicemb.embedding.initialization import RowInitializer
 from dynamicemb.ops import for_device
-from dynamicemb.ops.interface import (InitRows, OptimizerUpdate, num_buckets_for,
-                                      optimizer_state_dim)
+from dynamicemb.ops.interface import (DeviceSchedule, InitRows, OptimizerUpdate,
+                                      num_buckets_for, optimizer_state_dim)
 from dynamicemb.options import (DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbTableOptions,
                                 DynamicEmbWeightDecayMode)
 from dynamicemb.storage import TieredStorage
 from dynamicemb.storage.external import namespace_of, open_store
 from dynamicemb.storage.external.tier import ExternalTier
 from dynamicemb.table import PendingInsert, ScoredHashTable
+from dynamicemb.table.device_counts import DeviceCounters, capturing
 from dynamicemb.types import DynamicEmbScoreStrategy
 
 __all__ = ["Lookup", "TableGroup", "group_key"]
@@ -182,8 +183,41 @@ class TableGroup:
                                          [o.admission_counter for o in options], device))
         # On the rows' device: indexed by each batch's table ids.
         self.custom_scores = torch.zeros(len(table_indices), dtype=torch.int64, device=device)
-        self.adam_step = 0
+        # Adam's step count: set on the host, advanced in device memory by a backward
+        # of a step counted on the device (its learning rate is read there too)
+        self._optimizer_step = DeviceCounters([0], device)
+        self._lr: Optional[torch.Tensor] = None
+        self._lr_written: Optional[float] = None
         self._no_transient = torch.empty(0, self.dim, dtype=torch.float32, device=device)
+
+    @property
+    def adam_step(self) -> int:
+        """Backward passes Adam applied (its bias correction; 0 for other optimizers)."""
+        return self._optimizer_step.values()[0]
+
+    @adam_step.setter
+    def adam_step(self, value: int) -> None:
+        self._optimizer_step.set(0, value)
+
+    def device_lr(self, lr: float) -> torch.Tensor:
+        """(1,) float64: the learning rate in device memory, written when it changed
+        (one ``fill_``, no sync).
+
+        Raises:
+            RuntimeError: when it changed while the stream is being captured into a
+                CUDA graph (the write would be replayed): set it with
+                ``set_learning_rate`` outside the capture.
+        """
+        if self._lr is None:
+            self._lr = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if lr != self._lr_written:
+            if capturing():
+                raise RuntimeError(
+                    "the learning rate changed since the last step while a CUDA graph is "
+                    "being captured: call set_learning_rate before the capture")
+            self._lr.fill_(lr)
+            self._lr_written = lr
+        return self._lr
 
     # ------------------------------------------------------------- lookup
     def counts_on_device(self, insert: bool) -> bool:
@@ -371,25 +405,32 @@ class TableGroup:
                  feature_col: torch.Tensor, batch: int, mean: bool,
                  error: Optional[torch.Tensor] = None) -> None:
         """Sums each stored row's gradient and applies the fused optimizer (nothing
-        for a batch whose input-check word ``error`` is set)."""
+        for a batch whose input-check word ``error`` is set). With ``error`` (a step
+        counted on the device) the learning rate and Adam's step count are read in
+        device memory, where the kernels advance the count."""
         if not self.training:
             return
         lookup = self.refresh(lookup)
         opt = self.optimizer
-        step_size, bias2_sqrt = lr, 1.0
-        if opt.optimizer == DynamicEmbOptimType.ADAM:
+        adam = opt.optimizer == DynamicEmbOptimType.ADAM
+        mode = opt.decay_mode
+        decoupled = opt.weight_decay if mode == DynamicEmbWeightDecayMode.DECOUPLE else 0.0
+        step_size, bias2_sqrt, schedule = lr, 1.0, None
+        if error is not None:
+            schedule = DeviceSchedule(self.device_lr(lr), self._optimizer_step.on_device(),
+                                      advance=adam, beta1=opt.beta1, beta2=opt.beta2,
+                                      decoupled_decay=decoupled)
+        elif adam:
             self.adam_step += 1
             step_size = lr / (1 - opt.beta1 ** self.adam_step)
             bias2_sqrt = math.sqrt(1 - opt.beta2 ** self.adam_step)
-        mode = opt.decay_mode
         update = OptimizerUpdate(
             optimizer=opt.optimizer, lr=lr, eps=opt.eps, beta1=opt.beta1, beta2=opt.beta2,
             weight_decay=opt.weight_decay if mode == DynamicEmbWeightDecayMode.L2 else 0.0,
             step_size=step_size, bias_correction2_sqrt=bias2_sqrt,
-            decay_scale=(1.0 - lr * opt.weight_decay
-                         if mode == DynamicEmbWeightDecayMode.DECOUPLE else 1.0))
+            decay_scale=1.0 - lr * decoupled)
         self.ops.fused_backward(
             sources=self.storage.sources(self._no_transient), row_ref=lookup.row_ref,
             starts=lookup.starts, rank=lookup.rank, offsets=offsets, weights=weights,
             feature_col=feature_col, batch=batch, dim=self.dim, mean=mean, grad=grad,
-            update=update, error=error)
+            update=update, error=error, schedule=schedule)

@@ -9,16 +9,22 @@ The word goes to pinned host memory by an asynchronous copy, and the host reads 
 at the module's next call, once an event recorded after the copy has completed
 (by then it almost always has: the check is the first kernel of a step, so the
 host does not wait for the step that is still running). Then the error is raised
-with its message, the counters the refused batch advanced on the host go back,
-and the word is cleared. ``at_once`` waits for the copy in the call itself: a host
-sync per step, and the error before the call returns.
+with its message and the word is cleared (the step's counters advance in device
+memory, and not for a refused batch: nothing needs putting back). ``at_once``
+waits for the copy in the call itself: a host sync per step, and the error before
+the call returns.
+
+Under a CUDA graph's replays no module code runs: the word stays set once a batch
+is refused, so every later replay changes nothing either, until the host reads it
+(``raise_if_refused(wait_for_device=True)``, the module's ``check_errors``).
 """
 
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from dynamicemb.ops.interface import offsets_problem
+from dynamicemb.table.device_counts import capturing
 
 __all__ = ["CheckedBatch", "InputErrors", "offsets_message"]
 
@@ -35,21 +41,21 @@ class CheckedBatch:
     """A batch whose check is on its way to the host.
 
     Attributes:
+        offsets, num_indices: the batch's offsets and number of ids (for the message).
         refused: set once the host has read that the check failed: the batch's
             backward then does nothing.
     """
 
-    def __init__(self, offsets: torch.Tensor, num_indices: int,
-                 restore: Callable[[], None]) -> None:
-        self.offsets = offsets
-        self.num_indices = num_indices
-        self.restore = restore
+    def __init__(self) -> None:
+        self.offsets: Optional[torch.Tensor] = None
+        self.num_indices = 0
         self.refused = False
 
 
 class _Pending(NamedTuple):
     batch: CheckedBatch
-    event: Optional[object]  # a torch.cuda.Event recorded after the copy, or None
+    copied: bool  # its word was copied to the host (not when captured in a graph)
+    event: Optional[object]  # a torch.cuda.Event recorded after the copy (CUDA only)
 
 
 class InputErrors:
@@ -70,33 +76,58 @@ class InputErrors:
     def checked(self, batch: CheckedBatch) -> None:
         """After the check kernel of ``batch`` was enqueued: its word starts for the
         host (with ``at_once``, the error is raised now)."""
+        if capturing():  # a graph's replays are checked by reading the word itself
+            self._pending = _Pending(batch, False, None)
+            return
         self._host.copy_(self.word, non_blocking=True)
         event = None
         if self.word.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        self._pending = _Pending(batch, event)
+        self._pending = _Pending(batch, True, event)
         if self.at_once:
             self.raise_if_refused()
 
-    def raise_if_refused(self) -> None:
-        """Raises ``ValueError`` if the batch checked last was refused, after putting
-        back the host counters it advanced; then the word is cleared. Waits only for
-        the copy of that batch's word (see the module docstring)."""
-        if self._pending is None:
+    def raise_if_refused(self, wait_for_device: bool = False) -> None:
+        """Raises ``ValueError`` if the batch checked last was refused; then the word
+        is cleared. Waits only for the copy of that batch's word (see the module
+        docstring); ``wait_for_device``: reads the word itself (a sync), whatever
+        ran since (a CUDA graph's replays)."""
+        pending, self._pending = self._pending, None
+        if wait_for_device:
+            problem = offsets_problem(int(self.word[0]))
+        elif pending is None or not pending.copied:
             return
-        batch, event = self._pending
-        self._pending = None
-        if event is not None:
-            event.synchronize()
-        problem = offsets_problem(int(self._host_value[0]))
+        else:
+            if pending.event is not None:
+                pending.event.synchronize()
+            problem = offsets_problem(int(self._host_value[0]))
         if not problem:
             return
+        batch = pending.batch if pending is not None else CheckedBatch()
         batch.refused = True
         self.word.zero_()
-        batch.restore()
+        if batch.offsets is None or not _problem_of(batch.offsets, batch.num_indices):
+            # the word was set by a batch no call saw checked: a CUDA graph's replay
+            raise ValueError(
+                f"a batch's offsets were refused on the device ({_PROBLEMS[problem]}); "
+                f"it and every batch after it until this error changed no table")
         when = ("no table changed" if self.at_once else
                 "in the batch given to the call before this one, whose output was zeros; "
                 "no table changed")
         raise ValueError(f"{offsets_message(problem, batch.offsets, batch.num_indices)} "
                          f"(found on the device: {when})")
+
+
+_PROBLEMS = {1: "they did not start at 0", 2: "they did not end at len(indices)",
+             3: "they decreased"}
+
+
+def _problem_of(offsets: torch.Tensor, num_indices: int) -> int:
+    """The problem code of ``offsets`` found on the host (after the device found one)."""
+    values = offsets.cpu()
+    if int(values[0]) != 0:
+        return 1
+    if int(values[-1]) != num_indices:
+        return 2
+    return 3 if bool((values[1:] < values[:-1]).any()) else 0

@@ -235,7 +235,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             raise ValueError(f"pooling NONE needs one dim for all tables, got {sorted(set(self.dims))}")
         self.device = resolve_device(device if device is not None else "cpu")
         self._build_groups(module_optimizer)
-        self._train_steps = 0
+        self._host_train_steps = 0
+        # counted steps advance the group table's step in device memory: then that
+        # step is the module's (a STEP score is train_steps + 1 in both ways)
+        self._steps_on_table = False
         self._version = self._saved_version = 0  # see content_version
         self._prefetched: Deque[_Prefetched] = deque()
         self._outputs = OutputBuffers()
@@ -300,8 +303,11 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         yield from zip(self.table_names, self._table_params)
 
     def set_learning_rate(self, lr: float) -> None:
-        """Sets the learning rate of every table."""
+        """Sets the learning rate of every table (on a GPU, in device memory too: a
+        captured CUDA graph's replays follow it)."""
         self.optimizer.set_learning_rate(lr)
+        for g, group in enumerate(self._groups):
+            group.device_lr(self.optimizer.param_groups[g]["lr"])
 
     def set_score(self, scores: Dict[str, int]) -> None:
         """Score given to the keys each named table touches from now on (CUSTOMIZED)."""
@@ -472,6 +478,26 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         """Training forwards so far: the STEP strategy scores a batch's keys with
         ``train_steps + 1``."""
         return self._train_steps
+
+    @property
+    def _train_steps(self) -> int:
+        if self._steps_on_table:  # read from the device (a sync) after counted steps
+            return self._groups[0].table.step
+        return self._host_train_steps
+
+    @_train_steps.setter
+    def _train_steps(self, value: int) -> None:
+        self._host_train_steps = int(value)
+        self._steps_on_table = False
+
+    def check_errors(self) -> None:
+        """Raises the ``ValueError`` of a batch whose offsets a kernel refused (on a
+        GPU step that keeps its counts on the device), waiting for the device (a
+        sync). The next call raises it anyway; call this after replaying a CUDA
+        graph of the step, where no module code runs (docs/ARCHITECTURE.md, "CUDA
+        graphs")."""
+        if self._errors is not None:
+            self._errors.raise_if_refused(wait_for_device=True)
 
     def set_train_steps(self, steps: int) -> None:
         """Restores ``train_steps`` (e.g. from a checkpoint)."""
@@ -706,19 +732,14 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 and self._groups[0].counts_on_device(training))
 
     def _check_on_device(self) -> CheckedBatch:
-        """A batch to be checked by a kernel: how to put back what its lookup
-        advances on the host, should the check fail (read at the next call)."""
-        steps = self._train_steps
-        clocks = [(g.table.clock, g.table.step, g.adam_step) for g in self._groups]
-
-        def restore() -> None:
-            self._train_steps = steps
-            for g, (clock, step, adam_step) in zip(self._groups, clocks):
-                g.table.set_clock(clock)
-                g.table.set_step(step)
-                g.adam_step = adam_step
-
-        return CheckedBatch(None, 0, restore)
+        """A batch to be checked by a kernel into the error word (read at the next
+        call). Its step's counters (train steps, clock, Adam's step) advance in
+        device memory and a refused batch advances none: nothing to put back. The
+        module's train steps follow the group table's step from here."""
+        if not self._steps_on_table:
+            self._groups[0].table.set_step(self._host_train_steps)
+            self._steps_on_table = True
+        return CheckedBatch()
 
     def _validate(self, indices, offsets, weights, check: Optional[CheckedBatch] = None):
         """The batch on the module's device, checked: at once, or with ``check`` by a
@@ -777,8 +798,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         """Every group's lookup, atomically: if one group fails (a full table in ERROR
         mode), the groups before it are rolled back and no table changes. ``error``:
         the batch's check word, for a step counted on the device (one group)."""
-        if insert:  # STEP scores: the training step this forward belongs to
-            for g in self._groups:
+        if insert and error is None:  # STEP scores: the training step this forward is
+            for g in self._groups:  # (a counted step advances it on the device)
                 g.table.set_step(self._train_steps + 1)
         pending = []
         parts = self._split_by_group(indices, offsets, batch_size)
@@ -791,11 +812,13 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         except BaseException:
             for group, p in reversed(list(zip(self._groups, pending))):
                 group.abort_lookup(p)
-            for g in self._groups:
-                g.table.set_step(self._train_steps)
+            if error is None:
+                for g in self._groups:
+                    g.table.set_step(self._train_steps)
             raise
         if insert:
-            self._train_steps += 1
+            if error is None:
+                self._train_steps += 1
             self._changed()
         lookups = [g.finish_lookup(p) for g, p in zip(self._groups, pending)]
         for g, (found, (_, _, _, positions)) in enumerate(zip(lookups, parts)):

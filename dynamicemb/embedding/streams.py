@@ -42,8 +42,14 @@ class StreamOrder:
         if self.streams is None or self._last is None:
             return
         current = self.streams.current_stream(self.device)
-        if current != self._last:
+        if current != self._last and not self._capturing():
             current.wait_stream(self._last)
+
+    def _capturing(self) -> bool:
+        """Whether the current stream is being captured into a CUDA graph: a capture
+        cannot wait for work outside it (the caller orders its graph's replays)."""
+        is_capturing = getattr(self.streams, "is_current_stream_capturing", None)
+        return bool(is_capturing()) if is_capturing is not None else False
 
     def used(self) -> None:
         """The current stream has just enqueued work that reads or writes the rows."""

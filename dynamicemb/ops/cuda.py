@@ -340,12 +340,14 @@ class CudaKernels:
 
     def upsert(self, meta, bc, keys, tids, given, rule, now, evicts, can_grow, one_table,
                pending, slots, status, prev_scores, ev_keys, ev_tids, ev_scores,
-               outcomes, buckets: Optional[torch.Tensor] = None) -> torch.Tensor:
+               outcomes, buckets: Optional[torch.Tensor] = None,
+               now_at: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One inserting pass over keys[pending] (``pending=None``: every key, without
         building the positions; ``buckets``: their buckets, when the caller has
-        them); returns the deferred positions, or while the table may grow a
-        ``DeferredCount`` (their number stays on the device until the caller reads
-        it with the outcomes)."""
+        them; ``now_at``: the time in device memory, instead of ``now``); returns
+        the deferred positions, or while the table may grow a ``DeferredCount``
+        (their number stays on the device until the caller reads it with the
+        outcomes)."""
         _expect_batch(keys, tids)
         if pending is not None:
             _expect(pending, torch.int64, "pending")
@@ -378,7 +380,8 @@ class CudaKernels:
             _ptr(keys), _ptr(tids), _ptr(given), np.int32(rule), np.uint64(now),
             np.bool_(evicts), np.bool_(can_grow), np.bool_(one_table), _ptr(sorted_buckets),
             _ptr(order), _i64(m), _ptr(slots), _ptr(status), _ptr(prev_scores),
-            _ptr(ev_keys), _ptr(ev_tids), _ptr(ev_scores), _ptr(outcomes), _ptr(deferred)])
+            _ptr(ev_keys), _ptr(ev_tids), _ptr(ev_scores), _ptr(outcomes), _ptr(deferred),
+            _ptr(now_at)])
         if deferred is None:
             return torch.empty(0, dtype=torch.int64, device=keys.device)
         # how many were deferred is read by the caller with the outcome counts
@@ -398,31 +401,36 @@ class CudaKernels:
                                ev_tids, ev_scores, outcomes, buckets=buckets)
         return ukeys, utids, inverse, counts, starts, rank, deferred
 
-    def padded_dedup_upsert(self, meta, bc, keys, tids, frequencies, rule, now, evicts,
-                            one_table, error):
+    def padded_dedup_upsert(self, meta, bc, keys, tids, frequencies, rule, time, now_index,
+                            evicts, one_table, error, outcomes):
         """``dedup`` (grouped) padded to the n keys, then one inserting pass over them
         into a table that cannot grow (so no key is deferred): nothing is read on
-        the host. ``rule`` 0 scores by the clock; a count rule by the dedup's counts.
+        the host. The numbering kernel advances ``time`` (the table's clock and
+        step, (2,) int64) unless the batch is refused, and the pass reads its time
+        from ``time[now_index]``; ``rule`` 0 scores by it, a count rule by the
+        dedup's counts. The pass adds its outcome counts to ``outcomes`` (4,).
 
         Returns:
             (ukeys, utids, inverse, counts, starts, rank, slots, status, prev_scores,
-            ev_keys, ev_tids, ev_scores, outcomes): the per-key arrays have n
-            entries; padding gets slot -1 and status FAILED and is counted nowhere;
-            outcomes (4,) on the device.
+            ev_keys, ev_tids, ev_scores): the per-key arrays have n entries; padding
+            gets slot -1 and status FAILED and is counted nowhere.
         """
         table = _table_args(meta, bc)
+        _expect(time, torch.int64, "time")
+        _expect(outcomes, torch.int64, "outcomes")
+        if time.numel() != 2 or now_index not in (0, 1):
+            raise ValueError("time holds a clock and a step; now_index picks one")
         n = keys.numel()
-        # the pass's outcome counts come from the dedup's one zero fill
-        unique, buckets, outcomes = self._dedup(keys, tids, frequencies, True,
-                                                num_buckets=int(table[5]), padded=True,
-                                                error=error, zeros=_NUM_OUTCOMES)
+        unique, buckets, _ = self._dedup(keys, tids, frequencies, True,
+                                         num_buckets=int(table[5]), padded=True,
+                                         error=error, time=time)
         ukeys, utids, inverse, counts, starts, rank = unique
         outs = [torch.empty(n, dtype=dtype, device=keys.device) for dtype in (
             torch.int64, torch.int8, torch.int64, torch.int64, torch.int16, torch.int64)]
         given = None if rule == 0 else counts
-        self.upsert(meta, bc, ukeys, utids, given, rule, now, evicts, False, one_table, None,
-                    *outs, outcomes, buckets=buckets)
-        return (ukeys, utids, inverse, counts, starts, rank, *outs, outcomes)
+        self.upsert(meta, bc, ukeys, utids, given, rule, 0, evicts, False, one_table, None,
+                    *outs, outcomes, buckets=buckets, now_at=time[now_index:now_index + 1])
+        return (ukeys, utids, inverse, counts, starts, rank, *outs)
 
     def unpin(self, meta, bc, slots) -> None:
         _expect(slots, torch.int64, "slots")
@@ -510,7 +518,7 @@ class CudaKernels:
 
     def _dedup(self, keys, tids, frequencies, group: bool, num_buckets: Optional[int] = None,
                padded: bool = False, error: Optional[torch.Tensor] = None,
-               zeros: int = 0):
+               zeros: int = 0, time: Optional[torch.Tensor] = None):
         """``dedup``'s tuple; with ``num_buckets`` each unique pair's bucket in a
         table of that many buckets ((U,) int32, written by the numbering kernel:
         an inserting pass needs no launch of its own to find them), else None; and
@@ -518,7 +526,8 @@ class CudaKernels:
 
         ``padded``: the unique arrays have N entries (padding past the unique
         count, which is not read: no sync); ``error``: the module's error word (a
-        refused batch has no unique pair)."""
+        refused batch has no unique pair); ``time``: counters the numbering kernel
+        advances by one unless the batch is refused (an empty batch too)."""
         _expect_batch(keys, tids)
         n = keys.numel()
         dev = keys.device
@@ -539,10 +548,10 @@ class CudaKernels:
         occurrences = zeroed[:u]
         buckets = (None if num_buckets is None
                    else torch.empty(u, dtype=torch.int32, device=dev))
-        self._launch("demb_dedup_number", dev, n, [
+        self._launch("demb_dedup_number", dev, n if time is None else max(n, 1), [
             _ptr(keys), _ptr(tids), _ptr(first), _ptr(number), _i64(n), _ptr(ukeys),
             _ptr(utids), _ptr(inverse), _ptr(occurrences), _i64(num_buckets or 0),
-            _ptr(buckets), np.bool_(padded), _error_arg(error)])
+            _ptr(buckets), np.bool_(padded), _error_arg(error), _ptr(time)])
         counts = occurrences
         if frequencies is not None:
             # a refused batch's inverse is -1: its frequencies go to an entry past the pairs
@@ -637,7 +646,8 @@ class CudaKernels:
 
     def fused_backward(self, tiers, row_slot, starts, rank, offsets, weights, feature_col,
                        batch, dim, mean, grad, kind, lr, eps, beta1, beta2, weight_decay,
-                       step_size, bias_correction2_sqrt, decay_scale, error=None) -> None:
+                       step_size, bias_correction2_sqrt, decay_scale, error=None,
+                       schedule=None) -> None:
         _expect(grad, torch.float32, "grad")
         _expect(starts, torch.int64, "starts")
         _expect(rank, torch.int64, "rank")
@@ -656,10 +666,17 @@ class CudaKernels:
         pos = torch.empty(entries, dtype=torch.int64, device=dev)
         scale = torch.empty(entries, dtype=torch.float32, device=dev)
         num_bags = offsets.numel() - 1 if pooled else 0
-        self._launch("demb_place_grads", dev, num_bags if pooled else n, [
+        advance = schedule is not None and schedule.advance
+        if schedule is not None:
+            _expect(schedule.lr, torch.float64, "lr")
+            _expect(schedule.step, torch.int64, "step")
+        # the launch that advances the step count has a thread even for no bag
+        threads = num_bags if pooled else n
+        self._launch("demb_place_grads", dev, max(threads, 1) if advance else threads, [
             _ptr(rank), _i64(n), _i64(entries), _ptr(offsets if pooled else None),
             _ptr(weights), _ptr(feature_col), _i64(batch), _i64(num_bags), np.bool_(mean),
-            np.int64(grad.size(1)), _ptr(pos), _ptr(scale), _ptr(None), _error_arg(error)])
+            np.int64(grad.size(1)), _ptr(pos), _ptr(scale), _ptr(None), _error_arg(error),
+            _ptr(schedule.step if advance else None)])
         # No counter of ranks outside [0, entries) (the kernel skips them): the
         # group's own dedup makes rank, an internal invariant; reading a count back
         # would be a sync, and zeroing one a launch.
@@ -671,7 +688,12 @@ class CudaKernels:
             _ptr(grad), _ptr(first_piece), _ptr(partial), np.int32(kind), np.float32(lr), np.float32(eps), np.float32(beta1),
             np.float32(beta2), np.float32(weight_decay), np.float32(1.0 - beta1),
             np.float32(1.0 - beta2), np.float32(step_size),
-            np.float32(bias_correction2_sqrt), np.float32(decay_scale)],
+            np.float32(bias_correction2_sqrt), np.float32(decay_scale),
+            _ptr(None if schedule is None else schedule.lr),
+            _ptr(None if schedule is None else schedule.step),
+            np.float64(beta1 if schedule is None else schedule.beta1),
+            np.float64(beta2 if schedule is None else schedule.beta2),
+            np.float64(0.0 if schedule is None else schedule.decoupled_decay)],
             shared_mem=warps * int(dim) * 4, block=32 * warps)
 
     def _piece_sums(self, starts, pos, scale, grad, dim, entries: int):

@@ -21,6 +21,7 @@ from dynamicemb.types import DynamicEmbScoreStrategy
 __all__ = [
     "Backend",
     "Deduplicated",
+    "DeviceSchedule",
     "Entries",
     "HOST_ROW_BIT",
     "InitRows",
@@ -210,9 +211,9 @@ class Upserted(NamedTuple):
         ``InsertStatus``; prev_scores: (n,) the score a hit replaced (for undo);
         ev_keys, ev_tids, ev_scores: (n,) the entry a key evicted, where
         status is EVICTED_AND_INSERTED. hits, inserted, evicted, failed count the
-        statuses; growths counts the doublings the verb did for full buckets.
-        counts: (4,) int64 on the device, the same four counts, when a padded verb
-        left them there (``Backend.counts_on_device``: the four ints are then None).
+        statuses; growths counts the doublings the verb did for full buckets. A
+        padded verb (``Backend.padded_dedup_upsert``) adds them to totals in device
+        memory instead: the four ints are then None.
     """
 
     slots: torch.Tensor
@@ -226,7 +227,6 @@ class Upserted(NamedTuple):
     evicted: Optional[int]
     failed: Optional[int]
     growths: int
-    counts: Optional[torch.Tensor] = None
 
 
 class Deduplicated(NamedTuple):
@@ -312,6 +312,29 @@ class RowSources(NamedTuple):
     host: torch.Tensor
     transient: torch.Tensor
     init: Optional[InitRows] = None
+
+
+class DeviceSchedule(NamedTuple):
+    """The scalars of an update that change from step to step, in device memory, so
+    that a step can be replayed (a CUDA graph) and still follow them: the kernel
+    computes Adam's step size and bias correction and the decoupled decay's scale
+    from them, in double as the host does (``OptimizerUpdate``).
+
+    Attributes:
+        lr: (1,) float64, the learning rate.
+        step: (1,) int64, the optimizer's step count; the backward advances it
+            first when ``advance`` (Adam), unless its batch was refused.
+        advance: whether the backward counts itself in ``step``.
+        beta1, beta2: Adam's betas, exactly.
+        decoupled_decay: the decoupled weight decay (0.0: none).
+    """
+
+    lr: torch.Tensor
+    step: torch.Tensor
+    advance: bool
+    beta1: float
+    beta2: float
+    decoupled_decay: float
 
 
 class OptimizerUpdate(NamedTuple):
@@ -411,13 +434,22 @@ class Backend(abc.ABC):
 
     def padded_dedup_upsert(self, *, memory: TableMemory, keys: torch.Tensor,
                             table_ids: torch.Tensor, frequencies: Optional[torch.Tensor],
-                            rule: ScoreRule, now: int, evicts: bool, one_table: bool,
-                            error: Optional[torch.Tensor]) -> Tuple[Deduplicated, Upserted]:
-        """``dedup_upsert`` with every size and count left on the device (only where
-        ``counts_on_device``, into a table that cannot grow): the dedup is padded to
-        the N keys, the upsert's counts are ``Upserted.counts``. ``rule``: CLOCK, or a
-        count rule whose scores are the dedup's counts. ``error`` ((1,) int64 or
-        None): a batch whose word is set has no unique key and changes nothing."""
+                            rule: ScoreRule, time: torch.Tensor, now_index: int,
+                            evicts: bool, one_table: bool, error: Optional[torch.Tensor],
+                            outcomes: torch.Tensor) -> Tuple[Deduplicated, Upserted]:
+        """``dedup_upsert`` with every size, count and clock left on the device (only
+        where ``counts_on_device``, into a table that cannot grow): the dedup is
+        padded to the N keys.
+
+        Args:
+            rule: CLOCK, or a count rule whose scores are the dedup's counts.
+            time: (2,) int64, the table's clock and step: advanced by one, then
+                ``time[now_index]`` is the call's time (its scores).
+            error: (1,) int64 or None: a batch whose word is set has no unique key
+                and changes nothing (not even ``time``).
+            outcomes: (4,) int64 totals the call adds its hits, inserts, evicting
+                inserts and failures to (``Upserted``'s four counts are None).
+        """
         raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
     def init_new_rows(self, *, values: torch.Tensor, slots: torch.Tensor,
@@ -497,10 +529,13 @@ class Backend(abc.ABC):
                        offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
                        feature_col: torch.Tensor, batch: int, dim: int, mean: bool,
                        grad: torch.Tensor, update: OptimizerUpdate,
-                       error: Optional[torch.Tensor] = None) -> None:
+                       error: Optional[torch.Tensor] = None,
+                       schedule: Optional[DeviceSchedule] = None) -> None:
         """Sums each stored row's gradient and applies the optimizer to it in place
         (``offsets`` None: sequence lookups). Rows with no lookup (padding) and rows
-        not stored are skipped."""
+        not stored are skipped. ``schedule`` (where ``counts_on_device``): the
+        learning rate and step count are read from device memory, not from
+        ``update``."""
 
     @abc.abstractmethod
     def per_sample_weight_grad(self, *, sources: RowSources, row_ref: torch.Tensor,

@@ -107,19 +107,19 @@ class KernelBackend(Backend):
                                 now, evicts, one_table, out, deferred, passes=1)
         return unique, upserted
 
-    def padded_dedup_upsert(self, *, memory, keys, table_ids, frequencies, rule, now, evicts,
-                            one_table, error):
+    def padded_dedup_upsert(self, *, memory, keys, table_ids, frequencies, rule, time,
+                            now_index, evicts, one_table, error, outcomes):
         if not self.counts_on_device:
             raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
         if memory.can_grow:  # a full bucket would defer keys to a growth
             raise ValueError("a padded dedup_upsert needs a table that cannot grow")
-        *unique, slots, status, prev, ev_keys, ev_tids, ev_scores, counts = (
+        *unique, slots, status, prev, ev_keys, ev_tids, ev_scores = (
             self.kernels.padded_dedup_upsert(memory.meta, memory.bucket_capacity, keys,
-                                             table_ids, frequencies, int(rule), now, evicts,
-                                             one_table, error))
+                                             table_ids, frequencies, int(rule), time,
+                                             now_index, evicts, one_table, error, outcomes))
         return Deduplicated(*unique), Upserted(slots, status, prev, ev_keys, ev_tids, ev_scores,
                                                hits=None, inserted=None, evicted=None,
-                                               failed=None, growths=0, counts=counts)
+                                               failed=None, growths=0)
 
     def init_new_rows(self, *, values, slots, status, keys, table_ids, dim, spec, state_value):
         if not self.counts_on_device:
@@ -272,14 +272,15 @@ class KernelBackend(Backend):
                                       **self._counted(init=sources.init, error=error))
 
     def fused_backward(self, *, sources, row_ref, starts, rank, offsets, weights, feature_col,
-                       batch, dim, mean, grad, update: OptimizerUpdate, error=None):
+                       batch, dim, mean, grad, update: OptimizerUpdate, error=None,
+                       schedule=None):
         no_offsets = torch.empty(0, dtype=torch.int64, device=grad.device)
         self.kernels.fused_backward(
             [sources.device, sources.host], row_ref, starts, rank,
             no_offsets if offsets is None else offsets, weights, feature_col, batch, dim, mean,
             grad, optimizer_code(update.optimizer), update.lr, update.eps, update.beta1,
             update.beta2, update.weight_decay, update.step_size, update.bias_correction2_sqrt,
-            update.decay_scale, **self._counted(error=error))
+            update.decay_scale, **self._counted(error=error, schedule=schedule))
 
     def per_sample_weight_grad(self, *, sources, row_ref, inverse, offsets, feature_col,
                                batch, dim, grad, out, error=None):

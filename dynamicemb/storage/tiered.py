@@ -42,7 +42,6 @@ from dynamicemb.ops.interface import HOST_ROW_BIT, InsertStatus, RowSources
 from dynamicemb.storage.external.store import ExternalStorageError
 from dynamicemb.table import (Deduplicated, Entries, InsertResult, PendingInsert,
                               ScoredHashTable)
-from dynamicemb.table.device_counts import DeviceCounts
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
 __all__ = ["TierMetrics", "TieredStorage"]
@@ -142,9 +141,6 @@ class TieredStorage:
         self._metric_counts = torch.zeros(host.num_tables, len(_METRIC_FIELDS),
                                           dtype=torch.int64, device=self.device)
         self._host_metric_counts = [0] * len(_METRIC_FIELDS)  # one-table groups
-        # a one-table group's padded inserts' outcome counts (hits, inserted,
-        # evicted, failed), turned into metrics when they are read
-        self._padded_outcomes = DeviceCounts()
         self._moves = 0  # promotions and write-backs: a key's row of record moved
         # The absent tier of ``sources()``: on the kernels' device like the other one.
         self._empty = torch.empty(0, host.value_dim, dtype=host.value_dtype, device=self.device)
@@ -357,9 +353,7 @@ class TieredStorage:
         upserted = pending.upserted
         result = pending.commit()
         self.initialize_new(self.host.values, result.slots, result.status, keys, tids)
-        if self.host.num_tables == 1:
-            self._padded_outcomes.add(result.counts)
-        else:  # per table, without a count: padding has count 0 and slot -1
+        if self.host.num_tables > 1:  # per table, with no count: padding has count 0, slot -1
             self._count_where("lookups", tids, counts > 0)
             self._count_where("hits", tids, result.slots >= 0)
             evicted = result.status == InsertStatus.EVICTED_AND_INSERTED
@@ -665,11 +659,13 @@ class TieredStorage:
         return [TierMetrics(*row) for row in rows]
 
     def _settle_padded_outcomes(self) -> None:
-        """A one-table group's padded inserts as metrics: every unique key is a lookup,
-        a hit unless its insert failed (one tier), and an evicting insert evicts."""
-        if not self._padded_outcomes:
+        """A one-table group's padded inserts as metrics, from the host store's totals
+        of them (``commit_padded``): every unique key is a lookup, a hit unless its
+        insert failed (one tier), and an evicting insert evicts."""
+        totals = self.host.outcome_totals()
+        if totals is None or self.host.num_tables > 1:
             return
-        hits, inserted, evicted, failed = self._padded_outcomes.take()
+        hits, inserted, evicted, failed = totals.take("metrics")
         lookups = hits + inserted + evicted + failed
         self._add("lookups", lookups)
         self._add("hits", lookups - failed)

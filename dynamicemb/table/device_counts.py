@@ -1,52 +1,97 @@
-"""Counts that a device adds up call after call and the host reads only when asked."""
+"""Values that kernels change in device memory and the host reads only when asked.
 
-from typing import List, Optional
+A training step that must not wait for the device (and that a CUDA graph may
+replay with no Python running) keeps its running counts and its counters in device
+memory. The host reads them when someone asks (a sync), and cannot tell whether a
+replay changed them since: once kernels hold them, every read goes to the device.
+"""
+
+from typing import Dict, List
 
 import torch
 
-__all__ = ["DeviceCounts"]
+__all__ = ["DeviceCounters", "DeviceTotals", "capturing"]
 
 
-class DeviceCounts:
-    """A running total of (k,) int64 count vectors that stay in device memory.
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
-    ``add`` keeps a reference to each call's counts (no launch, no sync); every
-    ``fold_every`` of them are summed on the device (two launches, no sync), so the
-    list stays short; ``take`` hands the total to the host (one sync) and starts
-    over. A training step that must not wait for the device adds its counts here
-    and whoever asks for a size or a statistic pays the one read.
+
+class DeviceTotals:
+    """Counts that kernels add to, call after call, in one (width,) int64 tensor.
+
+    Each reader takes what was added since it last took (one sync): the table its
+    size and statistics, the storage its traffic metrics.
 
     Args:
-        fold_every: how many count vectors to keep before summing them.
+        width: how many counts.
+        device: where the kernels run.
     """
 
-    def __init__(self, fold_every: int = 256) -> None:
-        self._pending: List[torch.Tensor] = []
-        self._total: Optional[torch.Tensor] = None
-        self._fold_every = fold_every
+    def __init__(self, width: int, device: torch.device) -> None:
+        self.tensor = torch.zeros(width, dtype=torch.int64, device=device)
+        self._taken: Dict[str, List[int]] = {}
 
-    def add(self, counts: torch.Tensor) -> None:
-        """Adds one call's counts (k,) int64, on the device (kept, not copied: the
-        caller does not write them again)."""
-        self._pending.append(counts)
-        if len(self._pending) >= self._fold_every:
-            self._fold()
+    def take(self, reader: str) -> List[int]:
+        """What was added since ``reader`` last took (reads the device: a sync)."""
+        now = self.tensor.tolist()
+        before = self._taken.get(reader, [0] * len(now))
+        self._taken[reader] = now
+        return [a - b for a, b in zip(now, before)]
 
-    def __bool__(self) -> bool:
-        """Whether counts were added since the last ``take``."""
-        return bool(self._pending) or self._total is not None
 
-    def take(self) -> Optional[List[int]]:
-        """The counts added since the last ``take``, summed, on the host (one sync), or
-        None when none were added."""
-        if self._pending:
-            self._fold()
-        if self._total is None:
-            return None
-        total, self._total = self._total, None
-        return total.tolist()
+class DeviceCounters:
+    """int64 counters that the host sets and kernels advance (a clock, a step count).
 
-    def _fold(self) -> None:
-        summed = torch.stack(self._pending).sum(0)
-        self._total = summed if self._total is None else self._total + summed
-        self._pending = []
+    The host's values hold until a kernel is handed the device copy (``on_device``,
+    which first writes the host's values there if the host set them since: one
+    ``fill_`` each, no sync); from then on the device's hold, and ``values`` reads
+    them (a sync) until the host sets them again.
+
+    Args:
+        values: the first values.
+        device: where the kernels run.
+    """
+
+    def __init__(self, values: List[int], device: torch.device) -> None:
+        self._values = [int(v) for v in values]
+        self._device = device
+        self._tensor = None
+        self._on_device = False  # kernels may have advanced the device copy
+        self._written = False  # the device copy holds the host's values
+
+    def values(self) -> List[int]:
+        """The counters, read from the device when kernels hold them."""
+        if self._on_device:
+            self._values = self._tensor.tolist()
+        return list(self._values)
+
+    def set(self, index: int, value: int) -> None:
+        """Sets one counter on the host (the device copy is written when next needed)."""
+        values = self.values()
+        values[index] = int(value)
+        self._values = values
+        self._on_device = self._written = False
+
+    def on_device(self) -> torch.Tensor:
+        """The device copy, for kernels that read and advance it.
+
+        Raises:
+            RuntimeError: when the host set the counters since the last step and the
+                stream is being captured into a CUDA graph: the write would be part
+                of the graph and every replay would set them back.
+        """
+        if self._tensor is None:
+            self._tensor = torch.zeros(len(self._values), dtype=torch.int64, device=self._device)
+        if not self._on_device and not self._written:
+            if capturing():
+                raise RuntimeError(
+                    "a clock or step count was set on the host since the last step: run one "
+                    "step outside the CUDA graph capture first (the capture would replay "
+                    "the write)")
+            for i, v in enumerate(self._values):
+                self._tensor[i].fill_(v)  # a kernel argument: no host-to-device copy
+            self._written = True
+        self._on_device = True
+        return self._tensor

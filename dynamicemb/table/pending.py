@@ -1,13 +1,22 @@
 """The first phase of a two-phase insert (``ScoredHashTable.prepare_find_or_insert``)."""
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from dynamicemb.ops.interface import Entries, Upserted
 from dynamicemb.table.results import InsertResult
 
-__all__ = ["PendingInsert"]
+__all__ = ["PaddedCall", "PendingInsert"]
+
+
+class PaddedCall(NamedTuple):
+    """What a padded call (``prepare_dedup_find_or_insert(padded=True)``) needs to be
+    undone: its input-check word (None: none) and its dedup's counts (N,), 0 for
+    padding."""
+
+    error: Optional[torch.Tensor]
+    counts: torch.Tensor
 
 
 class PendingInsert:
@@ -24,11 +33,14 @@ class PendingInsert:
         assign: write ``rows`` (True) or zero the rows of new keys (False).
         now: the call's time (its clock or step), which decides what has expired.
         given: (n,) the scores or counts given to the kernel (None: none, or exact).
+        padded: a padded call's ``PaddedCall`` (its clock is on the device:
+            ``clock_before`` and ``now`` are None), else None.
     """
 
-    def __init__(self, table, upserted: Upserted, clock_before: int,
+    def __init__(self, table, upserted: Upserted, clock_before: Optional[int],
                  rows: Optional[torch.Tensor], read_evicted: bool, assign: bool,
-                 now: int = 0, given: Optional[torch.Tensor] = None) -> None:
+                 now: Optional[int] = 0, given: Optional[torch.Tensor] = None,
+                 padded: Optional[PaddedCall] = None) -> None:
         self.table = table
         self.upserted = upserted
         self.clock_before = clock_before
@@ -37,6 +49,7 @@ class PendingInsert:
         self.assign = assign
         self.now = now
         self.given = given
+        self.padded = padded
         self._done = False
 
     @property

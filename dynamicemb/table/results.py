@@ -37,9 +37,8 @@ class InsertResult(NamedTuple):
 
         A padded call (``prepare_dedup_find_or_insert(padded=True)``) reads nothing
         on the host: ``inserted``, ``evicted``, ``num_inserted`` and ``num_failed``
-        are None, ``status`` (n,) int8 tells each key's ``InsertStatus`` (padding:
-        FAILED, slot -1) and ``counts`` (4,) int64 on the device the call's hits,
-        inserts, evicting inserts and failures.
+        are None and ``status`` (n,) int8 tells each key's ``InsertStatus`` (padding:
+        FAILED, slot -1); the table's ``outcome_totals`` count it.
     """
 
     slots: torch.Tensor
@@ -51,7 +50,6 @@ class InsertResult(NamedTuple):
     expired: Optional[torch.Tensor] = None
     inserted_at: Optional[torch.Tensor] = None
     status: Optional[torch.Tensor] = None
-    counts: Optional[torch.Tensor] = None
 
     def inserted_positions(self) -> torch.Tensor:
         """(num_inserted,) int64: the positions where ``inserted`` is True, ascending

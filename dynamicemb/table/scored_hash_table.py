@@ -17,8 +17,8 @@ from dynamicemb.ops.interface import (ALL_BITS, COMPOUND_TIME_MASK, Deduplicated
                                       InsertStatus, ScoreRule, num_buckets_for, score_rule)
 from dynamicemb.options import check_ttl
 from dynamicemb.table.checks import check_frequencies, check_keys, table_ids_as_int16
-from dynamicemb.table.device_counts import DeviceCounts
-from dynamicemb.table.pending import PendingInsert
+from dynamicemb.table.device_counts import DeviceCounters, DeviceTotals
+from dynamicemb.table.pending import PaddedCall, PendingInsert
 from dynamicemb.table.results import Expired, InsertResult, TableStats
 from dynamicemb.table.shared_zeros import SharedZeros
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
@@ -129,9 +129,12 @@ class ScoredHashTable:
         self.value_dtype = value_dtype
         self.device = resolve_device(device)
         self._stats = TableStats()
-        # what padded calls counted on the device (hits, inserted, evicted, failed),
-        # added to the size and the stats when either is read
-        self._device_counts = DeviceCounts()
+        # what padded calls counted on the device (hits, inserted, evicted, failed):
+        # their kernels add to these totals, which the size and the stats take when
+        # read once any call was padded (made here: a CUDA graph capturing the first
+        # padded call would otherwise zero them at every replay)
+        self._outcome_totals = None
+        self._padded = False  # a padded call ran: reads of size and stats sync
         self._ops = for_device(self.device)
         self._rule, self._evicts = score_rule(self.score_strategy)
         self._memory = self._ops.new_table(
@@ -140,8 +143,11 @@ class ScoredHashTable:
             bucket_capacity=bucket_capacity, value_dim=value_dim, value_dtype=value_dtype,
             device=self.device, values_in_host_memory=values_in_host_memory)
         self._host_size = 0
-        self._clock = 0
-        self._step = 0
+        # the clock and the step: set on the host, advanced in device memory by a
+        # padded call's kernels (so that a CUDA graph's replays advance them)
+        self._time = DeviceCounters([0, 0], self.device)
+        if self._ops.counts_on_device:
+            self._outcome_totals = DeviceTotals(4, self.device)
         self._generation = 0
         self._pending: Optional[PendingInsert] = None
         self._none_inserted = SharedZeros(torch.bool, self.device)
@@ -165,11 +171,32 @@ class ScoredHashTable:
         self._settle_device_counts()
         self._host_size = value
 
+    @property
+    def _clock(self) -> int:
+        return self._time.values()[0]
+
+    @_clock.setter
+    def _clock(self, value: int) -> None:
+        self._time.set(0, value)
+
+    @property
+    def _step(self) -> int:
+        return self._time.values()[1]
+
+    @_step.setter
+    def _step(self, value: int) -> None:
+        self._time.set(1, value)
+
+    def outcome_totals(self) -> Optional[DeviceTotals]:
+        """What padded calls counted (hits, inserted, evicted, failed), in device memory;
+        None before the first padded call."""
+        return self._outcome_totals if self._padded else None
+
     def _settle_device_counts(self) -> None:
         """Adds what padded calls counted on the device to the size and the stats."""
-        if not self._device_counts:
+        if not self._padded:
             return
-        _, inserted, evicted, failed = self._device_counts.take()
+        _, inserted, evicted, failed = self._outcome_totals.take("table")
         self._host_size += inserted  # an evicting insert replaces a key
         self._stats.inserts += inserted + evicted
         self._stats.evictions += evicted
@@ -631,18 +658,25 @@ class ScoredHashTable:
 
     def _prepare_padded(self, keys, tids, frequencies, error) -> Tuple[Deduplicated,
                                                                        PendingInsert]:
+        """A padded call: its kernels advance the clock and the step in device memory
+        (unless ``error`` refuses the batch) and read its time there, and add their
+        outcome counts to the device totals. Nothing is read on the host."""
         if not self.counts_on_device:
             raise ValueError(
                 "a padded insert needs a backend that counts on the device and a table "
                 "that cannot grow, ignores failed inserts and has no ttl")
-        clock_before, now = self._tick()
-        with self._undone_on_error(clock_before):
-            unique, upserted = self._ops.padded_dedup_upsert(
-                memory=self._memory, keys=keys, table_ids=tids, frequencies=frequencies,
-                rule=self._rule, now=now, evicts=self._evicts,
-                one_table=self.num_tables == 1, error=error)
-        return unique, self._pending_insert(upserted, clock_before, None, read_evicted=False,
-                                            assign=False, now=now)
+        self._check_idle()
+        self._padded = True
+        unique, upserted = self._ops.padded_dedup_upsert(
+            memory=self._memory, keys=keys, table_ids=tids, frequencies=frequencies,
+            rule=self._rule, time=self._time.on_device(),
+            now_index=1 if self.score_strategy == DynamicEmbScoreStrategy.STEP else 0,
+            evicts=self._evicts, one_table=self.num_tables == 1, error=error,
+            outcomes=self._outcome_totals.tensor)
+        pending = PendingInsert(self, upserted, None, None, read_evicted=False, assign=False,
+                                padded=PaddedCall(error, unique.counts))
+        self._pending = pending
+        return unique, pending
 
     def _check_idle(self) -> None:
         if self._pending is not None:
@@ -704,12 +738,10 @@ class ScoredHashTable:
         self._pending = None
         upserted = pending.upserted
         slots = upserted.slots
-        if upserted.counts is not None:  # padded: every count stays on the device
-            self._device_counts.add(upserted.counts)
+        if pending.padded is not None:  # every count stays on the device
             self._generation += self._evicts  # whether a key was evicted is not read
             return InsertResult(slots=slots, inserted=None, evicted=None, num_inserted=None,
-                                num_failed=None, status=upserted.status,
-                                counts=upserted.counts)
+                                num_failed=None, status=upserted.status)
         num_evicted = upserted.evicted
         num_inserted = upserted.inserted + num_evicted
         self._size += num_inserted - num_evicted
@@ -799,7 +831,17 @@ class ScoredHashTable:
         """Undoes a prepared call: contents, scores and clock as before it (growth stays)."""
         self._pending = None
         self._ops.undo_upsert(memory=self._memory, upserted=pending.upserted)
-        self._clock = pending.clock_before
+        if pending.padded is None:
+            self._clock = pending.clock_before
+            return
+        # a padded call advanced the time and the totals on the device (a refused
+        # batch advanced nothing): take them back there
+        padded, status = pending.padded, pending.upserted.status
+        done = 1 if padded.error is None else (padded.error == 0).to(torch.int64)
+        self._time.on_device().sub_(done)
+        real = padded.counts > 0  # padding: count 0, counted nowhere
+        added = torch.stack([((status == s) & real).sum() for s in range(4)])
+        self._outcome_totals.tensor.sub_(added)
 
     def _upsert(self, keys, table_ids, scores, values, read_evicted, assign=False,
                 exact=False, checked=False) -> InsertResult:

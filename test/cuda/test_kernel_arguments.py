@@ -7,7 +7,7 @@ verbs that launch every kernel; each launch's argument types are recorded and
 compared, position by position, with the signature read from ``csrc/cuda``: a
 pointer or ``uint64_t`` is a ``numpy.uint64``, ``int64_t`` a ``numpy.int64``,
 ``int``/``int32_t`` a ``numpy.int32``, ``bool`` a ``numpy.bool_``, ``float`` a
-``numpy.float32``.
+``numpy.float32``, ``double`` a ``numpy.float64``.
 """
 
 import os
@@ -26,7 +26,7 @@ from dynamicemb.table.scored_hash_table import ScoredHashTable
 from dynamicemb_testing.cuda_emulation import emulated_cuda
 
 _SCALARS = {"int64_t": np.int64, "uint64_t": np.uint64, "int": np.int32, "int32_t": np.int32,
-            "bool": np.bool_, "float": np.float32}
+            "bool": np.bool_, "float": np.float32, "double": np.float64}
 
 
 def _sources() -> Dict[str, str]:

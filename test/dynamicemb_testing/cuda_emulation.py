@@ -15,6 +15,7 @@ Tensors reach the kernels as raw pointers; the emulation maps them back through
 """
 
 import contextlib
+import math
 from collections import Counter
 from typing import Dict, List, Optional
 
@@ -93,7 +94,7 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         empty = torch.empty(0, width, dtype=torch.float32)
         device, host = self._t(args[0]), self._t(args[1])
         transient, row_ref = self._t(args[3]), self._ids(args[5])
-        if int(args[8]):  # computed rows: a transient row per unique row
+        if int(args[8]) and row_ref.numel():  # computed rows: a transient row per unique row
             keys, tids = self._t(args[6]), self._t(args[7])
             transient = torch.zeros(row_ref.numel(), dim)
             self._init(transient, torch.arange(row_ref.numel()), keys, tids, dim,
@@ -148,6 +149,9 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         t = _TABLE_ARGS
         keys, tids, given = self._t(a[t]), self._t(a[t + 1]), self._t(a[t + 2])
         rule, now = int(a[t + 3]), int(np.int64(a[t + 4]))
+        now_at = self._t(a[t + 19])
+        if now_at is not None:  # the time in device memory
+            now = int(now_at[0])
         evicts, can_grow, one_table = bool(a[t + 5]), bool(a[t + 6]), bool(a[t + 7])
         # The runs are bucket-sorted positions; the CPU walks them in the given order,
         # so every bucket sees its keys in input order as the warps do.
@@ -209,6 +213,11 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         keys, tids, first, number = (self._t(a[i]) for i in range(4))
         ukeys, utids, inverse, occurrences = (self._t(a[i]) for i in range(5, 9))
         buckets, padded, refused = self._t(a[10]), bool(a[11]), self._refused(self._t(a[12]))
+        time = self._t(a[13])
+        if time is not None and not refused:  # the table's clock and step
+            time += 1
+        if int(a[4]) == 0:  # an empty batch: the launch only ticks
+            return
         if padded:  # past the unique count: key 0, table 0, no bucket
             u = 0 if refused else int(number[-1])
             ukeys[u:] = 0
@@ -278,7 +287,11 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         # The backward's gradients are summed and applied by the CPU's fused backward
         # when demb_fused_update runs, from the arguments given here (a refused
         # batch places nothing, and its rows have no entry).
-        self._placed = None if self._refused(self._t(a[13])) else a
+        refused = self._refused(self._t(a[13]))
+        step = self._t(a[14])
+        if step is not None and not refused:  # the optimizer's step count
+            step += 1
+        self._placed = None if refused else a
 
     def run_piece_counts(self, a):
         starts, num_unique, piece = self._t(a[0]), int(a[1]), int(a[2])
@@ -302,6 +315,15 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         starts = self._t(a[6])
         # rows with no entry are padding (the kernel skips them), all after the real ones
         num_unique = int((starts[1:int(a[5]) + 1] > starts[:int(a[5])]).sum())
+        lr, step_size, bias2, decay = float(a[13]), float(a[20]), float(a[21]), float(a[22])
+        if int(a[23]):  # schedule_step of optimizer_primitives.h, from device memory
+            lr, t = float(self._t(a[23])[0]), int(self._t(a[24])[0])
+            beta1, beta2, decoupled = float(a[25]), float(a[26]), float(a[27])
+            step_size, bias2 = lr, 1.0
+            if int(a[12]) == 1:  # Adam
+                step_size = lr / (1.0 - beta1 ** t)
+                bias2 = math.sqrt(1.0 - beta2 ** t)
+            decay = 1.0 - lr * decoupled
         self._cpu.fused_backward(
             [device_rows if device_rows is not None else empty,
              host_rows if host_rows is not None else empty],
@@ -310,8 +332,8 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
             self._t(p[4]), self._t(p[5]), int(p[6]), dim, bool(p[8]), self._t(a[9]),
             # beta as 1 - the kernel's (1 - beta): the float32 1 - beta the kernel
             # multiplies by is what a float32 beta would lose 1e-5 of
-            int(a[12]), float(a[13]), float(a[14]), 1.0 - float(a[18]), 1.0 - float(a[19]),
-            float(a[17]), float(a[20]), float(a[21]), float(a[22]))
+            int(a[12]), lr, float(a[14]), 1.0 - float(a[18]), 1.0 - float(a[19]),
+            float(a[17]), step_size, bias2, decay)
 
     def run_per_sample_weight_grad(self, a):
         r = _ROW_ARGS

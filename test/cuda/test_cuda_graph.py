@@ -1,0 +1,151 @@
+"""A training step captured once and replayed, as ``torch.cuda.graph`` does, trains
+exactly as eager steps do: everything that changes from step to step (ids, clocks,
+step counts, counts, the learning rate) lives in device memory. Run on the CPU with
+the CUDA backend's kernels emulated and a stand-in for the graph
+(``dynamicemb_testing/graph_emulation.py``), against the CPU backend training the
+same batches eagerly; ``make gpu-check`` captures a real graph."""
+
+import pytest
+import torch
+
+from dynamicemb import DynamicEmbOptimType, DynamicEmbPoolingMode, DynamicEmbScoreStrategy
+from dynamicemb_testing.cuda_emulation import emulated_cuda
+from dynamicemb_testing.graph_emulation import EmulatedGraph
+from dynamicemb_testing.module_reference import (OPTIMIZER_ARGS, TableSpec, export_dict,
+                                                 make_tables)
+
+N, BAG = 512, 4
+OFFSETS = torch.arange(0, N + 1, BAG)
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _module(optimizer, pooling, strategy, capacity=1 << 12, **options):
+    spec = TableSpec(dim=8, max_capacity=capacity, bucket_capacity=32,
+                     options=dict(score_strategy=strategy, **options))
+    return make_tables([spec], pooling=pooling, optimizer=OPTIMIZER_ARGS[optimizer])[0]
+
+
+def _ids(seed, pool=1500):
+    return torch.randint(0, pool, (N,), generator=torch.Generator().manual_seed(seed))
+
+
+def _loss(out):
+    return (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+
+
+def _step(module, ids, offsets=OFFSETS):
+    out = module(ids, offsets)
+    _loss(out).backward()
+    return out.detach().clone()
+
+
+def _captured(module, kernels, ids):
+    """A graph of one training step over static ids and offsets (after a warm-up)."""
+    static_ids, static_offsets = ids.clone(), OFFSETS.clone()
+    graph = EmulatedGraph(kernels)
+    with graph.capture():
+        out = module(static_ids, static_offsets)
+        _loss(out).backward()
+    return graph, static_ids, static_offsets, out
+
+
+def _state(module):
+    name = module.table_names[0]
+    return (module.table_clocks(name), module.train_steps, module.table_size(name),
+            module.cache_metrics(), module._groups[0].table.stats)
+
+
+def _assert_same_tables(got, want):
+    a, b = export_dict(got, "t0"), export_dict(want, "t0")
+    assert a.keys() == b.keys()
+    for key, (row, state, score) in b.items():
+        torch.testing.assert_close(a[key][0], row, **TOL)
+        torch.testing.assert_close(a[key][1], state, **TOL)
+        assert a[key][2] == score, key
+
+
+STRATEGIES = [DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.STEP,
+              DynamicEmbScoreStrategy.LFU]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+@pytest.mark.parametrize("pooling", [DynamicEmbPoolingMode.SUM, DynamicEmbPoolingMode.NONE],
+                         ids=["sum", "none"])
+@pytest.mark.parametrize("optimizer", [DynamicEmbOptimType.EXACT_SGD, DynamicEmbOptimType.ADAM],
+                         ids=["sgd", "adam"])
+def test_a_captured_step_replays_as_eager_steps(optimizer, pooling, strategy):
+    """New ids, hits, evictions (a table smaller than the ids), LRU/STEP/LFU scores, Adam's
+    step count and a learning rate changed between replays: the replays' outputs,
+    rows, states, scores, clocks, sizes and metrics equal eager training's."""
+    eager = _module(optimizer, pooling, strategy, capacity=1 << 10)  # the CPU backend's
+    with emulated_cuda() as kernels:
+        graphed = _module(optimizer, pooling, strategy, capacity=1 << 10)
+        for m in (graphed, eager):  # warm-up, as before any capture
+            _step(m, _ids(0))
+        graph, static_ids, _, out = _captured(graphed, kernels, _ids(1))
+        torch.testing.assert_close(out.detach(), _step(eager, _ids(1)), **TOL)
+        for seed in range(2, 7):
+            if seed == 4:
+                for m in (graphed, eager):
+                    m.set_learning_rate(0.03)
+            static_ids.copy_(_ids(seed))
+            graph.replay()
+            torch.testing.assert_close(out.detach(), _step(eager, _ids(seed)), **TOL)
+        assert _state(graphed) == _state(eager)
+        _assert_same_tables(graphed, eager)
+        # and eager steps after the replays go on from where they left
+        torch.testing.assert_close(_step(graphed, _ids(9)), _step(eager, _ids(9)), **TOL)
+        _assert_same_tables(graphed, eager)
+
+
+def test_a_refused_batch_in_a_replay_changes_nothing_until_checked():
+    """Bad offsets copied into the static offsets: the replay pools zeros and changes
+    nothing, so does every replay after it (the word stays set), and
+    ``check_errors`` raises; then replays train again."""
+    optimizer, pooling = DynamicEmbOptimType.ADAM, DynamicEmbPoolingMode.SUM
+    strategy = DynamicEmbScoreStrategy.LRU
+    eager = _module(optimizer, pooling, strategy)
+    with emulated_cuda() as kernels:
+        graphed = _module(optimizer, pooling, strategy)
+        for m in (graphed, eager):
+            _step(m, _ids(0))
+        graph, static_ids, static_offsets, out = _captured(graphed, kernels, _ids(1))
+        _step(eager, _ids(1))
+        bad = OFFSETS.clone()
+        bad[5] = bad[3]  # decreasing
+        static_offsets.copy_(bad)
+        graph.replay()
+        assert not out.any()
+        static_offsets.copy_(OFFSETS)
+        static_ids.copy_(_ids(2))
+        graph.replay()  # a good batch, but the word is still set
+        assert not out.any()
+        assert _state(graphed) == _state(eager)
+        with pytest.raises(ValueError, match="refused on the device.*decreased"):
+            graphed.check_errors()
+        graphed.check_errors()  # raised once
+        graph.replay()
+        torch.testing.assert_close(out.detach(), _step(eager, _ids(2)), **TOL)
+        _assert_same_tables(graphed, eager)
+
+
+def test_the_emulated_graph_sees_a_step_that_needs_the_host():
+    """The stand-in is not blind: a table that may still grow takes the step that reads
+    its counts on the host (its clock is a kernel argument): replaying that step
+    scores every replay with the capture's clock, unlike eager training."""
+    optimizer, pooling = DynamicEmbOptimType.EXACT_SGD, DynamicEmbPoolingMode.SUM
+    strategy = DynamicEmbScoreStrategy.LRU
+    with emulated_cuda() as kernels:
+        graphed, eager = (_module(optimizer, pooling, strategy, capacity=1 << 14,
+                                  init_capacity=1 << 13) for _ in range(2))
+        for m in (graphed, eager):
+            _step(m, _ids(0))
+        graph, static_ids, _, _ = _captured(graphed, kernels, _ids(1))
+        _step(eager, _ids(1))
+        for seed in (2, 3):
+            static_ids.copy_(_ids(seed))
+            graph.replay()
+            _step(eager, _ids(seed))
+        scores = {k: v[2] for k, v in export_dict(graphed, "t0").items()}
+        want = {k: v[2] for k, v in export_dict(eager, "t0").items()}
+    assert scores != want
