@@ -14,6 +14,10 @@ memory) and ``in-place`` (rows beyond the budget read and updated in host memory
 promotion), each timed beside the same static table (one dynamic layout built at a
 time), with the cache's hit rate.
 
+``--graphed`` adds the all-HBM table with its training step (forward, backward and
+fused optimizer) captured once in a CUDA graph and replayed with each batch copied
+into the graph's static ids (its ``train`` only: the graph is the whole step).
+
 Per iteration, each module in turn (so noise falls on both alike): ``forward``
 (training forward), ``backward`` (backward with the optimizer step), ``train``
 (both), ``eval`` (no-grad forward in eval mode), each wall-clock between device
@@ -94,6 +98,35 @@ class Dynamic(torch.nn.Module):
         out.backward(grad)
 
 
+class Graphed(torch.nn.Module):
+    """A ``Dynamic`` whose training step is one CUDA graph (PyTorch's recipe: warm up
+    on a side stream, capture, then copy each batch into the static inputs and
+    replay)."""
+
+    def __init__(self, dynamic: Dynamic, ids: torch.Tensor, offsets: torch.Tensor,
+                 grad: torch.Tensor) -> None:
+        super().__init__()
+        self.dynamic = dynamic
+        self.ids, self.offsets, self.grad = ids.clone(), offsets.clone(), grad
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                dynamic(self.ids, self.offsets).backward(grad)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            dynamic(self.ids, self.offsets).backward(grad)
+
+    def replay_step(self, ids, offsets) -> None:
+        self.ids.copy_(ids)
+        self.offsets.copy_(offsets)
+        self.graph.replay()
+
+    def forward(self, ids, offsets):
+        return self.dynamic(ids, offsets)
+
+
 def timed(fn: Callable[[], object], device) -> float:
     torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -109,6 +142,11 @@ def time_pair(modules: Dict[str, torch.nn.Module], batches, grad, iterations: in
         ids, offsets = batches[it % len(batches)]
         for name, m in modules.items():
             m.train()
+            if hasattr(m, "replay_step"):  # the whole step is one graph
+                train = timed(lambda: m.replay_step(ids, offsets), device)
+                if it >= warmup:
+                    times[name]["train"].append(train)
+                continue
             holder = {}
             fwd = timed(lambda: holder.setdefault("out", m(ids, offsets)), device)
             bwd = timed(lambda: m.step(holder["out"], grad), device)
@@ -125,6 +163,8 @@ def time_pair(modules: Dict[str, torch.nn.Module], batches, grad, iterations: in
 def layouts(args) -> List[tuple]:
     """(name, device bytes or None, caching) of each dynamic layout to time."""
     out = [] if args.skip_all_hbm else [("all-hbm", None, False)]
+    if args.graphed:
+        out.append(("all-hbm, CUDA graph", None, False))
     for gib in args.hbm_gib:
         out += [(f"cache {gib:g} GiB", int(gib * 2**30), True),
                 (f"in-place {gib:g} GiB", int(gib * 2**30), False)]
@@ -142,6 +182,8 @@ def run_config(args, batch: int, num_embeddings: int, optimizer: str, device) ->
     for layout, hbm_bytes, caching in layouts(args):
         dynamic = Dynamic(num_embeddings, args.embedding_dim, optimizer, device, hbm_bytes,
                           caching)
+        if "graph" in layout:
+            dynamic = Graphed(dynamic, *batches[0], grad)
         modules = {"static": static, "dynamicemb": dynamic}
         times = time_pair(modules, batches, grad, args.num_iterations, args.warmup, device)
         row = {"batch_size": batch, "num_embeddings": num_embeddings, "optimizer": optimizer,
@@ -149,10 +191,11 @@ def run_config(args, batch: int, num_embeddings: int, optimizer: str, device) ->
                "iterations": args.num_iterations, "layout": layout}
         for name in modules:
             for phase, ts in times[name].items():
-                row[f"{phase}({name})"] = round(statistics.median(ts), 4)
+                row[f"{phase}({name})"] = round(statistics.median(ts), 4) if ts else None
         pairs = [d / s for d, s in zip(times["dynamicemb"]["train"], times["static"]["train"])]
         row["train ratio (paired)"] = round(statistics.median(pairs), 3)
-        metrics = dynamic.tables.cache_metrics()["t0"]
+        tables = dynamic.dynamic.tables if isinstance(dynamic, Graphed) else dynamic.tables
+        metrics = tables.cache_metrics()["t0"]
         row["cache hit rate"] = round(metrics.hit_rate, 4) if caching else None
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -181,6 +224,8 @@ def main() -> None:
                         help="device GiB for value rows: adds a cache and an in-place row each")
     parser.add_argument("--skip_all_hbm", action="store_true",
                         help="time only the --hbm_gib layouts")
+    parser.add_argument("--graphed", action="store_true",
+                        help="add the all-HBM table with its step replayed from a CUDA graph")
     parser.add_argument("--out", default="benchmark/out/gpu_tables")
     args = parser.parse_args()
     device = torch.device("cuda")

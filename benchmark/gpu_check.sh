@@ -47,10 +47,10 @@ stage hash $PY benchmark/benchmark_hash_table.py --device cuda --capacity 104857
 stage hash $PY benchmark/benchmark_hash_table.py --device cuda --capacity 67108864 \
   --batch 1048576 --dims 8 --reps 20 --out "$OUT/hash_table_64M"
 stage tables $PY benchmark/benchmark_gpu_tables.py --batch_sizes 65536 1048576 \
-  --num_embeddings 8388608 --optimizers sgd adam --out "$OUT/gpu_tables_8M"
+  --num_embeddings 8388608 --optimizers sgd adam --graphed --out "$OUT/gpu_tables_8M"
 # 64M rows: SGD only (Adam's states for both tables would not fit in 80 GB at once)
 stage tables $PY benchmark/benchmark_gpu_tables.py --batch_sizes 65536 1048576 \
-  --num_embeddings 67108864 --optimizers sgd --out "$OUT/gpu_tables_64M"
+  --num_embeddings 67108864 --optimizers sgd --graphed --out "$OUT/gpu_tables_64M"
 # the seed's caching rows (its budgets: 4 GiB of HBM for SGD's rows, 12 GiB for Adam's,
 # i.e. every row of an 8M table and 1/8 of a 64M one): an HBM cache over the host store
 # (rows in pinned host memory) and rows read in place, beside the static table. 64M x
@@ -61,8 +61,9 @@ stage caching $PY benchmark/benchmark_gpu_tables.py --batch_sizes 65536 1048576 
 stage caching $PY benchmark/benchmark_gpu_tables.py --batch_sizes 65536 1048576 \
   --num_embeddings 8388608 --optimizers adam --hbm_gib 12 --skip_all_hbm \
   --out "$OUT/gpu_caching_adam"
-# the step's syncs as PyTorch's sync debug mode sees them (the CPU guard says 3), and
-# training at the widest dims against the CPU
+# the step's syncs as PyTorch's sync debug mode sees them (the CPU guard says none), a
+# step under the "error" mode, a captured CUDA graph's replays against eager training,
+# and training at the widest dims against the CPU
 stage steps $PY benchmark/gpu_step_check.py --lookups 65536
 stage profile $PY benchmark/profile_gpu_step.py --batch 65536 --num_embeddings 8388608
 ! grep -v "rc=0" "$OUT/summary.txt"

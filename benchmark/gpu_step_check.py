@@ -1,11 +1,15 @@
 """On a GPU: the host syncs of a steady training step, seen by PyTorch's own sync
-debug mode, beside what the CPU guard counts (``test/cuda/test_step_syncs.py``), and a
+debug mode, beside what the CPU guard counts (``test/cuda/test_step_syncs.py``: none),
+a training step captured in a CUDA graph and replayed against eager training, and a
 training step at the widest dims against the CPU backend.
 
 Prints one JSON object: ``syncs`` (count and sites in dynamicemb of every
 synchronizing call ``torch.cuda.set_sync_debug_mode("warn")`` reported) for a step
-with ids present and a step with new ids, and ``wide_dims`` (the largest difference
-from the CPU module's output and rows, per dim). Run by ``benchmark/gpu_check.sh``.
+with ids present and a step with new ids, ``error_mode`` (whether a step ran under
+``set_sync_debug_mode("error")``), ``graph`` (the largest difference between replays
+of a captured step and eager steps of a twin: outputs, rows, optimizer states,
+scores; and the clocks of both), and ``wide_dims`` (the largest difference from the
+CPU module's output and rows, per dim). Run by ``benchmark/gpu_check.sh``.
 
 Example::
 
@@ -67,6 +71,57 @@ def syncs_of_step(module, ids, offsets) -> dict:
     return {"count": len(sites), "sites": dict(Counter(sites))}
 
 
+def under_error_mode(module, ids, offsets) -> str:
+    """'ok' if a step runs with every implicit sync an error, else the error."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(module, ids, offsets)
+        return "ok"
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {e}"[:500]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def graph_against_eager(lookups: int, num_ids: int, replays: int = 8) -> dict:
+    """A step captured with torch.cuda.graph (after a warm-up on a side stream, as
+    PyTorch's recipe says), replayed with new ids, against a twin trained eagerly."""
+    graphed, eager = module_on("cuda", capacity=4 * num_ids), module_on("cuda", capacity=4 * num_ids)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, num_ids, (lookups,), device="cuda", generator=gen)
+               for _ in range(replays + 4)]
+    offsets = torch.arange(0, lookups + 1, 4, device="cuda")
+    static_ids = batches[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for ids in batches[:3]:
+            static_ids.copy_(ids)
+            step(graphed, static_ids, offsets)
+    torch.cuda.current_stream().wait_stream(side)
+    for ids in batches[:3]:
+        step(eager, ids, offsets)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # records, runs nothing
+        out = graphed(static_ids, offsets)
+        out.sum().backward()
+    worst = 0.0
+    for ids in batches[3:]:
+        static_ids.copy_(ids)
+        graph.replay()
+        worst = max(worst, float((out.detach() - step(eager, ids, offsets)).abs().max()))
+    graphed.check_errors()
+    a, b = graphed.export_keys_values("t0"), eager.export_keys_values("t0")
+    oa, ob = torch.argsort(a.keys), torch.argsort(b.keys)
+    return {"replays": len(batches) - 3, "output": worst,
+            "same_keys": bool(torch.equal(a.keys[oa], b.keys[ob])),
+            "rows": float((a.embeddings[oa] - b.embeddings[ob]).abs().max()),
+            "states": float((a.optimizer_states[oa] - b.optimizer_states[ob]).abs().max()),
+            "same_scores": bool(torch.equal(a.scores[oa], b.scores[ob])),
+            "clocks": [list(graphed.table_clocks("t0")), list(eager.table_clocks("t0"))]}
+
+
 def wide_dims(dims) -> dict:
     """Largest |CUDA - CPU| of the output and of the updated rows, per dim."""
     result = {}
@@ -106,6 +161,8 @@ def main():
         "syncs": {"ids_present": syncs_of_step(module, warm, offsets),
                   "ids_present_again": syncs_of_step(module, warm, offsets),
                   "new_ids": syncs_of_step(module, new, offsets)},
+        "error_mode": under_error_mode(module, warm, offsets),
+        "graph": graph_against_eager(args.lookups, args.num_ids),
         "wide_dims": wide_dims([1536, 1537, 4096, MAX_DIM]),
     }, indent=1))
 

@@ -14,7 +14,7 @@ from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTablesV2
 from dynamicemb.checkpoint import (CheckpointError, DynamicEmbDump, DynamicEmbLoad,
                                    incremental_dump)
 from dynamicemb.embedding import (BatchedDynamicEmbeddingTables, ExportedCounters, ExportedRows,
-                                  TableClocks)
+                                  TableClocks, pad_lookups)
 from dynamicemb.embedding.admission import Counter
 from dynamicemb.inference import InferenceEmbeddingTables, to_inference
 from dynamicemb.lifetime import expire
@@ -83,6 +83,7 @@ __all__ = [
     "get_sharded_table_capacity",
     "get_table_value_bytes",
     "incremental_dump",
+    "pad_lookups",
     "to_inference",
 ]
 

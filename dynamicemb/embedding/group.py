@@ -193,7 +193,7 @@ class TableGroup:
     @property
     def adam_step(self) -> int:
         """Backward passes Adam applied (its bias correction; 0 for other optimizers)."""
-        return self._optimizer_step.values()[0]
+        return self._optimizer_step.value(0)
 
     @adam_step.setter
     def adam_step(self, value: int) -> None:
@@ -362,7 +362,7 @@ class TableGroup:
 
     # ------------------------------------------------------------ kernels
     def _sources(self, lookup: Lookup):
-        return self.storage.sources(lookup.transient)._replace(init=lookup.init)
+        return self.storage.sources(lookup.transient, lookup.init)
 
     def forward(self, lookup: Lookup, offsets: Optional[torch.Tensor],
                 weights: Optional[torch.Tensor], feature_col: torch.Tensor, batch: int,

@@ -235,7 +235,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             raise ValueError(f"pooling NONE needs one dim for all tables, got {sorted(set(self.dims))}")
         self.device = resolve_device(device if device is not None else "cpu")
         self._build_groups(module_optimizer)
-        self._host_train_steps = 0
+        self._train_steps = 0
         # counted steps advance the group table's step in device memory: then that
         # step is the module's (a STEP score is train_steps + 1 in both ways)
         self._steps_on_table = False
@@ -477,18 +477,13 @@ class BatchedDynamicEmbeddingTables(nn.Module):
     def train_steps(self) -> int:
         """Training forwards so far: the STEP strategy scores a batch's keys with
         ``train_steps + 1``."""
-        return self._train_steps
+        return self._groups[0].table.step if self._steps_on_table else self._train_steps
 
-    @property
-    def _train_steps(self) -> int:
-        if self._steps_on_table:  # read from the device (a sync) after counted steps
-            return self._groups[0].table.step
-        return self._host_train_steps
-
-    @_train_steps.setter
-    def _train_steps(self, value: int) -> None:
-        self._host_train_steps = int(value)
-        self._steps_on_table = False
+    def _steps_to_host(self) -> None:
+        """After counted steps, the host's train steps again (read from the device)."""
+        if self._steps_on_table:
+            self._train_steps = self._groups[0].table.step
+            self._steps_on_table = False
 
     def check_errors(self) -> None:
         """Raises the ``ValueError`` of a batch whose offsets a kernel refused (on a
@@ -504,6 +499,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         if int(steps) < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         self._changed()
+        self._steps_on_table = False
         self._train_steps = int(steps)
 
     def next_score(self, table_name: str) -> int:
@@ -511,7 +507,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         rows scoring at least this were touched after this call."""
         group, _ = self._location(table_name)
         if group.score_strategy == DynamicEmbScoreStrategy.STEP:
-            return self._train_steps + 1
+            return self.train_steps + 1
         if group.score_strategy in (DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.LRU_LFU):
             return group.table.clock + 1  # LRU_LFU: min_score reads the time part
         raise ValueError(
@@ -737,7 +733,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         device memory and a refused batch advances none: nothing to put back. The
         module's train steps follow the group table's step from here."""
         if not self._steps_on_table:
-            self._groups[0].table.set_step(self._host_train_steps)
+            self._groups[0].table.set_step(self._train_steps)
             self._steps_on_table = True
         return CheckedBatch()
 
@@ -799,7 +795,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         mode), the groups before it are rolled back and no table changes. ``error``:
         the batch's check word, for a step counted on the device (one group)."""
         if insert and error is None:  # STEP scores: the training step this forward is
-            for g in self._groups:  # (a counted step advances it on the device)
+            self._steps_to_host()  # (a counted step advances it on the device)
+            for g in self._groups:
                 g.table.set_step(self._train_steps + 1)
         pending = []
         parts = self._split_by_group(indices, offsets, batch_size)

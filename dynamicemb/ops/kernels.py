@@ -29,6 +29,8 @@ __all__ = ["DeferredCount", "GROW_CHUNK_BYTES", "KernelBackend"]
 #: The most value bytes growth gathers at once (its temporary beyond the two tables).
 GROW_CHUNK_BYTES = 64 << 20
 
+_NO_ARGUMENTS: dict = {}  # never written
+
 
 class DeferredCount(NamedTuple):
     """What an inserting pass returns when only the device knows how many keys it
@@ -251,11 +253,15 @@ class KernelBackend(Backend):
         self.kernels.init_rows(out, rows, keys, stream, dim, init_mode_code(mode), mean,
                                std_dev, lower, upper, value, seed)
 
-    def _counted(self, **arguments) -> dict:
+    def _counted(self, init=None, error=None, schedule=None) -> dict:
         """The keyword arguments of a step counted on the device (computed init rows,
-        the error word) that are given; a backend that reads its counts takes none."""
-        given = {name: value for name, value in arguments.items() if value is not None}
-        if given and not self.counts_on_device:
+        the error word, the device schedule) that are given; a backend that reads
+        its counts takes none."""
+        if init is None and error is None and schedule is None:
+            return _NO_ARGUMENTS  # the common case, first: this runs on every launch
+        given = {name: value for name, value in (("init", init), ("error", error),
+                                                 ("schedule", schedule)) if value is not None}
+        if not self.counts_on_device:
             raise ValueError(f"{type(self).__name__} checks batches and makes transient "
                              f"rows on the host: no {' or '.join(given)}")
         return given

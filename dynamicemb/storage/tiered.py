@@ -203,13 +203,14 @@ class TieredStorage:
         return f"device {kind} of {cap} rows ({cap * row_bytes} B) over a {host}"
 
     # ---------------------------------------------------------------- access
-    def sources(self, transient: torch.Tensor) -> RowSources:
-        """The row arrays the kernels read references from, with a batch's transient rows."""
+    def sources(self, transient: torch.Tensor, init=None) -> RowSources:
+        """The row arrays the kernels read references from, with a batch's transient
+        rows (or ``InitRows``: rows computed from the initializers instead)."""
         if self.device_tier is not None:
-            return RowSources(self.device_tier.values, self.host.values, transient)
+            return RowSources(self.device_tier.values, self.host.values, transient, init)
         if self.host_only:
-            return RowSources(self._empty, self.host.values, transient)
-        return RowSources(self.host.values, self._empty, transient)
+            return RowSources(self._empty, self.host.values, transient, init)
+        return RowSources(self.host.values, self._empty, transient, init)
 
     @property
     def generation(self) -> Tuple[int, int, int]:

@@ -45,9 +45,9 @@ class DeviceCounters:
     """int64 counters that the host sets and kernels advance (a clock, a step count).
 
     The host's values hold until a kernel is handed the device copy (``on_device``,
-    which first writes the host's values there if the host set them since: one
-    ``fill_`` each, no sync); from then on the device's hold, and ``values`` reads
-    them (a sync) until the host sets them again.
+    which first writes the host's values there: one ``fill_`` each, no sync); from
+    then on the device's hold, and ``values`` reads them (a sync) until the host sets
+    them again.
 
     Args:
         values: the first values.
@@ -58,21 +58,28 @@ class DeviceCounters:
         self._values = [int(v) for v in values]
         self._device = device
         self._tensor = None
-        self._on_device = False  # kernels may have advanced the device copy
-        self._written = False  # the device copy holds the host's values
+        # _HOST: the host's values hold (the device copy is written when handed out);
+        # _DEVICE: kernels hold them (and may have advanced them since any read)
+        self._state = _HOST
 
     def values(self) -> List[int]:
         """The counters, read from the device when kernels hold them."""
-        if self._on_device:
+        if self._state == _DEVICE:
             self._values = self._tensor.tolist()
         return list(self._values)
 
+    def value(self, index: int) -> int:
+        """One counter (``values()[index]``, without the copy)."""
+        if self._state == _DEVICE:
+            self._values = self._tensor.tolist()
+        return self._values[index]
+
     def set(self, index: int, value: int) -> None:
         """Sets one counter on the host (the device copy is written when next needed)."""
-        values = self.values()
-        values[index] = int(value)
-        self._values = values
-        self._on_device = self._written = False
+        if self._state == _DEVICE:
+            self._values = self._tensor.tolist()
+        self._values[index] = value
+        self._state = _HOST
 
     def on_device(self) -> torch.Tensor:
         """The device copy, for kernels that read and advance it.
@@ -84,7 +91,7 @@ class DeviceCounters:
         """
         if self._tensor is None:
             self._tensor = torch.zeros(len(self._values), dtype=torch.int64, device=self._device)
-        if not self._on_device and not self._written:
+        if self._state == _HOST:
             if capturing():
                 raise RuntimeError(
                     "a clock or step count was set on the host since the last step: run one "
@@ -92,6 +99,8 @@ class DeviceCounters:
                     "the write)")
             for i, v in enumerate(self._values):
                 self._tensor[i].fill_(v)  # a kernel argument: no host-to-device copy
-            self._written = True
-        self._on_device = True
+        self._state = _DEVICE
         return self._tensor
+
+
+_HOST, _DEVICE = 0, 1

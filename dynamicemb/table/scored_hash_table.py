@@ -173,7 +173,7 @@ class ScoredHashTable:
 
     @property
     def _clock(self) -> int:
-        return self._time.values()[0]
+        return self._time.value(0)
 
     @_clock.setter
     def _clock(self, value: int) -> None:
@@ -181,7 +181,7 @@ class ScoredHashTable:
 
     @property
     def _step(self) -> int:
-        return self._time.values()[1]
+        return self._time.value(1)
 
     @_step.setter
     def _step(self, value: int) -> None:
@@ -717,10 +717,11 @@ class ScoredHashTable:
 
     def _tick(self) -> Tuple[int, int]:
         """Advances the clock for an inserting call: (clock before, the call's score)."""
-        clock_before = self._clock
-        self._clock += 1
-        now = self._step if self.score_strategy == DynamicEmbScoreStrategy.STEP else self._clock
-        return clock_before, now
+        clock_before = self._time.value(0)
+        self._time.set(0, clock_before + 1)
+        if self.score_strategy == DynamicEmbScoreStrategy.STEP:
+            return clock_before, self._time.value(1)
+        return clock_before, clock_before + 1
 
     def _pending_insert(self, upserted, clock_before, rows, read_evicted, assign, now: int,
                         given: Optional[torch.Tensor] = None) -> "PendingInsert":
@@ -744,9 +745,10 @@ class ScoredHashTable:
                                 num_failed=None, status=upserted.status)
         num_evicted = upserted.evicted
         num_inserted = upserted.inserted + num_evicted
-        self._size += num_inserted - num_evicted
-        self.stats.inserts += num_inserted
-        self.stats.evictions += num_evicted
+        self._settle_device_counts()  # then the host's size and stats are current
+        self._host_size += num_inserted - num_evicted
+        self._stats.inserts += num_inserted
+        self._stats.evictions += num_evicted
         self._generation += num_evicted > 0
 
         evicted = None

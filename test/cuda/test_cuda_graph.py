@@ -149,3 +149,62 @@ def test_the_emulated_graph_sees_a_step_that_needs_the_host():
         scores = {k: v[2] for k, v in export_dict(graphed, "t0").items()}
         want = {k: v[2] for k, v in export_dict(eager, "t0").items()}
     assert scores != want
+
+
+def test_batches_of_any_size_padded_to_the_captured_count_train_as_unpadded():
+    """The recipe for batches of varying size: ``pad_lookups`` to the captured lookup
+    count (weight 0, an id no batch uses). The replays' outputs and every row but the
+    padding id's equal eager training on the unpadded batches (CPU backend)."""
+    from dynamicemb import pad_lookups  # noqa: PLC0415
+
+    optimizer, pooling = DynamicEmbOptimType.ADAM, DynamicEmbPoolingMode.SUM
+    strategy = DynamicEmbScoreStrategy.LRU
+    gen = torch.Generator().manual_seed(5)
+
+    def batch(bags=64):
+        lengths = torch.randint(0, 7, (bags,), generator=gen)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        ids = torch.randint(0, 1500, (int(offsets[-1]),), generator=gen)
+        return ids, offsets, torch.rand(ids.numel(), generator=gen)
+
+    def weighted_step(module, ids, offsets, weights):
+        out = module(ids, offsets, weights)
+        _loss(out).backward()
+        return out.detach().clone()
+
+    size, pad = 64 * 6, -7
+    eager = _module(optimizer, pooling, strategy)
+    with emulated_cuda() as kernels:
+        graphed = _module(optimizer, pooling, strategy)
+        static = [t.clone() for t in pad_lookups(*batch(), size, pad)]
+        for b in (batch(), batch()):  # warm-up
+            weighted_step(eager, *b)
+            weighted_step(graphed, *pad_lookups(*b, size, pad))
+        graph = EmulatedGraph(kernels)
+        first = batch()
+        for s, t in zip(static, pad_lookups(*first, size, pad)):
+            s.copy_(t)
+        with graph.capture():
+            out = graphed(*static)
+            _loss(out).backward()
+        torch.testing.assert_close(out.detach(), weighted_step(eager, *first), **TOL)
+        for _ in range(4):
+            b = batch()
+            for s, t in zip(static, pad_lookups(*b, size, pad)):
+                s.copy_(t)
+            graph.replay()
+            torch.testing.assert_close(out.detach(), weighted_step(eager, *b), **TOL)
+        got = export_dict(graphed, "t0")
+        assert got.pop(pad)[0].eq(0.25).all()  # the padding row: stored, never moved
+        want = export_dict(eager, "t0")
+    assert got.keys() == want.keys()
+    for key, (row, state, _) in want.items():
+        torch.testing.assert_close(got[key][0], row, **TOL)
+        torch.testing.assert_close(got[key][1], state, **TOL)
+
+
+def test_pad_lookups_refuses_a_batch_too_large():
+    from dynamicemb import pad_lookups  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="more than num_lookups=3"):
+        pad_lookups(torch.arange(4), torch.tensor([0, 4]), None, 3, -1)

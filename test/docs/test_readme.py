@@ -1,4 +1,6 @@
-"""Every Python block of the README runs.
+"""Every Python block of the README runs (```` ```python ````; the GPU-only recipe is a
+```` ```py ```` block, run by ``test/cuda/test_cuda_graph.py``'s stand-in and by
+``make gpu-check``).
 
 Blocks run in order in one namespace, in a subprocess with a one-rank gloo group.
 A block that continues a setting the README describes in prose (a model, its
