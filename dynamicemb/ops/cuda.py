@@ -393,8 +393,7 @@ class CudaKernels:
                      outcomes):
         """``dedup`` (grouped) then a first clock-rule pass over the unique keys."""
         table = _table_args(meta, bc)
-        unique, buckets, _ = self._dedup(keys, tids, frequencies, True,
-                                         num_buckets=int(table[5]))
+        unique, buckets = self._dedup(keys, tids, frequencies, True, num_buckets=int(table[5]))
         ukeys, utids, inverse, counts, starts, rank = unique
         deferred = self.upsert(meta, bc, ukeys, utids, None, 0, now, evicts, can_grow,
                                one_table, None, slots, status, prev_scores, ev_keys,
@@ -421,9 +420,8 @@ class CudaKernels:
         if time.numel() != 2 or now_index not in (0, 1):
             raise ValueError("time holds a clock and a step; now_index picks one")
         n = keys.numel()
-        unique, buckets, _ = self._dedup(keys, tids, frequencies, True,
-                                         num_buckets=int(table[5]), padded=True,
-                                         error=error, time=time)
+        unique, buckets = self._dedup(keys, tids, frequencies, True, num_buckets=int(table[5]),
+                                      padded=True, error=error, time=time)
         ukeys, utids, inverse, counts, starts, rank = unique
         outs = [torch.empty(n, dtype=dtype, device=keys.device) for dtype in (
             torch.int64, torch.int8, torch.int64, torch.int64, torch.int16, torch.int64)]
@@ -518,11 +516,10 @@ class CudaKernels:
 
     def _dedup(self, keys, tids, frequencies, group: bool, num_buckets: Optional[int] = None,
                padded: bool = False, error: Optional[torch.Tensor] = None,
-               zeros: int = 0, time: Optional[torch.Tensor] = None):
-        """``dedup``'s tuple; with ``num_buckets`` each unique pair's bucket in a
+               time: Optional[torch.Tensor] = None):
+        """``dedup``'s tuple, and with ``num_buckets`` each unique pair's bucket in a
         table of that many buckets ((U,) int32, written by the numbering kernel:
-        an inserting pass needs no launch of its own to find them), else None; and
-        ``zeros`` int64 zeros for the caller, from the dedup's own fill.
+        an inserting pass needs no launch of its own to find them), else None.
 
         ``padded``: the unique arrays have N entries (padding past the unique
         count, which is not read: no sync); ``error``: the module's error word (a
@@ -531,15 +528,13 @@ class CudaKernels:
         _expect_batch(keys, tids)
         n = keys.numel()
         dev = keys.device
-        u_bound = n  # the unique count is at most n
-        # zeros for the occurrences (U,), counted by atomics, the grouping's starts
-        # (U + 1,) whose first entry is 0, and the caller's
-        first, is_first, zeroed = self._first_positions(
-            keys, tids, zeros=(2 * n + 1 if group else n) + zeros)
-        caller_zeros = zeroed[zeroed.numel() - zeros:]
+        # zeros for the occurrences (U,), counted by atomics, and the grouping's
+        # starts (U + 1,) whose first entry is 0, U <= n
+        first, is_first, zeroed = self._first_positions(keys, tids,
+                                                        zeros=2 * n + 1 if group else n)
         number = torch.cumsum(is_first, 0)  # pair first seen at i: number[i] - 1
-        if padded:
-            u = u_bound
+        if padded:  # the unique count is at most n
+            u = n
         else:
             u = int(number[-1]) if n else 0  # the dedup's one sync: the unique count
         ukeys = torch.empty(u, dtype=torch.int64, device=dev)
@@ -560,9 +555,9 @@ class CudaKernels:
                 0, at, frequencies)[:u]
         if not group:
             empty = torch.empty(0, dtype=torch.int64, device=dev)
-            return (ukeys, utids, inverse, counts, empty, empty), buckets, caller_zeros
+            return (ukeys, utids, inverse, counts, empty, empty), buckets
         starts, rank = self._group_by_unique(inverse, occurrences, zeroed[u:2 * u + 1])
-        return (ukeys, utids, inverse, counts, starts, rank), buckets, caller_zeros
+        return (ukeys, utids, inverse, counts, starts, rank), buckets
 
     @staticmethod
     def _group_by_unique(inverse: torch.Tensor, occurrences: torch.Tensor,
