@@ -14,9 +14,10 @@ memory) and ``in-place`` (rows beyond the budget read and updated in host memory
 promotion), each timed beside the same static table (one dynamic layout built at a
 time), with the cache's hit rate.
 
-``--graphed`` adds the all-HBM table with its training step (forward, backward and
-fused optimizer) captured once in a CUDA graph and replayed with each batch copied
-into the graph's static ids (its ``train`` only: the graph is the whole step).
+``--graphed`` adds the all-HBM table (and with ``--hbm_gib`` the cache) with its
+training step (forward, backward and fused optimizer) captured once in a CUDA graph
+and replayed with each batch copied into the graph's static ids (its ``train`` only:
+the graph is the whole step).
 
 Per iteration, each module in turn (so noise falls on both alike): ``forward``
 (training forward), ``backward`` (backward with the optimizer step), ``train``
@@ -163,11 +164,13 @@ def time_pair(modules: Dict[str, torch.nn.Module], batches, grad, iterations: in
 def layouts(args) -> List[tuple]:
     """(name, device bytes or None, caching) of each dynamic layout to time."""
     out = [] if args.skip_all_hbm else [("all-hbm", None, False)]
-    if args.graphed:
+    if args.graphed and not args.skip_all_hbm:
         out.append(("all-hbm, CUDA graph", None, False))
     for gib in args.hbm_gib:
         out += [(f"cache {gib:g} GiB", int(gib * 2**30), True),
                 (f"in-place {gib:g} GiB", int(gib * 2**30), False)]
+        if args.graphed:
+            out.append((f"cache {gib:g} GiB, CUDA graph", int(gib * 2**30), True))
     return out
 
 

@@ -56,7 +56,7 @@ stage tables $PY benchmark/benchmark_gpu_tables.py --batch_sizes 65536 1048576 \
 # (rows in pinned host memory) and rows read in place, beside the static table. 64M x
 # Adam is left out: the static SparseAdam table (96 GB) does not fit an 80 GB GPU.
 stage caching $PY benchmark/benchmark_gpu_tables.py --batch_sizes 65536 1048576 \
-  --num_embeddings 8388608 67108864 --optimizers sgd --hbm_gib 4 --skip_all_hbm \
+  --num_embeddings 8388608 67108864 --optimizers sgd --hbm_gib 4 --skip_all_hbm --graphed \
   --out "$OUT/gpu_caching_sgd"
 stage caching $PY benchmark/benchmark_gpu_tables.py --batch_sizes 65536 1048576 \
   --num_embeddings 8388608 --optimizers adam --hbm_gib 12 --skip_all_hbm \

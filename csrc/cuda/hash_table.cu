@@ -104,9 +104,10 @@ __device__ int8_t upsert_key(const TableView& v, const PassOutputs& o, const Rul
 // settles the 32 in order with the key's fields broadcast by shuffles. At the
 // end the bucket's bits are stored, this pass's pins cleared unless the bucket
 // is blocked (the next pass needs them). outcomes (4,) += the run's settled keys by
-// status, deferred[0] += its deferred keys (when deferred is given).
+// status, deferred[0] += its deferred keys (when deferred is given). Returns the
+// run's inserts into empty slots (the same in every lane).
 template <class Rule>
-__device__ void upsert_run(const TableView& v, const PassOutputs& o, const Rule& rule,
+__device__ unsigned long long upsert_run(const TableView& v, const PassOutputs& o, const Rule& rule,
                            const int64_t* keys, const int16_t* tids, const uint64_t* given,
                            const int64_t* order, int64_t q0, int64_t q1, bool evicts,
                            bool can_grow, bool one_table, unsigned long long* outcomes,
@@ -165,6 +166,7 @@ __device__ void upsert_run(const TableView& v, const PassOutputs& o, const Rule&
       v.pinned_of(b)[w] = blocked ? bits.pinned[w] : bits.pinned[w] & ~bits.pinned_here[w];
     }
   }
+  return counted[kInserted];
 }
 
 }  // namespace
@@ -226,7 +228,8 @@ __device__ int64_t run_end(const int32_t* sorted_buckets, int64_t m, int64_t q0,
 // (LRU_LFU). outcomes (4,) += the pass's keys by InsertStatus (hit, inserted, evicted,
 // failed); deferred[0] += its deferred keys (null: not counted, as when the table
 // cannot grow and no key is deferred). now_at (null: none): the call's time is
-// *now_at (the table's clock or step in device memory) instead of now.
+// *now_at (the table's clock or step in device memory) instead of now. size (null:
+// none): the table's size in device memory, += the inserts into empty slots.
 extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
                                        const int16_t* tids, const uint64_t* given, int rule,
                                        uint64_t now, bool evicts, bool can_grow, bool one_table,
@@ -235,7 +238,8 @@ extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
                                        uint64_t* prev_scores, int64_t* ev_keys,
                                        int16_t* ev_tids, uint64_t* ev_scores,
                                        unsigned long long* outcomes,
-                                       unsigned long long* deferred, const int64_t* now_at) {
+                                       unsigned long long* deferred, const int64_t* now_at,
+                                       unsigned long long* size) {
   const int64_t q0 = global_warp();  // the same for the warp's lanes: uniform exits
   if (q0 >= m) return;
   if (now_at != nullptr) now = static_cast<uint64_t>(*now_at);
@@ -251,24 +255,26 @@ extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
   const int64_t q1 = run_end(sorted_buckets, m, q0, b);
   const TableView v = DEMB_TABLE_VIEW;
   const PassOutputs o{slots, status, prev_scores, ev_keys, ev_tids, ev_scores};
+  unsigned long long inserted = 0;
   switch (rule) {
     case 0:
-      upsert_run(v, o, ClockScore{now}, keys, tids, given, order, q0, q1, evicts, can_grow,
-                 one_table, outcomes, deferred);
+      inserted = upsert_run(v, o, ClockScore{now}, keys, tids, given, order, q0, q1, evicts,
+                            can_grow, one_table, outcomes, deferred);
       break;
     case 1:
-      upsert_run(v, o, CountScore{}, keys, tids, given, order, q0, q1, evicts, can_grow,
-                 one_table, outcomes, deferred);
+      inserted = upsert_run(v, o, CountScore{}, keys, tids, given, order, q0, q1, evicts,
+                            can_grow, one_table, outcomes, deferred);
       break;
     case 3:
-      upsert_run(v, o, CountThenClockScore{now}, keys, tids, given, order, q0, q1, evicts,
-                 can_grow, one_table, outcomes, deferred);
+      inserted = upsert_run(v, o, CountThenClockScore{now}, keys, tids, given, order, q0, q1,
+                            evicts, can_grow, one_table, outcomes, deferred);
       break;
     default:
-      upsert_run(v, o, GivenScore{}, keys, tids, given, order, q0, q1, evicts, can_grow,
-                 one_table, outcomes, deferred);
+      inserted = upsert_run(v, o, GivenScore{}, keys, tids, given, order, q0, q1, evicts,
+                            can_grow, one_table, outcomes, deferred);
       break;
   }
+  if (size != nullptr && inserted && lane_id() == 0) atomicAdd(size, inserted);
 }
 
 // Clears the pinned bit of every slot >= 0 of slots (n,).
@@ -322,6 +328,24 @@ extern "C" __global__ void demb_erase(DEMB_TABLE_PARAMS, const int64_t* keys,
   // Threads of other keys of the bucket share its bitmap words: atomic bits.
   erased[i] = erase_one<AtomicBits>(v, ThreadProbe{}, home_of(v, hash_key(keys[i], tids[i])),
                                     keys[i], tids[i]);
+}
+
+// Erases keys[i] wherever status[i] == which (the victims of a call, by their
+// status in it: each a different key), one thread each; erased[0] += and size[0]
+// -= the keys found (size: the table's size in device memory).
+extern "C" __global__ void demb_erase_where(DEMB_TABLE_PARAMS, const int64_t* keys,
+                                            const int16_t* tids, const int8_t* status,
+                                            int which, int64_t n,
+                                            unsigned long long* erased,
+                                            unsigned long long* size) {
+  const int64_t i = global_thread();
+  if (i >= n || status[i] != which) return;
+  const TableView v = DEMB_TABLE_VIEW;
+  if (erase_one<AtomicBits>(v, ThreadProbe{}, home_of(v, hash_key(keys[i], tids[i])), keys[i],
+                            tids[i])) {
+    atomicAdd(erased, 1ull);
+    atomicAdd(size, ~0ull);  // - 1
+  }
 }
 
 // TTL sweep, one thread per slot: empties slots whose last access (score &

@@ -838,8 +838,11 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         bounds = offsets[:: max(batch_size, 1)] if batch_size else torch.zeros(
             self._num_features + 1, dtype=torch.int64, device=self.device)
         # each lookup's feature: how many features end at or before it (a search, not
-        # a repeat: offsets a kernel has yet to refuse still give features in range)
-        feature = torch.searchsorted(bounds[1:], torch.arange(n, device=self.device),
+        # a repeat: offsets a kernel has yet to refuse still give features in range).
+        # The bounds are made contiguous first: over the strided view, torch 2.13's
+        # CPU searchsorted gave wrong features now and then (test_exactness caught it
+        # in about one run in four, never with a contiguous copy).
+        feature = torch.searchsorted(bounds[1:].contiguous(), torch.arange(n, device=self.device),
                                      right=True).clamp_(max=self._num_features - 1)
         tids = self._feature_local_tid[feature]
         if len(self._groups) == 1:

@@ -29,8 +29,10 @@ __all__ = ["CudaBackend", "CudaKernels", "cuda_source_root", "mapped_host_zeros"
 _KERNELS = {
     **dict.fromkeys(("demb_hash_keys", "demb_buckets_of", "demb_find", "demb_upsert",
                      "demb_unpin", "demb_undo_upsert", "demb_grow", "demb_erase",
-                     "demb_expire"),
+                     "demb_erase_where", "demb_expire"),
                     "hash_table.cu"),
+    **dict.fromkeys(("demb_cache_probe", "demb_cache_rank", "demb_promotion_order",
+                     "demb_promote_rows"), "cache.cu"),
     **dict.fromkeys(("demb_dedup_insert", "demb_dedup_first", "demb_dedup_number"), "dedup.cu"),
     **dict.fromkeys(("demb_check_offsets", "demb_init_rows", "demb_init_new_rows",
                      "demb_pooled_forward", "demb_sequence_forward",
@@ -341,10 +343,12 @@ class CudaKernels:
     def upsert(self, meta, bc, keys, tids, given, rule, now, evicts, can_grow, one_table,
                pending, slots, status, prev_scores, ev_keys, ev_tids, ev_scores,
                outcomes, buckets: Optional[torch.Tensor] = None,
-               now_at: Optional[torch.Tensor] = None) -> torch.Tensor:
+               now_at: Optional[torch.Tensor] = None,
+               size: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One inserting pass over keys[pending] (``pending=None``: every key, without
         building the positions; ``buckets``: their buckets, when the caller has
-        them; ``now_at``: the time in device memory, instead of ``now``); returns
+        them; ``now_at``: the time in device memory, instead of ``now``; ``size``:
+        the table's size in device memory, which the pass advances); returns
         the deferred positions, or while the table may grow a ``DeferredCount``
         (their number stays on the device until the caller reads it with the
         outcomes)."""
@@ -381,7 +385,7 @@ class CudaKernels:
             np.bool_(evicts), np.bool_(can_grow), np.bool_(one_table), _ptr(sorted_buckets),
             _ptr(order), _i64(m), _ptr(slots), _ptr(status), _ptr(prev_scores),
             _ptr(ev_keys), _ptr(ev_tids), _ptr(ev_scores), _ptr(outcomes), _ptr(deferred),
-            _ptr(now_at)])
+            _ptr(now_at), _ptr(size)])
         if deferred is None:
             return torch.empty(0, dtype=torch.int64, device=keys.device)
         # how many were deferred is read by the caller with the outcome counts
@@ -401,13 +405,14 @@ class CudaKernels:
         return ukeys, utids, inverse, counts, starts, rank, deferred
 
     def padded_dedup_upsert(self, meta, bc, keys, tids, frequencies, rule, time, now_index,
-                            evicts, one_table, error, outcomes):
+                            evicts, one_table, error, outcomes, size):
         """``dedup`` (grouped) padded to the n keys, then one inserting pass over them
         into a table that cannot grow (so no key is deferred): nothing is read on
         the host. The numbering kernel advances ``time`` (the table's clock and
         step, (2,) int64) unless the batch is refused, and the pass reads its time
         from ``time[now_index]``; ``rule`` 0 scores by it, a count rule by the
-        dedup's counts. The pass adds its outcome counts to ``outcomes`` (4,).
+        dedup's counts. The pass adds its outcome counts to ``outcomes`` (4,) and its
+        inserts into empty slots to ``size`` (1,).
 
         Returns:
             (ukeys, utids, inverse, counts, starts, rank, slots, status, prev_scores,
@@ -427,8 +432,87 @@ class CudaKernels:
             torch.int64, torch.int8, torch.int64, torch.int64, torch.int16, torch.int64)]
         given = None if rule == 0 else counts
         self.upsert(meta, bc, ukeys, utids, given, rule, 0, evicts, False, one_table, None,
-                    *outs, outcomes, buckets=buckets, now_at=time[now_index:now_index + 1])
+                    *outs, outcomes, buckets=buckets, now_at=time[now_index:now_index + 1],
+                    size=size)
         return (ukeys, utids, inverse, counts, starts, rank, *outs)
+
+    def padded_upsert(self, meta, bc, keys, tids, scores, rule, evicts, one_table, buckets,
+                      outcomes, size):
+        """One inserting pass over unique keys with their buckets given (kNoBucket:
+        skipped, slot -1, FAILED, counted nowhere) into a table that cannot grow;
+        ``outcomes`` (4,) and ``size`` (1,) advance on the device. Returns (slots,
+        status, prev_scores, ev_keys, ev_tids, ev_scores), (n,) each."""
+        _expect(buckets, torch.int32, "buckets")
+        _expect(outcomes, torch.int64, "outcomes")
+        n = keys.numel()
+        outs = [torch.empty(n, dtype=dtype, device=keys.device) for dtype in (
+            torch.int64, torch.int8, torch.int64, torch.int64, torch.int16, torch.int64)]
+        self.upsert(meta, bc, keys, tids, scores, rule, 0, evicts, False, one_table, None,
+                    *outs, outcomes, buckets=buckets, size=size)
+        return tuple(outs)
+
+    def erase_where(self, meta, bc, keys, tids, status, which, erased, size) -> None:
+        """Erases keys[i] where status[i] == which; erased (1,) += and size (1,) -= the
+        keys found."""
+        _expect_batch(keys, tids)
+        _expect(status, torch.int8, "status")
+        _expect(erased, torch.int64, "erased")
+        _expect(size, torch.int64, "size")
+        self._launch("demb_erase_where", keys.device, keys.numel(), _table_args(meta, bc) + [
+            _ptr(keys), _ptr(tids), _ptr(status), np.int32(which), _i64(keys.numel()),
+            _ptr(erased), _ptr(size)])
+
+    def promotion_plan(self, meta, bc, keys, tids, counts, host_slots, one_table, cache_size):
+        """(cache_slots, plan, rank) of a padded batch's promotion (csrc/cuda/cache.cu)."""
+        _expect_batch(keys, tids)
+        _expect(counts, torch.int64, "counts")
+        _expect(host_slots, torch.int64, "host_slots")
+        _expect(cache_size, torch.int64, "cache_size")
+        n = keys.numel()
+        dev = keys.device
+        table = _table_args(meta, bc)
+        cache_slots = torch.empty(n, dtype=torch.int64, device=dev)
+        plan = torch.zeros(4, dtype=torch.int64, device=dev)
+        rank = torch.empty(n, dtype=torch.int64, device=dev)
+        self._launch("demb_cache_probe", dev, n, table + [
+            _ptr(keys), _ptr(tids), _ptr(counts), _ptr(host_slots), _i64(n),
+            np.bool_(one_table), _ptr(cache_slots), _ptr(plan)])
+        capacity = int(table[5]) * bc
+        self._launch("demb_cache_rank", dev, max(n, 1), [
+            _ptr(counts), _ptr(host_slots), _ptr(cache_slots), _i64(n), _i64(capacity),
+            _ptr(cache_size), _ptr(plan), _ptr(rank)])
+        return cache_slots, plan, rank
+
+    def promotion_order(self, order, keys, tids, host_slots, host_keys, plan, num_buckets):
+        """The cache call's (keys, tids, scores, buckets) in ``order``."""
+        _expect(order, torch.int64, "order")
+        if host_keys.stride(0) != 2:
+            raise ValueError("host_keys must be the keys column of a (slots, 2) array")
+        n = order.numel()
+        dev = order.device
+        out_keys = torch.empty(n, dtype=torch.int64, device=dev)
+        out_tids = torch.empty(n, dtype=torch.int16, device=dev)
+        out_scores = torch.empty(n, dtype=torch.int64, device=dev)
+        buckets = torch.empty(n, dtype=torch.int32, device=dev)
+        self._launch("demb_promotion_order", dev, n, [
+            _ptr(order), _ptr(keys), _ptr(tids), _ptr(host_slots), _ptr(host_keys), _i64(n),
+            _ptr(plan), _i64(num_buckets), _ptr(out_keys), _ptr(out_tids), _ptr(out_scores),
+            _ptr(buckets)])
+        return out_keys, out_tids, out_scores, buckets
+
+    def promote_rows(self, host_meta, host_bc, host_values, cache_values, order, host_slots,
+                     slots, status, ev_keys, ev_tids, refs) -> None:
+        """Victims written back, new keys' rows copied in, refs (n,) written."""
+        _expect(refs, torch.int64, "refs")
+        if host_values.shape[1] != cache_values.shape[1]:
+            raise ValueError("the host store's and the cache's rows must have one width")
+        if host_values.numel() and not _host_readable(host_values):
+            raise ValueError("a host tier read by CUDA kernels must be in pinned memory")
+        n = order.numel()
+        self._launch("demb_promote_rows", refs.device, 32 * n, _table_args(host_meta, host_bc) + [
+            _ptr(host_values), _ptr(cache_values), np.int64(cache_values.shape[1]), _ptr(order),
+            _ptr(host_slots), _ptr(slots), _ptr(status), _ptr(ev_keys), _ptr(ev_tids),
+            _i64(n), _ptr(refs)])
 
     def unpin(self, meta, bc, slots) -> None:
         _expect(slots, torch.int64, "slots")

@@ -27,7 +27,9 @@ __all__ = [
     "InitRows",
     "InitSpec",
     "InsertStatus",
+    "KNO_BUCKET",
     "OptimizerUpdate",
+    "PromotionPlan",
     "RowSources",
     "ScoreRule",
     "TableMemory",
@@ -314,6 +316,25 @@ class RowSources(NamedTuple):
     init: Optional[InitRows] = None
 
 
+class PromotionPlan(NamedTuple):
+    """A padded batch's promotion into a cache, on the device (``Backend.promotion_plan``).
+
+    Shape:
+        cache_slots: (n,) int64, each unique key's cache slot before the promotion
+        (-1: not there); plan: (4,) int64, the hits, misses and hot misses counted
+        and the number of keys the cache call takes; rank: (n,) int64, the
+        promotion order (larger first, ties in batch order).
+    """
+
+    cache_slots: torch.Tensor
+    plan: torch.Tensor
+    rank: torch.Tensor
+
+
+#: The bucket of a key a padded inserting pass skips (``kNoBucket``, common.cuh).
+KNO_BUCKET = 0x7FFFFFFF
+
+
 class DeviceSchedule(NamedTuple):
     """The scalars of an update that change from step to step, in device memory, so
     that a step can be replayed (a CUDA graph) and still follow them: the kernel
@@ -436,7 +457,8 @@ class Backend(abc.ABC):
                             table_ids: torch.Tensor, frequencies: Optional[torch.Tensor],
                             rule: ScoreRule, time: torch.Tensor, now_index: int,
                             evicts: bool, one_table: bool, error: Optional[torch.Tensor],
-                            outcomes: torch.Tensor) -> Tuple[Deduplicated, Upserted]:
+                            outcomes: torch.Tensor,
+                            size: torch.Tensor) -> Tuple[Deduplicated, Upserted]:
         """``dedup_upsert`` with every size, count and clock left on the device (only
         where ``counts_on_device``, into a table that cannot grow): the dedup is
         padded to the N keys.
@@ -449,7 +471,56 @@ class Backend(abc.ABC):
                 and changes nothing (not even ``time``).
             outcomes: (4,) int64 totals the call adds its hits, inserts, evicting
                 inserts and failures to (``Upserted``'s four counts are None).
+            size: (1,) int64, the table's size, advanced by the inserts into
+                empty slots.
         """
+        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+
+    def padded_upsert(self, *, memory: TableMemory, keys: torch.Tensor,
+                      table_ids: torch.Tensor, scores: Optional[torch.Tensor],
+                      buckets: torch.Tensor, rule: ScoreRule, evicts: bool, one_table: bool,
+                      outcomes: torch.Tensor, size: torch.Tensor) -> Upserted:
+        """One inserting pass over unique keys with their buckets given ((n,) int32;
+        ``KNO_BUCKET``: skipped, slot -1, FAILED, counted nowhere), into a table that
+        cannot grow, every count on the device: ``outcomes`` (4,) += the pass's
+        InsertStatus counts, ``size`` (1,) += its inserts into empty slots (only
+        where ``counts_on_device``)."""
+        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+
+    def padded_erase(self, *, memory: TableMemory, keys: torch.Tensor,
+                     table_ids: torch.Tensor, status: torch.Tensor, which: int,
+                     erased: torch.Tensor, size: torch.Tensor) -> None:
+        """Erases ``keys[i]`` where ``status[i] == which`` (distinct keys); ``erased``
+        (1,) += and ``size`` (1,) -= the keys found (only where ``counts_on_device``)."""
+        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+
+    def promotion_plan(self, *, cache: TableMemory, keys: torch.Tensor,
+                       table_ids: torch.Tensor, counts: torch.Tensor,
+                       host_slots: torch.Tensor, one_table: bool,
+                       cache_size: torch.Tensor) -> "PromotionPlan":
+        """Which of a padded batch's unique keys (``counts`` 0: padding; ``host_slots``
+        -1: not stored) a cache takes, on the device: ``TieredStorage``'s policy
+        (hits first; every miss when they fit in ``cache``'s free slots, else the
+        misses seen more than once, hottest first, as many as fit beside the hits)
+        (only where ``counts_on_device``)."""
+        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+
+    def promotion_order(self, *, order: torch.Tensor, keys: torch.Tensor,
+                        table_ids: torch.Tensor, host_slots: torch.Tensor,
+                        host: TableMemory, plan: "PromotionPlan",
+                        cache: TableMemory) -> Tuple[torch.Tensor, ...]:
+        """The cache call's (keys, table ids, scores, buckets) in ``order`` (the
+        keys by descending ``plan.rank``): the host store's scores, and
+        ``KNO_BUCKET`` past the keys the plan takes (only where ``counts_on_device``)."""
+        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+
+    def promote_rows(self, *, host: TableMemory, cache: TableMemory, order: torch.Tensor,
+                     host_slots: torch.Tensor, cached: Upserted,
+                     refs: torch.Tensor) -> None:
+        """After the cache call ``cached`` (in ``order``): victims' rows written back to
+        the host store, new keys' rows copied in from it, and refs (n,) = each unique
+        key's row reference (its cache slot, else its host slot with HOST_ROW_BIT,
+        else -1) (only where ``counts_on_device``)."""
         raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
     def init_new_rows(self, *, values: torch.Tensor, slots: torch.Tensor,

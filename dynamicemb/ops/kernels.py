@@ -17,6 +17,7 @@ from dynamicemb.ops.interface import (
     Deduplicated,
     InsertStatus,
     OptimizerUpdate,
+    PromotionPlan,
     ScoreRule,
     TableMemory,
     Upserted,
@@ -110,7 +111,7 @@ class KernelBackend(Backend):
         return unique, upserted
 
     def padded_dedup_upsert(self, *, memory, keys, table_ids, frequencies, rule, time,
-                            now_index, evicts, one_table, error, outcomes):
+                            now_index, evicts, one_table, error, outcomes, size):
         if not self.counts_on_device:
             raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
         if memory.can_grow:  # a full bucket would defer keys to a growth
@@ -118,10 +119,48 @@ class KernelBackend(Backend):
         *unique, slots, status, prev, ev_keys, ev_tids, ev_scores = (
             self.kernels.padded_dedup_upsert(memory.meta, memory.bucket_capacity, keys,
                                              table_ids, frequencies, int(rule), time,
-                                             now_index, evicts, one_table, error, outcomes))
+                                             now_index, evicts, one_table, error, outcomes,
+                                             size))
         return Deduplicated(*unique), Upserted(slots, status, prev, ev_keys, ev_tids, ev_scores,
                                                hits=None, inserted=None, evicted=None,
                                                failed=None, growths=0)
+
+    def _padded_only(self) -> None:
+        if not self.counts_on_device:
+            raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+
+    def padded_upsert(self, *, memory, keys, table_ids, scores, buckets, rule, evicts,
+                      one_table, outcomes, size):
+        self._padded_only()
+        if memory.can_grow:
+            raise ValueError("a padded upsert needs a table that cannot grow")
+        outs = self.kernels.padded_upsert(memory.meta, memory.bucket_capacity, keys, table_ids,
+                                          scores, int(rule), evicts, one_table, buckets,
+                                          outcomes, size)
+        return Upserted(*outs, hits=None, inserted=None, evicted=None, failed=None, growths=0)
+
+    def padded_erase(self, *, memory, keys, table_ids, status, which, erased, size):
+        self._padded_only()
+        self.kernels.erase_where(memory.meta, memory.bucket_capacity, keys, table_ids, status,
+                                 which, erased, size)
+
+    def promotion_plan(self, *, cache, keys, table_ids, counts, host_slots, one_table,
+                       cache_size):
+        self._padded_only()
+        return PromotionPlan(*self.kernels.promotion_plan(
+            cache.meta, cache.bucket_capacity, keys, table_ids, counts, host_slots, one_table,
+            cache_size))
+
+    def promotion_order(self, *, order, keys, table_ids, host_slots, host, plan, cache):
+        self._padded_only()
+        return self.kernels.promotion_order(order, keys, table_ids, host_slots, host.meta[0],
+                                            plan.plan, cache.num_buckets)
+
+    def promote_rows(self, *, host, cache, order, host_slots, cached, refs):
+        self._padded_only()
+        self.kernels.promote_rows(host.meta, host.bucket_capacity, host.values, cache.values,
+                                  order, host_slots, cached.slots, cached.status,
+                                  cached.ev_keys, cached.ev_tids, refs)
 
     def init_new_rows(self, *, values, slots, status, keys, table_ids, dim, spec, state_value):
         if not self.counts_on_device:

@@ -37,7 +37,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 
-from dynamicemb.ops import resolve_device
+from dynamicemb.ops import for_device, resolve_device
 from dynamicemb.ops.interface import HOST_ROW_BIT, InsertStatus, RowSources
 from dynamicemb.storage.external.store import ExternalStorageError
 from dynamicemb.table import (Deduplicated, Entries, InsertResult, PendingInsert,
@@ -166,7 +166,7 @@ class TieredStorage:
                        initialize_new=initialize_new)
         if device_rows < 16:  # smaller than one bucket: no device tier at all
             return cls(host, host_only=True, device=device, initialize=initialize,
-                       external=external)
+                       external=external, initialize_new=initialize_new)
         # a cache never holds more rows than the table can: a budget beyond that
         # (a typo, or a global budget split over few rows) allocates no more
         device_rows = min(device_rows, host.max_capacity())
@@ -185,7 +185,7 @@ class TieredStorage:
             device=device,
         )
         return cls(host, tier, promote=caching, device=device, initialize=initialize,
-                   external=external)
+                   external=external, initialize_new=initialize_new)
 
     def describe(self) -> str:
         below = "" if self.external is None else f", over {self.external.describe()}"
@@ -250,11 +250,13 @@ class TieredStorage:
     @property
     def counts_on_device(self) -> bool:
         """Whether a training lookup may run padded, every count left on the device
-        (``prepare_dedup(padded=True)``, ``commit_padded``): one tier in device
-        memory whose host store allows it (``ScoredHashTable.counts_on_device``),
-        no tier below, and an ``initialize_new``."""
-        return (self.device_tier is None and not self.host_only and self.external is None
-                and self.initialize_new is not None and self.host.counts_on_device)
+        (``prepare_dedup(padded=True)``, ``commit_padded``): one tier, host rows
+        only, or a cache (not a placement tier), each table allowing it
+        (``ScoredHashTable.counts_on_device``), no tier below, and an
+        ``initialize_new``."""
+        layout = self.device_tier is None or (self.promote and self.device_tier.counts_on_device)
+        return (layout and self.external is None and self.initialize_new is not None
+                and self.host.counts_on_device)
 
     def prepare(self, keys, tids, scores) -> PendingInsert:
         """Phase one: the host store decides keys and scores (may raise; see
@@ -338,9 +340,10 @@ class TieredStorage:
 
     def commit_padded(self, pending: PendingInsert, keys: torch.Tensor, tids: torch.Tensor,
                       counts: torch.Tensor) -> torch.Tensor:
-        """Phase two of a padded insert (``prepare_dedup(padded=True)``): commits,
-        initializes the rows of new keys (by status: no count needed) and counts the
-        traffic on the device.
+        """Phase two of a padded insert (``prepare_dedup(padded=True)``), every count on
+        the device: commits, initializes the rows of new keys (by status), drops
+        the host store's victims from a cache and promotes the batch into it
+        (``_promote_padded``).
 
         Args:
             pending: from ``prepare_dedup(padded=True)``.
@@ -348,19 +351,56 @@ class TieredStorage:
                 (padding: count 0).
 
         Returns:
-            (N,) row references: each unique key's slot in the one tier, -1 where its
-            insert failed (a padded lookup reads its initializer's row there).
+            (N,) row references (``row_ref.h``): -1 where a key's insert failed (a
+            padded lookup reads its initializer's row there).
         """
         upserted = pending.upserted
         result = pending.commit()
-        self.initialize_new(self.host.values, result.slots, result.status, keys, tids)
-        if self.host.num_tables > 1:  # per table, with no count: padding has count 0, slot -1
+        host_slots = result.slots
+        self.initialize_new(self.host.values, host_slots, result.status, keys, tids)
+        several = self.host.num_tables > 1  # then counted per table with masks
+        if several:
             self._count_where("lookups", tids, counts > 0)
-            self._count_where("hits", tids, result.slots >= 0)
             evicted = result.status == InsertStatus.EVICTED_AND_INSERTED
             self._count_where("host_evictions", torch.where(evicted, upserted.ev_tids, 0),
                               evicted)
-        return result.slots
+        if self.device_tier is not None:
+            self.device_tier.padded_erase(upserted.ev_keys, upserted.ev_tids, result.status,
+                                          InsertStatus.EVICTED_AND_INSERTED)
+            return self._promote_padded(keys, tids, counts, host_slots, several)
+        if several:
+            self._count_where("misses" if self.host_only else "hits", tids, host_slots >= 0)
+        return self._host_refs(host_slots)
+
+    def _promote_padded(self, keys, tids, counts, host_slots, several: bool) -> torch.Tensor:
+        """``_into_device_tier``'s promotion of a padded batch, on the device: the plan
+        (which keys the cache takes, in which order), one cache call over the keys
+        sorted by it, then victims written back and new rows copied in by one
+        kernel, which also writes the references."""
+        tier, ops = self.device_tier, for_device(self.device)
+        plan = ops.promotion_plan(cache=tier.memory, keys=keys, table_ids=tids, counts=counts,
+                                  host_slots=host_slots, one_table=self.host.num_tables == 1,
+                                  cache_size=tier.size_on_device())
+        order = torch.sort(plan.rank, descending=True, stable=True).indices
+        ckeys, ctids, scores, buckets = ops.promotion_order(
+            order=order, keys=keys, table_ids=tids, host_slots=host_slots,
+            host=self.host.memory, plan=plan, cache=tier.memory)
+        cached = tier.padded_upsert(ckeys, ctids, scores, buckets)
+        refs = torch.empty_like(host_slots)
+        ops.promote_rows(host=self.host.memory, cache=tier.memory, order=order,
+                         host_slots=host_slots, cached=cached, refs=refs)
+        self._moves += 1  # rows may have moved between the tiers (not read)
+        if several:
+            status = cached.status
+            hit = status == InsertStatus.HIT
+            evicted = status == InsertStatus.EVICTED_AND_INSERTED
+            victims = torch.where(evicted, cached.ev_tids, 0)
+            self._count_where("hits", ctids, hit)
+            self._count_where("misses", ctids, (host_slots[order] >= 0) & ~hit)
+            self._count_where("evictions", victims, evicted)
+            self._count_where("host_writes", victims, evicted)
+            self._count_where("host_reads", ctids, (status == InsertStatus.INSERTED) | evicted)
+        return refs
 
     def expire(self) -> torch.Tensor:
         """TTL sweep of every tier: the host store frees its expired rows (one kernel
@@ -660,17 +700,28 @@ class TieredStorage:
         return [TierMetrics(*row) for row in rows]
 
     def _settle_padded_outcomes(self) -> None:
-        """A one-table group's padded inserts as metrics, from the host store's totals
-        of them (``commit_padded``): every unique key is a lookup, a hit unless its
-        insert failed (one tier), and an evicting insert evicts."""
+        """A one-table group's padded steps as metrics, from the tables' totals of
+        them (``commit_padded``): every unique key is a lookup and, once stored, a
+        hit of the one tier, a miss of host rows, or a cache hit or miss by the
+        cache's call; its evictions are written back, its inserts read in."""
         totals = self.host.outcome_totals()
         if totals is None or self.host.num_tables > 1:
             return
-        hits, inserted, evicted, failed = totals.take("metrics")
+        hits, inserted, evicted, failed, _ = totals.take("metrics")
         lookups = hits + inserted + evicted + failed
+        stored = lookups - failed
         self._add("lookups", lookups)
-        self._add("hits", lookups - failed)
         self._add("host_evictions", evicted)
+        if self.device_tier is None:
+            self._add("misses" if self.host_only else "hits", stored)
+            return
+        cached = self.device_tier.outcome_totals()
+        c_hits, c_inserted, c_evicted, _, _ = cached.take("metrics") if cached else [0] * 5
+        self._add("hits", c_hits)
+        self._add("misses", stored - c_hits)
+        self._add("evictions", c_evicted)
+        self._add("host_writes", c_evicted)  # a victim is still in the host store
+        self._add("host_reads", c_inserted + c_evicted)
 
     def _add(self, field: str, count: int) -> None:
         """Adds ``count`` (known on the host) to the one table's metric ``field``."""

@@ -14,7 +14,8 @@ import torch
 
 from dynamicemb.ops import for_device, resolve_device
 from dynamicemb.ops.interface import (ALL_BITS, COMPOUND_TIME_MASK, Deduplicated, Entries,
-                                      InsertStatus, ScoreRule, num_buckets_for, score_rule)
+                                      InsertStatus, ScoreRule, TableMemory, Upserted,
+                                      num_buckets_for, score_rule)
 from dynamicemb.options import check_ttl
 from dynamicemb.table.checks import check_frequencies, check_keys, table_ids_as_int16
 from dynamicemb.table.device_counts import DeviceCounters, DeviceTotals
@@ -29,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 #: Table ids are stored as int16 per slot.
 MAX_TABLES = 32767
+
+# The padded calls' totals in device memory: hits, inserted, evicted, failed (an
+# upsert's InsertStatus counts), then keys erased.
+_DEVICE_TOTALS = 5
 
 
 def hash_keys(keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
@@ -129,12 +134,12 @@ class ScoredHashTable:
         self.value_dtype = value_dtype
         self.device = resolve_device(device)
         self._stats = TableStats()
-        # what padded calls counted on the device (hits, inserted, evicted, failed):
-        # their kernels add to these totals, which the size and the stats take when
-        # read once any call was padded (made here: a CUDA graph capturing the first
+        # what padded calls counted on the device (hits, inserted, evicted, failed,
+        # erased): their kernels add to these totals, which the stats take when read
+        # once any call was padded (made here: a CUDA graph capturing the first
         # padded call would otherwise zero them at every replay)
         self._outcome_totals = None
-        self._padded = False  # a padded call ran: reads of size and stats sync
+        self._padded = False  # a padded call ran: reads of the stats sync
         self._ops = for_device(self.device)
         self._rule, self._evicts = score_rule(self.score_strategy)
         self._memory = self._ops.new_table(
@@ -142,12 +147,13 @@ class ScoredHashTable:
             max_num_buckets=num_buckets_for(max_capacity, bucket_capacity),
             bucket_capacity=bucket_capacity, value_dim=value_dim, value_dtype=value_dtype,
             device=self.device, values_in_host_memory=values_in_host_memory)
-        self._host_size = 0
-        # the clock and the step: set on the host, advanced in device memory by a
-        # padded call's kernels (so that a CUDA graph's replays advance them)
+        # the keys stored, and the clock and the step: set on the host, advanced in
+        # device memory by a padded call's kernels (so that a CUDA graph's replays
+        # advance them)
+        self._stored = DeviceCounters([0], self.device)
         self._time = DeviceCounters([0, 0], self.device)
         if self._ops.counts_on_device:
-            self._outcome_totals = DeviceTotals(4, self.device)
+            self._outcome_totals = DeviceTotals(_DEVICE_TOTALS, self.device)
         self._generation = 0
         self._pending: Optional[PendingInsert] = None
         self._none_inserted = SharedZeros(torch.bool, self.device)
@@ -162,14 +168,11 @@ class ScoredHashTable:
 
     @property
     def _size(self) -> int:
-        # keys stored; reading (or writing) it reads the padded calls' counts first
-        self._settle_device_counts()
-        return self._host_size
+        return self._stored.value(0)  # read from the device after padded calls
 
     @_size.setter
     def _size(self, value: int) -> None:
-        self._settle_device_counts()
-        self._host_size = value
+        self._stored.set(0, value)
 
     @property
     def _clock(self) -> int:
@@ -188,19 +191,30 @@ class ScoredHashTable:
         self._time.set(1, value)
 
     def outcome_totals(self) -> Optional[DeviceTotals]:
-        """What padded calls counted (hits, inserted, evicted, failed), in device memory;
-        None before the first padded call."""
+        """What padded calls counted (hits, inserted, evicted, failed, erased), in
+        device memory; None before the first padded call."""
         return self._outcome_totals if self._padded else None
 
+    @property
+    def memory(self) -> TableMemory:
+        """The table's arrays, for the storage's kernels (a call that grows the table
+        replaces them: hold the table, not this)."""
+        return self._memory
+
+    def size_on_device(self) -> torch.Tensor:
+        """(1,) int64: the number of keys stored, in device memory, for kernels that
+        read it in a padded step (the host's count is written there first)."""
+        return self._stored.on_device()
+
     def _settle_device_counts(self) -> None:
-        """Adds what padded calls counted on the device to the size and the stats."""
+        """Adds what padded calls counted on the device to the stats."""
         if not self._padded:
             return
-        _, inserted, evicted, failed = self._outcome_totals.take("table")
-        self._host_size += inserted  # an evicting insert replaces a key
+        _, inserted, evicted, failed, erased = self._outcome_totals.take("table")
         self._stats.inserts += inserted + evicted
         self._stats.evictions += evicted
         self._stats.failed_inserts += failed
+        self._stats.erases += erased
 
     @property
     def counts_on_device(self) -> bool:
@@ -672,11 +686,56 @@ class ScoredHashTable:
             rule=self._rule, time=self._time.on_device(),
             now_index=1 if self.score_strategy == DynamicEmbScoreStrategy.STEP else 0,
             evicts=self._evicts, one_table=self.num_tables == 1, error=error,
-            outcomes=self._outcome_totals.tensor)
+            outcomes=self._outcome_totals.tensor[:4], size=self._stored.on_device())
         pending = PendingInsert(self, upserted, None, None, read_evicted=False, assign=False,
                                 padded=PaddedCall(error, unique.counts))
         self._pending = pending
         return unique, pending
+
+    def padded_upsert(self, keys: torch.Tensor, table_ids: torch.Tensor,
+                      scores: Optional[torch.Tensor], buckets: torch.Tensor) -> Upserted:
+        """One inserting pass over unique keys whose buckets the caller computed (a
+        padded step's promotion into a cache), with every count on the device: keys
+        whose bucket is ``kNoBucket`` (0x7FFFFFFF) are skipped (slot -1, status
+        FAILED, counted nowhere). Scores by the table's rule (CUSTOMIZED: ``scores``).
+        Nothing is read on the host; the size and the totals advance on the device.
+
+        Args:
+            keys (Tensor): (n,) int64, unique; table_ids (Tensor): (n,) int16 (checked
+                by the caller).
+            scores (Tensor, optional): (n,) int64.
+            buckets (Tensor): (n,) int32.
+
+        Returns:
+            ``Upserted`` of the n keys (its four counts None).
+        """
+        if not self.counts_on_device:
+            raise ValueError("a padded insert needs a backend that counts on the device and "
+                             "a table that cannot grow, ignores failed inserts and has no ttl")
+        self._check_idle()
+        self._padded = True
+        given = self._given_scores(scores, keys.numel(), checked=True)
+        upserted = self._ops.padded_upsert(
+            memory=self._memory, keys=keys, table_ids=table_ids, scores=given, buckets=buckets,
+            rule=self._rule, evicts=self._evicts, one_table=self.num_tables == 1,
+            outcomes=self._outcome_totals.tensor[:4], size=self._stored.on_device())
+        self._generation += 1  # whether it evicted or moved a key is not read
+        return upserted
+
+    def padded_erase(self, keys: torch.Tensor, table_ids: torch.Tensor, status: torch.Tensor,
+                     which: InsertStatus) -> None:
+        """Erases ``keys[i]`` wherever ``status[i] == which`` (e.g. the victims of
+        another table's call, by its status: distinct keys), with every count on
+        the device (where ``counts_on_device``)."""
+        if not self.counts_on_device:
+            raise ValueError("a padded erase needs a backend that counts on the device")
+        self._check_idle()
+        self._padded = True
+        self._ops.padded_erase(memory=self._memory, keys=keys, table_ids=table_ids,
+                               status=status, which=int(which),
+                               erased=self._outcome_totals.tensor[4:],
+                               size=self._stored.on_device())
+        self._generation += 1
 
     def _check_idle(self) -> None:
         if self._pending is not None:
@@ -745,8 +804,8 @@ class ScoredHashTable:
                                 num_failed=None, status=upserted.status)
         num_evicted = upserted.evicted
         num_inserted = upserted.inserted + num_evicted
-        self._settle_device_counts()  # then the host's size and stats are current
-        self._host_size += num_inserted - num_evicted
+        self._settle_device_counts()  # then the host's stats are current
+        self._size += num_inserted - num_evicted
         self._stats.inserts += num_inserted
         self._stats.evictions += num_evicted
         self._generation += num_evicted > 0
@@ -843,7 +902,8 @@ class ScoredHashTable:
         self._time.on_device().sub_(done)
         real = padded.counts > 0  # padding: count 0, counted nowhere
         added = torch.stack([((status == s) & real).sum() for s in range(4)])
-        self._outcome_totals.tensor.sub_(added)
+        self._outcome_totals.tensor[:4].sub_(added)  # (a view: the totals themselves)
+        self._stored.on_device().sub_(added[InsertStatus.INSERTED])
 
     def _upsert(self, keys, table_ids, scores, values, read_evicted, assign=False,
                 exact=False, checked=False) -> InsertResult:

@@ -98,6 +98,34 @@ def test_a_captured_step_replays_as_eager_steps(optimizer, pooling, strategy):
         _assert_same_tables(graphed, eager)
 
 
+@pytest.mark.parametrize("optimizer", [DynamicEmbOptimType.EXACT_SGD, DynamicEmbOptimType.ADAM],
+                         ids=["sgd", "adam"])
+@pytest.mark.parametrize("layout", ["cache", "host-rows"])
+def test_a_captured_step_over_host_rows_replays_as_eager_steps(optimizer, layout):
+    """Rows in host memory: a device cache of 256 rows over them (promotion, eviction,
+    write-back on the device), or every row read and updated there; replays equal
+    the CPU backend's eager training, metrics included."""
+    budget = dict(caching=True, local_hbm_for_values=256 * 8 * 4 * 3) if layout == "cache" else (
+        dict(caching=False, local_hbm_for_values=0))
+    pooling, strategy = DynamicEmbPoolingMode.SUM, DynamicEmbScoreStrategy.LRU
+    eager = _module(optimizer, pooling, strategy, **budget)
+    with emulated_cuda() as kernels:
+        graphed = _module(optimizer, pooling, strategy, **budget)
+        for m in (graphed, eager):
+            _step(m, _ids(0))
+        graph, static_ids, _, out = _captured(graphed, kernels, _ids(1))
+        torch.testing.assert_close(out.detach(), _step(eager, _ids(1)), **TOL)
+        for seed in range(2, 6):
+            static_ids.copy_(_ids(seed))
+            graph.replay()
+            torch.testing.assert_close(out.detach(), _step(eager, _ids(seed)), **TOL)
+        assert _state(graphed) == _state(eager)
+        if layout == "cache":
+            assert graphed.cache_metrics()["t0"].evictions > 0
+        graphed.flush()
+        _assert_same_tables(graphed, eager)
+
+
 def test_a_refused_batch_in_a_replay_changes_nothing_until_checked():
     """Bad offsets copied into the static offsets: the replay pools zeros and changes
     nothing, so does every replay after it (the word stays set), and

@@ -83,6 +83,14 @@ def _launch_every_kernel(kernels) -> None:
         ids, offsets = _batch(gen, 256, 4, 3000)
         weights = torch.rand(ids.numel(), generator=gen).requires_grad_()
         pooled(ids, offsets, weights).sum().backward()
+    # a device cache smaller than the ids (the padded step's promotion kernels)
+    cached = BatchedDynamicEmbeddingTables(
+        [DynamicEmbTableOptions(dim=8, max_capacity=1 << 12, caching=True,
+                                local_hbm_for_values=8 * 4 * 256)],
+        optimizer=DynamicEmbOptimType.EXACT_SGD, learning_rate=0.1)
+    for _ in range(2):
+        ids, offsets = _batch(gen, 128, 4, 3000)
+        cached(ids, offsets).sum().backward()
     sequence = BatchedDynamicEmbeddingTables(
         [DynamicEmbTableOptions(dim=8, max_capacity=1024)],
         pooling_mode=DynamicEmbPoolingMode.NONE, optimizer=DynamicEmbOptimType.EXACT_SGD,

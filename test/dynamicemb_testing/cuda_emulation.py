@@ -167,6 +167,9 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
                                     evicts, can_grow, one_table,
                                     order[:m][~padding].contiguous(), *outs, counts)
         outcomes += counts
+        size = self._t(a[t + 20])
+        if size is not None:  # the table's size on the device: its inserts into empty slots
+            size += counts[1]
         if deferred_count is not None:
             deferred_count += deferred.numel()
         elif deferred.numel():
@@ -190,6 +193,79 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         time_mask = int(np.array(a[t], dtype=np.uint64).view(np.int64))
         expired = self._cpu.expire(self._meta(a), int(a[6]), time_mask, int(a[t + 1]))
         self._t(a[t + 2]).copy_(expired)
+
+    def run_erase_where(self, a):
+        t = _TABLE_ARGS
+        keys, tids, status = self._t(a[t]), self._t(a[t + 1]), self._t(a[t + 2])
+        n = int(a[t + 4])
+        at = (status[:n] == int(a[t + 3])).nonzero().squeeze(1)
+        if at.numel():
+            count = int(self._cpu.erase(self._meta(a), int(a[6]), keys[at].contiguous(),
+                                        tids[at].contiguous()).sum())
+            self._t(a[t + 5])[0] += count
+            self._t(a[t + 6])[0] -= count
+
+    # --------------------------------------------------------------- cache
+    def run_cache_probe(self, a):
+        t = _TABLE_ARGS
+        keys, tids, counts, host_slots = (self._t(a[t + i]) for i in range(4))
+        n, one_table = int(a[t + 4]), bool(a[t + 5])
+        cache_slots, plan = self._t(a[t + 6]), self._t(a[t + 7])
+        found = self._cpu.find(self._meta(a), int(a[6]), keys[:n], tids[:n], one_table)
+        real = (counts[:n] > 0) & (host_slots[:n] >= 0)
+        cache_slots[:n] = torch.where(real, found, -1)
+        miss = real & (found < 0)
+        plan[0] += int((real & (found >= 0)).sum())
+        plan[1] += int(miss.sum())
+        plan[2] += int((miss & (counts[:n] > 1)).sum())
+
+    def run_cache_rank(self, a):
+        counts, host_slots, cache_slots = self._t(a[0]), self._t(a[1]), self._t(a[2])
+        n, capacity, size = int(a[3]), int(a[4]), int(self._t(a[5])[0])
+        plan, rank = self._t(a[6]), self._t(a[7])
+        hits, misses, hot = (int(v) for v in plan[:3])
+        overflow = misses > capacity - size
+        plan[3] = hits + (min(hot, max(capacity - hits, 0)) if overflow else misses)
+        if n == 0:
+            return
+        counts, host_slots, cache_slots = counts[:n], host_slots[:n], cache_slots[:n]
+        miss_rank = (torch.where(counts > 1, counts, -1) if overflow
+                     else torch.zeros_like(counts))
+        rank[:n] = torch.where((counts <= 0) | (host_slots < 0), -2,
+                               torch.where(cache_slots >= 0, torch.iinfo(torch.int64).max,
+                                           miss_rank))
+
+    def run_promotion_order(self, a):
+        order, keys, tids, host_slots, host_keys = (self._t(a[i]) for i in range(5))
+        n, taken, num_buckets = int(a[5]), int(self._t(a[6])[3]), int(a[7])
+        out_keys, out_tids, out_scores, buckets = (self._t(a[i]) for i in range(8, 12))
+        scores = torch.as_strided(host_keys, host_keys.shape, host_keys.stride(),
+                                  host_keys.storage_offset() + 1)
+        i = order[:n]
+        slot = host_slots[i]
+        out_keys[:n], out_tids[:n] = keys[i], tids[i]
+        out_scores[:n] = torch.where(slot >= 0, scores[slot.clamp(min=0)], 0)
+        bucket = torch.bitwise_and(self._cpu.hash_keys(keys[i].contiguous(),
+                                                       tids[i].contiguous()), num_buckets - 1)
+        buckets[:n] = torch.where(torch.arange(n) < taken, bucket, _NO_BUCKET).to(torch.int32)
+
+    def run_promote_rows(self, a):
+        host_values, cache_values = self._t(a[7]), self._t(a[8])
+        order, host_slots, slots, status = (self._t(a[i]) for i in range(10, 14))
+        ev_keys, ev_tids, n, refs = self._t(a[14]), self._t(a[15]), int(a[16]), self._t(a[17])
+        status, slots = status[:n], slots[:n]
+        victims = (status == 2).nonzero().squeeze(1)
+        if victims.numel():  # written back first: their slots take the new rows next
+            home = self._cpu.find(self._meta(a), int(a[6]), ev_keys[victims].contiguous(),
+                                  ev_tids[victims].contiguous(), False)
+            found = home >= 0
+            host_values[home[found]] = cache_values[slots[victims][found]]
+        new = ((status == 1) | (status == 2)).nonzero().squeeze(1)
+        if new.numel():
+            cache_values[slots[new]] = host_values[host_slots[order[new]]]
+        i = order[:n]
+        hs = host_slots[i]
+        refs[i] = torch.where(slots >= 0, slots, torch.where(hs >= 0, hs + (1 << 62), -1))
 
     def run_erase(self, a):
         t = _TABLE_ARGS

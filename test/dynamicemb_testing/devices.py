@@ -1,6 +1,7 @@
 """The backends the table, module and storage suites run on."""
 
-from typing import List
+import contextlib
+from typing import Iterator, List
 
 import torch
 
@@ -19,6 +20,24 @@ def cuda_ready() -> bool:
 def devices() -> List[str]:
     """``["cpu"]``, plus ``"cuda"`` where the CUDA backend can run."""
     return ["cpu", "cuda"] if cuda_ready() else ["cpu"]
+
+
+#: The CUDA backend's code on CPU tensors, its kernels emulated (``cuda_emulation``):
+#: suites that take it as a device check the GPU step's Python where no GPU is.
+EMULATED = "cuda-emulated"
+
+
+@contextlib.contextmanager
+def backend_device(name: str) -> Iterator[torch.device]:
+    """The device of ``name`` (a ``devices()`` entry, or ``EMULATED``: the CPU under
+    ``emulated_cuda``, for the block)."""
+    if name != EMULATED:
+        yield torch.device(name)
+        return
+    from dynamicemb_testing.cuda_emulation import emulated_cuda  # noqa: PLC0415
+
+    with emulated_cuda():
+        yield torch.device("cpu")
 
 
 def reads_values_on_host(device) -> bool:

@@ -4,17 +4,12 @@ counts on the device (``docs/ARCHITECTURE.md``, "Host synchronizations of a trai
 step") meets every semantic check in CI, where no GPU is."""
 
 import pytest
-import torch
 
-from dynamicemb_testing.cuda_emulation import emulated_cuda
-from dynamicemb_testing.devices import devices
+from dynamicemb_testing.devices import EMULATED, backend_device, devices
 
 
-@pytest.fixture(params=devices() + ["cuda-emulated"])
+@pytest.fixture(params=devices() + [EMULATED])
 def device(request):
     """A backend (ids ``cpu``, ``cuda``), or the CPU under ``emulated_cuda``."""
-    if request.param != "cuda-emulated":
-        yield torch.device(request.param)
-        return
-    with emulated_cuda():
-        yield torch.device("cpu")
+    with backend_device(request.param) as d:
+        yield d

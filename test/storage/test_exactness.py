@@ -4,7 +4,9 @@ Training the same batches with a device cache of 1%, 10% or 100% of the touched
 keys, with rows placed in a device tier without promotion, or with every row in
 host memory, gives bit-identical embeddings, optimizer states, scores and outputs
 to the single-tier table: for every optimizer, LRU and LFU, pooled and sequence,
-with and without prefetch, and with a host store too small for every key.
+with and without prefetch, and with a host store too small for every key. Run on
+each backend and on the CUDA backend's code with its kernels emulated
+(``cuda-emulated``: its padded step promotes into the cache on the device).
 """
 
 import pytest
@@ -17,9 +19,19 @@ from dynamicemb import (
     DynamicEmbScoreStrategy,
     DynamicEmbTableOptions,
 )
+from dynamicemb_testing.devices import EMULATED, backend_device, devices
 
 DIM = 8
 NUM_FEATURES = 2
+
+
+@pytest.fixture(params=devices() + [EMULATED])
+def device(request):
+    """A backend, or the CPU under ``emulated_cuda``."""
+    with backend_device(request.param) as d:
+        yield d
+
+
 STEPS = 8
 BATCH = 128
 OPTIMIZERS = list(DynamicEmbOptimType)
