@@ -32,13 +32,9 @@ extern "C" __global__ void demb_cache_probe(DEMB_TABLE_PARAMS, const int64_t* ke
     cache_slots[i] = -1;
     return;
   }
-  const TableView v = DEMB_TABLE_VIEW;
-  const int64_t key = keys[i];
-  const int16_t tid = one_table ? int16_t{0} : tids[i];
-  const KeyHome home = home_of(v, hash_key(key, tid));
-  const int j = find_one(v, ThreadProbe{}, home, key, tid, one_table);
-  cache_slots[i] = j < 0 ? -1 : home.base + j;
-  if (j >= 0) {
+  const int64_t slot = find_slot(DEMB_TABLE_VIEW, keys[i], tids[i], one_table);
+  cache_slots[i] = slot;
+  if (slot >= 0) {
     atomicAdd(plan + kPlanHits, 1ull);
   } else {
     atomicAdd(plan + kPlanMisses, 1ull);
@@ -122,12 +118,7 @@ extern "C" __global__ void demb_promote_rows(DEMB_TABLE_PARAMS, float* host_valu
   const int64_t slot = slots[q];
   if (st == kEvictedAndInserted) {
     int64_t home_slot = -1;
-    if (lane_id() == 0) {
-      const TableView v = DEMB_TABLE_VIEW;
-      const KeyHome home = home_of(v, hash_key(ev_keys[q], ev_tids[q]));
-      const int j = find_one(v, ThreadProbe{}, home, ev_keys[q], ev_tids[q], false);
-      home_slot = j < 0 ? -1 : home.base + j;
-    }
+    if (lane_id() == 0) home_slot = find_slot(DEMB_TABLE_VIEW, ev_keys[q], ev_tids[q], false);
     home_slot = __shfl_sync(kFullMask, home_slot, 0);
     if (home_slot >= 0) {
       for (int64_t c = lane_id(); c < width; c += kWarp) {

@@ -65,6 +65,15 @@ struct ThreadProbe {
   }
 };
 
+// The slot of (key, tid) in table v, or -1: one thread's probe (find_one).
+__device__ __forceinline__ int64_t find_slot(const TableView& v, int64_t key, int16_t tid,
+                                             bool one_table) {
+  if (one_table) tid = 0;
+  const KeyHome home = home_of(v, hash_key(key, tid));
+  const int j = find_one(v, ThreadProbe{}, home, key, tid, one_table);
+  return j < 0 ? -1 : home.base + j;
+}
+
 // The bit policy (table_view.h) of kernels whose threads share a bucket's words.
 struct AtomicBits {
   __device__ __forceinline__ static void set(uint64_t* bits, int j) {

@@ -198,13 +198,7 @@ extern "C" __global__ void demb_buckets_of(const int64_t* keys, const int16_t* t
 extern "C" __global__ void demb_find(DEMB_TABLE_PARAMS, const int64_t* keys, const int16_t* tids,
                                      int64_t n, bool one_table, int64_t* slots) {
   const int64_t i = global_thread();
-  if (i >= n) return;
-  const TableView v = DEMB_TABLE_VIEW;
-  const int64_t key = keys[i];
-  const int16_t tid = one_table ? int16_t{0} : tids[i];
-  const KeyHome home = home_of(v, hash_key(key, tid));
-  const int j = find_one(v, ThreadProbe{}, home, key, tid, one_table);
-  slots[i] = j < 0 ? -1 : home.base + j;
+  if (i < n) slots[i] = find_slot(DEMB_TABLE_VIEW, keys[i], tids[i], one_table);
 }
 
 // The end of the run of bucket b that starts at q0 in sorted_buckets (m,): the first
