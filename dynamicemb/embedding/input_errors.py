@@ -54,7 +54,6 @@ class CheckedBatch:
 
 class _Pending(NamedTuple):
     batch: CheckedBatch
-    copied: bool  # its word was copied to the host (not when captured in a graph)
     event: Optional[object]  # a torch.cuda.Event recorded after the copy (CUDA only)
 
 
@@ -76,15 +75,14 @@ class InputErrors:
     def checked(self, batch: CheckedBatch) -> None:
         """After the check kernel of ``batch`` was enqueued: its word starts for the
         host (with ``at_once``, the error is raised now)."""
-        if capturing():  # a graph's replays are checked by reading the word itself
-            self._pending = _Pending(batch, False, None)
-            return
+        if capturing():  # a graph's replays are checked by reading the word itself; the
+            return  # batch checked before the capture stays pending
         self._host.copy_(self.word, non_blocking=True)
         event = None
         if self.word.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        self._pending = _Pending(batch, True, event)
+        self._pending = _Pending(batch, event)
         if self.at_once:
             self.raise_if_refused()
 
@@ -93,10 +91,12 @@ class InputErrors:
         is cleared. Waits only for the copy of that batch's word (see the module
         docstring); ``wait_for_device``: reads the word itself (a sync), whatever
         ran since (a CUDA graph's replays)."""
+        if capturing() and not wait_for_device:  # no waiting inside a capture: the next
+            return  # call checks the pending batch
         pending, self._pending = self._pending, None
         if wait_for_device:
             problem = offsets_problem(int(self.word[0]))
-        elif pending is None or not pending.copied:
+        elif pending is None:
             return
         else:
             if pending.event is not None:

@@ -236,3 +236,24 @@ def test_pad_lookups_refuses_a_batch_too_large():
 
     with pytest.raises(ValueError, match="more than num_lookups=3"):
         pad_lookups(torch.arange(4), torch.tensor([0, 4]), None, 3, -1)
+
+
+def test_host_writes_a_capture_would_replay_are_refused_and_eager_ones_taken():
+    """A clock set or a learning rate changed through ``param_groups`` after the last
+    step would be written inside the capture (and set back at every replay): the
+    capture refuses it; ``set_learning_rate`` writes the device copy at once, so a
+    capture after it takes the new rate."""
+    optimizer, pooling = DynamicEmbOptimType.ADAM, DynamicEmbPoolingMode.SUM
+    strategy = DynamicEmbScoreStrategy.LRU
+    with emulated_cuda() as kernels:
+        module = _module(optimizer, pooling, strategy)
+        _step(module, _ids(0))
+        module.set_table_clocks("t0", module.table_clocks("t0")._replace(score_clock=50))
+        with pytest.raises(RuntimeError, match="outside the CUDA graph capture"):
+            _captured(module, kernels, _ids(1))
+        _step(module, _ids(1))  # an eager step writes the clock
+        module.optimizer.param_groups[0]["lr"] = 0.5
+        with pytest.raises(RuntimeError, match="set_learning_rate before the capture"):
+            _captured(module, kernels, _ids(2))
+        module.set_learning_rate(0.5)
+        _captured(module, kernels, _ids(3))  # takes it

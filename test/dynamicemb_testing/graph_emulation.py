@@ -12,7 +12,9 @@ fixed addresses of a graph's memory pool). A step that still needs Python per st
 replays to the wrong result, which is what the tests look for.
 
 One difference from a GPU: capturing here runs the step once (a CUDA capture runs
-nothing), so a test counts the capture as a step.
+nothing), so a test counts the capture as a step. While capturing,
+``torch.cuda.is_current_stream_capturing()`` is True (and ``torch.cuda.is_available()``),
+so the module takes the paths it takes inside a real capture.
 """
 
 import contextlib
@@ -78,6 +80,8 @@ class EmulatedGraph:
                 self.recording = True
 
         kernels._launch = recorded_launch
+        saved = torch.cuda.is_available, torch.cuda.is_current_stream_capturing
+        torch.cuda.is_available = torch.cuda.is_current_stream_capturing = lambda: True
         self.recording = True
         try:
             with _Recorder(self):
@@ -85,6 +89,7 @@ class EmulatedGraph:
         finally:
             self.recording = False
             kernels._launch = launch
+            torch.cuda.is_available, torch.cuda.is_current_stream_capturing = saved
 
     @torch.no_grad()  # a graph knows no autograd: its tensors are memory
     def replay(self) -> None:
