@@ -223,9 +223,13 @@ class TableGroup:
     def counts_on_device(self, insert: bool) -> bool:
         """Whether a lookup (training when ``insert``) may run with every size and count
         left on the device: a training lookup of a group without admission or
-        CUSTOMIZED scores whose storage allows it (``TieredStorage.counts_on_device``).
-        Then ``begin_lookup`` takes the module's error word."""
-        return (insert and self.training and self.admission is None
+        CUSTOMIZED scores whose storage allows it (``TieredStorage.counts_on_device``),
+        or an eval lookup whose storage finds rows on the device
+        (``TieredStorage.finds_on_device``). Then ``begin_lookup`` takes the module's
+        error word."""
+        if not (insert and self.training):
+            return self.ops.counts_on_device and self.storage.finds_on_device
+        return (self.admission is None
                 and self.score_strategy != DynamicEmbScoreStrategy.CUSTOMIZED
                 and self.storage.counts_on_device)
 
@@ -249,6 +253,13 @@ class TableGroup:
                 set changes nothing.
         """
         train = insert and self.training
+        if error is not None and not train:  # eval, padded: rows found, none inserted
+            unique = self.ops.padded_dedup(keys=keys, table_ids=tids, error=error)
+            return Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
+                          counts=unique.counts,
+                          row_ref=self.storage.resolve(unique.keys, unique.table_ids),
+                          init=InitRows(unique.keys, unique.table_ids,
+                                        self.init.spec(False, self.device)))
         if error is not None:
             unique, pending = self.storage.prepare_dedup(keys, tids, frequencies, padded=True,
                                                          error=error)
@@ -293,8 +304,9 @@ class TableGroup:
         their tiers, count admissions. Unique keys without a stored row get transient
         rows."""
         keys, tids = lookup.keys, lookup.tids
-        if lookup.init is not None:  # padded: failed keys' rows are computed where read
-            refs = self.storage.commit_padded(lookup.insert, keys, tids, lookup.counts)
+        if lookup.init is not None:  # padded: rows of absent keys are computed where read
+            refs = lookup.row_ref if lookup.insert is None else self.storage.commit_padded(
+                lookup.insert, keys, tids, lookup.counts)
             return lookup._replace(row_ref=refs, transient=self._no_transient,
                                    generation=self.storage.generation, insert=None)
         if lookup.insert is None:

@@ -598,6 +598,10 @@ class CudaKernels:
         starts, rank); starts and rank are empty unless ``group``."""
         return self._dedup(keys, tids, frequencies, group)[0]
 
+    def padded_dedup(self, keys, tids, error):
+        """``dedup`` (not grouped) padded to the n keys: nothing read on the host."""
+        return self._dedup(keys, tids, None, False, padded=True, error=error)[0]
+
     def _dedup(self, keys, tids, frequencies, group: bool, num_buckets: Optional[int] = None,
                padded: bool = False, error: Optional[torch.Tensor] = None,
                time: Optional[torch.Tensor] = None):

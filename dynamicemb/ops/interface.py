@@ -476,6 +476,13 @@ class Backend(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
+    def padded_dedup(self, *, keys: torch.Tensor, table_ids: torch.Tensor,
+                     error: Optional[torch.Tensor]) -> Deduplicated:
+        """``dedup`` (not grouped) padded to the N keys, the unique count left on the
+        device; ``error``: a batch whose word is set has no unique key (only where
+        ``counts_on_device``)."""
+        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+
     def padded_upsert(self, *, memory: TableMemory, keys: torch.Tensor,
                       table_ids: torch.Tensor, scores: Optional[torch.Tensor],
                       buckets: torch.Tensor, rule: ScoreRule, evicts: bool, one_table: bool,

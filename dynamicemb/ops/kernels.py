@@ -129,6 +129,11 @@ class KernelBackend(Backend):
         if not self.counts_on_device:
             raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
+    def padded_dedup(self, *, keys, table_ids, error):
+        self._padded_only()
+        unique = Deduplicated(*self.kernels.padded_dedup(keys, table_ids, error))
+        return unique._replace(starts=None, rank=None)
+
     def padded_upsert(self, *, memory, keys, table_ids, scores, buckets, rule, evicts,
                       one_table, outcomes, size):
         self._padded_only()

@@ -258,6 +258,12 @@ class TieredStorage:
         return (layout and self.external is None and self.initialize_new is not None
                 and self.host.counts_on_device)
 
+    @property
+    def finds_on_device(self) -> bool:
+        """Whether ``resolve`` reads nothing on the host (an eval lookup may then run
+        padded): no tier below (its store is called from the host) and no ``ttl``."""
+        return self.external is None and self.host.ttl is None
+
     def prepare(self, keys, tids, scores) -> PendingInsert:
         """Phase one: the host store decides keys and scores (may raise; see
         ``ScoredHashTable.prepare_find_or_insert``)."""

@@ -435,6 +435,8 @@ class ScoredHashTable:
         tids = self._table_ids(table_ids, keys.numel(), checked)
         slots = self._ops.find(memory=self._memory, keys=keys, table_ids=tids,
                                one_table=self.num_tables == 1)
+        if self.ttl is None:  # nothing expires: no need of the time (on the device)
+            return slots
         before = self.expired_before(self.now if at_time is None else at_time)
         if before > 0:
             found = slots.clamp(min=0)

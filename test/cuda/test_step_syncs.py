@@ -305,3 +305,25 @@ def test_a_step_with_frequencies_makes_no_sync(strategy):
             assert not guard.syncs, guard.report()
             torch.testing.assert_close(got, want, **TOL)
         _assert_same_rows(emulated, cpu)
+
+
+@pytest.mark.parametrize("layout", ["all-rows", "cache", "host-rows"])
+def test_an_eval_step_makes_no_sync(layout):
+    """Eval (no insert) finds rows and computes the eval initializer's row of unseen
+    ids in the lookup kernel: no sync, the CPU backend's outputs."""
+    cpu = _module(**LAYOUTS[layout])
+    with emulated_cuda() as kernels:
+        emulated = _module(**LAYOUTS[layout])
+        for ids, offsets in _batches(3000, 2, seed=12):
+            torch.testing.assert_close(_step(emulated, ids, offsets), _step(cpu, ids, offsets),
+                                       **TOL)
+        ids, offsets = _batches(6000, 1, seed=13)[0]  # half of them unseen
+        for m in (cpu, emulated):
+            m.eval()
+        want = cpu(ids, offsets)
+        with SyncGuard() as guard, torch.no_grad():
+            kernels.guard = guard
+            got = emulated(ids, offsets)
+        kernels.guard = None
+    assert not guard.syncs, guard.report()
+    torch.testing.assert_close(got, want, **TOL)
