@@ -13,11 +13,18 @@ constexpr int32_t kEmptyEntry = 0;
 
 // Inserts position i of keys (n,) into `set` (mask + 1 entries, all 0), and
 // records in where (n,) the entry of its pair. An entry only ever holds
-// positions of one pair, so atomicMin leaves the first of them.
+// positions of one pair, so atomicMin leaves the first of them. lookup_group
+// (null: every position): a position whose entry is not `group` is another
+// group's lookup: it is left out (where -1).
 extern "C" __global__ void demb_dedup_insert(const int64_t* keys, const int16_t* tids, int64_t n,
-                                             int32_t* set, int64_t mask, int64_t* where) {
+                                             int32_t* set, int64_t mask, int64_t* where,
+                                             const int64_t* lookup_group, int64_t group) {
   const int64_t i = global_thread();
   if (i >= n) return;
+  if (lookup_group != nullptr && lookup_group[i] != group) {
+    where[i] = -1;
+    return;
+  }
   const int64_t key = keys[i];
   const int16_t tid = tids[i];
   int64_t pos = static_cast<int64_t>(hash_key(key, tid) & static_cast<uint64_t>(mask));
@@ -37,12 +44,13 @@ extern "C" __global__ void demb_dedup_insert(const int64_t* keys, const int16_t*
 }
 
 // first[i] = the first position of the pair of position i (set[where[i]] - 1), and
-// is_first[i] = whether i is that position (1 or 0; its scan numbers the pairs).
+// is_first[i] = whether i is that position (1 or 0; its scan numbers the pairs);
+// first -1 and is_first 0 for a position left out (where -1).
 extern "C" __global__ void demb_dedup_first(const int32_t* set, const int64_t* where, int64_t n,
                                             int64_t* first, int64_t* is_first) {
   const int64_t i = global_thread();
   if (i >= n) return;
-  first[i] = set[where[i]] - 1;
+  first[i] = where[i] < 0 ? -1 : set[where[i]] - 1;
   is_first[i] = first[i] == i;
 }
 
@@ -58,9 +66,10 @@ extern "C" __global__ void demb_dedup_first(const int32_t* set, const int64_t* w
 // kNoBucket (an inserting pass marks them failed and counts nothing). error
 // (null: none): a batch refused by the module's input check (*error != 0) has no
 // unique pair: every position pads (padded) and every inverse is -1, so nothing
-// after the dedup reads or changes a row for it. time (null: none): the table's
-// clock and step (2,), advanced by one for the call unless it is refused (the
-// launch has at least one thread, so an empty batch ticks too).
+// after the dedup reads or changes a row for it. A position left out by the
+// insert (first -1: another group's lookup) gets inverse -1. time (null: none):
+// the table's clock and step (2,), advanced by one for the call unless it is
+// refused (the launch has at least one thread, so an empty batch ticks too).
 extern "C" __global__ void demb_dedup_number(const int64_t* keys, const int16_t* tids,
                                              const int64_t* first, const int64_t* number,
                                              int64_t n, int64_t* unique_keys,
@@ -81,11 +90,11 @@ extern "C" __global__ void demb_dedup_number(const int64_t* keys, const int16_t*
     unique_tids[i] = 0;
     if (unique_buckets != nullptr) unique_buckets[i] = kNoBucket;
   }
-  if (refused) {
+  const int64_t f = first[i];
+  if (refused || f < 0) {
     inverse[i] = -1;
     return;
   }
-  const int64_t f = first[i];
   const int64_t u = number[f] - 1;
   inverse[i] = u;
   atomicAdd(occurrences + u, 1ull);

@@ -17,7 +17,7 @@ import torch
 from dynamicemb.embedding.admission import Admission
 from dynamicemb.embedding.initialization import RowInitializer
 from dynamicemb.ops import for_device
-from dynamicemb.ops.interface import (DeviceSchedule, InitRows, OptimizerUpdate,
+from dynamicemb.ops.interface import (BatchPart, DeviceSchedule, InitRows, OptimizerUpdate,
                                       num_buckets_for, optimizer_state_dim)
 from dynamicemb.options import (DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbTableOptions,
                                 DynamicEmbWeightDecayMode)
@@ -235,7 +235,8 @@ class TableGroup:
 
     def begin_lookup(self, keys: torch.Tensor, tids: torch.Tensor, insert: bool,
                      frequencies: Optional[torch.Tensor] = None,
-                     error: Optional[torch.Tensor] = None) -> Lookup:
+                     error: Optional[torch.Tensor] = None,
+                     part: Optional[BatchPart] = None) -> Lookup:
         """Phase one of a lookup: dedup, admission decision, hash-table slots decided.
 
         Nothing observable changes until ``finish_lookup``; ``abort_lookup`` undoes
@@ -251,10 +252,13 @@ class TableGroup:
                 batch: given only where ``counts_on_device(insert)``, and then the
                 lookup is padded (nothing read on the host) and a batch whose word is
                 set changes nothing.
+            part (``BatchPart``, optional): with ``error``, keys, tids and
+                frequencies are the whole batch, of which this group takes its part
+                (other groups' lookups get inverse -1); otherwise the group's own.
         """
         train = insert and self.training
         if error is not None and not train:  # eval, padded: rows found, none inserted
-            unique = self.ops.padded_dedup(keys=keys, table_ids=tids, error=error)
+            unique = self.ops.padded_dedup(keys=keys, table_ids=tids, error=error, part=part)
             return Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
                           counts=unique.counts,
                           row_ref=self.storage.resolve(unique.keys, unique.table_ids),
@@ -262,7 +266,7 @@ class TableGroup:
                                         self.init.spec(False, self.device)))
         if error is not None:
             unique, pending = self.storage.prepare_dedup(keys, tids, frequencies, padded=True,
-                                                         error=error)
+                                                         error=error, part=part)
             return Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
                           counts=unique.counts, starts=unique.starts, rank=unique.rank,
                           insert=pending,

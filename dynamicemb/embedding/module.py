@@ -20,6 +20,7 @@ from dynamicemb.embedding.input_errors import CheckedBatch, InputErrors, offsets
 from dynamicemb.embedding.state import load_tables_state, tables_state
 from dynamicemb.embedding.streams import StreamOrder
 from dynamicemb.ops import for_device, resolve_device
+from dynamicemb.ops.interface import BatchPart
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer
 from dynamicemb.storage import TierMetrics
 from dynamicemb.table.checks import check_batch_types, check_frequencies
@@ -723,17 +724,20 @@ class BatchedDynamicEmbeddingTables(nn.Module):
 
     def _counted(self, training: bool) -> bool:
         """Whether this call's step keeps every count on the device: a backend that
-        can, one group, and a lookup that group can run padded."""
-        return (self._errors is not None and len(self._groups) == 1
-                and self._groups[0].counts_on_device(training))
+        can, and a lookup every group can run padded (several groups each take
+        their part of the whole batch)."""
+        return self._errors is not None and all(g.counts_on_device(training)
+                                                for g in self._groups)
 
     def _check_on_device(self) -> CheckedBatch:
         """A batch to be checked by a kernel into the error word (read at the next
         call). Its step's counters (train steps, clock, Adam's step) advance in
         device memory and a refused batch advances none: nothing to put back. The
-        module's train steps follow the group table's step from here."""
+        module's train steps follow the first group table's step from here (every
+        group's table steps with it)."""
         if not self._steps_on_table:
-            self._groups[0].table.set_step(self._train_steps)
+            for g in self._groups:
+                g.table.set_step(self._train_steps)
             self._steps_on_table = True
         return CheckedBatch()
 
@@ -799,13 +803,13 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             for g in self._groups:
                 g.table.set_step(self._train_steps + 1)
         pending = []
-        parts = self._split_by_group(indices, offsets, batch_size)
+        parts = self._split_by_group(indices, offsets, batch_size, padded=error is not None)
         try:
-            for group, keys, tids, positions in parts:
+            for group, keys, tids, positions, part in parts:
                 freq = frequencies
                 if freq is not None and positions is not None:
                     freq = freq[positions]
-                pending.append(group.begin_lookup(keys, tids, insert, freq, error))
+                pending.append(group.begin_lookup(keys, tids, insert, freq, error, part))
         except BaseException:
             for group, p in reversed(list(zip(self._groups, pending))):
                 group.abort_lookup(p)
@@ -818,7 +822,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 self._train_steps += 1
             self._changed()
         lookups = [g.finish_lookup(p) for g, p in zip(self._groups, pending)]
-        for g, (found, (_, _, _, positions)) in enumerate(zip(lookups, parts)):
+        for g, (found, (_, _, _, positions, _)) in enumerate(zip(lookups, parts)):
             if positions is not None:  # back to positions in the whole batch
                 inverse = torch.full((indices.numel(),), -1, dtype=torch.int64, device=self.device)
                 inverse[positions] = found.inverse
@@ -830,11 +834,13 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 lookups[g] = found._replace(inverse=inverse, rank=rank)
         return lookups
 
-    def _split_by_group(self, indices, offsets, batch_size):
-        """(group, keys, local table ids, positions in the batch or None) per group."""
+    def _split_by_group(self, indices, offsets, batch_size, padded: bool = False):
+        """(group, keys, local table ids, positions in the batch or None, part or None)
+        per group. ``padded``: every group gets the whole batch and its
+        ``BatchPart`` (no sizes read on the host)."""
         n = indices.numel()
         if len(self._groups) == 1 and len(self._groups[0].table_indices) == 1:
-            return [(self._groups[0], indices, self._zero_tids.take(n), None)]
+            return [(self._groups[0], indices, self._zero_tids.take(n), None, None)]
         bounds = offsets[:: max(batch_size, 1)] if batch_size else torch.zeros(
             self._num_features + 1, dtype=torch.int64, device=self.device)
         # each lookup's feature: how many features end at or before it (a search, not
@@ -846,13 +852,17 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                                      right=True).clamp_(max=self._num_features - 1)
         tids = self._feature_local_tid[feature]
         if len(self._groups) == 1:
-            return [(self._groups[0], indices, tids, None)]
+            return [(self._groups[0], indices, tids, None, None)]
+        if padded:
+            groups = self._feature_group[feature]
+            return [(group, indices, tids, None, BatchPart(groups, g))
+                    for g, group in enumerate(self._groups)]
         # Each group's lookups in batch order: a stable sort by group, cut at the
         # groups' sizes (read in one sync for all groups, not one per group).
         sizes = torch.zeros(len(self._groups), dtype=torch.int64, device=self.device).index_add_(
             0, self._feature_group, bounds[1:] - bounds[:-1]).tolist()
         order = torch.sort(self._feature_group[feature], stable=True).indices
-        return [(group, indices[positions], tids[positions].contiguous(), positions)
+        return [(group, indices[positions], tids[positions].contiguous(), positions, None)
                 for group, positions in zip(self._groups, torch.split(order, sizes))]
 
     def _compute_output(self, batch: _Batch) -> torch.Tensor:

@@ -20,6 +20,7 @@ from dynamicemb.types import DynamicEmbScoreStrategy
 
 __all__ = [
     "Backend",
+    "BatchPart",
     "Deduplicated",
     "DeviceSchedule",
     "Entries",
@@ -316,6 +317,19 @@ class RowSources(NamedTuple):
     init: Optional[InitRows] = None
 
 
+class BatchPart(NamedTuple):
+    """The keys of a batch a padded call takes: those of one group of a module (the
+    module's groups share one batch, each with its own table).
+
+    Attributes:
+        groups: (N,) int64, the group of each key of the batch.
+        group: the call's group; the other keys are left out (inverse -1, no lookup).
+    """
+
+    groups: torch.Tensor
+    group: int
+
+
 class PromotionPlan(NamedTuple):
     """A padded batch's promotion into a cache, on the device (``Backend.promotion_plan``).
 
@@ -457,8 +471,8 @@ class Backend(abc.ABC):
                             table_ids: torch.Tensor, frequencies: Optional[torch.Tensor],
                             rule: ScoreRule, time: torch.Tensor, now_index: int,
                             evicts: bool, one_table: bool, error: Optional[torch.Tensor],
-                            outcomes: torch.Tensor,
-                            size: torch.Tensor) -> Tuple[Deduplicated, Upserted]:
+                            outcomes: torch.Tensor, size: torch.Tensor,
+                            part: Optional["BatchPart"] = None) -> Tuple[Deduplicated, Upserted]:
         """``dedup_upsert`` with every size, count and clock left on the device (only
         where ``counts_on_device``, into a table that cannot grow): the dedup is
         padded to the N keys.
@@ -473,14 +487,16 @@ class Backend(abc.ABC):
                 inserts and failures to (``Upserted``'s four counts are None).
             size: (1,) int64, the table's size, advanced by the inserts into
                 empty slots.
+            part: only the keys of one group of the batch (``BatchPart``).
         """
         raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
     def padded_dedup(self, *, keys: torch.Tensor, table_ids: torch.Tensor,
-                     error: Optional[torch.Tensor]) -> Deduplicated:
+                     error: Optional[torch.Tensor],
+                     part: Optional["BatchPart"] = None) -> Deduplicated:
         """``dedup`` (not grouped) padded to the N keys, the unique count left on the
-        device; ``error``: a batch whose word is set has no unique key (only where
-        ``counts_on_device``)."""
+        device; ``error``: a batch whose word is set has no unique key; ``part``:
+        only the keys of one group (only where ``counts_on_device``)."""
         raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
     def padded_upsert(self, *, memory: TableMemory, keys: torch.Tensor,

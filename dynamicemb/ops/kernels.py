@@ -111,7 +111,7 @@ class KernelBackend(Backend):
         return unique, upserted
 
     def padded_dedup_upsert(self, *, memory, keys, table_ids, frequencies, rule, time,
-                            now_index, evicts, one_table, error, outcomes, size):
+                            now_index, evicts, one_table, error, outcomes, size, part=None):
         if not self.counts_on_device:
             raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
         if memory.can_grow:  # a full bucket would defer keys to a growth
@@ -120,7 +120,7 @@ class KernelBackend(Backend):
             self.kernels.padded_dedup_upsert(memory.meta, memory.bucket_capacity, keys,
                                              table_ids, frequencies, int(rule), time,
                                              now_index, evicts, one_table, error, outcomes,
-                                             size))
+                                             size, part))
         return Deduplicated(*unique), Upserted(slots, status, prev, ev_keys, ev_tids, ev_scores,
                                                hits=None, inserted=None, evicted=None,
                                                failed=None, growths=0)
@@ -129,9 +129,9 @@ class KernelBackend(Backend):
         if not self.counts_on_device:
             raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
-    def padded_dedup(self, *, keys, table_ids, error):
+    def padded_dedup(self, *, keys, table_ids, error, part=None):
         self._padded_only()
-        unique = Deduplicated(*self.kernels.padded_dedup(keys, table_ids, error))
+        unique = Deduplicated(*self.kernels.padded_dedup(keys, table_ids, error, part))
         return unique._replace(starts=None, rank=None)
 
     def padded_upsert(self, *, memory, keys, table_ids, scores, buckets, rule, evicts,

@@ -274,17 +274,17 @@ class TieredStorage:
         return pending
 
     def prepare_dedup(self, keys, tids, frequencies, padded: bool = False,
-                      error: Optional[torch.Tensor] = None) -> Tuple[Deduplicated,
-                                                                     PendingInsert]:
+                      error: Optional[torch.Tensor] = None,
+                      part=None) -> Tuple[Deduplicated, PendingInsert]:
         """Phase one of a batch with repeated keys: its dedup and ``prepare`` of the
         unique keys in one call (see ``ScoredHashTable.prepare_dedup_find_or_insert``,
-        whose ``padded`` and ``error`` these are; ``padded`` where
+        whose ``padded``, ``error`` and ``part`` these are; ``padded`` where
         ``counts_on_device``, then ``commit_padded`` follows). The dedup is returned
         on ``device``."""
         frequencies = None if frequencies is None else self._on_host(frequencies)
         unique, pending = self.host.prepare_dedup_find_or_insert(
             self._on_host(keys), self._on_host(tids), frequencies, checked=True,
-            padded=padded, error=error)
+            padded=padded, error=error, part=part)
         self._stage_below(pending, unique.keys, unique.table_ids)
         if self._two_devices:
             unique = Deduplicated(*(None if t is None else t.to(self.device) for t in unique))

@@ -13,7 +13,8 @@ from typing import Optional, Tuple
 import torch
 
 from dynamicemb.ops import for_device, resolve_device
-from dynamicemb.ops.interface import (ALL_BITS, COMPOUND_TIME_MASK, Deduplicated, Entries,
+from dynamicemb.ops.interface import (ALL_BITS, COMPOUND_TIME_MASK, BatchPart, Deduplicated,
+                                      Entries,
                                       InsertStatus, ScoreRule, TableMemory, Upserted,
                                       num_buckets_for, score_rule)
 from dynamicemb.options import check_ttl
@@ -612,6 +613,7 @@ class ScoredHashTable:
         checked: bool = False,
         padded: bool = False,
         error: Optional[torch.Tensor] = None,
+        part: Optional[BatchPart] = None,
     ) -> Tuple[Deduplicated, PendingInsert]:
         """``prepare_find_or_insert`` of the unique pairs of a batch that may repeat
         keys, returning the dedup too. With a clock-scored strategy (LRU, STEP,
@@ -636,6 +638,8 @@ class ScoredHashTable:
             error (Tensor, optional): (1,) int64, a padded call's input-check word
                 (``Backend.check_offsets``): when set, the batch has no unique key
                 and the call changes nothing.
+            part (``BatchPart``, optional): a padded call takes only these keys of the
+                batch (the others: inverse -1, no lookup).
 
         Returns:
             (``Deduplicated``, ``PendingInsert`` over ``Deduplicated.keys``).
@@ -656,7 +660,7 @@ class ScoredHashTable:
         if not checked:
             frequencies = check_frequencies(frequencies, n, self.device)
         if padded:
-            return self._prepare_padded(keys, tids, frequencies, error)
+            return self._prepare_padded(keys, tids, frequencies, error, part)
         if self._rule != ScoreRule.CLOCK:  # LFU: the scores are the counts, known after the dedup
             unique = self._ops.dedup(keys=keys, table_ids=tids, frequencies=frequencies,
                                      group=True)
@@ -672,8 +676,8 @@ class ScoredHashTable:
         return unique, self._pending_insert(upserted, clock_before, None, read_evicted=True,
                                             assign=False, now=now)
 
-    def _prepare_padded(self, keys, tids, frequencies, error) -> Tuple[Deduplicated,
-                                                                       PendingInsert]:
+    def _prepare_padded(self, keys, tids, frequencies, error,
+                        part) -> Tuple[Deduplicated, PendingInsert]:
         """A padded call: its kernels advance the clock and the step in device memory
         (unless ``error`` refuses the batch) and read its time there, and add their
         outcome counts to the device totals. Nothing is read on the host."""
@@ -688,7 +692,7 @@ class ScoredHashTable:
             rule=self._rule, time=self._time.on_device(),
             now_index=1 if self.score_strategy == DynamicEmbScoreStrategy.STEP else 0,
             evicts=self._evicts, one_table=self.num_tables == 1, error=error,
-            outcomes=self._outcome_totals.tensor[:4], size=self._stored.on_device())
+            outcomes=self._outcome_totals.tensor[:4], size=self._stored.on_device(), part=part)
         pending = PendingInsert(self, upserted, None, None, read_evicted=False, assign=False,
                                 padded=PaddedCall(error, unique.counts))
         self._pending = pending

@@ -275,10 +275,16 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
     # --------------------------------------------------------------- dedup
     def run_dedup_insert(self, a):
         keys, tids, n = self._t(a[0]), self._t(a[1]), int(a[2])
-        _, _, inverse, _, _, _ = self._cpu.dedup(keys, tids, None, False)
-        first = torch.full((n,), n, dtype=torch.int64).scatter_reduce_(
-            0, inverse, torch.arange(n), "amin")
-        self._t(a[5]).copy_(first[inverse])
+        groups = self._t(a[6])  # with a group: other groups' positions are left out (-1)
+        at = (torch.arange(n) if groups is None
+              else (groups[:n] == int(a[7])).nonzero().squeeze(1))
+        _, _, inverse, _, _, _ = self._cpu.dedup(keys[at].contiguous(), tids[at].contiguous(),
+                                                 None, False)
+        first = torch.full((at.numel(),), n, dtype=torch.int64).scatter_reduce_(
+            0, inverse, at, "amin")
+        where = self._t(a[5])
+        where.fill_(-1)
+        where[at] = first[inverse]
 
     def run_dedup_first(self, a):
         first = self._t(a[3])
@@ -303,9 +309,10 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         if refused:
             inverse.fill_(-1)
             return
-        inverse.copy_(number[first] - 1)
+        mine = first >= 0  # other groups' positions: inverse -1
+        inverse.copy_(torch.where(mine, number[first.clamp(min=0)] - 1, -1))
         if occurrences is not None:  # None: no unique pair (n = 0 launches nothing)
-            occurrences.index_add_(0, inverse, torch.ones_like(inverse))
+            occurrences.index_add_(0, inverse[mine], torch.ones_like(inverse[mine]))
         is_first = first == torch.arange(first.numel())
         u = int(is_first.sum())
         ukeys[:u] = keys[is_first]
