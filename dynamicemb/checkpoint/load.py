@@ -3,7 +3,6 @@
 import os
 from typing import Dict, List, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import nn
 

@@ -2,14 +2,14 @@
 and a bandwidth for ``customized_kernel`` so the perf model can rank them."""
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from torchrec.distributed.planner.estimator.config import EmbeddingPerfEstimatorConfig
 from torchrec.distributed.planner.shard_estimators import (
     EmbeddingStorageEstimator,
     _calculate_storage_specific_sizes,
 )
-from torchrec.distributed.planner.types import ParameterConstraints, ShardingOption, Storage, Topology
+from torchrec.distributed.planner.types import ShardingOption, Storage
 from torchrec.distributed.types import compute_storage_usage
 
 from dynamicemb.ops.interface import metadata_bytes_per_slot, num_buckets_for, optimizer_state_dim

@@ -2,7 +2,6 @@
 fused update's shared memory at every dim up to the backend's maximum, the refusal
 beyond it, and the device a kernel module is compiled and loaded on."""
 
-import contextlib
 
 import pytest
 import torch

@@ -15,7 +15,6 @@ per table group is one per backward).
 from typing import Dict, List, Tuple
 
 import torch
-import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 from torch import nn
