@@ -622,10 +622,11 @@ class ScoredHashTable:
 
         ``padded`` (where ``counts_on_device``): nothing is read on the host. The
         dedup's arrays and the insert's per-key arrays have N entries (padding past
-        the unique pairs: ``Deduplicated``); the commit's ``InsertResult`` has the
-        per-key ``status`` and the call's ``counts`` on the device instead of masks
-        and numbers; it leaves the rows of new keys to the caller
-        (``Backend.init_new_rows``). Size and ``stats`` take the counts when read.
+        the unique pairs: ``Deduplicated``); the clock and the step advance in device
+        memory, where the call reads its time; the commit's ``InsertResult`` has the
+        per-key ``status`` instead of masks and numbers, and leaves the rows of new
+        keys to the caller (``Backend.init_new_rows``); the call's counts go to the
+        device totals (``outcome_totals``), which ``stats`` take when read.
 
         Args:
             keys (Tensor): (N,) int64.
