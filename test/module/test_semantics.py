@@ -355,7 +355,7 @@ def test_bad_input_raises_and_changes_nothing(pooling, what, error, args, device
     good = (ids(1, 2, 3, 4), ids(0, 1, 2, 3, 4))
     for m in (module, twin):
         train_step(m, *good)
-    expect_refused(module, args, error, "", next_call=good)
+    expect_refused(module, args, error, None, next_call=good)
     assert_same_state(module, twin)
     # and nothing hidden (step, clock, admission counters) moved either
     assert torch.equal(train_step(module, *good, seed=1), train_step(twin, *good, seed=1))
