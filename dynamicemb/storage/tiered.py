@@ -38,7 +38,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import torch
 
 from dynamicemb.ops import for_device, resolve_device
-from dynamicemb.ops.interface import HOST_ROW_BIT, InsertStatus, RowSources
+from dynamicemb.ops.interface import HOST_ROW_BIT, KNO_BUCKET, InsertStatus, RowSources
 from dynamicemb.storage.external.store import ExternalStorageError
 from dynamicemb.table import (Deduplicated, Entries, InsertResult, PendingInsert,
                               ScoredHashTable)
@@ -250,11 +250,10 @@ class TieredStorage:
     @property
     def counts_on_device(self) -> bool:
         """Whether a training lookup may run padded, every count left on the device
-        (``prepare_dedup(padded=True)``, ``commit_padded``): one tier, host rows
-        only, or a cache (not a placement tier), each table allowing it
-        (``ScoredHashTable.counts_on_device``), no tier below, and an
-        ``initialize_new``."""
-        layout = self.device_tier is None or (self.promote and self.device_tier.counts_on_device)
+        (``prepare_dedup(padded=True)``, ``commit_padded``): every layout whose
+        tables allow it (``ScoredHashTable.counts_on_device``), with no tier below
+        and an ``initialize_new``."""
+        layout = self.device_tier is None or self.device_tier.counts_on_device
         return (layout and self.external is None and self.initialize_new is not None
                 and self.host.counts_on_device)
 
@@ -373,10 +372,36 @@ class TieredStorage:
         if self.device_tier is not None:
             self.device_tier.padded_erase(upserted.ev_keys, upserted.ev_tids, result.status,
                                           InsertStatus.EVICTED_AND_INSERTED)
+            if not self.promote:
+                return self._place_padded(keys, tids, host_slots, result.status, several)
             return self._promote_padded(keys, tids, counts, host_slots, several)
         if several:
             self._count_where("misses" if self.host_only else "hits", tids, host_slots >= 0)
         return self._host_refs(host_slots)
+
+    def _place_padded(self, keys, tids, host_slots, status, several: bool) -> torch.Tensor:
+        """``place``'s placement tier for a padded batch, on the device: the keys it
+        holds are found there (a hit of its call), and the host store's new keys land
+        in it while it has room (an insert, the row copied in); the others are read
+        in host memory."""
+        tier, ops = self.device_tier, for_device(self.device)
+        new = (status - InsertStatus.INSERTED).view(torch.uint8) < 2  # INSERTED or EVICTED_...
+        taken = (host_slots >= 0) & ((tier.find(keys, tids, checked=True) >= 0) | new)
+        buckets = torch.where(
+            taken, torch.bitwise_and(ops.hash_keys(keys=keys, table_ids=tids),
+                                     tier.num_buckets - 1), KNO_BUCKET).to(torch.int32)
+        placed = tier.padded_upsert(keys, tids, None, buckets)
+        refs = torch.empty_like(host_slots)
+        ops.promote_rows(host=self.host.memory, cache=tier.memory,
+                         order=torch.arange(keys.numel(), device=self.device),
+                         host_slots=host_slots, cached=placed, refs=refs)
+        self._moves += 1  # new rows may have moved to the tier (not read)
+        if several:
+            hit = placed.status == InsertStatus.HIT
+            self._count_where("hits", tids, hit)
+            self._count_where("misses", tids, (host_slots >= 0) & ~hit)
+            self._count_where("host_reads", tids, placed.status == InsertStatus.INSERTED)
+        return refs
 
     def _promote_padded(self, keys, tids, counts, host_slots, several: bool) -> torch.Tensor:
         """``_into_device_tier``'s promotion of a padded batch, on the device: the plan

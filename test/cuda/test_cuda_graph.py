@@ -100,13 +100,14 @@ def test_a_captured_step_replays_as_eager_steps(optimizer, pooling, strategy):
 
 @pytest.mark.parametrize("optimizer", [DynamicEmbOptimType.EXACT_SGD, DynamicEmbOptimType.ADAM],
                          ids=["sgd", "adam"])
-@pytest.mark.parametrize("layout", ["cache", "host-rows"])
+@pytest.mark.parametrize("layout", ["cache", "placed", "host-rows"])
 def test_a_captured_step_over_host_rows_replays_as_eager_steps(optimizer, layout):
     """Rows in host memory: a device cache of 256 rows over them (promotion, eviction,
-    write-back on the device), or every row read and updated there; replays equal
-    the CPU backend's eager training, metrics included."""
-    budget = dict(caching=True, local_hbm_for_values=256 * 8 * 4 * 3) if layout == "cache" else (
-        dict(caching=False, local_hbm_for_values=0))
+    write-back on the device), 256 rows placed in device memory (new rows land there
+    while it has room), or every row read and updated there; replays equal the CPU
+    backend's eager training, metrics included."""
+    device_rows = {"cache": 256, "placed": 256, "host-rows": 0}[layout]
+    budget = dict(caching=layout == "cache", local_hbm_for_values=device_rows * 8 * 4 * 3)
     pooling, strategy = DynamicEmbPoolingMode.SUM, DynamicEmbScoreStrategy.LRU
     eager = _module(optimizer, pooling, strategy, **budget)
     with emulated_cuda() as kernels:

@@ -69,10 +69,11 @@ def _batches(pool: int, count: int, seed: int, hot: bool = False):
 
 
 def _module(optimizer=DynamicEmbOptimType.EXACT_SGD, pooling=DynamicEmbPoolingMode.SUM,
-            cache=False, capacity=1 << 13, init_capacity=None, host_rows=False, **kw):
+            cache=False, capacity=1 << 13, init_capacity=None, host_rows=False, placed=False,
+            **kw):
     options = {}
-    if cache:
-        options = dict(local_hbm_for_values=16 * 4 * 256, caching=True)
+    if cache or placed:  # 256 rows of the device's: a cache, or where new rows land
+        options = dict(local_hbm_for_values=16 * 4 * 256, caching=cache)
     if host_rows:  # no device budget: every row read and updated in host memory
         options = dict(local_hbm_for_values=0, caching=False)
     if init_capacity:
@@ -105,8 +106,8 @@ OPTS = [DynamicEmbOptimType.EXACT_SGD, DynamicEmbOptimType.ADAM,
         DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD]
 
 
-LAYOUTS = {"all-rows": {}, "cache": dict(cache=True), "host-rows": dict(host_rows=True),
-           "growing": dict(init_capacity=1024)}
+LAYOUTS = {"all-rows": {}, "cache": dict(cache=True), "placed": dict(placed=True),
+           "host-rows": dict(host_rows=True), "growing": dict(init_capacity=1024)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -116,8 +117,8 @@ LAYOUTS = {"all-rows": {}, "cache": dict(cache=True), "host-rows": dict(host_row
 def test_cuda_path_trains_as_the_cpu_backend(optimizer, pooling, layout):
     """The CUDA path's code (emulated kernels) gives the CPU backend's results:
     new ids, repeated ids, a hot row split into pieces; all rows on the device, a
-    cache, rows in host memory (the padded step, no sync), and a table that grows
-    mid-training."""
+    cache, a placement tier, rows in host memory (the padded step, no sync), and a
+    table that grows mid-training."""
     batches = _batches(3000, 2, seed=1) + _batches(3000, 1, seed=2, hot=True)
     cpu = _module(optimizer, pooling, **LAYOUTS[layout])
     with emulated_cuda():
@@ -316,7 +317,7 @@ def test_a_step_with_frequencies_makes_no_sync(strategy):
         _assert_same_rows(emulated, cpu)
 
 
-@pytest.mark.parametrize("layout", ["all-rows", "cache", "host-rows"])
+@pytest.mark.parametrize("layout", ["all-rows", "cache", "placed", "host-rows"])
 def test_an_eval_step_makes_no_sync(layout):
     """Eval (no insert) finds rows and computes the eval initializer's row of unseen
     ids in the lookup kernel: no sync, the CPU backend's outputs."""
