@@ -363,6 +363,10 @@ class TableGroup:
         promotion, eviction); rows that left the table get no update in backward."""
         if lookup.generation == self.storage.generation:
             return lookup
+        if lookup.init is not None:  # padded: a row that left reads its initializer's
+            found = self.storage.resolve(lookup.keys, lookup.tids)
+            refs = torch.where(lookup.row_ref >= 0, found, lookup.row_ref)
+            return lookup._replace(row_ref=refs, generation=self.storage.generation)
         refs = lookup.row_ref.clone()
         stored = (refs >= 0).nonzero().squeeze(1)
         found = self.storage.resolve(lookup.keys[stored], lookup.tids[stored])

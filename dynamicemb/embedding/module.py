@@ -779,8 +779,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
 
     def _take_prefetched(self, indices, offsets) -> List[Lookup]:
         head = self._prefetched[0]
-        if head.training != self.training or not (
-                torch.equal(head.indices, indices) and torch.equal(head.offsets, offsets)):
+        same = (head.indices is indices and head.offsets is offsets) or (  # no read: no sync
+            torch.equal(head.indices, indices) and torch.equal(head.offsets, offsets))
+        if head.training != self.training or not same:
             raise ValueError(
                 "forward got a batch other than the next prefetched one (or another "
                 "train/eval mode); prefetched batches are consumed in order")

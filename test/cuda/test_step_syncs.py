@@ -337,3 +337,31 @@ def test_an_eval_step_makes_no_sync(layout):
         kernels.guard = None
     assert not guard.syncs, guard.report()
     torch.testing.assert_close(got, want, **TOL)
+
+
+def test_a_backward_after_another_forward_finds_its_rows_without_sync():
+    """Two forwards (the second evicts rows of the first), one backward: the first
+    lookup's rows are found again on the device (a row that left gets no update)
+    with no sync, as the CPU backend trains."""
+    def run(module, guarded=None):
+        ids1, offsets = _batches(3000, 1, seed=14)[0]
+        ids2 = _batches(3000, 1, seed=15)[0][0] + 10_000
+        out1, out2 = module(ids1, offsets), module(ids2, offsets)
+        loss = (out1 * torch.linspace(-1, 1, out1.numel()).view_as(out1)).sum() + out2.sum()
+        if guarded is None:
+            loss.backward()
+            return None
+        with SyncGuard() as guard:
+            guarded.guard = guard
+            loss.backward()
+        guarded.guard = None
+        return guard
+
+    cpu = _module(capacity=1 << 10)
+    run(cpu)
+    with emulated_cuda() as kernels:
+        emulated = _module(capacity=1 << 10)
+        guard = run(emulated, kernels)
+        assert emulated._groups[0].table.stats.evictions > 0
+        _assert_same_rows(emulated, cpu)
+    assert not guard.syncs, guard.report()
