@@ -54,6 +54,7 @@ class CheckedBatch:
 
 class _Pending(NamedTuple):
     batch: CheckedBatch
+    word: torch.Tensor  # the word its kernels read
     event: Optional[object]  # a torch.cuda.Event recorded after the copy (CUDA only)
 
 
@@ -72,17 +73,21 @@ class InputErrors:
         self._host_value = self._host.numpy()  # read as numpy: no torch op, no sync
         self._pending: Optional[_Pending] = None
 
-    def checked(self, batch: CheckedBatch) -> None:
-        """After the check kernel of ``batch`` was enqueued: its word starts for the
-        host (with ``at_once``, the error is raised now)."""
+    def checked(self, batch: CheckedBatch, word: Optional[torch.Tensor] = None) -> None:
+        """After the check kernel of ``batch`` was enqueued into ``word`` (default the
+        module's; a prefetch has its own, so that a refused prefetch refuses no
+        step around it): the word starts for the host (with ``at_once``, the
+        error is raised now). The batch checked before must have been read
+        (``raise_if_refused``): one is pending at a time."""
         if capturing():  # a graph's replays are checked by reading the word itself; the
             return  # batch checked before the capture stays pending
-        self._host.copy_(self.word, non_blocking=True)
+        word = self.word if word is None else word
+        self._host.copy_(word, non_blocking=True)
         event = None
-        if self.word.is_cuda:
+        if word.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        self._pending = _Pending(batch, event)
+        self._pending = _Pending(batch, word, event)
         if self.at_once:
             self.raise_if_refused()
 
@@ -106,7 +111,8 @@ class InputErrors:
             return
         batch = pending.batch if pending is not None else CheckedBatch()
         batch.refused = True
-        self.word.zero_()
+        if pending is None or pending.word is self.word:
+            self.word.zero_()  # a prefetch's own word is not used again
         if batch.offsets is None or not _problem_of(batch.offsets, batch.num_indices):
             # the word was set by a batch no call saw checked: a CUDA graph's replay
             raise ValueError(

@@ -112,6 +112,7 @@ class _Prefetched(NamedTuple):
     offsets: torch.Tensor
     training: bool
     lookups: List[Lookup]
+    check: Optional[CheckedBatch] = None  # its check on the device, if any
 
 
 class _LookupFunction(torch.autograd.Function):
@@ -572,17 +573,24 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         """Looks up a coming batch now: dedup, hash-table work, rows fetched into the
         device tier (inserting in training). ``forward`` consumes prefetched batches in
         order and must be given the same ``indices``/``offsets``. Results are identical
-        to not prefetching (see ``docs/ARCHITECTURE.md`` for the one exception).
+        to not prefetching (see ``docs/ARCHITECTURE.md`` for the one exception). On a
+        GPU step that keeps its counts on the device, bad offsets are raised at the
+        next call, as ``forward``'s, and the prefetch changes nothing.
 
         On CUDA, a prefetch on another stream than the last forward or backward
         first waits for what that stream has enqueued, and the next forward or
         backward on the training stream waits for the prefetch (``StreamOrder``)."""
         self._stream_order.before_use()
         self._raise_refused()
-        indices, offsets, _, batch_size = self._validate(indices, offsets, per_sample_weights)
+        # a step that keeps its counts on the device checks into a word of its own
+        error = (torch.zeros(1, dtype=torch.int64, device=self.device)
+                 if self._counted(self.training) else None)
+        check = None if error is None else self._check_on_device()
+        indices, offsets, _, batch_size = self._validate(indices, offsets, per_sample_weights,
+                                                         check, word=error)
         frequencies = self._validate_frequencies(frequencies, indices.numel())
-        lookups = self._lookup(indices, offsets, batch_size, self.training, frequencies)
-        self._prefetched.append(_Prefetched(indices, offsets, self.training, lookups))
+        lookups = self._lookup(indices, offsets, batch_size, self.training, frequencies, error)
+        self._prefetched.append(_Prefetched(indices, offsets, self.training, lookups, check))
         self._stream_order.used()
 
     def flush(self) -> None:
@@ -718,9 +726,16 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
 
     def _raise_refused(self) -> None:
-        """Raises the error of a batch an earlier call's kernel refused (bad offsets)."""
-        if self._errors is not None:
+        """Raises the error of a batch an earlier call's kernel refused (bad offsets); a
+        refused prefetched batch leaves the queue (it changed nothing)."""
+        if self._errors is None:
+            return
+        try:
             self._errors.raise_if_refused()
+        except ValueError:
+            self._prefetched = deque(p for p in self._prefetched
+                                     if p.check is None or not p.check.refused)
+            raise
 
     def _counted(self, training: bool) -> bool:
         """Whether this call's step keeps every count on the device: a backend that
@@ -741,9 +756,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             self._steps_on_table = True
         return CheckedBatch()
 
-    def _validate(self, indices, offsets, weights, check: Optional[CheckedBatch] = None):
+    def _validate(self, indices, offsets, weights, check: Optional[CheckedBatch] = None,
+                  word: Optional[torch.Tensor] = None):
         """The batch on the module's device, checked: at once, or with ``check`` by a
-        kernel into the error word (``InputErrors``)."""
+        kernel into the error word (``InputErrors``; ``word``: a prefetch's own)."""
         pooling = self.pooling_mode
         check_batch_types(indices, offsets, weights, "" if pooling == DynamicEmbPoolingMode.SUM
                           else f"this module uses {pooling.name}")
@@ -771,10 +787,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 raise ValueError("per_sample_weights must be finite, got NaN or inf")
         indices = indices.to(device=self.device, dtype=torch.int64).contiguous()
         if check is not None:  # last: a batch refused at once has changed nothing
-            for_device(self.device).check_offsets(offsets=offsets, num_indices=n,
-                                                  error=self._errors.word)
+            for_device(self.device).check_offsets(
+                offsets=offsets, num_indices=n, error=self._errors.word if word is None else word)
             check.offsets, check.num_indices = offsets, n
-            self._errors.checked(check)
+            self._errors.checked(check, word)
         return indices, offsets, weights, num_bags // self._num_features
 
     def _take_prefetched(self, indices, offsets) -> List[Lookup]:

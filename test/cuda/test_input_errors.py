@@ -106,3 +106,24 @@ def test_tables_of_one_group_find_their_features_in_a_refused_batch():
             with pytest.raises(ValueError, match=message):
                 module(_ids(2), GOOD)
         assert _state(module) == _state(twin)
+
+
+def test_a_refused_prefetch_changes_nothing_and_refuses_no_step_around_it():
+    """forward(i), prefetch(i + 1) with bad offsets, backward(i): the prefetch checks
+    into its own word, so backward(i) still trains; the prefetch changes nothing
+    and the next call raises."""
+    with emulated_cuda():
+        module, twin = (_module(DynamicEmbOptimType.ADAM, SUM) for _ in range(2))
+        for m in (module, twin):
+            _step(m, _ids(0), GOOD)
+        out = module(_ids(1), GOOD)
+        module.prefetch(_ids(2), BAD["decreasing"][0])
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        _step(twin, _ids(1), GOOD)
+        assert _state(module) == _state(twin)
+        with pytest.raises(ValueError, match="non-decreasing"):
+            module(_ids(2), BAD["decreasing"][0])
+        assert _state(module) == _state(twin)
+        # the refused prefetch left the queue: training goes on with other batches
+        assert torch.equal(_step(module, _ids(3), GOOD), _step(twin, _ids(3), GOOD))
+        assert _state(module) == _state(twin)

@@ -8,6 +8,7 @@ synchronizations that remain on a steady-state step to the sites
 one anywhere fails them, with its site in the message.
 """
 
+import contextlib
 from collections import Counter
 
 import pytest
@@ -365,3 +366,42 @@ def test_a_backward_after_another_forward_finds_its_rows_without_sync():
         assert emulated._groups[0].table.stats.evictions > 0
         _assert_same_rows(emulated, cpu)
     assert not guard.syncs, guard.report()
+
+
+@pytest.mark.parametrize("layout", ["all-rows", "cache"])
+def test_a_prefetch_pipeline_makes_no_sync(layout):
+    """forward(i), prefetch(i + 1), backward(i), the order of TorchRec's prefetch
+    pipelines: no sync in any of them (the prefetch checks into its own word, the
+    backward finds rows the prefetch moved on the device, the forward takes the
+    prefetched batch given as the same tensors), the CPU backend's results."""
+    batches = _batches(3000, 5, seed=16)
+
+    def pipeline(module, guarded=None):
+        outs, guards = [], []
+        module.prefetch(*batches[0])
+        for i, (ids, offsets) in enumerate(batches):
+            with contextlib.ExitStack() as stack:
+                if guarded is not None and i >= 2:  # steady: the cache is full by now
+                    guard = stack.enter_context(SyncGuard())
+                    guarded.guard = guard
+                    guards.append(guard)
+                out = module(ids, offsets)
+                if i + 1 < len(batches):
+                    module.prefetch(*batches[i + 1])
+                (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+                outs.append(out.detach())
+            if guarded is not None:
+                guarded.guard = None
+        return outs, guards
+
+    cpu = _module(**LAYOUTS[layout])
+    want, _ = pipeline(cpu)
+    with emulated_cuda() as kernels:
+        emulated = _module(**LAYOUTS[layout])
+        got, guards = pipeline(emulated, kernels)
+        _assert_same_rows(emulated, cpu)
+        assert emulated.cache_metrics() == cpu.cache_metrics()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+    for guard in guards:
+        assert not guard.syncs, guard.report()
