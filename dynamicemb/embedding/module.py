@@ -249,8 +249,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         # Checks of a batch's values (finite weights and gradients) where they cost no
         # host sync: on the CPU; on a GPU a step does not wait for them.
         self._check_data = for_device(self.device).free_host_reads
-        # On a backend that counts on the device, a step of one group checks its
-        # offsets into this word (read by the host at the next call).
+        # On a backend that counts on the device, a step that keeps its counts there
+        # checks its offsets into this word (read by the host at the next call).
         self._errors = (InputErrors(self.device, at_once=sync_checks)
                         if for_device(self.device).counts_on_device else None)
 
@@ -814,7 +814,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 error: Optional[torch.Tensor] = None) -> List[Lookup]:
         """Every group's lookup, atomically: if one group fails (a full table in ERROR
         mode), the groups before it are rolled back and no table changes. ``error``:
-        the batch's check word, for a step counted on the device (one group)."""
+        the batch's check word, for a step counted on the device (each group then
+        takes its part of the whole batch)."""
         if insert and error is None:  # STEP scores: the training step this forward is
             self._steps_to_host()  # (a counted step advances it on the device)
             for g in self._groups:
