@@ -11,7 +11,7 @@ BUILD_STAMP := $(VENV)/.package-built
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: all demo test build bench gpu-check clean distclean
+.PHONY: all demo test build bench guards gpu-check clean distclean
 
 all: test
 
@@ -44,6 +44,10 @@ test: $(BUILD_STAMP)
 
 bench: $(BUILD_STAMP)
 	$(PY) benchmark/benchmark_hash_table.py
+
+# The CPU speed guards: each ratio against its goal (run before landing).
+guards: $(BUILD_STAMP)
+	bash benchmark/guards.sh
 
 # On a machine with a GPU, PyTorch with CUDA and CuPy (uses that python, no venv).
 gpu-check:

@@ -241,6 +241,7 @@ def main() -> None:
 
 def report(args, spread: Dict[str, int], cells, times, ids_sent, collectives) -> None:
     rows = [{"use_index_dedup": DEDUP[d], "table": k, "ms_per_iteration": statistics.median(times[(d, k)]),
+             "ms_per_iteration_all": [round(t, 3) for t in times[(d, k)]],
              "ids_sent_by_rank0_all_iterations": ids_sent[(d, k)],
              "collectives_per_iteration_rank0": collectives[(d, k)]} for d, k in cells]
     world_size = spread["world_size"]

@@ -63,7 +63,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("init_rows", &c::init_rows, "initialize rows per (table, key, column)");
   m.def("pooled_forward", &c::pooled_forward, "pooled lookup (sum/mean)");
   m.def("sequence_forward", &c::sequence_forward, "sequence lookup");
-  m.def("fused_backward", &c::fused_backward, "segmented gradient + optimizer update");
+  m.def("sum_gradients", &c::sum_gradients, "each unique row's summed gradient");
+  m.def("update_rows", &c::update_rows, "optimizer update of rows from summed gradients");
   m.def("per_sample_weight_grad", &c::per_sample_weight_grad, "gradient of weights");
   m.def("occupied_slots", &c::occupied_slots, "occupied slots of a range");
 }

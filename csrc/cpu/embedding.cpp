@@ -15,6 +15,8 @@
 #endif
 
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <tuple>
 #include <vector>
@@ -364,37 +366,33 @@ int64_t place_grads(const Bags* bags, const int64_t* rank, int64_t n, int64_t en
 
 }  // namespace
 
-// Fused backward: for every stored unique row, sum the gradients of its lookups
-// (in input order, so the result is deterministic) and apply the optimizer to the
-// row where it lives (device tier or host store). `starts` and `rank` group the
+// The backward's first pass: sums row u (u < U = starts.numel() - 1) = the sum
+// of the gradients of unique row u's lookups, in rank order (deterministic), for
+// every unique row (rows with no lookup get zeros). `starts` and `rank` group the
 // lookups by unique row (group_by_unique, computed by the dedup in the forward).
-// `offsets` empty means sequence mode (grad is [N, dim]).
-void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
-                    const at::Tensor& starts, const at::Tensor& rank,
-                    const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
-                    const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
-                    const at::Tensor& grad, int64_t kind, double lr, double eps,
-                    double beta1, double beta2, double weight_decay, double step_size,
-                    double bias_correction2_sqrt, double decay_scale) {
-  const at::Tensor no_transient = at::empty({0, dim}, tiers[0].options());
-  const RowSource src = row_source(tiers, no_transient, row_slot, dim);
+// Returns how many rows' sums hold NaN or inf: a non-finite gradient value reaches
+// the sum of every row that reads it, so a caller that updates no row when this is
+// non-zero refuses such a batch without a separate pass over the gradient.
+int64_t sum_gradients(const at::Tensor& starts, const at::Tensor& rank,
+                      const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
+                      const at::Tensor& feature_col, int64_t batch, bool mean,
+                      const at::Tensor& grad, at::Tensor& sums) {
   check_tensor(starts, at::kLong, "starts");
   check_tensor(rank, at::kLong, "rank");
   check_tensor(grad, at::kFloat, "grad");
+  check_tensor(sums, at::kFloat, "sums");
   const bool pooled = offsets.numel() > 0;
   const int64_t n = rank.numel();
-  const int64_t num_unique = row_slot.numel();
-  TORCH_CHECK(starts.numel() == num_unique + 1, "starts must have one entry per unique row + 1");
+  const int64_t num_unique = starts.numel() - 1;
+  TORCH_CHECK(num_unique >= 0, "starts must have one entry per unique row + 1");
+  TORCH_CHECK(sums.dim() == 2 && sums.size(0) >= num_unique,
+              "sums must be (>= unique rows, dim)");
+  const int64_t dim = sums.size(1);
   const int64_t* first = starts.data_ptr<int64_t>();
   const int64_t num_entries = first[num_unique];
   TORCH_CHECK(num_entries <= n, "starts counts more lookups than rank has");
-  const int64_t* slot = row_slot.data_ptr<int64_t>();
   const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
   const float* g = grad.data_ptr<float>();
-  TORCH_CHECK(src.width >= dim + optimizer_state_dim(static_cast<int>(kind), dim),
-              "value rows too narrow for the optimizer state");
-  const int64_t state_floats = optimizer_state_dim(static_cast<int>(kind), dim);
-
   Bags bags{nullptr, nullptr, batch, 0};
   if (pooled) {
     bags = bags_of(offsets, feature_col, batch);
@@ -406,33 +404,60 @@ void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_
   TORCH_CHECK(place_grads(pooled ? &bags : nullptr, rank.data_ptr<int64_t>(), n, num_entries, w,
                           grad.size(1), mean, pos.data(), scale.data()) == 0,
               "rank must be below starts[-1]");
-  const OptimizerParams p = optimizer_params(
-      static_cast<int32_t>(kind), static_cast<float>(lr), static_cast<float>(eps),
-      static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(weight_decay),
-      static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2),
-      static_cast<float>(step_size), static_cast<float>(bias_correction2_sqrt),
-      static_cast<float>(decay_scale));
-
-#pragma omp parallel if (num_unique * dim >= kParallelMinWork)
+  float* out = sums.data_ptr<float>();
+  int64_t non_finite = 0;
+#pragma omp parallel if (num_unique * dim >= kParallelMinWork) reduction(+ : non_finite)
   {
-    std::vector<float> acc_buffer(dim);
-    float* acc = acc_buffer.data();
     const int64_t* grad_pos = pos.data();
-    const float* grad_scale = scale.data();
     const auto before = [&](int64_t e) DEMB_PREFETCH_HOOK {
       const int64_t ep = e + kPrefetchAhead;
       if (ep < num_entries) prefetch_row(g + grad_pos[ep], dim);
     };
 #pragma omp for schedule(dynamic, 64)
     for (int64_t u = 0; u < num_unique; ++u) {
-      if (is_transient_ref(slot[u])) continue;
-      const int64_t up = u + 2;
-      if (up < num_unique && !is_transient_ref(slot[up])) {
-        prefetch_row(src.stored_row(up), dim + state_floats, 1);
-      }
-      update_row(src.stored_row(u), acc, dim, grad_pos, grad_scale, g, first[u], first[u + 1], p,
-                 before);
+      float* __restrict__ acc = out + u * dim;
+      sum_row_grads(acc, dim, grad_pos, scale.data(), g, first[u], first[u + 1], before);
+      bool bad = false;  // NaN fails every comparison; inf exceeds FLT_MAX
+      for (int64_t c = 0; c < dim; ++c) bad |= !(std::fabs(acc[c]) <= FLT_MAX);
+      non_finite += bad;
     }
+  }
+  return non_finite;
+}
+
+// The backward's second pass: the optimizer's update of every stored unique row
+// (device tier or host store) from its summed gradient, row u of `sums`
+// (sum_gradients). Rows not stored (transient) are skipped.
+void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
+                 const at::Tensor& sums, int64_t kind, double lr, double eps, double beta1,
+                 double beta2, double weight_decay, double step_size,
+                 double bias_correction2_sqrt, double decay_scale) {
+  check_tensor(sums, at::kFloat, "sums");
+  TORCH_CHECK(sums.dim() == 2, "sums must be (>= unique rows, dim)");
+  const int64_t dim = sums.size(1);
+  const at::Tensor no_transient = at::empty({0, dim}, tiers[0].options());
+  const RowSource src = row_source(tiers, no_transient, row_slot, dim);
+  const int64_t num_unique = row_slot.numel();
+  TORCH_CHECK(sums.size(0) >= num_unique, "sums must have a row per unique row");
+  const int64_t* slot = row_slot.data_ptr<int64_t>();
+  TORCH_CHECK(src.width >= dim + optimizer_state_dim(static_cast<int>(kind), dim),
+              "value rows too narrow for the optimizer state");
+  const int64_t state_floats = optimizer_state_dim(static_cast<int>(kind), dim);
+  const OptimizerParams p = optimizer_params(
+      static_cast<int32_t>(kind), static_cast<float>(lr), static_cast<float>(eps),
+      static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(weight_decay),
+      static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2),
+      static_cast<float>(step_size), static_cast<float>(bias_correction2_sqrt),
+      static_cast<float>(decay_scale));
+  const float* acc = sums.data_ptr<float>();
+#pragma omp parallel for schedule(dynamic, 64) if (num_unique * dim >= kParallelMinWork)
+  for (int64_t u = 0; u < num_unique; ++u) {
+    if (is_transient_ref(slot[u])) continue;
+    const int64_t up = u + 2;
+    if (up < num_unique && !is_transient_ref(slot[up])) {
+      prefetch_row(src.stored_row(up), dim + state_floats, 1);
+    }
+    optimizer_update(src.stored_row(u), acc + u * dim, static_cast<int>(dim), p);
   }
 }
 

@@ -84,14 +84,17 @@ void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tran
 void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
                       const at::Tensor& row_slot, const at::Tensor& inverse, int64_t dim,
                       at::Tensor& out);
-// Segmented gradient sum of each unique row + the optimizer's update of the row.
-void fused_backward(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
-                    const at::Tensor& starts, const at::Tensor& rank,
-                    const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
-                    const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
-                    const at::Tensor& grad, int64_t kind, double lr, double eps,
-                    double beta1, double beta2, double weight_decay, double step_size,
-                    double bias_correction2_sqrt, double decay_scale);
+// The backward's two passes: each unique row's gradient summed into sums (U, dim),
+// returning how many sums hold NaN or inf; then the optimizer's update of every
+// stored row from its sum.
+int64_t sum_gradients(const at::Tensor& starts, const at::Tensor& rank,
+                      const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
+                      const at::Tensor& feature_col, int64_t batch, bool mean,
+                      const at::Tensor& grad, at::Tensor& sums);
+void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
+                 const at::Tensor& sums, int64_t kind, double lr, double eps, double beta1,
+                 double beta2, double weight_decay, double step_size,
+                 double bias_correction2_sqrt, double decay_scale);
 // Gradient of per-sample weights (SUM pooling): out (N,).
 void per_sample_weight_grad(const std::vector<at::Tensor>& tiers,
                             const at::Tensor& transient, const at::Tensor& row_slot,

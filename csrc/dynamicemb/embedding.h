@@ -1,4 +1,4 @@
-// One bag's pooling and one row's gradient update: the per-bag and per-row
+// One bag's pooling and one row's summed gradient: the per-bag and per-row
 // procedures of the embedding module, written once (host and device).
 //
 // Their float order is the module's contract on every backend: a bag's rows are
@@ -76,16 +76,6 @@ DEMB_HD void sum_row_grads(float* __restrict__ acc, int64_t dim, const int64_t* 
       for (int64_t c = 0; c < dim; ++c) acc[c] += s * ge[c];
     }
   }
-}
-
-// One unique row's update: its summed gradient (sum_row_grads, into acc (dim,)),
-// then the optimizer's rule on the stored row [embedding (dim) | state].
-template <class Before>
-DEMB_HD void update_row(float* row, float* __restrict__ acc, int64_t dim, const int64_t* pos,
-                        const float* scale, const float* grad, int64_t begin, int64_t end,
-                        const OptimizerParams& p, const Before& before) {
-  sum_row_grads(acc, dim, pos, scale, grad, begin, end, before);
-  optimizer_update(row, acc, static_cast<int>(dim), p);
 }
 
 }  // namespace dynamicemb

@@ -49,3 +49,30 @@ class OutputBuffers:
         if len(ring) < self._per_shape:
             ring.append((buffer, _storage_refs(buffer)))
         return buffer.view(shape)
+
+
+class Scratch:
+    """Working memory that a call needs only while it runs (the backward's summed
+    gradients), kept between calls: one flat float32 buffer, grown by half again
+    when a call needs more, handed out as views. A fresh buffer of the backward's
+    size (U x dim floats, 13 MB at 65,536 lookups of dim 128) would cost thousands
+    of page faults on every step.
+
+    Not for tensors that outlive the call: the next call overwrites them.
+    """
+
+    _ALIGN = 16  # floats: each view starts on a 64-byte line
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.float32)
+
+    def views(self, shapes: List[Tuple[int, int]], device: torch.device) -> List[torch.Tensor]:
+        """One uninitialized (rows, cols) float32 view per shape, not overlapping."""
+        starts, total = [], 0
+        for rows, cols in shapes:
+            starts.append(total)
+            total += -(-rows * cols // self._ALIGN) * self._ALIGN
+        if self._buffer.numel() < total or self._buffer.device != device:
+            self._buffer = torch.empty(total + total // 2, dtype=torch.float32, device=device)
+        return [self._buffer[s:s + rows * cols].view(rows, cols)
+                for s, (rows, cols) in zip(starts, shapes)]

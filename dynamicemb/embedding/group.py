@@ -423,11 +423,13 @@ class TableGroup:
     def backward(self, lookup: Lookup, grad: torch.Tensor, lr: float,
                  offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
                  feature_col: torch.Tensor, batch: int, mean: bool,
-                 error: Optional[torch.Tensor] = None) -> None:
+                 error: Optional[torch.Tensor] = None,
+                 sums: Optional[torch.Tensor] = None) -> None:
         """Sums each stored row's gradient and applies the fused optimizer (nothing
         for a batch whose input-check word ``error`` is set). With ``error`` (a step
         counted on the device) the learning rate and Adam's step count are read in
-        device memory, where the kernels advance the count."""
+        device memory, where the kernels advance the count. ``sums``: the rows'
+        gradients as ``sum_gradients`` wrote them (the update then reads those)."""
         if not self.training:
             return
         lookup = self.refresh(lookup)
@@ -453,4 +455,14 @@ class TableGroup:
             sources=self.storage.sources(self._no_transient), row_ref=lookup.row_ref,
             starts=lookup.starts, rank=lookup.rank, offsets=offsets, weights=weights,
             feature_col=feature_col, batch=batch, dim=self.dim, mean=mean, grad=grad,
-            update=update, error=error, schedule=schedule)
+            update=update, error=error, schedule=schedule, sums=sums)
+
+    def sum_gradients(self, lookup: Lookup, grad: torch.Tensor,
+                      offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+                      feature_col: torch.Tensor, batch: int, mean: bool,
+                      out: torch.Tensor) -> int:
+        """The backward's first pass (a backend with free host reads): out (U, dim)
+        = each unique row's summed gradient; returns how many hold NaN or inf."""
+        return self.ops.sum_gradients(
+            starts=lookup.starts, rank=lookup.rank, offsets=offsets, weights=weights,
+            feature_col=feature_col, batch=batch, mean=mean, grad=grad, out=out)

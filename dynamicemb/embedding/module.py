@@ -13,7 +13,7 @@ from typing import Deque, Dict, Iterator, List, NamedTuple, Optional, Sequence, 
 import torch
 from torch import nn
 
-from dynamicemb.embedding.buffers import OutputBuffers
+from dynamicemb.embedding.buffers import OutputBuffers, Scratch
 from dynamicemb.embedding.fused_params import check_tbe_keywords, output_dtype_of
 from dynamicemb.embedding.group import Lookup, TableGroup, group_key
 from dynamicemb.embedding.input_errors import CheckedBatch, InputErrors, offsets_message
@@ -244,6 +244,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self._version = self._saved_version = 0  # see content_version
         self._prefetched: Deque[_Prefetched] = deque()
         self._outputs = OutputBuffers()
+        self._grad_sums = Scratch()  # the backward's per-row gradient sums (CPU)
         self._stream_order = StreamOrder(self.device)
         self._zero_tids = SharedZeros(torch.int16, self.device)  # a one-table module's
         # Checks of a batch's values (finite weights and gradients) where they cost no
@@ -906,13 +907,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             return None
         self._stream_order.before_use()
         grad = grad.to(torch.float32).contiguous()
-        if self._check_data and not _all_finite(grad):  # before any update: no table changes
-            raise ValueError(
-                "the gradient of the embedding output holds NaN or inf; this batch's update "
-                "is refused and no table changed (look for the non-finite loss upstream)")
         pooled = self.pooling_mode != DynamicEmbPoolingMode.NONE
         mean = self.pooling_mode == DynamicEmbPoolingMode.MEAN
         grads = [group.clip(grad) for group in self._groups]  # gradient clipping
+        sums = self._summed_gradients(batch, grads) if self._check_data else None
         grad_weights = None
         if want_weight_grad:
             grad_weights = torch.zeros(batch.weights.numel(), dtype=torch.float32,
@@ -925,6 +923,33 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             lr = self.optimizer.param_groups[g]["lr"]
             group.backward(found, grads[g], lr, batch.offsets if pooled else None,
                            batch.weights, self._feature_col[g], batch.batch_size, mean,
-                           batch.error)
+                           batch.error, None if sums is None else sums[g])
         self._stream_order.used()
         return grad_weights
+
+    def _summed_gradients(self, batch: _Batch, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Every group's rows' summed gradients (the first pass of their backward),
+        checked before any group updates: a NaN/inf in the gradient (or a weight)
+        reaches the sum of each row that reads it, so no pass of its own over the
+        gradient is needed. Values the step does not read are not checked.
+
+        Raises:
+            ValueError: some row's summed gradient holds NaN or inf; no table changed.
+        """
+        pooled = self.pooling_mode != DynamicEmbPoolingMode.NONE
+        shapes = [(found.starts.numel() - 1 if group.training else 0, group.dim)
+                  for group, found in zip(self._groups, batch.lookups)]
+        sums = self._grad_sums.views(shapes, self.device)
+        non_finite = 0
+        for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
+            if group.training:
+                non_finite += group.sum_gradients(
+                    found, grads[g], batch.offsets if pooled else None, batch.weights,
+                    self._feature_col[g], batch.batch_size,
+                    self.pooling_mode == DynamicEmbPoolingMode.MEAN, sums[g])
+        if non_finite:
+            raise ValueError(
+                "the gradient of the embedding output holds NaN or inf; this batch's update "
+                f"is refused and no table changed (the summed gradients of {non_finite} "
+                "rows are not finite: look for the non-finite loss upstream)")
+        return sums

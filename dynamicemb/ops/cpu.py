@@ -5,7 +5,10 @@ copy), with table arrays on huge pages."""
 from types import ModuleType
 from typing import Optional
 
+import torch
+
 from dynamicemb.ops import cpu_kernels, huge_pages
+from dynamicemb.ops.interface import OptimizerUpdate, optimizer_code
 from dynamicemb.ops.kernels import KernelBackend
 
 __all__ = ["CpuBackend"]
@@ -27,3 +30,27 @@ class CpuBackend(KernelBackend):
         (``dynamicemb.ops.huge_pages``): a table's random probes then miss the TLB
         far less."""
         return huge_pages.zeros(shape, dtype, device)
+
+    def sum_gradients(self, *, starts, rank, offsets, weights, feature_col, batch, mean,
+                      grad, out) -> int:
+        no_offsets = torch.empty(0, dtype=torch.int64)
+        return self.kernels.sum_gradients(
+            starts, rank, no_offsets if offsets is None else offsets, weights, feature_col,
+            batch, mean, grad, out)
+
+    def fused_backward(self, *, sources, row_ref, starts, rank, offsets, weights, feature_col,
+                       batch, dim, mean, grad, update: OptimizerUpdate, error=None,
+                       schedule=None, sums=None):
+        """The update from ``sums`` (``sum_gradients``), summed first when not given:
+        the CPU backward is those two passes."""
+        self._counted(error=error, schedule=schedule)  # refused: the host counts here
+        if sums is None:
+            sums = torch.empty(starts.numel() - 1, dim, dtype=torch.float32)
+            self.sum_gradients(starts=starts, rank=rank, offsets=offsets, weights=weights,
+                               feature_col=feature_col, batch=batch, mean=mean, grad=grad,
+                               out=sums)
+        self.kernels.update_rows(
+            [sources.device, sources.host], row_ref, sums,
+            optimizer_code(update.optimizer), update.lr, update.eps, update.beta1,
+            update.beta2, update.weight_decay, update.step_size, update.bias_correction2_sqrt,
+            update.decay_scale)

@@ -624,12 +624,39 @@ class Backend(abc.ABC):
                        feature_col: torch.Tensor, batch: int, dim: int, mean: bool,
                        grad: torch.Tensor, update: OptimizerUpdate,
                        error: Optional[torch.Tensor] = None,
-                       schedule: Optional[DeviceSchedule] = None) -> None:
+                       schedule: Optional[DeviceSchedule] = None,
+                       sums: Optional[torch.Tensor] = None) -> None:
         """Sums each stored row's gradient and applies the optimizer to it in place
         (``offsets`` None: sequence lookups). Rows with no lookup (padding) and rows
         not stored are skipped. ``schedule`` (where ``counts_on_device``): the
         learning rate and step count are read from device memory, not from
-        ``update``."""
+        ``update``. ``sums`` (where ``free_host_reads``): (>= U, dim) float32, the
+        rows' gradients as ``sum_gradients`` wrote them for this batch; the update
+        reads them instead of summing ``grad`` again."""
+
+    def sum_gradients(self, *, starts: torch.Tensor, rank: torch.Tensor,
+                      offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+                      feature_col: torch.Tensor, batch: int, mean: bool,
+                      grad: torch.Tensor, out: torch.Tensor) -> int:
+        """The backward's first half, where ``free_host_reads``: out[u] = the summed
+        gradient of unique row u (U = starts.numel() - 1; the grouping of
+        ``fused_backward``), for every unique row.
+
+        Args:
+            out (Tensor): (>= U, dim) float32, written.
+
+        Returns:
+            How many rows' sums hold NaN or inf. A non-finite value of ``grad`` (or
+            of a weight) reaches the sum of every row that reads it, so a caller
+            that updates nothing when this is non-zero refuses the batch without a
+            pass of its own over ``grad``.
+
+        Raises:
+            NotImplementedError: on a backend whose count would wait for the device.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__}: the non-finite count of the summed gradients would "
+            "wait for the device; its step does not check gradient values")
 
     @abc.abstractmethod
     def per_sample_weight_grad(self, *, sources: RowSources, row_ref: torch.Tensor,

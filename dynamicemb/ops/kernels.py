@@ -323,7 +323,9 @@ class KernelBackend(Backend):
 
     def fused_backward(self, *, sources, row_ref, starts, rank, offsets, weights, feature_col,
                        batch, dim, mean, grad, update: OptimizerUpdate, error=None,
-                       schedule=None):
+                       schedule=None, sums=None):
+        if sums is not None:
+            raise ValueError(f"{type(self).__name__} sums gradients in its update kernel")
         no_offsets = torch.empty(0, dtype=torch.int64, device=grad.device)
         self.kernels.fused_backward(
             [sources.device, sources.host], row_ref, starts, rank,

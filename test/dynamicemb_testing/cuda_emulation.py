@@ -4,7 +4,8 @@
 ``CudaBackend`` whose kernel launches run on the CPU: each launch of a
 ``csrc/cuda`` kernel is counted and executed by the CPU extension's verb with
 the same per-key contract (or, for the backward's three kernels, by the CPU's
-fused backward over the arguments they were given). Everything between the
+two backward passes, ``sum_gradients`` and ``update_rows``, over the arguments they
+were given). Everything between the
 launches (the sorts, scans, masks and copies ``dynamicemb/ops/cuda.py`` and the
 layers above run around the kernels) is the real CUDA path's code, so a
 ``SyncGuard`` (``sync_guard.py``) sees the host synchronizations and aten ops a GPU
@@ -407,12 +408,15 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
                 step_size = lr / (1.0 - beta1 ** t)
                 bias2 = math.sqrt(1.0 - beta2 ** t)
             decay = 1.0 - lr * decoupled
-        self._cpu.fused_backward(
+        sums = torch.empty(num_unique, dim, dtype=torch.float32)
+        self._cpu.sum_gradients(
+            self._t(a[6])[:num_unique + 1], rank,
+            offsets if offsets is not None else torch.empty(0, dtype=torch.int64),
+            self._t(p[4]), self._t(p[5]), int(p[6]), bool(p[8]), self._t(a[9]), sums)
+        self._cpu.update_rows(
             [device_rows if device_rows is not None else empty,
              host_rows if host_rows is not None else empty],
-            self._t(a[4])[:num_unique], self._t(a[6])[:num_unique + 1], rank,
-            offsets if offsets is not None else torch.empty(0, dtype=torch.int64),
-            self._t(p[4]), self._t(p[5]), int(p[6]), dim, bool(p[8]), self._t(a[9]),
+            self._t(a[4])[:num_unique], sums,
             # beta as 1 - the kernel's (1 - beta): the float32 1 - beta the kernel
             # multiplies by is what a float32 beta would lose 1e-5 of
             int(a[12]), lr, float(a[14]), 1.0 - float(a[18]), 1.0 - float(a[19]),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dynamicemb import (BatchedDynamicEmbeddingTables, DynamicEmbInitializerArgs, DynamicEmbOptimType,
+                        DynamicEmbPoolingMode,
                         DynamicEmbTableOptions)
 from dynamicemb_testing.devices import reads_values_on_host
 from dynamicemb_testing.module_reference import snapshot
@@ -118,4 +119,54 @@ def test_a_non_finite_gradient_updates_no_row(optimizer, bad, device):
     twin(idx, off)  # the same forward (new rows, scores), no backward
     assert snapshot(module) == snapshot(twin)
     assert torch.equal(step(module, idx, off), step(twin, idx, off))
+    assert snapshot(module) == snapshot(twin)
+
+
+def _two_groups(device, pooling):
+    """A module of two groups (dims 4 and 8: one feature each) after the same first step."""
+    init = DynamicEmbInitializerArgs(mode="uniform", lower=-0.5, upper=0.5)
+    dims = [4, 8] if pooling != DynamicEmbPoolingMode.NONE else [4, 4]
+    pair = []
+    for _ in range(2):
+        m = BatchedDynamicEmbeddingTables(
+            [DynamicEmbTableOptions(dim=d, max_capacity=256, initializer_args=init)
+             for d in dims], pooling_mode=pooling,
+            optimizer=DynamicEmbOptimType.ADAM, learning_rate=0.1, device=device)
+        step(m, torch.tensor(IDS), torch.tensor(OFFSETS))
+        pair.append(m)
+    return pair
+
+
+@pytest.mark.parametrize("pooling", [DynamicEmbPoolingMode.SUM, DynamicEmbPoolingMode.NONE],
+                         ids=lambda p: p.name)
+def test_a_non_finite_gradient_of_one_group_updates_no_group(pooling, device):
+    """The summed gradients of every group are checked before any group updates: a NaN
+    that only the last table's rows read leaves the first table unchanged too."""
+    if not reads_values_on_host(device):
+        pytest.skip("a GPU step does not read values on the host (docs/ARCHITECTURE.md)")
+    module, twin = _two_groups(device, pooling)
+    idx, off = torch.tensor([3, 7, 99, 11, 200, 5]), torch.tensor(OFFSETS)
+    out = module(idx, off)
+    grad = torch.linspace(-1, 1, out.numel(), device=out.device).reshape(out.shape)
+    grad[-1, -1] = float("nan")  # the last lookup's (sequence) or sample's last column
+    with pytest.raises(ValueError, match="NaN or inf; this batch's update is refused"):
+        (out * grad).sum().backward()
+    twin(idx, off)
+    assert snapshot(module) == snapshot(twin)
+
+
+def test_a_non_finite_gradient_no_lookup_reads_is_not_refused(device):
+    """The check is of what the step reads: a NaN in the gradient of an empty bag
+    reaches no row, and the step updates as with a zero there."""
+    if not reads_values_on_host(device):
+        pytest.skip("a GPU step does not read values on the host (docs/ARCHITECTURE.md)")
+    module, twin = twins(device)
+    idx, off = torch.tensor(IDS), torch.tensor(OFFSETS)  # feature 0 of sample 1 is empty
+    outs = [m(idx, off) for m in (module, twin)]
+    grad = torch.linspace(-1, 1, outs[0].numel(), device=outs[0].device).reshape(outs[0].shape)
+    grad[1, 0] = 0.0
+    poisoned = grad.clone()
+    poisoned[1, 0] = float("nan")
+    outs[0].backward(poisoned)
+    outs[1].backward(grad)
     assert snapshot(module) == snapshot(twin)
