@@ -185,11 +185,11 @@ def test_input_checks_benchmark():
     done = run("benchmark_input_checks.py", "--batch", "64", "--features", "2", "--dim", "8", "--steps", "3",
                "--capacity", "4096")
     step_ms, check_ms, ratio = (float(x) for x in re.search(
-        r"train step ([\d.]+) ms \(median of 3\), the two checks ([\d.]+) ms, ratio ([\d.]+)",
+        r"train step ([\d.]+) ms \(median of 3\), the weights' check ([\d.]+) ms, ratio ([\d.]+)",
         done.stdout).groups())
     assert step_ms > 0 and check_ms >= 0
     # the ratio of the unrounded medians, printed to 4 decimals, the medians to 2 and 3:
-    # within what the rounding allows (a 0.60 ms step and 0.024 ms checks printed 0.0410)
+    # within what the rounding allows (a 0.60 ms step and a 0.024 ms check printed 0.0410)
     low = max(check_ms - 0.0005, 0) / (step_ms + 0.005) - 0.00005
     high = (check_ms + 0.0005) / max(step_ms - 0.005, 1e-9) + 0.00005
     assert low - 1e-9 <= ratio <= high + 1e-9, (step_ms, check_ms, ratio)
@@ -211,3 +211,23 @@ def test_external_storage_benchmark():
     assert layouts[0][0].strip() == "all rows in host memory" and len(layouts) >= 2
     for name, ms, steps, ratio, moved in layouts:
         assert abs(1000 / float(ms) - float(steps)) < 0.1 * float(steps) + 1
+
+
+def test_guards_count_the_gpu_step_and_write_verdicts(tmp_path):
+    """guards.py's P5 (counts, not times: the same on every machine) against its
+    budgets, and the JSON verdicts it writes; a verdict fails only past its goal by
+    more than its noise (its lower quartile)."""
+    out = tmp_path / "guards.json"
+    done = run("guards.py", "--only", "P5", "--out", str(out))
+    verdicts = json.loads(out.read_text())
+    assert [v["name"] for v in verdicts] == ["P5 syncs", "P5 launch", "P5 syncs c", "P5 launch c"]
+    for v in verdicts:
+        assert v["ratio"] <= v["goal"] and not v["failed"], v
+        assert v["name"] in done.stdout
+    sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+    try:
+        from guards import verdict
+    finally:
+        sys.path.pop(0)
+    assert not verdict("x", "", [0.5, 0.6, 0.9, 1.0], 0.55).failed  # noise reaches the goal
+    assert verdict("x", "", [0.7, 0.8, 0.9, 1.0], 0.55).failed
