@@ -98,8 +98,8 @@ def device_budget_rows(options: List[DynamicEmbTableOptions], row_bytes: int,
         raise ValueError(
             f"tables {table_names}: local_hbm_for_values/global_hbm_for_values hold {rows} "
             f"rows of {row_bytes} B, less than a device tier's smallest bucket (16 rows): "
-            f"give at least {16 * row_bytes} B, 0 for a host-only table, or None for every "
-            f"row in device memory")
+            f"give them at least {16 * row_bytes} B together, 0 for a host-only table, or None "
+            f"for every row in device memory")
     return rows
 
 

@@ -22,8 +22,9 @@ __all__ = ["RedisStore", "server_of"]
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 _BATCH = 1 << 14  # keys per MGET command or script call inside a pipeline
 
-# KEYS[1]: the mark, ARGV[1]: this store's; a script returns 1 when it wrote, else
-# the mark it found (0: none). Lua's unpack takes at most ~8000 values: 1000 a call.
+# KEYS[1]: the mark, ARGV[1]: this store's, then the keys (and values, interleaved:
+# MSET's arguments); a script returns 1 when it wrote, else the mark it found (0:
+# none). Lua's unpack takes at most ~8000 values: 2000 a command.
 _CHECK = """
 local mark = redis.call('GET', KEYS[1])
 if mark ~= ARGV[1] then
@@ -32,19 +33,14 @@ if mark ~= ARGV[1] then
 end
 """
 _CHECKED_MSET = _CHECK + """
-for i = 2, #KEYS, 1000 do
-  local pairs = {}
-  for j = i, math.min(i + 999, #KEYS) do
-    pairs[#pairs + 1] = KEYS[j]
-    pairs[#pairs + 1] = ARGV[j]
-  end
-  redis.call('MSET', unpack(pairs))
+for i = 2, #ARGV, 2000 do
+  redis.call('MSET', unpack(ARGV, i, math.min(i + 1999, #ARGV)))
 end
 return 1
 """
 _CHECKED_DEL = _CHECK + """
-for i = 2, #KEYS, 1000 do
-  redis.call('DEL', unpack(KEYS, i, math.min(i + 999, #KEYS)))
+for i = 2, #ARGV, 2000 do
+  redis.call('DEL', unpack(ARGV, i, math.min(i + 1999, #ARGV)))
 end
 return 1
 """
@@ -154,8 +150,9 @@ class RedisStore(KVStore):
         pipe = self._clients[s].pipeline(transaction=False)
         for i in range(0, len(keys), _BATCH):
             part = keys[i:i + _BATCH]
-            pipe.eval(script, 1 + len(part), self._mark_key, *part, self.mark,
-                      *values[i:i + _BATCH])
+            args = part if not values else [
+                x for pair in zip(part, values[i:i + _BATCH]) for x in pair]
+            pipe.eval(script, 1, self._mark_key, self.mark, *args)
         for reply in self._execute(pipe):
             if reply != 1:  # the first call found it: nothing was written
                 self._check_mark(f"server {self.addresses[s]}", reply or None)
