@@ -22,7 +22,7 @@ from dynamicemb.ops.interface import (BatchPart, DeviceSchedule, InitRows, Optim
 from dynamicemb.options import (DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbTableOptions,
                                 DynamicEmbWeightDecayMode)
 from dynamicemb.storage import TieredStorage
-from dynamicemb.storage.external import namespace_of, open_store
+from dynamicemb.storage.external import ExternalStorageError, namespace_of, open_store
 from dynamicemb.storage.external.tier import ExternalTier
 from dynamicemb.table import PendingInsert, ScoredHashTable
 from dynamicemb.table.device_counts import DeviceCounters, capturing
@@ -78,9 +78,29 @@ def external_tier(options: DynamicEmbTableOptions, host: ScoredHashTable,
         return None
     dist = torch.distributed
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
-    store = open_store(options.external_storage, namespace_of(table_names, rank),
-                       host.value_dim)
+    try:
+        store = open_store(options.external_storage, namespace_of(table_names, rank),
+                           host.value_dim)
+    except ExternalStorageError as e:  # locked, unreachable, or another module's rows
+        raise ExternalStorageError(f"{e} (tables {table_names})") from e
     return ExternalTier(store, host, str(table_names))
+
+
+def device_budget_rows(options: List[DynamicEmbTableOptions], row_bytes: int,
+                       table_names: List[str]) -> Optional[int]:
+    """Rows of the tables' device budget (None: no budget, every row on the device);
+    a budget below one bucket of 16 rows (but not 0, a host-only table) is refused."""
+    budgets = [o.device_budget() for o in options]
+    if budgets[0] is None:
+        return None
+    rows = sum(b // row_bytes for b in budgets)
+    if 0 < sum(budgets) and rows < 16:
+        raise ValueError(
+            f"tables {table_names}: local_hbm_for_values/global_hbm_for_values hold {rows} "
+            f"rows of {row_bytes} B, less than a device tier's smallest bucket (16 rows): "
+            f"give them at least {16 * row_bytes} B together, 0 for a host-only table, or None "
+            f"for every row in device memory")
+    return rows
 
 
 class Lookup(NamedTuple):
@@ -154,8 +174,7 @@ class TableGroup:
                                    self.state_dim)
         row_bytes = (self.dim + self.state_dim) * 4
         host_rows = host_budget_rows(options, row_bytes, table_names)
-        budgets = [o.device_budget() for o in options]
-        device_rows = None if budgets[0] is None else sum(b // row_bytes for b in budgets)
+        device_rows = device_budget_rows(options, row_bytes, table_names)
         self.table = ScoredHashTable(  # the host store: index of record
             num_tables=len(table_indices),
             capacity=min(sum(o.init_capacity or o.max_capacity for o in options), host_rows),

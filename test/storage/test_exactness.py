@@ -215,3 +215,22 @@ def test_a_budget_beyond_the_table_allocates_a_cache_no_larger_than_it(device):
     for a, b in zip(train(module, batches, prefetch=False), train(reference, batches, prefetch=False)):
         assert torch.equal(a, b)
     assert_identical(snapshot(module), snapshot(reference))
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["cache", "placement"])
+def test_a_device_budget_below_one_bucket_is_refused_by_name(caching):
+    """1 to 15 rows (over the group's tables) cannot make a device tier of 16-row
+    buckets: refused, not quietly turned into a host-only table; 0 is host-only,
+    16 rows a tier of one bucket."""
+    cpu = torch.device("cpu")
+    sgd, lru = DynamicEmbOptimType.EXACT_SGD, DynamicEmbScoreStrategy.LRU
+    with pytest.raises(ValueError, match=r"tables \['a', 'b'\]: local_hbm_for_values/"
+                       r"global_hbm_for_values hold 14 rows of 32 B, less than a device tier's "
+                       r"smallest bucket \(16 rows\): give them at least 512 B together, 0 for "
+                       r"a host-only table"):
+        make_module(cpu, sgd, lru, "sum", caching=caching, device_rows=7)
+    assert make_module(cpu, sgd, lru, "sum", caching=caching, device_rows=0)._groups[0] \
+        .storage.host_only
+    tier = make_module(cpu, sgd, lru, "sum", caching=caching, device_rows=8)._groups[0] \
+        .storage.device_tier
+    assert tier is not None and tier.capacity() == 16

@@ -171,15 +171,12 @@ def test_a_failing_redis_fails_the_step_by_name_and_training_resumes(redis_serve
     assert_identical(snapshot(module), snapshot(reference))
 
 
-def test_an_unreachable_store_fails_the_first_step_by_name():
+def test_an_unreachable_store_fails_the_construction_by_name():
     from dynamicemb_testing.redis_servers import free_port
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
-    module = make_module(DynamicEmbOptimType.EXACT_SGD, LRU, f"redis://{address}")
-    ids, offsets = batches(steps=1)[0]
-    with pytest.raises(ExternalStorageError, match=rf"redis://{address}.*\['a', 'b'\]"):
-        module(ids, offsets)
-    with pytest.raises(ExternalStorageError, match="failed to scan"):
-        module.export_keys_values("a")
+    with pytest.raises(ExternalStorageError,
+                       match=rf"redis://{address}.*failed to open.*refused.*\['a', 'b'\]"):
+        make_module(DynamicEmbOptimType.EXACT_SGD, LRU, f"redis://{address}")
 
 
 def test_a_stored_row_of_the_wrong_size_fails_the_step_and_undoes_it(tmp_path):

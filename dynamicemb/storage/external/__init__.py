@@ -4,7 +4,8 @@
 embedded database on a local path) and ``RedisStore`` (one or several Redis
 servers) implement it; ``ExternalTier`` puts one under a group's host store.
 ``DynamicEmbTableOptions(external_storage=...)`` takes a path, a ``redis://`` URL,
-a ``RocksDBStorage``/``RedisStorage`` spec or a store (see ``spec``).
+a ``RocksDBStorage``/``RedisStorage`` spec or a store (see ``spec``). A store's
+namespace belongs to the module that opened it (``KVStore.claim``).
 """
 
 from dynamicemb.storage.external.spec import (RedisStorage, RocksDBStorage, as_storage_spec,

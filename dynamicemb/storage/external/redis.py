@@ -2,21 +2,54 @@
 
 Keys are spread over the servers by ``server_of``: the upper bits of the key times
 the 64-bit golden-ratio constant, XOR the table id, modulo the number of servers.
-Every lookup and write is one pipelined ``MGET``/``MSET``/``DEL`` per server, with
-binary values. Several ranks and tables share a server set through namespaces:
-every key starts with ``<namespace>:``.
+Every lookup is one pipeline per server: a ``GET`` of the namespace's mark (see
+``store``), then ``MGET``s; every write or delete one pipeline of Lua scripts
+(``EVAL``) that check the mark and only then ``MSET``/``DEL``, so a server that lost
+its data, or a namespace another module took over, is written nothing. Values are
+binary. Several ranks and tables share a server set through namespaces: every key
+starts with ``<namespace>:``.
 """
 
+import re
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from dynamicemb.storage.external.store import KVStore, unpack_keys
+from dynamicemb.storage.external.store import MARK, KVStore, unpack_keys
 
 __all__ = ["RedisStore", "server_of"]
 
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
-_BATCH = 1 << 14  # keys per MGET/MSET command inside a pipeline
+_BATCH = 1 << 14  # keys per MGET command or script call inside a pipeline
+
+# KEYS[1]: the mark, ARGV[1]: this store's, then the keys (and values, interleaved:
+# MSET's arguments); a script returns 1 when it wrote, else the mark it found (0:
+# none). Lua's unpack takes at most ~8000 values: 2000 a command.
+_CHECK = """
+local mark = redis.call('GET', KEYS[1])
+if mark ~= ARGV[1] then
+  if mark then return mark end
+  return 0
+end
+"""
+_CHECKED_MSET = _CHECK + """
+for i = 2, #ARGV, 2000 do
+  redis.call('MSET', unpack(ARGV, i, math.min(i + 1999, #ARGV)))
+end
+return 1
+"""
+_CHECKED_DEL = _CHECK + """
+for i = 2, #ARGV, 2000 do
+  redis.call('DEL', unpack(ARGV, i, math.min(i + 1999, #ARGV)))
+end
+return 1
+"""
+_RELEASE = _CHECK + """
+redis.call('DEL', KEYS[1])
+return 1
+"""
+# redis-py prefixes a pipeline's error with the command, binary keys and all
+_PIPELINE_NOTE = re.compile(r"^Command # \d+ \(.*\) of pipeline caused error: ", re.S)
 
 
 def server_of(keys: torch.Tensor, table_ids: torch.Tensor, num_servers: int) -> torch.Tensor:
@@ -38,10 +71,12 @@ class RedisStore(KVStore):
         namespace: prefix of this store's keys (distinct per table group and rank).
         row_width: floats per row.
         timeout: seconds a connection or a reply may take before the verb fails.
+        resume: take over the rows an earlier module left in the namespace (see
+            ``KVStore.claim``); else a namespace holding them is refused.
     """
 
     def __init__(self, addresses: Sequence[str], namespace: str, row_width: int,
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, resume: bool = False) -> None:
         super().__init__(f"redis://{','.join(addresses)}/{namespace}", row_width)
         try:
             import redis
@@ -52,7 +87,10 @@ class RedisStore(KVStore):
         if ":" in namespace or "*" in namespace:
             raise ValueError(f"namespace must not contain ':' or '*', got {namespace!r}")
         self.namespace = namespace
+        self.addresses = tuple(addresses)
+        self._redis = redis
         self._prefix = namespace.encode() + b":"
+        self._mark_key = self._prefix + MARK
         from redis.backoff import ExponentialBackoff
         from redis.retry import Retry
         # A lost connection is tried again twice, within about 0.2 s, then the verb fails.
@@ -62,6 +100,7 @@ class RedisStore(KVStore):
                         retry=Retry(ExponentialBackoff(cap=0.1, base=0.05), 2))
             for host, port in (a.rsplit(":", 1) for a in addresses)
         ]
+        self.claim(resume)
 
     def _key_prefix(self) -> bytes:
         return self._prefix
@@ -79,9 +118,12 @@ class RedisStore(KVStore):
         for s, at in self._spread(keys):
             mine = keys if len(at) == len(keys) else [keys[i] for i in at]
             pipe = self._clients[s].pipeline(transaction=False)
+            pipe.get(self._mark_key)
             for i in range(0, len(mine), _BATCH):
                 pipe.mget(mine[i:i + _BATCH])
-            got = [v for part in pipe.execute() for v in part]
+            mark, *parts = self._execute(pipe)
+            self._check_mark(f"server {self.addresses[s]}", mark)
+            got = [v for part in parts for v in part]
             if len(at) == len(keys):
                 out = got
             else:
@@ -93,21 +135,58 @@ class RedisStore(KVStore):
         for s, at in self._spread(keys):
             ks = keys if len(at) == len(keys) else [keys[i] for i in at]
             vs = values if len(at) == len(keys) else [values[i] for i in at]
-            pipe = self._clients[s].pipeline(transaction=False)
-            for i in range(0, len(ks), _BATCH):
-                pipe.mset(dict(zip(ks[i:i + _BATCH], vs[i:i + _BATCH])))
-            pipe.execute()
+            self._checked(s, _CHECKED_MSET, ks, vs)
 
     def _delete(self, keys: List[bytes]) -> None:
         for s, at in self._spread(keys):
             ks = keys if len(at) == len(keys) else [keys[i] for i in at]
-            pipe = self._clients[s].pipeline(transaction=False)
-            for i in range(0, len(ks), _BATCH):
-                pipe.delete(*ks[i:i + _BATCH])
-            pipe.execute()
+            self._checked(s, _CHECKED_DEL, ks, [])
+
+    def _checked(self, s: int, script: str, keys: List[bytes], values: List[bytes]) -> None:
+        """Runs ``script`` on server ``s`` over ``keys`` (and ``values``) in calls of
+        ``_BATCH`` keys, one pipeline; each call writes only under this store's mark."""
+        if not keys:
+            return
+        pipe = self._clients[s].pipeline(transaction=False)
+        for i in range(0, len(keys), _BATCH):
+            part = keys[i:i + _BATCH]
+            args = part if not values else [
+                x for pair in zip(part, values[i:i + _BATCH]) for x in pair]
+            pipe.eval(script, 1, self._mark_key, self.mark, *args)
+        for reply in self._execute(pipe):
+            if reply != 1:  # the first call found it: nothing was written
+                self._check_mark(f"server {self.addresses[s]}", reply or None)
+
+    def _execute(self, pipe) -> list:
+        """``pipe.execute()``, a failure's message without redis-py's quote of the
+        command (binary keys)."""
+        try:
+            return pipe.execute()
+        except self._redis.RedisError as e:
+            if e.args:
+                e.args = (_PIPELINE_NOTE.sub("", str(e.args[0])),) + e.args[1:]
+            raise
+
+    def _read_marks(self) -> List[Tuple[str, Optional[bytes]]]:
+        return [(f"server {a}", c.get(self._mark_key))
+                for a, c in zip(self.addresses, self._clients)]
+
+    def _write_marks(self, mark: bytes, replace: bool) -> bool:
+        took = [bool(c.set(self._mark_key, mark, nx=not replace)) for c in self._clients]
+        if all(took):
+            return True
+        for client, mine in zip(self._clients, took):  # another opener won a server
+            if mine:
+                client.eval(_RELEASE, 1, self._mark_key, mark)
+        return False
+
+    def _emptying_hint(self) -> str:
+        return (f"delete its keys (the pattern '{self.namespace}:*') on "
+                f"{', '.join(self.addresses)}")
 
     def _scan(self, chunk: int) -> Iterator[tuple]:
-        for client in self._clients:
+        for address, client in zip(self.addresses, self._clients):
+            self._check_mark(f"server {address}", client.get(self._mark_key))
             batch: List[bytes] = []
             for key in client.scan_iter(match=self._prefix + b"*", count=chunk):
                 batch.append(key)

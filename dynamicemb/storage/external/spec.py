@@ -6,18 +6,38 @@
 - an open ``KVStore`` (one table group only: its tables share it).
 
 A spec opens one store per table group and rank: RocksDB in the subdirectory
-``<namespace>`` of its path, Redis under the key prefix ``<namespace>:``, where the
-namespace is the group's table names (and ``rank<r>`` when torch.distributed runs).
+``[<run>/]<namespace>`` of its path, Redis under the key prefix
+``[<run>/]<namespace>:``, where the namespace is the group's table names (and
+``rank<r>`` when torch.distributed runs) and ``run`` the spec's run name, if any.
+
+A store's rows belong to the module that opened it (``KVStore.claim``): a new module
+starts on an empty namespace; one holding an earlier module's rows is refused by
+name unless the spec says ``resume=True``.
 """
 
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 from dynamicemb.storage.external.store import KVStore
 
 __all__ = ["RedisStorage", "RocksDBStorage", "as_storage_spec", "namespace_of", "open_store"]
+
+_RUN = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _check_run(kind: str, run: Optional[str], resume: bool) -> None:
+    if run is not None and (not isinstance(run, str) or not _RUN.fullmatch(run)
+                            or run in (".", "..")):
+        raise ValueError(f"{kind} run must be a name of letters, digits, '_', '.' and '-', "
+                         f"got {run!r}")
+    if not isinstance(resume, bool):
+        raise ValueError(f"{kind} resume must be True or False, got {resume!r}")
+
+
+def _in_run(run: Optional[str], namespace: str) -> str:
+    return namespace if run is None else f"{run}/{namespace}"
 
 
 @dataclass(frozen=True)
@@ -27,19 +47,28 @@ class RocksDBStorage:
     Args:
         path: a local directory.
         sync: make every write durable at once (slower); else ``flush`` does.
+        run: this model's name in the store (a subdirectory of ``path``): models
+            sharing ``path`` with tables of the same names each take their own.
+        resume: take over the rows an earlier module left (its host-memory rows are
+            not among them: ``DynamicEmbLoad`` of a checkpoint is the exact way to
+            continue a run). Without it a directory holding rows is refused.
     """
 
     path: str
     sync: bool = False
+    run: Optional[str] = None
+    resume: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
             raise ValueError(f"RocksDBStorage needs a directory path, got {self.path!r}")
         object.__setattr__(self, "path", os.fspath(self.path))
+        _check_run("RocksDBStorage", self.run, self.resume)
 
     def open(self, namespace: str, row_width: int) -> KVStore:
         from dynamicemb.storage.external.rocksdb import RocksDBStore
-        return RocksDBStore(os.path.join(self.path, namespace), row_width, sync=self.sync)
+        return RocksDBStore(os.path.join(self.path, _in_run(self.run, namespace)), row_width,
+                            sync=self.sync, resume=self.resume)
 
 
 @dataclass(frozen=True)
@@ -49,12 +78,20 @@ class RedisStorage:
     Args:
         addresses: ``host:port`` of each server.
         timeout: seconds a reply may take before the step fails.
+        run: this model's name on the servers (a prefix of its namespaces): models
+            sharing servers with tables of the same names each take their own.
+        resume: take over the rows an earlier module left (its host-memory rows are
+            not among them: ``DynamicEmbLoad`` of a checkpoint is the exact way to
+            continue a run). Without it a namespace holding rows is refused.
     """
 
     addresses: Tuple[str, ...]
     timeout: float = 5.0
+    run: Optional[str] = None
+    resume: bool = False
 
     def __post_init__(self) -> None:
+        _check_run("RedisStorage", self.run, self.resume)
         addresses = ((self.addresses,) if isinstance(self.addresses, str)
                      else tuple(self.addresses))
         for a in addresses:
@@ -68,7 +105,8 @@ class RedisStorage:
 
     def open(self, namespace: str, row_width: int) -> KVStore:
         from dynamicemb.storage.external.redis import RedisStore
-        return RedisStore(self.addresses, namespace, row_width, timeout=self.timeout)
+        return RedisStore(self.addresses, _in_run(self.run, namespace), row_width,
+                          timeout=self.timeout, resume=self.resume)
 
 
 def as_storage_spec(value: Any):

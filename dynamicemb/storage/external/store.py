@@ -12,24 +12,56 @@ to a backend (``_get``, ``_put``, ``_delete``, ``_scan``):
 - key: 8 bytes of the int64 key, then 2 bytes of the int16 table id (little endian),
   after the store's namespace prefix where the backend needs one;
 - value: 8 bytes of the int64 score, then the row's ``row_width`` float32s.
+
+A store's rows belong to the module that opened it (``claim``): besides its rows a
+namespace holds one **mark** per server (the key ``MARK`` after the prefix, never a
+row's key: its length differs), naming the store object that owns it. Opening a
+namespace that holds a mark is refused unless the opener resumes from it (and then
+takes the mark over); every later call checks the mark in its existing round trip,
+so a server that lost its data (the mark went with it) or a namespace another
+module took over fails the call, before anything is written.
 """
 
 import abc
+import logging
+import os
+import socket
+import time
+import uuid
 from itertools import compress
-from typing import Iterator, List, NamedTuple, Optional, Sequence
+from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["ExternalStorageError", "KVStore", "StoredRows", "KEY_BYTES", "SCORE_BYTES"]
+__all__ = ["ExternalStorageError", "KVStore", "StoredRows", "KEY_BYTES", "MARK", "SCORE_BYTES",
+           "brief_error"]
+
+logger = logging.getLogger(__name__)
 
 KEY_BYTES = 10  # int64 key + int16 table id
 SCORE_BYTES = 8
+MARK = b"\x00dynamicemb-owner"  # after the prefix: 17 bytes, so never a packed row key
 
 
 class ExternalStorageError(RuntimeError):
-    """An external store failed (unreachable, full, too slow, or returned a row of the
-    wrong size). The message names the store and the table."""
+    """An external store failed (unreachable, full, too slow, locked by another
+    process, lost its data, owned by another module, or returned a row of the wrong
+    size). The message names the store and the table."""
+
+
+def brief_error(error: BaseException, limit: int = 200) -> str:
+    """The error's message, printable and at most ``limit`` characters (a store's
+    errors may quote a whole binary command)."""
+    text = ascii(str(error))[1:-1]
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _describe_mark(mark: bytes) -> str:
+    """A mark as text for a message (marks are text this module wrote; anything
+    else is shown escaped and cut short)."""
+    text = ascii(mark.decode("utf-8", "replace"))[1:-1]
+    return text if len(text) <= 160 else text[:160] + "..."
 
 
 class StoredRows(NamedTuple):
@@ -53,6 +85,8 @@ class KVStore(abc.ABC):
         row_width: floats per row.
 
     Every verb takes a whole batch; tensors are on the CPU (the tier moves them).
+    A backend calls ``claim`` when it opens, and checks its mark (``_check_mark``)
+    in every verb's round trip before it writes anything.
     """
 
     def __init__(self, name: str, row_width: int) -> None:
@@ -61,6 +95,67 @@ class KVStore(abc.ABC):
         self.name = name
         self.row_width = row_width
         self.value_bytes = SCORE_BYTES + 4 * row_width
+        # This store object's mark: unique per open, readable in another run's message.
+        self.mark = (f"opened by pid {os.getpid()} on {socket.gethostname()} at "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, "
+                     f"owner {uuid.uuid4().hex}").encode()
+
+    # ---------------------------------------------------------- ownership
+    def claim(self, resume: bool = False) -> None:
+        """Makes this store object the owner of its namespace (backends call it when
+        they open). A namespace holding another store's mark is refused unless
+        ``resume``; with ``resume`` its rows are taken over (an earlier owner still
+        open fails its next call).
+
+        Raises:
+            ExternalStorageError: the namespace holds another module's rows and not
+                ``resume``; ``resume`` but some server holds no mark (it lost its
+                data); the store is unreachable; another module claimed it meanwhile.
+        """
+        try:
+            marks = self._read_marks()
+            held = [(where, m) for where, m in marks if m is not None]
+            if held and not resume:
+                raise ExternalStorageError(
+                    f"external store {self.name} already holds the rows of another module "
+                    f"({_describe_mark(held[0][1])}): a new module starts on an empty store. "
+                    f"Continue from those rows with resume=True (the exact way to continue a "
+                    f"run is DynamicEmbLoad of its checkpoint, which rebuilds the store), give "
+                    f"this model a run name of its own (run=...), or start over: "
+                    f"{self._emptying_hint()}")
+            if held and len(held) < len(marks):
+                lost = [where for where, m in marks if m is None]
+                raise ExternalStorageError(
+                    f"external store {self.name}: resume=True, but {', '.join(lost)} hold none "
+                    f"of the earlier module's rows: they lost their data. {self._emptying_hint()} "
+                    f"and load a checkpoint (DynamicEmbLoad) instead")
+            if resume and not held:
+                logger.warning("external store %s: resume=True, but it holds no rows of an "
+                               "earlier module: starting empty", self.name)
+            if not self._write_marks(self.mark, replace=resume):
+                raise ExternalStorageError(
+                    f"external store {self.name}: another module claimed it while this one "
+                    f"opened it")
+        except ExternalStorageError:
+            raise
+        except Exception as e:
+            raise ExternalStorageError(f"external store {self.name} failed to open: "
+                                       f"{type(e).__name__}: {brief_error(e)}") from e
+
+    def _check_mark(self, where: str, mark: Optional[bytes]) -> None:
+        """Raises unless ``mark`` (read from ``where`` in a call's round trip) is this
+        store's."""
+        if mark == self.mark:
+            return
+        if mark is None:
+            problem = (f"{where} no longer holds this module's rows: it lost its data "
+                       f"(e.g. a server restarted without persistence, flushed, or evicting "
+                       f"keys)")
+        else:
+            problem = (f"another module took {where} over (resume=True): "
+                       f"{_describe_mark(mark)}")
+        raise ExternalStorageError(f"external store {self.name}: {problem}; the call "
+                                   f"changed nothing")
 
     # -------------------------------------------------------------- verbs
     def get(self, keys: torch.Tensor, table_ids: torch.Tensor) -> StoredRows:
@@ -118,7 +213,11 @@ class KVStore(abc.ABC):
         must not change while the iterator is used."""
         if chunk <= 0:
             raise ValueError(f"chunk must be positive, got {chunk}")
+        width = len(self._key_prefix()) + KEY_BYTES
         for keys, values in self._scan(chunk):
+            if any(len(k) != width for k in keys):  # the mark is no row
+                keep = [len(k) == width for k in keys]
+                keys, values = list(compress(keys, keep)), list(compress(values, keep))
             if not keys:
                 continue
             key, tid = unpack_keys(keys)
@@ -131,7 +230,7 @@ class KVStore(abc.ABC):
             yield StoredRows(key, tid, scores, rows)
 
     def clear(self) -> None:
-        """Removes every entry of this store (its namespace only)."""
+        """Removes every row of this store (its namespace only; the mark stays)."""
         for chunk in self.scan():
             self.delete(chunk.keys, chunk.table_ids)
 
@@ -157,7 +256,20 @@ class KVStore(abc.ABC):
     @abc.abstractmethod
     def _scan(self, chunk: int) -> Iterator[tuple]:
         """(keys, values) lists of at most ``chunk`` entries of this store's namespace;
-        keys as ``_pack_keys`` made them."""
+        keys as ``_pack_keys`` made them (the mark may be among them)."""
+
+    @abc.abstractmethod
+    def _read_marks(self) -> List[Tuple[str, Optional[bytes]]]:
+        """(where, mark or None) of each server (or directory) of the namespace."""
+
+    @abc.abstractmethod
+    def _write_marks(self, mark: bytes, replace: bool) -> bool:
+        """Writes ``mark`` on every server; unless ``replace`` only where none is
+        (False, with nothing left written, when one was)."""
+
+    @abc.abstractmethod
+    def _emptying_hint(self) -> str:
+        """How a user empties this namespace (for messages)."""
 
     # ------------------------------------------------------------ packing
     def _key_prefix(self) -> bytes:

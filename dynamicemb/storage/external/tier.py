@@ -22,19 +22,13 @@ import torch
 
 from dynamicemb.ops.interface import Entries
 from dynamicemb.storage.external.store import ExternalStorageError, KVStore
+from dynamicemb.storage.external.store import brief_error as _brief
 from dynamicemb.table import InsertResult, PendingInsert, ScoredHashTable
 from dynamicemb.types import DynamicEmbScoreStrategy
 
 __all__ = ["ExternalTier", "Staged"]
 
 logger = logging.getLogger(__name__)
-
-
-def _brief(error: Exception, limit: int = 200) -> str:
-    """The error's message, printable and at most ``limit`` characters (a store's
-    errors may quote a whole binary command)."""
-    text = ascii(str(error))[1:-1]
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class Staged(NamedTuple):
