@@ -165,7 +165,7 @@ sanitizer() {  # sanitizer TOOL: the command prefix of a compute-sanitizer run
 }
 # sizes: the GPU's, or tiny ones for a dry run on the CPU
 if [[ $DRY == 1 ]]; then
-  LOOKUPS=(--lookups 256 --num-ids 128 --dim 8 --replays 3)
+  LOOKUPS=(--lookups 256 --num-ids 128 --dim 8 --replays 2)
   WIDE=(--wide-dims 8 40)
   SMALL=(--num_embeddings 4096); LARGE=(--num_embeddings 8192)
   BATCH=256; BIG_BATCH=512
