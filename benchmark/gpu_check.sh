@@ -224,8 +224,8 @@ else
   stage tables_64m 50 150 after-build "${GPU_TABLES[@]}" --batch_sizes "$BATCH" "$BIG_BATCH" \
     "${LARGE[@]}" --optimizers sgd --layouts all-hbm all-hbm-graphed --out "$OUT/gpu_tables_64M"
   stage caching_adam 40 120 after-build "${GPU_TABLES[@]}" --batch_sizes "$BATCH" "$BIG_BATCH" \
-    "${SMALL[@]}" --optimizers adam --hbm_gib "$HBM_ADAM" --layouts cache in-place cache-graphed \
-    --out "$OUT/gpu_caching_adam"
+    "${SMALL[@]}" --optimizers adam --hbm_gib "$HBM_ADAM" --skip_all_hbm --graphed \
+    --out "$OUT/gpu_caching_adam"  # the flags' way to ask for cache, in-place, cache graphed
   stage hash_grid 20 90 after-build "${HASH_TABLE[@]}" "${HASH_1M[@]}" --loads 0.5 0.75 1.0 \
     --dims 8 64 128 --out "$OUT/hash_table_grid_1M"
   stage hash_grid_64m 25 90 after-build "${HASH_TABLE[@]}" "${HASH_64M[@]}" --loads 0.5 0.75 1.0 \
