@@ -49,7 +49,9 @@ bench: $(BUILD_STAMP)
 guards: $(BUILD_STAMP)
 	bash benchmark/guards.sh
 
-# On a machine with a GPU, PyTorch with CUDA and CuPy (uses that python, no venv).
+# On a machine with a GPU, PyTorch with CUDA and CuPy (uses that python, no venv):
+# run A (about 8 minutes on an H100, the most valuable checks first), GPU_RUN=B the
+# rest; GPU_DRY_RUN=1 runs every stage on the CPU at tiny sizes (benchmark/gpu_check.sh).
 gpu-check:
 	bash benchmark/gpu_check.sh
 

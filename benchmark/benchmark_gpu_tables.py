@@ -17,12 +17,23 @@ time), with the cache's hit rate.
 ``--graphed`` adds the all-HBM table (and with ``--hbm_gib`` the cache) with its
 training step (forward, backward and fused optimizer) captured once in a CUDA graph
 and replayed with each batch copied into the graph's static ids (its ``train`` only:
-the graph is the whole step).
+the graph is the whole step). ``--layouts`` picks layouts by kind instead (``all-hbm``,
+``all-hbm-graphed``, ``cache``, ``in-place``, ``cache-graphed``).
 
 Per iteration, each module in turn (so noise falls on both alike): ``forward``
 (training forward), ``backward`` (backward with the optimizer step), ``train``
 (both), ``eval`` (no-grad forward in eval mode), each wall-clock between device
 synchronizations, reported as medians in ms, with the paired train ratio.
+
+One dynamic layout exists at a time: each is built, timed and freed before the
+next (the static table, warmed by one step so that its optimizer state exists,
+stays). Each row records the bytes the process holds after the row against those
+it held before the first layout (reachable tensors; on a GPU also PyTorch's
+allocated memory); more than ``--leak_slack_mib`` beyond is a leak, and the exit
+code is 1 after every row ran. Rows are printed and appended to ``--out``.jsonl as
+they come; ``--out``.json and .md hold them all at the end. ``--emulated`` runs it
+on the CPU at tiny sizes (the CUDA path emulated, the graph stand-in;
+``_accelerator.py``).
 
 Example::
 
@@ -31,18 +42,23 @@ Example::
 """
 
 import argparse
+import gc
 import json
+import os
 import statistics
+import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
+from _accelerator import Accelerator, accelerator
 from _report import write_report
 
 from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbOptimType, DynamicEmbTableOptions
 
 OPTIMIZERS = {"sgd": DynamicEmbOptimType.EXACT_SGD, "adam": DynamicEmbOptimType.ADAM}
+LAYOUT_KINDS = ("all-hbm", "all-hbm-graphed", "cache", "in-place", "cache-graphed")
 LR = 0.01
 
 
@@ -104,20 +120,17 @@ class Graphed(torch.nn.Module):
     on a side stream, capture, then copy each batch into the static inputs and
     replay)."""
 
-    def __init__(self, dynamic: Dynamic, ids: torch.Tensor, offsets: torch.Tensor,
-                 grad: torch.Tensor) -> None:
+    def __init__(self, acc: Accelerator, dynamic: Dynamic, ids: torch.Tensor,
+                 offsets: torch.Tensor, grad: torch.Tensor) -> None:
         super().__init__()
         self.dynamic = dynamic
+        self.tables = dynamic.tables
         self.ids, self.offsets, self.grad = ids.clone(), offsets.clone(), grad
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with acc.side_stream():
             for _ in range(3):
                 dynamic(self.ids, self.offsets).backward(grad)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            dynamic(self.ids, self.offsets).backward(grad)
+        self.graph, _ = acc.capture(
+            lambda: dynamic(self.ids, self.offsets).backward(grad))
 
     def replay_step(self, ids, offsets) -> None:
         self.ids.copy_(ids)
@@ -128,32 +141,32 @@ class Graphed(torch.nn.Module):
         return self.dynamic(ids, offsets)
 
 
-def timed(fn: Callable[[], object], device) -> float:
-    torch.cuda.synchronize(device)
+def timed(fn: Callable[[], object], acc: Accelerator) -> float:
+    acc.synchronize()
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize(device)
+    acc.synchronize()
     return (time.perf_counter() - start) * 1e3
 
 
 def time_pair(modules: Dict[str, torch.nn.Module], batches, grad, iterations: int,
-              warmup: int, device) -> Dict[str, Dict[str, List[float]]]:
+              warmup: int, acc: Accelerator) -> Dict[str, Dict[str, List[float]]]:
     times = {name: {"forward": [], "backward": [], "train": [], "eval": []} for name in modules}
     for it in range(warmup + iterations):
         ids, offsets = batches[it % len(batches)]
         for name, m in modules.items():
             m.train()
             if hasattr(m, "replay_step"):  # the whole step is one graph
-                train = timed(lambda: m.replay_step(ids, offsets), device)
+                train = timed(lambda: m.replay_step(ids, offsets), acc)
                 if it >= warmup:
                     times[name]["train"].append(train)
                 continue
             holder = {}
-            fwd = timed(lambda: holder.setdefault("out", m(ids, offsets)), device)
-            bwd = timed(lambda: m.step(holder["out"], grad), device)
+            fwd = timed(lambda: holder.setdefault("out", m(ids, offsets)), acc)
+            bwd = timed(lambda: m.step(holder["out"], grad), acc)
             m.eval()
             with torch.no_grad():
-                ev = timed(lambda: m(ids, offsets), device)
+                ev = timed(lambda: m(ids, offsets), acc)
             if it >= warmup:
                 for phase, t in (("forward", fwd), ("backward", bwd), ("train", fwd + bwd),
                                  ("eval", ev)):
@@ -162,58 +175,102 @@ def time_pair(modules: Dict[str, torch.nn.Module], batches, grad, iterations: in
 
 
 def layouts(args) -> List[tuple]:
-    """(name, device bytes or None, caching) of each dynamic layout to time."""
-    out = [] if args.skip_all_hbm else [("all-hbm", None, False)]
-    if args.graphed and not args.skip_all_hbm:
-        out.append(("all-hbm, CUDA graph", None, False))
+    """(name, device bytes or None, caching, graphed) of each dynamic layout to time:
+    ``--layouts`` if given, else what ``--skip_all_hbm``, ``--hbm_gib`` and
+    ``--graphed`` ask for."""
+    kinds = args.layouts
+    if kinds is None:
+        kinds = [] if args.skip_all_hbm else ["all-hbm"]
+        if args.graphed and not args.skip_all_hbm:
+            kinds.append("all-hbm-graphed")
+        if args.hbm_gib:
+            kinds += ["cache", "in-place"] + (["cache-graphed"] if args.graphed else [])
+    out = []
+    if "all-hbm" in kinds:
+        out.append(("all-hbm", None, False, False))
+    if "all-hbm-graphed" in kinds:
+        out.append(("all-hbm, CUDA graph", None, False, True))
     for gib in args.hbm_gib:
-        out += [(f"cache {gib:g} GiB", int(gib * 2**30), True),
-                (f"in-place {gib:g} GiB", int(gib * 2**30), False)]
-        if args.graphed:
-            out.append((f"cache {gib:g} GiB, CUDA graph", int(gib * 2**30), True))
+        budget = int(gib * 2**30)
+        for kind, name, caching, graphed in (
+                ("cache", f"cache {gib:g} GiB", True, False),
+                ("in-place", f"in-place {gib:g} GiB", False, False),
+                ("cache-graphed", f"cache {gib:g} GiB, CUDA graph", True, True)):
+            if kind in kinds:
+                out.append((name, budget, caching, graphed))
+    if not out:
+        raise SystemExit(f"no layout to time: --layouts {kinds} (cache kinds need --hbm_gib)")
     return out
 
 
-def run_config(args, batch: int, num_embeddings: int, optimizer: str, device) -> List[Dict]:
-    gen = torch.Generator(device).manual_seed(0)
-    offsets = torch.arange(batch + 1, device=device)
+def time_layout(args, acc: Accelerator, static: Static, batches, grad, layout: tuple,
+                num_embeddings: int, optimizer: str) -> Dict:
+    """Builds one dynamic layout, times it beside ``static`` and returns its row; the
+    layout is freed when this returns (nothing of it escapes)."""
+    name, hbm_bytes, caching, graphed = layout
+    dynamic = Dynamic(num_embeddings, args.embedding_dim, optimizer, acc.device, hbm_bytes,
+                      caching)
+    if graphed:
+        dynamic = Graphed(acc, dynamic, *batches[0], grad)
+    modules = {"static": static, "dynamicemb": dynamic}
+    times = time_pair(modules, batches, grad, args.num_iterations, args.warmup, acc)
+    row = {"layout": name}
+    for module_name in modules:
+        for phase, ts in times[module_name].items():
+            row[f"{phase}({module_name})"] = round(statistics.median(ts), 4) if ts else None
+    pairs = [d / s for d, s in zip(times["dynamicemb"]["train"], times["static"]["train"])]
+    row["train ratio (paired)"] = round(statistics.median(pairs), 3)
+    metrics = dynamic.tables.cache_metrics()["t0"]
+    row["cache hit rate"] = round(metrics.hit_rate, 4) if caching else None
+    return row
+
+
+def leaked(held: Dict[str, int], before: Dict[str, int], slack: int) -> Dict[str, int]:
+    """The kinds of held bytes that grew by more than ``slack`` since ``before``."""
+    return {k: held[k] - before[k] for k in held if held[k] - before[k] > slack}
+
+
+def run_config(args, acc: Accelerator, batch: int, num_embeddings: int,
+               optimizer: str, jsonl: Optional[str] = None) -> List[Dict]:
+    gen = torch.Generator(acc.device).manual_seed(0)
+    offsets = torch.arange(batch + 1, device=acc.device)
     batches = [(power_law_ids(batch, num_embeddings, args.alpha, gen), offsets)
                for _ in range(args.distinct_batches)]
-    grad = torch.randn(batch, args.embedding_dim, generator=gen, device=device)
-    static = Static(num_embeddings, args.embedding_dim, optimizer, device)
+    grad = torch.randn(batch, args.embedding_dim, generator=gen, device=acc.device)
+    static = Static(num_embeddings, args.embedding_dim, optimizer, acc.device)
+    static.step(static(*batches[0]), grad)  # its optimizer state exists from here on
+    before = acc.held_bytes()
+    slack = int(args.leak_slack_mib * 2**20)
     rows = []
-    for layout, hbm_bytes, caching in layouts(args):
-        dynamic = Dynamic(num_embeddings, args.embedding_dim, optimizer, device, hbm_bytes,
-                          caching)
-        if "graph" in layout:
-            dynamic = Graphed(dynamic, *batches[0], grad)
-        modules = {"static": static, "dynamicemb": dynamic}
-        times = time_pair(modules, batches, grad, args.num_iterations, args.warmup, device)
+    for layout in layouts(args):
         row = {"batch_size": batch, "num_embeddings": num_embeddings, "optimizer": optimizer,
                "embedding_dim": args.embedding_dim, "alpha": args.alpha,
-               "iterations": args.num_iterations, "layout": layout}
-        for name in modules:
-            for phase, ts in times[name].items():
-                row[f"{phase}({name})"] = round(statistics.median(ts), 4) if ts else None
-        pairs = [d / s for d, s in zip(times["dynamicemb"]["train"], times["static"]["train"])]
-        row["train ratio (paired)"] = round(statistics.median(pairs), 3)
-        tables = dynamic.dynamic.tables if isinstance(dynamic, Graphed) else dynamic.tables
-        metrics = tables.cache_metrics()["t0"]
-        row["cache hit rate"] = round(metrics.hit_rate, 4) if caching else None
+               "iterations": args.num_iterations}
+        row.update(time_layout(args, acc, static, batches, grad, layout, num_embeddings,
+                               optimizer))
+        held = acc.held_bytes()  # after a collection: only what outlives the layout
+        row["held_bytes_before"] = before
+        row["held_bytes_after"] = held
+        row["leaked_bytes"] = leaked(held, before, slack)
         rows.append(row)
-        print(json.dumps(row), flush=True)
-        del modules, dynamic
-        torch.cuda.empty_cache()
+        line = json.dumps(row)
+        print(line, flush=True)
+        if jsonl:
+            with open(jsonl, "a") as f:
+                f.write(line + "\n")
+    del static
+    gc.collect()
     return rows
 
 
 def markdown(rows: List[Dict]) -> str:
-    cols = list(rows[0])
+    skip = ("held_bytes_before", "held_bytes_after", "leaked_bytes")
+    cols = [c for c in rows[0] if c not in skip]
     return ("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n" + "".join(
         "| " + " | ".join(str(r[c]) for c in cols) + " |\n" for r in rows))
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[65536])
     parser.add_argument("--num_embeddings", type=int, nargs="+", default=[1 << 23])
@@ -229,20 +286,33 @@ def main() -> None:
                         help="time only the --hbm_gib layouts")
     parser.add_argument("--graphed", action="store_true",
                         help="add the all-HBM table with its step replayed from a CUDA graph")
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUT_KINDS, default=None,
+                        help="the layouts to time (instead of the three flags above)")
+    parser.add_argument("--leak_slack_mib", type=float, default=64.0,
+                        help="held bytes a row may add before it counts as a leak")
+    parser.add_argument("--emulated", action="store_true",
+                        help="on the CPU: the CUDA path emulated, the graph stand-in")
     parser.add_argument("--out", default="benchmark/out/gpu_tables")
     args = parser.parse_args()
-    device = torch.device("cuda")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    jsonl = args.out + ".jsonl"
+    open(jsonl, "w").close()
     rows = []
-    for n in args.num_embeddings:
-        for batch in args.batch_sizes:
-            for opt in args.optimizers:
-                rows += run_config(args, batch, n, opt, device)
-    meta = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-            "unit": "ms, median"}
+    with accelerator(args.emulated) as acc:
+        for n in args.num_embeddings:
+            for batch in args.batch_sizes:
+                for opt in args.optimizers:
+                    rows += run_config(args, acc, batch, n, opt, jsonl)
+        meta = {"device": acc.name(), "torch": torch.__version__, "unit": "ms, median",
+                "argv": sys.argv[1:]}
     table = markdown(rows)
     write_report(args.out, meta, rows, table)
     print(f"\n{json.dumps(meta)}\n\n{table}")
+    leaks = [(r["layout"], r["leaked_bytes"]) for r in rows if r["leaked_bytes"]]
+    if leaks:
+        print(f"leak: bytes held after a row beyond the slack: {leaks}", file=sys.stderr)
+    return 1 if leaks else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,7 +12,9 @@ of an embedding lookup), so the load stays where it was set. Per (load, dim):
 
 Million keys per second from the median of ``--reps`` timed runs. Also reports
 the bytes of metadata per slot beside the value rows. ``--device cuda`` runs the
-same on a GPU (the CUDA backend; each timing ends with a device synchronize).
+same on a GPU (the CUDA backend; each timing ends with a device synchronize);
+``--emulated`` runs the CUDA backend's code on the CPU (its kernels emulated, for
+CI). Rows are printed and appended to ``--out``.jsonl as they come.
 
 Example::
 
@@ -21,7 +23,9 @@ Example::
 """
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -29,6 +33,7 @@ from typing import Callable, Dict, List
 
 import torch
 
+from _accelerator import accelerator
 from _report import write_report
 
 from dynamicemb import DynamicEmbScoreStrategy, ScoredHashTable
@@ -157,15 +162,22 @@ def main() -> None:
     parser.add_argument("--loads", type=float, nargs="+", default=list(LOADS))
     parser.add_argument("--dims", type=int, nargs="+", default=list(DIMS))
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--emulated", action="store_true",
+                        help="the CUDA backend's code on the CPU, its kernels emulated")
     parser.add_argument("--out", default="benchmark/out/hash_table")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    open(args.out + ".jsonl", "w").close()
 
     rows = []
-    for load in args.loads:
-        for dim in args.dims:
-            rows.append(bench_one(args.capacity, dim, load, args.batch, args.reps, device))
-            print(json.dumps(rows[-1]), flush=True)
+    with (accelerator(emulated=True) if args.emulated else contextlib.nullcontext()) as acc:
+        device = acc.device if args.emulated else torch.device(args.device)
+        for load in args.loads:
+            for dim in args.dims:
+                rows.append(bench_one(args.capacity, dim, load, args.batch, args.reps, device))
+                print(json.dumps(rows[-1]), flush=True)
+                with open(args.out + ".jsonl", "a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
     meta = {
         "capacity": args.capacity,
         "batch": args.batch,
@@ -173,7 +185,8 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
-        "device": (torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
+        "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                   else acc.name() if args.emulated else "cpu"),
         "unit": "million keys per second (median)",
     }
     table = markdown(rows)

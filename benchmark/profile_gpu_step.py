@@ -1,6 +1,7 @@
 """Where a GPU step's time goes: torch.profiler tables of one training step of
 the batched-tables benchmark and of one ``find_or_insert``, by host time and by
-device time (the input for the next optimization, not a benchmark).
+device time (the input for the next optimization, not a benchmark). ``--emulated``:
+the same on the CPU with the CUDA path emulated (host time only; for CI).
 
 Example::
 
@@ -12,15 +13,17 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from _accelerator import accelerator
 from benchmark_gpu_tables import Dynamic, power_law_ids
 from dynamicemb import ScoredHashTable
 
 
-def report(prof, title: str, rows: int) -> None:
+def report(prof, title: str, rows: int, device_time: bool) -> None:
     print(f"\n### {title}: by host time\n")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
-    print(f"\n### {title}: by device time\n")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows))
+    if device_time:
+        print(f"\n### {title}: by device time\n")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows))
 
 
 def main() -> None:
@@ -29,8 +32,19 @@ def main() -> None:
     parser.add_argument("--num_embeddings", type=int, default=1 << 23)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--table_log2_slots", type=int, default=20,
+                        help="the hash table's slots (and keys per call): 2 to this")
+    parser.add_argument("--emulated", action="store_true",
+                        help="on the CPU: the CUDA path emulated (host time only)")
     args = parser.parse_args()
-    device = torch.device("cuda")
+    with accelerator(args.emulated) as acc:
+        profile_both(acc, args)
+
+
+def profile_both(acc, args) -> None:
+    """Profiles the training steps, then the hash table's ``find_or_insert``."""
+    device = acc.device
+    activities = [ProfilerActivity.CPU] + ([] if acc.emulated else [ProfilerActivity.CUDA])
     gen = torch.Generator(device).manual_seed(0)
     module = Dynamic(args.num_embeddings, 128, "sgd", device)
     ids = power_law_ids(args.batch, args.num_embeddings, 1.05, gen)
@@ -38,26 +52,27 @@ def main() -> None:
     grad = torch.randn(args.batch, 128, device=device)
     for _ in range(3):
         module(ids, offsets).backward(grad)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    acc.synchronize()
+    with profile(activities=activities) as prof:
         for _ in range(args.steps):
             module(ids, offsets).backward(grad)
-        torch.cuda.synchronize()
-    report(prof, f"{args.steps} train steps, batch {args.batch}", args.rows)
+        acc.synchronize()
+    report(prof, f"{args.steps} train steps, batch {args.batch}", args.rows, not acc.emulated)
 
-    table = ScoredHashTable(capacity=1 << 20, value_dim=8, max_load_factor=1.0, device=device)
-    keys = torch.randint(-(2**62), 2**62, (3 << 18,), device=device, generator=gen)
+    capacity = 1 << args.table_log2_slots
+    table = ScoredHashTable(capacity=capacity, value_dim=8, max_load_factor=1.0, device=device)
+    keys = torch.randint(-(2**62), 2**62, (capacity * 3 // 4,), device=device, generator=gen)
     table.insert_or_assign(keys, torch.zeros(keys.numel(), 8, device=device))
-    batch = keys[torch.randint(0, keys.numel(), (1 << 20,), device=device, generator=gen)]
+    batch = keys[torch.randint(0, keys.numel(), (capacity,), device=device, generator=gen)]
     for _ in range(3):
         table.find_or_insert(batch)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    acc.synchronize()
+    with profile(activities=activities) as prof:
         for _ in range(args.steps):
             table.find_or_insert(batch)
-        torch.cuda.synchronize()
-    report(prof, f"{args.steps} find_or_insert of 1M keys (1M slots, load 0.75)", args.rows)
-
+        acc.synchronize()
+    report(prof, f"{args.steps} find_or_insert of {capacity} keys ({capacity} slots, load 0.75)",
+           args.rows, not acc.emulated)
 
 if __name__ == "__main__":
     main()
