@@ -289,13 +289,15 @@ def upstream_flow(rank: int, world_size: int, save_dir: str) -> None:
     _check_rank_options(model)
 
     # dump, load into a fresh model: it predicts as the dumped one
+    # the example's order: torch.save of the state dict every epoch, DynamicEmbDump
+    # after the loop; its load reads the file with weights_only=True
     path = os.path.join(save_dir, "dynamicemb")
-    DynamicEmbDump(path, model, optim=True)
     torch.save({"model_state_dict": model.state_dict()},
                os.path.join(save_dir, f"model_rank{rank}.pt"))
+    DynamicEmbDump(path, model, optim=True)
     dist.barrier()
     loaded = create_model(caching=True)
-    checkpoint = torch.load(os.path.join(save_dir, f"model_rank{rank}.pt"), weights_only=False)
+    checkpoint = torch.load(os.path.join(save_dir, f"model_rank{rank}.pt"), weights_only=True)
     loaded.load_state_dict(checkpoint["model_state_dict"], strict=False)
     DynamicEmbLoad(path, loaded, optim=True)
     model.eval()
