@@ -5,8 +5,10 @@ does what it says, and options that need a part not built yet are refused with
 an error rather than accepted and ignored.
 """
 
+import abc
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from enum import Enum, unique
 from typing import Any, Optional, Tuple
@@ -17,6 +19,7 @@ from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicE
                               DynamicEmbScoreStrategy, UpstreamIntValues)
 
 __all__ = [
+    "AdmissionStrategy",
     "DynamicEmbInitializerArgs",
     "DynamicEmbInitializerMode",
     "DynamicEmbOptimizerArgs",
@@ -245,8 +248,14 @@ class DynamicEmbOptimizerArgs:
         return mode
 
 
+class AdmissionStrategy(abc.ABC):
+    """Upstream's base class of admission strategies (for annotations and
+    ``isinstance``): ``FrequencyAdmissionStrategy`` is the one strategy tables take
+    here; a strategy class of your own is refused by ``DynamicEmbTableOptions``."""
+
+
 @dataclass(frozen=True)
-class FrequencyAdmissionStrategy:
+class FrequencyAdmissionStrategy(AdmissionStrategy):
     """Admit a key into its table once it was seen ``threshold`` times.
 
     Until then a lookup of the key gets a transient initialized row that is not
@@ -358,8 +367,10 @@ class DynamicEmbTableOptions:
             ``continuous`` (key ranges) is refused.
         index_type: dtype of the ids given (int64 or int32; keys are int64).
         embedding_dtype: dtype of stored rows; float32 only.
-        evict_strategy: upstream's name for the eviction rule; must agree with
-            ``score_strategy`` (LRU for LRU, LFU for LFU, CUSTOMIZED for the others).
+        evict_strategy: upstream's name for the eviction rule, which follows
+            ``score_strategy`` (LRU for LRU, LFU for LFU and the compound, CUSTOMIZED
+            for the others): one that disagrees is overwritten with a warning, as
+            upstream overwrites it.
         external_storage: a third tier below host memory
             (``dynamicemb.storage.external``): a directory path (RocksDB there), a
             ``"redis://host:port[,host:port...]"`` URL, a ``RocksDBStorage`` or
@@ -449,6 +460,11 @@ class DynamicEmbTableOptions:
         if self.embedding_dtype not in (None, torch.float32):
             raise ValueError(f"embedding_dtype {self.embedding_dtype} is not supported: rows are "
                              "stored in float32 (output_dtype sets the output's dtype)")
+        if self.admit_strategy is not None and not isinstance(self.admit_strategy,
+                                                              FrequencyAdmissionStrategy):
+            raise ValueError("admit_strategy must be a FrequencyAdmissionStrategy (strategy "
+                             "classes of your own are not supported), got "
+                             f"{type(self.admit_strategy).__name__}")
         if self.admission_counter is not None:
             if not isinstance(self.admission_counter, KVCounter):
                 raise ValueError("admission_counter must be a KVCounter, got "
@@ -456,11 +472,14 @@ class DynamicEmbTableOptions:
         if self.evict_strategy is not None:
             self.evict_strategy = DynamicEmbEvictStrategy(self.evict_strategy)
             derived = DynamicEmbEvictStrategy.of_score_strategy(self.score_strategy)
-            if self.evict_strategy != derived:
-                raise ValueError(
+            if self.evict_strategy != derived:  # upstream overwrites it: so does this, loudly
+                warnings.warn(
                     f"evict_strategy={self.evict_strategy.name} disagrees with score_strategy="
                     f"{self.score_strategy.name}, which evicts as {derived.name}: eviction "
-                    f"follows score_strategy (as upstream, which overwrites evict_strategy)")
+                    f"follows score_strategy, as upstream's (evict_strategy is set to "
+                    f"{derived.name}); for {self.evict_strategy.name} eviction set "
+                    f"score_strategy={self.evict_strategy.name}", UserWarning, stacklevel=3)
+                self.evict_strategy = derived
 
     def _check_external(self) -> None:
         if self.local_host_for_values is not None:
