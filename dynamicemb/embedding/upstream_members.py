@@ -176,30 +176,53 @@ class UpstreamMembers:
         Raises:
             ValueError: a table's scores do not order rows by time (LFU, NO_EVICTION).
         """
-        scores = {}
-        for name in self.table_names:
-            group, local = self._location(name)
-            if group.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
-                scores[name] = int(group.custom_scores[local])
-            else:
-                scores[name] = self.next_score(name)
-        return scores
+        return {name: self._upstream_score(name) for name in self.table_names}
+
+    def _upstream_score(self, name: str) -> int:
+        group, local = self._location(name)
+        if group.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
+            return int(group.custom_scores[local])
+        return self.next_score(name)
 
     def incremental_dump(self, named_thresholds: Union[int, Mapping[str, int], None] = None,
                          pg: Optional[dist.ProcessGroup] = None
                          ) -> Tuple[Dict[str, Tuple[torch.Tensor, torch.Tensor]], Dict[str, int]]:
-        """Upstream's module-level incremental dump: ``dynamicemb.incremental_dump`` of
-        this module (keyed by table name; a collective over ``pg``, the default group
-        when one is initialized).
+        """Upstream's module-level incremental dump: each named table's rows scoring at
+        least its threshold (the last access for LRU / STEP / the compound, the
+        registered score for CUSTOMIZED), and the thresholds to pass next time
+        (``get_score()``).
 
         Args:
-            named_thresholds: ``{table: threshold}`` (e.g. ``get_score()``), one
-                threshold for every table, or None (every row).
-            pg: the ranks holding the module.
+            named_thresholds: ``{table: threshold}`` (e.g. ``get_score()``; tables not
+                named are skipped), one threshold for every table, or None (0: every row).
+            pg: with a process group, the rows of every rank of it are gathered (a
+                collective); without, this module's rows.
 
         Returns:
-            ``(rows, next_thresholds)``: ``rows[table] = (keys, embeddings)``.
-        """
-        from dynamicemb.checkpoint.incremental import incremental_dump  # checkpoint imports us
+            ``(rows, next_thresholds)``: ``rows[table] = (keys (n,) int64, embeddings
+            (n, dim) float32)`` on the CPU.
 
-        return incremental_dump(self, 0 if named_thresholds is None else named_thresholds, pg)
+        Raises:
+            ValueError: an unknown table, or one whose scores do not order rows by time
+                (LFU, NO_EVICTION); nothing is dumped.
+        """
+        if named_thresholds is None or not isinstance(named_thresholds, Mapping):
+            named_thresholds = {n: int(named_thresholds or 0) for n in self.table_names}
+        unknown = sorted(set(named_thresholds) - set(self.table_names))
+        if unknown:
+            raise ValueError(f"no tables {unknown} in this module (tables {self.table_names})")
+        next_scores = {n: self._upstream_score(n) for n in named_thresholds}
+        self.flush()
+        rows: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, threshold in named_thresholds.items():
+            chunks = list(self.iter_keys_values(name, min_score=int(threshold)))
+            rows[name] = (torch.cat([c.keys for c in chunks]).cpu(),
+                          torch.cat([c.embeddings for c in chunks]).cpu())
+        if pg is not None:
+            from dynamicemb.checkpoint._collective import Collective  # checkpoint imports us
+
+            gathered = Collective(pg).all_gather((rows, next_scores))
+            rows = {n: (torch.cat([g[0][n][0] for g in gathered]),
+                        torch.cat([g[0][n][1] for g in gathered])) for n in rows}
+            next_scores = {n: min(g[1][n] for g in gathered) for n in next_scores}
+        return rows, next_scores

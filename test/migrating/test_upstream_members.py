@@ -155,6 +155,13 @@ def test_module_get_score_and_incremental_dump_give_the_rows_touched_since():
     custom = _module(score_strategy=DynamicEmbScoreStrategy.CUSTOMIZED)
     custom.set_score({"t0": 5})
     assert custom.get_score() == {"t0": 5}
+    _train(custom, [1, 2])
+    custom.set_score({"t0": 6})  # CUSTOMIZED: rows scoring at least the registered score
+    _train(custom, [2, 3])
+    rows, score = custom.incremental_dump({"t0": 6})
+    assert sorted(rows["t0"][0].tolist()) == [2, 3] and score == {"t0": 6}
+    with pytest.raises(ValueError, match="no tables"):
+        custom.incremental_dump({"t9": 0})
     with pytest.raises(ValueError, match="LFU"):
         _module(score_strategy=DynamicEmbScoreStrategy.LFU).get_score()
 
