@@ -38,8 +38,8 @@ from dynamicemb.storage.external import (ExternalStorageError, KVStore, RedisSto
                                          RocksDBStorage)
 from dynamicemb.table import ScoredHashTable
 from dynamicemb.embedding.upstream_members import BATCH_SIZE_PER_DUMP
-from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicEmbEvictStrategy,
-                              DynamicEmbScoreStrategy, ScoreStrategy)
+from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicEmbDistType,
+                              DynamicEmbEvictStrategy, DynamicEmbScoreStrategy, ScoreStrategy)
 from dynamicemb._upstream import module_getattr as _module_getattr
 
 __version__ = "0.1.0"
@@ -58,6 +58,7 @@ __all__ = [
     "DEFAULT_BUCKET_CAPACITY",
     "DEMB_TABLE_ALIGN_SIZE",
     "DynamicEmbCheckMode",
+    "DynamicEmbDistType",
     "DynamicEmbDump",
     "DynamicEmbEvictStrategy",
     "DynamicEmbFusedOptimizer",

@@ -9,12 +9,15 @@ from dynamicemb.sizing import (BUCKET_ALIGNMENT, DEMB_TABLE_ALIGN_SIZE, align_to
                                get_sharded_table_capacity, get_table_value_bytes)
 from dynamicemb.embedding.upstream_members import BATCH_SIZE_PER_DUMP
 from dynamicemb.sizing import DEFAULT_BUCKET_CAPACITY
-from dynamicemb.types import (DynamicEmbCheckMode, DynamicEmbEvictStrategy, DynamicEmbScoreStrategy,
-                              ScoreStrategy)
+from dynamicemb.types import (DynamicEmbCheckMode, DynamicEmbDistType, DynamicEmbEvictStrategy,
+                              DynamicEmbScoreStrategy, ScoreStrategy)
 
 #: Upstream's modulus of the DEBUG initializer: ``DynamicEmbInitializerMode.DEBUG``
 #: fills every element of a new row with ``key % DEBUG_EMB_INITIALIZER_MOD``.
 DEBUG_EMB_INITIALIZER_MOD = 100_000
+#: The ``dist_type`` values ``DynamicEmbTableOptions`` takes (upstream's name; its
+#: ``continuous`` is refused here, ``hash`` is this package's default).
+SUPPORTED_DIST_TYPES = tuple(d.value for d in DynamicEmbDistType)
 
 __all__ = [
     "BATCH_SIZE_PER_DUMP",
@@ -23,12 +26,14 @@ __all__ = [
     "DEFAULT_BUCKET_CAPACITY",
     "DEMB_TABLE_ALIGN_SIZE",
     "DynamicEmbCheckMode",
+    "DynamicEmbDistType",
     "DynamicEmbEvictStrategy",
     "DynamicEmbInitializerArgs",
     "DynamicEmbInitializerMode",
     "DynamicEmbPoolingMode",
     "DynamicEmbScoreStrategy",
     "DynamicEmbTableOptions",
+    "SUPPORTED_DIST_TYPES",
     "ScoreStrategy",
     "align_to_table_size",
     "get_sharded_table_capacity",

@@ -15,8 +15,8 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicEmbEvictStrategy,
-                              DynamicEmbScoreStrategy, UpstreamIntValues)
+from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicEmbDistType,
+                              DynamicEmbEvictStrategy, DynamicEmbScoreStrategy, UpstreamIntValues)
 
 __all__ = [
     "AdmissionStrategy",
@@ -317,10 +317,6 @@ class KVCounter:
             raise ValueError(f"KVCounter key_type must be torch.int64, got {self.key_type}")
 
 
-#: Row-wise placement names of upstream's ``dist_type`` that mean hash placement here.
-HASH_DIST_TYPES = ("roundrobin", "hash_roundrobin")
-
-
 @dataclass
 class DynamicEmbTableOptions:
     """Options of one dynamic embedding table.
@@ -362,9 +358,11 @@ class DynamicEmbTableOptions:
             ``admit_strategy`` every key is admitted and it counts nothing (as upstream).
         training: False builds an inference table: no optimizer state, never inserts.
         optimizer_args: per-table optimizer (None: the module's settings).
-        dist_type: row-wise placement, ``roundrobin`` or ``hash_roundrobin`` (upstream's
-            names): both place a key by a hash of it (``owner_rank``);
-            ``continuous`` (key ranges) is refused.
+        dist_type: which rank stores a key of a row-wise table
+            (``DynamicEmbDistType`` or its value, ``dynamicemb.placement``): ``hash``
+            (default, splitmix64 of the key), ``roundrobin`` (``key % W``, upstream's
+            default) or ``hash_roundrobin`` (murmur3's fmix64 of the key, upstream's);
+            upstream's ``continuous`` (key ranges) is refused.
         index_type: dtype of the ids given (int64 or int32; keys are int64).
         embedding_dtype: dtype of stored rows; float32 only.
         evict_strategy: upstream's name for the eviction rule, which follows
@@ -400,7 +398,7 @@ class DynamicEmbTableOptions:
     optimizer_args: Optional[DynamicEmbOptimizerArgs] = None
     global_hbm_for_values: Optional[int] = None
     admission_counter: Optional[KVCounter] = None
-    dist_type: str = "roundrobin"
+    dist_type: DynamicEmbDistType = DynamicEmbDistType.HASH
     index_type: Optional[torch.dtype] = None
     embedding_dtype: Optional[torch.dtype] = None
     evict_strategy: Optional[DynamicEmbEvictStrategy] = None
@@ -448,13 +446,15 @@ class DynamicEmbTableOptions:
     def _check_upstream_fields(self) -> None:
         """Upstream's fields: what they ask for is done here, or refused."""
         self._check_external()
+        accepted = [d.value for d in DynamicEmbDistType]
         if self.dist_type == "continuous":
             raise ValueError("dist_type='continuous' (contiguous key ranges per rank) is not "
-                             "supported: dynamic tables place keys by hash; use 'roundrobin' "
-                             "or 'hash_roundrobin'")
-        if self.dist_type not in HASH_DIST_TYPES:
-            raise ValueError(f"dist_type must be one of {list(HASH_DIST_TYPES)}, got "
-                             f"{self.dist_type!r}")
+                             f"supported: dynamic tables take any int64 key; use one of {accepted}")
+        try:
+            self.dist_type = DynamicEmbDistType(self.dist_type)
+        except ValueError:
+            raise ValueError(f"dist_type must be one of {accepted} (DynamicEmbDistType), got "
+                             f"{self.dist_type!r}") from None
         if self.index_type not in (None, torch.int64, torch.int32):
             raise ValueError(f"index_type must be torch.int64 or torch.int32, got {self.index_type}")
         if self.embedding_dtype not in (None, torch.float32):

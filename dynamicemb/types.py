@@ -24,6 +24,7 @@ from dynamicemb._upstream import module_getattr
 
 __all__ = [
     "DynamicEmbCheckMode",
+    "DynamicEmbDistType",
     "DynamicEmbEvictStrategy",
     "DynamicEmbScoreStrategy",
     "EMBEDDING_TYPE",
@@ -167,6 +168,26 @@ class DynamicEmbCheckMode(UpstreamIntValues, str, Enum):
     @classmethod
     def _upstream_order(cls) -> Tuple[str, ...]:
         return ("ERROR", "WARNING", "IGNORE")
+
+
+@unique
+class DynamicEmbDistType(str, Enum):
+    """Which rank stores a key of a row-wise dynamic table (``dist_type``), of ``W``
+    ranks; every function reads the int64 key as an unsigned 64-bit word
+    (``dynamicemb.placement``).
+
+    - ``HASH`` (the default): ``splitmix64(key) % W``, splitmix64's finalizer.
+    - ``ROUNDROBIN``: ``key % W``, upstream's ``roundrobin`` (its default). A
+      negative key counts as ``key + 2**64``, as upstream's uint64 cast reads it.
+    - ``HASH_ROUNDROBIN``: ``fmix64(key) % W``, murmur3's finalizer, upstream's
+      ``hash_roundrobin``.
+
+    Upstream's ``continuous`` (key ranges) is refused by ``DynamicEmbTableOptions``.
+    """
+
+    HASH = "hash"
+    ROUNDROBIN = "roundrobin"
+    HASH_ROUNDROBIN = "hash_roundrobin"
 
 
 #: Upstream's type of ``score_strategy``: one strategy, or a tuple of them (the

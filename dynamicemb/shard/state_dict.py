@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from dynamicemb.checkpoint.records import (COUNTER, HEADER, ROW, VIRTUAL_COLUMNS, VIRTUAL_ROWS,
                                            RecordLayout, TableLoad, export_records)
+from dynamicemb.types import DynamicEmbDistType
 
 __all__ = ["DynamicTableState", "STATE_SUFFIX", "register_state_hooks"]
 
@@ -28,8 +29,13 @@ STATE_SUFFIX = ".dynamic_state"
 #: Records per chunk DCP writes and reads (the loading memory bound).
 CHUNK_RECORDS = 1 << 16
 #: Kind of the record a pickled entry ends with: key = saving rank, score = the
-#: table's shards (a pickled entry holds one rank's rows; DCP's records have none).
+#: table's shards, next word = its ``dist_type`` as an index of ``DIST_TYPE_CODES``
+#: (a pickled entry holds one rank's rows; DCP's records have none).
 SHARD = 3
+#: ``dist_type`` values by their code in the shard record (0, what entries pickled
+#: before the word existed hold, is ``hash``, the only placement then).
+DIST_TYPE_CODES = (DynamicEmbDistType.HASH, DynamicEmbDistType.ROUNDROBIN,
+                   DynamicEmbDistType.HASH_ROUNDROBIN)
 
 
 class _Filled(torch.Tensor):
@@ -181,9 +187,10 @@ def _place(kernel: nn.Module, table: str, count: int) -> Tuple[int, int]:
 
 def pickled_records(kernel: nn.Module, table: str, layout: RecordLayout) -> torch.Tensor:
     """A table's records on this rank as a pickled entry holds them: ``export_records``
-    followed by one ``SHARD`` record (this rank, the table's shards)."""
+    followed by one ``SHARD`` record (this rank, the table's shards, its ``dist_type``)."""
     records = export_records(kernel.emb_module, table, layout, spare=1)
-    records[-1, :3] = torch.tensor([SHARD, kernel._rank, kernel.num_shards(table)])
+    records[-1, :4] = torch.tensor([SHARD, kernel._rank, kernel.num_shards(table),
+                                    DIST_TYPE_CODES.index(kernel.dist_type(table))])
     return records
 
 
@@ -216,6 +223,14 @@ def _check_records(key: str, table: str, kernel: nn.Module, layout: RecordLayout
             f"{where}: saved with dim {int(headers[0, 1])} + {int(headers[0, 2])} "
             f"optimizer-state columns, this table has {layout.describe()}; load with the same "
             f"dim and optimizer, or use DynamicEmbLoad(optim=False)")
+    code = int(records[-1, 3])
+    saved = DIST_TYPE_CODES[code].value if 0 <= code < len(DIST_TYPE_CODES) else f"code {code}"
+    if shards > 1 and saved != kernel.dist_type(table).value:
+        raise ValueError(
+            f"{where}: its keys were placed by dist_type={saved!r}, this table's dist_type is "
+            f"{kernel.dist_type(table).value!r}; build the table with dist_type={saved!r} to "
+            f"load this file, or reshard with torch.distributed.checkpoint (dcp.save / "
+            f"dcp.load) or DynamicEmbDump / DynamicEmbLoad")
     keyed = records[(kind == ROW) | (kind == COUNTER), 1]
     foreign = int((~kernel.owns(table, keyed)).sum()) if keyed.numel() else 0
     if foreign:
