@@ -20,6 +20,7 @@ from dynamicemb.inference import InferenceEmbeddingTables, to_inference
 from dynamicemb.lifetime import expire
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer, EmbOptimType, OptimizerArgs
 from dynamicemb.options import (
+    AdmissionStrategy,
     DynamicEmbInitializerArgs,
     DynamicEmbInitializerMode,
     DynamicEmbOptimizerArgs,
@@ -30,13 +31,15 @@ from dynamicemb.options import (
     FrequencyAdmissionStrategy,
     KVCounter,
 )
-from dynamicemb.sizing import (BUCKET_ALIGNMENT, DEMB_TABLE_ALIGN_SIZE, align_to_table_size,
-                               get_sharded_table_capacity, get_table_value_bytes)
+from dynamicemb.sizing import (BUCKET_ALIGNMENT, DEFAULT_BUCKET_CAPACITY, DEMB_TABLE_ALIGN_SIZE,
+                               align_to_table_size, get_sharded_table_capacity,
+                               get_table_value_bytes)
 from dynamicemb.storage.external import (ExternalStorageError, KVStore, RedisStorage,
                                          RocksDBStorage)
 from dynamicemb.table import ScoredHashTable
-from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicEmbEvictStrategy,
-                              DynamicEmbScoreStrategy)
+from dynamicemb.embedding.upstream_members import BATCH_SIZE_PER_DUMP
+from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicEmbDistType,
+                              DynamicEmbEvictStrategy, DynamicEmbScoreStrategy, ScoreStrategy)
 from dynamicemb._upstream import module_getattr as _module_getattr
 
 __version__ = "0.1.0"
@@ -45,13 +48,17 @@ __version__ = "0.1.0"
 _clean_exit.install()
 
 __all__ = [
+    "AdmissionStrategy",
+    "BATCH_SIZE_PER_DUMP",
     "BUCKET_ALIGNMENT",
     "BatchedDynamicEmbeddingTables",
     "BatchedDynamicEmbeddingTablesV2",
     "CheckpointError",
     "Counter",
+    "DEFAULT_BUCKET_CAPACITY",
     "DEMB_TABLE_ALIGN_SIZE",
     "DynamicEmbCheckMode",
+    "DynamicEmbDistType",
     "DynamicEmbDump",
     "DynamicEmbEvictStrategy",
     "DynamicEmbFusedOptimizer",
@@ -76,6 +83,7 @@ __all__ = [
     "OptimizerArgs",
     "RedisStorage",
     "RocksDBStorage",
+    "ScoreStrategy",
     "ScoredHashTable",
     "TableClocks",
     "align_to_table_size",
@@ -89,5 +97,5 @@ __all__ = [
 
 # upstream's names that are not provided: refused by name, with what to use instead
 __getattr__ = _module_getattr(__name__, lazy={}, refused=(
-    "AdmissionStrategy", "ScoreStrategy", "BATCH_SIZE_PER_DUMP", "data_type_to_dyn_emb",
+    "data_type_to_dyn_emb",
     "dyn_emb_to_torch", "torch_to_dyn_emb", "data_type_to_dtype", "string_to_evict_strategy"))

@@ -1,27 +1,63 @@
 """Upstream dynamicemb's names in the modules that carry its module paths: names
 defined in another layer are imported when first used (so no import cycle and no
 TorchRec import until asked), and names this package does not provide are refused
-with an ``ImportError`` that says what to use instead (``docs/MIGRATING.md``)."""
+with an ``ImportError`` that says what to use instead (``docs/MIGRATING.md``); so are
+upstream's internal modules (``refuse_module``)."""
 
 import importlib
 from typing import Any, Callable, Iterable, Mapping
 
-__all__ = ["REFUSED", "module_getattr"]
+__all__ = ["REFUSED", "REFUSED_MODULES", "module_getattr", "refuse_module"]
 
 _TORCH_DTYPES = "tables take torch dtypes (rows are float32)"
-_STORAGE_INTERFACE = ("the storage and cache interfaces do not exist here (external_storage is "
-                      "refused); DynamicEmbTableOptions' caching and local_hbm_for_values / "
-                      "global_hbm_for_values choose where rows live")
+_STORAGE_INTERFACE = ("upstream's storage and cache classes are not reproduced: "
+                      "DynamicEmbTableOptions' caching and local_hbm_for_values / "
+                      "global_hbm_for_values choose where rows live, external_storage takes a "
+                      "path, a Redis URL or a KVStore; module.tables.export_keys_values(device, "
+                      "batch_size, table_id) and module.cache_metrics() read them")
+_OPTIMIZER_CLASSES = ("upstream's per-storage optimizer classes are not reproduced: the "
+                      "optimizer is fused_params['optimizer'] (EmbOptimType) or "
+                      "DynamicEmbOptimizerArgs; get_optimizer_state_dim(optimizer, dim) gives "
+                      "its state columns")
+_CHECKPOINT_FILES = ("DynamicEmbDump writes this package's format, not upstream's files "
+                     "(docs/CHECKPOINTS.md): read one with dynamicemb.checkpoint, or convert "
+                     "upstream's keys/values with import_keys_values")
+_SCORE_INTERNALS = ("upstream's score arguments drive its CUDA hash table: score_strategy in "
+                    "DynamicEmbTableOptions chooses the rule, ScoredHashTable is this package's "
+                    "table")
+#: Upstream's internal modules (storage, CUDA extension buffers, test helpers) ->
+#: what to use instead; importing one raises ``ImportError`` with the text.
+REFUSED_MODULES: Mapping[str, str] = {
+    "key_value_table": _STORAGE_INTERFACE,
+    "scored_hashtable": _SCORE_INTERNALS,
+    "extendable_tensor": ("upstream's growable CUDA buffers: tables grow by themselves here "
+                          "(init_capacity up to max_capacity)"),
+    "index_range_meta": ("upstream's lookup metadata of its CUDA kernels: BatchedDynamicEmbeddingTables"
+                         " takes a KeyedJaggedTensor's indices and offsets"),
+    "lookup_meta": ("upstream's lookup metadata of its CUDA kernels: BatchedDynamicEmbeddingTables "
+                    "takes a KeyedJaggedTensor's indices and offsets"),
+    "construct_twin_module": ("upstream's test helper (a TorchRec twin of a dynamic model): "
+                              "build both models with DistributedModelParallel and the "
+                              "DynamicEmbeddingCollectionSharder / TorchRec's own sharder, "
+                              "then compare their outputs"),
+}
 
 #: Upstream's names not provided here -> what to use instead (one text per name,
 #: whichever of upstream's modules it is imported from).
 REFUSED: Mapping[str, str] = {
-    "AdmissionStrategy": "admission is FrequencyAdmissionStrategy(threshold=...) (no strategy "
-                         "classes of your own)",
-    "ScoreStrategy": "score_strategy is one DynamicEmbScoreStrategy (compound tuples are "
-                     "refused)",
-    "BATCH_SIZE_PER_DUMP": "DynamicEmbDump streams rows in chunks of its own; "
-                           "export_keys_values(name, device, batch_size) takes a batch size",
+    "_sharded_table_bucket_layout": ("it is upstream's private helper: "
+                                     "get_sharded_table_capacity gives a rank's rows"),
+    "BaseDynamicEmbeddingOptimizer": _OPTIMIZER_CLASSES,
+    "SGDDynamicEmbeddingOptimizer": _OPTIMIZER_CLASSES,
+    "AdamDynamicEmbeddingOptimizer": _OPTIMIZER_CLASSES,
+    "AdaGradDynamicEmbeddingOptimizer": _OPTIMIZER_CLASSES,
+    "RowWiseAdaGradDynamicEmbeddingOptimizer": _OPTIMIZER_CLASSES,
+    "get_optimizer_ckpt_state_dim": ("checkpoints hold the optimizer states of "
+                                     "get_optimizer_state_dim(optimizer, dim) unpadded"),
+    "pad_optimizer_states_from_checkpoint": "DynamicEmbLoad restores optimizer states as saved",
+    "truncate_optimizer_states_for_checkpoint": "DynamicEmbDump saves optimizer states as stored",
+    "encode_checkpoint_file_path": _CHECKPOINT_FILES,
+    "encode_meta_json_file_path": _CHECKPOINT_FILES,
     "data_type_to_dyn_emb": _TORCH_DTYPES,
     "dyn_emb_to_torch": _TORCH_DTYPES,
     "torch_to_dyn_emb": _TORCH_DTYPES,
@@ -67,3 +103,15 @@ def module_getattr(module: str, lazy: Mapping[str, str],
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+def refuse_module(module: str) -> None:
+    """Raises the ``ImportError`` of one of upstream's internal modules (called by the
+    module file of that path, so ``import`` and ``from ... import`` show the message).
+
+    Args:
+        module: the module's ``__name__`` (``dynamicemb.<name>``, a key of ``REFUSED_MODULES``).
+    """
+    name = module.rpartition(".")[2]
+    raise ImportError(f"{module} is upstream dynamicemb's internal module and is not provided "
+                      f"here: {REFUSED_MODULES[name]} (docs/MIGRATING.md)", name=module)

@@ -4,8 +4,13 @@
 class; see ``docs/MIGRATING.md`` for the differences from upstream's).
 """
 
+from dynamicemb._upstream import module_getattr
 from dynamicemb.embedding.module import BatchedDynamicEmbeddingTables
 
 __all__ = ["BatchedDynamicEmbeddingTables", "BatchedDynamicEmbeddingTablesV2"]
 
 BatchedDynamicEmbeddingTablesV2 = BatchedDynamicEmbeddingTables
+
+# upstream's checkpoint file names: refused by name (this package's format differs)
+__getattr__ = module_getattr(__name__, lazy={}, refused=(
+    "encode_checkpoint_file_path", "encode_meta_json_file_path"))

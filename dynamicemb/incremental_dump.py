@@ -1,5 +1,5 @@
-"""Upstream dynamicemb's ``dynamicemb.incremental_dump`` module: ``get_score`` and an
-``incremental_dump`` keyed by collection path, as upstream's.
+"""Upstream dynamicemb's ``dynamicemb.incremental_dump`` module: ``get_score``,
+``set_score`` and an ``incremental_dump`` keyed by collection path, as upstream's.
 
 ``from dynamicemb.incremental_dump import get_score, incremental_dump`` gives these;
 ``from dynamicemb import incremental_dump`` gives the same dump keyed by table name
@@ -18,8 +18,9 @@ from dynamicemb.checkpoint._collective import Collective
 from dynamicemb.checkpoint.incremental import incremental_dump as _dump_by_table
 from dynamicemb.checkpoint.tables import local_tables, unwrap
 from dynamicemb.embedding import BatchedDynamicEmbeddingTables
+from dynamicemb.types import DynamicEmbScoreStrategy
 
-__all__ = ["get_score", "incremental_dump"]
+__all__ = ["get_score", "incremental_dump", "set_score"]
 
 Rows = Tuple[torch.Tensor, torch.Tensor]
 
@@ -137,3 +138,50 @@ def incremental_dump(
                    for path, names in paths.items()}
     return ({p: r for p, r in nested_rows.items() if r},
             {p: t for p, t in nested_next.items() if t})
+
+
+def set_score(model: nn.Module, table_score: Union[int, Mapping[str, Mapping[str, int]]]) -> None:
+    """Registers the score the next training batches give the rows they touch, for
+    tables with the CUSTOMIZED score strategy (upstream's ``set_score``). Local to
+    this rank: call it on every rank, as upstream's.
+
+    Args:
+        model: a sharded or unsharded model with dynamic tables.
+        table_score: one score for every dynamic table on this rank, or
+            ``{collection: {table: score}}``, a collection named by its path
+            (``get_score``'s, ``"model.embedding_module"``) or its attribute name
+            (``"embedding_module"``, upstream's).
+
+    Raises:
+        ValueError: a collection or table the model does not have on this rank, a
+            table without the CUSTOMIZED strategy, or a negative score (nothing is set).
+    """
+    tables = local_tables(model)
+    if isinstance(table_score, Mapping):
+        paths = collection_tables(model)
+        by_name = {path.rpartition(".")[2]: path for path in paths}
+        flat: Dict[str, int] = {}
+        for collection, per_table in table_score.items():
+            path = collection if collection in paths else by_name.get(collection)
+            if path is None:
+                raise ValueError(f"no collection {collection!r} with dynamic tables on this rank "
+                                 f"(paths: {sorted(paths)})")
+            unknown = sorted(set(per_table) - set(paths[path]))
+            if unknown:
+                raise ValueError(f"collection {collection!r} has no dynamic tables {unknown} on "
+                                 f"this rank")
+            flat.update({name: int(score) for name, score in per_table.items()})
+    else:
+        flat = {name: int(table_score) for name in tables}
+    by_module: Dict[int, Tuple[BatchedDynamicEmbeddingTables, Dict[str, int]]] = {}
+    for name, score in flat.items():
+        module = tables[name].module
+        by_module.setdefault(id(module), (module, {}))[1][name] = score
+    for module, scores in by_module.values():  # check every table before setting any
+        for name in scores:
+            if module.table_options[module.table_names.index(name)].score_strategy != \
+                    DynamicEmbScoreStrategy.CUSTOMIZED:
+                raise ValueError(f"table {name!r} does not use the CUSTOMIZED score strategy "
+                                 f"(set_score registers CUSTOMIZED scores)")
+    for module, scores in by_module.values():
+        module.set_score(scores)

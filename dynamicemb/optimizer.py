@@ -14,13 +14,35 @@ from typing import List, Tuple
 
 import torch
 
+from dynamicemb._upstream import module_getattr
 from dynamicemb.options import DynamicEmbOptimizerArgs, DynamicEmbOptimType
 
-__all__ = ["DynamicEmbFusedOptimizer", "EmbOptimType", "OptimizerArgs"]
+__all__ = ["DynamicEmbFusedOptimizer", "EmbOptimType", "OptimizerArgs", "get_optimizer_state_dim"]
 
 #: Upstream dynamicemb's names (``from dynamicemb.optimizer import EmbOptimType``).
 EmbOptimType = DynamicEmbOptimType
 OptimizerArgs = DynamicEmbOptimizerArgs
+
+
+def get_optimizer_state_dim(optimizer_type, dim: int, element_dtype: torch.dtype = torch.float32
+                            ) -> int:
+    """Optimizer-state columns a row of ``dim`` columns carries (upstream's function).
+
+    Args:
+        optimizer_type: ``EmbOptimType`` (ours or FBGEMM's) or its name.
+        dim: embedding columns.
+        element_dtype: the states' dtype: float32 (the only one stored here).
+
+    Raises:
+        ValueError: an optimizer not supported here, ``dim`` < 1, or another dtype.
+    """
+    from dynamicemb.ops.interface import optimizer_state_dim  # ops imports this module
+
+    if element_dtype != torch.float32:
+        raise ValueError(f"optimizer states are float32 here, got element_dtype {element_dtype}")
+    if int(dim) < 1:
+        raise ValueError(f"dim must be >= 1, got {dim}")
+    return optimizer_state_dim(DynamicEmbOptimType.of(optimizer_type), int(dim))
 
 
 class DynamicEmbFusedOptimizer(torch.optim.Optimizer):
@@ -53,3 +75,11 @@ class DynamicEmbFusedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: fused updates leave no gradients behind."""
+
+
+# upstream's optimizer classes and checkpoint helpers: refused by name
+__getattr__ = module_getattr(__name__, lazy={}, refused=(
+    "BaseDynamicEmbeddingOptimizer", "SGDDynamicEmbeddingOptimizer",
+    "AdamDynamicEmbeddingOptimizer", "AdaGradDynamicEmbeddingOptimizer",
+    "RowWiseAdaGradDynamicEmbeddingOptimizer", "get_optimizer_ckpt_state_dim",
+    "pad_optimizer_states_from_checkpoint", "truncate_optimizer_states_for_checkpoint"))

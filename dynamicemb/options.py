@@ -5,18 +5,21 @@ does what it says, and options that need a part not built yet are refused with
 an error rather than accepted and ignored.
 """
 
+import abc
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from enum import Enum, unique
 from typing import Any, Optional, Tuple
 
 import torch
 
-from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicEmbEvictStrategy,
-                              DynamicEmbScoreStrategy, UpstreamIntValues)
+from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicEmbDistType,
+                              DynamicEmbEvictStrategy, DynamicEmbScoreStrategy, UpstreamIntValues)
 
 __all__ = [
+    "AdmissionStrategy",
     "DynamicEmbInitializerArgs",
     "DynamicEmbInitializerMode",
     "DynamicEmbOptimizerArgs",
@@ -245,8 +248,14 @@ class DynamicEmbOptimizerArgs:
         return mode
 
 
+class AdmissionStrategy(abc.ABC):
+    """Upstream's base class of admission strategies (for annotations and
+    ``isinstance``): ``FrequencyAdmissionStrategy`` is the one strategy tables take
+    here; a strategy class of your own is refused by ``DynamicEmbTableOptions``."""
+
+
 @dataclass(frozen=True)
-class FrequencyAdmissionStrategy:
+class FrequencyAdmissionStrategy(AdmissionStrategy):
     """Admit a key into its table once it was seen ``threshold`` times.
 
     Until then a lookup of the key gets a transient initialized row that is not
@@ -308,10 +317,6 @@ class KVCounter:
             raise ValueError(f"KVCounter key_type must be torch.int64, got {self.key_type}")
 
 
-#: Row-wise placement names of upstream's ``dist_type`` that mean hash placement here.
-HASH_DIST_TYPES = ("roundrobin", "hash_roundrobin")
-
-
 @dataclass
 class DynamicEmbTableOptions:
     """Options of one dynamic embedding table.
@@ -353,13 +358,17 @@ class DynamicEmbTableOptions:
             ``admit_strategy`` every key is admitted and it counts nothing (as upstream).
         training: False builds an inference table: no optimizer state, never inserts.
         optimizer_args: per-table optimizer (None: the module's settings).
-        dist_type: row-wise placement, ``roundrobin`` or ``hash_roundrobin`` (upstream's
-            names): both place a key by a hash of it (``owner_rank``);
-            ``continuous`` (key ranges) is refused.
+        dist_type: which rank stores a key of a row-wise table
+            (``DynamicEmbDistType`` or its value, ``dynamicemb.placement``): ``hash``
+            (default, splitmix64 of the key), ``roundrobin`` (``key % W``, upstream's
+            default) or ``hash_roundrobin`` (murmur3's fmix64 of the key, upstream's);
+            upstream's ``continuous`` (key ranges) is refused.
         index_type: dtype of the ids given (int64 or int32; keys are int64).
         embedding_dtype: dtype of stored rows; float32 only.
-        evict_strategy: upstream's name for the eviction rule; must agree with
-            ``score_strategy`` (LRU for LRU, LFU for LFU, CUSTOMIZED for the others).
+        evict_strategy: upstream's name for the eviction rule, which follows
+            ``score_strategy`` (LRU for LRU, LFU for LFU and the compound, CUSTOMIZED
+            for the others): one that disagrees is overwritten with a warning, as
+            upstream overwrites it.
         external_storage: a third tier below host memory
             (``dynamicemb.storage.external``): a directory path (RocksDB there), a
             ``"redis://host:port[,host:port...]"`` URL, a ``RocksDBStorage`` or
@@ -392,7 +401,7 @@ class DynamicEmbTableOptions:
     optimizer_args: Optional[DynamicEmbOptimizerArgs] = None
     global_hbm_for_values: Optional[int] = None
     admission_counter: Optional[KVCounter] = None
-    dist_type: str = "roundrobin"
+    dist_type: DynamicEmbDistType = DynamicEmbDistType.HASH
     index_type: Optional[torch.dtype] = None
     embedding_dtype: Optional[torch.dtype] = None
     evict_strategy: Optional[DynamicEmbEvictStrategy] = None
@@ -440,18 +449,25 @@ class DynamicEmbTableOptions:
     def _check_upstream_fields(self) -> None:
         """Upstream's fields: what they ask for is done here, or refused."""
         self._check_external()
+        accepted = [d.value for d in DynamicEmbDistType]
         if self.dist_type == "continuous":
             raise ValueError("dist_type='continuous' (contiguous key ranges per rank) is not "
-                             "supported: dynamic tables place keys by hash; use 'roundrobin' "
-                             "or 'hash_roundrobin'")
-        if self.dist_type not in HASH_DIST_TYPES:
-            raise ValueError(f"dist_type must be one of {list(HASH_DIST_TYPES)}, got "
-                             f"{self.dist_type!r}")
+                             f"supported: dynamic tables take any int64 key; use one of {accepted}")
+        try:
+            self.dist_type = DynamicEmbDistType(self.dist_type)
+        except ValueError:
+            raise ValueError(f"dist_type must be one of {accepted} (DynamicEmbDistType), got "
+                             f"{self.dist_type!r}") from None
         if self.index_type not in (None, torch.int64, torch.int32):
             raise ValueError(f"index_type must be torch.int64 or torch.int32, got {self.index_type}")
         if self.embedding_dtype not in (None, torch.float32):
             raise ValueError(f"embedding_dtype {self.embedding_dtype} is not supported: rows are "
                              "stored in float32 (output_dtype sets the output's dtype)")
+        if self.admit_strategy is not None and not isinstance(self.admit_strategy,
+                                                              FrequencyAdmissionStrategy):
+            raise ValueError("admit_strategy must be a FrequencyAdmissionStrategy (strategy "
+                             "classes of your own are not supported), got "
+                             f"{type(self.admit_strategy).__name__}")
         if self.admission_counter is not None:
             if not isinstance(self.admission_counter, KVCounter):
                 raise ValueError("admission_counter must be a KVCounter, got "
@@ -459,11 +475,14 @@ class DynamicEmbTableOptions:
         if self.evict_strategy is not None:
             self.evict_strategy = DynamicEmbEvictStrategy(self.evict_strategy)
             derived = DynamicEmbEvictStrategy.of_score_strategy(self.score_strategy)
-            if self.evict_strategy != derived:
-                raise ValueError(
+            if self.evict_strategy != derived:  # upstream overwrites it: so does this, loudly
+                warnings.warn(
                     f"evict_strategy={self.evict_strategy.name} disagrees with score_strategy="
                     f"{self.score_strategy.name}, which evicts as {derived.name}: eviction "
-                    f"follows score_strategy (as upstream, which overwrites evict_strategy)")
+                    f"follows score_strategy, as upstream's (evict_strategy is set to "
+                    f"{derived.name}); for {self.evict_strategy.name} eviction set "
+                    f"score_strategy={self.evict_strategy.name}", UserWarning, stacklevel=3)
+                self.evict_strategy = derived
 
     def _check_external(self) -> None:
         if self.local_host_for_values is not None:

@@ -11,9 +11,11 @@ from typing import Any
 
 from dynamicemb.ops.interface import num_buckets_for, optimizer_state_dim
 from dynamicemb.options import DynamicEmbOptimType
+from dynamicemb.types import MAX_BUCKET_CAPACITY
 
 __all__ = [
     "BUCKET_ALIGNMENT",
+    "DEFAULT_BUCKET_CAPACITY",
     "DEMB_TABLE_ALIGN_SIZE",
     "align_to_table_size",
     "get_sharded_table_capacity",
@@ -25,7 +27,8 @@ BUCKET_ALIGNMENT = 16
 #: Upstream's default alignment of ``align_to_table_size``.
 DEMB_TABLE_ALIGN_SIZE = 16
 
-_DEFAULT_BUCKET_CAPACITY = 128
+#: ``DynamicEmbTableOptions.bucket_capacity``'s default (upstream's name).
+DEFAULT_BUCKET_CAPACITY = 128
 
 
 def align_to_table_size(n: int, alignment: int = DEMB_TABLE_ALIGN_SIZE) -> int:
@@ -37,7 +40,7 @@ def align_to_table_size(n: int, alignment: int = DEMB_TABLE_ALIGN_SIZE) -> int:
 
 
 def get_sharded_table_capacity(embedding_config: Any, world_size: int,
-                               bucket_capacity: int = _DEFAULT_BUCKET_CAPACITY) -> int:
+                               bucket_capacity: int = DEFAULT_BUCKET_CAPACITY) -> int:
     """Rows one rank can hold of a table sharded row-wise over ``world_size`` ranks:
     its share ``ceil(num_embeddings / world_size)`` rounded up to a power of two of
     buckets of ``bucket_capacity`` slots.
@@ -45,14 +48,20 @@ def get_sharded_table_capacity(embedding_config: Any, world_size: int,
     Args:
         embedding_config: the table's TorchRec config (``num_embeddings`` is read).
         world_size: ranks sharing the table (1 for table-wise).
-        bucket_capacity: the table's ``bucket_capacity`` (a multiple of 16).
+        bucket_capacity: the table's ``bucket_capacity`` (a multiple of 16), or
+            upstream's ``MAX_BUCKET_CAPACITY`` (one bucket per rank): the share
+            rounded up to 16 slots, as upstream sizes it (a table here refuses that
+            ``bucket_capacity``; use the sizes for budgets).
 
     Raises:
-        ValueError: ``world_size`` < 1 or ``bucket_capacity`` not a positive multiple
-            of 16 (upstream's ``MAX_BUCKET_CAPACITY`` included).
+        ValueError: ``world_size`` < 1 or ``bucket_capacity`` neither a positive
+            multiple of 16 nor ``MAX_BUCKET_CAPACITY``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
+    if bucket_capacity == MAX_BUCKET_CAPACITY:
+        return align_to_table_size(-(-int(embedding_config.num_embeddings) // world_size),
+                                   BUCKET_ALIGNMENT)
     if bucket_capacity <= 0 or bucket_capacity % BUCKET_ALIGNMENT:
         raise ValueError(f"bucket_capacity must be a positive multiple of {BUCKET_ALIGNMENT}, "
                          f"got {bucket_capacity}")
@@ -61,7 +70,7 @@ def get_sharded_table_capacity(embedding_config: Any, world_size: int,
 
 
 def get_table_value_bytes(embedding_config: Any, optimizer_type: Any, world_size: int,
-                          bucket_capacity: int = _DEFAULT_BUCKET_CAPACITY) -> int:
+                          bucket_capacity: int = DEFAULT_BUCKET_CAPACITY) -> int:
     """Bytes of the value rows (embedding and optimizer state, float32) of a whole
     table over ``world_size`` ranks: ``get_sharded_table_capacity`` rows per rank.
     ``global_hbm_for_values`` set to this keeps every row in device memory.
@@ -71,7 +80,8 @@ def get_table_value_bytes(embedding_config: Any, optimizer_type: Any, world_size
             ``embedding_dim``; ``data_type`` must be FP32).
         optimizer_type: ``EmbOptimType`` (ours or FBGEMM's).
         world_size: ranks sharing the table.
-        bucket_capacity: the table's ``bucket_capacity``.
+        bucket_capacity: the table's ``bucket_capacity`` (or ``MAX_BUCKET_CAPACITY``,
+            see ``get_sharded_table_capacity``).
 
     Raises:
         ValueError: the config's ``data_type`` is not FP32, or an argument of

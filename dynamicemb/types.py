@@ -8,14 +8,15 @@ for upstream run unchanged; unknown values are refused with the accepted ones.
 Upstream's other names in this module: its dtypes of stored data (``KEY_TYPE``,
 ``EMBEDDING_TYPE``, ``SCORE_TYPE``, ``OPT_STATE_TYPE``) and ``MAX_BUCKET_CAPACITY``
 are defined here; ``DynamicEmbInitializerArgs``, ``DynamicEmbInitializerMode``,
-``Counter``, ``BUCKET_ALIGNMENT`` and ``DEMB_TABLE_ALIGN_SIZE`` are this package's
-objects of those names, imported on first use; the storage and cache interfaces,
-``AdmissionStrategy``, ``MemoryType``, ``COUNTER_TYPE`` and
-``torch_dtype_to_np_dtype`` are refused by name with what to use instead.
+``Counter``, ``AdmissionStrategy``, ``BUCKET_ALIGNMENT`` and ``DEMB_TABLE_ALIGN_SIZE``
+are this package's objects of those names, imported on first use; ``ScoreStrategy`` is
+upstream's type of ``score_strategy``; the storage and cache interfaces,
+``MemoryType``, ``COUNTER_TYPE`` and ``torch_dtype_to_np_dtype`` are refused by name
+with what to use instead.
 """
 
 from enum import Enum, unique
-from typing import Tuple
+from typing import Tuple, Union
 
 import torch
 
@@ -23,6 +24,7 @@ from dynamicemb._upstream import module_getattr
 
 __all__ = [
     "DynamicEmbCheckMode",
+    "DynamicEmbDistType",
     "DynamicEmbEvictStrategy",
     "DynamicEmbScoreStrategy",
     "EMBEDDING_TYPE",
@@ -30,6 +32,7 @@ __all__ = [
     "MAX_BUCKET_CAPACITY",
     "OPT_STATE_TYPE",
     "SCORE_TYPE",
+    "ScoreStrategy",
     "UpstreamIntValues",
 ]
 
@@ -51,10 +54,11 @@ __getattr__ = module_getattr(
         "DynamicEmbInitializerArgs": "dynamicemb.options:DynamicEmbInitializerArgs",
         "DynamicEmbInitializerMode": "dynamicemb.options:DynamicEmbInitializerMode",
         "Counter": "dynamicemb.embedding.admission:Counter",
+        "AdmissionStrategy": "dynamicemb.options:AdmissionStrategy",
         "BUCKET_ALIGNMENT": "dynamicemb.sizing:BUCKET_ALIGNMENT",
         "DEMB_TABLE_ALIGN_SIZE": "dynamicemb.sizing:DEMB_TABLE_ALIGN_SIZE",
     },
-    refused=("AdmissionStrategy", "MemoryType", "COUNTER_TYPE", "torch_dtype_to_np_dtype",
+    refused=("MemoryType", "COUNTER_TYPE", "torch_dtype_to_np_dtype",
              "Storage", "Cache", "CopyMode", "OptionsT", "OptimizerT"),
 )
 
@@ -116,7 +120,8 @@ class DynamicEmbScoreStrategy(UpstreamIntValues, str, Enum):
 @unique
 class DynamicEmbEvictStrategy(UpstreamIntValues, str, Enum):
     """Upstream's name for the eviction rule, which it derives from the score strategy
-    (``DynamicEmbTableOptions.evict_strategy`` must agree with ``score_strategy``).
+    (a ``DynamicEmbTableOptions.evict_strategy`` that disagrees with ``score_strategy``
+    is overwritten with a warning, as upstream overwrites it).
 
     Upstream's integers (HierarchicalKV's): 0 LRU, 1 LFU, 2 EPOCH_LRU, 3 EPOCH_LFU,
     4 CUSTOMIZED.
@@ -163,3 +168,29 @@ class DynamicEmbCheckMode(UpstreamIntValues, str, Enum):
     @classmethod
     def _upstream_order(cls) -> Tuple[str, ...]:
         return ("ERROR", "WARNING", "IGNORE")
+
+
+@unique
+class DynamicEmbDistType(str, Enum):
+    """Which rank stores a key of a row-wise dynamic table (``dist_type``), of ``W``
+    ranks; every function reads the int64 key as an unsigned 64-bit word
+    (``dynamicemb.placement``).
+
+    - ``HASH`` (the default): ``splitmix64(key) % W``, splitmix64's finalizer.
+    - ``ROUNDROBIN``: ``key % W``, upstream's ``roundrobin`` (its default). A
+      negative key counts as ``key + 2**64``, as upstream's uint64 cast reads it.
+    - ``HASH_ROUNDROBIN``: ``fmix64(key) % W``, murmur3's finalizer, upstream's
+      ``hash_roundrobin``.
+
+    Upstream's ``continuous`` (key ranges) is refused by ``DynamicEmbTableOptions``.
+    """
+
+    HASH = "hash"
+    ROUNDROBIN = "roundrobin"
+    HASH_ROUNDROBIN = "hash_roundrobin"
+
+
+#: Upstream's type of ``score_strategy``: one strategy, or a tuple of them (the
+#: compound ``(TIMESTAMP, LFU)`` in either order; ``DynamicEmbTableOptions`` refuses
+#: other tuples).
+ScoreStrategy = Union[DynamicEmbScoreStrategy, Tuple[DynamicEmbScoreStrategy, ...]]

@@ -172,7 +172,7 @@ def _write_table(directory: str, table: LocalTable, rank: int, optim: bool, coun
                        optimizer=jsonable(module.optimizer_args(name)),
                        score_strategy=options.score_strategy.value, options=jsonable(options),
                        sharding=table.sharding, num_shards=table.num_shards, rows=shard.rows,
-                       optim=optim, counter=with_counters)
+                       optim=optim, counter=with_counters, dist_type=table.dist_type.value)
     return entry, shard
 
 

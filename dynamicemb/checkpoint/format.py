@@ -135,6 +135,9 @@ class TableEntry:
         optim: whether optimizer states were saved.
         counter: whether admission counters were saved.
         shards: one ``ShardEntry`` per rank that held rows of it.
+        dist_type: the ``DynamicEmbDistType`` value that placed its keys on the
+            shards (``hash`` in manifests written before the field existed, the only
+            placement then, whatever their ``options.dist_type`` says).
     """
 
     dim: int
@@ -148,6 +151,7 @@ class TableEntry:
     optim: bool
     counter: bool
     shards: List[ShardEntry] = field(default_factory=list)
+    dist_type: str = "hash"
 
 
 @dataclass

@@ -40,8 +40,9 @@ def DynamicEmbLoad(  # noqa: N802 (upstream dynamicemb's name)
     optimizer and score strategy, and verifies the size and checksum of every file
     it will read; only when every rank found everything in order does any table
     change. Then each rank scans the saved shards of its tables and keeps the rows
-    its placement gives it (``owner_rank`` for row-wise tables, every row for a
-    table it holds whole): any saved world size and sharding loads into any other.
+    its placement gives it (``owner_rank`` of the table's ``dist_type`` for row-wise
+    tables, every row for a table it holds whole): any saved world size, sharding
+    and ``dist_type`` loads into any other (the manifest records the saved one).
     Scores, optimizer steps, score and admission clocks and ``train_steps`` are
     restored; device caches start empty and fill lazily.
 

@@ -65,15 +65,15 @@ class RecordLayout:
         return words.contiguous().view(torch.float32)[:, :self.dim + self.state_dim]
 
 
-def export_records(module, table: str, layout: RecordLayout) -> torch.Tensor:
+def export_records(module, table: str, layout: RecordLayout, spare: int = 0) -> torch.Tensor:
     """This module's records of ``table``: header, rows, counters, in one (n,
     columns) int64 tensor allocated once (one copy of the rows; device caches are
-    flushed first)."""
+    flushed first), followed by ``spare`` zero records for the caller to fill."""
     module.flush()
     counters = module.export_admission_counters(table)
     rows = module.table_size(table)
     m = counters.keys.numel()
-    out = torch.zeros(1 + rows + m, layout.columns, dtype=torch.int64)
+    out = torch.zeros(1 + rows + m + spare, layout.columns, dtype=torch.int64)
     clocks = module.table_clocks(table)
     out[0, :_FIXED] = torch.tensor([HEADER, layout.dim, layout.state_dim])
     out[0, _FIXED:_FIXED + _HEADER_WORDS] = torch.tensor(list(clocks) + [module.train_steps])
@@ -87,7 +87,7 @@ def export_records(module, table: str, layout: RecordLayout) -> torch.Tensor:
         filled += n
     if filled != 1 + rows:
         raise RuntimeError(f"table {table!r} changed while it was exported")
-    tail = out[filled:]
+    tail = out[filled:filled + m]
     tail[:, 0], tail[:, 1], tail[:, 2] = COUNTER, counters.keys.cpu(), counters.scores.cpu()
     tail[:, _FIXED] = counters.counts.cpu().to(torch.float64).view(torch.int64)
     return out

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from dynamicemb.embedding import BatchedDynamicEmbeddingTables
+from dynamicemb.types import DynamicEmbDistType
 
 __all__ = ["LocalTable", "dynamic_modules", "local_tables", "mark_saved", "table_name_list", "unwrap"]
 
@@ -22,6 +23,7 @@ class LocalTable:
         sharding: ``row_wise``, ``table_wise`` or ``unsharded``.
         num_shards: ranks sharing its rows (1 unless row-wise).
         owns: ``owns(keys)`` -> bool mask of the keys (n,) int64 this rank stores.
+        dist_type: how its keys are placed on the shards (``dynamicemb.placement``).
     """
 
     name: str
@@ -29,6 +31,7 @@ class LocalTable:
     sharding: str
     num_shards: int
     owns: Callable[[torch.Tensor], torch.Tensor]
+    dist_type: DynamicEmbDistType
 
 
 def _sharded(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
@@ -104,11 +107,12 @@ def local_tables(model: nn.Module,
         seen.add(id(kernel.emb_module))
         shards = kernel.num_shards(name)
         add(LocalTable(name, kernel.emb_module, "row_wise" if shards > 1 else "table_wise",
-                       shards, lambda keys, k=kernel, n=name: k.owns(n, keys)))
+                       shards, lambda keys, k=kernel, n=name: k.owns(n, keys),
+                       kernel.dist_type(name)))
     for module in model.modules():
         if isinstance(module, BatchedDynamicEmbeddingTables) and id(module) not in seen:
-            for name in module.table_names:
-                add(LocalTable(name, module, "unsharded", 1, _owns_all))
+            for name, options in zip(module.table_names, module.table_options):
+                add(LocalTable(name, module, "unsharded", 1, _owns_all, options.dist_type))
     table_names = table_name_list(table_names)
     if table_names is not None:
         wanted = set(table_names)

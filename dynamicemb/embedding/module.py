@@ -19,6 +19,7 @@ from dynamicemb.embedding.group import Lookup, TableGroup, group_key
 from dynamicemb.embedding.input_errors import CheckedBatch, InputErrors, offsets_message
 from dynamicemb.embedding.state import load_tables_state, tables_state
 from dynamicemb.embedding.streams import StreamOrder
+from dynamicemb.embedding.upstream_members import UpstreamMembers
 from dynamicemb.ops import for_device, resolve_device
 from dynamicemb.ops.interface import BatchPart
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer
@@ -137,7 +138,7 @@ class _LookupFunction(torch.autograd.Function):
         return None, grad_weights, None, None
 
 
-class BatchedDynamicEmbeddingTables(nn.Module):
+class BatchedDynamicEmbeddingTables(UpstreamMembers, nn.Module):
     """Dynamic embedding tables (hash-table backed, raw int64 ids) batched in one module.
 
     Rows are created the first time a training forward sees an id (subject to

@@ -21,6 +21,7 @@ __all__ = [
     "dynamic_table_options",
     "resolve_options",
     "table_configs",
+    "table_options",
     "to_dynamic_sharding",
 ]
 
@@ -117,7 +118,8 @@ class DynamicEmbParameterConstraints(ParameterConstraints):
         dynamicemb_options: its options (default ``DynamicEmbTableOptions()``, as
             upstream's).
 
-    Dynamic tables may be ``row_wise`` (ids go to the rank ``owner_rank(id, W)``)
+    Dynamic tables may be ``row_wise`` (ids go to the rank
+    ``owner_rank(id, W, dynamicemb_options.dist_type)``)
     or ``table_wise``; other sharding types are refused. Their ``compute_kernels``
     are always ``["customized_kernel"]``.
 
@@ -181,6 +183,21 @@ def resolve_options(options: DynamicEmbTableOptions, table: str, embedding_dim: 
                 f"table {table!r}: dynamicemb_options.{field}={given} but {config_field}={value} "
                 f"in the table's config (leave {field} unset to take the config's)")
     return dataclasses.replace(options, **fills) if fills else options
+
+
+def table_options(table: Any) -> DynamicEmbTableOptions:
+    """The dynamicemb options TorchRec handed a ``customized_kernel`` table (a
+    ``ShardedEmbeddingTable``) in its fused params.
+
+    Raises:
+        ValueError: the table has none (naming it and how to plan it).
+    """
+    ref = (table.fused_params or {}).get(DYNAMICEMB_OPTIONS_KEY)
+    if ref is None:
+        raise ValueError(
+            f"table {table.name!r} uses customized_kernel without dynamicemb options; "
+            f"plan it with DynamicEmbeddingShardingPlanner or to_dynamic_sharding")
+    return ref.options
 
 
 def table_configs(module: nn.Module) -> Dict[str, Any]:

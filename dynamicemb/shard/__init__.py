@@ -19,9 +19,9 @@ from dynamicemb.shard.embeddingbag import (
     DynamicEmbeddingBagCollectionSharder,
     ShardedDynamicEmbeddingBagCollection,
 )
-from dynamicemb.shard.input_dist import owner_rank, routing_hash
 from dynamicemb.shard.kernel import DynamicEmbEmbedding, DynamicEmbEmbeddingBag, DynamicEmbKeyedOptimizer
 from dynamicemb.shard.topology import host_ranks, threads_per_rank
+from dynamicemb.placement import owner_rank
 
 __all__ = [
     "DynamicEmbEmbedding",
@@ -36,6 +36,5 @@ __all__ = [
     "host_ranks",
     "import_dense_rows",
     "owner_rank",
-    "routing_hash",
     "threads_per_rank",
 ]

@@ -27,8 +27,9 @@ from dynamicemb.options import (
     DynamicEmbPoolingMode,
     DynamicEmbTableOptions,
 )
-from dynamicemb.planner.types import DYNAMICEMB_OPTIONS_KEY, resolve_options
-from dynamicemb.shard.input_dist import owner_rank
+from dynamicemb.placement import owner_rank
+from dynamicemb.planner.types import DYNAMICEMB_OPTIONS_KEY, resolve_options, table_options
+from dynamicemb.types import DynamicEmbDistType
 
 __all__ = ["DynamicEmbEmbedding", "DynamicEmbEmbeddingBag", "DynamicEmbKeyedOptimizer"]
 
@@ -106,14 +107,7 @@ class _DynamicEmbKernelMixin:
     def _build(self, config: GroupedEmbeddingConfig, device: Optional[torch.device],
                pooling: DynamicEmbPoolingMode) -> None:
         tables = config.embedding_tables
-        options = []
-        for table in tables:
-            ref = (table.fused_params or {}).get(DYNAMICEMB_OPTIONS_KEY)
-            if ref is None:
-                raise ValueError(
-                    f"table {table.name!r} uses customized_kernel without dynamicemb options; "
-                    f"plan it with DynamicEmbeddingShardingPlanner or to_dynamic_sharding")
-            options.append(_rank_options(ref.options, table))
+        options = [_rank_options(table_options(table), table) for table in tables]
         if device is not None and device.type == "meta":
             device = None
         self._emb_module = BatchedDynamicEmbeddingTables(
@@ -127,6 +121,7 @@ class _DynamicEmbKernelMixin:
         self._rank = dist.get_rank(self._pg) if self._pg is not None else 0
         self._num_shards = {
             t.name: len(t.global_metadata.shards_metadata) if t.global_metadata else 1 for t in tables}
+        self._dist_types = {t.name: o.dist_type for t, o in zip(tables, options)}
         placeholders = dict(self._emb_module.named_parameters_by_table())
         for p in placeholders.values():
             # keeps dense optimizers (in_backward_optimizer_filter) away from them
@@ -146,15 +141,20 @@ class _DynamicEmbKernelMixin:
         return self._optim
 
     def owns(self, table_name: str, keys: torch.Tensor) -> torch.Tensor:
-        """(n,) bool: which of ``keys`` (n,) int64 this rank stores for the table."""
+        """(n,) bool: which of ``keys`` (n,) int64 this rank stores for the table
+        (``owner_rank`` of its ``dist_type`` for a row-wise table, all otherwise)."""
         num_shards = self._num_shards[table_name]
         if num_shards == 1:
             return torch.ones(keys.shape, dtype=torch.bool)
-        return owner_rank(keys, num_shards) == self._rank
+        return owner_rank(keys, num_shards, self._dist_types[table_name]) == self._rank
 
     def num_shards(self, table_name: str) -> int:
         """Shards of the table: the world size for row-wise, 1 for table-wise."""
         return self._num_shards[table_name]
+
+    def dist_type(self, table_name: str) -> DynamicEmbDistType:
+        """The table's placement of keys among its shards (``dist_type``)."""
+        return self._dist_types[table_name]
 
     def split_embedding_weights(self) -> List[torch.Tensor]:
         return list(self._placeholders.values())

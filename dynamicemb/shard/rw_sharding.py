@@ -1,5 +1,6 @@
-"""Row-wise sharding of dynamic tables (EC and EBC): ids routed by ``owner_rank``,
-raw; static row-wise tables of the same module keep TorchRec's block routing."""
+"""Row-wise sharding of dynamic tables (EC and EBC): ids routed by ``owner_rank`` of
+their table's ``dist_type``, raw; static row-wise tables of the same module keep
+TorchRec's block routing."""
 
 from typing import List, Optional
 
@@ -9,24 +10,29 @@ from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddi
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import ShardingType
 
+from dynamicemb.planner.types import table_options
 from dynamicemb.shard.input_dist import DynamicEmbRwSparseFeaturesDist
+from dynamicemb.types import DynamicEmbDistType
 from dynamicemb.shard.lookup import DynamicEmbGroupedEmbeddingsLookup, DynamicEmbGroupedPooledEmbeddingsLookup
 
 __all__ = ["DynamicEmbRwPooledEmbeddingSharding", "DynamicEmbRwSequenceEmbeddingSharding"]
 
 
-def dynamic_feature_flags(sharding) -> List[bool]:
-    """Per feature of a sharding (in its KJT order): whether its table is dynamic."""
-    flags: List[bool] = []
+def feature_dist_types(sharding) -> List[Optional[DynamicEmbDistType]]:
+    """Per feature of a sharding (in its KJT order): its table's ``dist_type`` if the
+    table is dynamic, else None."""
+    dist_types: List[Optional[DynamicEmbDistType]] = []
     for table in sharding.embedding_tables():
-        dynamic = table.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL
-        flags.extend([dynamic] * table.num_features())
-    return flags
+        dist_type = None
+        if table.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
+            dist_type = table_options(table).dist_type
+        dist_types.extend([dist_type] * table.num_features())
+    return dist_types
 
 
 def _input_dist(sharding, device: Optional[torch.device], is_sequence: bool, need_pos: bool):
     return DynamicEmbRwSparseFeaturesDist(
-        dynamic_feature_flags(sharding),
+        feature_dist_types(sharding),
         sharding._get_feature_hash_sizes(),
         pg=sharding._pg,
         num_features=sharding._get_num_features(),

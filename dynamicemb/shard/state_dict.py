@@ -18,8 +18,9 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from dynamicemb.checkpoint.records import (VIRTUAL_COLUMNS, VIRTUAL_ROWS, RecordLayout,
-                                           TableLoad, export_records)
+from dynamicemb.checkpoint.records import (COUNTER, HEADER, ROW, VIRTUAL_COLUMNS, VIRTUAL_ROWS,
+                                           RecordLayout, TableLoad, export_records)
+from dynamicemb.types import DynamicEmbDistType
 
 __all__ = ["DynamicTableState", "STATE_SUFFIX", "register_state_hooks"]
 
@@ -27,6 +28,14 @@ __all__ = ["DynamicTableState", "STATE_SUFFIX", "register_state_hooks"]
 STATE_SUFFIX = ".dynamic_state"
 #: Records per chunk DCP writes and reads (the loading memory bound).
 CHUNK_RECORDS = 1 << 16
+#: Kind of the record a pickled entry ends with: key = saving rank, score = the
+#: table's shards, next word = its ``dist_type`` as an index of ``DIST_TYPE_CODES``
+#: (a pickled entry holds one rank's rows; DCP's records have none).
+SHARD = 3
+#: ``dist_type`` values by their code in the shard record (0, what entries pickled
+#: before the word existed hold, is ``hash``, the only placement then).
+DIST_TYPE_CODES = (DynamicEmbDistType.HASH, DynamicEmbDistType.ROUNDROBIN,
+                   DynamicEmbDistType.HASH_ROUNDROBIN)
 
 
 class _Filled(torch.Tensor):
@@ -88,9 +97,11 @@ class DynamicTableState(torch.Tensor):
     rows until DCP has taken the last chunk); ``torch.distributed.checkpoint.load``
     empties the table when it plans the load, then imports each chunk it reads
     (keeping the keys this rank owns) and restores the clocks. Pickling it
-    (``torch.save`` of the state dict) gives an empty tensor when the table is in
-    a ``DynamicEmbDump`` (unchanged since the last dump or ``DynamicEmbLoad``), and
-    raises ``RuntimeError`` naming the table otherwise.
+    (``torch.save`` or ``copy.deepcopy`` of the state dict) gives a plain int64
+    tensor of the table's records on this rank (header, rows, admission counters:
+    one copy of the rows, whatever ``DynamicEmbDump`` did before or does after),
+    which ``torch.load(..., weights_only=True)`` reads and ``load_state_dict``
+    imports (``import_pickled_entries``).
 
     Attributes:
         table: the table's name.
@@ -118,13 +129,7 @@ class DynamicTableState(torch.Tensor):
         return f"DynamicTableState({self.table!r})"
 
     def __reduce_ex__(self, protocol: int):
-        if self.kernel.emb_module.saved:  # in a DynamicEmbDump: an empty tensor stands for it
-            return torch.empty(0, dtype=torch.int64).__reduce_ex__(protocol)
-        raise RuntimeError(
-            f"dynamic table {self.table!r} changed since its last DynamicEmbDump/DynamicEmbLoad "
-            f"and a pickled DMP state dict cannot carry it: save the state dict with "
-            f"torch.distributed.checkpoint (dcp.save), or call dynamicemb.DynamicEmbDump "
-            f"first (docs/CHECKPOINTS.md)")
+        return pickled_records(self.kernel, self.table, self.record_layout).__reduce_ex__(protocol)
 
     # ---------------------------------------------------------------- save
     def __create_write_items__(self, fqn: str, obj: Any) -> List[WriteItem]:
@@ -180,18 +185,127 @@ def _place(kernel: nn.Module, table: str, count: int) -> Tuple[int, int]:
     return sum(counts[:rank]), sum(counts)
 
 
+def pickled_records(kernel: nn.Module, table: str, layout: RecordLayout) -> torch.Tensor:
+    """A table's records on this rank as a pickled entry holds them: ``export_records``
+    followed by one ``SHARD`` record (this rank, the table's shards, its ``dist_type``)."""
+    records = export_records(kernel.emb_module, table, layout, spare=1)
+    records[-1, :4] = torch.tensor([SHARD, kernel._rank, kernel.num_shards(table),
+                                    DIST_TYPE_CODES.index(kernel.dist_type(table))])
+    return records
+
+
+def _check_records(key: str, table: str, kernel: nn.Module, layout: RecordLayout,
+                   records: torch.Tensor) -> None:
+    """Refuses a pickled entry this rank's table cannot take whole (nothing changes)."""
+    where = f"state dict entry {key!r} (dynamic table {table!r})"
+    if records.dtype != torch.int64 or records.dim() != 2 or records.shape[1] != layout.columns:
+        raise ValueError(
+            f"{where}: expected ({layout.columns} columns) int64 records of "
+            f"{layout.describe()}, got a {records.dtype} tensor of shape {tuple(records.shape)}; "
+            f"load a state dict saved from the same model, or use DynamicEmbLoad")
+    kind = records[:, 0]
+    headers = records[kind == HEADER]
+    if headers.shape[0] != 1 or int(kind[0]) != HEADER or int(kind[-1]) != SHARD or not bool(
+            ((kind[:-1] == ROW) | (kind[:-1] == COUNTER) | (kind[:-1] == HEADER)).all()):
+        raise ValueError(f"{where}: not the records of one rank's table (a header first, "
+                         f"then rows and counters, then the saving shard); load a state dict "
+                         f"written by torch.save of model.state_dict()")
+    rank, shards = records[-1, 1:3].tolist()
+    if shards != kernel.num_shards(table) or (shards > 1 and rank != kernel._rank):
+        raise ValueError(
+            f"{where}: saved by rank {rank} of a table in {shards} shard(s); this rank is "
+            f"{kernel._rank} of {kernel.num_shards(table)} shard(s) (a pickled state dict holds "
+            f"one rank's rows); load each rank's file into the same rank of the same sharding, "
+            f"or reshard with torch.distributed.checkpoint (dcp.save / dcp.load) or "
+            f"DynamicEmbDump / DynamicEmbLoad")
+    if headers[0, 1:3].tolist() != [layout.dim, layout.state_dim]:
+        raise ValueError(
+            f"{where}: saved with dim {int(headers[0, 1])} + {int(headers[0, 2])} "
+            f"optimizer-state columns, this table has {layout.describe()}; load with the same "
+            f"dim and optimizer, or use DynamicEmbLoad(optim=False)")
+    code = int(records[-1, 3])
+    saved = DIST_TYPE_CODES[code].value if 0 <= code < len(DIST_TYPE_CODES) else f"code {code}"
+    if shards > 1 and saved != kernel.dist_type(table).value:
+        raise ValueError(
+            f"{where}: its keys were placed by dist_type={saved!r}, this table's dist_type is "
+            f"{kernel.dist_type(table).value!r}; build the table with dist_type={saved!r} to "
+            f"load this file, or reshard with torch.distributed.checkpoint (dcp.save / "
+            f"dcp.load) or DynamicEmbDump / DynamicEmbLoad")
+    keyed = records[(kind == ROW) | (kind == COUNTER), 1]
+    foreign = int((~kernel.owns(table, keyed)).sum()) if keyed.numel() else 0
+    if foreign:
+        raise ValueError(
+            f"{where}: {foreign} saved keys belong to another rank in this model's sharding (a "
+            f"pickled state dict holds one rank's rows); load it into the sharding and world "
+            f"size that saved it, or reshard with torch.distributed.checkpoint (dcp.save / "
+            f"dcp.load) or DynamicEmbDump / DynamicEmbLoad")
+
+
+def import_pickled_entries(module: nn.Module, state_dict: Dict[str, Any], prefix: str,
+                           container: str) -> None:
+    """Takes every ``<container>.<table>.dynamic_state`` entry out of ``state_dict`` and
+    loads what it carries into ``module``'s tables on this rank.
+
+    An entry is a ``DynamicTableState`` (of this table: loaded by ``dcp.load``
+    already, nothing to do; of another model's table: its rows are copied) or a
+    plain int64 tensor of records (a pickled state dict: its rows replace the
+    table's; an empty tensor, what older versions pickled for a dumped table,
+    leaves the table as it is for ``DynamicEmbLoad``). Every entry is checked
+    before any table changes.
+
+    Raises:
+        ValueError: an entry of a table not stored on this rank, of another dim or
+            optimizer, or holding keys another rank owns (naming the entry).
+    """
+    from dynamicemb.shard._common import dynamic_kernels  # _common imports the kernels
+
+    kernels = {f"{prefix}{container}.{name}{STATE_SUFFIX}": (name, kernel)
+               for name, kernel in dynamic_kernels(module)}
+    loads = []
+    for key in [k for k in state_dict if k.startswith(prefix) and k.endswith(STATE_SUFFIX)]:
+        entry = state_dict.pop(key)
+        if key not in kernels:
+            if isinstance(entry, torch.Tensor) and entry.numel():
+                raise ValueError(
+                    f"state dict entry {key!r} holds rows of a dynamic table this rank does not "
+                    f"store in this model (another sharding saved it); load it into the sharding "
+                    f"that saved it, or reshard with torch.distributed.checkpoint or "
+                    f"DynamicEmbDump / DynamicEmbLoad")
+            continue
+        table, kernel = kernels[key]
+        layout = RecordLayout.of(kernel.emb_module, table)
+        if isinstance(entry, DynamicTableState):
+            if entry.kernel is kernel:
+                continue  # dcp.load filled the table through this entry
+            entry = pickled_records(entry.kernel, entry.table, entry.record_layout)
+        if not isinstance(entry, torch.Tensor):
+            raise ValueError(f"state dict entry {key!r}: expected a tensor of records, got a "
+                             f"{type(entry).__name__}")
+        if entry.numel() == 0:
+            continue
+        _check_records(key, table, kernel, layout, entry)
+        loads.append((table, kernel, layout, entry))
+    for table, kernel, layout, records in loads:
+        load = TableLoad(kernel.emb_module, table, layout,
+                         lambda keys, kernel=kernel, table=table: kernel.owns(table, keys))
+        load.begin()
+        records = records[:-1]  # the shard record: checked
+        for start in range(0, records.shape[0], CHUNK_RECORDS):
+            load.add_records(records[start:start + CHUNK_RECORDS])
+
+
 def register_state_hooks(sharded: nn.Module, container: str) -> None:
     """Adds ``<container>.<table>.dynamic_state`` entries to ``sharded``'s state
-    dicts, and takes them out of a state dict before TorchRec loads it."""
+    dicts, and loads them (``import_pickled_entries``) out of a state dict before
+    TorchRec loads the rest."""
     from dynamicemb.shard._common import dynamic_kernels  # _common imports the kernels
 
     def add_entries(module: nn.Module, destination: Dict[str, Any], prefix: str, _meta) -> None:
         for name, kernel in dynamic_kernels(module):
             destination[f"{prefix}{container}.{name}{STATE_SUFFIX}"] = DynamicTableState(name, kernel)
 
-    def drop_entries(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args) -> None:
-        for key in [k for k in state_dict if k.startswith(prefix) and k.endswith(STATE_SUFFIX)]:
-            del state_dict[key]  # loaded by DCP already (see DynamicTableState)
+    def load_entries(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args) -> None:
+        import_pickled_entries(module, state_dict, prefix, container)
 
     sharded._register_state_dict_hook(add_entries)
-    sharded._register_load_state_dict_pre_hook(drop_entries, with_module=True)
+    sharded._register_load_state_dict_pre_hook(load_entries, with_module=True)

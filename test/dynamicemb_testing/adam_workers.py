@@ -38,8 +38,8 @@ from dynamicemb.shard import (
     DynamicEmbeddingBagCollectionSharder,
     DynamicEmbeddingCollectionSharder,
     get_dynamic_tables,
-    owner_rank,
 )
+from dynamicemb_testing.placement_reference import owner
 
 CPU = torch.device("cpu")
 BATCH = 4
@@ -52,10 +52,11 @@ ADAM = {"learning_rate": 0.02, "eps": 1e-8, "beta1": 0.8, "beta2": 0.95, "weight
 FUSED = {"optimizer": EmbOptimType.ADAM, **ADAM}
 
 
-def _options(name: str, dim: int, rows: int) -> DynamicEmbTableOptions:
+def _options(name: str, dim: int, rows: int, dist_type: str = "hash") -> DynamicEmbTableOptions:
     # NORMAL rows are f(seed, table name, key, column): capacities do not matter
     init = DynamicEmbInitializerArgs(mode="normal", mean=0.0, std_dev=0.1, seed=11)
-    return DynamicEmbTableOptions(dim=dim, max_capacity=rows, initializer_args=init)
+    return DynamicEmbTableOptions(dim=dim, max_capacity=rows, initializer_args=init,
+                                  dist_type=dist_type)
 
 
 def _id_pool(name: str) -> torch.Tensor:
@@ -95,22 +96,23 @@ def _global_batch(batches: List[KeyedJaggedTensor]) -> Tuple[torch.Tensor, torch
     return torch.cat(values), offsets, counts
 
 
-def _plan(module: nn.Module, tables: Dict, sharder, world_size: int):
+def _plan(module: nn.Module, tables: Dict, sharder, world_size: int, dist_type: str):
     helpers = {name: (table_wise(rank=world_size - 1, compute_kernel="fused") if st == "table_wise"
                       else row_wise(compute_kernel="fused")) for name, (_, _, _, st) in tables.items()}
     plan = construct_module_sharding_plan(module, helpers, sharder=sharder, local_size=get_local_size(world_size),
                                           world_size=world_size, device_type="cpu")
     for name, (rows, dim, _, _) in tables.items():
-        plan[name] = to_dynamic_sharding(plan[name], _options(name, dim, rows))
+        plan[name] = to_dynamic_sharding(plan[name], _options(name, dim, rows, dist_type))
     return plan
 
 
-def _sharded(world_size: int, fused: Dict, dedup: bool) -> DistributedModelParallel:
+def _sharded(world_size: int, fused: Dict, dedup: bool,
+             dist_type: str = "hash") -> DistributedModelParallel:
     model = TwinModel(EC_TABLES, EBC_TABLES, {})
     ec_sharder = DynamicEmbeddingCollectionSharder(fused_params=fused, use_index_dedup=dedup)
     ebc_sharder = DynamicEmbeddingBagCollectionSharder(fused_params=fused, use_index_dedup=dedup)
-    plan = ShardingPlan({"ec": _plan(model.ec, EC_TABLES, ec_sharder, world_size),
-                         "ebc": _plan(model.ebc, EBC_TABLES, ebc_sharder, world_size)})
+    plan = ShardingPlan({"ec": _plan(model.ec, EC_TABLES, ec_sharder, world_size, dist_type),
+                         "ebc": _plan(model.ebc, EBC_TABLES, ebc_sharder, world_size, dist_type)})
     return DistributedModelParallel(model, plan=plan, sharders=[ec_sharder, ebc_sharder], device=CPU)
 
 
@@ -146,12 +148,14 @@ def sharded_adam_vs_unsharded(rank: int, world_size: int) -> None:
     sharded_vs_unsharded(rank, world_size, FUSED, dedup=True)
 
 
-def sharded_vs_unsharded(rank: int, world_size: int, fused: Dict, dedup: bool) -> None:
+def sharded_vs_unsharded(rank: int, world_size: int, fused: Dict, dedup: bool,
+                         dist_type: str = "hash") -> None:
     """Row-wise and table-wise dynamic tables of an EC and an EBC sharded with the
     sharders' ``fused`` params, against unsharded tables built with the same params as
     keywords and fed the global batch: outputs, losses, and finally every stored row
-    and its optimizer state."""
-    dmp = _sharded(world_size, fused, dedup)
+    and its optimizer state, each row on the rank ``dist_type`` names (computed by
+    ``placement_reference``, not by the package)."""
+    dmp = _sharded(world_size, fused, dedup, dist_type)
     ref_ec = _reference(EC_TABLES, DynamicEmbPoolingMode.NONE, fused)
     ref_ebc = _reference(EBC_TABLES, DynamicEmbPoolingMode.SUM, fused)
     adam = DynamicEmbOptimType.of(fused["optimizer"]) == DynamicEmbOptimType.ADAM
@@ -201,7 +205,8 @@ def sharded_vs_unsharded(rank: int, world_size: int, fused: Dict, dedup: bool) -
         for name, (_, dim, _, st) in specs.items():
             expected = ref.export_keys_values(name)
             if st == "row_wise":
-                owned = owner_rank(expected.keys, world_size) == rank
+                owned = torch.tensor([owner(k, world_size, dist_type) == rank
+                                      for k in expected.keys.tolist()], dtype=torch.bool)
             else:
                 owned = torch.full_like(expected.keys, rank == world_size - 1, dtype=torch.bool)
             if not bool(owned.any()):

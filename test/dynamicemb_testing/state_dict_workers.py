@@ -134,6 +134,43 @@ def _expect_refusal(action, *words) -> None:
     raise AssertionError(f"expected a refusal naming {words}")
 
 
+def _dynamic_only(state: dict) -> dict:
+    """A state dict without the static table (TorchRec's ShardedTensor, which
+    ``torch.load(weights_only=True)`` refuses; upstream's example has none)."""
+    return {k: v for k, v in state.items() if ".st." not in k}
+
+
+def _check_pickled(pickled: str, world_size: int, want_rows) -> None:
+    """A pickled state dict (saved before the dump) read with weights_only=True
+    restores the dynamic tables exactly (5 more steps give the uninterrupted run's
+    rows: the dynamic features' losses do not depend on the static table, which the
+    file does not hold); on another rank's file or another optimizer it is refused
+    and nothing changes."""
+    rank = dist.get_rank()
+    state = torch.load(pickled, weights_only=True)
+    entry = state["ec.embeddings.rw.dynamic_state"]
+    assert type(entry) is torch.Tensor and entry.dtype == torch.int64 and entry.shape[0] > 2
+    restored = build(world_size)
+    train(restored, range(20, 22))  # other contents first: the load replaces them
+    restored.load_state_dict({**restored.state_dict(), **state})
+    train(restored, range(4, 9))
+    assert_rows(dynamic_rows(restored), want_rows, exact=True)
+
+    dist.barrier()  # every rank's file is written
+    swapped = torch.load(os.path.join(os.path.dirname(pickled), f"model{1 - rank}.pt"),
+                         weights_only=True)
+    untouched = build(world_size)
+    train(untouched, range(20, 22))
+    before = dynamic_rows(untouched)
+    _expect_refusal(lambda: untouched.load_state_dict({**untouched.state_dict(), **swapped}),
+                    "embeddings.rw.dynamic_state",
+                    f"saved by rank {1 - rank} of a table in 2 shard(s)", "dcp.save")
+    sgd = build(world_size, FbgemmEmbOptimType.EXACT_SGD)
+    _expect_refusal(lambda: sgd.load_state_dict({**sgd.state_dict(), **state}),
+                    "dynamic table 'rw'", "dim 8 + 0 optimizer-state columns")
+    assert_rows(dynamic_rows(untouched), before, exact=True)
+
+
 def _check_enums(world_size: int) -> None:
     """Both enums: the mixed collection trains identically (static rows included)."""
     runs = []
@@ -158,12 +195,13 @@ def dcp_round_trips(rank: int, world_size: int, directory: str) -> None:
     ref = build(world_size)
     train(ref, range(4))
     dcp.save(dcp_state(ref), checkpoint_id=ck2)
+    pickled = os.path.join(directory, f"model{rank}.pt")
+    # upstream's example's order: torch.save of the state dict, then DynamicEmbDump
+    torch.save(_dynamic_only(ref.state_dict()), pickled)
+    DynamicEmbDump(os.path.join(directory, "dump"), ref)
     want_outs = train(ref, range(4, 9))
     want_rows = dynamic_rows(ref)
-    pickled = os.path.join(directory, f"model{rank}.pt")
-    _expect_refusal(lambda: torch.save(ref.state_dict(), pickled), "dynamic table 'rw'", "dcp.save")
-    DynamicEmbDump(os.path.join(directory, "dump"), ref)  # upstream's way: then torch.save works
-    torch.save(ref.state_dict(), pickled)
+    _check_pickled(pickled, world_size, want_rows)
 
     loaded = build(world_size)
     train(loaded, range(20, 22))  # other contents first: the load replaces them

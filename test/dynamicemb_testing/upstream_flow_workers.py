@@ -256,6 +256,7 @@ def _check_admission(rows: Dict[str, Dict[int, torch.Tensor]], steps: range) -> 
 
 def _check_rank_options(model) -> None:
     world = dist.get_world_size()
+    lookups = {}
     for name, table in get_dynamic_tables(model).items():
         group, _ = table._location(name)
         config = EmbeddingConfig(name=name, embedding_dim=DIM, num_embeddings=FEATURES[name],
@@ -264,7 +265,15 @@ def _check_rank_options(model) -> None:
         options = table.table_options[table.table_names.index(name)]
         assert options.local_hbm_for_values == -(-int(value_bytes * cache_ratio) // world), name
         assert group.admission is not None and group.admission.counter.lowest_first, name
-        assert table.cache_metrics()[name].lookups > 0, name
+        lookups[name] = table.cache_metrics()[name].lookups
+        # dist_type="roundrobin", as upstream's example: key k lives on rank k % W
+        keys = table.export_keys_values(name).keys
+        assert bool((keys % world == dist.get_rank()).all()), (name, keys[keys % world != dist.get_rank()])
+    # every table was looked up (roundrobin may give a rank none of a feature's ids:
+    # the example's ages are all even)
+    every = [None] * world
+    dist.all_gather_object(every, lookups)
+    assert all(sum(r.get(name, 0) for r in every) > 0 for name in FEATURES), every
     metrics = [m for t in get_dynamic_tables(model).values() for m in t.cache_metrics().values()]
     # a device cache over a host store: rows were found in the cache and read back
     # from the host
@@ -289,13 +298,15 @@ def upstream_flow(rank: int, world_size: int, save_dir: str) -> None:
     _check_rank_options(model)
 
     # dump, load into a fresh model: it predicts as the dumped one
+    # the example's order: torch.save of the state dict every epoch, DynamicEmbDump
+    # after the loop; its load reads the file with weights_only=True
     path = os.path.join(save_dir, "dynamicemb")
-    DynamicEmbDump(path, model, optim=True)
     torch.save({"model_state_dict": model.state_dict()},
                os.path.join(save_dir, f"model_rank{rank}.pt"))
+    DynamicEmbDump(path, model, optim=True)
     dist.barrier()
     loaded = create_model(caching=True)
-    checkpoint = torch.load(os.path.join(save_dir, f"model_rank{rank}.pt"), weights_only=False)
+    checkpoint = torch.load(os.path.join(save_dir, f"model_rank{rank}.pt"), weights_only=True)
     loaded.load_state_dict(checkpoint["model_state_dict"], strict=False)
     DynamicEmbLoad(path, loaded, optim=True)
     model.eval()

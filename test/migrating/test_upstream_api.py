@@ -139,8 +139,7 @@ REFUSED_OPTIONS = [
     (dict(embedding_dtype=torch.bfloat16), "embedding_dtype"),
     (dict(index_type=torch.float32), "index_type"),
     (dict(index_type=torch.uint8), "index_type"),
-    (dict(evict_strategy=DynamicEmbEvictStrategy.LFU), "evict_strategy"),
-    (dict(evict_strategy=2, score_strategy="step"), "evict_strategy"),
+    (dict(admit_strategy=object()), "FrequencyAdmissionStrategy"),
     (dict(score_strategy=(1, 3)), "compound score_strategy"),
     (dict(admission_counter=64, admit_strategy=FrequencyAdmissionStrategy(2)), "admission_counter"),
     (dict(local_hbm_for_values=10, global_hbm_for_values=10), "global_hbm_for_values"),
@@ -155,6 +154,17 @@ def test_unsupported_upstream_options_are_refused_by_name(kw, name):
         _options(**kw)
     with pytest.raises(ValueError, match="KVCounter"):
         KVCounter(64, key_type=torch.int32)
+
+
+def test_disagreeing_evict_strategy_is_overwritten_with_a_warning_as_upstream():
+    """HSTU's --evict lfu with an LRU score: upstream overwrites evict_strategy, so
+    does this package, and the warning names the score_strategy to set instead."""
+    for kw, derived in ((dict(evict_strategy=DynamicEmbEvictStrategy.LFU), "LRU"),
+                        (dict(evict_strategy=2, score_strategy="step"), "CUSTOMIZED")):
+        with pytest.warns(UserWarning, match=f"evict_strategy is set to {derived}.*set "
+                                             f"score_strategy="):
+            options = _options(**kw)
+        assert options.evict_strategy == DynamicEmbEvictStrategy[derived]
 
 
 def test_supported_upstream_options():
@@ -287,7 +297,9 @@ def test_sizing_helpers_match_the_tables_built(rows, world, bucket):
         assert dynamicemb.get_table_value_bytes(config, opt, world, bucket) == \
             world * table.memory_bytes()["values"]
     with pytest.raises(ValueError, match="bucket_capacity"):
-        dynamicemb.get_sharded_table_capacity(config, world, 2**63 - 1)
+        dynamicemb.get_sharded_table_capacity(config, world, 24)
+    # upstream's MAX_BUCKET_CAPACITY (one bucket per rank): its size, the share rounded to 16
+    assert dynamicemb.get_sharded_table_capacity(config, world, 2**63 - 1) == -(-share // 16) * 16
     with pytest.raises(ValueError, match="data_type"):
         dynamicemb.get_table_value_bytes(_Config(rows, 8, "FP16"), FbgemmOptimType.ADAM, world)
     assert [dynamicemb.align_to_table_size(n) for n in (0, 1, 16, 17)] == [16, 16, 16, 32]

@@ -71,8 +71,9 @@ def test_export_keys_values_in_upstreams_form():
     keys, embeddings = _table().export_keys_values("t0", torch.device("cpu"))  # empty table
     assert keys.shape == (0,) and embeddings.shape == (0, DIM)
     assert isinstance(module.export_keys_values("t0"), dynamicemb.ExportedRows)  # ours, unchanged
-    # what upstream's cache statistics and HSTU training look for with hasattr: absent
-    assert not any(hasattr(module, a) for a in ("cache", "set_record_cache_metrics", "fill_tables"))
+    # an uncached module: upstream's cache statistics find no cache (its cache is None);
+    # HSTU's table warm-up (fill_tables) is absent
+    assert module.cache is None and not hasattr(module, "fill_tables")
     assert module.cache_metrics()["t0"].lookups == len(ids)
     with pytest.raises(ValueError, match="batch_size"):
         module.export_keys_values("t0", torch.device("cpu"), batch_size=0)
@@ -112,14 +113,13 @@ TYPES_NAMES = {
     "MAX_BUCKET_CAPACITY": 2**63 - 1,
 }
 # upstream's name -> a word of the replacement the refusal names
-TYPES_REFUSED = {"AdmissionStrategy": "FrequencyAdmissionStrategy", "MemoryType": "memory_usage",
+TYPES_REFUSED = {"MemoryType": "memory_usage",
                  "COUNTER_TYPE": "float64", "torch_dtype_to_np_dtype": "numpy",
                  "Storage": "caching", "Cache": "caching", "CopyMode": "caching",
                  "OptionsT": "caching", "OptimizerT": "caching"}
-UTILS_REFUSED = {"torch_to_dyn_emb": "torch dtypes", "DTYPE_NUM_BYTES": "itemsize",
+UTILS_REFUSED = {"torch_to_dyn_emb": "torch dtypes",
                  "tabulate": "format", "assert_tensors_equal": "assert_close"}
-CONFIG_REFUSED = {"ScoreStrategy": "one DynamicEmbScoreStrategy",
-                  "BATCH_SIZE_PER_DUMP": "batch_size", "data_type_to_dyn_emb": "torch dtypes",
+CONFIG_REFUSED = {"data_type_to_dyn_emb": "torch dtypes",
                   "dyn_emb_to_torch": "torch dtypes", "torch_to_dyn_emb": "torch dtypes",
                   "data_type_to_dtype": "torchrec.modules.embedding_configs.data_type_to_dtype",
                   "string_to_evict_strategy": "DynamicEmbEvictStrategy"}
@@ -127,7 +127,13 @@ REFUSED = ([("dynamicemb.types", n, r) for n, r in TYPES_REFUSED.items()]
            + [("dynamicemb.utils", n, r) for n, r in UTILS_REFUSED.items()]
            + [("dynamicemb.dynamicemb_config", n, r) for n, r in CONFIG_REFUSED.items()]
            + [("dynamicemb", n, r) for n, r in CONFIG_REFUSED.items()]
-           + [("dynamicemb", "AdmissionStrategy", "FrequencyAdmissionStrategy")])
+           + [("dynamicemb.dynamicemb_config", "_sharded_table_bucket_layout",
+               "get_sharded_table_capacity")]
+           + [("dynamicemb.optimizer", n, "fused_params") for n in (
+               "BaseDynamicEmbeddingOptimizer", "SGDDynamicEmbeddingOptimizer")]
+           + [("dynamicemb.optimizer", "get_optimizer_ckpt_state_dim", "get_optimizer_state_dim")]
+           + [("dynamicemb.batched_dynamicemb_tables", n, "docs/CHECKPOINTS.md") for n in (
+               "encode_checkpoint_file_path", "encode_meta_json_file_path")])
 
 
 def _import(module: str, name: str):

@@ -1,0 +1,228 @@
+"""Members of upstream dynamicemb's ``BatchedDynamicEmbeddingTablesV2`` that its tests
+and tools read, honoured over this package's module (``docs/MIGRATING.md``).
+
+``BatchedDynamicEmbeddingTables`` inherits ``UpstreamMembers``: ``tables`` (a view
+with upstream's storage export), ``cache`` and ``set_record_cache_metrics`` (the
+cache statistics upstream's tools hook), ``get_score`` and ``incremental_dump`` (the
+module-level forms) and ``_admission_counter``. Upstream's storage and cache
+internals (tiers, slots, score arguments) are not reproduced.
+"""
+
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from dynamicemb.ops.interface import COMPOUND_COUNT_SHIFT, COMPOUND_TIME_MASK
+from dynamicemb.types import DynamicEmbScoreStrategy
+
+__all__ = ["CacheView", "StorageView", "UpstreamMembers", "upstream_scores"]
+
+#: Rows per chunk of upstream's exports (its ``BATCH_SIZE_PER_DUMP``).
+BATCH_SIZE_PER_DUMP = 65536
+
+
+def upstream_scores(scores: torch.Tensor, strategy: DynamicEmbScoreStrategy) -> torch.Tensor:
+    """Scores in upstream's layout: one word per row, except the compound
+    ``(TIMESTAMP, LFU)`` (``LRU_LFU``, one word here: count above clock), which
+    upstream exports as two columns ``[timestamp, frequency]``.
+
+    Args:
+        scores (Tensor): (n,) int64, as this package stores them.
+        strategy: the table's score strategy.
+
+    Returns:
+        (n,) int64, or (n, 2) int64 for ``LRU_LFU``.
+    """
+    if strategy != DynamicEmbScoreStrategy.LRU_LFU:
+        return scores
+    return torch.stack([scores & COMPOUND_TIME_MASK, scores >> COMPOUND_COUNT_SHIFT], dim=1)
+
+
+class StorageView:
+    """``module.tables``: upstream's storage export over this module's tables.
+
+    Args:
+        module: the ``BatchedDynamicEmbeddingTables``.
+    """
+
+    def __init__(self, module) -> None:
+        self._module = module
+
+    def export_keys_values(self, device: Optional[torch.device] = None,
+                           batch_size: int = BATCH_SIZE_PER_DUMP, table_id: int = 0
+                           ) -> Iterator[Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor]]:
+        """Upstream's chunked export of one table (device caches flushed first).
+
+        Args:
+            device: where the tensors go (default: the module's device).
+            batch_size: rows per chunk at most.
+            table_id: the table's index in ``module.table_names``.
+
+        Yields:
+            ``(keys (n,) int64, embeddings (n, dim) float32, optimizer_states (n,
+            state_dim) float32, scores)``, scores in upstream's layout
+            (``upstream_scores``).
+
+        Raises:
+            ValueError: ``table_id`` out of range or ``batch_size`` < 1.
+        """
+        names = self._module.table_names
+        if not 0 <= int(table_id) < len(names):
+            raise ValueError(f"table_id must be in [0, {len(names)}) (tables {names}), "
+                             f"got {table_id}")
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        name = names[int(table_id)]
+        strategy = self._module.table_options[int(table_id)].score_strategy
+        device = torch.device(device) if device is not None else self._module.device
+        self._module.flush()
+        size = int(batch_size)
+        for chunk in self._module.iter_keys_values(name):  # chunks of slots scanned
+            for start in range(0, chunk.keys.numel(), size):
+                part = slice(start, start + size)
+                yield (chunk.keys[part].to(device), chunk.embeddings[part].to(device),
+                       chunk.optimizer_states[part].to(device),
+                       upstream_scores(chunk.scores[part], strategy).to(device))
+
+    def size(self, table_id: int = 0) -> int:
+        """Rows stored in one table (upstream's ``size``)."""
+        return self._module.table_size(self._module.table_names[int(table_id)])
+
+
+class CacheView:
+    """``module.cache``: the cache statistics upstream's tools read.
+
+    ``cache_metrics`` is upstream's ``[unique keys, hits]`` (int64) of the module's
+    cached tables since the previous read (a hook reading it after each forward
+    gets each batch's counts).
+
+    Args:
+        module: the ``BatchedDynamicEmbeddingTables``.
+        tables: its cached tables.
+    """
+
+    def __init__(self, module, tables: List[str]) -> None:
+        self._module, self._tables = module, tables
+        self._read = self._totals()
+
+    def _totals(self) -> Tuple[int, int]:
+        metrics = self._module.cache_metrics()
+        return (sum(metrics[n].lookups for n in self._tables),
+                sum(metrics[n].hits for n in self._tables))
+
+    @property
+    def cache_metrics(self) -> torch.Tensor:
+        totals = self._totals()
+        delta = [now - before for now, before in zip(totals, self._read)]
+        self._read = totals
+        return torch.tensor(delta, dtype=torch.int64)
+
+
+class UpstreamMembers:
+    """Upstream's module members, on ``BatchedDynamicEmbeddingTables``."""
+
+    @property
+    def tables(self) -> StorageView:
+        """Upstream's storage, as far as its tests read it: ``export_keys_values(device,
+        batch_size, table_id)`` and ``size(table_id)``."""
+        return StorageView(self)
+
+    @property
+    def cache(self) -> Optional[CacheView]:
+        """The cache statistics of the module's cached tables (``caching=True``), or
+        None when none is cached (upstream's ``cache``, for its statistics hooks).
+        One view per module: its reads count from the previous one."""
+        cached = [n for n in self.table_names
+                  if self._location(n)[0].storage.device_tier is not None
+                  and self._location(n)[0].storage.promote]
+        if not cached:
+            return None
+        view = self.__dict__.get("_upstream_cache_view")
+        if view is None:
+            view = self.__dict__["_upstream_cache_view"] = CacheView(self, cached)
+        return view
+
+    def set_record_cache_metrics(self, record: bool) -> None:
+        """Upstream's switch of cache statistics: accepted; they are always counted
+        here (``cache_metrics()``)."""
+        if not isinstance(record, bool):
+            raise ValueError(f"record must be a bool, got {type(record).__name__}")
+
+    @property
+    def _admission_counter(self):
+        """The admission ``Counter`` of the module's tables (upstream's one counter per
+        module), or None without admission.
+
+        Raises:
+            AttributeError: the tables are in groups with counters of their own
+                (``group.admission.counter`` per table group).
+        """
+        counters = {id(g.admission.counter): g.admission.counter
+                    for g in self._groups if g.admission is not None}
+        if len(counters) > 1:
+            raise AttributeError(
+                "this module's tables count admissions in several counters (one per table "
+                "group), not in upstream's one _admission_counter: use "
+                "export_admission_counters(table_name)")
+        return next(iter(counters.values()), None)
+
+    def get_score(self) -> Dict[str, int]:
+        """Upstream's per-table scores: the score the next training batch gives the
+        rows it touches (``next_score``), or the score ``set_score`` registered
+        (CUSTOMIZED).
+
+        Raises:
+            ValueError: a table's scores do not order rows by time (LFU, NO_EVICTION).
+        """
+        return {name: self._upstream_score(name) for name in self.table_names}
+
+    def _upstream_score(self, name: str) -> int:
+        group, local = self._location(name)
+        if group.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
+            return int(group.custom_scores[local])
+        return self.next_score(name)
+
+    def incremental_dump(self, named_thresholds: Union[int, Mapping[str, int], None] = None,
+                         pg: Optional[dist.ProcessGroup] = None
+                         ) -> Tuple[Dict[str, Tuple[torch.Tensor, torch.Tensor]], Dict[str, int]]:
+        """Upstream's module-level incremental dump: each named table's rows scoring at
+        least its threshold (the last access for LRU / STEP / the compound, the
+        registered score for CUSTOMIZED), and the thresholds to pass next time
+        (``get_score()``).
+
+        Args:
+            named_thresholds: ``{table: threshold}`` (e.g. ``get_score()``; tables not
+                named are skipped), one threshold for every table, or None (0: every row).
+            pg: with a process group, the rows of every rank of it are gathered (a
+                collective); without, this module's rows.
+
+        Returns:
+            ``(rows, next_thresholds)``: ``rows[table] = (keys (n,) int64, embeddings
+            (n, dim) float32)`` on the CPU.
+
+        Raises:
+            ValueError: an unknown table, or one whose scores do not order rows by time
+                (LFU, NO_EVICTION); nothing is dumped.
+        """
+        if named_thresholds is None or not isinstance(named_thresholds, Mapping):
+            named_thresholds = {n: int(named_thresholds or 0) for n in self.table_names}
+        unknown = sorted(set(named_thresholds) - set(self.table_names))
+        if unknown:
+            raise ValueError(f"no tables {unknown} in this module (tables {self.table_names})")
+        next_scores = {n: self._upstream_score(n) for n in named_thresholds}
+        self.flush()
+        rows: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, threshold in named_thresholds.items():
+            chunks = list(self.iter_keys_values(name, min_score=int(threshold)))
+            rows[name] = (torch.cat([c.keys for c in chunks]).cpu(),
+                          torch.cat([c.embeddings for c in chunks]).cpu())
+        if pg is not None:
+            from dynamicemb.checkpoint._collective import Collective  # checkpoint imports us
+
+            gathered = Collective(pg).all_gather((rows, next_scores))
+            rows = {n: (torch.cat([g[0][n][0] for g in gathered]),
+                        torch.cat([g[0][n][1] for g in gathered])) for n in rows}
+            next_scores = {n: min(g[1][n] for g in gathered) for n in next_scores}
+        return rows, next_scores
