@@ -11,7 +11,7 @@ from dynamicemb.checkpoint._progress import Progress
 from dynamicemb.checkpoint.format import (FIELD_DTYPES, CheckpointError, FieldWriter, Manifest,
                                           ShardEntry, TableEntry, field_file_name, jsonable)
 from dynamicemb.checkpoint.layout import MANIFEST, begin_version, commit_version, discard
-from dynamicemb.checkpoint.tables import LocalTable, local_tables, mark_saved, table_name_list
+from dynamicemb.checkpoint.tables import LocalTable, local_tables, table_name_list
 
 __all__ = ["DynamicEmbDump"]
 
@@ -96,7 +96,6 @@ def DynamicEmbDump(  # noqa: N802 (upstream dynamicemb's name)
         if group.rank == 0:
             discard(tmp)
         raise
-    mark_saved(tables)
     return group.broadcast(version)
 
 

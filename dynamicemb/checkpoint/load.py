@@ -11,7 +11,7 @@ from dynamicemb.checkpoint._progress import Progress
 from dynamicemb.checkpoint.format import (CheckpointError, FieldReader, Manifest, ShardEntry,
                                           TableEntry, verify_file)
 from dynamicemb.checkpoint.layout import MANIFEST, current_version
-from dynamicemb.checkpoint.tables import LocalTable, local_tables, mark_saved, table_name_list
+from dynamicemb.checkpoint.tables import LocalTable, local_tables, table_name_list
 from dynamicemb.embedding import TableClocks
 
 __all__ = ["DynamicEmbLoad"]
@@ -87,7 +87,6 @@ def DynamicEmbLoad(  # noqa: N802 (upstream dynamicemb's name)
     except Exception as err:  # reported on every rank
         error = f"rank {group.rank}: loading {version}: {err!r}"
     group.agree(error)
-    mark_saved(tables)
 
 
 def _check_compatible(manifest: Manifest, tables: Dict[str, LocalTable],

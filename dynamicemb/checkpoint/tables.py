@@ -10,7 +10,7 @@ from torch import nn
 from dynamicemb.embedding import BatchedDynamicEmbeddingTables
 from dynamicemb.types import DynamicEmbDistType
 
-__all__ = ["LocalTable", "dynamic_modules", "local_tables", "mark_saved", "table_name_list", "unwrap"]
+__all__ = ["LocalTable", "dynamic_modules", "local_tables", "table_name_list", "unwrap"]
 
 
 @dataclass
@@ -120,9 +120,3 @@ def local_tables(model: nn.Module,
     return found
 
 
-def mark_saved(tables: Dict[str, LocalTable]) -> None:
-    """Marks the modules whose every table is in ``tables`` as saved (a DMP state
-    dict may then be pickled without them; see ``docs/CHECKPOINTS.md``)."""
-    for module in {id(t.module): t.module for t in tables.values()}.values():
-        if all(name in tables for name in module.table_names):
-            module.mark_saved()

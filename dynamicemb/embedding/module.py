@@ -242,7 +242,7 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, nn.Module):
         # counted steps advance the group table's step in device memory: then that
         # step is the module's (a STEP score is train_steps + 1 in both ways)
         self._steps_on_table = False
-        self._version = self._saved_version = 0  # see content_version
+        self._version = 0  # see content_version
         self._prefetched: Deque[_Prefetched] = deque()
         self._outputs = OutputBuffers()
         self._grad_sums = Scratch()  # the backward's per-row gradient sums (CPU)
@@ -632,18 +632,6 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, nn.Module):
         """Counts the calls that changed rows, counters or clocks (training lookups and
         backwards, imports, clears, restores)."""
         return self._version
-
-    def mark_saved(self) -> None:
-        """Records that the current contents are in a checkpoint (``DynamicEmbDump``
-        wrote them or ``DynamicEmbLoad`` read them): ``saved`` is True until they
-        change."""
-        self._saved_version = self._version
-
-    @property
-    def saved(self) -> bool:
-        """Whether the contents are those of the last ``mark_saved`` (a module never
-        changed counts as saved: it holds nothing to lose)."""
-        return self._version == self._saved_version
 
     def _changed(self) -> None:
         self._version += 1
