@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from types import SimpleNamespace
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 

@@ -47,12 +47,7 @@ def splitmix64(keys: torch.Tensor) -> torch.Tensor:
     Returns:
         (n,) int64: the mixed 64-bit words (read as unsigned).
     """
-    x = keys.to(torch.int64)
-    x = x ^ _shift_right_logical(x, 30)
-    x = x * _signed(0xBF58476D1CE4E5B9)
-    x = x ^ _shift_right_logical(x, 27)
-    x = x * _signed(0x94D049BB133111EB)
-    return x ^ _shift_right_logical(x, 31)
+    return _mix(keys, (30, 27, 31), (0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
 
 def fmix64(keys: torch.Tensor) -> torch.Tensor:
@@ -65,12 +60,17 @@ def fmix64(keys: torch.Tensor) -> torch.Tensor:
     Returns:
         (n,) int64: the mixed 64-bit words (read as unsigned).
     """
+    return _mix(keys, (33, 33, 33), (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53))
+
+
+def _mix(keys: torch.Tensor, shifts, multipliers) -> torch.Tensor:
+    """The xorshift-multiply finalizer both hashes share: x ^= x >> s0; x *= m0;
+    x ^= x >> s1; x *= m1; x ^= x >> s2 (64-bit wrapping, shifts logical)."""
     x = keys.to(torch.int64)
-    x = x ^ _shift_right_logical(x, 33)
-    x = x * _signed(0xFF51AFD7ED558CCD)
-    x = x ^ _shift_right_logical(x, 33)
-    x = x * _signed(0xC4CEB9FE1A85EC53)
-    return x ^ _shift_right_logical(x, 33)
+    for shift, multiplier in zip(shifts, multipliers):
+        x = x ^ _shift_right_logical(x, shift)
+        x = x * _signed(multiplier)
+    return x ^ _shift_right_logical(x, shifts[-1])
 
 
 def placement_word(keys: torch.Tensor, dist_type: Union[DynamicEmbDistType, str]) -> torch.Tensor:

@@ -12,18 +12,16 @@ pointer or ``uint64_t`` is a ``numpy.uint64``, ``int64_t`` a ``numpy.int64``,
 
 import os
 import re
+import sys
 from typing import Dict, List, Optional
 
 import numpy as np
-import pytest
 import torch
 
-from dynamicemb import (BatchedDynamicEmbeddingTables, DynamicEmbCheckMode,
-                        DynamicEmbOptimType, DynamicEmbPoolingMode, DynamicEmbScoreStrategy,
-                        DynamicEmbTableOptions)
+from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions
 from dynamicemb.ops.cuda import _KERNELS, cuda_source_root
-from dynamicemb.table.scored_hash_table import ScoredHashTable
 from dynamicemb_testing.cuda_emulation import emulated_cuda
+from dynamicemb_testing.scripts import ROOT
 
 _SCALARS = {"int64_t": np.int64, "uint64_t": np.uint64, "int": np.int32, "int32_t": np.int32,
             "bool": np.bool_, "float": np.float32, "double": np.float64}
@@ -67,50 +65,15 @@ def signature(name: str, sources: Dict[str, str], macros: Dict[str, str]) -> Lis
     return types
 
 
-def _batch(gen, num_bags: int, bag: int, pool: int):
-    ids = torch.randint(0, pool, (num_bags * bag,), generator=gen)
-    ids[::2] = 7  # a row hot enough to be summed in pieces
-    return ids, torch.arange(0, num_bags * bag + 1, bag)
-
-
-def _launch_every_kernel(kernels) -> None:
-    gen = torch.Generator().manual_seed(0)
-    # Adam with weights that want a gradient, a table that grows mid-batch
-    pooled = BatchedDynamicEmbeddingTables(
-        [DynamicEmbTableOptions(dim=16, max_capacity=1 << 13, init_capacity=256)],
-        optimizer=DynamicEmbOptimType.ADAM, learning_rate=0.1)
-    for _ in range(2):
-        ids, offsets = _batch(gen, 256, 4, 3000)
-        weights = torch.rand(ids.numel(), generator=gen).requires_grad_()
-        pooled(ids, offsets, weights).sum().backward()
-    # a device cache smaller than the ids (the padded step's promotion kernels)
-    cached = BatchedDynamicEmbeddingTables(
-        [DynamicEmbTableOptions(dim=8, max_capacity=1 << 12, caching=True,
-                                local_hbm_for_values=8 * 4 * 256)],
-        optimizer=DynamicEmbOptimType.EXACT_SGD, learning_rate=0.1)
-    for _ in range(2):
-        ids, offsets = _batch(gen, 128, 4, 3000)
-        cached(ids, offsets).sum().backward()
-    sequence = BatchedDynamicEmbeddingTables(
-        [DynamicEmbTableOptions(dim=8, max_capacity=1024)],
-        pooling_mode=DynamicEmbPoolingMode.NONE, optimizer=DynamicEmbOptimType.EXACT_SGD,
-        learning_rate=0.1)
-    ids, offsets = _batch(gen, 16, 2, 100)
-    sequence(ids, offsets).sum().backward()
-    # the table verbs no step launches
-    table = ScoredHashTable(capacity=256, bucket_capacity=16, value_dim=4, ttl=2)
-    keys = torch.arange(100)
-    table.find_or_insert(keys)
-    table.find(keys)
-    table.erase(keys[:10])
-    for _ in range(4):
-        table.find_or_insert(keys[50:60])
-    table.expire()
-    full = ScoredHashTable(capacity=16, bucket_capacity=16,
-                           score_strategy=DynamicEmbScoreStrategy.NO_EVICTION,
-                           check_mode=DynamicEmbCheckMode.ERROR)
-    with pytest.raises(RuntimeError, match="undone"):  # undo_upsert
-        full.find_or_insert(torch.arange(40))
+def _launch_every_kernel() -> None:
+    """``benchmark/gpu_kernel_sweep.py``'s sweep, the calls that launch every kernel
+    (the GPU run's memcheck stage runs the same), on the emulated device."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+    try:
+        from gpu_kernel_sweep import sweep  # noqa: PLC0415
+    finally:
+        sys.path.pop(0)
+    sweep(torch.device("cpu"))
 
 
 def mismatch(name: str, got: tuple, want: List[type]) -> Optional[str]:
@@ -128,7 +91,7 @@ def test_every_launch_matches_its_kernel_signature():
     sources = _sources()
     macros = _parameter_macros(sources)
     with emulated_cuda() as kernels:
-        _launch_every_kernel(kernels)
+        _launch_every_kernel()
     assert set(kernels.argument_types) == set(_KERNELS), \
         f"not launched: {sorted(set(_KERNELS) - set(kernels.argument_types))}"
     for name, launches in sorted(kernels.argument_types.items()):
