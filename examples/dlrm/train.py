@@ -50,6 +50,8 @@ from dynamicemb.shard import (
 )
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from model import TableSpec, build_model, constraints_for, feature_names, to_kjt
+from partition import RoutedBatches
+from dynamicemb.placement import TablePlacement, table_placement
 
 OPTIMIZERS = {"sgd": (EmbOptimType.EXACT_SGD, 0), "adagrad": (EmbOptimType.EXACT_ADAGRAD, 1),
               "rowwise_adagrad": (EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0),
@@ -87,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--score-strategy", choices=["lru", "lfu"], default="lru")
     p.add_argument("--admission-threshold", type=int, default=1,
                    help="occurrences before a new id gets a row (1: admit all)")
+    p.add_argument("--placement", help="placement file of examples/dlrm/partition.py: its ids "
+                   "live on their rank, and every rank reads the global batches and keeps the "
+                   "samples whose ids it owns most (all ranks read all samples)")
     p.add_argument("--plan-file", help="HugeCTR plan file instead of the planner (lookup i = cat_i)")
     p.add_argument("--max-steps", type=int, default=0,
                    help="stop after this many steps in all, resumed ones included (0: run every epoch)")
@@ -139,8 +144,22 @@ def _describe(args, which: str) -> str:
 
 
 def _datasets(args, rank: int, world: int):
+    if args.placement:
+        train, evals = _datasets_of(args, 0, 1, args.batch_size * world)
+        return RoutedBatches(train, _placements(args, world), rank, world), _datasets_of(
+            args, rank, world, args.batch_size)[1]
+    return _datasets_of(args, rank, world, args.batch_size)
+
+
+def _placements(args, world: int) -> Dict[int, TablePlacement]:
+    """The dynamic tables' placements, by feature column (``--placement``)."""
+    return {f: table_placement(args.placement, f"t_{t.feature}", world)
+            for f, t in enumerate(table_specs(args)) if t.dynamic}
+
+
+def _datasets_of(args, rank: int, world: int, batch_size: int):
     if args.data == "synthetic":
-        train = SyntheticCriteo(args.num_samples, args.batch_size, scale=args.scale, alpha=args.alpha,
+        train = SyntheticCriteo(args.num_samples, batch_size, scale=args.scale, alpha=args.alpha,
                                 seed=args.seed, rank=rank, world_size=world, signal=args.signal)
         # held out: the same ids and hidden model, the samples after the training ones
         evals = SyntheticCriteo(args.eval_samples, args.batch_size, scale=args.scale, alpha=args.alpha,
@@ -151,7 +170,7 @@ def _datasets(args, rank: int, world: int):
     check_files(args.train_files.split(","), "--train-files")
     if args.eval_files:
         check_files(args.eval_files.split(","), "--eval-files")
-    train = reader(args.train_files.split(","), args.batch_size, rank=rank, world_size=world)
+    train = reader(args.train_files.split(","), batch_size, rank=rank, world_size=world)
     evals = reader(args.eval_files.split(","), args.batch_size, rank=rank, world_size=world) \
         if args.eval_files else None
     return train, evals
@@ -162,7 +181,7 @@ def shard(args, model, tables, device: torch.device, world: int) -> DistributedM
     constraints = constraints_for(tables, args.embedding_dim, state * args.embedding_dim
                                   + (1 if args.optimizer == "rowwise_adagrad" else 0),
                                   args.cache_fraction, DynamicEmbScoreStrategy[args.score_strategy.upper()],
-                                  args.admission_threshold)
+                                  args.admission_threshold, args.placement)
     sharder = (DynamicEmbeddingCollectionSharder if args.collection == "ec"
                else DynamicEmbeddingBagCollectionSharder)
     sharders = [sharder(fused_params={"optimizer": optimizer, "learning_rate": args.lr, "eps": 1e-8})]
@@ -302,6 +321,7 @@ def run(args, device: torch.device) -> None:
             [int(x) for x in args.over_arch.split(",")], num_dense=NUM_DENSE,
             collection=args.collection), tables, sample)
     report = table_report(dmp, tables)
+    history["alltoall_ids_per_step"] = alltoall_per_step(progress)
     if rank == 0:
         summarize(args, history, report, step, progress["samples"],
                   progress["samples"] - resumed_samples, elapsed, train)
@@ -336,6 +356,7 @@ def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, 
             loss.backward()
             dense_opt.step()
             dense_opt.zero_grad()
+            count_alltoall(dmp, progress)
             progress["step"] += 1
             progress["batch_in_epoch"] += 1
             progress["samples"] += batch.labels.numel() * world
@@ -347,6 +368,10 @@ def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, 
                 bar.set_postfix(loss=f"{value:.4f}", samples_s=f"{rate:,.0f}")
             if evals is not None and step % args.eval_every == 0:
                 history["auc"].append((step, evaluate(args, dmp, evals, tables, device)))
+                history.setdefault("alltoall_ids", []).append((step, alltoall_per_step(progress)))
+                if bar is not None:
+                    bar.write(f"step {step}: eval AUC {history['auc'][-1][1]:.4f}, all-to-all "
+                              f"{history['alltoall_ids'][-1][1]:,.0f} ids/step (all ranks)")
             if args.checkpoint_every and step % args.checkpoint_every == 0:
                 checkpoint.save(args.checkpoint_dir, dmp, dense_opt, progress)
         else:
@@ -354,6 +379,27 @@ def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, 
             progress["batch_in_epoch"] = 0
             continue
         break  # --max-steps
+
+
+def count_alltoall(dmp, progress) -> None:
+    """Adds the ids this rank sent to other ranks in the last step (the sharded
+    collections' ``id_counters``, after dedup) to ``progress["alltoall_ids"]``."""
+    rank, sent = dist.get_rank(), 0
+    for module in dmp.modules():
+        counters = getattr(module, "id_counters", None)
+        if counters is not None:
+            sent += sum(int(s.sum()) - int(s[rank]) for s in counters.sent.values())
+            counters.reset()
+    progress["alltoall_ids"] = progress.get("alltoall_ids", 0) + sent
+    progress["counted_steps"] = progress.get("counted_steps", 0) + 1
+
+
+def alltoall_per_step(progress) -> float:
+    """Ids crossing the all-to-all per step, all ranks together (a collective)."""
+    total = torch.tensor([progress.get("alltoall_ids", 0), progress.get("counted_steps", 0)],
+                         dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total[0] / max(1.0, total[1] / dist.get_world_size()))
 
 
 def summarize(args, history, report, step, samples, run_samples, elapsed, train) -> None:
@@ -375,6 +421,8 @@ def summarize(args, history, report, step, samples, run_samples, elapsed, train)
           f"({summary['samples_per_s']:,.0f} samples/s); final train loss {loss}")
     if auc is not None:
         print(f"eval AUC {auc:.4f}" + (f" (ground-truth ceiling {ceiling:.4f})" if ceiling else ""))
+    print(f"all-to-all: {history['alltoall_ids_per_step']:,.0f} ids/step crossing ranks "
+          f"(all ranks, after dedup; ids to other ranks only)")
     print("\n| dynamic table | rows held | max rows | cache hit rate | cache evictions |")
     print("|---|---|---|---|---|")
     for name, r in report.items():
