@@ -110,29 +110,42 @@ def bipartite_graph(sparse: np.ndarray, column_table: np.ndarray, config: Partit
         both directions, one edge per sample and distinct id) and, per kept id
         vertex, its table index and raw id.
     """
-    samples, features = sparse.shape
-    column = np.broadcast_to(np.asarray(column_table, np.int64), sparse.shape)
-    pairs = np.stack([column.reshape(-1), sparse.reshape(-1)], 1)
-    owner = np.repeat(np.arange(samples, dtype=np.int64), features)
-    valid = np.ones(len(pairs), bool) if empty_id is None else pairs[:, 1] != empty_id
-    unique, inverse, counts = np.unique(pairs[valid], axis=0, return_inverse=True, return_counts=True)
-    keep = counts >= config.min_count
+    samples = sparse.shape[0]
+    column_table = np.asarray(column_table, np.int64)
+    vertex_table, vertex_id, edge_sample, edge_vertex, kept = [], [], [], [], 0
+    for table in np.unique(column_table):  # one 1-D unique per table: (table, id) pairs
+        ids = sparse[:, column_table == table]
+        owner = np.broadcast_to(np.arange(samples, dtype=np.int64)[:, None], ids.shape).reshape(-1)
+        ids = ids.reshape(-1)
+        valid = ids != empty_id if empty_id is not None else np.ones(ids.shape, bool)
+        unique, inverse, counts = np.unique(ids[valid], return_inverse=True, return_counts=True)
+        vertex_table.append(np.full(len(unique), table, np.int64))
+        vertex_id.append(unique)
+        edge_sample.append(owner[valid])
+        edge_vertex.append(inverse.reshape(-1) + kept)
+        kept += len(unique)
+    counts_all = np.bincount(np.concatenate(edge_vertex), minlength=kept) if kept else np.zeros(0, np.int64)
+    keep = counts_all >= config.min_count
     if config.max_ids is not None and keep.sum() > config.max_ids:
-        order = np.argsort(-counts, kind="stable")[:config.max_ids]
         keep = np.zeros_like(keep)
-        keep[order] = True
-    vertex = np.full(len(unique), -1, np.int64)
-    vertex[keep] = samples + np.arange(int(keep.sum()))
-    edge_id = vertex[inverse.reshape(-1)]
-    edge_sample = owner[valid]
+        keep[np.argsort(-counts_all, kind="stable")[:config.max_ids]] = True
+    vertex = np.full(kept, -1, np.int64)
+    vertex[keep] = np.arange(int(keep.sum()))
+    edge_id = vertex[np.concatenate(edge_vertex)] if kept else np.zeros(0, np.int64)
     mine = edge_id >= 0
-    edges = np.unique(np.stack([edge_sample[mine], edge_id[mine]], 1), axis=0)  # distinct per sample
-    total = samples + int(keep.sum())
-    both = np.concatenate([edges, edges[:, ::-1]])
-    both = both[np.lexsort((both[:, 1], both[:, 0]))]
+    ids_kept = int(keep.sum())
+    # distinct (sample, id) edges, one int64 each: sample * ids + id
+    code = np.unique(np.concatenate(edge_sample)[mine] * max(1, ids_kept) + edge_id[mine])
+    first, second = code // max(1, ids_kept), code % max(1, ids_kept) + samples
+    total = samples + ids_kept
+    source = np.concatenate([first, second])
+    target = np.concatenate([second, first])
+    order = np.argsort(source, kind="stable")
     xadj = np.zeros(total + 1, np.int64)
-    np.cumsum(np.bincount(both[:, 0], minlength=total), out=xadj[1:])
-    return xadj, np.ascontiguousarray(both[:, 1]), unique[keep, 0], unique[keep, 1]
+    np.cumsum(np.bincount(source, minlength=total), out=xadj[1:])
+    tables = np.concatenate(vertex_table) if vertex_table else np.zeros(0, np.int64)
+    ids_all = np.concatenate(vertex_id) if vertex_id else np.zeros(0, np.int64)
+    return xadj, target[order], tables[keep], ids_all[keep]
 
 
 def _metis(xadj: np.ndarray, adjncy: np.ndarray, parts: int, config: PartitionConfig) -> np.ndarray:
