@@ -25,6 +25,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from dynamicemb.placement import owner_rank
+
 __all__ = ["PartitionConfig", "PartitionResult", "bipartite_graph", "partition_ids", "route_samples"]
 
 #: HET-GMP's costs of a cut edge: between two ranks of one node, and between nodes.
@@ -85,7 +87,8 @@ class PartitionResult:
         stats: sizes, time, and the cut: ``local_fraction`` of the sample's lookups
             (of placed ids) on their sample's rank, and ``cost`` (HET-GMP's
             topology-weighted cut per lookup) against ``hash_cost``, the same with
-            ids on their hash owner and samples spread evenly.
+            ids on their hash owner and samples spread evenly (sample ``i`` on rank
+            ``i % W``), and ``placement_only_*``: ids placed, samples spread so.
     """
 
     placements: Dict[str, Tuple[np.ndarray, np.ndarray]]
@@ -239,10 +242,12 @@ def partition_ids(sparse: np.ndarray, tables: Sequence[str], config: PartitionCo
     hashed = _hash_ranks(vertex_id, config.world_size)[adjncy[:xadj[samples]] - samples]
     spread = np.arange(samples, dtype=np.int64) % config.world_size
     hash_local, hash_cost = _cost(spread[edge_sample], hashed, config)
+    alone_local, alone_cost = _cost(spread[edge_sample], edge_id_rank, config)
     stats = {"samples": samples, "ids_placed": int(len(vertex_id)), "edges": int(xadj[samples]),
              "graph_seconds": built - start, "partition_seconds": done - built,
              "local_fraction": local, "cost": cost, "hash_local_fraction": hash_local,
-             "hash_cost": hash_cost,
+             "hash_cost": hash_cost, "placement_only_local_fraction": alone_local,
+             "placement_only_cost": alone_cost,
              "ids_per_rank": np.bincount(id_ranks, minlength=config.world_size).tolist(),
              "samples_per_rank": np.bincount(sample_ranks, minlength=config.world_size).tolist()}
     return PartitionResult(placements, sample_ranks, stats)
@@ -250,8 +255,6 @@ def partition_ids(sparse: np.ndarray, tables: Sequence[str], config: PartitionCo
 
 def _hash_ranks(ids: np.ndarray, world_size: int) -> np.ndarray:
     """The default (``hash``) owner of each id."""
-    from dynamicemb.placement import owner_rank
-
     return owner_rank(torch.from_numpy(np.ascontiguousarray(ids, np.int64)), world_size).numpy()
 
 
