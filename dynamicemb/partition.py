@@ -138,7 +138,8 @@ def bipartite_graph(sparse: np.ndarray, column_table: np.ndarray, config: Partit
     mine = edge_id >= 0
     ids_kept = int(keep.sum())
     # distinct (sample, id) edges, one int64 each: sample * ids + id
-    code = np.unique(np.concatenate(edge_sample)[mine] * max(1, ids_kept) + edge_id[mine])
+    code = np.sort(np.concatenate(edge_sample)[mine] * max(1, ids_kept) + edge_id[mine])
+    code = code[np.concatenate([[True], code[1:] != code[:-1]])] if len(code) else code
     first, second = code // max(1, ids_kept), code % max(1, ids_kept) + samples
     total = samples + ids_kept
     source = np.concatenate([first, second])

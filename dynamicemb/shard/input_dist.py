@@ -52,11 +52,9 @@ class DynamicEmbRwSparseFeaturesDist(RwSparseFeaturesDist):
         self._placements = [
             (d, torch.tensor([t == d for t in feature_dist_types]))
             for d in dict.fromkeys(t for t in feature_dist_types if t is not None)]
-        # the placement files' entries, each with its feature mask
-        files = {id(r.placement): r.placement for r in feature_routes
-                 if r is not None and r.placement is not None}
-        self._files = [(p, torch.tensor([r is not None and r.placement is p for r in feature_routes]))
-                       for p in files.values()]
+        # per feature with a placement file entry: (feature index, the entry)
+        self._files = [(f, r.placement) for f, r in enumerate(feature_routes)
+                       if r is not None and r.placement is not None]
         self._dynamic_features = torch.tensor([t is not None for t in feature_dist_types])
         self._any_dynamic = bool(self._placements)
         # (world_size, num_features) ids sent by the last forward, per destination and feature
@@ -74,10 +72,13 @@ class DynamicEmbRwSparseFeaturesDist(RwSparseFeaturesDist):
                 mine = dynamic if len(self._placements) == 1 else torch.repeat_interleave(
                     features, per_key, output_size=values.numel())
                 words = torch.where(mine, placement_word(values, dist_type), words)
-            for placement, features in self._files:
-                mine = torch.repeat_interleave(features, per_key, output_size=values.numel())
-                ranks, placed = placement.lookup(values)
-                words = torch.where(mine & placed, ranks, words)  # a rank < W is its own owner
+            if self._files:
+                ends = per_key.cumsum(0).tolist()
+                for f, placement in self._files:  # only the feature's ids are looked up
+                    start = ends[f] - int(per_key[f])
+                    ranks, placed = placement.lookup(values[start:ends[f]])
+                    # a rank < W is its own owner: the bucketize sends the id there
+                    words[start:ends[f]] = torch.where(placed, ranks, words[start:ends[f]])
             routed = KeyedJaggedTensor(
                 keys=sparse_features.keys(),
                 values=words,

@@ -352,6 +352,8 @@ def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, 
                              _describe(args, "train")):
             if args.max_steps and progress["step"] >= args.max_steps:
                 break
+            for counters in _id_counters(dmp):
+                counters.reset()
             loss, _ = dmp(to_batch(batch, tables, device))
             loss.backward()
             dense_opt.step()
@@ -381,15 +383,17 @@ def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, 
         break  # --max-steps
 
 
+def _id_counters(dmp) -> list:
+    """The sharded collections' ``id_counters`` (ids sent per table and rank)."""
+    return [m.id_counters for m in dmp.modules() if getattr(m, "id_counters", None) is not None]
+
+
 def count_alltoall(dmp, progress) -> None:
-    """Adds the ids this rank sent to other ranks in the last step (the sharded
-    collections' ``id_counters``, after dedup) to ``progress["alltoall_ids"]``."""
-    rank, sent = dist.get_rank(), 0
-    for module in dmp.modules():
-        counters = getattr(module, "id_counters", None)
-        if counters is not None:
-            sent += sum(int(s.sum()) - int(s[rank]) for s in counters.sent.values())
-            counters.reset()
+    """Adds the ids this rank sent to other ranks in this training step (the
+    ``id_counters``, after dedup, reset before the step's forward: evaluations are not
+    counted) to ``progress["alltoall_ids"]``."""
+    rank = dist.get_rank()
+    sent = sum(int(s.sum()) - int(s[rank]) for c in _id_counters(dmp) for s in c.sent.values())
     progress["alltoall_ids"] = progress.get("alltoall_ids", 0) + sent
     progress["counted_steps"] = progress.get("counted_steps", 0) + 1
 
