@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from datetime import timedelta
-from typing import Dict, List
+from typing import Dict, List, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -321,7 +321,8 @@ def run(args, device: torch.device) -> None:
             [int(x) for x in args.over_arch.split(",")], num_dense=NUM_DENSE,
             collection=args.collection), tables, sample)
     report = table_report(dmp, tables)
-    history["alltoall_ids_per_step"] = alltoall_per_step(progress)
+    history["alltoall_ids_per_step"], history["alltoall_dynamic_ids_per_step"] = \
+        alltoall_per_step(progress)
     if rank == 0:
         summarize(args, history, report, step, progress["samples"],
                   progress["samples"] - resumed_samples, elapsed, train)
@@ -358,7 +359,7 @@ def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, 
             loss.backward()
             dense_opt.step()
             dense_opt.zero_grad()
-            count_alltoall(dmp, progress)
+            count_alltoall(dmp, progress, {f"t_{t.feature}" for t in tables if t.dynamic})
             progress["step"] += 1
             progress["batch_in_epoch"] += 1
             progress["samples"] += batch.labels.numel() * world
@@ -372,8 +373,9 @@ def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, 
                 history["auc"].append((step, evaluate(args, dmp, evals, tables, device)))
                 history.setdefault("alltoall_ids", []).append((step, alltoall_per_step(progress)))
                 if bar is not None:
+                    every, dynamic = history["alltoall_ids"][-1][1]
                     bar.write(f"step {step}: eval AUC {history['auc'][-1][1]:.4f}, all-to-all "
-                              f"{history['alltoall_ids'][-1][1]:,.0f} ids/step (all ranks)")
+                              f"{every:,.0f} ids/step ({dynamic:,.0f} of dynamic tables)")
             if args.checkpoint_every and step % args.checkpoint_every == 0:
                 checkpoint.save(args.checkpoint_dir, dmp, dense_opt, progress)
         else:
@@ -388,22 +390,27 @@ def _id_counters(dmp) -> list:
     return [m.id_counters for m in dmp.modules() if getattr(m, "id_counters", None) is not None]
 
 
-def count_alltoall(dmp, progress) -> None:
+def count_alltoall(dmp, progress, dynamic: Set[str]) -> None:
     """Adds the ids this rank sent to other ranks in this training step (the
-    ``id_counters``, after dedup, reset before the step's forward: evaluations are not
-    counted) to ``progress["alltoall_ids"]``."""
+    ``id_counters``: sharded tables, after dedup where it is on; reset before the
+    step's forward, so evaluations are not counted) to ``progress["alltoall_ids"]``,
+    and those of the ``dynamic`` tables to ``progress["alltoall_dynamic_ids"]``."""
     rank = dist.get_rank()
-    sent = sum(int(s.sum()) - int(s[rank]) for c in _id_counters(dmp) for s in c.sent.values())
-    progress["alltoall_ids"] = progress.get("alltoall_ids", 0) + sent
+    sent = {t: int(s.sum()) - int(s[rank]) for c in _id_counters(dmp) for t, s in c.sent.items()}
+    progress["alltoall_ids"] = progress.get("alltoall_ids", 0) + sum(sent.values())
+    progress["alltoall_dynamic_ids"] = progress.get("alltoall_dynamic_ids", 0) + sum(
+        n for t, n in sent.items() if t in dynamic)
     progress["counted_steps"] = progress.get("counted_steps", 0) + 1
 
 
-def alltoall_per_step(progress) -> float:
-    """Ids crossing the all-to-all per step, all ranks together (a collective)."""
-    total = torch.tensor([progress.get("alltoall_ids", 0), progress.get("counted_steps", 0)],
-                         dtype=torch.float64)
+def alltoall_per_step(progress) -> Tuple[float, float]:
+    """Ids crossing the all-to-all per step, all ranks together (a collective): of
+    every sharded table, and of the dynamic ones."""
+    total = torch.tensor([progress.get("alltoall_ids", 0), progress.get("alltoall_dynamic_ids", 0),
+                          progress.get("counted_steps", 0)], dtype=torch.float64)
     dist.all_reduce(total)
-    return float(total[0] / max(1.0, total[1] / dist.get_world_size()))
+    steps = max(1.0, float(total[2]) / dist.get_world_size())
+    return float(total[0]) / steps, float(total[1]) / steps
 
 
 def summarize(args, history, report, step, samples, run_samples, elapsed, train) -> None:
@@ -425,8 +432,9 @@ def summarize(args, history, report, step, samples, run_samples, elapsed, train)
           f"({summary['samples_per_s']:,.0f} samples/s); final train loss {loss}")
     if auc is not None:
         print(f"eval AUC {auc:.4f}" + (f" (ground-truth ceiling {ceiling:.4f})" if ceiling else ""))
-    print(f"all-to-all: {history['alltoall_ids_per_step']:,.0f} ids/step crossing ranks "
-          f"(all ranks, after dedup; ids to other ranks only)")
+    print(f"all-to-all: {history['alltoall_ids_per_step']:,.0f} ids/step crossing ranks, "
+          f"{history['alltoall_dynamic_ids_per_step']:,.0f} of them of dynamic tables (all ranks, "
+          f"ids to other ranks only, after dedup where it is on)")
     print("\n| dynamic table | rows held | max rows | cache hit rate | cache evictions |")
     print("|---|---|---|---|---|")
     for name, r in report.items():
