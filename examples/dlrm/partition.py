@@ -123,6 +123,7 @@ class RoutedBatches:
         self.rank, self.world_size = rank, world_size
 
     def __len__(self) -> int:
+        """Batches per pass: the source's (a streaming reader has none: TypeError)."""
         return len(self.source)
 
     def __getattr__(self, name: str):  # bayes_auc, rows_read, ... of the source

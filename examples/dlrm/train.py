@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from datetime import timedelta
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -335,13 +335,22 @@ def train_loop(args, dmp, dense_opt, train, evals, tables, device, progress) -> 
     if dist.get_rank() == 0:
         from tqdm import tqdm  # noqa: PLC0415
 
-        bar = tqdm(total=args.epochs * len(train) if hasattr(train, "__len__") else None,
+        batches = _batches_per_epoch(train)
+        bar = tqdm(total=args.epochs * batches if batches is not None else None,
                    initial=progress["step"], unit="step")
     try:
         _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, bar)
     finally:
         if bar is not None:
             bar.close()  # ends its line, also before an error message
+
+
+def _batches_per_epoch(train) -> Optional[int]:
+    """Batches in one pass over ``train``; None for a streaming reader."""
+    try:
+        return len(train)
+    except TypeError:
+        return None
 
 
 def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, bar) -> None:
