@@ -386,7 +386,7 @@ class DynamicEmbTableOptions:
             buckets, at least one), the rest lives in the external store. None: the
             host store holds ``max_capacity`` rows.
         placement: path of a placement file (``dynamicemb.placement``, written by
-            ``python -m examples.dlrm.partition`` or ``write_placement``) for a
+            ``examples/dlrm/partition.py`` or ``write_placement``) for a
             row-wise table: the ids its entry of the table's name lists are stored
             on their rank there, every other id on its ``dist_type`` owner. The
             file must be made for the table's number of shards (checked when the

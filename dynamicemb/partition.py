@@ -4,8 +4,9 @@ ranks that cuts few edges puts each id on the rank whose samples use it most, so
 that, with samples routed to the rank their ids live on (``route_samples``), most
 lookups stay local.
 
-The partitioner is METIS (``pymetis``). Every vertex weighs 1 (pymetis takes one
-balance constraint), so parts hold about as many samples plus ids each. With more
+The partitioner is METIS (``pymetis``). Every vertex weighs 1 (one balance
+constraint: pymetis's ``part_graph`` did not honour two), so parts hold about as many
+samples plus ids each. With more
 than one node the partition is hierarchical, as HET-GMP's topology weighting asks
 (an edge cut between nodes costs 1, within a node 0.1): first over the nodes, then
 each node's part over its ranks, so the costly inter-node cut is the one minimized

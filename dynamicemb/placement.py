@@ -190,7 +190,7 @@ class TablePlacement:
             raise ValueError(
                 f"placement file {self.path!r} places ids over {self.world_size} ranks, table "
                 f"{table!r} is sharded over {world_size}: partition for {world_size} ranks "
-                f"(python -m examples.dlrm.partition --world-size {world_size}) or drop the "
+                f"(python examples/dlrm/partition.py --world-size {world_size}) or drop the "
                 f"table's placement option (keys then go to their dist_type owner)")
 
 
@@ -270,7 +270,7 @@ def load_placement(path: Union[str, "os.PathLike[str]"]) -> PlacementFile:
         stat = os.stat(path)
     except OSError as err:
         raise ValueError(f"placement file {path!r} cannot be read ({err.strerror}); give the "
-                         f"path a partition run wrote (python -m examples.dlrm.partition)") from None
+                         f"path a partition run wrote (python examples/dlrm/partition.py)") from None
     key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
     if key not in _CACHE:
         _CACHE[key] = _read_placement(path)
@@ -285,7 +285,7 @@ def _read_placement(path: str) -> PlacementFile:
             arrays = {name: npz[name] for name in npz.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
         raise ValueError(f"placement file {path!r} is not a readable .npz without pickled "
-                         f"objects ({err}); write it again (python -m examples.dlrm.partition)"
+                         f"objects ({err}); write it again (python examples/dlrm/partition.py)"
                          ) from None
     if str(arrays.get("format", "")) != PLACEMENT_FORMAT:
         raise ValueError(f"{path!r} is not a dynamicemb placement file (no format="
