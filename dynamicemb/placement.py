@@ -31,7 +31,8 @@ import torch
 from dynamicemb.types import DynamicEmbDistType
 
 __all__ = ["DynamicEmbDistType", "PlacementFile", "TablePlacement", "fmix64", "load_placement",
-           "owner_rank", "placement_record", "placement_word", "splitmix64", "table_placement", "write_placement"]
+           "owner_rank", "placement_record", "placement_word", "splitmix64", "table_placement",
+           "write_placement"]
 
 _MASK = [(1 << (64 - s)) - 1 for s in range(64)]
 

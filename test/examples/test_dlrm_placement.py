@@ -91,6 +91,7 @@ for step, batch in enumerate(whole):
 
 def test_the_tsv_reader_routes_samples_by_the_placement(runs):
     tmp, _, _ = runs
-    done = run_python(["-c", _ROUTED, tmp / "p2.npz", tmp / "day.tsv"], cwd=os.path.join(ROOT, "examples", "dlrm"),
+    done = run_python(["-c", _ROUTED, tmp / "p2.npz", tmp / "day.tsv"],
+                      cwd=os.path.join(ROOT, "examples", "dlrm"),
                       timeout=300, check=True)
     assert done.stdout.count("routed") == 2, done.stdout
