@@ -8,6 +8,7 @@ an error rather than accepted and ignored.
 import abc
 import dataclasses
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
 from enum import Enum, unique
@@ -15,6 +16,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from dynamicemb.placement import load_placement
 from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicEmbDistType,
                               DynamicEmbEvictStrategy, DynamicEmbScoreStrategy, UpstreamIntValues)
 
@@ -383,6 +385,13 @@ class DynamicEmbTableOptions:
             most this many bytes of rows (rounded down to a power-of-two number of
             buckets, at least one), the rest lives in the external store. None: the
             host store holds ``max_capacity`` rows.
+        placement: path of a placement file (``dynamicemb.placement``, written by
+            ``examples/dlrm/partition.py`` or ``write_placement``) for a
+            row-wise table: the ids its entry of the table's name lists are stored
+            on their rank there, every other id on its ``dist_type`` owner. The
+            file must be made for the table's number of shards (checked when the
+            table is sharded); unused when the table has one shard. None (default):
+            every id on its ``dist_type`` owner.
     """
 
     dim: Optional[int] = None
@@ -408,6 +417,7 @@ class DynamicEmbTableOptions:
     external_storage: Any = None
     ttl: Optional[int] = None
     local_host_for_values: Optional[int] = None
+    placement: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.dim is not None and self.dim <= 0:
@@ -433,6 +443,12 @@ class DynamicEmbTableOptions:
         self.safe_check_mode = DynamicEmbCheckMode(self.safe_check_mode)
         self._check_budgets()
         self._check_upstream_fields()
+        if self.placement is not None:
+            if not isinstance(self.placement, (str, os.PathLike)):
+                raise ValueError(f"placement must be the path of a placement file, got a "
+                                 f"{type(self.placement).__name__}")
+            self.placement = os.fspath(self.placement)
+            load_placement(self.placement)  # refuses a missing or corrupt file now
 
     def _check_budgets(self) -> None:
         for name in ("local_hbm_for_values", "global_hbm_for_values"):

@@ -12,15 +12,27 @@ The input dist, the kernels' ownership checks, checkpoint loading and the DMP st
 dict all ask ``owner_rank`` (or ``placement_word``, which the input dist bucketizes),
 so a key is looked up, trained, saved and restored on the same rank. Torch only: no
 TorchRec import.
+
+A placement file (``write_placement`` / ``load_placement``; the table option
+``DynamicEmbTableOptions.placement``) overrides the ``dist_type`` owner of the ids
+it lists, each placed on a chosen rank (e.g. by a graph partition,
+``dynamicemb.partition``); every other id keeps its ``dist_type`` owner.
 """
 
-from typing import Union
+import hashlib
+import os
+import zipfile
+from dataclasses import dataclass
+from typing import Dict, Mapping, Optional, Tuple, Union
 
+import numpy as np
 import torch
 
 from dynamicemb.types import DynamicEmbDistType
 
-__all__ = ["DynamicEmbDistType", "fmix64", "owner_rank", "placement_word", "splitmix64"]
+__all__ = ["DynamicEmbDistType", "PlacementFile", "TablePlacement", "fmix64", "load_placement",
+           "owner_rank", "placement_record", "placement_word", "splitmix64", "table_placement",
+           "write_placement"]
 
 _MASK = [(1 << (64 - s)) - 1 for s in range(64)]
 
@@ -92,8 +104,10 @@ def placement_word(keys: torch.Tensor, dist_type: Union[DynamicEmbDistType, str]
 
 
 def owner_rank(keys: torch.Tensor, world_size: int,
-               dist_type: Union[DynamicEmbDistType, str] = DynamicEmbDistType.HASH) -> torch.Tensor:
-    """The rank that stores each key of a row-wise dynamic table:
+               dist_type: Union[DynamicEmbDistType, str] = DynamicEmbDistType.HASH,
+               placement: Optional["TablePlacement"] = None) -> torch.Tensor:
+    """The rank that stores each key of a row-wise dynamic table: its rank in
+    ``placement`` if the file places it, else
     ``uint64(placement_word(key, dist_type)) % world_size``.
 
     Args:
@@ -101,15 +115,222 @@ def owner_rank(keys: torch.Tensor, world_size: int,
         world_size: number of shards (ranks) of the table.
         dist_type: the table's ``DynamicEmbTableOptions.dist_type`` (default: the
             options' default, ``hash``).
+        placement: the table's placement (``DynamicEmbTableOptions.placement``), or
+            None.
 
     Returns:
         (n,) int64 ranks in ``[0, world_size)``.
 
     Raises:
-        ValueError: ``world_size`` < 1, or an unknown ``dist_type``.
+        ValueError: ``world_size`` < 1, an unknown ``dist_type``, or a placement made
+            for another world size.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     word = placement_word(keys, dist_type)
     # uint64 % W with int64 ops: (2 * (w >>> 1) + (w & 1)) % W
-    return ((_shift_right_logical(word, 1) % world_size) * 2 + (word & 1)) % world_size
+    owner = ((_shift_right_logical(word, 1) % world_size) * 2 + (word & 1)) % world_size
+    if placement is None:
+        return owner
+    placement.check(placement.table, world_size)
+    ranks, placed = placement.lookup(keys)
+    return torch.where(placed, ranks, owner)
+
+
+# --- placement files: ids placed on chosen ranks, every other id on its hash owner --------
+
+#: ``format`` entry of a placement file, and the version this code reads and writes.
+PLACEMENT_FORMAT = "dynamicemb-placement"
+PLACEMENT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TablePlacement:
+    """One table's placed ids and their ranks (from a placement file).
+
+    Attributes:
+        table: the table's name in the file.
+        ids: (n,) int64, strictly increasing.
+        ranks: (n,) int64 in ``[0, world_size)``, the rank of each id.
+        world_size: the ranks the file places ids over.
+        path: the file it was read from.
+        sha256: the file's SHA-256 (hex).
+    """
+
+    table: str
+    ids: torch.Tensor
+    ranks: torch.Tensor
+    world_size: int
+    path: str
+    sha256: str
+
+    def lookup(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The placed rank of each key: a binary search in the sorted ids.
+
+        Args:
+            keys (Tensor): (n,) int64.
+
+        Returns:
+            ``(ranks, placed)``: (n,) int64 ranks (meaningful where placed) and (n,)
+            bool, whether the file places the key.
+        """
+        keys = keys.to(torch.int64)
+        if self.ids.numel() == 0:
+            return torch.zeros_like(keys), torch.zeros(keys.shape, dtype=torch.bool)
+        at = torch.searchsorted(self.ids, keys).clamp_(max=self.ids.numel() - 1)
+        return self.ranks[at], self.ids[at] == keys
+
+    def check(self, table: str, world_size: int) -> None:
+        """Refuses this placement for a table sharded over ``world_size`` ranks
+        unless the file was made for that many.
+
+        Raises:
+            ValueError: naming the file, the table and both world sizes.
+        """
+        if world_size != self.world_size:
+            raise ValueError(
+                f"placement file {self.path!r} places ids over {self.world_size} ranks, table "
+                f"{table!r} is sharded over {world_size}: partition for {world_size} ranks "
+                f"(python examples/dlrm/partition.py --world-size {world_size}) or drop the "
+                f"table's placement option (keys then go to their dist_type owner)")
+
+
+@dataclass(frozen=True)
+class PlacementFile:
+    """A placement file's contents: ``world_size`` and a ``TablePlacement`` per table."""
+
+    path: str
+    world_size: int
+    tables: Dict[str, TablePlacement]
+
+    def table(self, name: str) -> TablePlacement:
+        """The placement of the table ``name``.
+
+        Raises:
+            ValueError: the file has no entry of that name (naming the ones it has).
+        """
+        if name not in self.tables:
+            raise ValueError(f"placement file {self.path!r} has no table {name!r} (it places "
+                             f"{sorted(self.tables)}); partition with the model's table names "
+                             f"or drop the table's placement option")
+        return self.tables[name]
+
+
+def write_placement(path: str, world_size: int, tables: Mapping[str, Tuple[torch.Tensor, torch.Tensor]]
+                    ) -> None:
+    """Writes a placement file: an ``.npz`` (no pickled objects) holding ``format``,
+    ``version``, ``world_size``, ``tables`` (the names) and, for table ``i``,
+    ``ids_<i>`` (sorted int64 ids) and ``ranks_<i>`` (int64 ranks).
+
+    Args:
+        path: the file to write (``.npz`` is appended by numpy if missing).
+        world_size: the ranks the ids are placed over.
+        tables: ``{table name: (ids (n,), ranks (n,))}``, ids unique, any order.
+
+    Raises:
+        ValueError: repeated ids or ranks outside ``[0, world_size)``.
+    """
+    arrays = {"format": np.array(PLACEMENT_FORMAT), "version": np.array(PLACEMENT_VERSION),
+              "world_size": np.array(world_size, np.int64), "tables": np.array(list(tables), dtype=str)}
+    for i, (name, (ids, ranks)) in enumerate(tables.items()):
+        ids, ranks = torch.as_tensor(ids, dtype=torch.int64), torch.as_tensor(ranks, dtype=torch.int64)
+        order = torch.argsort(ids)
+        ids, ranks = ids[order], ranks[order]
+        _check_table(path, name, ids, ranks, world_size)
+        arrays[f"ids_{i}"], arrays[f"ranks_{i}"] = ids.numpy(), ranks.numpy()
+    np.savez(path, **arrays)
+
+
+def _check_table(path: str, name: str, ids: torch.Tensor, ranks: torch.Tensor, world_size: int) -> None:
+    where = f"placement file {path!r}, table {name!r}"
+    if ids.dim() != 1 or ranks.shape != ids.shape:
+        raise ValueError(f"{where}: ids {tuple(ids.shape)} and ranks {tuple(ranks.shape)} must be "
+                         f"two 1-D arrays of one length; rewrite the file with write_placement")
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError(f"{where}: ids are not sorted and unique (an id placed twice?); "
+                         f"rewrite the file with write_placement")
+    bad = (ranks < 0) | (ranks >= world_size)
+    if bool(bad.any()):
+        raise ValueError(f"{where}: {int(bad.sum())} ranks outside [0, world_size={world_size}) "
+                         f"(e.g. {int(ranks[bad][0])}); rewrite the file for {world_size} ranks")
+
+
+_CACHE: Dict[Tuple[str, int, int], PlacementFile] = {}
+
+
+def load_placement(path: Union[str, "os.PathLike[str]"]) -> PlacementFile:
+    """Reads and checks a placement file (``write_placement``'s format, no pickle).
+    Files already read are cached by path, size and modification time.
+
+    Raises:
+        ValueError: a missing, unreadable or corrupt file, another format or
+            version, unsorted or repeated ids, or ranks out of range (naming the file).
+    """
+    path = os.fspath(path)
+    try:
+        stat = os.stat(path)
+    except OSError as err:
+        raise ValueError(f"placement file {path!r} cannot be read ({err.strerror}); give the "
+                         f"path a partition run wrote (python examples/dlrm/partition.py)") from None
+    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _CACHE:
+        _CACHE[key] = _read_placement(path)
+    return _CACHE[key]
+
+
+def _read_placement(path: str) -> PlacementFile:
+    with open(path, "rb") as f:
+        sha256 = hashlib.sha256(f.read()).hexdigest()
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        raise ValueError(f"placement file {path!r} is not a readable .npz without pickled "
+                         f"objects ({err}); write it again (python examples/dlrm/partition.py)"
+                         ) from None
+    if str(arrays.get("format", "")) != PLACEMENT_FORMAT:
+        raise ValueError(f"{path!r} is not a dynamicemb placement file (no format="
+                         f"{PLACEMENT_FORMAT!r} entry); write it with write_placement")
+    version = int(arrays.get("version", -1))
+    if version != PLACEMENT_VERSION:
+        raise ValueError(f"placement file {path!r} has version {version}; this dynamicemb reads "
+                         f"version {PLACEMENT_VERSION}: write it again with this version")
+    try:
+        world_size = int(arrays["world_size"])
+        names = [str(n) for n in arrays["tables"].reshape(-1)]
+        tables = {}
+        for i, name in enumerate(names):
+            ids = torch.from_numpy(np.ascontiguousarray(arrays[f"ids_{i}"], np.int64))
+            ranks = torch.from_numpy(np.ascontiguousarray(arrays[f"ranks_{i}"], np.int64))
+            _check_table(path, name, ids, ranks, world_size)
+            tables[name] = TablePlacement(name, ids, ranks, world_size, path, sha256)
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"placement file {path!r} is corrupt (missing or bad entry {err}); "
+                         f"write it again with write_placement") from None
+    if world_size < 1 or len(set(names)) != len(names):
+        raise ValueError(f"placement file {path!r} is corrupt (world_size {world_size}, tables "
+                         f"{names}); write it again with write_placement")
+    return PlacementFile(path, world_size, tables)
+
+
+def table_placement(path: Optional[str], table: str, num_shards: int) -> Optional[TablePlacement]:
+    """A sharded table's placement: its entry in the file at ``path``, checked for
+    ``num_shards`` ranks; None without a file or with one shard (nothing to place).
+
+    Raises:
+        ValueError: a bad file, no entry for ``table``, or another world size.
+    """
+    if path is None or num_shards == 1:
+        return None
+    placement = load_placement(path).table(table)
+    placement.check(table, num_shards)
+    return placement
+
+
+def placement_record(placement: Optional[TablePlacement]) -> Optional[Dict[str, object]]:
+    """What a checkpoint manifest records of a table's placement (None: none): the
+    file's name and SHA-256, its world size and the number of ids it places."""
+    if placement is None:
+        return None
+    return {"file": os.path.basename(placement.path), "sha256": placement.sha256,
+            "world_size": placement.world_size, "ids": int(placement.ids.numel())}

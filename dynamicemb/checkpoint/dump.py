@@ -12,6 +12,7 @@ from dynamicemb.checkpoint.format import (FIELD_DTYPES, CheckpointError, FieldWr
                                           ShardEntry, TableEntry, field_file_name, jsonable)
 from dynamicemb.checkpoint.layout import MANIFEST, begin_version, commit_version, discard
 from dynamicemb.checkpoint.tables import LocalTable, local_tables, table_name_list
+from dynamicemb.placement import placement_record
 
 __all__ = ["DynamicEmbDump"]
 
@@ -171,7 +172,8 @@ def _write_table(directory: str, table: LocalTable, rank: int, optim: bool, coun
                        optimizer=jsonable(module.optimizer_args(name)),
                        score_strategy=options.score_strategy.value, options=jsonable(options),
                        sharding=table.sharding, num_shards=table.num_shards, rows=shard.rows,
-                       optim=optim, counter=with_counters, dist_type=table.dist_type.value)
+                       optim=optim, counter=with_counters, dist_type=table.dist_type.value,
+                       placement=placement_record(table.placement))
     return entry, shard
 
 

@@ -138,6 +138,10 @@ class TableEntry:
         dist_type: the ``DynamicEmbDistType`` value that placed its keys on the
             shards (``hash`` in manifests written before the field existed, the only
             placement then, whatever their ``options.dist_type`` says).
+        placement: the placement file that placed the ids it lists, when the
+            table had one: ``{"file": its name, "sha256": its digest,
+            "world_size": ..., "ids": ids placed}`` (informative: a load keeps the
+            rows each rank's routing in the loading model gives it); None: none.
     """
 
     dim: int
@@ -152,6 +156,7 @@ class TableEntry:
     counter: bool
     shards: List[ShardEntry] = field(default_factory=list)
     dist_type: str = "hash"
+    placement: Optional[Dict[str, Any]] = None
 
 
 @dataclass

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from dynamicemb.embedding import BatchedDynamicEmbeddingTables
+from dynamicemb.placement import TablePlacement
 from dynamicemb.types import DynamicEmbDistType
 
 __all__ = ["LocalTable", "dynamic_modules", "local_tables", "table_name_list", "unwrap"]
@@ -24,6 +25,8 @@ class LocalTable:
         num_shards: ranks sharing its rows (1 unless row-wise).
         owns: ``owns(keys)`` -> bool mask of the keys (n,) int64 this rank stores.
         dist_type: how its keys are placed on the shards (``dynamicemb.placement``).
+        placement: its placement file entry, which overrides ``dist_type`` for the
+            ids it lists (None: none).
     """
 
     name: str
@@ -32,6 +35,7 @@ class LocalTable:
     num_shards: int
     owns: Callable[[torch.Tensor], torch.Tensor]
     dist_type: DynamicEmbDistType
+    placement: Optional[TablePlacement] = None
 
 
 def _sharded(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
@@ -108,7 +112,7 @@ def local_tables(model: nn.Module,
         shards = kernel.num_shards(name)
         add(LocalTable(name, kernel.emb_module, "row_wise" if shards > 1 else "table_wise",
                        shards, lambda keys, k=kernel, n=name: k.owns(n, keys),
-                       kernel.dist_type(name)))
+                       kernel.dist_type(name), kernel.placement(name)))
     for module in model.modules():
         if isinstance(module, BatchedDynamicEmbeddingTables) and id(module) not in seen:
             for name, options in zip(module.table_names, module.table_options):

@@ -1,8 +1,8 @@
 """Row-wise routing of dynamic ids: the input dist that sends each id to the rank its
-table's ``dist_type`` names (``dynamicemb.placement``), raw, in TorchRec's one
+table's ``dist_type`` and placement file name (``dynamicemb.placement``), raw, in TorchRec's one
 all-to-all per sharding."""
 
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
@@ -10,37 +10,51 @@ from torchrec.distributed.sharding.rw_sharding import RwSparseFeaturesDist
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dynamicemb.placement import placement_word
+from dynamicemb.placement import TablePlacement, placement_word
 from dynamicemb.types import DynamicEmbDistType
 
-__all__ = ["DynamicEmbRwSparseFeaturesDist"]
+__all__ = ["DynamicEmbRwSparseFeaturesDist", "FeatureRoute"]
+
+
+class FeatureRoute(NamedTuple):
+    """How a dynamic feature's ids find their owner: the table's ``dist_type`` and its
+    placement file entry (None: none)."""
+
+    dist_type: DynamicEmbDistType
+    placement: Optional[TablePlacement]
 
 
 class DynamicEmbRwSparseFeaturesDist(RwSparseFeaturesDist):
     """``RwSparseFeaturesDist`` where dynamic features go to
-    ``owner_rank(id, W, dist_type)`` of their table.
+    ``owner_rank(id, W, dist_type, placement)`` of their table.
 
     Static features keep TorchRec's block routing and local row ids; dynamic
     features are bucketized on their ``placement_word`` (block size 0 means
-    ``uint64(word) % W``) and then their raw ids are put back, so the owner
-    receives the ids as given. Weights (and dedup counts) travel along.
+    ``uint64(word) % W``), or on their placed rank for the ids their table's
+    placement lists, and then their raw ids are put back, so the owner receives the
+    ids as given. Weights (and dedup counts) travel along.
 
     Args:
-        feature_dist_types: per feature of the sharding, its table's ``dist_type``,
+        feature_routes: per feature of the sharding, its table's ``FeatureRoute``,
             or None for a static table.
         feature_hash_sizes: ``num_embeddings`` per feature (static routing).
         **kwargs: the remaining ``RwSparseFeaturesDist`` arguments.
     """
 
-    def __init__(self, feature_dist_types: Sequence[Optional[DynamicEmbDistType]],
+    def __init__(self, feature_routes: Sequence[Optional[FeatureRoute]],
                  feature_hash_sizes: List[int], **kwargs) -> None:
-        hash_sizes = [size if dist_type is None else 0
-                      for dist_type, size in zip(feature_dist_types, feature_hash_sizes)]
+        hash_sizes = [size if route is None else 0
+                      for route, size in zip(feature_routes, feature_hash_sizes)]
         super().__init__(feature_hash_sizes=hash_sizes, **kwargs)
+        feature_dist_types = [None if r is None else DynamicEmbDistType(r.dist_type)
+                              for r in feature_routes]
         # the placements of the sharding's dynamic features, each with its feature mask
         self._placements = [
-            (DynamicEmbDistType(d), torch.tensor([t == d for t in feature_dist_types]))
+            (d, torch.tensor([t == d for t in feature_dist_types]))
             for d in dict.fromkeys(t for t in feature_dist_types if t is not None)]
+        # per feature with a placement file entry: (feature index, the entry)
+        self._files = [(f, r.placement) for f, r in enumerate(feature_routes)
+                       if r is not None and r.placement is not None]
         self._dynamic_features = torch.tensor([t is not None for t in feature_dist_types])
         self._any_dynamic = bool(self._placements)
         # (world_size, num_features) ids sent by the last forward, per destination and feature
@@ -58,6 +72,13 @@ class DynamicEmbRwSparseFeaturesDist(RwSparseFeaturesDist):
                 mine = dynamic if len(self._placements) == 1 else torch.repeat_interleave(
                     features, per_key, output_size=values.numel())
                 words = torch.where(mine, placement_word(values, dist_type), words)
+            if self._files:
+                ends = per_key.cumsum(0).tolist()
+                for f, placement in self._files:  # only the feature's ids are looked up
+                    start = ends[f] - int(per_key[f])
+                    ranks, placed = placement.lookup(values[start:ends[f]])
+                    # a rank < W is its own owner: the bucketize sends the id there
+                    words[start:ends[f]] = torch.where(placed, ranks, words[start:ends[f]])
             routed = KeyedJaggedTensor(
                 keys=sparse_features.keys(),
                 values=words,

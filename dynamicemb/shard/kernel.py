@@ -27,7 +27,7 @@ from dynamicemb.options import (
     DynamicEmbPoolingMode,
     DynamicEmbTableOptions,
 )
-from dynamicemb.placement import owner_rank
+from dynamicemb.placement import TablePlacement, owner_rank, table_placement
 from dynamicemb.planner.types import DYNAMICEMB_OPTIONS_KEY, resolve_options, table_options
 from dynamicemb.types import DynamicEmbDistType
 
@@ -122,6 +122,8 @@ class _DynamicEmbKernelMixin:
         self._num_shards = {
             t.name: len(t.global_metadata.shards_metadata) if t.global_metadata else 1 for t in tables}
         self._dist_types = {t.name: o.dist_type for t, o in zip(tables, options)}
+        self._placements = {t.name: table_placement(o.placement, t.name, self._num_shards[t.name])
+                            for t, o in zip(tables, options)}
         placeholders = dict(self._emb_module.named_parameters_by_table())
         for p in placeholders.values():
             # keeps dense optimizers (in_backward_optimizer_filter) away from them
@@ -142,11 +144,13 @@ class _DynamicEmbKernelMixin:
 
     def owns(self, table_name: str, keys: torch.Tensor) -> torch.Tensor:
         """(n,) bool: which of ``keys`` (n,) int64 this rank stores for the table
-        (``owner_rank`` of its ``dist_type`` for a row-wise table, all otherwise)."""
+        (``owner_rank`` of its ``dist_type`` and placement for a row-wise table, all
+        otherwise)."""
         num_shards = self._num_shards[table_name]
         if num_shards == 1:
             return torch.ones(keys.shape, dtype=torch.bool)
-        return owner_rank(keys, num_shards, self._dist_types[table_name]) == self._rank
+        return owner_rank(keys, num_shards, self._dist_types[table_name],
+                          self._placements[table_name]) == self._rank
 
     def num_shards(self, table_name: str) -> int:
         """Shards of the table: the world size for row-wise, 1 for table-wise."""
@@ -155,6 +159,10 @@ class _DynamicEmbKernelMixin:
     def dist_type(self, table_name: str) -> DynamicEmbDistType:
         """The table's placement of keys among its shards (``dist_type``)."""
         return self._dist_types[table_name]
+
+    def placement(self, table_name: str) -> Optional[TablePlacement]:
+        """The table's placement file entry (None: every key on its ``dist_type`` owner)."""
+        return self._placements[table_name]
 
     def split_embedding_weights(self) -> List[torch.Tensor]:
         return list(self._placeholders.values())

@@ -1,5 +1,5 @@
 """Row-wise sharding of dynamic tables (EC and EBC): ids routed by ``owner_rank`` of
-their table's ``dist_type``, raw; static row-wise tables of the same module keep
+their table's ``dist_type`` and placement file, raw; static row-wise tables of the same module keep
 TorchRec's block routing."""
 
 from typing import List, Optional
@@ -11,28 +11,31 @@ from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import ShardingType
 
 from dynamicemb.planner.types import table_options
-from dynamicemb.shard.input_dist import DynamicEmbRwSparseFeaturesDist
-from dynamicemb.types import DynamicEmbDistType
+from dynamicemb.placement import table_placement
+from dynamicemb.shard.input_dist import DynamicEmbRwSparseFeaturesDist, FeatureRoute
 from dynamicemb.shard.lookup import DynamicEmbGroupedEmbeddingsLookup, DynamicEmbGroupedPooledEmbeddingsLookup
 
 __all__ = ["DynamicEmbRwPooledEmbeddingSharding", "DynamicEmbRwSequenceEmbeddingSharding"]
 
 
-def feature_dist_types(sharding) -> List[Optional[DynamicEmbDistType]]:
-    """Per feature of a sharding (in its KJT order): its table's ``dist_type`` if the
-    table is dynamic, else None."""
-    dist_types: List[Optional[DynamicEmbDistType]] = []
+def feature_routes(sharding) -> List[Optional[FeatureRoute]]:
+    """Per feature of a sharding (in its KJT order): its table's ``dist_type`` and
+    placement (``FeatureRoute``) if the table is dynamic, else None."""
+    routes: List[Optional[FeatureRoute]] = []
+    world_size = sharding._world_size
     for table in sharding.embedding_tables():
-        dist_type = None
+        route = None
         if table.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
-            dist_type = table_options(table).dist_type
-        dist_types.extend([dist_type] * table.num_features())
-    return dist_types
+            options = table_options(table)
+            route = FeatureRoute(options.dist_type,
+                                 table_placement(options.placement, table.name, world_size))
+        routes.extend([route] * table.num_features())
+    return routes
 
 
 def _input_dist(sharding, device: Optional[torch.device], is_sequence: bool, need_pos: bool):
     return DynamicEmbRwSparseFeaturesDist(
-        feature_dist_types(sharding),
+        feature_routes(sharding),
         sharding._get_feature_hash_sizes(),
         pg=sharding._pg,
         num_features=sharding._get_num_features(),

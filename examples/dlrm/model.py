@@ -4,7 +4,7 @@ made dynamic by planner constraints, the others stay TorchRec's static tables.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -112,10 +112,13 @@ def build_model(tables: Sequence[TableSpec], dim: int, dense_arch: Sequence[int]
 
 def constraints_for(tables: Sequence[TableSpec], dim: int, state_floats: int,
                     cache_fraction: float, score_strategy: DynamicEmbScoreStrategy,
-                    admission_threshold: int) -> Dict[str, DynamicEmbParameterConstraints]:
+                    admission_threshold: int, placement: Optional[str] = None
+                    ) -> Dict[str, DynamicEmbParameterConstraints]:
     """Planner constraints making the dynamic tables dynamic (row-wise by key hash).
 
     Args:
+        placement: a placement file (``examples/dlrm/partition.py``) for every dynamic
+            table (None: ids on their key-hash owner).
         state_floats: optimizer state floats per row (sizes the cache budget).
         cache_fraction: the device cache of a dynamic table holds this fraction of its
             rows (1.0 or more: every row in device memory, no cache).
@@ -131,7 +134,7 @@ def constraints_for(tables: Sequence[TableSpec], dim: int, state_floats: int,
             local_hbm_for_values=(max(16, int(t.rows * cache_fraction)) * (dim + state_floats) * 4
                                   if caching else None),
             admit_strategy=(FrequencyAdmissionStrategy(threshold=admission_threshold)
-                            if admission_threshold > 1 else None))
+                            if admission_threshold > 1 else None), placement=placement)
         out[f"t_{t.feature}"] = DynamicEmbParameterConstraints(
             use_dynamicemb=True, sharding_types=["row_wise"], dynamicemb_options=options)
     return out

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from datetime import timedelta
-from typing import Dict, List
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,8 @@ from dynamicemb.shard import (
 )
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from model import TableSpec, build_model, constraints_for, feature_names, to_kjt
+from partition import RoutedBatches
+from dynamicemb.placement import TablePlacement, table_placement
 
 OPTIMIZERS = {"sgd": (EmbOptimType.EXACT_SGD, 0), "adagrad": (EmbOptimType.EXACT_ADAGRAD, 1),
               "rowwise_adagrad": (EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0),
@@ -87,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--score-strategy", choices=["lru", "lfu"], default="lru")
     p.add_argument("--admission-threshold", type=int, default=1,
                    help="occurrences before a new id gets a row (1: admit all)")
+    p.add_argument("--placement", help="placement file of examples/dlrm/partition.py: its ids "
+                   "live on their rank, and every rank reads the global batches and keeps the "
+                   "samples whose ids it owns most (all ranks read all samples)")
     p.add_argument("--plan-file", help="HugeCTR plan file instead of the planner (lookup i = cat_i)")
     p.add_argument("--max-steps", type=int, default=0,
                    help="stop after this many steps in all, resumed ones included (0: run every epoch)")
@@ -139,8 +144,22 @@ def _describe(args, which: str) -> str:
 
 
 def _datasets(args, rank: int, world: int):
+    if args.placement:
+        train, evals = _datasets_of(args, 0, 1, args.batch_size * world)
+        return RoutedBatches(train, _placements(args, world), rank, world), _datasets_of(
+            args, rank, world, args.batch_size)[1]
+    return _datasets_of(args, rank, world, args.batch_size)
+
+
+def _placements(args, world: int) -> Dict[int, TablePlacement]:
+    """The dynamic tables' placements, by feature column (``--placement``)."""
+    return {f: table_placement(args.placement, f"t_{t.feature}", world)
+            for f, t in enumerate(table_specs(args)) if t.dynamic}
+
+
+def _datasets_of(args, rank: int, world: int, batch_size: int):
     if args.data == "synthetic":
-        train = SyntheticCriteo(args.num_samples, args.batch_size, scale=args.scale, alpha=args.alpha,
+        train = SyntheticCriteo(args.num_samples, batch_size, scale=args.scale, alpha=args.alpha,
                                 seed=args.seed, rank=rank, world_size=world, signal=args.signal)
         # held out: the same ids and hidden model, the samples after the training ones
         evals = SyntheticCriteo(args.eval_samples, args.batch_size, scale=args.scale, alpha=args.alpha,
@@ -151,7 +170,7 @@ def _datasets(args, rank: int, world: int):
     check_files(args.train_files.split(","), "--train-files")
     if args.eval_files:
         check_files(args.eval_files.split(","), "--eval-files")
-    train = reader(args.train_files.split(","), args.batch_size, rank=rank, world_size=world)
+    train = reader(args.train_files.split(","), batch_size, rank=rank, world_size=world)
     evals = reader(args.eval_files.split(","), args.batch_size, rank=rank, world_size=world) \
         if args.eval_files else None
     return train, evals
@@ -162,7 +181,7 @@ def shard(args, model, tables, device: torch.device, world: int) -> DistributedM
     constraints = constraints_for(tables, args.embedding_dim, state * args.embedding_dim
                                   + (1 if args.optimizer == "rowwise_adagrad" else 0),
                                   args.cache_fraction, DynamicEmbScoreStrategy[args.score_strategy.upper()],
-                                  args.admission_threshold)
+                                  args.admission_threshold, args.placement)
     sharder = (DynamicEmbeddingCollectionSharder if args.collection == "ec"
                else DynamicEmbeddingBagCollectionSharder)
     sharders = [sharder(fused_params={"optimizer": optimizer, "learning_rate": args.lr, "eps": 1e-8})]
@@ -302,6 +321,8 @@ def run(args, device: torch.device) -> None:
             [int(x) for x in args.over_arch.split(",")], num_dense=NUM_DENSE,
             collection=args.collection), tables, sample)
     report = table_report(dmp, tables)
+    history["alltoall_ids_per_step"], history["alltoall_dynamic_ids_per_step"] = \
+        alltoall_per_step(progress)
     if rank == 0:
         summarize(args, history, report, step, progress["samples"],
                   progress["samples"] - resumed_samples, elapsed, train)
@@ -314,13 +335,22 @@ def train_loop(args, dmp, dense_opt, train, evals, tables, device, progress) -> 
     if dist.get_rank() == 0:
         from tqdm import tqdm  # noqa: PLC0415
 
-        bar = tqdm(total=args.epochs * len(train) if hasattr(train, "__len__") else None,
+        batches = _batches_per_epoch(train)
+        bar = tqdm(total=args.epochs * batches if batches is not None else None,
                    initial=progress["step"], unit="step")
     try:
         _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, bar)
     finally:
         if bar is not None:
             bar.close()  # ends its line, also before an error message
+
+
+def _batches_per_epoch(train) -> Optional[int]:
+    """Batches in one pass over ``train``; None for a streaming reader."""
+    try:
+        return len(train)
+    except TypeError:
+        return None
 
 
 def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, bar) -> None:
@@ -332,10 +362,13 @@ def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, 
                              _describe(args, "train")):
             if args.max_steps and progress["step"] >= args.max_steps:
                 break
+            for counters in _id_counters(dmp):
+                counters.reset()
             loss, _ = dmp(to_batch(batch, tables, device))
             loss.backward()
             dense_opt.step()
             dense_opt.zero_grad()
+            count_alltoall(dmp, progress, {f"t_{t.feature}" for t in tables if t.dynamic})
             progress["step"] += 1
             progress["batch_in_epoch"] += 1
             progress["samples"] += batch.labels.numel() * world
@@ -347,6 +380,11 @@ def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, 
                 bar.set_postfix(loss=f"{value:.4f}", samples_s=f"{rate:,.0f}")
             if evals is not None and step % args.eval_every == 0:
                 history["auc"].append((step, evaluate(args, dmp, evals, tables, device)))
+                history.setdefault("alltoall_ids", []).append((step, alltoall_per_step(progress)))
+                if bar is not None:
+                    every, dynamic = history["alltoall_ids"][-1][1]
+                    bar.write(f"step {step}: eval AUC {history['auc'][-1][1]:.4f}, all-to-all "
+                              f"{every:,.0f} ids/step ({dynamic:,.0f} of dynamic tables)")
             if args.checkpoint_every and step % args.checkpoint_every == 0:
                 checkpoint.save(args.checkpoint_dir, dmp, dense_opt, progress)
         else:
@@ -354,6 +392,34 @@ def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, 
             progress["batch_in_epoch"] = 0
             continue
         break  # --max-steps
+
+
+def _id_counters(dmp) -> list:
+    """The sharded collections' ``id_counters`` (ids sent per table and rank)."""
+    return [m.id_counters for m in dmp.modules() if getattr(m, "id_counters", None) is not None]
+
+
+def count_alltoall(dmp, progress, dynamic: Set[str]) -> None:
+    """Adds the ids this rank sent to other ranks in this training step (the
+    ``id_counters``: sharded tables, after dedup where it is on; reset before the
+    step's forward, so evaluations are not counted) to ``progress["alltoall_ids"]``,
+    and those of the ``dynamic`` tables to ``progress["alltoall_dynamic_ids"]``."""
+    rank = dist.get_rank()
+    sent = {t: int(s.sum()) - int(s[rank]) for c in _id_counters(dmp) for t, s in c.sent.items()}
+    progress["alltoall_ids"] = progress.get("alltoall_ids", 0) + sum(sent.values())
+    progress["alltoall_dynamic_ids"] = progress.get("alltoall_dynamic_ids", 0) + sum(
+        n for t, n in sent.items() if t in dynamic)
+    progress["counted_steps"] = progress.get("counted_steps", 0) + 1
+
+
+def alltoall_per_step(progress) -> Tuple[float, float]:
+    """Ids crossing the all-to-all per step, all ranks together (a collective): of
+    every sharded table, and of the dynamic ones."""
+    total = torch.tensor([progress.get("alltoall_ids", 0), progress.get("alltoall_dynamic_ids", 0),
+                          progress.get("counted_steps", 0)], dtype=torch.float64)
+    dist.all_reduce(total)
+    steps = max(1.0, float(total[2]) / dist.get_world_size())
+    return float(total[0]) / steps, float(total[1]) / steps
 
 
 def summarize(args, history, report, step, samples, run_samples, elapsed, train) -> None:
@@ -375,6 +441,9 @@ def summarize(args, history, report, step, samples, run_samples, elapsed, train)
           f"({summary['samples_per_s']:,.0f} samples/s); final train loss {loss}")
     if auc is not None:
         print(f"eval AUC {auc:.4f}" + (f" (ground-truth ceiling {ceiling:.4f})" if ceiling else ""))
+    print(f"all-to-all: {history['alltoall_ids_per_step']:,.0f} ids/step crossing ranks, "
+          f"{history['alltoall_dynamic_ids_per_step']:,.0f} of them of dynamic tables (all ranks, "
+          f"ids to other ranks only, after dedup where it is on)")
     print("\n| dynamic table | rows held | max rows | cache hit rate | cache evictions |")
     print("|---|---|---|---|---|")
     for name, r in report.items():

@@ -12,7 +12,7 @@ divided by the world size; both sides run one backward per step (Adam's global s
 per table group is one per backward).
 """
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
@@ -52,11 +52,12 @@ ADAM = {"learning_rate": 0.02, "eps": 1e-8, "beta1": 0.8, "beta2": 0.95, "weight
 FUSED = {"optimizer": EmbOptimType.ADAM, **ADAM}
 
 
-def _options(name: str, dim: int, rows: int, dist_type: str = "hash") -> DynamicEmbTableOptions:
+def _options(name: str, dim: int, rows: int, dist_type: str = "hash",
+             placement: Optional[str] = None) -> DynamicEmbTableOptions:
     # NORMAL rows are f(seed, table name, key, column): capacities do not matter
     init = DynamicEmbInitializerArgs(mode="normal", mean=0.0, std_dev=0.1, seed=11)
     return DynamicEmbTableOptions(dim=dim, max_capacity=rows, initializer_args=init,
-                                  dist_type=dist_type)
+                                  dist_type=dist_type, placement=placement)
 
 
 def _id_pool(name: str) -> torch.Tensor:
@@ -96,23 +97,25 @@ def _global_batch(batches: List[KeyedJaggedTensor]) -> Tuple[torch.Tensor, torch
     return torch.cat(values), offsets, counts
 
 
-def _plan(module: nn.Module, tables: Dict, sharder, world_size: int, dist_type: str):
+def _plan(module: nn.Module, tables: Dict, sharder, world_size: int, dist_type: str,
+          placement: Optional[str] = None):
     helpers = {name: (table_wise(rank=world_size - 1, compute_kernel="fused") if st == "table_wise"
                       else row_wise(compute_kernel="fused")) for name, (_, _, _, st) in tables.items()}
     plan = construct_module_sharding_plan(module, helpers, sharder=sharder, local_size=get_local_size(world_size),
                                           world_size=world_size, device_type="cpu")
     for name, (rows, dim, _, _) in tables.items():
-        plan[name] = to_dynamic_sharding(plan[name], _options(name, dim, rows, dist_type))
+        plan[name] = to_dynamic_sharding(plan[name], _options(name, dim, rows, dist_type, placement))
     return plan
 
 
-def _sharded(world_size: int, fused: Dict, dedup: bool,
-             dist_type: str = "hash") -> DistributedModelParallel:
+def _sharded(world_size: int, fused: Dict, dedup: bool, dist_type: str = "hash",
+             placement: Optional[str] = None) -> DistributedModelParallel:
     model = TwinModel(EC_TABLES, EBC_TABLES, {})
     ec_sharder = DynamicEmbeddingCollectionSharder(fused_params=fused, use_index_dedup=dedup)
     ebc_sharder = DynamicEmbeddingBagCollectionSharder(fused_params=fused, use_index_dedup=dedup)
-    plan = ShardingPlan({"ec": _plan(model.ec, EC_TABLES, ec_sharder, world_size, dist_type),
-                         "ebc": _plan(model.ebc, EBC_TABLES, ebc_sharder, world_size, dist_type)})
+    plan = ShardingPlan({"ec": _plan(model.ec, EC_TABLES, ec_sharder, world_size, dist_type, placement),
+                         "ebc": _plan(model.ebc, EBC_TABLES, ebc_sharder, world_size, dist_type,
+                                      placement)})
     return DistributedModelParallel(model, plan=plan, sharders=[ec_sharder, ebc_sharder], device=CPU)
 
 
@@ -149,13 +152,15 @@ def sharded_adam_vs_unsharded(rank: int, world_size: int) -> None:
 
 
 def sharded_vs_unsharded(rank: int, world_size: int, fused: Dict, dedup: bool,
-                         dist_type: str = "hash") -> None:
+                         dist_type: str = "hash", placement: Optional[str] = None,
+                         placed: Optional[Dict[str, Dict[int, int]]] = None) -> None:
     """Row-wise and table-wise dynamic tables of an EC and an EBC sharded with the
     sharders' ``fused`` params, against unsharded tables built with the same params as
     keywords and fed the global batch: outputs, losses, and finally every stored row
     and its optimizer state, each row on the rank ``dist_type`` names (computed by
-    ``placement_reference``, not by the package)."""
-    dmp = _sharded(world_size, fused, dedup, dist_type)
+    ``placement_reference``, not by the package), or, with a ``placement`` file, the
+    rank ``placed[table][key]`` names for the keys it lists."""
+    dmp = _sharded(world_size, fused, dedup, dist_type, placement)
     ref_ec = _reference(EC_TABLES, DynamicEmbPoolingMode.NONE, fused)
     ref_ebc = _reference(EBC_TABLES, DynamicEmbPoolingMode.SUM, fused)
     adam = DynamicEmbOptimType.of(fused["optimizer"]) == DynamicEmbOptimType.ADAM
@@ -205,7 +210,8 @@ def sharded_vs_unsharded(rank: int, world_size: int, fused: Dict, dedup: bool,
         for name, (_, dim, _, st) in specs.items():
             expected = ref.export_keys_values(name)
             if st == "row_wise":
-                owned = torch.tensor([owner(k, world_size, dist_type) == rank
+                listed = (placed or {}).get(name, {})
+                owned = torch.tensor([listed.get(k, owner(k, world_size, dist_type)) == rank
                                       for k in expected.keys.tolist()], dtype=torch.bool)
             else:
                 owned = torch.full_like(expected.keys, rank == world_size - 1, dtype=torch.bool)

@@ -4,7 +4,7 @@ tables of an EC and an EBC, ids small, huge and negative."""
 
 import io
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,9 +37,11 @@ def _train(dmp, steps: range, rank: int) -> None:
         loss.backward()
 
 
-def _rows(dmp, dist_type: str, world_size: int) -> Dict[str, Dict[int, torch.Tensor]]:
+def _rows(dmp, dist_type: str, world_size: int,
+          placed: Optional[Dict[str, Dict[int, int]]] = None) -> Dict[str, Dict[int, torch.Tensor]]:
     """Every rank's rows of the row-wise tables, after checking that each row of this
-    rank is one the reference places here."""
+    rank is one the reference places here (``placed[table][key]`` for the keys a
+    placement file lists)."""
     rank = dist.get_rank()
     mine = {}
     for name, module in get_dynamic_tables(dmp).items():
@@ -47,7 +49,8 @@ def _rows(dmp, dist_type: str, world_size: int) -> Dict[str, Dict[int, torch.Ten
             continue
         rows = module.export_keys_values(name)
         keys = rows.keys.tolist()
-        misplaced = [k for k in keys if owner(k, world_size, dist_type) != rank]
+        listed = (placed or {}).get(name, {})
+        misplaced = [k for k in keys if listed.get(k, owner(k, world_size, dist_type)) != rank]
         assert not misplaced, f"{name}: keys {misplaced[:5]} on rank {rank} ({dist_type})"
         mine[name] = dict(zip(keys, torch.cat([rows.embeddings, rows.optimizer_states], 1)))
     gathered: List = [None] * world_size
@@ -95,3 +98,58 @@ def checkpoints_across_placements(rank: int, world_size: int, directory: str) ->
     for name in ROW_WISE:
         assert got[name].keys() == want[name].keys(), name
         assert all(torch.equal(got[name][k], v) for k, v in want[name].items()), name
+
+
+def placement_trains_like_unsharded(rank: int, world_size: int, path: str,
+                                    placed: Dict[str, Dict[int, int]], dedup: bool) -> None:
+    """Row-wise tables with a placement file: the ids it lists on their rank, the
+    others on their hash owner; outputs and rows equal to unsharded tables'."""
+    adam_workers.sharded_vs_unsharded(rank, world_size, FUSED, dedup, "hash", path, placed)
+
+
+def _equal_rows(got: Dict, want: Dict, what: str) -> None:
+    for name in ROW_WISE:
+        assert got[name].keys() == want[name].keys(), (what, name)
+        assert all(torch.equal(got[name][k], v) for k, v in want[name].items()), (what, name)
+
+
+def checkpoints_with_a_placement(rank: int, world_size: int, directory: str, path: str,
+                                 placed: Dict[str, Dict[int, int]], rows_file: str) -> None:
+    """A dump of placed tables records the file in its manifest; it loads into tables
+    without the placement (rows on their hash owners) and back into placed ones (rows
+    on their placed rank), nothing lost or doubled; a pickled state dict, which holds
+    one rank's rows, is refused by the hash-placed tables. Rank 0 saves the rows for
+    the test's world-size-1 load (``rows_file``)."""
+    saved = adam_workers._sharded(world_size, FUSED, True, "hash", path)
+    _train(saved, range(3), rank)
+    want = _rows(saved, "hash", world_size, placed)
+    moved = [k for name in ROW_WISE for k in want[name] if k in placed[name]
+             and placed[name][k] != owner(k, world_size, "hash")]
+    assert len(moved) > 5, moved  # the placement did move rows off their hash owner
+    DynamicEmbDump(directory, saved)
+    manifest = Manifest.read(os.path.join(current_version(directory), MANIFEST))
+    for name in ROW_WISE:
+        record = manifest.tables[name].placement
+        assert record["file"] == os.path.basename(path) and record["world_size"] == world_size, record
+        assert record["ids"] == len(placed[name]), record
+    assert all(manifest.tables[n].placement is None for n in manifest.tables if n not in ROW_WISE)
+
+    hashed = adam_workers._sharded(world_size, FUSED, True, "hash")
+    DynamicEmbLoad(directory, hashed)
+    _equal_rows(_rows(hashed, "hash", world_size), want, "load without the placement")
+    again = adam_workers._sharded(world_size, FUSED, True, "hash", path)
+    DynamicEmbLoad(directory, again)
+    _equal_rows(_rows(again, "hash", world_size, placed), want, "load with the placement")
+
+    buffer = io.BytesIO()
+    torch.save(saved.state_dict(), buffer)
+    state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    try:
+        hashed.load_state_dict({**hashed.state_dict(),
+                                **{k: v for k, v in state.items() if k.endswith(".dynamic_state")}})
+    except ValueError as err:
+        assert "belong to another rank" in str(err), str(err)
+    else:
+        raise AssertionError("a placed state dict loaded into hash-placed tables")
+    if rank == 0:
+        torch.save(want, rows_file)
