@@ -219,7 +219,7 @@ GUARDS = ("P1", "P2", "P3", "P4", "P5")
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", choices=GUARDS, default=list(GUARDS))
-    parser.add_argument("--reps", type=int, default=11, help="timed pairs per guard")
+    parser.add_argument("--reps", type=int, default=21, help="timed pairs per guard")
     parser.add_argument("--optimizers", nargs="+", default=["sgd", "rowwise_adagrad", "adam"],
                         choices=["sgd", "rowwise_adagrad", "adam"])
     parser.add_argument("--out", default=None, help="write the verdicts as JSON here")
