@@ -149,6 +149,8 @@ setup(
         "torchrec": ["torchrec>=1.8"],
         "cuda": ["cupy-cuda13x"],
         "examples": ["tqdm", "torchmetrics", "pyarrow", "matplotlib"],
+        # graph-partitioned placement files (dynamicemb.partition)
+        "partition": ["pymetis>=2025.2"],
     },
     options={"build_ext": {"parallel": len(CPU_VARIANTS)}},
     zip_safe=False,

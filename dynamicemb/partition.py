@@ -157,7 +157,11 @@ def _metis(xadj: np.ndarray, adjncy: np.ndarray, parts: int, config: PartitionCo
     """METIS's k-way partition of a CSR graph into ``parts`` (int64 part per vertex)."""
     if parts == 1 or len(xadj) <= 1:
         return np.zeros(len(xadj) - 1, np.int64)
-    import pymetis  # imported here: only the partition tool needs it
+    try:
+        import pymetis  # imported here: only the partition tool needs it
+    except ImportError as err:
+        raise ImportError(f"partitioning needs METIS's Python binding ({err}): "
+                          "pip install 'dynamicemb[partition]' (or pymetis)") from err
 
     options = pymetis.Options()
     options.seed = config.seed

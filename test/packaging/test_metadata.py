@@ -29,6 +29,7 @@ def test_torch_is_a_requirement_and_the_optional_stacks_are_extras():
     assert requirement_names("torchrec") == {"torchrec"}
     assert requirement_names("cuda") == {"cupy-cuda13x"}
     assert {"tqdm", "torchmetrics", "pyarrow", "matplotlib"} <= requirement_names("examples")
+    assert requirement_names("partition") == {"pymetis"}
 
 
 # One process in which `import torchrec` fails as it does where TorchRec is not
