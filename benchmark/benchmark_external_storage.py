@@ -240,7 +240,7 @@ def part_train(args):
         for name, t in times.items():
             med = statistics.median(t)
             m = layouts[name].cache_metrics()["t"]
-            print(f"| {name} | {med * 1e3:.1f} | {1 / med:.1f} | {med / base:.2f} | "
+            print(f"| {name} | {med * 1e3:.3f} | {1 / med:.1f} | {med / base:.2f} | "
                   f"{m.external_writes} / {m.external_reads} |")
     finally:
         if server is not None:
