@@ -39,6 +39,7 @@ from dynamicemb.storage.external import (ExternalStorageError, KVStore, RedisSto
 from dynamicemb.table import ScoredHashTable
 from dynamicemb.embedding.upstream_members import BATCH_SIZE_PER_DUMP
 from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicEmbDistType,
+                              DynamicEmbGradientCheck,
                               DynamicEmbEvictStrategy, DynamicEmbScoreStrategy, ScoreStrategy)
 from dynamicemb._upstream import module_getattr as _module_getattr
 
@@ -59,6 +60,7 @@ __all__ = [
     "DEMB_TABLE_ALIGN_SIZE",
     "DynamicEmbCheckMode",
     "DynamicEmbDistType",
+    "DynamicEmbGradientCheck",
     "DynamicEmbDump",
     "DynamicEmbEvictStrategy",
     "DynamicEmbFusedOptimizer",

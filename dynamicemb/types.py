@@ -190,6 +190,30 @@ class DynamicEmbDistType(str, Enum):
     HASH_ROUNDROBIN = "hash_roundrobin"
 
 
+@unique
+class DynamicEmbGradientCheck(str, Enum):
+    """What a NaN or inf in the gradient of a training step does, on the CPU
+    (``gradient_check`` of ``BatchedDynamicEmbeddingTables``). What is checked is each
+    unique row's summed gradient: a non-finite gradient value (or per-sample weight)
+    reaches the sum of every row that reads it. Either way no NaN/inf enters a row or
+    its optimizer state, and the backward raises ``ValueError``.
+
+    - ``ROWS`` (the default): the backward sums and updates each row in one pass; a
+      row whose sum is not finite keeps its value and state, every other row of the
+      batch is updated, then the error is raised.
+    - ``BATCH``: every row's sum is written and checked before any row changes; one
+      non-finite sum refuses the whole batch's update (no row or state changes). It
+      moves the summed gradients through memory once more: about 0.5 ms of a 7 ms
+      step at batch 65,536, dim 128 (benchmark/RESULTS.md, "The CPU backward's
+      gradient check").
+
+    A GPU step does not check gradient values (each check would wait for the device).
+    """
+
+    ROWS = "rows"
+    BATCH = "batch"
+
+
 #: Upstream's type of ``score_strategy``: one strategy, or a tuple of them (the
 #: compound ``(TIMESTAMP, LFU)`` in either order; ``DynamicEmbTableOptions`` refuses
 #: other tuples).

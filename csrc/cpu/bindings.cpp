@@ -65,6 +65,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sequence_forward", &c::sequence_forward, "sequence lookup");
   m.def("sum_gradients", &c::sum_gradients, "each unique row's summed gradient");
   m.def("update_rows", &c::update_rows, "optimizer update of rows from summed gradients");
+  m.def("sum_and_update_rows", &c::sum_and_update_rows,
+        "each unique row's summed gradient applied where finite; returns the rows that were not");
   m.def("per_sample_weight_grad", &c::per_sample_weight_grad, "gradient of weights");
   m.def("occupied_slots", &c::occupied_slots, "occupied slots of a range");
 }

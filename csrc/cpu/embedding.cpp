@@ -364,69 +364,104 @@ int64_t place_grads(const Bags* bags, const int64_t* rank, int64_t n, int64_t en
   return out_of_range;
 }
 
+// Where each lookup's gradient lies and its scale, placed at its rank: the runs
+// the backward sums, one per unique row (u < U = starts.numel() - 1).
+struct GradRuns {
+  const int64_t* first;  // run u is entries [first[u], first[u + 1])
+  int64_t num_unique;
+  int64_t dim;
+  const float* grad;
+  std::vector<int64_t> pos;
+  std::vector<float> scale;
+
+  GradRuns(const at::Tensor& starts, const at::Tensor& rank, const at::Tensor& offsets,
+           const c10::optional<at::Tensor>& weights, const at::Tensor& feature_col,
+           int64_t batch, bool mean, const at::Tensor& grad_tensor, int64_t row_dim) {
+    check_tensor(starts, at::kLong, "starts");
+    check_tensor(rank, at::kLong, "rank");
+    check_tensor(grad_tensor, at::kFloat, "grad");
+    const bool pooled = offsets.numel() > 0;
+    const int64_t n = rank.numel();
+    num_unique = starts.numel() - 1;
+    TORCH_CHECK(num_unique >= 0, "starts must have one entry per unique row + 1");
+    dim = row_dim;
+    first = starts.data_ptr<int64_t>();
+    const int64_t num_entries = first[num_unique];
+    TORCH_CHECK(num_entries <= n, "starts counts more lookups than rank has");
+    const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
+    grad = grad_tensor.data_ptr<float>();
+    Bags bags{nullptr, nullptr, batch, 0};
+    if (pooled) {
+      bags = bags_of(offsets, feature_col, batch);
+      TORCH_CHECK(bags.offsets[bags.num_bags] == n, "offsets must end at len(rank)");
+    }
+    TORCH_CHECK(!w || weights->numel() == n, "one weight per lookup");
+    pos.assign(num_entries, 0);  // zeros: a bad grouping reads row 0, not beyond
+    scale.assign(num_entries, 0.f);
+    TORCH_CHECK(place_grads(pooled ? &bags : nullptr, rank.data_ptr<int64_t>(), n, num_entries,
+                            w, grad_tensor.size(1), mean, pos.data(), scale.data()) == 0,
+                "rank must be below starts[-1]");
+  }
+
+  // acc (dim,) = run u's sum, in rank order; returns whether every value is finite.
+  template <class Before>
+  bool sum(int64_t u, float* __restrict__ acc, const Before& before) const {
+    sum_row_grads(acc, dim, pos.data(), scale.data(), grad, first[u], first[u + 1], before);
+    bool bad = false;  // NaN fails every comparison; inf exceeds FLT_MAX
+    for (int64_t c = 0; c < dim; ++c) bad |= !(std::fabs(acc[c]) <= FLT_MAX);
+    return !bad;
+  }
+
+  // Prefetches the gradient rows kPrefetchAhead entries ahead of entry e.
+  void prefetch_ahead(int64_t e) const {
+    const int64_t ep = e + kPrefetchAhead;
+    if (ep < first[num_unique]) prefetch_row(grad + pos[ep], dim);
+  }
+};
+
+OptimizerParams update_params(int64_t kind, double lr, double eps, double beta1, double beta2,
+                              double weight_decay, double step_size,
+                              double bias_correction2_sqrt, double decay_scale) {
+  return optimizer_params(
+      static_cast<int32_t>(kind), static_cast<float>(lr), static_cast<float>(eps),
+      static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(weight_decay),
+      static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2),
+      static_cast<float>(step_size), static_cast<float>(bias_correction2_sqrt),
+      static_cast<float>(decay_scale));
+}
+
 }  // namespace
 
-// The backward's first pass: sums row u (u < U = starts.numel() - 1) = the sum
-// of the gradients of unique row u's lookups, in rank order (deterministic), for
-// every unique row (rows with no lookup get zeros). `starts` and `rank` group the
-// lookups by unique row (group_by_unique, computed by the dedup in the forward).
-// Returns how many rows' sums hold NaN or inf: a non-finite gradient value reaches
-// the sum of every row that reads it, so a caller that updates no row when this is
-// non-zero refuses such a batch without a separate pass over the gradient.
+// The checked-batch backward's first pass: sums row u (u < U) = the sum of the
+// gradients of unique row u's lookups, in rank order (deterministic), for every
+// unique row (rows with no lookup get zeros). `starts` and `rank` group the lookups
+// by unique row (group_by_unique, computed by the dedup in the forward). Returns how
+// many rows' sums hold NaN or inf: a non-finite gradient value reaches the sum of
+// every row that reads it, so a caller that updates no row when this is non-zero
+// refuses such a batch without a separate pass over the gradient.
 int64_t sum_gradients(const at::Tensor& starts, const at::Tensor& rank,
                       const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                       const at::Tensor& feature_col, int64_t batch, bool mean,
                       const at::Tensor& grad, at::Tensor& sums) {
-  check_tensor(starts, at::kLong, "starts");
-  check_tensor(rank, at::kLong, "rank");
-  check_tensor(grad, at::kFloat, "grad");
   check_tensor(sums, at::kFloat, "sums");
-  const bool pooled = offsets.numel() > 0;
-  const int64_t n = rank.numel();
-  const int64_t num_unique = starts.numel() - 1;
-  TORCH_CHECK(num_unique >= 0, "starts must have one entry per unique row + 1");
-  TORCH_CHECK(sums.dim() == 2 && sums.size(0) >= num_unique,
-              "sums must be (>= unique rows, dim)");
-  const int64_t dim = sums.size(1);
-  const int64_t* first = starts.data_ptr<int64_t>();
-  const int64_t num_entries = first[num_unique];
-  TORCH_CHECK(num_entries <= n, "starts counts more lookups than rank has");
-  const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
-  const float* g = grad.data_ptr<float>();
-  Bags bags{nullptr, nullptr, batch, 0};
-  if (pooled) {
-    bags = bags_of(offsets, feature_col, batch);
-    TORCH_CHECK(bags.offsets[bags.num_bags] == n, "offsets must end at len(rank)");
-  }
-  TORCH_CHECK(!w || weights->numel() == n, "one weight per lookup");
-  std::vector<int64_t> pos(num_entries, 0);  // zeros: a bad grouping reads row 0, not beyond
-  std::vector<float> scale(num_entries, 0.f);
-  TORCH_CHECK(place_grads(pooled ? &bags : nullptr, rank.data_ptr<int64_t>(), n, num_entries, w,
-                          grad.size(1), mean, pos.data(), scale.data()) == 0,
-              "rank must be below starts[-1]");
+  TORCH_CHECK(sums.dim() == 2, "sums must be (>= unique rows, dim)");
+  const GradRuns runs(starts, rank, offsets, weights, feature_col, batch, mean, grad,
+                      sums.size(1));
+  TORCH_CHECK(sums.size(0) >= runs.num_unique, "sums must be (>= unique rows, dim)");
   float* out = sums.data_ptr<float>();
+  const int64_t num_unique = runs.num_unique, dim = runs.dim;
   int64_t non_finite = 0;
-#pragma omp parallel if (num_unique * dim >= kParallelMinWork) reduction(+ : non_finite)
-  {
-    const int64_t* grad_pos = pos.data();
-    const auto before = [&](int64_t e) DEMB_PREFETCH_HOOK {
-      const int64_t ep = e + kPrefetchAhead;
-      if (ep < num_entries) prefetch_row(g + grad_pos[ep], dim);
-    };
-#pragma omp for schedule(dynamic, 64)
-    for (int64_t u = 0; u < num_unique; ++u) {
-      float* __restrict__ acc = out + u * dim;
-      sum_row_grads(acc, dim, grad_pos, scale.data(), g, first[u], first[u + 1], before);
-      bool bad = false;  // NaN fails every comparison; inf exceeds FLT_MAX
-      for (int64_t c = 0; c < dim; ++c) bad |= !(std::fabs(acc[c]) <= FLT_MAX);
-      non_finite += bad;
-    }
+#pragma omp parallel for schedule(dynamic, 64) if (num_unique * dim >= kParallelMinWork) \
+    reduction(+ : non_finite)
+  for (int64_t u = 0; u < num_unique; ++u) {
+    non_finite += !runs.sum(u, out + u * dim,
+                            [&](int64_t e) DEMB_PREFETCH_HOOK { runs.prefetch_ahead(e); });
   }
   return non_finite;
 }
 
-// The backward's second pass: the optimizer's update of every stored unique row
-// (device tier or host store) from its summed gradient, row u of `sums`
+// The checked-batch backward's second pass: the optimizer's update of every stored
+// unique row (device tier or host store) from its summed gradient, row u of `sums`
 // (sum_gradients). Rows not stored (transient) are skipped.
 void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
                  const at::Tensor& sums, int64_t kind, double lr, double eps, double beta1,
@@ -440,15 +475,10 @@ void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slo
   const int64_t num_unique = row_slot.numel();
   TORCH_CHECK(sums.size(0) >= num_unique, "sums must have a row per unique row");
   const int64_t* slot = row_slot.data_ptr<int64_t>();
-  TORCH_CHECK(src.width >= dim + optimizer_state_dim(static_cast<int>(kind), dim),
-              "value rows too narrow for the optimizer state");
   const int64_t state_floats = optimizer_state_dim(static_cast<int>(kind), dim);
-  const OptimizerParams p = optimizer_params(
-      static_cast<int32_t>(kind), static_cast<float>(lr), static_cast<float>(eps),
-      static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(weight_decay),
-      static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2),
-      static_cast<float>(step_size), static_cast<float>(bias_correction2_sqrt),
-      static_cast<float>(decay_scale));
+  TORCH_CHECK(src.width >= dim + state_floats, "value rows too narrow for the optimizer state");
+  const OptimizerParams p = update_params(kind, lr, eps, beta1, beta2, weight_decay, step_size,
+                                          bias_correction2_sqrt, decay_scale);
   const float* acc = sums.data_ptr<float>();
 #pragma omp parallel for schedule(dynamic, 64) if (num_unique * dim >= kParallelMinWork)
   for (int64_t u = 0; u < num_unique; ++u) {
@@ -459,6 +489,51 @@ void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slo
     }
     optimizer_update(src.stored_row(u), acc + u * dim, static_cast<int>(dim), p);
   }
+}
+
+// The checked-row backward, one pass: per unique row, its summed gradient
+// (sum_gradients' order) in a thread-local row, then, when every value of the sum
+// is finite, the optimizer's update of the stored row (update_rows'), so its
+// results are those of the two passes bit for bit. A row whose sum holds NaN or
+// inf keeps its value and state; transient rows are summed (checked), not updated.
+// Returns how many rows had a non-finite sum.
+int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
+                            const at::Tensor& starts, const at::Tensor& rank,
+                            const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
+                            const at::Tensor& feature_col, int64_t batch, bool mean,
+                            const at::Tensor& grad, int64_t dim, int64_t kind, double lr,
+                            double eps, double beta1, double beta2, double weight_decay,
+                            double step_size, double bias_correction2_sqrt,
+                            double decay_scale) {
+  const GradRuns runs(starts, rank, offsets, weights, feature_col, batch, mean, grad, dim);
+  const at::Tensor no_transient = at::empty({0, dim}, tiers[0].options());
+  const RowSource src = row_source(tiers, no_transient, row_slot, dim);
+  const int64_t num_unique = runs.num_unique;
+  TORCH_CHECK(row_slot.numel() == num_unique, "one row_slot per unique row");
+  const int64_t* slot = row_slot.data_ptr<int64_t>();
+  const int64_t state_floats = optimizer_state_dim(static_cast<int>(kind), dim);
+  TORCH_CHECK(src.width >= dim + state_floats, "value rows too narrow for the optimizer state");
+  const OptimizerParams p = update_params(kind, lr, eps, beta1, beta2, weight_decay, step_size,
+                                          bias_correction2_sqrt, decay_scale);
+  int64_t non_finite = 0;
+#pragma omp parallel if (num_unique * dim >= kParallelMinWork) reduction(+ : non_finite)
+  {
+    std::vector<float> acc(dim);
+#pragma omp for schedule(dynamic, 64)
+    for (int64_t u = 0; u < num_unique; ++u) {
+      const int64_t up = u + 2;  // a row ahead, with write intent, while this one sums
+      if (up < num_unique && !is_transient_ref(slot[up])) {
+        prefetch_row(src.stored_row(up), dim + state_floats, 1);
+      }
+      const bool finite = runs.sum(
+          u, acc.data(), [&](int64_t e) DEMB_PREFETCH_HOOK { runs.prefetch_ahead(e); });
+      non_finite += !finite;
+      if (finite && !is_transient_ref(slot[u])) {
+        optimizer_update(src.stored_row(u), acc.data(), static_cast<int>(dim), p);
+      }
+    }
+  }
+  return non_finite;
 }
 
 // Gradient of per-sample weights (SUM pooling): out[j] = <grad of bag(j) in its

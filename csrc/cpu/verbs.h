@@ -84,9 +84,9 @@ void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tran
 void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
                       const at::Tensor& row_slot, const at::Tensor& inverse, int64_t dim,
                       at::Tensor& out);
-// The backward's two passes: each unique row's gradient summed into sums (U, dim),
-// returning how many sums hold NaN or inf; then the optimizer's update of every
-// stored row from its sum.
+// The backward, checked per batch, in two passes: each unique row's gradient
+// summed into sums (U, dim), returning how many sums hold NaN or inf; then the
+// optimizer's update of every stored row from its sum.
 int64_t sum_gradients(const at::Tensor& starts, const at::Tensor& rank,
                       const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                       const at::Tensor& feature_col, int64_t batch, bool mean,
@@ -95,6 +95,16 @@ void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slo
                  const at::Tensor& sums, int64_t kind, double lr, double eps, double beta1,
                  double beta2, double weight_decay, double step_size,
                  double bias_correction2_sqrt, double decay_scale);
+// The backward, checked per row, in one pass: each unique row's gradient summed
+// and, when finite, applied to its stored row; returns how many rows were not.
+int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
+                            const at::Tensor& starts, const at::Tensor& rank,
+                            const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
+                            const at::Tensor& feature_col, int64_t batch, bool mean,
+                            const at::Tensor& grad, int64_t dim, int64_t kind, double lr,
+                            double eps, double beta1, double beta2, double weight_decay,
+                            double step_size, double bias_correction2_sqrt,
+                            double decay_scale);
 // Gradient of per-sample weights (SUM pooling): out (N,).
 void per_sample_weight_grad(const std::vector<at::Tensor>& tiers,
                             const at::Tensor& transient, const at::Tensor& row_slot,

@@ -443,14 +443,19 @@ class TableGroup:
                  offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
                  feature_col: torch.Tensor, batch: int, mean: bool,
                  error: Optional[torch.Tensor] = None,
-                 sums: Optional[torch.Tensor] = None) -> None:
+                 sums: Optional[torch.Tensor] = None) -> int:
         """Sums each stored row's gradient and applies the fused optimizer (nothing
         for a batch whose input-check word ``error`` is set). With ``error`` (a step
         counted on the device) the learning rate and Adam's step count are read in
         device memory, where the kernels advance the count. ``sums``: the rows'
-        gradients as ``sum_gradients`` wrote them (the update then reads those)."""
+        gradients as ``sum_gradients`` wrote them (the update then reads those).
+
+        Returns:
+            How many rows' summed gradients held NaN or inf and were left unchanged
+            (``Backend.fused_backward``).
+        """
         if not self.training:
-            return
+            return 0
         lookup = self.refresh(lookup)
         opt = self.optimizer
         adam = opt.optimizer == DynamicEmbOptimType.ADAM
@@ -470,7 +475,7 @@ class TableGroup:
             weight_decay=opt.weight_decay if mode == DynamicEmbWeightDecayMode.L2 else 0.0,
             step_size=step_size, bias_correction2_sqrt=bias2_sqrt,
             decay_scale=1.0 - lr * decoupled)
-        self.ops.fused_backward(
+        return self.ops.fused_backward(
             sources=self.storage.sources(self._no_transient), row_ref=lookup.row_ref,
             starts=lookup.starts, rank=lookup.rank, offsets=offsets, weights=weights,
             feature_col=feature_col, batch=batch, dim=self.dim, mean=mean, grad=grad,

@@ -32,7 +32,7 @@ from dynamicemb.options import (
     DynamicEmbPoolingMode,
     DynamicEmbTableOptions,
 )
-from dynamicemb.types import DynamicEmbScoreStrategy
+from dynamicemb.types import DynamicEmbGradientCheck, DynamicEmbScoreStrategy
 
 __all__ = ["BatchedDynamicEmbeddingTables", "ExportedCounters", "ExportedRows", "TableClocks"]
 
@@ -164,6 +164,11 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, nn.Module):
             changes no table, and the error is raised at the next call (see
             ``docs/ARCHITECTURE.md``, "Host synchronizations of a training step").
             The CPU always raises at once.
+        gradient_check: what a NaN/inf gradient does on the CPU
+            (``DynamicEmbGradientCheck`` or its value): ``"rows"`` (default) leaves
+            the rows it reaches unchanged and updates the others, ``"batch"``
+            refuses the whole batch's update; both raise ``ValueError`` in the
+            backward. A GPU step does not check gradient values.
         **tbe_kwargs: other keywords of FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen``
             and upstream's ``BatchedDynamicEmbeddingTablesV2`` (``prefetch_pipeline``,
             ``stochastic_rounding``, ``max_norm``, ...): each is accepted where dynamic
@@ -205,6 +210,7 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, nn.Module):
         output_dtype=torch.float32,
         device: Optional[torch.device] = None,
         sync_checks: bool = False,
+        gradient_check=DynamicEmbGradientCheck.ROWS,
         **tbe_kwargs,
     ) -> None:
         super().__init__()
@@ -216,6 +222,12 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, nn.Module):
             gradient_clipping=gradient_clipping, max_gradient=max_gradient,
         )
         self.output_dtype = output_dtype_of(output_dtype)
+        try:
+            self.gradient_check = DynamicEmbGradientCheck(gradient_check)
+        except ValueError:
+            raise ValueError(f"gradient_check must be one of "
+                             f"{[c.value for c in DynamicEmbGradientCheck]}, got {gradient_check!r}"
+                             ) from None
         self.table_options = list(table_options)
         num_tables = len(self.table_options)
         if num_tables == 0:
@@ -899,7 +911,8 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, nn.Module):
         pooled = self.pooling_mode != DynamicEmbPoolingMode.NONE
         mean = self.pooling_mode == DynamicEmbPoolingMode.MEAN
         grads = [group.clip(grad) for group in self._groups]  # gradient clipping
-        sums = self._summed_gradients(batch, grads) if self._check_data else None
+        whole_batch = self._check_data and self.gradient_check == DynamicEmbGradientCheck.BATCH
+        sums = self._summed_gradients(batch, grads) if whole_batch else None
         grad_weights = None
         if want_weight_grad:
             grad_weights = torch.zeros(batch.weights.numel(), dtype=torch.float32,
@@ -908,17 +921,25 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, nn.Module):
                 group.weight_grad(found, grads[g], batch.offsets, self._feature_col[g],
                                   batch.batch_size, grad_weights, batch.error)
         self._changed()
+        non_finite = 0
         for g, (group, found) in enumerate(zip(self._groups, batch.lookups)):
             lr = self.optimizer.param_groups[g]["lr"]
-            group.backward(found, grads[g], lr, batch.offsets if pooled else None,
-                           batch.weights, self._feature_col[g], batch.batch_size, mean,
-                           batch.error, None if sums is None else sums[g])
+            non_finite += group.backward(
+                found, grads[g], lr, batch.offsets if pooled else None, batch.weights,
+                self._feature_col[g], batch.batch_size, mean, batch.error,
+                None if sums is None else sums[g])
         self._stream_order.used()
+        if non_finite:
+            raise ValueError(
+                "the gradient of the embedding output holds NaN or inf: the summed gradients "
+                f"of {non_finite} rows are not finite and those rows were not updated (every "
+                "other row of this batch was; gradient_check='batch' refuses the whole "
+                "batch instead): look for the non-finite loss upstream")
         return grad_weights
 
     def _summed_gradients(self, batch: _Batch, grads: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Every group's rows' summed gradients (the first pass of their backward),
-        checked before any group updates: a NaN/inf in the gradient (or a weight)
+        """Every group's rows' summed gradients (the first pass of their backward,
+        ``gradient_check='batch'``), checked before any group updates: a NaN/inf in the gradient (or a weight)
         reaches the sum of each row that reads it, so no pass of its own over the
         gradient is needed. Values the step does not read are not checked.
 

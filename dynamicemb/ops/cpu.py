@@ -41,16 +41,17 @@ class CpuBackend(KernelBackend):
     def fused_backward(self, *, sources, row_ref, starts, rank, offsets, weights, feature_col,
                        batch, dim, mean, grad, update: OptimizerUpdate, error=None,
                        schedule=None, sums=None):
-        """The update from ``sums`` (``sum_gradients``), summed first when not given:
-        the CPU backward is those two passes."""
+        """The update from ``sums`` (``sum_gradients``, the batch already checked), or
+        else one pass that sums each row and updates it where its sum is finite."""
         self._counted(error=error, schedule=schedule)  # refused: the host counts here
-        if sums is None:
-            sums = torch.empty(starts.numel() - 1, dim, dtype=torch.float32)
-            self.sum_gradients(starts=starts, rank=rank, offsets=offsets, weights=weights,
-                               feature_col=feature_col, batch=batch, mean=mean, grad=grad,
-                               out=sums)
-        self.kernels.update_rows(
-            [sources.device, sources.host], row_ref, sums,
-            optimizer_code(update.optimizer), update.lr, update.eps, update.beta1,
-            update.beta2, update.weight_decay, update.step_size, update.bias_correction2_sqrt,
-            update.decay_scale)
+        optimizer = (optimizer_code(update.optimizer), update.lr, update.eps, update.beta1,
+                     update.beta2, update.weight_decay, update.step_size,
+                     update.bias_correction2_sqrt, update.decay_scale)
+        tiers = [sources.device, sources.host]
+        if sums is not None:
+            self.kernels.update_rows(tiers, row_ref, sums, *optimizer)
+            return 0
+        no_offsets = torch.empty(0, dtype=torch.int64)
+        return self.kernels.sum_and_update_rows(
+            tiers, row_ref, starts, rank, no_offsets if offsets is None else offsets, weights,
+            feature_col, batch, mean, grad, dim, *optimizer)

@@ -625,14 +625,21 @@ class Backend(abc.ABC):
                        grad: torch.Tensor, update: OptimizerUpdate,
                        error: Optional[torch.Tensor] = None,
                        schedule: Optional[DeviceSchedule] = None,
-                       sums: Optional[torch.Tensor] = None) -> None:
+                       sums: Optional[torch.Tensor] = None) -> int:
         """Sums each stored row's gradient and applies the optimizer to it in place
         (``offsets`` None: sequence lookups). Rows with no lookup (padding) and rows
         not stored are skipped. ``schedule`` (where ``counts_on_device``): the
         learning rate and step count are read from device memory, not from
         ``update``. ``sums`` (where ``free_host_reads``): (>= U, dim) float32, the
         rows' gradients as ``sum_gradients`` wrote them for this batch; the update
-        reads them instead of summing ``grad`` again."""
+        reads them instead of summing ``grad`` again.
+
+        Returns:
+            Where ``free_host_reads``: how many unique rows' summed gradients (of
+            those not given in ``sums``) held NaN or inf; those rows and their
+            optimizer state are left unchanged. Elsewhere 0: gradient values are
+            not checked (a check would wait for the device).
+        """
 
     def sum_gradients(self, *, starts: torch.Tensor, rank: torch.Tensor,
                       offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor],

@@ -22,17 +22,18 @@ IDS, OFFSETS = [3, 7, 3, 11, 200, 7], [0, 2, 2, 5, 6]  # F=2, B=2; bag 1 empty
 WEIGHTS = [0.5, 1.0, 2.0, 1.5, 0.25, 1.0]
 
 
-def tables(device, optimizer=DynamicEmbOptimType.ADAM) -> BatchedDynamicEmbeddingTables:
+def tables(device, optimizer=DynamicEmbOptimType.ADAM,
+           gradient_check="rows") -> BatchedDynamicEmbeddingTables:
     init = DynamicEmbInitializerArgs(mode="uniform", lower=-0.5, upper=0.5)
     return BatchedDynamicEmbeddingTables(
         [DynamicEmbTableOptions(dim=4, max_capacity=256, initializer_args=init),
          DynamicEmbTableOptions(dim=4, max_capacity=256, initializer_args=init, bucket_capacity=32)],
-        optimizer=optimizer, learning_rate=0.1, device=device)
+        optimizer=optimizer, learning_rate=0.1, device=device, gradient_check=gradient_check)
 
 
-def twins(device, optimizer=DynamicEmbOptimType.ADAM):
+def twins(device, optimizer=DynamicEmbOptimType.ADAM, gradient_check="rows"):
     """Two modules after the same first step."""
-    pair = tables(device, optimizer), tables(device, optimizer)
+    pair = tables(device, optimizer, gradient_check), tables(device, optimizer, gradient_check)
     for m in pair:
         step(m, torch.tensor(IDS), torch.tensor(OFFSETS), torch.tensor(WEIGHTS))
     return pair
@@ -107,12 +108,12 @@ def test_weights_of_the_wrong_length_or_not_finite(weights, message, device):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=str)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.name)
 def test_a_non_finite_gradient_updates_no_row(optimizer, bad, device):
-    """The backward refuses the batch before any optimizer update, for every optimizer:
-    rows and optimizer states are those of a twin that ran the forward only, and
-    training goes on identically afterwards."""
+    """gradient_check='batch': the backward refuses the batch before any optimizer
+    update, for every optimizer: rows and optimizer states are those of a twin that
+    ran the forward only, and training goes on identically afterwards."""
     if not reads_values_on_host(device):
         pytest.skip("a GPU step does not read values on the host (docs/ARCHITECTURE.md)")
-    module, twin = twins(device, optimizer)
+    module, twin = twins(device, optimizer, gradient_check="batch")
     idx, off = torch.tensor([3, 7, 99, 11, 200, 5]), torch.tensor(OFFSETS)
     with pytest.raises(ValueError, match="NaN or inf; this batch's update is refused"):
         step(module, idx, off, poison=bad)
@@ -122,7 +123,7 @@ def test_a_non_finite_gradient_updates_no_row(optimizer, bad, device):
     assert snapshot(module) == snapshot(twin)
 
 
-def _two_groups(device, pooling):
+def _two_groups(device, pooling, gradient_check="batch"):
     """A module of two groups (dims 4 and 8: one feature each) after the same first step."""
     init = DynamicEmbInitializerArgs(mode="uniform", lower=-0.5, upper=0.5)
     dims = [4, 8] if pooling != DynamicEmbPoolingMode.NONE else [4, 4]
@@ -131,7 +132,8 @@ def _two_groups(device, pooling):
         m = BatchedDynamicEmbeddingTables(
             [DynamicEmbTableOptions(dim=d, max_capacity=256, initializer_args=init)
              for d in dims], pooling_mode=pooling,
-            optimizer=DynamicEmbOptimType.ADAM, learning_rate=0.1, device=device)
+            optimizer=DynamicEmbOptimType.ADAM, learning_rate=0.1, device=device,
+            gradient_check=gradient_check)
         step(m, torch.tensor(IDS), torch.tensor(OFFSETS))
         pair.append(m)
     return pair
@@ -153,6 +155,53 @@ def test_a_non_finite_gradient_of_one_group_updates_no_group(pooling, device):
         (out * grad).sum().backward()
     twin(idx, off)
     assert snapshot(module) == snapshot(twin)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=str)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.name)
+def test_a_non_finite_gradient_leaves_the_rows_it_reaches(optimizer, bad, device):
+    """gradient_check='rows' (the default): the rows whose summed gradient the poison
+    reaches keep their value and state (those of a twin that ran the forward only);
+    every other row is updated as by a twin whose gradient has a zero there; then
+    ValueError names how many rows were left."""
+    if not reads_values_on_host(device):
+        pytest.skip("a GPU step does not read values on the host (docs/ARCHITECTURE.md)")
+    module, forward_only = twins(device, optimizer)
+    clean = tables(device, optimizer)
+    step(clean, torch.tensor(IDS), torch.tensor(OFFSETS), torch.tensor(WEIGHTS))
+    idx, off = torch.tensor([3, 7, 99, 11, 200, 5]), torch.tensor(OFFSETS)
+    # grad entry 1 is sample 0, feature 0, column 1: bag (0, 0) = ids 3 and 7 (table 0)
+    with pytest.raises(ValueError, match="of 2 rows are not finite and those rows were not updated"):
+        step(module, idx, off, poison=bad)
+    forward_only(idx, off)
+    step(clean, idx, off, poison=0.0)
+    got, left, updated = snapshot(module), snapshot(forward_only), snapshot(clean)
+    reached = {3, 7}
+    for name in module.table_names:
+        assert sorted(got[name]) == sorted(updated[name])
+        for key, value in got[name].items():
+            want = left if name == "t0" and key in reached else updated
+            assert value[:2] == want[name][key][:2], (name, key)
+    assert got["t1"][99][:2] != left["t1"][99][:2]  # updated: the poison reached no other row
+
+
+def test_both_gradient_checks_train_identically(device):
+    """With finite gradients the one pass ('rows') and the checked two passes
+    ('batch') give the same rows and states bit for bit, for every optimizer."""
+    if not reads_values_on_host(device):
+        pytest.skip("a GPU step does not read values on the host (docs/ARCHITECTURE.md)")
+    for optimizer in OPTIMIZERS:
+        rows, batch = tables(device, optimizer, "rows"), tables(device, optimizer, "batch")
+        for i in range(3):
+            idx = torch.tensor(IDS) * (i + 1)
+            outs = [step(m, idx, torch.tensor(OFFSETS), torch.tensor(WEIGHTS)) for m in (rows, batch)]
+            assert torch.equal(outs[0], outs[1])
+        assert snapshot(rows) == snapshot(batch), optimizer
+
+
+def test_gradient_check_is_validated():
+    with pytest.raises(ValueError, match="gradient_check must be one of"):
+        tables("cpu", gradient_check="row")
 
 
 def test_a_non_finite_gradient_no_lookup_reads_is_not_refused(device):
