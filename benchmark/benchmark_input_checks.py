@@ -19,7 +19,7 @@ import time
 import torch
 
 from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbOptimType, DynamicEmbTableOptions
-from dynamicemb.embedding.module import _all_finite
+from dynamicemb.embedding.step import _all_finite
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from dynamicemb.kvstore.spec import as_storage_spec
 from dynamicemb.placement import load_placement
 from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicEmbDistType,
                               DynamicEmbEvictStrategy, DynamicEmbScoreStrategy, UpstreamIntValues)
@@ -510,7 +511,6 @@ class DynamicEmbTableOptions:
                                  f"{self.local_host_for_values}")
         if self.external_storage is None:
             return
-        from dynamicemb.storage.external.spec import as_storage_spec
         self.external_storage = as_storage_spec(self.external_storage)
         if self.score_strategy == DynamicEmbScoreStrategy.NO_EVICTION:
             raise ValueError("external_storage needs a host store that evicts its rows down "

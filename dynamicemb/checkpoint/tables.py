@@ -1,6 +1,5 @@
 """The dynamic tables a rank holds in a model, and which keys it owns of each."""
 
-import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -11,7 +10,8 @@ from dynamicemb.embedding import BatchedDynamicEmbeddingTables
 from dynamicemb.placement import TablePlacement
 from dynamicemb.types import DynamicEmbDistType
 
-__all__ = ["LocalTable", "dynamic_modules", "local_tables", "table_name_list", "unwrap"]
+__all__ = ["LocalTable", "ShardKernel", "dynamic_modules", "local_tables", "shard_kernels",
+           "table_name_list", "unwrap"]
 
 
 @dataclass
@@ -38,16 +38,43 @@ class LocalTable:
     placement: Optional[TablePlacement] = None
 
 
-def _sharded(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
-    """(table, kernel) of a TorchRec-sharded model; nothing when TorchRec is not
-    loaded (a sharded model implies it is; importing it costs seconds)."""
-    if "torchrec" not in sys.modules:
-        return iter(())
-    try:
-        from dynamicemb.shard._common import dynamic_kernels  # imports TorchRec
-    except ImportError:
-        return iter(())
-    return dynamic_kernels(model)
+class ShardKernel:
+    """A module that runs this rank's shards of dynamic tables inside a sharded model:
+    what the checkpoint and lifetime code ask of one. ``dynamicemb.shard``'s TorchRec
+    kernels derive from it, so it is found by type (``shard_kernels``) and this layer
+    imports nothing of TorchRec."""
+
+    @property
+    def emb_module(self) -> BatchedDynamicEmbeddingTables:
+        """The module holding this rank's rows of the tables."""
+        raise NotImplementedError
+
+    def num_shards(self, table_name: str) -> int:
+        """Shards of the table: the world size for row-wise, 1 for table-wise."""
+        raise NotImplementedError
+
+    def owns(self, table_name: str, keys: torch.Tensor) -> torch.Tensor:
+        """(n,) bool: which of ``keys`` (n,) int64 this rank stores for the table."""
+        raise NotImplementedError
+
+    def dist_type(self, table_name: str) -> DynamicEmbDistType:
+        """The table's placement of keys among its shards."""
+        raise NotImplementedError
+
+    def placement(self, table_name: str) -> Optional[TablePlacement]:
+        """The table's placement file entry (None: every key on its ``dist_type`` owner)."""
+        raise NotImplementedError
+
+
+def shard_kernels(module: nn.Module) -> Iterator[Tuple[str, ShardKernel]]:
+    """(table name, kernel) for every dynamic table stored on this rank."""
+    for sharded in module.modules():
+        # sharded modules keep their lookups in a plain list, not as submodules
+        for lookup in getattr(sharded, "_lookups", None) or ():
+            for sub in lookup.modules():
+                if isinstance(sub, ShardKernel):
+                    for name in sub.emb_module.table_names:
+                        yield name, sub
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -66,7 +93,7 @@ def dynamic_modules(model: nn.Module) -> List[BatchedDynamicEmbeddingTables]:
     those of sharded TorchRec modules' lookups, then the others anywhere inside it
     (``model`` itself included)."""
     found: Dict[int, BatchedDynamicEmbeddingTables] = {}
-    for _, kernel in _sharded(model):
+    for _, kernel in shard_kernels(model):
         found.setdefault(id(kernel.emb_module), kernel.emb_module)
     for module in model.modules():
         if isinstance(module, BatchedDynamicEmbeddingTables):
@@ -107,7 +134,7 @@ def local_tables(model: nn.Module,
             raise ValueError(f"two dynamic tables named {table.name!r} on this rank")
         found[table.name] = table
 
-    for name, kernel in _sharded(model):
+    for name, kernel in shard_kernels(model):
         seen.add(id(kernel.emb_module))
         shards = kernel.num_shards(name)
         add(LocalTable(name, kernel.emb_module, "row_wise" if shards > 1 else "table_wise",

@@ -12,6 +12,8 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from dynamicemb.embedding.records import TableClocks
+
 __all__ = ["EXTRA_STATE_FORMAT", "IMPORT_CHUNK_ROWS", "check_table_state", "load_tables_state",
            "table_header", "tables_state"]
 
@@ -141,8 +143,6 @@ def _check_state(module, state: Any) -> None:
 def load_table_state(module, name: str, state: Dict[str, Any]) -> None:
     """Replaces one table's rows, counters and clocks with a checked saved state
     (rows imported ``IMPORT_CHUNK_ROWS`` at a time)."""
-    from dynamicemb.embedding.module import TableClocks  # the module imports this file
-
     module.clear_table(name)
     n = state["keys"].shape[0]
     for start in range(0, n, IMPORT_CHUNK_ROWS):

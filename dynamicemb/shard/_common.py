@@ -1,6 +1,6 @@
 """What the sharded EmbeddingCollection and EmbeddingBagCollection share."""
 
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmEmbOptimType
@@ -8,14 +8,12 @@ from torch import nn
 from torchrec.distributed.types import ParameterSharding
 from torchrec.optim.fused import EmptyFusedOptimizer
 
+from dynamicemb.checkpoint.tables import shard_kernels
 from dynamicemb.embedding.module import BatchedDynamicEmbeddingTables
 from dynamicemb.options import DynamicEmbOptimType
 from dynamicemb.planner.types import (CUSTOMIZED_KERNEL, DYNAMIC_SHARDING_TYPES,
                                       DynamicEmbParameterSharding,
                                       check_dynamic_sharding_type)
-from dynamicemb.shard.kernel import DynamicEmbEmbedding, DynamicEmbEmbeddingBag
-
-_KERNELS = (DynamicEmbEmbedding, DynamicEmbEmbeddingBag)
 
 
 def check_dynamic_plan(params: Mapping[str, ParameterSharding]) -> None:
@@ -41,21 +39,10 @@ def register_missing_placeholders(module: nn.Module, container: nn.ModuleDict) -
             container[name].register_parameter("weight", weight)
 
 
-def dynamic_kernels(module: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
-    """(table name, kernel) for every dynamic table stored on this rank."""
-    for sharded in module.modules():
-        # sharded modules keep their lookups in a plain list, not as submodules
-        for lookup in getattr(sharded, "_lookups", None) or ():
-            for sub in lookup.modules():
-                if isinstance(sub, _KERNELS):
-                    for name in sub.emb_module.table_names:
-                        yield name, sub
-
-
 def get_dynamic_tables(module: nn.Module) -> Dict[str, BatchedDynamicEmbeddingTables]:
     """The ``BatchedDynamicEmbeddingTables`` holding each dynamic table stored on this
     rank (e.g. for ``export_keys_values``), by table name, anywhere in ``module``."""
-    return {name: kernel.emb_module for name, kernel in dynamic_kernels(module)}
+    return {name: kernel.emb_module for name, kernel in shard_kernels(module)}
 
 
 def import_dense_rows(module: nn.Module, table_name: str, weight: torch.Tensor) -> int:
@@ -67,7 +54,7 @@ def import_dense_rows(module: nn.Module, table_name: str, weight: torch.Tensor) 
         weight (Tensor): (num_rows, dim) float32, e.g. a TorchRec table's weight.
     """
     imported = 0
-    for name, kernel in dynamic_kernels(module):
+    for name, kernel in shard_kernels(module):
         if name != table_name:
             continue
         keys = torch.arange(weight.shape[0], dtype=torch.int64)

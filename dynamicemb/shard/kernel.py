@@ -20,6 +20,7 @@ from torchrec.distributed.utils import append_prefix
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from dynamicemb.checkpoint.tables import ShardKernel
 from dynamicemb.embedding.fused_params import module_kwargs
 from dynamicemb.embedding.module import BatchedDynamicEmbeddingTables
 from dynamicemb.options import (
@@ -100,7 +101,7 @@ def _after_prefetch(forward_stream) -> None:
         forward_stream.wait_stream(torch.cuda.current_stream(forward_stream.device))
 
 
-class _DynamicEmbKernelMixin:
+class _DynamicEmbKernelMixin(ShardKernel):
     """What the sequence and pooled kernels share: building the module, the
     placeholders TorchRec registers as ``<table>.weight``, and the fused optimizer."""
 

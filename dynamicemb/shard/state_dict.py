@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from dynamicemb.checkpoint.records import (COUNTER, HEADER, ROW, VIRTUAL_COLUMNS, VIRTUAL_ROWS,
                                            RecordLayout, TableLoad, export_records)
+from dynamicemb.checkpoint.tables import shard_kernels
 from dynamicemb.types import DynamicEmbDistType
 
 __all__ = ["DynamicTableState", "STATE_SUFFIX", "register_state_hooks"]
@@ -257,10 +258,8 @@ def import_pickled_entries(module: nn.Module, state_dict: Dict[str, Any], prefix
         ValueError: an entry of a table not stored on this rank, of another dim or
             optimizer, or holding keys another rank owns (naming the entry).
     """
-    from dynamicemb.shard._common import dynamic_kernels  # _common imports the kernels
-
     kernels = {f"{prefix}{container}.{name}{STATE_SUFFIX}": (name, kernel)
-               for name, kernel in dynamic_kernels(module)}
+               for name, kernel in shard_kernels(module)}
     loads = []
     for key in [k for k in state_dict if k.startswith(prefix) and k.endswith(STATE_SUFFIX)]:
         entry = state_dict.pop(key)
@@ -298,10 +297,8 @@ def register_state_hooks(sharded: nn.Module, container: str) -> None:
     """Adds ``<container>.<table>.dynamic_state`` entries to ``sharded``'s state
     dicts, and loads them (``import_pickled_entries``) out of a state dict before
     TorchRec loads the rest."""
-    from dynamicemb.shard._common import dynamic_kernels  # _common imports the kernels
-
     def add_entries(module: nn.Module, destination: Dict[str, Any], prefix: str, _meta) -> None:
-        for name, kernel in dynamic_kernels(module):
+        for name, kernel in shard_kernels(module):
             destination[f"{prefix}{container}.{name}{STATE_SUFFIX}"] = DynamicTableState(name, kernel)
 
     def load_entries(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args) -> None:

@@ -39,7 +39,7 @@ import torch
 
 from dynamicemb.ops import for_device, resolve_device
 from dynamicemb.ops.interface import HOST_ROW_BIT, KNO_BUCKET, InsertStatus, RowSources
-from dynamicemb.storage.external.store import ExternalStorageError
+from dynamicemb.kvstore.store import ExternalStorageError
 from dynamicemb.table import (Deduplicated, Entries, InsertResult, PendingInsert,
                               ScoredHashTable)
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy

@@ -16,7 +16,7 @@ from dynamicemb import (DynamicEmbDump, DynamicEmbInitializerArgs, DynamicEmbLoa
                         DynamicEmbTableOptions, FrequencyAdmissionStrategy)
 from dynamicemb.planner import to_dynamic_sharding
 from dynamicemb.shard import DynamicEmbeddingCollectionSharder, get_dynamic_tables
-from dynamicemb.shard._common import dynamic_kernels
+from dynamicemb.checkpoint.tables import shard_kernels
 from dynamicemb_testing.shard_workers import EcModel
 
 CPU = torch.device("cpu")
@@ -146,7 +146,7 @@ def _load_then_continue(rank: int, world_size: int, ckpt: str, record: str, rw_k
     tables = get_dynamic_tables(dmp)
     for name, module in tables.items():  # each rank holds only rows it owns
         keys = module.export_keys_values(name).keys
-        kernel = next(k for n, k in dynamic_kernels(dmp) if n == name)
+        kernel = next(k for n, k in shard_kernels(dmp) if n == name)
         assert bool(kernel.owns(name, keys).all()), name
     outs = train(dmp, range(10, 15), rank, world_size)
     expected = torch.load(record)

@@ -10,7 +10,7 @@ pytest.importorskip("rocksdict", reason="the external stores are tested against 
 pytest.importorskip("redis", reason="the external stores are tested against the real redis (requirements.txt pins it)")
 
 from dynamicemb.storage.external import ExternalStorageError, KVStore, as_storage_spec
-from dynamicemb.storage.external.redis import server_of
+from dynamicemb.kvstore.redis import server_of
 
 WIDTH = 5
 

@@ -21,8 +21,8 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 
 from dynamicemb.ops.interface import Entries
-from dynamicemb.storage.external.store import ExternalStorageError, KVStore
-from dynamicemb.storage.external.store import brief_error as _brief
+from dynamicemb.kvstore.store import ExternalStorageError, KVStore
+from dynamicemb.kvstore.store import brief_error as _brief
 from dynamicemb.table import InsertResult, PendingInsert, ScoredHashTable
 from dynamicemb.types import DynamicEmbScoreStrategy
 

@@ -4,7 +4,7 @@ import os
 from itertools import islice
 from typing import Iterator, List, Optional, Sequence, Tuple
 
-from dynamicemb.storage.external.store import MARK, ExternalStorageError, KVStore, brief_error
+from dynamicemb.kvstore.store import MARK, ExternalStorageError, KVStore, brief_error
 
 __all__ = ["RocksDBStore"]
 

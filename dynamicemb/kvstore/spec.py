@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from dynamicemb.storage.external.store import KVStore
+from dynamicemb.kvstore.store import KVStore
 
 __all__ = ["RedisStorage", "RocksDBStorage", "as_storage_spec", "namespace_of", "open_store"]
 
@@ -66,7 +66,7 @@ class RocksDBStorage:
         _check_run("RocksDBStorage", self.run, self.resume)
 
     def open(self, namespace: str, row_width: int) -> KVStore:
-        from dynamicemb.storage.external.rocksdb import RocksDBStore
+        from dynamicemb.kvstore.rocksdb import RocksDBStore
         return RocksDBStore(os.path.join(self.path, _in_run(self.run, namespace)), row_width,
                             sync=self.sync, resume=self.resume)
 
@@ -104,7 +104,7 @@ class RedisStorage:
         object.__setattr__(self, "addresses", addresses)
 
     def open(self, namespace: str, row_width: int) -> KVStore:
-        from dynamicemb.storage.external.redis import RedisStore
+        from dynamicemb.kvstore.redis import RedisStore
         return RedisStore(self.addresses, _in_run(self.run, namespace), row_width,
                           timeout=self.timeout, resume=self.resume)
 

@@ -15,7 +15,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from dynamicemb.storage.external.store import MARK, KVStore, unpack_keys
+from dynamicemb.kvstore.store import MARK, KVStore, unpack_keys
 
 __all__ = ["RedisStore", "server_of"]
 
