@@ -294,9 +294,9 @@ class StepPipeline:
 
     def _summed_gradients(self, batch: _Batch, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         """Every group's rows' summed gradients (the first pass of their backward,
-        ``gradient_check='batch'``), checked before any group updates: a NaN/inf in the gradient (or a weight)
-        reaches the sum of each row that reads it, so no pass of its own over the
-        gradient is needed. Values the step does not read are not checked.
+        ``gradient_check='batch'``), checked before any group updates: a NaN/inf in
+        the gradient (or a weight) reaches the sum of each row that reads it, so no
+        pass of its own over the gradient is needed. Values the step does not read are not checked.
 
         Raises:
             ValueError: some row's summed gradient holds NaN or inf; no table changed.
