@@ -222,7 +222,6 @@ class PromotionPlan(NamedTuple):
     rank: torch.Tensor
 
 
-
 class DeviceSchedule(NamedTuple):
     """The scalars of an update that change from step to step, in device memory, so
     that a step can be replayed (a CUDA graph) and still follow them: the kernel
@@ -264,4 +263,3 @@ class OptimizerUpdate(NamedTuple):
     step_size: float
     bias_correction2_sqrt: float
     decay_scale: float = 1.0
-
