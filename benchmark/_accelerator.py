@@ -326,15 +326,16 @@ def accelerator(emulated: bool = False) -> Iterator[Accelerator]:
 
 def _seams() -> tuple:
     """What ``emulated_cuda`` replaces: the CPU backend and the CUDA backend's
-    pointer, device test and host allocation."""
+    pointer, device test and host allocation (``cuda_seams``)."""
     from dynamicemb import ops  # noqa: PLC0415
-    from dynamicemb.ops import cuda  # noqa: PLC0415
+    from dynamicemb_testing.cuda_emulation import cuda_seams  # noqa: PLC0415
 
-    return ops._cpu, cuda._ptr, cuda._on_kernel_device, cuda.mapped_host_zeros
+    return ops._cpu, cuda_seams()
 
 
 def _set_seams(seams: tuple) -> None:
     from dynamicemb import ops  # noqa: PLC0415
-    from dynamicemb.ops import cuda  # noqa: PLC0415
+    from dynamicemb_testing.cuda_emulation import set_cuda_seams  # noqa: PLC0415
 
-    ops._cpu, cuda._ptr, cuda._on_kernel_device, cuda.mapped_host_zeros = seams
+    ops._cpu, cuda = seams
+    set_cuda_seams(cuda)

@@ -62,7 +62,7 @@ def step_cost(args) -> Dict:
 
 
 def check_cost(args, batches, module) -> Dict:
-    """The TTL bookkeeping alone: ``_expired_hits`` of a warm batch's upsert (every
+    """The TTL bookkeeping alone: ``PendingInsert._expired_hits`` of a warm batch's upsert (every
     unique key a hit on an alive row), timed on its own; milliseconds per batch."""
     table = module._groups[0].table
     ids, _ = batches[0]
@@ -70,7 +70,7 @@ def check_cost(args, batches, module) -> Dict:
     times = []
     for _ in range(args.num_iterations):
         t0 = time.perf_counter()
-        table._expired_hits(pending)
+        pending._expired_hits()
         times.append(time.perf_counter() - t0)
     pending.commit()
     return {"unique_keys": unique.keys.numel(),

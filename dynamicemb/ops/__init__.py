@@ -2,7 +2,7 @@
 
 The contract every backend meets (verbs, results, shared codes) is
 ``dynamicemb.ops.interface``; ``cpu.py`` implements it over the compiled extension
-(``dynamicemb._C_<level>``, the copy ``cpu_kernels.py`` picks), ``cuda.py`` over the kernels of ``csrc/cuda`` compiled at run time
+(``dynamicemb._C_<level>``, the copy ``cpu_kernels.py`` picks), ``cuda/`` over the kernels of ``csrc/cuda`` compiled at run time
 by CuPy. A new backend is one module here and one folder under ``csrc/``.
 """
 

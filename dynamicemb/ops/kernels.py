@@ -5,7 +5,7 @@ extension, ``csrc/cuda`` for CuPy), each with the same positional arguments. Thi
 class turns them into the typed verbs of ``dynamicemb.ops.interface``: it builds the
 per-key output arrays, runs the inserting passes of an upsert with the growth
 between them, and reads the kernels' outcome counts. Only ``cpu.py`` and
-``cuda.py`` instantiate it, each with its kernels and its allocator.
+``cuda/`` instantiate it, each with its kernels and its allocator.
 """
 
 from typing import Any, NamedTuple, Optional

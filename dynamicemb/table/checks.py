@@ -4,7 +4,11 @@ from typing import Optional
 
 import torch
 
-__all__ = ["check_batch_types", "check_frequencies", "check_keys", "table_ids_as_int16"]
+from dynamicemb.ops.interface import ScoreRule
+from dynamicemb.types import DynamicEmbScoreStrategy
+
+__all__ = ["TableInputs", "check_batch_types", "check_frequencies", "check_keys",
+           "table_ids_as_int16"]
 
 
 def check_keys(keys: torch.Tensor) -> None:
@@ -86,3 +90,72 @@ def table_ids_as_int16(table_ids: torch.Tensor, n: int, num_tables: int) -> torc
                 f"table_ids must be in [0, {num_tables}), got values in [{low}, {high}]"
             )
     return table_ids.to(torch.int16).contiguous()
+
+
+class TableInputs:
+    """The argument checks of ``ScoredHashTable``'s verbs (on its device, number of
+    tables, score strategy and value rows); a bad argument raises before any change."""
+
+    def _table_ids(self, table_ids: Optional[torch.Tensor], n: int,
+                   checked: bool = False) -> torch.Tensor:
+        """The ids as the kernels take them. ``checked``: the caller built them in range
+        (the storage and the module do), so they are not read on the host: on a GPU
+        the range check is a sync."""
+        if table_ids is None:
+            return torch.zeros(n, dtype=torch.int16, device=self.device)
+        if checked and table_ids.shape == (n,):
+            return self._here(table_ids, "table_ids").to(torch.int16).contiguous()
+        tids = table_ids_as_int16(table_ids, n, self.num_tables)
+        return self._here(tids, "table_ids")
+
+    def _keys(self, keys: torch.Tensor) -> torch.Tensor:
+        check_keys(keys)
+        return self._here(keys, "keys").contiguous()
+
+    def _here(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """``t`` if it is on the table's device (kernels take raw pointers: a tensor
+        elsewhere would be read as this device's memory)."""
+        if t.device != self.device:
+            raise ValueError(f"{name} are on {t.device}, the table on {self.device}")
+        return t
+
+    def _given_scores(self, scores: Optional[torch.Tensor], n: int,
+                      exact: bool = False, checked: bool = False) -> Optional[torch.Tensor]:
+        """CUSTOMIZED: the scores (required). LFU: occurrence counts to add (default 1).
+        ``exact``: the scores to store, whatever the strategy (required)."""
+        customized = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED or exact
+        lfu = self._rule in (ScoreRule.COUNT, ScoreRule.COUNT_THEN_CLOCK) and not exact
+        if scores is None:
+            if exact:
+                raise ValueError("exact_scores=True needs scores for every key")
+            if customized:
+                raise ValueError("the CUSTOMIZED score strategy needs scores for every key")
+            return torch.ones(n, dtype=torch.int64, device=self.device) if lfu else None
+        if not (customized or lfu):
+            raise ValueError(
+                f"scores are only accepted with the CUSTOMIZED strategy (and as counts with "
+                f"LFU), this table uses {self.score_strategy.name}"
+            )
+        if not isinstance(scores, torch.Tensor) or scores.dtype != torch.int64:
+            raise TypeError(f"scores must be an int64 tensor, got {getattr(scores, 'dtype', type(scores))}")
+        if scores.shape != (n,):
+            raise ValueError(f"scores must have shape ({n},), got {tuple(scores.shape)}")
+        self._here(scores, "scores")
+        if n > 0 and not checked and int(scores.min()) < (1 if lfu else 0):
+            raise ValueError("LFU counts must be >= 1" if lfu else "scores must be >= 0")
+        return scores.contiguous()
+
+    def _rows(self, values: Optional[torch.Tensor], n: int) -> torch.Tensor:
+        if values is None:
+            if self.value_dim == 0:
+                return torch.empty(n, 0, dtype=self.value_dtype, device=self.device)
+            raise ValueError(f"values of shape ({n}, {self.value_dim}) are required")
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+        if values.dtype != self.value_dtype:
+            raise TypeError(f"values must be {self.value_dtype}, got {values.dtype}")
+        if values.shape != (n, self.value_dim):
+            raise ValueError(
+                f"values must have shape ({n}, {self.value_dim}), got {tuple(values.shape)}"
+            )
+        return values

@@ -3,7 +3,9 @@
 The contract (geometry, hash, score rules, the inserting procedure) is written
 out in ``docs/ARCHITECTURE.md``, "The scored hash table". This module owns the
 policy (growth for load, the clock, failures, stats); the backend's verbs
-(``dynamicemb.ops``) own the table's memory layout and walk it.
+(``dynamicemb.ops``) own the table's memory layout and walk it. The prepared insert
+and its commit are ``table/pending.py``, the padded calls ``table/padded.py``, the
+argument checks ``table/checks.py``.
 """
 
 import contextlib
@@ -14,13 +16,14 @@ import torch
 
 from dynamicemb.ops import for_device, resolve_device
 from dynamicemb.ops.interface import (ALL_BITS, COMPOUND_TIME_MASK, BatchPart, Deduplicated,
-                                      Entries,
-                                      InsertStatus, ScoreRule, TableMemory, Upserted,
-                                      num_buckets_for, score_rule)
+                                      Entries, ScoreRule, TableMemory, num_buckets_for,
+                                      score_rule)
 from dynamicemb.options import check_ttl
-from dynamicemb.table.checks import check_frequencies, check_keys, table_ids_as_int16
+from dynamicemb.table.checks import (TableInputs, check_frequencies, check_keys,
+                                     table_ids_as_int16)
 from dynamicemb.table.device_counts import DeviceCounters, DeviceTotals
-from dynamicemb.table.pending import PaddedCall, PendingInsert
+from dynamicemb.table.padded import DEVICE_TOTALS, PaddedCalls
+from dynamicemb.table.pending import PendingInsert
 from dynamicemb.table.results import Expired, InsertResult, TableStats
 from dynamicemb.table.shared_zeros import SharedZeros
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
@@ -31,10 +34,6 @@ logger = logging.getLogger(__name__)
 
 #: Table ids are stored as int16 per slot.
 MAX_TABLES = 32767
-
-# The padded calls' totals in device memory: hits, inserted, evicted, failed (an
-# upsert's InsertStatus counts), then keys erased.
-_DEVICE_TOTALS = 5
 
 
 def hash_keys(keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
@@ -52,7 +51,7 @@ def hash_keys(keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
     return for_device(keys.device).hash_keys(keys=keys.contiguous(), table_ids=tids)
 
 
-class ScoredHashTable:
+class ScoredHashTable(TableInputs, PaddedCalls):
     """A bucketed hash table from (table id, int64 key) to a slot and a score.
 
     Several logical tables share one physical table. Value rows live in
@@ -154,7 +153,7 @@ class ScoredHashTable:
         self._stored = DeviceCounters([0], self.device)
         self._time = DeviceCounters([0, 0], self.device)
         if self._ops.counts_on_device:
-            self._outcome_totals = DeviceTotals(_DEVICE_TOTALS, self.device)
+            self._outcome_totals = DeviceTotals(DEVICE_TOTALS, self.device)
         self._generation = 0
         self._pending: Optional[PendingInsert] = None
         self._none_inserted = SharedZeros(torch.bool, self.device)
@@ -191,40 +190,11 @@ class ScoredHashTable:
     def _step(self, value: int) -> None:
         self._time.set(1, value)
 
-    def outcome_totals(self) -> Optional[DeviceTotals]:
-        """What padded calls counted (hits, inserted, evicted, failed, erased), in
-        device memory; None before the first padded call."""
-        return self._outcome_totals if self._padded else None
-
     @property
     def memory(self) -> TableMemory:
         """The table's arrays, for the storage's kernels (a call that grows the table
         replaces them: hold the table, not this)."""
         return self._memory
-
-    def size_on_device(self) -> torch.Tensor:
-        """(1,) int64: the number of keys stored, in device memory, for kernels that
-        read it in a padded step (the host's count is written there first)."""
-        return self._stored.on_device()
-
-    def _settle_device_counts(self) -> None:
-        """Adds what padded calls counted on the device to the stats."""
-        if not self._padded:
-            return
-        _, inserted, evicted, failed, erased = self._outcome_totals.take("table")
-        self._stats.inserts += inserted + evicted
-        self._stats.evictions += evicted
-        self._stats.failed_inserts += failed
-        self._stats.erases += erased
-
-    @property
-    def counts_on_device(self) -> bool:
-        """Whether ``prepare_dedup_find_or_insert(padded=True)`` may run: the backend
-        keeps counts on the device, and nothing the call decides needs them on the
-        host: the table cannot grow (no key waits for a growth), failed inserts are
-        ignored (IGNORE: neither raised nor logged) and rows do not expire."""
-        return (self._ops.counts_on_device and not self._memory.can_grow
-                and self.check_mode == DynamicEmbCheckMode.IGNORE and self.ttl is None)
 
     @property
     def values(self) -> torch.Tensor:
@@ -349,71 +319,6 @@ class ScoredHashTable:
             array.zero_()
         self._size = 0
         self._generation += 1
-
-    # ------------------------------------------------------------ validation
-    def _table_ids(self, table_ids: Optional[torch.Tensor], n: int,
-                   checked: bool = False) -> torch.Tensor:
-        """The ids as the kernels take them. ``checked``: the caller built them in range
-        (the storage and the module do), so they are not read on the host: on a GPU
-        the range check is a sync."""
-        if table_ids is None:
-            return torch.zeros(n, dtype=torch.int16, device=self.device)
-        if checked and table_ids.shape == (n,):
-            return self._here(table_ids, "table_ids").to(torch.int16).contiguous()
-        tids = table_ids_as_int16(table_ids, n, self.num_tables)
-        return self._here(tids, "table_ids")
-
-    def _keys(self, keys: torch.Tensor) -> torch.Tensor:
-        check_keys(keys)
-        return self._here(keys, "keys").contiguous()
-
-    def _here(self, t: torch.Tensor, name: str) -> torch.Tensor:
-        """``t`` if it is on the table's device (kernels take raw pointers: a tensor
-        elsewhere would be read as this device's memory)."""
-        if t.device != self.device:
-            raise ValueError(f"{name} are on {t.device}, the table on {self.device}")
-        return t
-
-    def _given_scores(self, scores: Optional[torch.Tensor], n: int,
-                      exact: bool = False, checked: bool = False) -> Optional[torch.Tensor]:
-        """CUSTOMIZED: the scores (required). LFU: occurrence counts to add (default 1).
-        ``exact``: the scores to store, whatever the strategy (required)."""
-        customized = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED or exact
-        lfu = self._rule in (ScoreRule.COUNT, ScoreRule.COUNT_THEN_CLOCK) and not exact
-        if scores is None:
-            if exact:
-                raise ValueError("exact_scores=True needs scores for every key")
-            if customized:
-                raise ValueError("the CUSTOMIZED score strategy needs scores for every key")
-            return torch.ones(n, dtype=torch.int64, device=self.device) if lfu else None
-        if not (customized or lfu):
-            raise ValueError(
-                f"scores are only accepted with the CUSTOMIZED strategy (and as counts with "
-                f"LFU), this table uses {self.score_strategy.name}"
-            )
-        if not isinstance(scores, torch.Tensor) or scores.dtype != torch.int64:
-            raise TypeError(f"scores must be an int64 tensor, got {getattr(scores, 'dtype', type(scores))}")
-        if scores.shape != (n,):
-            raise ValueError(f"scores must have shape ({n},), got {tuple(scores.shape)}")
-        self._here(scores, "scores")
-        if n > 0 and not checked and int(scores.min()) < (1 if lfu else 0):
-            raise ValueError("LFU counts must be >= 1" if lfu else "scores must be >= 0")
-        return scores.contiguous()
-
-    def _rows(self, values: Optional[torch.Tensor], n: int) -> torch.Tensor:
-        if values is None:
-            if self.value_dim == 0:
-                return torch.empty(n, 0, dtype=self.value_dtype, device=self.device)
-            raise ValueError(f"values of shape ({n}, {self.value_dim}) are required")
-        if not isinstance(values, torch.Tensor):
-            raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
-        if values.dtype != self.value_dtype:
-            raise TypeError(f"values must be {self.value_dtype}, got {values.dtype}")
-        if values.shape != (n, self.value_dim):
-            raise ValueError(
-                f"values must have shape ({n}, {self.value_dim}), got {tuple(values.shape)}"
-            )
-        return values
 
     # ----------------------------------------------------------------- verbs
     def find(self, keys: torch.Tensor, table_ids: Optional[torch.Tensor] = None, *,
@@ -564,7 +469,35 @@ class ScoredHashTable:
             values=memory.values[slots],
         )
 
-    # -------------------------------------------------------------- internals
+    def expire(self) -> Expired:
+        """TTL sweep: frees every row whose last access is more than ``ttl`` ticks
+        before ``now`` (one kernel pass over the slots).
+
+        Returns:
+            ``Expired``: the freed keys, table ids, scores and slots, in slot order.
+
+        Raises:
+            ValueError: the table has no ``ttl``.
+        """
+        self._check_idle()
+        if self.ttl is None:
+            raise ValueError("expire() needs a table built with a ttl")
+        memory = self._memory
+        before = self.expired_before(self.now)
+        if before == 0:
+            slots = torch.empty(0, dtype=torch.int64, device=self.device)
+        else:
+            mask = self._ops.expire(memory=memory, before=before,
+                                    time_mask=COMPOUND_TIME_MASK if self._compound else ALL_BITS)
+            slots = mask.nonzero().squeeze(1)
+        n = slots.numel()
+        self._size -= n
+        self._generation += n > 0
+        self.stats.expired += n
+        return Expired(keys=memory.keys[slots], table_ids=memory.table_ids[slots].long(),
+                       scores=memory.scores[slots], slots=slots)
+
+    # ----------------------------------------------------------------- growth
     def _grow(self) -> None:
         """Doubles the buckets; every entry keeps its offset in the bucket."""
         self._ops.grow(memory=self._memory)
@@ -582,6 +515,7 @@ class ScoredHashTable:
         ):
             self._grow()
 
+    # -------------------------------------------------------- two-phase insert
     def prepare_find_or_insert(
         self,
         keys: torch.Tensor,
@@ -677,73 +611,6 @@ class ScoredHashTable:
         return unique, self._pending_insert(upserted, clock_before, None, read_evicted=True,
                                             assign=False, now=now)
 
-    def _prepare_padded(self, keys, tids, frequencies, error,
-                        part) -> Tuple[Deduplicated, PendingInsert]:
-        """A padded call: its kernels advance the clock and the step in device memory
-        (unless ``error`` refuses the batch) and read its time there, and add their
-        outcome counts to the device totals. Nothing is read on the host."""
-        if not self.counts_on_device:
-            raise ValueError(
-                "a padded insert needs a backend that counts on the device and a table "
-                "that cannot grow, ignores failed inserts and has no ttl")
-        self._check_idle()
-        self._padded = True
-        unique, upserted = self._ops.padded_dedup_upsert(
-            memory=self._memory, keys=keys, table_ids=tids, frequencies=frequencies,
-            rule=self._rule, time=self._time.on_device(),
-            now_index=1 if self.score_strategy == DynamicEmbScoreStrategy.STEP else 0,
-            evicts=self._evicts, one_table=self.num_tables == 1, error=error,
-            outcomes=self._outcome_totals.tensor[:4], size=self._stored.on_device(), part=part)
-        pending = PendingInsert(self, upserted, None, None, read_evicted=False, assign=False,
-                                padded=PaddedCall(error, unique.counts))
-        self._pending = pending
-        return unique, pending
-
-    def padded_upsert(self, keys: torch.Tensor, table_ids: torch.Tensor,
-                      scores: Optional[torch.Tensor], buckets: torch.Tensor) -> Upserted:
-        """One inserting pass over unique keys whose buckets the caller computed (a
-        padded step's promotion into a cache), with every count on the device: keys
-        whose bucket is ``kNoBucket`` (0x7FFFFFFF) are skipped (slot -1, status
-        FAILED, counted nowhere). Scores by the table's rule (CUSTOMIZED: ``scores``).
-        Nothing is read on the host; the size and the totals advance on the device.
-
-        Args:
-            keys (Tensor): (n,) int64, unique; table_ids (Tensor): (n,) int16 (checked
-                by the caller).
-            scores (Tensor, optional): (n,) int64.
-            buckets (Tensor): (n,) int32.
-
-        Returns:
-            ``Upserted`` of the n keys (its four counts None).
-        """
-        if not self.counts_on_device:
-            raise ValueError("a padded insert needs a backend that counts on the device and "
-                             "a table that cannot grow, ignores failed inserts and has no ttl")
-        self._check_idle()
-        self._padded = True
-        given = self._given_scores(scores, keys.numel(), checked=True)
-        upserted = self._ops.padded_upsert(
-            memory=self._memory, keys=keys, table_ids=table_ids, scores=given, buckets=buckets,
-            rule=self._rule, evicts=self._evicts, one_table=self.num_tables == 1,
-            outcomes=self._outcome_totals.tensor[:4], size=self._stored.on_device())
-        self._generation += 1  # whether it evicted or moved a key is not read
-        return upserted
-
-    def padded_erase(self, keys: torch.Tensor, table_ids: torch.Tensor, status: torch.Tensor,
-                     which: InsertStatus) -> None:
-        """Erases ``keys[i]`` wherever ``status[i] == which`` (e.g. the victims of
-        another table's call, by its status: distinct keys), with every count on
-        the device (where ``counts_on_device``)."""
-        if not self.counts_on_device:
-            raise ValueError("a padded erase needs a backend that counts on the device")
-        self._check_idle()
-        self._padded = True
-        self._ops.padded_erase(memory=self._memory, keys=keys, table_ids=table_ids,
-                               status=status, which=int(which),
-                               erased=self._outcome_totals.tensor[4:],
-                               size=self._stored.on_device())
-        self._generation += 1
-
     def _check_idle(self) -> None:
         if self._pending is not None:
             raise RuntimeError(
@@ -801,117 +668,6 @@ class ScoredHashTable:
         self._pending = pending
         return pending
 
-    def _commit(self, pending: "PendingInsert") -> InsertResult:
-        self._pending = None
-        upserted = pending.upserted
-        slots = upserted.slots
-        if pending.padded is not None:  # every count stays on the device
-            self._generation += self._evicts  # whether a key was evicted is not read
-            return InsertResult(slots=slots, inserted=None, evicted=None, num_inserted=None,
-                                num_failed=None, status=upserted.status)
-        num_evicted = upserted.evicted
-        num_inserted = upserted.inserted + num_evicted
-        self._settle_device_counts()  # then the host's stats are current
-        self._size += num_inserted - num_evicted
-        self._stats.inserts += num_inserted
-        self._stats.evictions += num_evicted
-        self._generation += num_evicted > 0
-
-        evicted = None
-        if pending.read_evicted:
-            evicted = (self._read_evicted(upserted) if num_evicted else self._no_evicted())
-        if num_inserted:
-            inserted = self._inserted_mask(upserted)
-        else:  # the common case of a warm table: every key was found
-            inserted = self._none_inserted.take(slots.numel())
-        expired, num_expired = self._expired_hits(pending)
-        if num_expired:
-            inserted = inserted | expired
-            num_inserted += num_expired
-        if pending.assign:
-            self._assign_rows(slots, pending.rows)
-        inserted_at = None
-        if num_inserted:  # sizes known from the counts: no sync for the compaction
-            inserted_at = torch.nonzero_static(inserted, size=num_inserted).squeeze(1)
-        if not pending.assign and num_inserted:
-            self._memory.values.index_fill_(0, slots[inserted_at], 0)
-        return InsertResult(slots=slots, inserted=inserted, evicted=evicted,
-                            num_inserted=num_inserted, num_failed=upserted.failed,
-                            num_expired=num_expired, expired=expired if num_expired else None,
-                            inserted_at=inserted_at)
-
-    def _expired_hits(self, pending: "PendingInsert") -> Tuple[Optional[torch.Tensor], int]:
-        """(n,) bool: the call's hits on rows expired at its time (they now hold a
-        fresh row: a new key's score, zeroed or assigned values), and their count."""
-        before = self.expired_before(pending.now)
-        upserted = pending.upserted
-        if before == 0 or upserted.hits == 0:
-            return None, 0
-        expired = ((upserted.status == InsertStatus.HIT)
-                   & (self.time_of(upserted.prev_scores) < before))
-        num = int(expired.sum())
-        if num == 0:
-            return None, 0
-        self.stats.expired += num
-        self._generation += 1  # the slot now holds another row of the key
-        if self._compound and pending.given is not None:  # a new key's count, not old + new
-            at = expired.nonzero().squeeze(1)
-            count = pending.given[at].clamp(max=COMPOUND_TIME_MASK >> 1)  # 2^31 - 1
-            self._memory.scores[upserted.slots[at]] = (
-                (count << 32) | (pending.now & COMPOUND_TIME_MASK))
-        return expired, num
-
-    def expire(self) -> Expired:
-        """TTL sweep: frees every row whose last access is more than ``ttl`` ticks
-        before ``now`` (one kernel pass over the slots).
-
-        Returns:
-            ``Expired``: the freed keys, table ids, scores and slots, in slot order.
-
-        Raises:
-            ValueError: the table has no ``ttl``.
-        """
-        self._check_idle()
-        if self.ttl is None:
-            raise ValueError("expire() needs a table built with a ttl")
-        memory = self._memory
-        before = self.expired_before(self.now)
-        if before == 0:
-            slots = torch.empty(0, dtype=torch.int64, device=self.device)
-        else:
-            mask = self._ops.expire(memory=memory, before=before,
-                                    time_mask=COMPOUND_TIME_MASK if self._compound else ALL_BITS)
-            slots = mask.nonzero().squeeze(1)
-        n = slots.numel()
-        self._size -= n
-        self._generation += n > 0
-        self.stats.expired += n
-        return Expired(keys=memory.keys[slots], table_ids=memory.table_ids[slots].long(),
-                       scores=memory.scores[slots], slots=slots)
-
-    @staticmethod
-    def _inserted_mask(upserted) -> torch.Tensor:
-        """Status INSERTED or EVICTED_AND_INSERTED (1 or 2): status - 1 seen as uint8
-        is below 2 (HIT wraps to 255): two ops where two compares and an or are three."""
-        return (upserted.status - InsertStatus.INSERTED).view(torch.uint8) < 2
-
-    def _abort(self, pending: "PendingInsert") -> None:
-        """Undoes a prepared call: contents, scores and clock as before it (growth stays)."""
-        self._pending = None
-        self._ops.undo_upsert(memory=self._memory, upserted=pending.upserted)
-        if pending.padded is None:
-            self._clock = pending.clock_before
-            return
-        # a padded call advanced the time and the totals on the device (a refused
-        # batch advanced nothing): take them back there
-        padded, status = pending.padded, pending.upserted.status
-        done = 1 if padded.error is None else (padded.error == 0).to(torch.int64)
-        self._time.on_device().sub_(done)
-        real = padded.counts > 0  # padding: count 0, counted nowhere
-        added = torch.stack([((status == s) & real).sum() for s in range(4)])
-        self._outcome_totals.tensor[:4].sub_(added)  # (a view: the totals themselves)
-        self._stored.on_device().sub_(added[InsertStatus.INSERTED])
-
     def _upsert(self, keys, table_ids, scores, values, read_evicted, assign=False,
                 exact=False, checked=False) -> InsertResult:
         return self._prepare(keys, table_ids, scores, values, read_evicted, assign,
@@ -924,36 +680,50 @@ class ScoredHashTable:
             f"with {self.score_strategy.name}"
         )
         if self.check_mode == DynamicEmbCheckMode.ERROR:
-            self._abort(pending)
+            pending.abort()
             raise RuntimeError(message + "; the call was undone")
         if self.check_mode == DynamicEmbCheckMode.WARNING:
             logger.warning(message)
 
-    def _no_evicted(self) -> Entries:
-        empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        return Entries(keys=empty, table_ids=empty, scores=empty, slots=empty,
-                       values=self._memory.values[:0])
+    # ------------------------------------ what a PendingInsert asks of its table
+    @property
+    def compound_scores(self) -> bool:
+        """Whether scores hold a count above the time (LRU_LFU, see ``time_of``)."""
+        return self._compound
 
-    def _read_evicted(self, upserted) -> Entries:
-        positions = torch.nonzero_static(upserted.status == InsertStatus.EVICTED_AND_INSERTED,
-                                         size=upserted.evicted).squeeze(1)
-        slots = upserted.slots[positions]
-        return Entries(
-            keys=upserted.ev_keys[positions],
-            table_ids=upserted.ev_tids[positions].long(),
-            scores=upserted.ev_scores[positions],
-            slots=slots,
-            values=self._memory.values[slots],
-        )
+    def no_new_keys(self, n: int) -> torch.Tensor:
+        """(n,) bool zeros, shared between calls (read, never written)."""
+        return self._none_inserted.take(n)
 
-    def _assign_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """values[slots[i]] = rows[i] for landed keys; the last of duplicates wins."""
-        positions = (slots >= 0).nonzero().squeeze(1)
-        if positions.numel() == 0 or self.value_dim == 0:
+    def record_commit(self, pending: PendingInsert, num_inserted: Optional[int],
+                      num_evicted: Optional[int]) -> None:
+        """Ends ``pending`` (the table takes other calls again) and counts what it
+        stored: size, stats, generation. None and None: a padded call, whose counts
+        stay on the device."""
+        self._pending = None
+        if num_inserted is None:  # every count stays on the device
+            self._generation += self._evicts  # whether a key was evicted is not read
             return
-        unique, inverse = torch.unique(slots[positions], return_inverse=True)
-        last = torch.full_like(unique, -1).scatter_reduce_(0, inverse, positions, "amax")
-        self._memory.values[unique] = rows[last]
+        self._settle_device_counts()  # then the host's stats are current
+        self._size += num_inserted - num_evicted
+        self._stats.inserts += num_inserted
+        self._stats.evictions += num_evicted
+        self._generation += num_evicted > 0
+
+    def record_expired_hits(self, num: int) -> None:
+        """Counts a call's hits on expired rows (their slots now hold fresh rows)."""
+        self.stats.expired += num
+        self._generation += 1  # the slot now holds another row of the key
+
+    def undo_insert(self, pending: PendingInsert) -> None:
+        """Ends ``pending`` and undoes it: contents, scores and clock as before it
+        (growth stays)."""
+        self._pending = None
+        self._ops.undo_upsert(memory=self._memory, upserted=pending.upserted)
+        if pending.padded is None:
+            self._clock = pending.clock_before
+            return
+        self._undo_padded(pending)
 
     def __repr__(self) -> str:
         return (

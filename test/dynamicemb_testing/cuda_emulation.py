@@ -6,7 +6,7 @@
 the same per-key contract (or, for the backward's three kernels, by the CPU's
 two backward passes, ``sum_gradients`` and ``update_rows``, over the arguments they
 were given). Everything between the
-launches (the sorts, scans, masks and copies ``dynamicemb/ops/cuda.py`` and the
+launches (the sorts, scans, masks and copies ``dynamicemb/ops/cuda/`` and the
 layers above run around the kernels) is the real CUDA path's code, so a
 ``SyncGuard`` (``sync_guard.py``) sees the host synchronizations and aten ops a GPU
 step would make.
@@ -16,7 +16,9 @@ Tensors reach the kernels as raw pointers; the emulation maps them back through
 """
 
 import contextlib
+import importlib
 import math
+import pkgutil
 from collections import Counter
 from typing import Dict, List, Optional
 
@@ -27,7 +29,7 @@ import dynamicemb.ops as ops
 from dynamicemb.ops import cpu_kernels
 from dynamicemb.ops import cuda as cuda_backend
 
-__all__ = ["EmulatedCudaKernels", "emulated_cuda"]
+__all__ = ["EmulatedCudaKernels", "cuda_seams", "emulated_cuda", "set_cuda_seams"]
 
 # DEMB_TABLE_PARAMS: keys column, tids, digests, occupied, pinned, num_buckets, bc
 _TABLE_ARGS = 7
@@ -434,6 +436,26 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
 
 _REAL_PTR = cuda_backend._ptr
 
+# What the emulation replaces in the CUDA backend: the pointer of a tensor, the test
+# of a tensor's device and the host allocation. Each module of ``dynamicemb.ops.cuda``
+# binds the ones it uses, so each is replaced in every module that holds it.
+_SEAM_NAMES = ("_ptr", "_on_kernel_device", "mapped_host_zeros")
+
+
+def cuda_seams() -> dict:
+    """The CUDA backend's seams as they are now: {(module, name): value}."""
+    modules = [cuda_backend] + [
+        importlib.import_module(f"{cuda_backend.__name__}.{info.name}")
+        for info in pkgutil.iter_modules(cuda_backend.__path__)]
+    return {(module, name): getattr(module, name)
+            for module in modules for name in _SEAM_NAMES if hasattr(module, name)}
+
+
+def set_cuda_seams(seams: dict) -> None:
+    """Puts back seams that ``cuda_seams`` returned."""
+    for (module, name), value in seams.items():
+        setattr(module, name, value)
+
 
 @contextlib.contextmanager
 def emulated_cuda(kernels: Optional[EmulatedCudaKernels] = None):
@@ -449,14 +471,14 @@ def emulated_cuda(kernels: Optional[EmulatedCudaKernels] = None):
     kernels = EmulatedCudaKernels() if kernels is None else kernels
     backend = cuda_backend.CudaBackend.__new__(cuda_backend.CudaBackend)
     cuda_backend.KernelBackend.__init__(backend, kernels)
-    saved = (ops._cpu, cuda_backend._ptr, cuda_backend._on_kernel_device,
-             cuda_backend.mapped_host_zeros)
+    saved_cpu, saved = ops._cpu, cuda_seams()
+    emulated = {"_ptr": kernels.remember,
+                "_on_kernel_device": lambda t: t.device.type == "cpu",
+                "mapped_host_zeros": kernels.mapped_host_zeros}
     ops._cpu = lambda: backend
-    cuda_backend._ptr = kernels.remember
-    cuda_backend._on_kernel_device = lambda t: t.device.type == "cpu"
-    cuda_backend.mapped_host_zeros = kernels.mapped_host_zeros
+    set_cuda_seams({(module, name): emulated[name] for module, name in saved})
     try:
         yield kernels
     finally:
-        (ops._cpu, cuda_backend._ptr, cuda_backend._on_kernel_device,
-         cuda_backend.mapped_host_zeros) = saved
+        ops._cpu = saved_cpu
+        set_cuda_seams(saved)

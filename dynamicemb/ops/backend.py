@@ -1,0 +1,302 @@
+"""``Backend``: the verbs every kernel backend offers over tensors of one device type.
+
+A backend (``dynamicemb.ops.cpu``, ``dynamicemb.ops.cuda``) implements it; everything
+above it (table, storage, module) calls these verbs by keyword and reads their
+NamedTuple results (``dynamicemb.ops.records``), with the codes of
+``dynamicemb.ops.codes``.
+"""
+
+import abc
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from dynamicemb.ops.codes import ScoreRule
+from dynamicemb.ops.records import (BatchPart, Deduplicated, DeviceSchedule, InitSpec,
+                                    OptimizerUpdate, PromotionPlan, RowSources, TableMemory,
+                                    Upserted)
+from dynamicemb.options import DynamicEmbInitializerMode
+
+__all__ = ["Backend"]
+
+
+class Backend(abc.ABC):
+    """The kernels of one device type. Every verb takes keyword arguments only; the
+    batch tensors must be on the backend's device and contiguous, ids int64, table
+    ids int16. Validation of user input happens above (the table and the module);
+    a backend checks only what would corrupt memory."""
+
+    #: The widest embedding row its kernels update, or None for no limit.
+    max_dim: Optional[int] = None
+    #: Whether reading a value of its tensors on the host costs nothing (the CPU) or
+    #: waits for the device (a GPU: checks of data that need one are left out of a step).
+    free_host_reads: bool = True
+    #: Whether a training step may keep its counts in device memory (the CUDA
+    #: backend): a padded ``dedup_upsert``, new rows initialized by status
+    #: (``init_new_rows``), rows of failed keys computed where read (``InitRows``)
+    #: and the offsets check into an error word that later kernels read.
+    counts_on_device: bool = False
+
+    # ------------------------------------------------------------ allocation
+    @abc.abstractmethod
+    def zeros(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Zeroed memory for a table's arrays (the backend picks how: huge pages...)."""
+
+    def host_zeros(self, shape: Sequence[int], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+        """Zeroed host memory that this backend's kernels and torch ops on ``device``
+        read and write in place: a host store's value rows under a device budget.
+        Where the device is the host (the CPU), the same as ``zeros``."""
+        return self.zeros(shape, dtype, device)
+
+    def new_table(self, *, num_buckets: int, max_num_buckets: int, bucket_capacity: int,
+                  value_dim: int, value_dtype: torch.dtype, device: torch.device,
+                  values_in_host_memory: bool = False) -> TableMemory:
+        """An empty table's memory; its value rows in host memory when
+        ``values_in_host_memory`` (``host_zeros``), the index on ``device``."""
+        slots = num_buckets * bucket_capacity
+        words = (bucket_capacity + 63) // 64
+        keys_and_scores = self.zeros((slots, 2), torch.int64, device)
+        meta = [
+            keys_and_scores[:, 0],
+            keys_and_scores[:, 1],
+            self.zeros((slots,), torch.int16, device),
+            self.zeros((slots,), torch.uint8, device),
+            self.zeros((num_buckets, words), torch.int64, device),
+            self.zeros((num_buckets, words), torch.int64, device),
+        ]
+        allocate = self.host_zeros if values_in_host_memory else self.zeros
+        values = allocate((slots, value_dim), value_dtype, device)
+        return TableMemory(meta, values, num_buckets, max_num_buckets, bucket_capacity,
+                           values_in_host_memory)
+
+    # ------------------------------------------------------------ hash table
+    @abc.abstractmethod
+    def hash_keys(self, *, keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
+        """(n,) int64: the documented 64-bit hash of each (table id, key)."""
+
+    @abc.abstractmethod
+    def find(self, *, memory: TableMemory, keys: torch.Tensor, table_ids: torch.Tensor,
+             one_table: bool) -> torch.Tensor:
+        """(n,) int64 slots, -1 where absent. Read-only."""
+
+    @abc.abstractmethod
+    def upsert(self, *, memory: TableMemory, keys: torch.Tensor, table_ids: torch.Tensor,
+               scores: Optional[torch.Tensor], rule: ScoreRule, now: int, evicts: bool,
+               one_table: bool) -> Upserted:
+        """Finds or inserts every key (the inserting procedure of docs/ARCHITECTURE.md,
+        steps 4-6): keys in input order per bucket, growing ``memory`` for full
+        buckets while it may. Returns final slots; no slot stays pinned."""
+
+    @abc.abstractmethod
+    def dedup_upsert(self, *, memory: TableMemory, keys: torch.Tensor,
+                     table_ids: torch.Tensor, frequencies: Optional[torch.Tensor], now: int,
+                     evicts: bool, one_table: bool) -> Tuple[Deduplicated, Upserted]:
+        """``dedup(group=True)`` then ``upsert`` of the unique keys with the clock rule,
+        which a backend may overlap."""
+
+    def padded_dedup_upsert(self, *, memory: TableMemory, keys: torch.Tensor,
+                            table_ids: torch.Tensor, frequencies: Optional[torch.Tensor],
+                            rule: ScoreRule, time: torch.Tensor, now_index: int,
+                            evicts: bool, one_table: bool, error: Optional[torch.Tensor],
+                            outcomes: torch.Tensor, size: torch.Tensor,
+                            part: Optional["BatchPart"] = None) -> Tuple[Deduplicated, Upserted]:
+        """``dedup_upsert`` with every size, count and clock left on the device (only
+        where ``counts_on_device``, into a table that cannot grow): the dedup is
+        padded to the N keys.
+
+        Args:
+            rule: CLOCK, or a count rule whose scores are the dedup's counts.
+            time: (2,) int64, the table's clock and step: advanced by one, then
+                ``time[now_index]`` is the call's time (its scores).
+            error: (1,) int64 or None: a batch whose word is set has no unique key
+                and changes nothing (not even ``time``).
+            outcomes: (4,) int64 totals the call adds its hits, inserts, evicting
+                inserts and failures to (``Upserted``'s four counts are None).
+            size: (1,) int64, the table's size, advanced by the inserts into
+                empty slots.
+            part: only the keys of one group of the batch (``BatchPart``).
+        """
+        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+
+    def padded_dedup(self, *, keys: torch.Tensor, table_ids: torch.Tensor,
+                     error: Optional[torch.Tensor],
+                     part: Optional["BatchPart"] = None) -> Deduplicated:
+        """``dedup`` (not grouped) padded to the N keys, the unique count left on the
+        device; ``error``: a batch whose word is set has no unique key; ``part``:
+        only the keys of one group (only where ``counts_on_device``)."""
+        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+
+    def padded_upsert(self, *, memory: TableMemory, keys: torch.Tensor,
+                      table_ids: torch.Tensor, scores: Optional[torch.Tensor],
+                      buckets: torch.Tensor, rule: ScoreRule, evicts: bool, one_table: bool,
+                      outcomes: torch.Tensor, size: torch.Tensor) -> Upserted:
+        """One inserting pass over unique keys with their buckets given ((n,) int32;
+        ``KNO_BUCKET``: skipped, slot -1, FAILED, counted nowhere), into a table that
+        cannot grow, every count on the device: ``outcomes`` (4,) += the pass's
+        InsertStatus counts, ``size`` (1,) += its inserts into empty slots (only
+        where ``counts_on_device``)."""
+        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+
+    def padded_erase(self, *, memory: TableMemory, keys: torch.Tensor,
+                     table_ids: torch.Tensor, status: torch.Tensor, which: int,
+                     erased: torch.Tensor, size: torch.Tensor) -> None:
+        """Erases ``keys[i]`` where ``status[i] == which`` (distinct keys); ``erased``
+        (1,) += and ``size`` (1,) -= the keys found (only where ``counts_on_device``)."""
+        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+
+    def promotion_plan(self, *, cache: TableMemory, keys: torch.Tensor,
+                       table_ids: torch.Tensor, counts: torch.Tensor,
+                       host_slots: torch.Tensor, one_table: bool,
+                       cache_size: torch.Tensor) -> "PromotionPlan":
+        """Which of a padded batch's unique keys (``counts`` 0: padding; ``host_slots``
+        -1: not stored) a cache takes, on the device: ``TieredStorage``'s policy
+        (hits first; every miss when they fit in ``cache``'s free slots, else the
+        misses seen more than once, hottest first, as many as fit beside the hits)
+        (only where ``counts_on_device``)."""
+        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+
+    def promotion_order(self, *, order: torch.Tensor, keys: torch.Tensor,
+                        table_ids: torch.Tensor, host_slots: torch.Tensor,
+                        host: TableMemory, plan: "PromotionPlan",
+                        cache: TableMemory) -> Tuple[torch.Tensor, ...]:
+        """The cache call's (keys, table ids, scores, buckets) in ``order`` (the
+        keys by descending ``plan.rank``): the host store's scores, and
+        ``KNO_BUCKET`` past the keys the plan takes (only where ``counts_on_device``)."""
+        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+
+    def promote_rows(self, *, host: TableMemory, cache: TableMemory, order: torch.Tensor,
+                     host_slots: torch.Tensor, cached: Upserted,
+                     refs: torch.Tensor) -> None:
+        """After the cache call ``cached`` (in ``order``): victims' rows written back to
+        the host store, new keys' rows copied in from it, and refs (n,) = each unique
+        key's row reference (its cache slot, else its host slot with HOST_ROW_BIT,
+        else -1) (only where ``counts_on_device``)."""
+        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+
+    def init_new_rows(self, *, values: torch.Tensor, slots: torch.Tensor,
+                      status: torch.Tensor, keys: torch.Tensor, table_ids: torch.Tensor,
+                      dim: int, spec: InitSpec, state_value: float) -> None:
+        """values[slots[i]] = the full initial row (initializer, then ``state_value``
+        for the optimizer state) of each key whose ``status`` is INSERTED or
+        EVICTED_AND_INSERTED (only where ``counts_on_device``)."""
+        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
+
+    @abc.abstractmethod
+    def undo_upsert(self, *, memory: TableMemory, upserted: Upserted) -> None:
+        """Reverts an ``upsert``'s contents and scores (growth stays)."""
+
+    @abc.abstractmethod
+    def grow(self, *, memory: TableMemory) -> None:
+        """Doubles the buckets of ``memory`` in place; every entry keeps its offset in
+        its bucket and its row."""
+
+    @abc.abstractmethod
+    def erase(self, *, memory: TableMemory, keys: torch.Tensor,
+              table_ids: torch.Tensor) -> torch.Tensor:
+        """(n,) bool: True where the key was present (its first occurrence only)."""
+
+    @abc.abstractmethod
+    def expire(self, *, memory: TableMemory, time_mask: int, before: int) -> torch.Tensor:
+        """TTL sweep: empties every slot whose last access (``score & time_mask``) is
+        below ``before``; returns (capacity,) bool, the slots it emptied (their key,
+        table id and score stay readable until reused)."""
+
+    @abc.abstractmethod
+    def occupied_slots(self, *, memory: TableMemory, start: int, end: int) -> torch.Tensor:
+        """Occupied slots of [start, end), ascending."""
+
+    @abc.abstractmethod
+    def dedup(self, *, keys: torch.Tensor, table_ids: torch.Tensor,
+              frequencies: Optional[torch.Tensor], group: bool) -> Deduplicated:
+        """Unique pairs in first-occurrence order; ``starts``/``rank`` when ``group``."""
+
+    # ------------------------------------------------------------- embedding
+    @abc.abstractmethod
+    def check_offsets(self, *, offsets: torch.Tensor, num_indices: int,
+                      error: Optional[torch.Tensor] = None) -> Optional[int]:
+        """0 if ``offsets`` go from 0 to ``num_indices`` without decreasing; 1 or 2 if
+        the first or last is wrong; 3 if they decrease. With ``error`` ((1,) int64
+        word, only where ``counts_on_device``): the problem goes into the word
+        (``error_code`` reads it) and None is returned, nothing read on the host."""
+
+    @abc.abstractmethod
+    def init_rows(self, *, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
+                  stream: int, dim: int, mode: DynamicEmbInitializerMode, mean: float,
+                  std_dev: float, lower: float, upper: float, value: float,
+                  seed: int) -> None:
+        """out[rows[i], :dim] = the initial row of keys[i] in table ``stream``."""
+
+    # The embedding verbs take the module's error word (``check_offsets``) where the
+    # backend counts on the device: a batch whose word is set reads no offsets,
+    # pools to zeros and updates nothing. None: the batch was checked on the host.
+
+    @abc.abstractmethod
+    def pooled_forward(self, *, sources: RowSources, row_ref: torch.Tensor,
+                       inverse: torch.Tensor, offsets: torch.Tensor,
+                       weights: Optional[torch.Tensor], feature_col: torch.Tensor,
+                       batch: int, dim: int, mean: bool, out: torch.Tensor,
+                       error: Optional[torch.Tensor] = None) -> None:
+        """Writes the pooled bags of one group's features into their columns of ``out``."""
+
+    @abc.abstractmethod
+    def sequence_forward(self, *, sources: RowSources, row_ref: torch.Tensor,
+                         inverse: torch.Tensor, dim: int, out: torch.Tensor,
+                         error: Optional[torch.Tensor] = None) -> None:
+        """Writes the row of each of one group's lookups into its row of ``out``."""
+
+    @abc.abstractmethod
+    def fused_backward(self, *, sources: RowSources, row_ref: torch.Tensor,
+                       starts: torch.Tensor, rank: torch.Tensor,
+                       offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+                       feature_col: torch.Tensor, batch: int, dim: int, mean: bool,
+                       grad: torch.Tensor, update: OptimizerUpdate,
+                       error: Optional[torch.Tensor] = None,
+                       schedule: Optional[DeviceSchedule] = None,
+                       sums: Optional[torch.Tensor] = None) -> int:
+        """Sums each stored row's gradient and applies the optimizer to it in place
+        (``offsets`` None: sequence lookups). Rows with no lookup (padding) and rows
+        not stored are skipped. ``schedule`` (where ``counts_on_device``): the
+        learning rate and step count are read from device memory, not from
+        ``update``. ``sums`` (where ``free_host_reads``): (>= U, dim) float32, the
+        rows' gradients as ``sum_gradients`` wrote them for this batch; the update
+        reads them instead of summing ``grad`` again.
+
+        Returns:
+            Where ``free_host_reads``: how many unique rows' summed gradients (of
+            those not given in ``sums``) held NaN or inf; those rows and their
+            optimizer state are left unchanged. Elsewhere 0: gradient values are
+            not checked (a check would wait for the device).
+        """
+
+    def sum_gradients(self, *, starts: torch.Tensor, rank: torch.Tensor,
+                      offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+                      feature_col: torch.Tensor, batch: int, mean: bool,
+                      grad: torch.Tensor, out: torch.Tensor) -> int:
+        """The backward's first half, where ``free_host_reads``: out[u] = the summed
+        gradient of unique row u (U = starts.numel() - 1; the grouping of
+        ``fused_backward``), for every unique row.
+
+        Args:
+            out (Tensor): (>= U, dim) float32, written.
+
+        Returns:
+            How many rows' sums hold NaN or inf. A non-finite value of ``grad`` (or
+            of a weight) reaches the sum of every row that reads it, so a caller
+            that updates nothing when this is non-zero refuses the batch without a
+            pass of its own over ``grad``.
+
+        Raises:
+            NotImplementedError: on a backend whose count would wait for the device.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__}: the non-finite count of the summed gradients would "
+            "wait for the device; its step does not check gradient values")
+
+    @abc.abstractmethod
+    def per_sample_weight_grad(self, *, sources: RowSources, row_ref: torch.Tensor,
+                               inverse: torch.Tensor, offsets: torch.Tensor,
+                               feature_col: torch.Tensor, batch: int, dim: int,
+                               grad: torch.Tensor, out: torch.Tensor,
+                               error: Optional[torch.Tensor] = None) -> None:
+        """out[j] = <row of lookup j, gradient of its bag> for one group's lookups."""

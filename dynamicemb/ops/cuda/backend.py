@@ -1,0 +1,62 @@
+"""``CudaKernels`` (every kernel file's launches in one object, with the functions of
+the CPU extension) and ``CudaBackend``, the ``Backend`` verbs over them."""
+
+import torch
+
+from dynamicemb.ops.cuda.cache import CacheKernels
+from dynamicemb.ops.cuda.dedup import DedupKernels
+from dynamicemb.ops.cuda.embedding import EmbeddingKernels
+from dynamicemb.ops.cuda.hash_table import HashTableKernels
+from dynamicemb.ops.cuda.launch import MAX_DIM
+from dynamicemb.ops.cuda.memory import mapped_host_zeros
+from dynamicemb.ops.cuda.program import _source_digest, cuda_source_root
+from dynamicemb.ops.kernels import KernelBackend
+
+__all__ = ["CudaBackend", "CudaKernels"]
+
+
+class CudaKernels(HashTableKernels, CacheKernels, DedupKernels, EmbeddingKernels):
+    """The CUDA implementation of the kernel functions of the CPU extension.
+
+    Raises:
+        ImportError: when CuPy is missing or cannot compile for this machine.
+    """
+
+    def __init__(self) -> None:
+        try:
+            import cupy  # noqa: PLC0415 (an optional dependency)
+        except ImportError as err:
+            raise ImportError(
+                "dynamicemb's CUDA backend needs CuPy: pip install 'dynamicemb[cuda]' "
+                "(or cupy-cuda12x / cupy-cuda13x matching your CUDA driver)") from err
+        self._cupy = cupy
+        self._root = cuda_source_root()
+        self._digest = _source_digest(self._root)
+        self._modules = {}  # (device index, source) -> cupy.RawModule
+        self._functions = {}  # (device index, name) -> cupy.RawKernel
+        self._streams = {}  # torch stream pointer -> cupy stream
+
+
+class CudaBackend(KernelBackend):
+    """Kernels over CUDA tensors.
+
+    Raises:
+        ImportError: when CuPy is missing (the message says what to install).
+    """
+
+    #: The widest embedding a group may have (the fused update's shared memory).
+    max_dim = MAX_DIM
+    free_host_reads = False
+    counts_on_device = True
+
+    def __init__(self) -> None:
+        super().__init__(CudaKernels())
+
+    def zeros(self, shape, dtype, device):
+        return torch.zeros(tuple(shape), dtype=dtype, device=device)
+
+    def host_zeros(self, shape, dtype, device):
+        """Zeroed pinned host memory mapped into the GPU's address space (UVA), seen
+        as a CUDA tensor: kernels and torch ops read and write it in place over
+        the bus, and it counts against host memory, not the GPU's."""
+        return mapped_host_zeros(tuple(shape), dtype, device)

@@ -1,0 +1,121 @@
+"""The launches of ``csrc/cuda/dedup.cu``: the unique (table id, key) pairs of a batch."""
+
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+
+from dynamicemb.ops.cuda.launch import (KernelLauncher, _error_arg, _expect_batch, _i64,
+                                        _ptr)
+
+__all__ = ["DedupKernels"]
+
+
+class DedupKernels(KernelLauncher):
+    """The dedup verbs of ``CudaKernels``."""
+
+    def _first_positions(self, keys: torch.Tensor, tids: torch.Tensor, zeros: int = 0,
+                         part=None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(n,) int64 each: the first position of each position's (table id, key)
+        pair, and whether the position is that first one (1 or 0); and ``zeros``
+        int64 zeros for the caller, from the set's own fill (one launch for both).
+        ``part`` (``BatchPart``, or None): positions of other groups are left out
+        (first -1)."""
+        n = keys.numel()
+        if n >= 2 ** 31:
+            raise ValueError(f"dedup takes fewer than 2^31 keys, got {n}")
+        size = 16
+        while size < 2 * n:
+            size <<= 1
+        # the set's entries (int32, 0: empty) and the caller's zeros
+        zeroed = torch.zeros(size // 2 + zeros, dtype=torch.int64, device=keys.device)
+        table = zeroed[:size // 2].view(torch.int32)
+        where = torch.empty(n, dtype=torch.int64, device=keys.device)
+        first = torch.empty(n, dtype=torch.int64, device=keys.device)
+        is_first = torch.empty(n, dtype=torch.int64, device=keys.device)
+        self._launch("demb_dedup_insert", keys.device, n,
+                     [_ptr(keys), _ptr(tids), _i64(n), _ptr(table), _i64(size - 1), _ptr(where),
+                      _ptr(None if part is None else part.groups),
+                      _i64(0 if part is None else part.group)])
+        self._launch("demb_dedup_first", keys.device, n,
+                     [_ptr(table), _ptr(where), _i64(n), _ptr(first), _ptr(is_first)])
+        return first, is_first, zeroed[size // 2:]
+
+    def dedup(self, keys, tids, frequencies, group=False):
+        """Unique pairs in first-occurrence order: (keys, tids, inverse, counts,
+        starts, rank); starts and rank are empty unless ``group``."""
+        return self._dedup(keys, tids, frequencies, group)[0]
+
+    def padded_dedup(self, keys, tids, error, part=None):
+        """``dedup`` (not grouped) padded to the n keys: nothing read on the host."""
+        return self._dedup(keys, tids, None, False, padded=True, error=error, part=part)[0]
+
+    def _dedup(self, keys, tids, frequencies, grouped: bool, num_buckets: Optional[int] = None,
+               padded: bool = False, error: Optional[torch.Tensor] = None,
+               time: Optional[torch.Tensor] = None, part=None):
+        """``dedup``'s tuple, and with ``num_buckets`` each unique pair's bucket in a
+        table of that many buckets ((U,) int32, written by the numbering kernel:
+        an inserting pass needs no launch of its own to find them), else None.
+
+        ``padded``: the unique arrays have N entries (padding past the unique
+        count, which is not read: no sync); ``error``: the module's error word (a
+        refused batch has no unique pair); ``time``: counters the numbering kernel
+        advances by one unless the batch is refused (an empty batch too); ``part``
+        (``BatchPart``): the keys of other groups are left out (inverse -1)."""
+        _expect_batch(keys, tids)
+        n = keys.numel()
+        dev = keys.device
+        # zeros for the occurrences (U,), counted by atomics, and the grouping's
+        # starts (U + 1,) whose first entry is 0, U <= n
+        first, is_first, zeroed = self._first_positions(keys, tids,
+                                                        zeros=2 * n + 1 if grouped else n,
+                                                        part=part)
+        number = torch.cumsum(is_first, 0)  # pair first seen at i: number[i] - 1
+        if padded:  # the unique count is at most n
+            u = n
+        else:
+            u = int(number[-1]) if n else 0  # the dedup's one sync: the unique count
+        ukeys = torch.empty(u, dtype=torch.int64, device=dev)
+        utids = torch.empty(u, dtype=tids.dtype, device=dev)
+        inverse = torch.empty(n, dtype=torch.int64, device=dev)
+        occurrences = zeroed[:u]
+        buckets = (None if num_buckets is None
+                   else torch.empty(u, dtype=torch.int32, device=dev))
+        self._launch("demb_dedup_number", dev, n if time is None else max(n, 1), [
+            _ptr(keys), _ptr(tids), _ptr(first), _ptr(number), _i64(n), _ptr(ukeys),
+            _ptr(utids), _ptr(inverse), _ptr(occurrences), _i64(num_buckets or 0),
+            _ptr(buckets), np.bool_(padded), _error_arg(error), _ptr(time)])
+        counts = occurrences
+        left_out = error is not None or part is not None  # some inverse may be -1
+        if frequencies is not None:
+            # a refused batch's inverse is -1, and another group's key's: their
+            # frequencies go to an entry past the pairs
+            at = torch.where(inverse >= 0, inverse, u) if left_out else inverse
+            counts = torch.zeros(u + 1, dtype=torch.int64, device=dev).index_add_(
+                0, at, frequencies)[:u]
+        if not grouped:
+            empty = torch.empty(0, dtype=torch.int64, device=dev)
+            return (ukeys, utids, inverse, counts, empty, empty), buckets
+        # another group's keys must rank after the group's (a refused batch's may rank
+        # anywhere: it has no row to update)
+        starts, rank = self._group_by_unique(inverse, occurrences, zeroed[u:2 * u + 1],
+                                             part is not None)
+        return (ukeys, utids, inverse, counts, starts, rank), buckets
+
+    @staticmethod
+    def _group_by_unique(inverse: torch.Tensor, occurrences: torch.Tensor,
+                         starts: torch.Tensor,
+                         left_out: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The stable counting sort of ``inverse`` given each unique index's
+        occurrences (U,): starts (U + 1,; given with its first entry 0, filled
+        here), rank (N,). ``left_out``: keys with inverse -1 (another group's) rank
+        -1, after every key of the group in the sort."""
+        n = inverse.numel()
+        torch.cumsum(occurrences, 0, out=starts[1:])
+        key = torch.where(inverse >= 0, inverse, n) if left_out else inverse
+        order = torch.sort(key, stable=True).indices
+        rank = torch.empty(n, dtype=torch.int64, device=inverse.device)
+        rank[order] = torch.arange(n, device=inverse.device)
+        if left_out:  # another group's lookups place no gradient (rank -1)
+            rank = torch.where(inverse >= 0, rank, -1)
+        return starts, rank

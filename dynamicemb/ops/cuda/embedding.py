@@ -1,0 +1,170 @@
+"""The launches of ``csrc/cuda/embedding.cu``: the offsets check, row initializers,
+forward, the fused backward and the per-sample weights' gradient."""
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from dynamicemb.ops.codes import offsets_problem
+from dynamicemb.ops.cuda.launch import (PIECE_ENTRIES, KernelLauncher, _error_arg, _expect,
+                                        _expect_batch, _expect_init_spec, _i64, _ptr,
+                                        _row_args, _warps_per_update_block)
+
+__all__ = ["EmbeddingKernels"]
+
+
+class EmbeddingKernels(KernelLauncher):
+    """The embedding verbs of ``CudaKernels``."""
+
+    def check_offsets(self, offsets: torch.Tensor, num_indices: int,
+                      error: Optional[torch.Tensor] = None) -> Optional[int]:
+        """0, or the first problem: 1 first entry not 0, 2 last not num_indices,
+        3 decreasing. With ``error`` (the module's word): recorded there, not read
+        (None is returned)."""
+        if offsets.dtype != torch.int64:
+            raise TypeError(f"offsets has dtype {offsets.dtype}, expected torch.int64")
+        if offsets.numel() < 1:
+            raise ValueError("offsets must have at least one entry")
+        _expect(offsets, torch.int64, "offsets")
+        word = torch.zeros(1, dtype=torch.int64, device=offsets.device) if error is None else error
+        self._launch("demb_check_offsets", offsets.device, offsets.numel(), [
+            _ptr(offsets), _i64(offsets.numel() - 1), _i64(num_indices), _error_arg(word)])
+        if error is not None:
+            return None
+        return offsets_problem(int(word))  # a bad batch raises before any change: a sync
+
+    def init_rows(self, out, rows, keys, table, dim, mode, mean, std_dev, lower, upper,
+                  value, seed) -> None:
+        _expect(out, torch.float32, "out")
+        _expect(rows, torch.int64, "rows")
+        _expect(keys, torch.int64, "keys")
+        if out.dim() != 2 or out.size(1) < dim:
+            raise ValueError("out must be [R, >= dim]")
+        m = rows.numel()
+        self._launch("demb_init_rows", out.device, m * dim, [
+            _ptr(out), np.int64(out.size(1)), _ptr(rows), _ptr(keys), _i64(m), _i64(table),
+            _i64(dim), np.int32(mode), np.float32(mean), np.float32(std_dev),
+            np.float32(lower), np.float32(upper), np.float32(value),
+            np.uint64(int(seed) & 0xFFFFFFFFFFFFFFFF)])
+
+    def init_new_rows(self, values, slots, status, keys, tids, dim, spec,
+                      state_value) -> None:
+        """The full initial rows of the keys whose status is INSERTED or
+        EVICTED_AND_INSERTED (one thread per element; no count needed)."""
+        _expect(values, torch.float32, "values")
+        _expect(slots, torch.int64, "slots")
+        _expect(status, torch.int8, "status")
+        _expect_batch(keys, tids)
+        _expect_init_spec(spec)
+        n = slots.numel()
+        if status.numel() != n or keys.numel() != n or values.dim() != 2:
+            raise ValueError("slots, status and keys need one length; values [C, width]")
+        width = values.size(1)
+        self._launch("demb_init_new_rows", values.device, n * width, [
+            _ptr(values), np.int64(width), _ptr(slots), _ptr(status), _ptr(keys), _ptr(tids),
+            _i64(n), _i64(dim), _ptr(spec.ints), _ptr(spec.floats), np.float32(state_value)])
+
+    def pooled_forward(self, tiers, transient, row_slot, inverse, offsets, weights,
+                       feature_col, batch, dim, mean, out, init=None, error=None) -> None:
+        rows = _row_args(tiers, transient, row_slot, dim, init)
+        num_bags = offsets.numel() - 1
+        if num_bags != feature_col.numel() * batch:
+            raise ValueError("offsets must have num_features * batch + 1 entries")
+        self._launch("demb_pooled_forward", out.device, 32 * num_bags, rows + [
+            _ptr(inverse), _ptr(offsets), _ptr(weights), _ptr(feature_col), _i64(batch),
+            _i64(num_bags), np.bool_(mean), _ptr(out), np.int64(out.size(1)),
+            _error_arg(error)])
+
+    def sequence_forward(self, tiers, transient, row_slot, inverse, dim, out, init=None,
+                         error=None) -> None:
+        rows = _row_args(tiers, transient, row_slot, dim, init)
+        n = inverse.numel()
+        self._launch("demb_sequence_forward", out.device, n * dim,
+                     rows + [_ptr(inverse), _i64(n), _ptr(out), _error_arg(error)])
+
+    def fused_backward(self, tiers, row_slot, starts, rank, offsets, weights, feature_col,
+                       batch, dim, mean, grad, kind, lr, eps, beta1, beta2, weight_decay,
+                       step_size, bias_correction2_sqrt, decay_scale, error=None,
+                       schedule=None) -> None:
+        _expect(grad, torch.float32, "grad")
+        _expect(starts, torch.int64, "starts")
+        _expect(rank, torch.int64, "rank")
+        device_rows, host_rows = tiers
+        _row_args(tiers, device_rows[:0], row_slot, dim)  # checks only
+        num_unique = row_slot.numel()
+        if starts.numel() != num_unique + 1:
+            raise ValueError("starts must have one entry per unique row + 1")
+        pooled = offsets.numel() > 0
+        n = rank.numel()
+        # starts[-1] (the group's lookups) is at most n, the batch's lookups: the
+        # per-entry arrays are sized by that bound rather than read (a sync).
+        entries = n
+        dev = grad.device
+        # every entry the update reads (below starts[-1]) is placed: no zeroing
+        pos = torch.empty(entries, dtype=torch.int64, device=dev)
+        scale = torch.empty(entries, dtype=torch.float32, device=dev)
+        num_bags = offsets.numel() - 1 if pooled else 0
+        advance = schedule is not None and schedule.advance
+        if schedule is not None:
+            _expect(schedule.lr, torch.float64, "lr")
+            _expect(schedule.step, torch.int64, "step")
+        # the launch that advances the step count has a thread even for no bag
+        threads = num_bags if pooled else n
+        self._launch("demb_place_grads", dev, max(threads, 1) if advance else threads, [
+            _ptr(rank), _i64(n), _i64(entries), _ptr(offsets if pooled else None),
+            _ptr(weights), _ptr(feature_col), _i64(batch), _i64(num_bags), np.bool_(mean),
+            np.int64(grad.size(1)), _ptr(pos), _ptr(scale), _ptr(None), _error_arg(error),
+            _ptr(schedule.step if advance else None)])
+        # No counter of ranks outside [0, entries) (the kernel skips them): the
+        # group's own dedup makes rank, an internal invariant; reading a count back
+        # would be a sync, and zeroing one a launch.
+        first_piece, partial = self._piece_sums(starts, pos, scale, grad, dim, entries)
+        warps = _warps_per_update_block(dim)
+        self._launch("demb_fused_update", dev, 32 * num_unique, [
+            _ptr(device_rows), _ptr(host_rows), np.int64(device_rows.size(1)), _i64(dim),
+            _ptr(row_slot), _i64(num_unique), _ptr(starts), _ptr(pos), _ptr(scale),
+            _ptr(grad), _ptr(first_piece), _ptr(partial), np.int32(kind), np.float32(lr), np.float32(eps), np.float32(beta1),
+            np.float32(beta2), np.float32(weight_decay), np.float32(1.0 - beta1),
+            np.float32(1.0 - beta2), np.float32(step_size),
+            np.float32(bias_correction2_sqrt), np.float32(decay_scale),
+            _ptr(None if schedule is None else schedule.lr),
+            _ptr(None if schedule is None else schedule.step),
+            np.float64(beta1 if schedule is None else schedule.beta1),
+            np.float64(beta2 if schedule is None else schedule.beta2),
+            np.float64(0.0 if schedule is None else schedule.decoupled_decay)],
+            shared_mem=warps * int(dim) * 4, block=32 * warps)
+
+    def _piece_sums(self, starts, pos, scale, grad, dim, entries: int):
+        """Partial sums of the hot rows' pieces: (first_piece (U + 1,), partial
+        (pieces bound, dim)), or (None, None) when no row can be hot.
+
+        The number of pieces is not read on the host (a sync): a hot row has L >
+        PIECE_ENTRIES entries and ceil(L / PIECE_ENTRIES) < 2 L / PIECE_ENTRIES
+        pieces, so there are fewer than 2 entries / PIECE_ENTRIES in all. The
+        kernel grids over that bound and finds each piece's row itself.
+        """
+        bound = 2 * entries // PIECE_ENTRIES
+        if bound == 0:
+            return None, None
+        num_unique = starts.numel() - 1
+        pieces = torch.empty(num_unique, dtype=torch.int64, device=grad.device)
+        first_piece = torch.empty_like(starts)
+        self._launch("demb_piece_counts", grad.device, max(num_unique, 1), [
+            _ptr(starts), _i64(num_unique), _i64(PIECE_ENTRIES), _ptr(pieces),
+            _ptr(first_piece)])
+        torch.cumsum(pieces, 0, out=first_piece[1:])
+        partial = torch.empty(bound, int(dim), dtype=torch.float32, device=grad.device)
+        self._launch("demb_piece_sums", grad.device, 32 * bound, [
+            _ptr(starts), _ptr(first_piece), _i64(num_unique), _i64(PIECE_ENTRIES),
+            _i64(bound), _ptr(pos), _ptr(scale), _ptr(grad), _i64(dim), _ptr(partial)])
+        return first_piece, partial
+
+    def per_sample_weight_grad(self, tiers, transient, row_slot, inverse, offsets,
+                               feature_col, batch, dim, grad, out, init=None,
+                               error=None) -> None:
+        rows = _row_args(tiers, transient, row_slot, dim, init)
+        num_bags = offsets.numel() - 1
+        self._launch("demb_per_sample_weight_grad", out.device, 32 * num_bags, rows + [
+            _ptr(inverse), _ptr(offsets), _ptr(feature_col), _i64(batch), _i64(num_bags),
+            _ptr(grad), np.int64(grad.size(1)), _ptr(out), _error_arg(error)])

@@ -1,0 +1,210 @@
+"""The launches of ``csrc/cuda/hash_table.cu``: hashing, find, the inserting pass (with
+its dedup first, or padded), unpin, undo, growth, erase and the TTL sweep."""
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from dynamicemb.ops.cuda.launch import (_MAX_BUCKET_CAPACITY, _NUM_OUTCOMES, KernelLauncher,
+                                        _expect, _expect_batch, _i64, _ptr, _table_args)
+from dynamicemb.ops.kernels import DeferredCount
+
+__all__ = ["HashTableKernels"]
+
+
+class HashTableKernels(KernelLauncher):
+    """The hash table verbs of ``CudaKernels``."""
+
+    def hash_keys(self, keys: torch.Tensor, tids: torch.Tensor) -> torch.Tensor:
+        _expect_batch(keys, tids)
+        out = torch.empty_like(keys)
+        self._launch("demb_hash_keys", keys.device, keys.numel(),
+                     [_ptr(keys), _ptr(tids), _i64(keys.numel()), _ptr(out)])
+        return out
+
+    def find(self, meta, bc, keys, tids, single_table) -> torch.Tensor:
+        _expect_batch(keys, tids)
+        slots = torch.empty_like(keys)
+        self._launch("demb_find", keys.device, keys.numel(),
+                     _table_args(meta, bc) + [_ptr(keys), _ptr(tids), _i64(keys.numel()),
+                                              np.bool_(single_table), _ptr(slots)])
+        return slots
+
+    def upsert(self, meta, bc, keys, tids, given, rule, now, evicts, can_grow, one_table,
+               pending, slots, status, prev_scores, ev_keys, ev_tids, ev_scores,
+               outcomes, buckets: Optional[torch.Tensor] = None,
+               now_at: Optional[torch.Tensor] = None,
+               size: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One inserting pass over keys[pending] (``pending=None``: every key, without
+        building the positions; ``buckets``: their buckets, when the caller has
+        them; ``now_at``: the time in device memory, instead of ``now``; ``size``:
+        the table's size in device memory, which the pass advances); returns
+        the deferred positions, or while the table may grow a ``DeferredCount``
+        (their number stays on the device until the caller reads it with the
+        outcomes)."""
+        _expect_batch(keys, tids)
+        if pending is not None:
+            _expect(pending, torch.int64, "pending")
+        _expect(outcomes, torch.int64, "outcomes")
+        if outcomes.numel() != _NUM_OUTCOMES:
+            raise ValueError(f"outcomes must hold {_NUM_OUTCOMES} counts")
+        if rule != 0 and given is None:
+            raise ValueError("the count and given-score rules need scores")
+        if bc > _MAX_BUCKET_CAPACITY:
+            raise ValueError(f"the CUDA backend inserts into buckets of at most "
+                             f"{_MAX_BUCKET_CAPACITY} slots, got bucket_capacity={bc}")
+        m = keys.numel() if pending is None else pending.numel()
+        if m == 0:
+            return torch.empty(0, dtype=torch.int64, device=keys.device)
+        table = _table_args(meta, bc)
+        if buckets is None:
+            buckets = torch.empty(m, dtype=torch.int32, device=keys.device)
+            self._launch("demb_buckets_of", keys.device, m, [
+                _ptr(keys), _ptr(tids), _ptr(pending), _i64(m), table[5], _ptr(buckets)])
+        elif pending is not None or buckets.shape != (m,) or buckets.dtype != torch.int32:
+            raise ValueError("buckets are given for every key of a pass: (m,) int32, "
+                             "pending=None")
+        sorted_buckets, perm = torch.sort(buckets, stable=True)
+        order = perm if pending is None else pending[perm]
+        # The kernel adds to the caller's outcome counts (on the device: read once by
+        # the caller), and counts deferred keys only while the table may grow (no
+        # key is deferred otherwise).
+        deferred = torch.zeros(1, dtype=torch.int64, device=keys.device) if can_grow else None
+        self._launch("demb_upsert", keys.device, 32 * m, table + [
+            _ptr(keys), _ptr(tids), _ptr(given), np.int32(rule), np.uint64(now),
+            np.bool_(evicts), np.bool_(can_grow), np.bool_(one_table), _ptr(sorted_buckets),
+            _ptr(order), _i64(m), _ptr(slots), _ptr(status), _ptr(prev_scores),
+            _ptr(ev_keys), _ptr(ev_tids), _ptr(ev_scores), _ptr(outcomes), _ptr(deferred),
+            _ptr(now_at), _ptr(size)])
+        if deferred is None:
+            return torch.empty(0, dtype=torch.int64, device=keys.device)
+        # how many were deferred is read by the caller with the outcome counts
+        return DeferredCount(deferred, pending,
+                             status[:keys.numel()] if pending is None else status)
+
+    def dedup_upsert(self, meta, bc, keys, tids, frequencies, now, evicts, can_grow,
+                     one_table, slots, status, prev_scores, ev_keys, ev_tids, ev_scores,
+                     outcomes):
+        """``dedup`` (grouped) then a first clock-rule pass over the unique keys."""
+        table = _table_args(meta, bc)
+        unique, buckets = self._dedup(keys, tids, frequencies, True, num_buckets=int(table[5]))
+        ukeys, utids, inverse, counts, starts, rank = unique
+        deferred = self.upsert(meta, bc, ukeys, utids, None, 0, now, evicts, can_grow,
+                               one_table, None, slots, status, prev_scores, ev_keys,
+                               ev_tids, ev_scores, outcomes, buckets=buckets)
+        return ukeys, utids, inverse, counts, starts, rank, deferred
+
+    def padded_dedup_upsert(self, meta, bc, keys, tids, frequencies, rule, time, now_index,
+                            evicts, one_table, error, outcomes, size, part=None):
+        """``dedup`` (grouped) padded to the n keys, then one inserting pass over them
+        into a table that cannot grow (so no key is deferred): nothing is read on
+        the host. The numbering kernel advances ``time`` (the table's clock and
+        step, (2,) int64) unless the batch is refused, and the pass reads its time
+        from ``time[now_index]``; ``rule`` 0 scores by it, a count rule by the
+        dedup's counts. The pass adds its outcome counts to ``outcomes`` (4,) and its
+        inserts into empty slots to ``size`` (1,).
+
+        Returns:
+            (ukeys, utids, inverse, counts, starts, rank, slots, status, prev_scores,
+            ev_keys, ev_tids, ev_scores): the per-key arrays have n entries; padding
+            gets slot -1 and status FAILED and is counted nowhere.
+        """
+        table = _table_args(meta, bc)
+        _expect(time, torch.int64, "time")
+        _expect(outcomes, torch.int64, "outcomes")
+        if time.numel() != 2 or now_index not in (0, 1):
+            raise ValueError("time holds a clock and a step; now_index picks one")
+        n = keys.numel()
+        unique, buckets = self._dedup(keys, tids, frequencies, True, num_buckets=int(table[5]),
+                                      padded=True, error=error, time=time, part=part)
+        ukeys, utids, inverse, counts, starts, rank = unique
+        outs = [torch.empty(n, dtype=dtype, device=keys.device) for dtype in (
+            torch.int64, torch.int8, torch.int64, torch.int64, torch.int16, torch.int64)]
+        given = None if rule == 0 else counts
+        self.upsert(meta, bc, ukeys, utids, given, rule, 0, evicts, False, one_table, None,
+                    *outs, outcomes, buckets=buckets, now_at=time[now_index:now_index + 1],
+                    size=size)
+        return (ukeys, utids, inverse, counts, starts, rank, *outs)
+
+    def padded_upsert(self, meta, bc, keys, tids, scores, rule, evicts, one_table, buckets,
+                      outcomes, size):
+        """One inserting pass over unique keys with their buckets given (kNoBucket:
+        skipped, slot -1, FAILED, counted nowhere) into a table that cannot grow;
+        ``outcomes`` (4,) and ``size`` (1,) advance on the device. Returns (slots,
+        status, prev_scores, ev_keys, ev_tids, ev_scores), (n,) each."""
+        _expect(buckets, torch.int32, "buckets")
+        _expect(outcomes, torch.int64, "outcomes")
+        n = keys.numel()
+        outs = [torch.empty(n, dtype=dtype, device=keys.device) for dtype in (
+            torch.int64, torch.int8, torch.int64, torch.int64, torch.int16, torch.int64)]
+        self.upsert(meta, bc, keys, tids, scores, rule, 0, evicts, False, one_table, None,
+                    *outs, outcomes, buckets=buckets, size=size)
+        return tuple(outs)
+
+    def erase_where(self, meta, bc, keys, tids, status, which, erased, size) -> None:
+        """Erases keys[i] where status[i] == which; erased (1,) += and size (1,) -= the
+        keys found."""
+        _expect_batch(keys, tids)
+        _expect(status, torch.int8, "status")
+        _expect(erased, torch.int64, "erased")
+        _expect(size, torch.int64, "size")
+        self._launch("demb_erase_where", keys.device, keys.numel(), _table_args(meta, bc) + [
+            _ptr(keys), _ptr(tids), _ptr(status), np.int32(which), _i64(keys.numel()),
+            _ptr(erased), _ptr(size)])
+
+
+    def unpin(self, meta, bc, slots) -> None:
+        _expect(slots, torch.int64, "slots")
+        self._launch("demb_unpin", slots.device, slots.numel(),
+                     _table_args(meta, bc) + [_ptr(slots), _i64(slots.numel())])
+
+    def undo_upsert(self, meta, bc, slots, status, prev_scores, ev_keys, ev_tids,
+                    ev_scores) -> None:
+        """Reverts an inserting call, all slots at once: each slot by the oldest key
+        that touched it (a stable sort by slot finds it), whose record holds the
+        slot as it was before the call."""
+        _expect(slots, torch.int64, "slots")
+        by_slot, order = torch.sort(slots, stable=True)
+        oldest = torch.ones_like(by_slot, dtype=torch.bool)
+        torch.ne(by_slot[1:], by_slot[:-1], out=oldest[1:])
+        keep = torch.empty_like(oldest)
+        keep[order] = oldest
+        self._launch("demb_undo_upsert", slots.device, slots.numel(), _table_args(meta, bc) + [
+            _ptr(torch.where(keep, slots, -1)), _ptr(status), _ptr(prev_scores), _ptr(ev_keys),
+            _ptr(ev_tids), _ptr(ev_scores), _i64(slots.numel())])
+
+    def grow(self, old_meta, new_meta, bc) -> torch.Tensor:
+        old = _table_args(old_meta, bc)
+        new = _table_args(new_meta, bc)
+        if new[5] != 2 * old[5]:
+            raise ValueError("grow doubles the bucket count")
+        moved = torch.empty(old_meta[0].numel(), dtype=torch.int64, device=old_meta[0].device)
+        self._launch("demb_grow", moved.device, moved.numel(), old + new[:5] + [_ptr(moved)])
+        return moved
+
+    def erase(self, meta, bc, keys, tids) -> torch.Tensor:
+        """Erases each key once: a key given twice is erased by its first occurrence."""
+        _expect_batch(keys, tids)
+        _, is_first, _ = self._first_positions(keys, tids)
+        positions = is_first.nonzero().squeeze(1)
+        ukeys, utids = keys[positions], tids[positions]
+        erased_unique = torch.empty(ukeys.numel(), dtype=torch.bool, device=keys.device)
+        self._launch("demb_erase", keys.device, ukeys.numel(), _table_args(meta, bc) + [
+            _ptr(ukeys), _ptr(utids), _i64(ukeys.numel()), _ptr(erased_unique)])
+        erased = torch.zeros(keys.numel(), dtype=torch.bool, device=keys.device)
+        erased[positions] = erased_unique
+        return erased
+
+    def expire(self, meta, bc, time_mask, before) -> torch.Tensor:
+        """TTL sweep: empties slots last accessed before ``before``; (capacity,) bool."""
+        if before < 0:
+            raise ValueError(f"before must be >= 0, got {before}")
+        expired = torch.empty(meta[2].numel(), dtype=torch.bool, device=meta[2].device)
+        self._launch("demb_expire", expired.device, expired.numel(), _table_args(meta, bc) + [
+            np.uint64(time_mask & 0xFFFFFFFFFFFFFFFF), np.uint64(before), _ptr(expired)])
+        return expired
+
+    def occupied_slots(self, meta, bc, start, end) -> torch.Tensor:
+        """Occupied slots of [start, end), ascending (digest 0 marks an empty slot)."""
+        return (meta[3][start:end] != 0).nonzero().squeeze(1) + start

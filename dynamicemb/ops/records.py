@@ -1,0 +1,265 @@
+"""The records that cross the backend seam: a table's memory, the results of the
+verbs (NamedTuples) and the packed arguments of the embedding kernels.
+"""
+
+from dataclasses import dataclass
+from typing import List, NamedTuple, Optional
+
+import torch
+
+from dynamicemb.options import DynamicEmbOptimType
+
+__all__ = [
+    "BatchPart",
+    "Deduplicated",
+    "DeviceSchedule",
+    "Entries",
+    "InitRows",
+    "InitSpec",
+    "OptimizerUpdate",
+    "PromotionPlan",
+    "RowSources",
+    "TableMemory",
+    "Upserted",
+]
+
+
+@dataclass
+class TableMemory:
+    """The tensors of one hash table (layout: ``csrc/dynamicemb/hash_primitives.h``).
+
+    A backend's ``grow`` replaces them; callers hold the ``TableMemory``, not its
+    tensors, across calls that may grow.
+
+    Attributes:
+        meta: [keys, scores, tids, digests, occupied, pinned]; keys and scores are
+            the two columns of one (capacity, 2) int64 array.
+        values: (capacity, value_dim) value rows, indexed by slot.
+        num_buckets: a power of two.
+        max_num_buckets: the most buckets growth may reach.
+        bucket_capacity: slots per bucket, a multiple of 16.
+        values_in_host_memory: ``values`` is host memory the backend's kernels read
+            and write in place (``Backend.host_zeros``); growth keeps it there.
+    """
+
+    meta: List[torch.Tensor]
+    values: torch.Tensor
+    num_buckets: int
+    max_num_buckets: int
+    bucket_capacity: int
+    values_in_host_memory: bool = False
+
+    def __post_init__(self) -> None:
+        # The probes load 16 digests at a time (the CPU's SIMD match, the GPU's
+        # 16-byte loads) from a 16-slot group of a bucket.
+        if len(self.meta) != 6:
+            raise ValueError(f"meta must hold 6 tensors, got {len(self.meta)}")
+        if self.meta[3].data_ptr() % 16:
+            raise ValueError("the digests array must be 16-byte aligned (the probes load "
+                             "16 digests at a time)")
+
+    @property
+    def capacity(self) -> int:
+        return self.num_buckets * self.bucket_capacity
+
+    @property
+    def can_grow(self) -> bool:
+        return self.num_buckets < self.max_num_buckets
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.meta[0]
+
+    @property
+    def scores(self) -> torch.Tensor:
+        return self.meta[1]
+
+    @property
+    def table_ids(self) -> torch.Tensor:
+        return self.meta[2]
+
+    @property
+    def digests(self) -> torch.Tensor:
+        return self.meta[3]
+
+
+class Upserted(NamedTuple):
+    """What an inserting verb decided, per key, in final slots (after any growth).
+
+    Shape:
+        slots: (n,) int64, -1 where the insert failed; status: (n,) int8
+        ``InsertStatus``; prev_scores: (n,) the score a hit replaced (for undo);
+        ev_keys, ev_tids, ev_scores: (n,) the entry a key evicted, where
+        status is EVICTED_AND_INSERTED. hits, inserted, evicted, failed count the
+        statuses; growths counts the doublings the verb did for full buckets. A
+        padded verb (``Backend.padded_dedup_upsert``) adds them to totals in device
+        memory instead: the four ints are then None.
+    """
+
+    slots: torch.Tensor
+    status: torch.Tensor
+    prev_scores: torch.Tensor
+    ev_keys: torch.Tensor
+    ev_tids: torch.Tensor
+    ev_scores: torch.Tensor
+    hits: Optional[int]
+    inserted: Optional[int]
+    evicted: Optional[int]
+    failed: Optional[int]
+    growths: int
+
+
+class Deduplicated(NamedTuple):
+    """The unique (table id, key) pairs of a batch, in first-occurrence order.
+
+    Shape:
+        keys: (U,) int64; table_ids: (U,) int16; inverse: (N,) int64, the unique
+        index of each of the batch's N keys; counts: (U,) int64, the summed
+        frequencies of each pair's keys (1 per key when none are given);
+        starts: (U + 1,) int64 and rank: (N,) int64, the batch's keys grouped by
+        pair (a stable sort by ``inverse``): the keys of pair u have ranks
+        ``starts[u]`` to ``starts[u + 1] - 1``, in input order (what a fused
+        backward walks); None when grouping was not asked for.
+
+        Padded (``Backend.padded_dedup_upsert``): keys, table_ids and counts have N
+        entries, the first U the unique pairs and the rest padding (key 0, table 0,
+        count 0, no lookup; an inserting pass gives them slot -1 and counts
+        nothing), starts N + 1; U stays on the device.
+    """
+
+    keys: torch.Tensor
+    table_ids: torch.Tensor
+    inverse: torch.Tensor
+    counts: torch.Tensor
+    starts: Optional[torch.Tensor]
+    rank: Optional[torch.Tensor]
+
+
+class Entries(NamedTuple):
+    """Stored entries with their rows: what an inserting call evicted (in input order
+    of the keys that evicted them) or what an export read (in slot order).
+
+    Shape:
+        keys, table_ids, scores, slots: (m,) int64; values: (m, value_dim).
+    """
+
+    keys: torch.Tensor
+    table_ids: torch.Tensor
+    scores: torch.Tensor
+    slots: torch.Tensor
+    values: torch.Tensor
+
+
+class InitSpec(NamedTuple):
+    """The initializers of a group's logical tables, packed for the kernels.
+
+    Shape:
+        ints: (T, 3) int64 (stream, mode code, seed) and floats: (T, 5) float32
+        (mean, std_dev, lower, upper, value), one row per local table id.
+    """
+
+    ints: torch.Tensor
+    floats: torch.Tensor
+
+
+class InitRows(NamedTuple):
+    """Rows that kernels compute where they read them: on a backend that counts on
+    the device, a unique key without a stored row (a negative row reference: its
+    insert failed) reads its table's initializer's row, so a step needs no count of
+    such keys and no transient rows.
+
+    Shape:
+        keys: (U,) int64 and table_ids: (U,) int16, the unique keys the references
+        belong to; spec: their tables' initializers.
+    """
+
+    keys: torch.Tensor
+    table_ids: torch.Tensor
+    spec: InitSpec
+
+
+class RowSources(NamedTuple):
+    """Where the rows a lookup references live (``row_ref.h``).
+
+    Shape:
+        device: (C, width) the device tier's values; host: (H, width) the host
+        store's values (empty when one tier holds everything); transient: (T, dim)
+        this batch's transient rows; init: rows computed from the initializers
+        instead (``InitRows``; then there are no transient rows), or None.
+    """
+
+    device: torch.Tensor
+    host: torch.Tensor
+    transient: torch.Tensor
+    init: Optional[InitRows] = None
+
+
+class BatchPart(NamedTuple):
+    """The keys of a batch a padded call takes: those of one group of a module (the
+    module's groups share one batch, each with its own table).
+
+    Attributes:
+        groups: (N,) int64, the group of each key of the batch.
+        group: the call's group; the other keys are left out (inverse -1, no lookup).
+    """
+
+    groups: torch.Tensor
+    group: int
+
+
+class PromotionPlan(NamedTuple):
+    """A padded batch's promotion into a cache, on the device (``Backend.promotion_plan``).
+
+    Shape:
+        cache_slots: (n,) int64, each unique key's cache slot before the promotion
+        (-1: not there); plan: (4,) int64, the hits, misses and hot misses counted
+        and the number of keys the cache call takes; rank: (n,) int64, the
+        promotion order (larger first, ties in batch order).
+    """
+
+    cache_slots: torch.Tensor
+    plan: torch.Tensor
+    rank: torch.Tensor
+
+
+class DeviceSchedule(NamedTuple):
+    """The scalars of an update that change from step to step, in device memory, so
+    that a step can be replayed (a CUDA graph) and still follow them: the kernel
+    computes Adam's step size and bias correction and the decoupled decay's scale
+    from them, in double as the host does (``OptimizerUpdate``).
+
+    Attributes:
+        lr: (1,) float64, the learning rate.
+        step: (1,) int64, the optimizer's step count; the backward advances it
+            first when ``advance`` (Adam), unless its batch was refused.
+        advance: whether the backward counts itself in ``step``.
+        beta1, beta2: Adam's betas, exactly.
+        decoupled_decay: the decoupled weight decay (0.0: none).
+    """
+
+    lr: torch.Tensor
+    step: torch.Tensor
+    advance: bool
+    beta1: float
+    beta2: float
+    decoupled_decay: float
+
+
+class OptimizerUpdate(NamedTuple):
+    """One backward's optimizer settings (``optimizer_params``, optimizer_primitives.h).
+
+    ``step_size`` and ``bias_correction2_sqrt`` are Adam's for this step (lr and 1.0
+    for the others). Weight decay is L2 through ``weight_decay`` (added to the
+    gradient) or decoupled through ``decay_scale`` (``1 - lr * weight_decay``, the
+    row is scaled by it before the update); the unused form is 0.0 or 1.0.
+    """
+
+    optimizer: DynamicEmbOptimType
+    lr: float
+    eps: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+    step_size: float
+    bias_correction2_sqrt: float
+    decay_scale: float = 1.0
