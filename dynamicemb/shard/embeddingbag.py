@@ -33,6 +33,7 @@ from dynamicemb.shard.rw_dedup_sharding import (
     dedup_applies,
 )
 from dynamicemb.shard.rw_sharding import DynamicEmbRwPooledEmbeddingSharding
+from dynamicemb.shard.replicas import check_replica_plan
 from dynamicemb.shard.state_dict import register_state_hooks
 from dynamicemb.shard.tw_sharding import DynamicEmbTwPooledEmbeddingSharding
 
@@ -53,6 +54,7 @@ class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def __init__(self, module: EmbeddingBagCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
                  env: ShardingEnv, *args: Any, **kwargs: Any) -> None:
         check_dynamic_plan(table_name_to_parameter_sharding)
+        check_replica_plan(table_name_to_parameter_sharding, pooled=True)
         self.id_counters = IdCounters(env.world_size)
         super().__init__(module, table_name_to_parameter_sharding, env, *args, **kwargs)
         register_state_hooks(self, "embedding_bags")

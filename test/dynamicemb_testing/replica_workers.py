@@ -1,0 +1,191 @@
+"""Rank bodies of the hot-row replica tests (spawned; importable, no pytest here).
+
+Two sharded models are built from the same EmbeddingCollection, options and
+initializer (rows are f(seed, table, key)): one without replicas, one with. Both
+train on the same per-rank batches of power-law ids (hot ids on every rank); their
+outputs and trained rows are compared at every step and at the end.
+"""
+
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec import EmbeddingCollection, EmbeddingConfig
+from torchrec.distributed.comm import get_local_size
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+from torchrec.distributed.types import ShardingPlan
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynamicemb import DynamicEmbInitializerArgs, DynamicEmbScoreStrategy, DynamicEmbTableOptions
+from dynamicemb.planner import to_dynamic_sharding
+from dynamicemb.shard import DynamicEmbeddingCollectionSharder, get_dynamic_tables, owner_rank, refresh_replicas
+from dynamicemb.shard.replicas import replica_sets
+from dynamicemb_testing.shard_workers import EcModel
+
+CPU = torch.device("cpu")
+BATCH = 16
+# name -> (rows, features, sharding, replicas); "t_static" is TorchRec's own row-wise table
+TABLES = {"t_hot": (4096, ["a", "b"], "row_wise", 8), "t_frac": (4096, ["c"], "row_wise", 0.05),
+          "t_plain": (4096, ["d"], "row_wise", 0), "t_tw": (512, ["e"], "table_wise", 0),
+          "t_static": (64, ["f"], None, 0)}
+DIM = 8
+OPTIMIZERS = {
+    "rowwise_adagrad": {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05,
+                        "eps": 1e-8},
+    "adam": {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.02, "eps": 1e-8, "beta1": 0.8,
+             "beta2": 0.95, "weight_decay": 0.01},
+}
+# float32 rounding of a hot row's summed gradient: (g0 + g1 + ...) / W against
+# g0 / W + g1 / W + ..., carried through the optimizer; rows are ~0.1
+ATOL, RTOL = 1e-6, 1e-5
+
+
+def _options(name: str, rows: int, replicas) -> DynamicEmbTableOptions:
+    init = DynamicEmbInitializerArgs(mode="normal", mean=0.0, std_dev=0.1, seed=5)
+    return DynamicEmbTableOptions(dim=DIM, max_capacity=rows, initializer_args=init,
+                                  score_strategy=DynamicEmbScoreStrategy.LFU, replicas=replicas)
+
+
+def tables_for(fused: Dict) -> Dict:
+    """The tables: TorchRec's CPU kernels have no Adam, so no static table with it."""
+    static = fused["optimizer"] != EmbOptimType.ADAM
+    return {n: spec for n, spec in TABLES.items() if static or spec[2] is not None}
+
+
+def build(world_size: int, fused: Dict, with_replicas: bool, dedup: bool = True) -> DistributedModelParallel:
+    """The model on ``world_size`` ranks, with the tables' replicas or none (the
+    static table's TorchRec init drawn from one seed)."""
+    torch.manual_seed(0)
+    tables = tables_for(fused)
+    ec = EmbeddingCollection(tables=[
+        EmbeddingConfig(name=n, num_embeddings=r, embedding_dim=DIM, feature_names=f)
+        for n, (r, f, _, _) in tables.items()], device=torch.device("meta"))
+    model = EcModel(ec)
+    sharder = DynamicEmbeddingCollectionSharder(fused_params=fused, use_index_dedup=dedup)
+    helpers = {n: table_wise(rank=world_size - 1, compute_kernel="fused") if st == "table_wise"
+               else row_wise(compute_kernel="fused") for n, (_, _, st, _) in tables.items()}
+    plan = construct_module_sharding_plan(ec, helpers, sharder=sharder, local_size=get_local_size(world_size),
+                                          world_size=world_size, device_type="cpu")
+    for n, (rows, _, st, replicas) in tables.items():
+        if st is not None:
+            plan[n] = to_dynamic_sharding(plan[n], _options(n, rows, replicas if with_replicas else 0))
+    return DistributedModelParallel(model, plan=ShardingPlan({"ec": plan}), sharders=[sharder], device=CPU)
+
+
+def power_law_batch(step: int, rank: int, tables: Dict = TABLES) -> KeyedJaggedTensor:
+    """Rank ``rank``'s batch at ``step``: 0-3 ids per sample and feature, Zipf-like
+    (id ``i`` drawn with weight 1 / (i + 1)), some negative, so a few ids are hot on
+    every rank. Static table ids stay below its 64 rows."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    weights = 1.0 / torch.arange(1, 2001, dtype=torch.float64)
+    keys, lengths, values = [], [], []
+    for name, (rows, features, st, _) in tables.items():
+        for f in features:
+            length = torch.randint(0, 4, (BATCH,), generator=g)
+            ids = torch.multinomial(weights, int(length.sum()), replacement=True, generator=g)
+            if st is None:
+                ids = ids % rows
+            elif f in ("b", "c"):
+                ids = torch.where(ids % 3 == 0, -ids - 7, ids)
+            keys.append(f)
+            lengths.append(length)
+            values.append(ids)
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+
+
+def _step(dmp, step: int, rank: int, tables: Dict = TABLES) -> Dict[str, torch.Tensor]:
+    out = dmp(power_law_batch(step, rank, tables))
+    loss = sum(((out[f].values() - 0.1 * (i + 1)) ** 2).sum() for i, f in enumerate(out.keys()))
+    loss.backward()
+    return {f: out[f].values().detach() for f in out.keys()}
+
+
+def all_rows(dmp, world_size: int) -> Dict[str, Dict[int, torch.Tensor]]:
+    """Every rank's rows (embedding | optimizer state) of the dynamic tables, after
+    checking that each rank holds only rows it owns (owner rows only)."""
+    rank = dist.get_rank()
+    mine = {}
+    for name, module in get_dynamic_tables(dmp).items():
+        rows = module.export_keys_values(name)
+        if TABLES[name][2] == "row_wise":
+            owners = owner_rank(rows.keys, world_size)
+            assert bool((owners == rank).all()), f"{name}: rank {rank} holds rows it does not own"
+        mine[name] = dict(zip(rows.keys.tolist(), torch.cat([rows.embeddings, rows.optimizer_states], 1)))
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    return {n: {k: v for part in gathered for k, v in part.get(n, {}).items()}
+            for n in mine}
+
+
+def _sent_off_rank(dmp, rank: int) -> int:
+    counters = dmp.module.ec.id_counters
+    return sum(int(s.sum()) - int(s[rank]) for s in counters.sent.values())
+
+
+def replicas_train_like_no_replicas(rank: int, world_size: int, optimizer: str, dedup: bool = True,
+                                    steps: int = 6) -> None:
+    """Outputs at every step and trained rows (embeddings and optimizer states) of
+    the model with replicas equal those without, within float32 rounding; fewer ids
+    cross the all-to-all; replicated ids are the same on every rank."""
+    fused = OPTIMIZERS[optimizer]
+    plain, replicated = build(world_size, fused, False, dedup), build(world_size, fused, True, dedup)
+    sent = {"plain": 0, "replicated": 0}
+    served = 0
+    for step in range(steps):
+        if step == 1:  # from the owners' LFU scores
+            chosen = refresh_replicas(replicated)
+            assert chosen["t_hot"] == 8 and 0 < chosen["t_frac"] < 400, chosen
+        if step == 3:  # given: hot ids, an id no one looks up, one never seen
+            refresh_replicas(replicated, {"t_hot": torch.tensor([0, 1, 2, -10, 10**15])})
+        for model in (plain, replicated):
+            model.module.ec.id_counters.reset()
+        tables = tables_for(fused)
+        want, got = _step(plain, step, rank, tables), _step(replicated, step, rank, tables)
+        for f in want:
+            torch.testing.assert_close(got[f], want[f], atol=ATOL, rtol=RTOL, msg=f"step {step} feature {f}")
+        sent["plain"] += _sent_off_rank(plain, rank)
+        sent["replicated"] += _sent_off_rank(replicated, rank)
+        served += replicated.module.ec.id_counters.replicated
+    _check_same_everywhere(replicated)
+    want, got = all_rows(plain, world_size), all_rows(replicated, world_size)
+    for name in want:
+        assert got[name].keys() == want[name].keys(), (name, set(got[name]) ^ set(want[name]))
+        for key, row in want[name].items():
+            torch.testing.assert_close(got[name][key], row, atol=ATOL, rtol=RTOL, msg=f"{name} key {key}")
+    assert served > 0 and sent["replicated"] < sent["plain"], (served, sent)
+
+
+def _check_same_everywhere(dmp) -> None:
+    ids = torch.cat([s.ids for s in replica_sets(dmp)])
+    gathered = [torch.zeros_like(ids) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, ids)
+    assert all(torch.equal(g, ids) for g in gathered), "replicated ids differ between ranks"
+
+
+def eval_and_refusals(rank: int, world_size: int, path: Optional[str] = None) -> None:
+    """Eval (no grad) with replicas gives the outputs of no replicas; bad refreshes
+    are refused and change nothing."""
+    fused = OPTIMIZERS["rowwise_adagrad"]
+    plain, replicated = build(world_size, fused, False), build(world_size, fused, True)
+    for step in range(2):
+        _step(plain, step, rank)
+        _step(replicated, step, rank)
+    refresh_replicas(replicated)
+    before = torch.cat([s.ids for s in replica_sets(replicated)])
+    for bad in ({"t_plain": torch.tensor([1])}, {"nope": torch.tensor([1])}):
+        try:
+            refresh_replicas(replicated, bad)
+        except ValueError as err:
+            assert "have no replicas" in str(err), str(err)
+        else:
+            raise AssertionError(f"refresh_replicas accepted {bad}")
+    assert torch.equal(torch.cat([s.ids for s in replica_sets(replicated)]), before)
+    for model in (plain, replicated):
+        model.eval()
+    with torch.no_grad():
+        batch = power_law_batch(50, rank)
+        want, got = plain(batch), replicated(batch)
+        for f in want.keys():
+            torch.testing.assert_close(got[f].values(), want[f].values(), atol=0, rtol=0)
