@@ -21,7 +21,9 @@ def spawns(tmp_path_factory):
     spawns = SharedSpawns(str(tmp_path_factory.mktemp("replicas")))
     spawns.run(2, [(f"train-{o}-{d}", replica_workers.replicas_train_like_no_replicas, (o, d))
                    for o, d in TWO_RANKS]
-               + [("eval", replica_workers.eval_and_refusals, ())])
+               + [("eval", replica_workers.eval_and_refusals, ()),
+                  ("checkpoint", replica_workers.checkpoints_hold_owner_rows,
+                   (str(tmp_path_factory.mktemp("ckpt")),))])
     spawns.run(4, [("train-4-ranks", replica_workers.replicas_train_like_no_replicas,
                     ("rowwise_adagrad", True))])
     return spawns
@@ -38,6 +40,10 @@ def test_replicas_train_like_no_replicas_on_four_ranks(spawns):
 
 def test_eval_with_replicas_and_refused_refreshes(spawns):
     spawns.check("eval")
+
+
+def test_checkpoints_hold_owner_rows_only(spawns):
+    spawns.check("checkpoint")
 
 
 @pytest.mark.parametrize("replicas", [-1, 1.5, 1.0, True, "8", None])
