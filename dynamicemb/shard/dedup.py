@@ -25,8 +25,8 @@ class IdCounters:
     With replicas (``dynamicemb.shard.replicas``): ``replicated`` counts the ids this
     rank served from replicas instead of sending them; ``replica_slots`` the
     replicated ids whose counts were all-reduced (one int64 each) and
-    ``replica_rows`` the rows all-reduced (``dim`` floats each, forward; their
-    gradients, as many, in the backward)."""
+    ``replica_rows`` the replicated rows in use, which their owners sent to every
+    other rank (``dim`` floats each; as many gradients came back)."""
 
     world_size: int
     before_dedup: Dict[str, int] = field(default_factory=dict)

@@ -9,22 +9,25 @@ of its row-wise EmbeddingCollection sharding:
 2. Owner (lookup): the counts are summed over ranks (an all-reduce of one int64 per
    replicated id); each owner appends the replicated ids it owns that some rank
    looks up to its kernel's input (frequency: the global count), in the same kernel
-   call as the received ids, and the owner rows are summed over ranks (an
-   all-reduce of ``A x dim`` floats, ``A`` the replicated ids looked up this step,
-   zeros where a rank owns none): every rank then holds the owners' current rows.
+   call as the received ids, and sends those rows to every rank (one
+   ``all_to_all_single``: ``(W - 1) x A`` rows in all, ``A`` the replicated ids in
+   use this step).
 3. Sender (output dist): the rows of the ids that crossed come back through the
-   all-to-all; the replicated ones are taken from the all-reduced rows.
-4. Backward: the gradients of the replicated rows are summed over ranks (the
-   all-reduce's backward, divided by the world size when TorchRec divides, as the
-   all-to-all's backward divides) and reach the owners' rows inside the kernel's one
-   backward: each owner's fused optimizer applies the summed gradient once.
+   all-to-all; the replicated ones are taken from the owners' rows.
+4. Backward: each rank sends its gradients of the replicated rows to their owners
+   (the exchange's backward, ``(W - 1) x A`` rows); the owner divides them by the
+   world size when TorchRec divides (as the all-to-all's backward does) and sums them
+   in rank order, and the sum reaches the owner row inside the kernel's one
+   backward: each owner's fused optimizer applies it once.
 
 So replicas hold no state between steps (staleness 0): checkpoints, ``state_dict``
-and ``export_keys_values`` see owner rows only, and the trained rows equal those of
-training without replicas up to the order of the floating-point sum of a hot row's
-per-rank gradients (``g0/W + g1/W + ...`` without replicas, ``(g0 + g1 + ...)/W``
-with). Collectives run in the same order on every rank: the replicated ids, the
-active ones and the autograd graph are the same everywhere, whatever the batch.
+and ``export_keys_values`` see owner rows only. With ids deduplicated before the
+all-to-all the trained rows equal those of training without replicas bit for bit
+(the owner's kernel sums a row's per-source gradients in source order too, each
+divided first); without dedup a rank sums its own occurrences of a hot id first
+(float32 rounding). Collectives run in the same order on every rank: the replicated
+ids, the ids in use and the autograd graph are the same everywhere, whatever the
+batch.
 """
 
 from dataclasses import dataclass
@@ -239,24 +242,37 @@ class DynamicEmbRwReplicaSparseFeaturesDist(DynamicEmbRwSparseFeaturesDist):
 
 
 # -------------------------------------------------------------------- owner
-class _SumOverRanks(torch.autograd.Function):
-    """All-reduce (sum) of rows; backward all-reduces the gradients, divided by the
-    world size when TorchRec divides (as the all-to-all's backward does)."""
+class _OwnerRowsToAll(torch.autograd.Function):
+    """Each owner's rows of the active replicated ids to every rank (one
+    ``all_to_all_single``); backward sends each rank's gradients of those rows to
+    their owner (the other way), which divides them by the world size when TorchRec
+    divides (as the all-to-all's backward does) and sums them in rank order."""
 
     @staticmethod
-    def forward(ctx, rows, pg):  # noqa: D102
-        ctx.pg = pg
-        out = rows.detach().clone()
-        dist.all_reduce(out, group=pg)
-        return out
+    def forward(ctx, owned, by_owner, sizes, pg):  # noqa: D102
+        world_size = len(sizes)
+        ctx.by_owner, ctx.sizes, ctx.pg = by_owner, sizes, pg
+        received = owned.new_empty(sum(sizes), owned.shape[1])
+        dist.all_to_all_single(received, owned.detach().repeat(world_size, 1), sizes,
+                               [owned.shape[0]] * world_size, group=pg)
+        rows = torch.empty_like(received)
+        rows[by_owner] = received
+        return rows
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.pg)
+        sizes = ctx.sizes
+        world_size, mine = len(sizes), sizes[dist.get_rank(ctx.pg)]
+        received = grad.new_empty(world_size * mine, grad.shape[1])
+        dist.all_to_all_single(received, grad[ctx.by_owner].contiguous(), [mine] * world_size, sizes,
+                               group=ctx.pg)
+        parts = received.view(world_size, mine, grad.shape[1])
         if get_gradient_division():
-            grad = grad / dist.get_world_size(ctx.pg)
-        return grad, None
+            parts = parts / world_size
+        total = parts[0].clone()
+        for part in parts[1:]:  # rank order: the order the owner's kernel would sum them in
+            total += part
+        return total, None, None, None
 
 
 def append_owned(features: KeyedJaggedTensor, replicas: ReplicaSet, slots: torch.Tensor,
@@ -328,11 +344,14 @@ class DynamicEmbRwReplicaLookup(DynamicEmbGroupedEmbeddingsLookup):
         received = torch.ones(rows.shape[0], dtype=torch.bool)
         received[appended] = False
         batch.active_slots = active
-        owned = rows.new_zeros(active.numel(), self._dim).index_copy(0, mine, rows[appended])
+        owned = rows[appended]
         if active.numel():
             if torch.is_grad_enabled() and not owned.requires_grad:
-                owned.requires_grad_()  # every rank's graph holds the all-reduce's backward
-            owned = _SumOverRanks.apply(owned, replicas.pg)
+                owned.requires_grad_()  # every rank's graph holds the exchange's backward
+            owners = replicas.owners[active]
+            sizes = torch.bincount(owners, minlength=replicas.world_size).tolist()
+            by_owner = torch.argsort(owners, stable=True)
+            owned = _OwnerRowsToAll.apply(owned, by_owner, sizes, replicas.pg)
         batch.rows = owned
         return rows[received]
 
@@ -349,7 +368,7 @@ class _WithReplicaRows(Awaitable[torch.Tensor]):
     def _wait_impl(self) -> torch.Tensor:
         crossed = self._inner.wait()
         b = self._batch
-        # always index the replicas' rows: every rank's graph reaches the all-reduce
+        # always index the owners' rows: every rank's graph reaches the exchange
         hot = b.rows[torch.searchsorted(b.active_slots, b.hot_slots)]
         n_crossed = b.cold_positions.numel()
         order = torch.empty(n_crossed + b.hot_positions.numel(), dtype=torch.int64)

@@ -446,10 +446,11 @@ def traffic_per_step(args, progress) -> Dict[str, float]:
 
     All-to-all: per id crossing ranks, EC sends 8 B of id and 4 B of count and gets a
     ``dim``-float row back and sends its gradient (12 + 8 dim B); EBC sends the id
-    (8 B; its pooled outputs' reduce-scatter has a fixed size). Replicas: each rank
-    all-reduces one int64 count per replicated id and ``dim`` floats per replicated
-    id in use, forward and backward; a ring all-reduce of ``n`` bytes moves
-    ``2 (W - 1) / W n`` bytes out of each rank.
+    (8 B; its pooled outputs' reduce-scatter has a fixed size). Replicas: the ranks
+    all-reduce one int64 count per replicated id (a ring all-reduce of ``n`` bytes
+    moves ``2 (W - 1) / W n`` bytes out of each rank), and the owners send each
+    replicated row in use to the ``W - 1`` other ranks and get as many gradients
+    back (``dim`` floats each).
     """
     world = dist.get_world_size()
     total = torch.tensor([progress.get(k, 0) for k in (
@@ -459,11 +460,12 @@ def traffic_per_step(args, progress) -> Dict[str, float]:
     ids, dynamic, replicated, slots, rows, steps = (float(x) for x in total)
     steps = max(1.0, steps / world)
     per_id = 12 + 8 * args.embedding_dim if args.collection == "ec" else 8
-    sync = (slots * 8 + rows * 2 * args.embedding_dim * 4) / world  # one rank's all-reduce payload
+    slots, rows = slots / world, rows / world  # every rank counts the same
+    sync = 2 * (world - 1) * slots * 8 + 2 * (world - 1) * rows * args.embedding_dim * 4
     return {"alltoall_ids": ids / steps, "alltoall_dynamic_ids": dynamic / steps,
             "alltoall_bytes": ids * per_id / steps, "alltoall_dynamic_bytes": dynamic * per_id / steps,
-            "replicated_ids": replicated / steps, "replica_rows": rows / world / steps,
-            "replica_sync_bytes": 2 * (world - 1) * sync / steps}
+            "replicated_ids": replicated / steps, "replica_rows": rows / steps,
+            "replica_sync_bytes": sync / steps}
 
 
 def summarize(args, history, report, step, samples, run_samples, elapsed, train) -> None:

@@ -1,6 +1,6 @@
 """Hot-row replicas (``DynamicEmbTableOptions.replicas``, ``refresh_replicas``) under
-DMP on 2 and 4 gloo ranks: outputs and trained rows equal training without replicas
-(float32 rounding: ``replica_workers.ATOL``/``RTOL``), fewer ids cross the
+DMP on 2, 3 and 4 gloo ranks: outputs and trained rows equal training without
+replicas (bit for bit with dedup; ``replica_workers.ROUNDING`` without), fewer ids cross the
 all-to-all, checkpoints' rows are owner rows only; the option's refusals."""
 
 import pytest
@@ -24,6 +24,8 @@ def spawns(tmp_path_factory):
                + [("eval", replica_workers.eval_and_refusals, ()),
                   ("checkpoint", replica_workers.checkpoints_hold_owner_rows,
                    (str(tmp_path_factory.mktemp("ckpt")),))])
+    spawns.run(3, [("train-3-ranks", replica_workers.replicas_train_like_no_replicas,
+                    ("adam", True))])
     spawns.run(4, [("train-4-ranks", replica_workers.replicas_train_like_no_replicas,
                     ("rowwise_adagrad", True))])
     return spawns
@@ -34,8 +36,9 @@ def test_replicas_train_like_no_replicas_on_two_ranks(spawns, optimizer, dedup):
     spawns.check(f"train-{optimizer}-{dedup}")
 
 
-def test_replicas_train_like_no_replicas_on_four_ranks(spawns):
-    spawns.check("train-4-ranks")
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_replicas_train_like_no_replicas_on_more_ranks(spawns, ranks):
+    spawns.check(f"train-{ranks}-ranks")
 
 
 def test_eval_with_replicas_and_refused_refreshes(spawns):
