@@ -437,7 +437,7 @@ def _choose(table: ReplicatedTable, kernel, pg: dist.ProcessGroup) -> torch.Tens
 
 def _broadcast(ids: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
     """Rank 0's ids on every rank."""
-    size = torch.tensor([ids.numel() if ids is not None else 0], dtype=torch.int64)
+    size = torch.tensor([ids.numel()], dtype=torch.int64)
     dist.broadcast(size, src=dist.get_global_rank(pg, 0), group=pg)
     out = ids.to(torch.int64).cpu().contiguous() if dist.get_rank(pg) == 0 else torch.zeros(
         int(size), dtype=torch.int64)
@@ -466,7 +466,9 @@ def refresh_replicas(module: nn.Module, ids: Optional[Mapping[str, torch.Tensor]
         ``{table name: number of replicated ids}``.
 
     Raises:
-        ValueError: ``ids`` names a table without replicas (before any change).
+        ValueError: ``ids`` names a table without replicas, or its ids are not a 1-D
+            integer tensor (before any change or collective; call with the same
+            arguments on every rank).
     """
     sets = replica_sets(module)
     names = {t.name for s in sets for t in s.tables}
@@ -474,12 +476,16 @@ def refresh_replicas(module: nn.Module, ids: Optional[Mapping[str, torch.Tensor]
     if unknown:
         raise ValueError(f"refresh_replicas: tables {unknown} have no replicas (tables with "
                          f"replicas: {sorted(names)})")
+    for name, given in (ids or {}).items():
+        if not isinstance(given, torch.Tensor) or given.dim() != 1 or given.is_floating_point() \
+                or given.dtype == torch.bool:
+            raise ValueError(f"refresh_replicas: the ids of {name!r} must be a 1-D integer tensor")
     kernels = None
     chosen: Dict[str, int] = {}
     for replicas in sets:
         for table in replicas.tables:
             if ids is not None and table.name in ids:
-                hot = _broadcast(torch.as_tensor(ids[table.name]), replicas.pg)
+                hot = _broadcast(ids[table.name], replicas.pg)
             else:
                 if kernels is None:
                     kernels = dict(dynamic_kernels(module))

@@ -179,11 +179,14 @@ def eval_and_refusals(rank: int, world_size: int, path: Optional[str] = None) ->
         _step(replicated, step, rank)
     refresh_replicas(replicated)
     before = torch.cat([s.ids for s in replica_sets(replicated)])
-    for bad in ({"t_plain": torch.tensor([1])}, {"nope": torch.tensor([1])}):
+    for bad, says in (({"t_plain": torch.tensor([1])}, "have no replicas"),
+                      ({"nope": torch.tensor([1])}, "have no replicas"),
+                      ({"t_hot": torch.tensor([1.5])}, "1-D integer tensor"),
+                      ({"t_hot": [1, 2]}, "1-D integer tensor")):
         try:
             refresh_replicas(replicated, bad)
         except ValueError as err:
-            assert "have no replicas" in str(err), str(err)
+            assert says in str(err), str(err)
         else:
             raise AssertionError(f"refresh_replicas accepted {bad}")
     assert torch.equal(torch.cat([s.ids for s in replica_sets(replicated)]), before)
