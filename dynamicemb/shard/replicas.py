@@ -44,7 +44,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynamicemb.placement import owner_rank, table_placement
 from dynamicemb.planner.types import CUSTOMIZED_KERNEL, table_options
-from dynamicemb.shard._common import dynamic_kernels
+from dynamicemb.shard._common import get_dynamic_tables
 from dynamicemb.shard.input_dist import DynamicEmbRwSparseFeaturesDist, FeatureRoute
 from dynamicemb.shard.lookup import DynamicEmbGroupedEmbeddingsLookup
 
@@ -420,10 +420,11 @@ def _top(keys: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
     return by_key[by_score[:k]]
 
 
-def _choose(table: ReplicatedTable, kernel, pg: dist.ProcessGroup) -> torch.Tensor:
+def _choose(table: ReplicatedTable, stored_here, pg: dist.ProcessGroup) -> torch.Tensor:
     """A table's replicated ids from its owners' scores (collectives): each owner's
-    top ids (no owner holds more of the global top than that), then the top of all."""
-    rows = kernel.emb_module.export_keys_values(table.name)
+    top ids (no owner holds more of the global top than that), then the top of all.
+    ``stored_here``: the ``BatchedDynamicEmbeddingTables`` holding this rank's shard."""
+    rows = stored_here.export_keys_values(table.name)
     keys, scores = rows.keys.cpu(), rows.scores.cpu().to(torch.int64)
     count = table.replicas
     if isinstance(count, float):
@@ -480,16 +481,16 @@ def refresh_replicas(module: nn.Module, ids: Optional[Mapping[str, torch.Tensor]
         if not isinstance(given, torch.Tensor) or given.dim() != 1 or given.is_floating_point() \
                 or given.dtype == torch.bool:
             raise ValueError(f"refresh_replicas: the ids of {name!r} must be a 1-D integer tensor")
-    kernels = None
+    stored_here = None
     chosen: Dict[str, int] = {}
     for replicas in sets:
         for table in replicas.tables:
             if ids is not None and table.name in ids:
                 hot = _broadcast(ids[table.name], replicas.pg)
             else:
-                if kernels is None:
-                    kernels = dict(dynamic_kernels(module))
-                hot = _choose(table, kernels[table.name], replicas.pg)
+                if stored_here is None:
+                    stored_here = get_dynamic_tables(module)
+                hot = _choose(table, stored_here[table.name], replicas.pg)
             replicas.set_ids(table.name, hot)
             chosen[table.name] = int(replicas.ids_of(table.name).numel())
     return chosen
