@@ -393,14 +393,14 @@ class DynamicEmbTableOptions:
             table is sharded); unused when the table has one shard. None (default):
             every id on its ``dist_type`` owner.
         replicas: hot-row replicas of a row-wise table under
-            ``DistributedModelParallel`` (EmbeddingCollection, ids deduplicated;
-            ``dynamicemb.shard.replicas``): how many of its hottest ids every rank
+            ``DistributedModelParallel`` (EmbeddingCollection; EmbeddingBagCollection
+            on its dedup path; ``dynamicemb.shard.replicas``): how many of its hottest ids every rank
             serves from a replica instead of the all-to-all: an int >= 1 (ids), or a
             float in (0, 1) (that fraction of the rows the table stores, all ranks
             together). The ids are chosen from the owners' scores by
             ``dynamicemb.shard.refresh_replicas`` (a collective) or given to it.
             Replicas are synchronous (staleness 0): trained rows equal those of
-            training without replicas within float32 rounding. 0 (default): none.
+            training without replicas (bit for bit with dedup). 0 (default): none.
     """
 
     dim: Optional[int] = None

@@ -47,7 +47,7 @@ class ShardedDynamicEmbeddingCollection(ShardedEmbeddingCollection):
     def __init__(self, module: EmbeddingCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
                  env: ShardingEnv, *args: Any, **kwargs: Any) -> None:
         check_dynamic_plan(table_name_to_parameter_sharding)
-        check_replica_plan(table_name_to_parameter_sharding, pooled=False)
+        check_replica_plan(table_name_to_parameter_sharding)
         self.id_counters = IdCounters(env.world_size)
         super().__init__(module, table_name_to_parameter_sharding, env, *args, **kwargs)
         register_state_hooks(self, "embeddings")

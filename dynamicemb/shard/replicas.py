@@ -2,7 +2,8 @@
 
 A table with ``DynamicEmbTableOptions.replicas`` > 0 has a set of replicated ids,
 identical on every rank (``refresh_replicas`` chooses them: a collective). Per batch
-of its row-wise EmbeddingCollection sharding:
+of its row-wise sharding (an EmbeddingCollection's, or an EmbeddingBagCollection's
+dedup path, ``rw_dedup_sharding.py``, which pools the rows on the sender):
 
 1. Sender (input dist): the deduplicated ids that are replicated leave the id
    all-to-all; their occurrence counts are kept per replicated id (``ReplicaBatch``).
@@ -48,7 +49,8 @@ from dynamicemb.shard._common import get_dynamic_tables
 from dynamicemb.shard.input_dist import DynamicEmbRwSparseFeaturesDist, FeatureRoute
 from dynamicemb.shard.lookup import DynamicEmbGroupedEmbeddingsLookup
 
-__all__ = ["ReplicaBatch", "ReplicaSet", "check_replica_plan", "refresh_replicas"]
+__all__ = ["ReplicaBatch", "ReplicaSet", "check_replica_plan", "refresh_replicas", "serve_owned",
+           "split_replicated", "with_replica_rows"]
 
 # attribute of a batch's SequenceShardingContext holding its ``ReplicaBatch``
 REPLICA_ATTR = "dynamicemb_replica_batch"
@@ -157,20 +159,21 @@ def replica_set_of(sharding) -> Optional[ReplicaSet]:
     return ReplicaSet(tables, sharding._pg) if tables else None
 
 
-def check_replica_plan(params: Mapping[str, ParameterSharding], pooled: bool) -> None:
-    """Refuses replicas where they are not built: tables of an EmbeddingBagCollection
-    (``pooled``) and tables that are not row-wise."""
+def check_replica_plan(params: Mapping[str, ParameterSharding]) -> None:
+    """Refuses replicas of tables that are not row-wise."""
     for name, sharding in params.items():
         options = getattr(sharding, "dynamicemb_options", None)
         if sharding.compute_kernel != CUSTOMIZED_KERNEL or options is None or not options.replicas:
             continue
-        if pooled:
-            raise NotImplementedError(
-                f"table {name!r}: replicas are built for EmbeddingCollection tables only; "
-                f"set replicas=0 for EmbeddingBagCollection tables")
         if sharding.sharding_type != "row_wise":
             raise ValueError(f"table {name!r}: replicas need row_wise sharding, the plan has "
                              f"{sharding.sharding_type!r}; set replicas=0 or shard it row-wise")
+
+
+def replicated_tables(sharding) -> List[str]:
+    """The dynamic tables of a sharding with ``replicas`` > 0."""
+    return [t.name for t in sharding.embedding_tables()
+            if t.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL and table_options(t).replicas]
 
 
 # ------------------------------------------------------------------- sender
@@ -312,10 +315,44 @@ def append_owned(features: KeyedJaggedTensor, replicas: ReplicaSet, slots: torch
     return out, torch.cat(positions)
 
 
+def serve_owned(replicas: ReplicaSet, batch: Optional[ReplicaBatch], features: KeyedJaggedTensor,
+                lookup, dim: int) -> torch.Tensor:
+    """Owner side of a batch: looks up the received ids and, in the same kernel call
+    (``lookup``, the grouped lookup's forward), the replicated ids this rank owns that
+    some rank uses; their rows go to every rank (``batch.rows``, in the order of
+    ``batch.active_slots``).
+
+    Returns:
+        (received ids, dim): the rows of the received ids, in their order.
+    """
+    if batch is None:
+        raise RuntimeError("replicas: the lookup needs its batch's ReplicaBatch (run the "
+                           "module through the dynamic sharded collections)")
+    counts = batch.local_counts.clone()
+    if counts.numel():
+        dist.all_reduce(counts, group=replicas.pg)
+    active = torch.nonzero(counts > 0).flatten()  # (A,) the same on every rank
+    mine = torch.nonzero(replicas.owners[active] == replicas.rank).flatten()
+    slots = active[mine]
+    features, appended = append_owned(features, replicas, slots, counts[slots])
+    rows = lookup(features).view(-1, dim)
+    received = torch.ones(rows.shape[0], dtype=torch.bool)
+    received[appended] = False
+    batch.active_slots = active
+    owned = rows[appended]
+    if active.numel():
+        if torch.is_grad_enabled() and not owned.requires_grad:
+            owned.requires_grad_()  # every rank's graph holds the exchange's backward
+        owners = replicas.owners[active]
+        sizes = torch.bincount(owners, minlength=replicas.world_size).tolist()
+        by_owner = torch.argsort(owners, stable=True)
+        owned = _OwnerRowsToAll.apply(owned, by_owner, sizes, replicas.pg)
+    batch.rows = owned
+    return rows[received]
+
+
 class DynamicEmbRwReplicaLookup(DynamicEmbGroupedEmbeddingsLookup):
-    """Owner side: looks up the received ids and, in the same kernel call, the
-    replicated ids it owns that some rank uses; their rows are summed over ranks
-    into the batch's ``ReplicaBatch.rows``. Returns the received ids' rows."""
+    """Owner side of a row-wise EC sharding with replicas (``serve_owned``)."""
 
     def __init__(self, *args, replicas: ReplicaSet, dim: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -329,31 +366,7 @@ class DynamicEmbRwReplicaLookup(DynamicEmbGroupedEmbeddingsLookup):
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
         batch, self._armed = self._armed, None
-        if batch is None:
-            raise RuntimeError("replicas: the lookup needs its batch's ReplicaBatch (run the "
-                               "module through ShardedDynamicEmbeddingCollection)")
-        replicas = self._replicas
-        counts = batch.local_counts.clone()
-        if counts.numel():
-            dist.all_reduce(counts, group=replicas.pg)
-        active = torch.nonzero(counts > 0).flatten()  # (A,) the same on every rank
-        mine = torch.nonzero(replicas.owners[active] == replicas.rank).flatten()
-        slots = active[mine]
-        features, appended = append_owned(sparse_features, replicas, slots, counts[slots])
-        rows = super().forward(features).view(-1, self._dim)
-        received = torch.ones(rows.shape[0], dtype=torch.bool)
-        received[appended] = False
-        batch.active_slots = active
-        owned = rows[appended]
-        if active.numel():
-            if torch.is_grad_enabled() and not owned.requires_grad:
-                owned.requires_grad_()  # every rank's graph holds the exchange's backward
-            owners = replicas.owners[active]
-            sizes = torch.bincount(owners, minlength=replicas.world_size).tolist()
-            by_owner = torch.argsort(owners, stable=True)
-            owned = _OwnerRowsToAll.apply(owned, by_owner, sizes, replicas.pg)
-        batch.rows = owned
-        return rows[received]
+        return serve_owned(self._replicas, batch, sparse_features, super().forward, self._dim)
 
 
 # ------------------------------------------------------------------- sender
@@ -366,15 +379,20 @@ class _WithReplicaRows(Awaitable[torch.Tensor]):
         self._batch = batch
 
     def _wait_impl(self) -> torch.Tensor:
-        crossed = self._inner.wait()
-        b = self._batch
-        # always index the owners' rows: every rank's graph reaches the exchange
-        hot = b.rows[torch.searchsorted(b.active_slots, b.hot_slots)]
-        n_crossed = b.cold_positions.numel()
-        order = torch.empty(n_crossed + b.hot_positions.numel(), dtype=torch.int64)
-        order[b.cold_positions] = torch.arange(n_crossed)
-        order[b.hot_positions] = torch.arange(n_crossed, order.numel())
-        return torch.cat([crossed, hot])[order]
+        return with_replica_rows(self._inner.wait(), self._batch)
+
+
+def with_replica_rows(crossed: torch.Tensor, batch: ReplicaBatch) -> torch.Tensor:
+    """The rows of every sent (deduplicated) value: ``crossed`` (n - h, dim), those the
+    all-to-all returned in the order of the values that crossed, and the owners'
+    rows of the replicated ones."""
+    # always index the owners' rows: every rank's graph reaches the exchange
+    hot = batch.rows[torch.searchsorted(batch.active_slots, batch.hot_slots)]
+    n_crossed = batch.cold_positions.numel()
+    order = torch.empty(n_crossed + batch.hot_positions.numel(), dtype=torch.int64)
+    order[batch.cold_positions] = torch.arange(n_crossed)
+    order[batch.hot_positions] = torch.arange(n_crossed, order.numel())
+    return torch.cat([crossed, hot])[order]
 
 
 class DynamicEmbRwReplicaSequenceEmbeddingDist(RwSequenceEmbeddingDist):
@@ -394,9 +412,10 @@ def replica_sets(module: nn.Module) -> List[ReplicaSet]:
     """Every ``ReplicaSet`` in ``module``, in module order (the same on every rank)."""
     found = []
     for sub in module.modules():
-        for sharding in (getattr(sub, "_sharding_type_to_sharding", None) or {}).values():
-            if getattr(sharding, "replicas", None) is not None:
-                found.append(sharding.replicas)
+        # the sharded EC keeps its shardings by type, the sharded EBC in a list
+        shardings = getattr(sub, "_embedding_shardings", None) or list(
+            (getattr(sub, "_sharding_type_to_sharding", None) or {}).values())
+        found += [s.replicas for s in shardings if getattr(s, "replicas", None) is not None]
     return found
 
 

@@ -94,7 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "live on their rank, and every rank reads the global batches and keeps the "
                    "samples whose ids it owns most (all ranks read all samples)")
     p.add_argument("--replicas", type=_replicas, default=0,
-                   help="hot-row replicas of each dynamic table (--collection ec): an int >= 1 "
+                   help="hot-row replicas of each dynamic table (EC, or EBC where its row-wise "
+                   "tables are all dynamic and deduplicated): an int >= 1 "
                    "(ids) or a fraction in (0, 1) of its stored rows; chosen from the owners' "
                    "scores (use --score-strategy lfu for the most frequent ids); 0: none")
     p.add_argument("--replicas-refresh", type=int, default=20,

@@ -6,12 +6,13 @@ train on the same per-rank batches of power-law ids (hot ids on every rank); the
 outputs and trained rows are compared at every step and at the end.
 """
 
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from torchrec import EmbeddingCollection, EmbeddingConfig
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, PoolingType
 from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
@@ -20,7 +21,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynamicemb import DynamicEmbInitializerArgs, DynamicEmbScoreStrategy, DynamicEmbTableOptions
 from dynamicemb.planner import to_dynamic_sharding
-from dynamicemb.shard import DynamicEmbeddingCollectionSharder, get_dynamic_tables, owner_rank, refresh_replicas
+from dynamicemb.shard import (
+    DynamicEmbeddingBagCollectionSharder,
+    DynamicEmbeddingCollectionSharder,
+    get_dynamic_tables,
+    owner_rank,
+    refresh_replicas,
+)
 from dynamicemb.shard.replicas import replica_sets
 from dynamicemb_testing.shard_workers import EcModel
 
@@ -52,30 +59,58 @@ def _options(name: str, rows: int, replicas) -> DynamicEmbTableOptions:
                                   score_strategy=DynamicEmbScoreStrategy.LFU, replicas=replicas)
 
 
-def tables_for(fused: Dict) -> Dict:
-    """The tables: TorchRec's CPU kernels have no Adam, so no static table with it."""
-    static = fused["optimizer"] != EmbOptimType.ADAM
+def tables_for(fused: Dict, collection: str = "ec") -> Dict:
+    """The tables: TorchRec's CPU kernels have no Adam, so no static table with it;
+    none in an EBC (its dedup path, which replicas need, takes dynamic tables only)."""
+    static = fused["optimizer"] != EmbOptimType.ADAM and collection == "ec"
     return {n: spec for n, spec in TABLES.items() if static or spec[2] is not None}
 
 
-def build(world_size: int, fused: Dict, with_replicas: bool, dedup: bool = True) -> DistributedModelParallel:
-    """The model on ``world_size`` ranks, with the tables' replicas or none (the
-    static table's TorchRec init drawn from one seed)."""
+class EbcModel(nn.Module):
+    """A model holding one EmbeddingBagCollection ``ebc``."""
+
+    def __init__(self, ebc: EmbeddingBagCollection) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, kjt: KeyedJaggedTensor):
+        return self.ebc(kjt)
+
+
+def build(world_size: int, fused: Dict, with_replicas: bool, dedup: bool = True,
+          collection: str = "ec") -> DistributedModelParallel:
+    """The model (an EC, or an EBC with one MEAN table) on ``world_size`` ranks, with
+    the tables' replicas or none (the static table's TorchRec init drawn from one seed)."""
     torch.manual_seed(0)
-    tables = tables_for(fused)
-    ec = EmbeddingCollection(tables=[
-        EmbeddingConfig(name=n, num_embeddings=r, embedding_dim=DIM, feature_names=f)
-        for n, (r, f, _, _) in tables.items()], device=torch.device("meta"))
-    model = EcModel(ec)
-    sharder = DynamicEmbeddingCollectionSharder(fused_params=fused, use_index_dedup=dedup)
+    tables = tables_for(fused, collection)
+    meta = torch.device("meta")
+    if collection == "ec":
+        module = EmbeddingCollection(tables=[
+            EmbeddingConfig(name=n, num_embeddings=r, embedding_dim=DIM, feature_names=f)
+            for n, (r, f, _, _) in tables.items()], device=meta)
+        model = EcModel(module)
+        sharder = DynamicEmbeddingCollectionSharder(fused_params=fused, use_index_dedup=dedup)
+    else:
+        module = EmbeddingBagCollection(tables=[
+            EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=DIM, feature_names=f,
+                               pooling=PoolingType.MEAN if n == "t_frac" else PoolingType.SUM)
+            for n, (r, f, _, _) in tables.items()], device=meta)
+        model = EbcModel(module)
+        sharder = DynamicEmbeddingBagCollectionSharder(fused_params=fused, use_index_dedup=dedup)
     helpers = {n: table_wise(rank=world_size - 1, compute_kernel="fused") if st == "table_wise"
                else row_wise(compute_kernel="fused") for n, (_, _, st, _) in tables.items()}
-    plan = construct_module_sharding_plan(ec, helpers, sharder=sharder, local_size=get_local_size(world_size),
+    plan = construct_module_sharding_plan(module, helpers, sharder=sharder, local_size=get_local_size(world_size),
                                           world_size=world_size, device_type="cpu")
     for n, (rows, _, st, replicas) in tables.items():
         if st is not None:
             plan[n] = to_dynamic_sharding(plan[n], _options(n, rows, replicas if with_replicas else 0))
-    return DistributedModelParallel(model, plan=ShardingPlan({"ec": plan}), sharders=[sharder], device=CPU)
+    return DistributedModelParallel(model, plan=ShardingPlan({collection: plan}), sharders=[sharder],
+                                    device=CPU)
+
+
+def _collection(dmp):
+    """The sharded collection of a ``build`` model."""
+    return dmp.module.ec if hasattr(dmp.module, "ec") else dmp.module.ebc
 
 
 def power_law_batch(step: int, rank: int, tables: Dict = TABLES) -> KeyedJaggedTensor:
@@ -101,6 +136,11 @@ def power_law_batch(step: int, rank: int, tables: Dict = TABLES) -> KeyedJaggedT
 
 def _step(dmp, step: int, rank: int, tables: Dict = TABLES) -> Dict[str, torch.Tensor]:
     out = dmp(power_law_batch(step, rank, tables))
+    if hasattr(dmp.module, "ebc"):  # a KeyedTensor
+        out = out.to_dict()
+        loss = sum(((out[f] - 0.1 * (i + 1)) ** 2).sum() for i, f in enumerate(out))
+        loss.backward()
+        return {f: v.detach() for f, v in out.items()}
     loss = sum(((out[f].values() - 0.1 * (i + 1)) ** 2).sum() for i, f in enumerate(out.keys()))
     loss.backward()
     return {f: out[f].values().detach() for f in out.keys()}
@@ -124,18 +164,19 @@ def all_rows(dmp, world_size: int) -> Dict[str, Dict[int, torch.Tensor]]:
 
 
 def _sent_off_rank(dmp, rank: int) -> int:
-    counters = dmp.module.ec.id_counters
+    counters = _collection(dmp).id_counters
     return sum(int(s.sum()) - int(s[rank]) for s in counters.sent.values())
 
 
 def replicas_train_like_no_replicas(rank: int, world_size: int, optimizer: str, dedup: bool = True,
-                                    steps: int = 6) -> None:
+                                    steps: int = 6, collection: str = "ec") -> None:
     """Outputs at every step and trained rows (embeddings and optimizer states) of
     the model with replicas equal those without (bit for bit with dedup); fewer ids
     cross the all-to-all; replicated ids are the same on every rank."""
     fused = OPTIMIZERS[optimizer]
     tolerance = EXACT if dedup else ROUNDING
-    plain, replicated = build(world_size, fused, False, dedup), build(world_size, fused, True, dedup)
+    plain = build(world_size, fused, False, dedup, collection)
+    replicated = build(world_size, fused, True, dedup, collection)
     sent = {"plain": 0, "replicated": 0}
     served = 0
     for step in range(steps):
@@ -145,14 +186,14 @@ def replicas_train_like_no_replicas(rank: int, world_size: int, optimizer: str, 
         if step == 3:  # given: hot ids, an id no one looks up, one never seen
             refresh_replicas(replicated, {"t_hot": torch.tensor([0, 1, 2, -10, 10**15])})
         for model in (plain, replicated):
-            model.module.ec.id_counters.reset()
-        tables = tables_for(fused)
+            _collection(model).id_counters.reset()
+        tables = tables_for(fused, collection)
         want, got = _step(plain, step, rank, tables), _step(replicated, step, rank, tables)
         for f in want:
             torch.testing.assert_close(got[f], want[f], **tolerance, msg=f"step {step} feature {f}")
         sent["plain"] += _sent_off_rank(plain, rank)
         sent["replicated"] += _sent_off_rank(replicated, rank)
-        served += replicated.module.ec.id_counters.replicated
+        served += _collection(replicated).id_counters.replicated
     _check_same_everywhere(replicated)
     want, got = all_rows(plain, world_size), all_rows(replicated, world_size)
     for name in want:
@@ -169,9 +210,15 @@ def _check_same_everywhere(dmp) -> None:
     assert all(torch.equal(g, ids) for g in gathered), "replicated ids differ between ranks"
 
 
-def eval_and_refusals(rank: int, world_size: int, path: Optional[str] = None) -> None:
+def eval_and_refusals(rank: int, world_size: int) -> None:
     """Eval (no grad) with replicas gives the outputs of no replicas; bad refreshes
-    are refused and change nothing."""
+    are refused and change nothing; an EBC without dedup refuses replicas."""
+    try:
+        build(world_size, OPTIMIZERS["rowwise_adagrad"], True, dedup=False, collection="ebc")
+    except NotImplementedError as err:
+        assert "need the dedup path" in str(err), str(err)
+    else:
+        raise AssertionError("an EBC without dedup took replicas")
     fused = OPTIMIZERS["rowwise_adagrad"]
     plain, replicated = build(world_size, fused, False), build(world_size, fused, True)
     for step in range(2):

@@ -1,6 +1,7 @@
 """The DLRM job with hot-row replicas (train.py --replicas) on 2 gloo ranks: the same
 loss and AUC as without (staleness 0, bit for bit with dedup), fewer ids across
-ranks, the replicas' traffic reported; refused for an EmbeddingBagCollection."""
+ranks, the replicas' traffic reported; refused for an EmbeddingBagCollection whose
+row-wise sharding mixes static tables (no dedup path)."""
 
 import json
 
@@ -34,8 +35,9 @@ def test_replicated_job_trains_exactly_as_without_and_sends_fewer_ids(runs):
     assert traffic["alltoall_dynamic_ids"] < before["alltoall_dynamic_ids"], (traffic, before)
 
 
-def test_replicas_of_an_embedding_bag_collection_are_refused(tmp_path):
+def test_replicas_of_an_embedding_bag_collection_without_dedup_path_are_refused(tmp_path):
     done = torchrun("--collection", "ebc", "--num-samples", 2048, "--batch-size", 512,
                     "--replicas", 4, "--out", tmp_path)
     assert done.returncode != 0
-    assert "replicas are built for EmbeddingCollection tables only" in done.stderr, done.stderr[-3000:]
+    assert "replicas of EmbeddingBagCollection tables need the dedup path" in done.stderr, \
+        done.stderr[-3000:]
