@@ -195,12 +195,38 @@ def replicas_train_like_no_replicas(rank: int, world_size: int, optimizer: str, 
         sent["replicated"] += _sent_off_rank(replicated, rank)
         served += _collection(replicated).id_counters.replicated
     _check_same_everywhere(replicated)
+    _check_pipelined_batches(plain, replicated, rank, tables, tolerance)
     want, got = all_rows(plain, world_size), all_rows(replicated, world_size)
     for name in want:
         assert got[name].keys() == want[name].keys(), (name, set(got[name]) ^ set(want[name]))
         for key, row in want[name].items():
             torch.testing.assert_close(got[name][key], row, **tolerance, msg=f"{name} key {key}")
     assert served > 0 and sent["replicated"] < sent["plain"], (served, sent)
+
+
+def _values(out, pooled: bool) -> torch.Tensor:
+    """An EC's (JaggedTensors by feature) or an EBC's (``pooled``, a KeyedTensor)
+    output as one tensor."""
+    if pooled:
+        return out.values()
+    return torch.cat([out[f].values() for f in sorted(out.keys())])
+
+
+def _check_pipelined_batches(plain, replicated, rank: int, tables: Dict, tolerance: Dict) -> None:
+    """A training pipeline's order (the input dists of the next batches before the
+    current one's lookup) gives, with replicas, the outputs of one batch at a time
+    without them (rows trained to ``tolerance``): each batch's replica bookkeeping
+    travels in its own context."""
+    batches = [power_law_batch(60 + i, rank, tables) for i in range(3)]
+    sharded = _collection(replicated)
+    pooled = hasattr(replicated.module, "ebc")
+    with torch.no_grad():
+        want = [_values(plain(b), pooled) for b in batches]
+        contexts = [sharded.create_context() for _ in batches]
+        inputs = [sharded.input_dist(ctx, b) for ctx, b in zip(contexts, batches)]  # all ahead
+        for ctx, awaitable, expected in zip(contexts, inputs, want):
+            got = _values(sharded.compute_and_output_dist(ctx, awaitable.wait().wait()).wait(), pooled)
+            torch.testing.assert_close(got, expected, **tolerance)
 
 
 def _check_same_everywhere(dmp) -> None:
