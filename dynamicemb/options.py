@@ -12,7 +12,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from enum import Enum, unique
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -393,6 +393,15 @@ class DynamicEmbTableOptions:
             file must be made for the table's number of shards (checked when the
             table is sharded); unused when the table has one shard. None (default):
             every id on its ``dist_type`` owner.
+        replicas: hot-row replicas of a row-wise table under
+            ``DistributedModelParallel`` (EmbeddingCollection; EmbeddingBagCollection
+            on its dedup path; ``dynamicemb.shard.replicas``): how many of its hottest ids every rank
+            serves from a replica instead of the all-to-all: an int >= 1 (ids), or a
+            float in (0, 1) (that fraction of the rows the table stores, all ranks
+            together). The ids are chosen from the owners' scores by
+            ``dynamicemb.shard.refresh_replicas`` (a collective) or given to it.
+            Replicas are synchronous (staleness 0): trained rows equal those of
+            training without replicas (bit for bit with dedup). 0 (default): none.
     """
 
     dim: Optional[int] = None
@@ -419,6 +428,7 @@ class DynamicEmbTableOptions:
     ttl: Optional[int] = None
     local_host_for_values: Optional[int] = None
     placement: Optional[str] = None
+    replicas: Union[int, float] = 0
 
     def __post_init__(self) -> None:
         if self.dim is not None and self.dim <= 0:
@@ -450,6 +460,18 @@ class DynamicEmbTableOptions:
                                  f"{type(self.placement).__name__}")
             self.placement = os.fspath(self.placement)
             load_placement(self.placement)  # refuses a missing or corrupt file now
+        self._check_replicas()
+
+    def _check_replicas(self) -> None:
+        replicas = self.replicas
+        if isinstance(replicas, bool) or not isinstance(replicas, (int, float)):
+            raise ValueError(f"replicas must be an int >= 0 (ids) or a float in (0, 1) "
+                             f"(a fraction of the table's rows), got {replicas!r}")
+        if isinstance(replicas, float) and not 0.0 < replicas < 1.0 and replicas != 0.0:
+            raise ValueError(f"replicas as a float is a fraction of the table's rows, in (0, 1); "
+                             f"got {replicas} (give a count as an int)")
+        if replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {replicas}")
 
     def _check_budgets(self) -> None:
         for name in ("local_hbm_for_values", "global_hbm_for_values"):

@@ -20,6 +20,7 @@ from dynamicemb.shard.embeddingbag import (
     ShardedDynamicEmbeddingBagCollection,
 )
 from dynamicemb.shard.kernel import DynamicEmbEmbedding, DynamicEmbEmbeddingBag, DynamicEmbKeyedOptimizer
+from dynamicemb.shard.replicas import refresh_replicas
 from dynamicemb.shard.topology import host_ranks, threads_per_rank
 from dynamicemb.placement import owner_rank
 
@@ -36,5 +37,6 @@ __all__ = [
     "host_ranks",
     "import_dense_rows",
     "owner_rank",
+    "refresh_replicas",
     "threads_per_rank",
 ]

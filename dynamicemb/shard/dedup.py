@@ -20,15 +20,30 @@ __all__ = ["IdCounters", "count_sent_ids", "dedup_features", "table_spans"]
 class IdCounters:
     """Ids of each table since the last ``reset()``: ``before_dedup`` counts every
     id the module was given; ``sent[table][r]`` the ids sent to rank ``r`` (after
-    dedup when it is on). Row-wise and table-wise dynamic tables are counted."""
+    dedup when it is on). Row-wise and table-wise dynamic tables are counted.
+
+    With replicas (``dynamicemb.shard.replicas``): ``replicated`` counts the ids this
+    rank served from replicas instead of sending them; ``replica_slots`` the
+    replicated ids whose counts were all-reduced (one int64 each) and
+    ``replica_rows`` the replicated rows in use, which their owners sent to every
+    other rank (``dim`` floats each; as many gradients came back)."""
 
     world_size: int
     before_dedup: Dict[str, int] = field(default_factory=dict)
     sent: Dict[str, torch.Tensor] = field(default_factory=dict)
+    replicated: int = 0
+    replica_slots: int = 0
+    replica_rows: int = 0
 
     def reset(self) -> None:
         self.before_dedup.clear()
         self.sent.clear()
+        self.replicated = self.replica_slots = self.replica_rows = 0
+
+    def add_replicas(self, replicated: int, slots: int, rows: int) -> None:
+        self.replicated += replicated
+        self.replica_slots += slots
+        self.replica_rows += rows
 
     def add_sent(self, table: str, per_rank: torch.Tensor) -> None:
         total = self.sent.get(table)

@@ -23,6 +23,12 @@ from dynamicemb.shard._common import DynamicKernelsMixin, check_dynamic_plan, im
 from dynamicemb.shard.dp_sharding import DynamicEmbDpSequenceEmbeddingSharding
 from dynamicemb.shard.dedup import IdCounters, count_sent_ids, dedup_features, table_spans
 from dynamicemb.shard.input_dist import DynamicEmbRwSparseFeaturesDist
+from dynamicemb.shard.replicas import (
+    REPLICA_ATTR,
+    DynamicEmbRwReplicaLookup,
+    DynamicEmbRwReplicaSparseFeaturesDist,
+    check_replica_plan,
+)
 from dynamicemb.shard.rw_sharding import DynamicEmbRwSequenceEmbeddingSharding
 from dynamicemb.shard.state_dict import register_state_hooks
 from dynamicemb.shard.tw_sharding import DynamicEmbTwSequenceEmbeddingSharding
@@ -41,6 +47,7 @@ class ShardedDynamicEmbeddingCollection(ShardedEmbeddingCollection):
     def __init__(self, module: EmbeddingCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
                  env: ShardingEnv, *args: Any, **kwargs: Any) -> None:
         check_dynamic_plan(table_name_to_parameter_sharding)
+        check_replica_plan(table_name_to_parameter_sharding)
         self.id_counters = IdCounters(env.world_size)
         super().__init__(module, table_name_to_parameter_sharding, env, *args, **kwargs)
         register_state_hooks(self, "embeddings")
@@ -92,9 +99,39 @@ class ShardedDynamicEmbeddingCollection(ShardedEmbeddingCollection):
             deduped.append(unique)
         return deduped
 
+    # ---------------------------------------------------------- replicas
+    def _arm_replicas(self, ctx: EmbeddingCollectionContext) -> None:
+        """Hands each replica lookup its batch (from the sharding context) right
+        before TorchRec runs it: the batch never waits in a queue."""
+        for lookup, sharding_ctx in zip(self._lookups, ctx.sharding_contexts):
+            if isinstance(lookup, DynamicEmbRwReplicaLookup):
+                lookup.arm(getattr(sharding_ctx, REPLICA_ATTR))
+
+    def _count_replicas(self, ctx: EmbeddingCollectionContext) -> None:
+        for sharding_ctx in ctx.sharding_contexts:
+            batch = getattr(sharding_ctx, REPLICA_ATTR, None)
+            if batch is not None and batch.rows is not None:
+                self.id_counters.add_replicas(batch.hot_positions.numel(), batch.local_counts.numel(),
+                                              batch.active_slots.numel())
+
+    def compute(self, ctx: EmbeddingCollectionContext, dist_input):
+        self._arm_replicas(ctx)
+        out = super().compute(ctx, dist_input)
+        self._count_replicas(ctx)
+        return out
+
+    def compute_and_output_dist(self, ctx: EmbeddingCollectionContext, input):
+        self._arm_replicas(ctx)
+        out = super().compute_and_output_dist(ctx, input)
+        self._count_replicas(ctx)
+        return out
+
     # ---------------------------------------------------------- counters
     def input_dist(self, ctx: EmbeddingCollectionContext, features: KeyedJaggedTensor):
         awaitable = super().input_dist(ctx, features)
+        for input_dist, sharding_ctx in zip(self._input_dists, ctx.sharding_contexts):
+            if isinstance(input_dist, DynamicEmbRwReplicaSparseFeaturesDist):
+                setattr(sharding_ctx, REPLICA_ATTR, input_dist.take_batch())
         self._count_ids(ctx, features)
         return awaitable
 

@@ -29,10 +29,12 @@ from dynamicemb.shard.input_dist import DynamicEmbRwSparseFeaturesDist
 from dynamicemb.shard.rw_dedup_sharding import (
     SENT_ATTR,
     DynamicEmbRwDedupInputDist,
+    DynamicEmbRwDedupLookup,
     DynamicEmbRwDedupPooledEmbeddingSharding,
     dedup_applies,
 )
 from dynamicemb.shard.rw_sharding import DynamicEmbRwPooledEmbeddingSharding
+from dynamicemb.shard.replicas import check_replica_plan, replicated_tables
 from dynamicemb.shard.state_dict import register_state_hooks
 from dynamicemb.shard.tw_sharding import DynamicEmbTwPooledEmbeddingSharding
 
@@ -53,6 +55,7 @@ class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def __init__(self, module: EmbeddingBagCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
                  env: ShardingEnv, *args: Any, **kwargs: Any) -> None:
         check_dynamic_plan(table_name_to_parameter_sharding)
+        check_replica_plan(table_name_to_parameter_sharding)
         self.id_counters = IdCounters(env.world_size)
         super().__init__(module, table_name_to_parameter_sharding, env, *args, **kwargs)
         register_state_hooks(self, "embedding_bags")
@@ -81,6 +84,11 @@ class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             if cls.use_index_dedup and sharding_type == ShardingType.ROW_WISE.value and dedup_applies(sharding):
                 sharding = DynamicEmbRwDedupPooledEmbeddingSharding(
                     sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+            elif replicated_tables(sharding):
+                raise NotImplementedError(
+                    f"tables {replicated_tables(sharding)}: replicas of EmbeddingBagCollection tables "
+                    f"need the dedup path (use_index_dedup=True and a row-wise sharding whose tables "
+                    f"are all dynamic with one dim); set replicas=0 for them")
             return sharding
         return super().create_embedding_bag_sharding(
             sharding_infos, env, device, permute_embeddings, qcomm_codecs_registry)
@@ -88,6 +96,34 @@ class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def reset_parameters(self) -> None:
         register_missing_placeholders(self, self.embedding_bags)
         super().reset_parameters()
+
+    # ---------------------------------------------------------- replicas
+    def _arm_replicas(self, ctx: EmbeddingBagCollectionContext) -> None:
+        """Hands each dedup lookup with replicas its batch's part (from the sharding
+        context) right before TorchRec runs it: the batch never waits in a queue."""
+        for lookup, sharding_ctx in zip(self._lookups, ctx.sharding_contexts):
+            if isinstance(lookup, DynamicEmbRwDedupLookup):
+                lookup.arm(getattr(sharding_ctx, SENT_ATTR).replicas)
+
+    def _count_replicas(self, ctx: EmbeddingBagCollectionContext) -> None:
+        for sharding_ctx in ctx.sharding_contexts:
+            sent = getattr(sharding_ctx, SENT_ATTR, None)
+            batch = None if sent is None else sent.replicas
+            if batch is not None and batch.rows is not None:
+                self.id_counters.add_replicas(batch.hot_positions.numel(), batch.local_counts.numel(),
+                                              batch.active_slots.numel())
+
+    def compute(self, ctx: EmbeddingBagCollectionContext, dist_input):
+        self._arm_replicas(ctx)
+        out = super().compute(ctx, dist_input)
+        self._count_replicas(ctx)
+        return out
+
+    def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input):
+        self._arm_replicas(ctx)
+        out = super().compute_and_output_dist(ctx, input)
+        self._count_replicas(ctx)
+        return out
 
     def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor):
         awaitable = super().input_dist(ctx, features)

@@ -31,6 +31,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynamicemb.shard.dedup import dedup_features, table_spans
 from dynamicemb.shard.lookup import DynamicEmbGroupedEmbeddingsLookup
+from dynamicemb.shard.replicas import (ReplicaBatch, ReplicaSet, replica_set_of, serve_owned,
+                                       split_replicated, with_replica_rows)
 from dynamicemb.shard.rw_sharding import _input_dist
 
 __all__ = ["DynamicEmbRwDedupPooledEmbeddingSharding", "dedup_applies"]
@@ -49,6 +51,7 @@ class SentIds:
     reverse: torch.Tensor  # (N,) position of each id in the deduplicated values
     permute: torch.Tensor  # (U,) position of each deduplicated value in the sent order
     per_dest: List[int]  # unique ids sent to each rank
+    replicas: Optional[ReplicaBatch] = None  # with hot-row replicas (``replicas.py``)
 
 
 class _RowsAllToAll(torch.autograd.Function):
@@ -78,10 +81,11 @@ class DynamicEmbRwDedupInputDist(nn.Module):
     the unique ids with ``DynamicEmbRwSparseFeaturesDist``; ``take_sent()`` hands
     the sender's bookkeeping of the last call to the sharded module."""
 
-    def __init__(self, inner: nn.Module, spans: List[tuple]) -> None:
+    def __init__(self, inner: nn.Module, spans: List[tuple], replicas: Optional[ReplicaSet] = None) -> None:
         super().__init__()
         self._inner = inner
         self._spans = spans
+        self._replicas = replicas
         self._sent: Optional[SentIds] = None
 
     @property
@@ -100,11 +104,14 @@ class DynamicEmbRwDedupInputDist(nn.Module):
         if features.variable_stride_per_key():
             raise NotImplementedError("dynamic id dedup does not support variable batch sizes (VBE)")
         deduped, reverse = dedup_features(features, self._spans)
+        replicated = None
+        if self._replicas is not None:  # the replicated ids leave the all-to-all
+            replicated, deduped = split_replicated(deduped, self._replicas)
         awaitable = self._inner(deduped)
         self._sent = SentIds(
             offsets=features.offsets(), weights=features.weights_or_none(), batch=features.stride(),
             reverse=reverse, permute=self._inner._permute,
-            per_dest=self._inner.last_ids_sent.sum(1).tolist())
+            per_dest=self._inner.last_ids_sent.sum(1).tolist(), replicas=replicated)
         return awaitable
 
 
@@ -119,17 +126,29 @@ class DynamicEmbRwDedupLookup(DynamicEmbGroupedEmbeddingsLookup):
     """Owner side: one row per received (unique) id, returned in source-rank order
     (the order the rows all-to-all sends them back in)."""
 
-    def __init__(self, *args, owner: _OwnerSplits, world_size: int, dim: int, **kwargs) -> None:
+    def __init__(self, *args, owner: _OwnerSplits, world_size: int, dim: int,
+                 replicas: Optional[ReplicaSet] = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._owner = owner
         self._world_size = world_size
         self._dim = dim
+        self._replicas = replicas
+        self._armed: Optional[ReplicaBatch] = None
+
+    def arm(self, batch: Optional[ReplicaBatch]) -> None:
+        """The replicas' part of the batch the next ``forward`` serves (the sharded
+        module sets it)."""
+        self._armed = batch
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
         num_features = len(sparse_features.keys())
         # received layout: feature, source rank, sample
         received = sparse_features.lengths().view(num_features, self._world_size, -1).sum(2)
-        rows = super().forward(sparse_features).view(-1, self._dim)  # flattened sequence rows
+        if self._replicas is None:
+            rows = super().forward(sparse_features).view(-1, self._dim)  # flattened sequence rows
+        else:  # and the owned replicated rows go to every rank
+            batch, self._armed = self._armed, None
+            rows = serve_owned(self._replicas, batch, sparse_features, super().forward, self._dim)
         segment = torch.arange(received.numel(), dtype=torch.int64)  # f * W + r
         source_major = (segment % self._world_size) * num_features + segment // self._world_size
         key = torch.repeat_interleave(source_major, received.reshape(-1), output_size=rows.shape[0])
@@ -155,6 +174,8 @@ class DynamicEmbRwDedupOutputDist(nn.Module):
                                "and its lookup (run the module through ShardedDynamicEmbeddingBagCollection)")
         back = _RowsAllToAll.apply(rows, sent.per_dest, per_source, self._pg)
         unique_rows = back[sent.permute]  # the returned rows are in the sent (bucketized) order
+        if sent.replicas is not None:
+            unique_rows = with_replica_rows(unique_rows, sent.replicas)
         weights = None if sent.weights is None else sent.weights.to(unique_rows.dtype)
         pooled = torch.nn.functional.embedding_bag(
             sent.reverse, unique_rows, sent.offsets.to(torch.int64), mode="sum", per_sample_weights=weights,
@@ -179,13 +200,14 @@ class DynamicEmbRwDedupPooledEmbeddingSharding(RwPooledEmbeddingSharding):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._owner = _OwnerSplits()
+        self.replicas = replica_set_of(self)  # None without replicated tables
 
     def _dim(self) -> int:
         return self.embedding_tables()[0].embedding_dim
 
     def create_input_dist(self, device: Optional[torch.device] = None) -> DynamicEmbRwDedupInputDist:
         inner = _input_dist(self, device, is_sequence=False, need_pos=False)
-        return DynamicEmbRwDedupInputDist(inner, table_spans(self))
+        return DynamicEmbRwDedupInputDist(inner, table_spans(self), self.replicas)
 
     def create_lookup(self, device: Optional[torch.device] = None, fused_params=None, feature_processor=None):
         if feature_processor is not None:
@@ -193,7 +215,7 @@ class DynamicEmbRwDedupPooledEmbeddingSharding(RwPooledEmbeddingSharding):
         return DynamicEmbRwDedupLookup(
             self._grouped_embedding_configs, pg=self._pg,
             device=device if device is not None else self._device, env=self._env,
-            owner=self._owner, world_size=self._world_size, dim=self._dim())
+            owner=self._owner, world_size=self._world_size, dim=self._dim(), replicas=self.replicas)
 
     def create_output_dist(self, device: Optional[torch.device] = None) -> DynamicEmbRwDedupOutputDist:
         return DynamicEmbRwDedupOutputDist(self._pg, self._dim(), self._get_num_features(), self._owner)

@@ -14,6 +14,12 @@ from dynamicemb.planner.types import table_options
 from dynamicemb.placement import table_placement
 from dynamicemb.shard.input_dist import DynamicEmbRwSparseFeaturesDist, FeatureRoute
 from dynamicemb.shard.lookup import DynamicEmbGroupedEmbeddingsLookup, DynamicEmbGroupedPooledEmbeddingsLookup
+from dynamicemb.shard.replicas import (
+    DynamicEmbRwReplicaLookup,
+    DynamicEmbRwReplicaSequenceEmbeddingDist,
+    DynamicEmbRwReplicaSparseFeaturesDist,
+    replica_set_of,
+)
 
 __all__ = ["DynamicEmbRwPooledEmbeddingSharding", "DynamicEmbRwSequenceEmbeddingSharding"]
 
@@ -33,8 +39,12 @@ def feature_routes(sharding) -> List[Optional[FeatureRoute]]:
     return routes
 
 
-def _input_dist(sharding, device: Optional[torch.device], is_sequence: bool, need_pos: bool):
-    return DynamicEmbRwSparseFeaturesDist(
+def _input_dist(sharding, device: Optional[torch.device], is_sequence: bool, need_pos: bool,
+                replicas=None):
+    kind, first = ((DynamicEmbRwSparseFeaturesDist, ()) if replicas is None
+                   else (DynamicEmbRwReplicaSparseFeaturesDist, (replicas,)))
+    return kind(
+        *first,
         feature_routes(sharding),
         sharding._get_feature_hash_sizes(),
         pg=sharding._pg,
@@ -47,15 +57,32 @@ def _input_dist(sharding, device: Optional[torch.device], is_sequence: bool, nee
 
 
 class DynamicEmbRwSequenceEmbeddingSharding(RwSequenceEmbeddingSharding):
-    """Row-wise EmbeddingCollection sharding with dynamic tables."""
+    """Row-wise EmbeddingCollection sharding with dynamic tables; tables with
+    ``replicas`` > 0 serve their replicated ids from replicas
+    (``dynamicemb.shard.replicas``; ``self.replicas`` holds the ids, None without)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.replicas = replica_set_of(self)
 
     def create_input_dist(self, device: Optional[torch.device] = None):
-        return _input_dist(self, device, is_sequence=True, need_pos=False)
+        return _input_dist(self, device, is_sequence=True, need_pos=False, replicas=self.replicas)
 
     def create_lookup(self, device: Optional[torch.device] = None, fused_params=None, feature_processor=None):
+        device = device if device is not None else self._device
+        if self.replicas is not None:
+            return DynamicEmbRwReplicaLookup(
+                self._grouped_embedding_configs, pg=self._pg, device=device, env=self._env,
+                replicas=self.replicas, dim=self.embedding_tables()[0].embedding_dim)
         return DynamicEmbGroupedEmbeddingsLookup(
-            self._grouped_embedding_configs, pg=self._pg,
-            device=device if device is not None else self._device, env=self._env)
+            self._grouped_embedding_configs, pg=self._pg, device=device, env=self._env)
+
+    def create_output_dist(self, device: Optional[torch.device] = None):
+        if self.replicas is None:
+            return super().create_output_dist(device)
+        return DynamicEmbRwReplicaSequenceEmbeddingDist(
+            self._pg, self._get_num_features(), device if device is not None else self._device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry)
 
 
 class DynamicEmbRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):

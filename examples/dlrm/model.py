@@ -112,8 +112,8 @@ def build_model(tables: Sequence[TableSpec], dim: int, dense_arch: Sequence[int]
 
 def constraints_for(tables: Sequence[TableSpec], dim: int, state_floats: int,
                     cache_fraction: float, score_strategy: DynamicEmbScoreStrategy,
-                    admission_threshold: int, placement: Optional[str] = None
-                    ) -> Dict[str, DynamicEmbParameterConstraints]:
+                    admission_threshold: int, placement: Optional[str] = None,
+                    replicas: float = 0) -> Dict[str, DynamicEmbParameterConstraints]:
     """Planner constraints making the dynamic tables dynamic (row-wise by key hash).
 
     Args:
@@ -123,6 +123,7 @@ def constraints_for(tables: Sequence[TableSpec], dim: int, state_floats: int,
         cache_fraction: the device cache of a dynamic table holds this fraction of its
             rows (1.0 or more: every row in device memory, no cache).
         admission_threshold: occurrences before a new id gets a row (1: admit all).
+        replicas: hot-row replicas of every dynamic table (``DynamicEmbTableOptions``).
     """
     out = {}
     for t in tables:
@@ -134,7 +135,8 @@ def constraints_for(tables: Sequence[TableSpec], dim: int, state_floats: int,
             local_hbm_for_values=(max(16, int(t.rows * cache_fraction)) * (dim + state_floats) * 4
                                   if caching else None),
             admit_strategy=(FrequencyAdmissionStrategy(threshold=admission_threshold)
-                            if admission_threshold > 1 else None), placement=placement)
+                            if admission_threshold > 1 else None), placement=placement,
+            replicas=replicas)
         out[f"t_{t.feature}"] = DynamicEmbParameterConstraints(
             use_dynamicemb=True, sharding_types=["row_wise"], dynamicemb_options=options)
     return out

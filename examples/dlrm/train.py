@@ -46,6 +46,7 @@ from dynamicemb.shard import (
     DynamicEmbeddingBagCollectionSharder,
     DynamicEmbeddingCollectionSharder,
     get_dynamic_tables,
+    refresh_replicas,
     threads_per_rank,
 )
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -92,6 +93,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--placement", help="placement file of examples/dlrm/partition.py: its ids "
                    "live on their rank, and every rank reads the global batches and keeps the "
                    "samples whose ids it owns most (all ranks read all samples)")
+    p.add_argument("--replicas", type=_replicas, default=0,
+                   help="hot-row replicas of each dynamic table (EC, or EBC where its row-wise "
+                   "tables are all dynamic and deduplicated): an int >= 1 "
+                   "(ids) or a fraction in (0, 1) of its stored rows; chosen from the owners' "
+                   "scores (use --score-strategy lfu for the most frequent ids); 0: none")
+    p.add_argument("--replicas-refresh", type=int, default=20,
+                   help="steps between choices of the replicated ids (at steps 1, 1 + N, ...)")
     p.add_argument("--plan-file", help="HugeCTR plan file instead of the planner (lookup i = cat_i)")
     p.add_argument("--max-steps", type=int, default=0,
                    help="stop after this many steps in all, resumed ones included (0: run every epoch)")
@@ -117,6 +125,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.data != "synthetic" and not args.train_files:
         p.error(f"--data {args.data} needs --train-files")
     return args
+
+
+def _replicas(text: str):
+    """``--replicas``: an int count or a float fraction (the table option's two forms)."""
+    value = float(text)
+    return int(value) if value >= 1 and value == int(value) else value
 
 
 def table_specs(args) -> List[TableSpec]:
@@ -181,7 +195,7 @@ def shard(args, model, tables, device: torch.device, world: int) -> DistributedM
     constraints = constraints_for(tables, args.embedding_dim, state * args.embedding_dim
                                   + (1 if args.optimizer == "rowwise_adagrad" else 0),
                                   args.cache_fraction, DynamicEmbScoreStrategy[args.score_strategy.upper()],
-                                  args.admission_threshold, args.placement)
+                                  args.admission_threshold, args.placement, args.replicas)
     sharder = (DynamicEmbeddingCollectionSharder if args.collection == "ec"
                else DynamicEmbeddingBagCollectionSharder)
     sharders = [sharder(fused_params={"optimizer": optimizer, "learning_rate": args.lr, "eps": 1e-8})]
@@ -323,6 +337,7 @@ def run(args, device: torch.device) -> None:
     report = table_report(dmp, tables)
     history["alltoall_ids_per_step"], history["alltoall_dynamic_ids_per_step"] = \
         alltoall_per_step(progress)
+    history["traffic_per_step"] = traffic_per_step(args, progress)
     if rank == 0:
         summarize(args, history, report, step, progress["samples"],
                   progress["samples"] - resumed_samples, elapsed, train)
@@ -364,6 +379,8 @@ def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, 
                 break
             for counters in _id_counters(dmp):
                 counters.reset()
+            if args.replicas and progress["step"] % args.replicas_refresh == 1 % args.replicas_refresh:
+                refresh_replicas(dmp)  # a collective, between steps, on every rank
             loss, _ = dmp(to_batch(batch, tables, device))
             loss.backward()
             dense_opt.step()
@@ -410,6 +427,8 @@ def count_alltoall(dmp, progress, dynamic: Set[str]) -> None:
     progress["alltoall_dynamic_ids"] = progress.get("alltoall_dynamic_ids", 0) + sum(
         n for t, n in sent.items() if t in dynamic)
     progress["counted_steps"] = progress.get("counted_steps", 0) + 1
+    for key in ("replicated", "replica_slots", "replica_rows"):  # replicas (EC)
+        progress[key] = progress.get(key, 0) + sum(getattr(c, key) for c in _id_counters(dmp))
 
 
 def alltoall_per_step(progress) -> Tuple[float, float]:
@@ -420,6 +439,34 @@ def alltoall_per_step(progress) -> Tuple[float, float]:
     dist.all_reduce(total)
     steps = max(1.0, float(total[2]) / dist.get_world_size())
     return float(total[0]) / steps, float(total[1]) / steps
+
+
+def traffic_per_step(args, progress) -> Dict[str, float]:
+    """Bytes per training step, all ranks together (a collective), estimated from the
+    counters: the all-to-all's and the replicas' sync.
+
+    All-to-all: per id crossing ranks, EC sends 8 B of id and 4 B of count and gets a
+    ``dim``-float row back and sends its gradient (12 + 8 dim B); EBC sends the id
+    (8 B; its pooled outputs' reduce-scatter has a fixed size). Replicas: the ranks
+    all-reduce one int64 count per replicated id (a ring all-reduce of ``n`` bytes
+    moves ``2 (W - 1) / W n`` bytes out of each rank), and the owners send each
+    replicated row in use to the ``W - 1`` other ranks and get as many gradients
+    back (``dim`` floats each).
+    """
+    world = dist.get_world_size()
+    total = torch.tensor([progress.get(k, 0) for k in (
+        "alltoall_ids", "alltoall_dynamic_ids", "replicated", "replica_slots", "replica_rows",
+        "counted_steps")], dtype=torch.float64)
+    dist.all_reduce(total)
+    ids, dynamic, replicated, slots, rows, steps = (float(x) for x in total)
+    steps = max(1.0, steps / world)
+    per_id = 12 + 8 * args.embedding_dim if args.collection == "ec" else 8
+    slots, rows = slots / world, rows / world  # every rank counts the same
+    sync = 2 * (world - 1) * slots * 8 + 2 * (world - 1) * rows * args.embedding_dim * 4
+    return {"alltoall_ids": ids / steps, "alltoall_dynamic_ids": dynamic / steps,
+            "alltoall_bytes": ids * per_id / steps, "alltoall_dynamic_bytes": dynamic * per_id / steps,
+            "replicated_ids": replicated / steps, "replica_rows": rows / steps,
+            "replica_sync_bytes": sync / steps}
 
 
 def summarize(args, history, report, step, samples, run_samples, elapsed, train) -> None:
@@ -444,6 +491,12 @@ def summarize(args, history, report, step, samples, run_samples, elapsed, train)
     print(f"all-to-all: {history['alltoall_ids_per_step']:,.0f} ids/step crossing ranks, "
           f"{history['alltoall_dynamic_ids_per_step']:,.0f} of them of dynamic tables (all ranks, "
           f"ids to other ranks only, after dedup where it is on)")
+    t = history["traffic_per_step"]
+    print(f"bytes/step (estimated, all ranks): all-to-all {t['alltoall_bytes']:,.0f} "
+          f"({t['alltoall_dynamic_bytes']:,.0f} of dynamic tables), replica sync "
+          f"{t['replica_sync_bytes']:,.0f}, total {t['alltoall_bytes'] + t['replica_sync_bytes']:,.0f}; "
+          f"ids served by replicas {t['replicated_ids']:,.0f}/step, replicated rows in use "
+          f"{t['replica_rows']:,.0f}/step")
     print("\n| dynamic table | rows held | max rows | cache hit rate | cache evictions |")
     print("|---|---|---|---|---|")
     for name, r in report.items():

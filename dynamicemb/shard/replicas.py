@@ -1,0 +1,515 @@
+"""Hot-row replicas of row-wise dynamic tables (HET-GMP's mirrors), synchronous.
+
+A table with ``DynamicEmbTableOptions.replicas`` > 0 has a set of replicated ids,
+identical on every rank (``refresh_replicas`` chooses them: a collective). Per batch
+of its row-wise sharding (an EmbeddingCollection's, or an EmbeddingBagCollection's
+dedup path, ``rw_dedup_sharding.py``, which pools the rows on the sender):
+
+1. Sender (input dist): the deduplicated ids that are replicated leave the id
+   all-to-all; their occurrence counts are kept per replicated id (``ReplicaBatch``).
+2. Owner (lookup): the counts are summed over ranks (an all-reduce of one int64 per
+   replicated id); each owner appends the replicated ids it owns that some rank
+   looks up to its kernel's input (frequency: the global count), in the same kernel
+   call as the received ids, and sends those rows to every rank (one
+   ``all_to_all_single``: ``(W - 1) x A`` rows in all, ``A`` the replicated ids in
+   use this step).
+3. Sender (output dist): the rows of the ids that crossed come back through the
+   all-to-all; the replicated ones are taken from the owners' rows.
+4. Backward: each rank sends its gradients of the replicated rows to their owners
+   (the exchange's backward, ``(W - 1) x A`` rows); the owner divides them by the
+   world size when TorchRec divides (as the all-to-all's backward does) and sums them
+   in rank order, and the sum reaches the owner row inside the kernel's one
+   backward: each owner's fused optimizer applies it once.
+
+So replicas hold no state between steps (staleness 0): checkpoints, ``state_dict``
+and ``export_keys_values`` see owner rows only. With ids deduplicated before the
+all-to-all the trained rows equal those of training without replicas bit for bit
+(the owner's kernel sums a row's per-source gradients in source order too, each
+divided first); without dedup a rank sums its own occurrences of a hot id first
+(float32 rounding). Collectives run in the same order on every rank: the replicated
+ids, the ids in use and the autograd graph are the same everywhere, whatever the
+batch.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.comm_ops import get_gradient_division
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingDist
+from torchrec.distributed.types import Awaitable, ParameterSharding
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynamicemb.placement import owner_rank, table_placement
+from dynamicemb.planner.types import CUSTOMIZED_KERNEL, table_options
+from dynamicemb.shard._common import get_dynamic_tables
+from dynamicemb.shard.input_dist import DynamicEmbRwSparseFeaturesDist, FeatureRoute
+from dynamicemb.shard.lookup import DynamicEmbGroupedEmbeddingsLookup
+
+__all__ = ["ReplicaBatch", "ReplicaSet", "check_replica_plan", "refresh_replicas", "serve_owned",
+           "split_replicated", "with_replica_rows"]
+
+# attribute of a batch's SequenceShardingContext holding its ``ReplicaBatch``
+REPLICA_ATTR = "dynamicemb_replica_batch"
+
+
+class ReplicatedTable(NamedTuple):
+    """A table with replicas in a sharding: where its features are and its option."""
+
+    name: str
+    first_feature: int  # in the sharding's feature order
+    num_features: int
+    replicas: float  # DynamicEmbTableOptions.replicas
+    route: FeatureRoute
+
+
+@dataclass
+class ReplicaBatch:
+    """One batch of a sharding with replicas (sender and owner sides).
+
+    Attributes:
+        hot_positions: (h,) positions in the sent (deduplicated) values served by
+            replicas.
+        hot_slots: (h,) the replicated-id slot of each.
+        cold_positions: (n - h,) positions of the values that cross the all-to-all.
+        local_counts: (S,) int64, occurrences of each replicated id in this rank's
+            batch.
+        active_slots: (A,) sorted slots some rank looks up (set by the lookup).
+        rows: (A, dim) the owners' rows of those slots (set by the lookup).
+    """
+
+    hot_positions: torch.Tensor
+    hot_slots: torch.Tensor
+    cold_positions: torch.Tensor
+    local_counts: torch.Tensor
+    active_slots: Optional[torch.Tensor] = None
+    rows: Optional[torch.Tensor] = None
+
+
+class ReplicaSet:
+    """The replicated ids of a row-wise sharding's tables, the same on every rank.
+
+    Slots number the replicated ids of all tables, table after table, each table's
+    ids sorted. Empty until ``refresh_replicas`` (or ``set_ids``) fills it.
+
+    Args:
+        tables: the sharding's tables with ``replicas`` > 0.
+        pg: the sharding's process group.
+    """
+
+    def __init__(self, tables: List[ReplicatedTable], pg: dist.ProcessGroup) -> None:
+        self.tables = tables
+        self.pg = pg
+        self.rank = dist.get_rank(pg)
+        self.world_size = dist.get_world_size(pg)
+        self._ids: Dict[str, torch.Tensor] = {t.name: torch.empty(0, dtype=torch.int64) for t in tables}
+        self._flatten()
+
+    def ids_of(self, table: str) -> torch.Tensor:
+        """(n,) int64 sorted replicated ids of ``table``."""
+        return self._ids[table]
+
+    def set_ids(self, table: str, ids: torch.Tensor) -> None:
+        """Replaces the replicated ids of ``table`` (call with the same ids on every
+        rank, between steps; ``refresh_replicas`` does).
+
+        Raises:
+            ValueError: an unknown table or ids that are not a 1-D integer tensor.
+        """
+        if table not in self._ids:
+            raise ValueError(f"table {table!r} has no replicas here (tables with replicas: "
+                             f"{sorted(self._ids)})")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point():
+            raise ValueError(f"replicated ids of {table!r} must be a 1-D integer tensor")
+        self._ids[table] = torch.unique(ids.to(torch.int64).cpu())
+        self._flatten()
+
+    def _flatten(self) -> None:
+        ids = [self._ids[t.name] for t in self.tables]
+        self.ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)  # (S,)
+        sizes = torch.tensor([i.numel() for i in ids], dtype=torch.int64)
+        self.starts = torch.zeros(len(ids) + 1, dtype=torch.int64)
+        self.starts[1:] = sizes.cumsum(0)
+        self.table_of_slot = torch.repeat_interleave(torch.arange(len(ids)), sizes)  # (S,)
+        owners = [owner_rank(i, self.world_size, t.route.dist_type, t.route.placement)
+                  for i, t in zip(ids, self.tables)]
+        self.owners = torch.cat(owners) if owners else torch.empty(0, dtype=torch.int64)  # (S,)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.ids.numel())
+
+
+def replica_set_of(sharding) -> Optional[ReplicaSet]:
+    """A ``ReplicaSet`` for a row-wise EC sharding whose dynamic tables ask for
+    replicas (None when none does)."""
+    tables, feature = [], 0
+    for table in sharding.embedding_tables():
+        if table.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
+            options = table_options(table)
+            if options.replicas:
+                route = FeatureRoute(options.dist_type, table_placement(
+                    options.placement, table.name, sharding._world_size))
+                tables.append(ReplicatedTable(table.name, feature, table.num_features(),
+                                              options.replicas, route))
+        feature += table.num_features()
+    return ReplicaSet(tables, sharding._pg) if tables else None
+
+
+def check_replica_plan(params: Mapping[str, ParameterSharding]) -> None:
+    """Refuses replicas of tables that are not row-wise."""
+    for name, sharding in params.items():
+        options = getattr(sharding, "dynamicemb_options", None)
+        if sharding.compute_kernel != CUSTOMIZED_KERNEL or options is None or not options.replicas:
+            continue
+        if sharding.sharding_type != "row_wise":
+            raise ValueError(f"table {name!r}: replicas need row_wise sharding, the plan has "
+                             f"{sharding.sharding_type!r}; set replicas=0 or shard it row-wise")
+
+
+def replicated_tables(sharding) -> List[str]:
+    """The dynamic tables of a sharding with ``replicas`` > 0."""
+    return [t.name for t in sharding.embedding_tables()
+            if t.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL and table_options(t).replicas]
+
+
+# ------------------------------------------------------------------- sender
+def split_replicated(features: KeyedJaggedTensor, replicas: ReplicaSet
+                     ) -> Tuple[ReplicaBatch, KeyedJaggedTensor]:
+    """Takes the replicated ids out of a sharding's (deduplicated) features.
+
+    Returns:
+        The batch's ``ReplicaBatch`` (sender side) and the features without the
+        replicated ids (lengths and weights adjusted), which cross the all-to-all.
+    """
+    values = features.values()
+    n = values.numel()
+    hot = torch.zeros(n, dtype=torch.bool)
+    slots = torch.zeros(n, dtype=torch.int64)
+    ends = torch.tensor(features.length_per_key(), dtype=torch.int64).cumsum(0).tolist()
+    for t, table in enumerate(replicas.tables):
+        ids = replicas.ids_of(table.name)
+        if ids.numel() == 0:
+            continue
+        last = table.first_feature + table.num_features - 1
+        start = ends[table.first_feature - 1] if table.first_feature else 0
+        v = values[start:ends[last]].to(torch.int64)
+        at = torch.searchsorted(ids, v).clamp_(max=ids.numel() - 1)
+        found = ids[at] == v
+        hot[start:ends[last]] = found
+        slots[start:ends[last]] = at + int(replicas.starts[t])
+    hot_positions = torch.nonzero(hot).flatten()
+    cold_positions = torch.nonzero(~hot).flatten()
+    hot_slots = slots[hot_positions]
+    weights = features.weights_or_none()
+    occurrences = (torch.ones(hot_slots.numel(), dtype=torch.int64) if weights is None
+                   else weights[hot_positions].round().to(torch.int64))
+    counts = torch.zeros(replicas.num_slots, dtype=torch.int64).index_add_(0, hot_slots, occurrences)
+    batch = ReplicaBatch(hot_positions, hot_slots, cold_positions, counts)
+    if hot_positions.numel() == 0:
+        return batch, features
+    lengths = features.lengths()
+    bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.to(torch.int64), output_size=n)
+    cold = KeyedJaggedTensor(
+        keys=features.keys(),
+        values=values[cold_positions],
+        lengths=torch.bincount(bag[cold_positions], minlength=lengths.numel()).to(lengths.dtype),
+        weights=None if weights is None else weights[cold_positions],
+        stride=features.stride(),
+    )
+    return batch, cold
+
+
+class DynamicEmbRwReplicaSparseFeaturesDist(DynamicEmbRwSparseFeaturesDist):
+    """``DynamicEmbRwSparseFeaturesDist`` that keeps replicated ids out of the
+    all-to-all; ``take_batch()`` hands the batch's ``ReplicaBatch`` to the sharded
+    module, which puts it in the batch's sharding context."""
+
+    def __init__(self, replicas: ReplicaSet, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.replicas = replicas
+        self._batch: Optional[ReplicaBatch] = None
+
+    def take_batch(self) -> ReplicaBatch:
+        batch, self._batch = self._batch, None
+        if batch is None:
+            raise RuntimeError("replicas: no input dist ran for this batch")
+        return batch
+
+    def forward(self, sparse_features: KeyedJaggedTensor):
+        self._batch, cold = split_replicated(sparse_features, self.replicas)
+        return super().forward(cold)
+
+
+# -------------------------------------------------------------------- owner
+class _OwnerRowsToAll(torch.autograd.Function):
+    """Each owner's rows of the active replicated ids to every rank (one
+    ``all_to_all_single``); backward sends each rank's gradients of those rows to
+    their owner (the other way), which divides them by the world size when TorchRec
+    divides (as the all-to-all's backward does) and sums them in rank order."""
+
+    @staticmethod
+    def forward(ctx, owned, by_owner, sizes, pg):  # noqa: D102
+        world_size = len(sizes)
+        ctx.by_owner, ctx.sizes, ctx.pg = by_owner, sizes, pg
+        received = owned.new_empty(sum(sizes), owned.shape[1])
+        dist.all_to_all_single(received, owned.detach().repeat(world_size, 1), sizes,
+                               [owned.shape[0]] * world_size, group=pg)
+        rows = torch.empty_like(received)
+        rows[by_owner] = received
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        sizes = ctx.sizes
+        world_size, mine = len(sizes), sizes[dist.get_rank(ctx.pg)]
+        received = grad.new_empty(world_size * mine, grad.shape[1])
+        dist.all_to_all_single(received, grad[ctx.by_owner].contiguous(), [mine] * world_size, sizes,
+                               group=ctx.pg)
+        parts = received.view(world_size, mine, grad.shape[1])
+        if get_gradient_division():
+            parts = parts / world_size
+        total = parts[0].clone()
+        for part in parts[1:]:  # rank order: the order the owner's kernel would sum them in
+            total += part
+        return total, None, None, None
+
+
+def append_owned(features: KeyedJaggedTensor, replicas: ReplicaSet, slots: torch.Tensor,
+                 counts: torch.Tensor) -> Tuple[KeyedJaggedTensor, torch.Tensor]:
+    """The received features with the replicated ids of ``slots`` appended to the
+    last bag of their table's first feature (frequencies: ``counts``).
+
+    Returns:
+        The features and (k,) the positions of the appended ids in their values.
+    """
+    if slots.numel() == 0:
+        return features, torch.empty(0, dtype=torch.int64)
+    values = features.values()
+    weights = features.weights_or_none()
+    weights = torch.ones(values.numel(), dtype=torch.float32) if weights is None else weights
+    lengths = features.lengths().clone()
+    stride = features.stride()
+    ends = torch.tensor(features.length_per_key(), dtype=torch.int64).cumsum(0).tolist()
+    tables = replicas.table_of_slot[slots]
+    v_parts, w_parts, positions = [], [], []
+    done, shift = 0, 0
+    for t, table in enumerate(replicas.tables):  # tables are in feature order
+        mine = tables == t
+        k = int(mine.sum())
+        if k == 0:
+            continue
+        end = ends[table.first_feature]
+        v_parts += [values[done:end], replicas.ids[slots[mine]].to(values.dtype)]
+        w_parts += [weights[done:end], counts[mine].to(weights.dtype)]
+        positions.append(torch.arange(end + shift, end + shift + k))
+        lengths[(table.first_feature + 1) * stride - 1] += k
+        done, shift = end, shift + k
+    v_parts.append(values[done:])
+    w_parts.append(weights[done:])
+    out = KeyedJaggedTensor(keys=features.keys(), values=torch.cat(v_parts), lengths=lengths,
+                            weights=torch.cat(w_parts), stride=stride)
+    return out, torch.cat(positions)
+
+
+def serve_owned(replicas: ReplicaSet, batch: Optional[ReplicaBatch], features: KeyedJaggedTensor,
+                lookup, dim: int) -> torch.Tensor:
+    """Owner side of a batch: looks up the received ids and, in the same kernel call
+    (``lookup``, the grouped lookup's forward), the replicated ids this rank owns that
+    some rank uses; their rows go to every rank (``batch.rows``, in the order of
+    ``batch.active_slots``).
+
+    Returns:
+        (received ids, dim): the rows of the received ids, in their order.
+    """
+    if batch is None:
+        raise RuntimeError("replicas: the lookup needs its batch's ReplicaBatch (run the "
+                           "module through the dynamic sharded collections)")
+    counts = batch.local_counts.clone()
+    if counts.numel():
+        dist.all_reduce(counts, group=replicas.pg)
+    active = torch.nonzero(counts > 0).flatten()  # (A,) the same on every rank
+    mine = torch.nonzero(replicas.owners[active] == replicas.rank).flatten()
+    slots = active[mine]
+    features, appended = append_owned(features, replicas, slots, counts[slots])
+    rows = lookup(features).view(-1, dim)
+    received = torch.ones(rows.shape[0], dtype=torch.bool)
+    received[appended] = False
+    batch.active_slots = active
+    owned = rows[appended]
+    if active.numel():
+        if torch.is_grad_enabled() and not owned.requires_grad:
+            owned.requires_grad_()  # every rank's graph holds the exchange's backward
+        owners = replicas.owners[active]
+        sizes = torch.bincount(owners, minlength=replicas.world_size).tolist()
+        by_owner = torch.argsort(owners, stable=True)
+        owned = _OwnerRowsToAll.apply(owned, by_owner, sizes, replicas.pg)
+    batch.rows = owned
+    return rows[received]
+
+
+class DynamicEmbRwReplicaLookup(DynamicEmbGroupedEmbeddingsLookup):
+    """Owner side of a row-wise EC sharding with replicas (``serve_owned``)."""
+
+    def __init__(self, *args, replicas: ReplicaSet, dim: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._replicas = replicas
+        self._dim = dim
+        self._armed: Optional[ReplicaBatch] = None
+
+    def arm(self, batch: ReplicaBatch) -> None:
+        """The batch the next ``forward`` serves (the sharded module sets it)."""
+        self._armed = batch
+
+    def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        batch, self._armed = self._armed, None
+        return serve_owned(self._replicas, batch, sparse_features, super().forward, self._dim)
+
+
+# ------------------------------------------------------------------- sender
+class _WithReplicaRows(Awaitable[torch.Tensor]):
+    """The rows of a sharding's sent values: the all-to-all's, and the replicas'."""
+
+    def __init__(self, inner: Awaitable[torch.Tensor], batch: ReplicaBatch) -> None:
+        super().__init__()
+        self._inner = inner
+        self._batch = batch
+
+    def _wait_impl(self) -> torch.Tensor:
+        return with_replica_rows(self._inner.wait(), self._batch)
+
+
+def with_replica_rows(crossed: torch.Tensor, batch: ReplicaBatch) -> torch.Tensor:
+    """The rows of every sent (deduplicated) value: ``crossed`` (n - h, dim), those the
+    all-to-all returned in the order of the values that crossed, and the owners'
+    rows of the replicated ones."""
+    # always index the owners' rows: every rank's graph reaches the exchange
+    hot = batch.rows[torch.searchsorted(batch.active_slots, batch.hot_slots)]
+    n_crossed = batch.cold_positions.numel()
+    order = torch.empty(n_crossed + batch.hot_positions.numel(), dtype=torch.int64)
+    order[batch.cold_positions] = torch.arange(n_crossed)
+    order[batch.hot_positions] = torch.arange(n_crossed, order.numel())
+    return torch.cat([crossed, hot])[order]
+
+
+class DynamicEmbRwReplicaSequenceEmbeddingDist(RwSequenceEmbeddingDist):
+    """``RwSequenceEmbeddingDist`` whose result also holds the replicated ids' rows,
+    in the order of the values the sender deduplicated."""
+
+    def forward(self, local_embs: torch.Tensor, sharding_ctx=None) -> Awaitable[torch.Tensor]:
+        batch: Optional[ReplicaBatch] = getattr(sharding_ctx, REPLICA_ATTR, None)
+        if batch is None or batch.rows is None:
+            raise RuntimeError("replicas: the output dist needs the batch's ReplicaBatch after its "
+                               "lookup (run the module through ShardedDynamicEmbeddingCollection)")
+        return _WithReplicaRows(super().forward(local_embs, sharding_ctx), batch)
+
+
+# ------------------------------------------------------------------ refresh
+def replica_sets(module: nn.Module) -> List[ReplicaSet]:
+    """Every ``ReplicaSet`` in ``module``, in module order (the same on every rank)."""
+    found = []
+    for sub in module.modules():
+        # the sharded EC keeps its shardings by type, the sharded EBC in a list
+        shardings = getattr(sub, "_embedding_shardings", None) or list(
+            (getattr(sub, "_sharding_type_to_sharding", None) or {}).values())
+        found += [s.replicas for s in shardings if getattr(s, "replicas", None) is not None]
+    return found
+
+
+def _gather(t: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``t`` (1-D, any length) concatenated in rank order."""
+    size = torch.tensor([t.numel()], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(pg))]
+    dist.all_gather(sizes, size, group=pg)
+    most = max(int(s) for s in sizes)
+    padded = torch.zeros(most, dtype=t.dtype)
+    padded[:t.numel()] = t
+    parts = [torch.zeros_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=pg)
+    return torch.cat([p[:int(s)] for p, s in zip(parts, sizes)])
+
+
+def _top(keys: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the ``k`` keys of highest score, ties to the smaller key."""
+    by_key = torch.argsort(keys)
+    by_score = torch.argsort(scores[by_key], descending=True, stable=True)
+    return by_key[by_score[:k]]
+
+
+def _choose(table: ReplicatedTable, stored_here, pg: dist.ProcessGroup) -> torch.Tensor:
+    """A table's replicated ids from its owners' scores (collectives): each owner's
+    top ids (no owner holds more of the global top than that), then the top of all.
+    ``stored_here``: the ``BatchedDynamicEmbeddingTables`` holding this rank's shard."""
+    rows = stored_here.export_keys_values(table.name)
+    keys, scores = rows.keys.cpu(), rows.scores.cpu().to(torch.int64)
+    count = table.replicas
+    if isinstance(count, float):
+        stored = torch.tensor([keys.numel()], dtype=torch.int64)
+        dist.all_reduce(stored, group=pg)
+        count = int(round(count * int(stored)))
+    local = _top(keys, scores, count)
+    all_keys, all_scores = _gather(keys[local], pg), _gather(scores[local], pg)
+    return all_keys[_top(all_keys, all_scores, count)]
+
+
+def _broadcast(ids: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
+    """Rank 0's ids on every rank."""
+    size = torch.tensor([ids.numel()], dtype=torch.int64)
+    dist.broadcast(size, src=dist.get_global_rank(pg, 0), group=pg)
+    out = ids.to(torch.int64).cpu().contiguous() if dist.get_rank(pg) == 0 else torch.zeros(
+        int(size), dtype=torch.int64)
+    dist.broadcast(out, src=dist.get_global_rank(pg, 0), group=pg)
+    return out
+
+
+def refresh_replicas(module: nn.Module, ids: Optional[Mapping[str, torch.Tensor]] = None
+                     ) -> Dict[str, int]:
+    """Chooses the replicated ids of every table with ``replicas`` > 0 in ``module``
+    (a ``DistributedModelParallel`` or anything holding sharded collections).
+
+    A collective: call it on every rank at the same point between steps. Each table
+    gets the ids of highest score over all its owners (``replicas`` of them, or that
+    fraction of its stored rows; ties to the smaller id): with LFU scores the most
+    frequent ids, with LRU the most recently used. ``ids`` replaces that choice for
+    the tables it names with rank 0's ids (e.g. the hottest ids of a data sample).
+    Replicas hold no rows between steps, so a refresh changes what crosses the
+    all-to-all, never the trained rows.
+
+    Args:
+        module: the model.
+        ids: ``{table name: (n,) int64}`` replicated ids to use (rank 0's count).
+
+    Returns:
+        ``{table name: number of replicated ids}``.
+
+    Raises:
+        ValueError: ``ids`` names a table without replicas, or its ids are not a 1-D
+            integer tensor (before any change or collective; call with the same
+            arguments on every rank).
+    """
+    sets = replica_sets(module)
+    names = {t.name for s in sets for t in s.tables}
+    unknown = sorted(set(ids or {}) - names)
+    if unknown:
+        raise ValueError(f"refresh_replicas: tables {unknown} have no replicas (tables with "
+                         f"replicas: {sorted(names)})")
+    for name, given in (ids or {}).items():
+        if not isinstance(given, torch.Tensor) or given.dim() != 1 or given.is_floating_point() \
+                or given.dtype == torch.bool:
+            raise ValueError(f"refresh_replicas: the ids of {name!r} must be a 1-D integer tensor")
+    stored_here = None
+    chosen: Dict[str, int] = {}
+    for replicas in sets:
+        for table in replicas.tables:
+            if ids is not None and table.name in ids:
+                hot = _broadcast(ids[table.name], replicas.pg)
+            else:
+                if stored_here is None:
+                    stored_here = get_dynamic_tables(module)
+                hot = _choose(table, stored_here[table.name], replicas.pg)
+            replicas.set_ids(table.name, hot)
+            chosen[table.name] = int(replicas.ids_of(table.name).numel())
+    return chosen
