@@ -337,7 +337,8 @@ class DynamicEmbTableOptions:
         max_load_factor: growth threshold in (0, 1].
         score_strategy: eviction scores (LRU/TIMESTAMP, STEP, LFU, CUSTOMIZED,
             NO_EVICTION, LRU_LFU; upstream's integers and its compound tuple
-            ``(TIMESTAMP, LFU)``, in either order, too).
+            ``(TIMESTAMP, LFU)``, in either order, too). None is the default, LRU
+            (upstream's scripts pass None for the tables they keep static).
         ttl: row lifetime (None: rows live until evicted). A row not looked up for
             more than ``ttl`` ticks of its table's time expires: a lookup sees a fresh
             row, as for a never-seen id, and ``expire()`` frees it in every tier. The
@@ -392,6 +393,9 @@ class DynamicEmbTableOptions:
             file must be made for the table's number of shards (checked when the
             table is sharded); unused when the table has one shard. None (default):
             every id on its ``dist_type`` owner.
+        device_id: upstream's CUDA device index of the table, accepted for its
+            scripts: the module's ``device`` places the rows, as upstream's module
+            places them on its own device whatever this says.
     """
 
     dim: Optional[int] = None
@@ -418,6 +422,7 @@ class DynamicEmbTableOptions:
     ttl: Optional[int] = None
     local_host_for_values: Optional[int] = None
     placement: Optional[str] = None
+    device_id: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.dim is not None and self.dim <= 0:
@@ -438,7 +443,8 @@ class DynamicEmbTableOptions:
                    if self.bucket_capacity == MAX_BUCKET_CAPACITY else ""))
         if not 0.0 < self.max_load_factor <= 1.0:
             raise ValueError(f"max_load_factor must be in (0, 1], got {self.max_load_factor}")
-        self.score_strategy = score_strategy_of(self.score_strategy)
+        self.score_strategy = (DynamicEmbScoreStrategy.LRU if self.score_strategy is None
+                               else score_strategy_of(self.score_strategy))
         check_ttl(self.ttl, self.score_strategy)
         self.safe_check_mode = DynamicEmbCheckMode(self.safe_check_mode)
         self._check_budgets()
@@ -474,6 +480,10 @@ class DynamicEmbTableOptions:
         except ValueError:
             raise ValueError(f"dist_type must be one of {accepted} (DynamicEmbDistType), got "
                              f"{self.dist_type!r}") from None
+        if self.device_id is not None and (isinstance(self.device_id, bool) or not isinstance(
+                self.device_id, int) or self.device_id < 0):
+            raise ValueError(f"device_id must be None or a CUDA device index (int >= 0), got "
+                             f"{self.device_id!r}")
         if self.index_type not in (None, torch.int64, torch.int32):
             raise ValueError(f"index_type must be torch.int64 or torch.int32, got {self.index_type}")
         if self.embedding_dtype not in (None, torch.float32):

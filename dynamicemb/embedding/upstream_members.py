@@ -176,13 +176,7 @@ class UpstreamMembers:
         Raises:
             ValueError: a table's scores do not order rows by time (LFU, NO_EVICTION).
         """
-        return {name: self._upstream_score(name) for name in self.table_names}
-
-    def _upstream_score(self, name: str) -> int:
-        group, local = self._location(name)
-        if group.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
-            return int(group.custom_scores[local])
-        return self.next_score(name)
+        return {name: self.next_score(name) for name in self.table_names}
 
     def incremental_dump(self, named_thresholds: Union[int, Mapping[str, int], None] = None,
                          pg: Optional[dist.ProcessGroup] = None
@@ -211,7 +205,7 @@ class UpstreamMembers:
         unknown = sorted(set(named_thresholds) - set(self.table_names))
         if unknown:
             raise ValueError(f"no tables {unknown} in this module (tables {self.table_names})")
-        next_scores = {n: self._upstream_score(n) for n in named_thresholds}
+        next_scores = {n: self.next_score(n) for n in named_thresholds}
         self.flush()
         rows: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         for name, threshold in named_thresholds.items():

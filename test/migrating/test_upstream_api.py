@@ -145,6 +145,8 @@ REFUSED_OPTIONS = [
     (dict(local_hbm_for_values=10, global_hbm_for_values=10), "global_hbm_for_values"),
     (dict(global_hbm_for_values=-1), "global_hbm_for_values"),
     (dict(bucket_capacity=2**63 - 1), "MAX_BUCKET_CAPACITY"),
+    (dict(device_id=-1), "device_id"),
+    (dict(device_id="cuda:0"), "device_id"),
 ]
 
 
@@ -178,6 +180,11 @@ def test_supported_upstream_options():
     for dist in ("roundrobin", "hash_roundrobin"):
         _options(dist_type=dist)
     _options(index_type=torch.int32, embedding_dtype=torch.float32)
+    # upstream's scripts pass None for tables they keep static: the default, LRU
+    assert _options(score_strategy=None).score_strategy == DynamicEmbScoreStrategy.LRU
+    # device_id (upstream's CUDA index, its module fills it): the module's device places rows
+    placed = BatchedDynamicEmbeddingTables([_options(device_id=0)], learning_rate=0.1)
+    assert placed.device == torch.device("cpu") and placed.table_options[0].device_id == 0
     module = BatchedDynamicEmbeddingTables([_options(index_type=torch.int32)], learning_rate=0.1)
     out = module(torch.tensor([5, 7], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32))
     assert out.shape == (2, 4)

@@ -162,6 +162,14 @@ def test_module_get_score_and_incremental_dump_give_the_rows_touched_since():
     assert sorted(rows["t0"][0].tolist()) == [2, 3] and score == {"t0": 6}
     with pytest.raises(ValueError, match="no tables"):
         custom.incremental_dump({"t9": 0})
+    # the same threshold through the model-level forms (upstream's unit test calls them)
+    from dynamicemb.incremental_dump import get_score, incremental_dump
+
+    assert custom.next_score("t0") == 6 and get_score(custom) == {"model": {"t0": 6}}
+    rows, score = incremental_dump(custom, {"model": {"t0": 6}})
+    assert sorted(rows["model"]["t0"][0].tolist()) == [2, 3] and score == {"model": {"t0": 6}}
+    by_table, _ = dynamicemb.incremental_dump(custom, {"t0": 5})
+    assert sorted(by_table["t0"][0].tolist()) == [1, 2, 3]
     with pytest.raises(ValueError, match="LFU"):
         _module(score_strategy=DynamicEmbScoreStrategy.LFU).get_score()
 
