@@ -10,7 +10,8 @@ from typing import Any, Callable, Iterable, Mapping
 __all__ = ["REFUSED", "REFUSED_MODULES", "module_getattr", "refuse_module"]
 
 _TORCH_DTYPES = "tables take torch dtypes (rows are float32)"
-_STORAGE_INTERFACE = ("upstream's storage and cache classes are not reproduced: "
+_STORAGE_INTERFACE = ("upstream's storage and cache classes are not reproduced (module.tables "
+                      "is a DynamicEmbStorage or HybridStorage view, by layout): "
                       "DynamicEmbTableOptions' caching and local_hbm_for_values / "
                       "global_hbm_for_values choose where rows live, external_storage takes a "
                       "path, a Redis URL or a KVStore; module.tables.export_keys_values(device, "
@@ -28,7 +29,6 @@ _SCORE_INTERNALS = ("upstream's score arguments drive its CUDA hash table: score
 #: Upstream's internal modules (storage, CUDA extension buffers, test helpers) ->
 #: what to use instead; importing one raises ``ImportError`` with the text.
 REFUSED_MODULES: Mapping[str, str] = {
-    "key_value_table": _STORAGE_INTERFACE,
     "scored_hashtable": _SCORE_INTERNALS,
     "extendable_tensor": ("upstream's growable CUDA buffers: tables grow by themselves here "
                           "(init_capacity up to max_capacity)"),
@@ -68,6 +68,10 @@ REFUSED: Mapping[str, str] = {
     "torch_dtype_to_np_dtype": "call .numpy() on the exported tensors (keys int64, rows float32)",
     "DTYPE_NUM_BYTES": "use dtype.itemsize (rows are float32: get_table_value_bytes sizes them)",
     "tabulate": "it is upstream's printing helper; format tables with your own code",
+    **{name: _STORAGE_INTERFACE
+       for name in ("DynamicEmbCache", "DynamicEmbTableState", "flush_cache", "eval_lookup")},
+    "export_keys_values_iter": ("module.tables.export_keys_values(device, batch_size, "
+                                "table_id) yields upstream's chunks"),
     "assert_tensors_equal": "use torch.testing.assert_close",
     **{name: _STORAGE_INTERFACE
        for name in ("Storage", "Cache", "CopyMode", "OptionsT", "OptimizerT")},

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from dynamicemb.ops.interface import COMPOUND_COUNT_SHIFT, COMPOUND_TIME_MASK
 from dynamicemb.types import DynamicEmbScoreStrategy
 
-__all__ = ["CacheView", "StorageView", "UpstreamMembers", "upstream_scores"]
+__all__ = ["CacheView", "DynamicEmbStorage", "HybridStorage", "StorageView", "UpstreamMembers",
+           "upstream_scores"]
 
 #: Rows per chunk of upstream's exports (its ``BATCH_SIZE_PER_DUMP``).
 BATCH_SIZE_PER_DUMP = 65536
@@ -91,6 +92,20 @@ class StorageView:
         return self._module.table_size(self._module.table_names[int(table_id)])
 
 
+class DynamicEmbStorage(StorageView):
+    """``module.tables`` of a module whose rows each live in one store: every row in
+    device memory, in host memory only, or in the store under a device cache
+    (``caching=True``), as upstream's ``DynamicEmbStorage`` (its module's storage in
+    those layouts)."""
+
+
+class HybridStorage(StorageView):
+    """``module.tables`` of a module with an uncached table whose device budget
+    (``local_hbm_for_values`` / ``global_hbm_for_values``) is smaller than its rows:
+    rows beyond the budget live in host memory, with no promotion, as upstream's
+    ``HybridStorage`` (device + host without a cache)."""
+
+
 class CacheView:
     """``module.cache``: the cache statistics upstream's tools read.
 
@@ -126,8 +141,12 @@ class UpstreamMembers:
     @property
     def tables(self) -> StorageView:
         """Upstream's storage, as far as its tests read it: ``export_keys_values(device,
-        batch_size, table_id)`` and ``size(table_id)``."""
-        return StorageView(self)
+        batch_size, table_id)`` and ``size(table_id)``; a ``HybridStorage`` when a table
+        keeps rows in device and host memory without a cache (a placement tier), else
+        a ``DynamicEmbStorage`` (upstream's classes of those layouts)."""
+        split = any(g.storage.device_tier is not None and not g.storage.promote
+                    for g in self._groups)
+        return (HybridStorage if split else DynamicEmbStorage)(self)
 
     @property
     def cache(self) -> Optional[CacheView]:

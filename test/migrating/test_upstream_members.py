@@ -81,7 +81,7 @@ def test_provided_names_behave_as_upstreams():
         == 2 * 512 * (DIM + 2 * DIM) * 4
 
 
-@pytest.mark.parametrize("name", ["key_value_table", "scored_hashtable", "extendable_tensor",
+@pytest.mark.parametrize("name", ["scored_hashtable", "extendable_tensor",
                                   "index_range_meta", "lookup_meta", "construct_twin_module"])
 def test_upstream_internal_modules_are_refused_on_import(name):
     with pytest.raises(ImportError, match=rf"dynamicemb\.{name} is upstream dynamicemb's internal "
@@ -90,6 +90,26 @@ def test_upstream_internal_modules_are_refused_on_import(name):
 
 
 # ---------------------------------------------------------------------------- members
+def test_tables_is_upstreams_storage_class_of_the_layout():
+    """``isinstance(m.tables, HybridStorage)`` (upstream's dump/load, LFU and admission
+    tests check it): device + host rows without a cache; ``DynamicEmbStorage`` for one
+    store (all in device memory, host only, or under a cache)."""
+    from dynamicemb.key_value_table import DynamicEmbStorage, HybridStorage
+
+    row = DIM * 4
+    for options, kind in ((dict(), DynamicEmbStorage),
+                          (dict(caching=True, local_hbm_for_values=16 * row), DynamicEmbStorage),
+                          (dict(local_hbm_for_values=0), DynamicEmbStorage),
+                          (dict(local_hbm_for_values=16 * row), HybridStorage)):
+        module = _module(**options)
+        _train(module, range(40))
+        assert type(module.tables) is kind, options
+        keys = torch.cat([c[0] for c in module.tables.export_keys_values(None, 7)])
+        assert sorted(keys.tolist()) == list(range(40))  # every row, in either tier
+    with pytest.raises(ImportError, match="DynamicEmbCache is upstream dynamicemb's.+caching"):
+        from dynamicemb.key_value_table import DynamicEmbCache  # noqa: F401
+
+
 def test_tables_exports_as_upstreams_storage_with_the_compound_score_in_its_layout():
     """``module.tables.export_keys_values(device, batch_size, table_id)`` yields upstream's
     4-tuples; a ``(TIMESTAMP, LFU)`` table's scores are ``[timestamp, frequency]``, the
