@@ -333,7 +333,11 @@ class DynamicEmbTableOptions:
         init_capacity: rows allocated at first on each rank (default: the rank's
             ``max_capacity``; larger is capped to it); the table doubles when its
             load passes ``max_load_factor``.
-        bucket_capacity: slots per hash bucket (multiple of 16).
+        bucket_capacity: slots per hash bucket (multiple of 16), or upstream's
+            ``MAX_BUCKET_CAPACITY``: one bucket per table, of ``max_capacity``
+            rounded up to 16 slots, allocated at once (eviction then takes the
+            table's lowest score; a lookup scans the bucket, so keep it for small
+            tables). The module resolves it (``in_one_bucket``).
         max_load_factor: growth threshold in (0, 1].
         score_strategy: eviction scores (LRU/TIMESTAMP, STEP, LFU, CUSTOMIZED,
             NO_EVICTION, LRU_LFU; upstream's integers and its compound tuple
@@ -435,12 +439,11 @@ class DynamicEmbTableOptions:
                 f"init_capacity must be in (0, max_capacity={self.max_capacity}], "
                 f"got {self.init_capacity}"
             )
-        if self.bucket_capacity <= 0 or self.bucket_capacity % 16:
-            raise ValueError(
-                f"bucket_capacity must be a positive multiple of 16, got {self.bucket_capacity}"
-                + (" (upstream's MAX_BUCKET_CAPACITY, one bucket per table, is not supported: "
-                     "leave the default 128)"
-                   if self.bucket_capacity == MAX_BUCKET_CAPACITY else ""))
+        if self.bucket_capacity != MAX_BUCKET_CAPACITY and (
+                self.bucket_capacity <= 0 or self.bucket_capacity % 16):
+            raise ValueError(f"bucket_capacity must be a positive multiple of 16 or "
+                             f"MAX_BUCKET_CAPACITY (one bucket per table), got "
+                             f"{self.bucket_capacity}")
         if not 0.0 < self.max_load_factor <= 1.0:
             raise ValueError(f"max_load_factor must be in (0, 1], got {self.max_load_factor}")
         self.score_strategy = (DynamicEmbScoreStrategy.LRU if self.score_strategy is None
@@ -528,6 +531,24 @@ class DynamicEmbTableOptions:
         if self.ttl is not None:
             raise ValueError("ttl with external_storage is not supported yet: rows in the "
                              "external store would not expire; drop one of the two")
+
+    def bucket_slots(self, rows: int) -> int:
+        """Slots per bucket of a table of ``rows`` rows: ``bucket_capacity``, or for
+        upstream's ``MAX_BUCKET_CAPACITY`` every slot (``rows`` rounded up to 16)."""
+        if self.bucket_capacity == MAX_BUCKET_CAPACITY:
+            return -(-max(int(rows), 1) // 16) * 16
+        return self.bucket_capacity
+
+    def in_one_bucket(self) -> "DynamicEmbTableOptions":
+        """These options with upstream's ``MAX_BUCKET_CAPACITY`` resolved for
+        ``max_capacity``: ``bucket_capacity``, ``max_capacity`` and ``init_capacity`` all
+        ``bucket_slots(max_capacity)`` (one bucket, allocated at once); ``self`` for
+        any other bucket capacity or while ``max_capacity`` is unset."""
+        if self.bucket_capacity != MAX_BUCKET_CAPACITY or self.max_capacity is None:
+            return self
+        slots = self.bucket_slots(self.max_capacity)
+        return dataclasses.replace(self, bucket_capacity=slots, max_capacity=slots,
+                                   init_capacity=slots)
 
     def device_budget(self, num_shards: int = 1) -> Optional[int]:
         """Device bytes for value rows on one of the ``num_shards`` ranks holding the
