@@ -66,7 +66,6 @@ REFUSED: Mapping[str, str] = {
     "MemoryType": "Counter.memory_usage() takes no memory type and returns all bytes held",
     "COUNTER_TYPE": "admission counts are float64 here (export_admission_counters(name).counts)",
     "torch_dtype_to_np_dtype": "call .numpy() on the exported tensors (keys int64, rows float32)",
-    "DTYPE_NUM_BYTES": "use dtype.itemsize (rows are float32: get_table_value_bytes sizes them)",
     "tabulate": "it is upstream's printing helper; format tables with your own code",
     **{name: _STORAGE_INTERFACE
        for name in ("DynamicEmbCache", "DynamicEmbTableState", "flush_cache", "eval_lookup")},

@@ -89,6 +89,31 @@ def test_upstream_internal_modules_are_refused_on_import(name):
         importlib.import_module(f"dynamicemb.{name}")
 
 
+UPSTREAM_PATHS = ["dynamicemb", "dynamicemb.types", "dynamicemb.optimizer", "dynamicemb.utils",
+                  "dynamicemb.dynamicemb_config", "dynamicemb.batched_dynamicemb_tables",
+                  "dynamicemb.key_value_table"]
+
+
+def test_every_refusal_text_is_raised_by_a_module_path_and_provided_names_are_not_refused():
+    """Each of ``REFUSED``'s texts is what some module path raises for that name (no
+    stale text for a name since provided)."""
+    from dynamicemb._upstream import REFUSED
+
+    modules = [importlib.import_module(path) for path in UPSTREAM_PATHS]
+    for name, text in REFUSED.items():
+        raised = []
+        for module in modules:
+            try:
+                getattr(module, name)
+            except ImportError as err:
+                raised.append(str(err))
+            except AttributeError:
+                pass
+        assert raised and all(text in message for message in raised), name
+    for module, name, _ in PROVIDED:
+        assert name not in REFUSED, f"{module}.{name} is provided, yet has a refusal text"
+
+
 # ---------------------------------------------------------------------------- members
 def test_tables_is_upstreams_storage_class_of_the_layout():
     """``isinstance(m.tables, HybridStorage)`` (upstream's dump/load, LFU and admission
