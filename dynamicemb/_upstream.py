@@ -26,7 +26,7 @@ _CHECKPOINT_FILES = ("DynamicEmbDump writes this package's format, not upstream'
 _SCORE_INTERNALS = ("upstream's score arguments drive its CUDA hash table: score_strategy in "
                     "DynamicEmbTableOptions chooses the rule, ScoredHashTable is this package's "
                     "table")
-#: Upstream's internal modules (storage, CUDA extension buffers, test helpers) ->
+#: Upstream's internal modules (hash table, CUDA extension buffers, lookup metadata) ->
 #: what to use instead; importing one raises ``ImportError`` with the text.
 REFUSED_MODULES: Mapping[str, str] = {
     "scored_hashtable": _SCORE_INTERNALS,
@@ -36,10 +36,6 @@ REFUSED_MODULES: Mapping[str, str] = {
                          " takes a KeyedJaggedTensor's indices and offsets"),
     "lookup_meta": ("upstream's lookup metadata of its CUDA kernels: BatchedDynamicEmbeddingTables "
                     "takes a KeyedJaggedTensor's indices and offsets"),
-    "construct_twin_module": ("upstream's test helper (a TorchRec twin of a dynamic model): "
-                              "build both models with DistributedModelParallel and the "
-                              "DynamicEmbeddingCollectionSharder / TorchRec's own sharder, "
-                              "then compare their outputs"),
 }
 
 #: Upstream's names not provided here -> what to use instead (one text per name,

@@ -82,7 +82,7 @@ def test_provided_names_behave_as_upstreams():
 
 
 @pytest.mark.parametrize("name", ["scored_hashtable", "extendable_tensor",
-                                  "index_range_meta", "lookup_meta", "construct_twin_module"])
+                                  "index_range_meta", "lookup_meta"])
 def test_upstream_internal_modules_are_refused_on_import(name):
     with pytest.raises(ImportError, match=rf"dynamicemb\.{name} is upstream dynamicemb's internal "
                                           rf"module and is not provided here: .+MIGRATING"):
