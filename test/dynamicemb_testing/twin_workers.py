@@ -1,11 +1,13 @@
 """Rank body of the ``ConstructTwinModule`` test (spawned; importable, no pytest here)."""
 
+import gc
 import random
 
 import torch
 import torchrec
 from torchrec.modules.embedding_configs import PoolingType
 
+from dynamicemb import BatchedDynamicEmbeddingTables
 from dynamicemb.construct_twin_module import ConstructTwinModule
 from dynamicemb.dump_load import get_dynamic_emb_module
 
@@ -30,11 +32,15 @@ def twins_train_alike(rank: int, world_size: int, pooled: bool, optimizer: str) 
     """Both models of a twin give equal outputs over 4 training steps."""
     torch.manual_seed(rank)  # init_fn's rows differ per rank: rank 0's are broadcast
     num_embeddings = [200, 300]
-    twin = ConstructTwinModule(
-        2, [8, 8], num_embeddings, PoolingType.SUM if pooled else None, pooled, [3, 3],
-        optimizer_kwargs={"optimizer": optimizer, "learning_rate": 0.05, "eps": 1e-8}
-        if optimizer != "sgd" else {"optimizer": "sgd", "learning_rate": 0.05},
-        use_index_dedup=True, rank=rank, world_size=world_size)
+
+    def construct() -> ConstructTwinModule:
+        return ConstructTwinModule(
+            2, [8, 8], num_embeddings, PoolingType.SUM if pooled else None, pooled, [3, 3],
+            optimizer_kwargs={"optimizer": optimizer, "learning_rate": 0.05, "eps": 1e-8}
+            if optimizer != "sgd" else {"optimizer": "sgd", "learning_rate": 0.05},
+            use_index_dedup=True, rank=rank, world_size=world_size)
+
+    twin = construct()
     assert twin.dynamicemb_model is None
     twin.init_twin_embedding_model()
     dynamic, native = twin.dynamicemb_model, twin.torchrec_model
@@ -46,3 +52,14 @@ def twins_train_alike(rank: int, world_size: int, pooled: bool, optimizer: str) 
         for out in outs:
             out.sum().backward()
         torch.testing.assert_close(outs[0], outs[1], msg=lambda m: f"step {step}: {m}")
+    # a new build frees the dropped one (TorchRec's collections are reference cycles)
+    gc.disable()
+    try:
+        del dynamic, native, twin, outs  # outputs keep their autograd nodes
+        again = construct()
+        again.init_twin_embedding_model()
+        live = {id(o) for o in gc.get_objects() if isinstance(o, BatchedDynamicEmbeddingTables)}
+        assert live == {id(m) for m in get_dynamic_emb_module(again.dynamicemb_model)}, \
+            f"{len(live)} dynamic modules alive after the second build"
+    finally:
+        gc.enable()
