@@ -10,7 +10,8 @@ from typing import Any, Callable, Iterable, Mapping
 __all__ = ["REFUSED", "REFUSED_MODULES", "module_getattr", "refuse_module"]
 
 _TORCH_DTYPES = "tables take torch dtypes (rows are float32)"
-_STORAGE_INTERFACE = ("upstream's storage and cache classes are not reproduced: "
+_STORAGE_INTERFACE = ("upstream's storage and cache classes are not reproduced (module.tables "
+                      "is a DynamicEmbStorage or HybridStorage view, by layout): "
                       "DynamicEmbTableOptions' caching and local_hbm_for_values / "
                       "global_hbm_for_values choose where rows live, external_storage takes a "
                       "path, a Redis URL or a KVStore; module.tables.export_keys_values(device, "
@@ -25,10 +26,9 @@ _CHECKPOINT_FILES = ("DynamicEmbDump writes this package's format, not upstream'
 _SCORE_INTERNALS = ("upstream's score arguments drive its CUDA hash table: score_strategy in "
                     "DynamicEmbTableOptions chooses the rule, ScoredHashTable is this package's "
                     "table")
-#: Upstream's internal modules (storage, CUDA extension buffers, test helpers) ->
+#: Upstream's internal modules (hash table, CUDA extension buffers, lookup metadata) ->
 #: what to use instead; importing one raises ``ImportError`` with the text.
 REFUSED_MODULES: Mapping[str, str] = {
-    "key_value_table": _STORAGE_INTERFACE,
     "scored_hashtable": _SCORE_INTERNALS,
     "extendable_tensor": ("upstream's growable CUDA buffers: tables grow by themselves here "
                           "(init_capacity up to max_capacity)"),
@@ -36,10 +36,6 @@ REFUSED_MODULES: Mapping[str, str] = {
                          " takes a KeyedJaggedTensor's indices and offsets"),
     "lookup_meta": ("upstream's lookup metadata of its CUDA kernels: BatchedDynamicEmbeddingTables "
                     "takes a KeyedJaggedTensor's indices and offsets"),
-    "construct_twin_module": ("upstream's test helper (a TorchRec twin of a dynamic model): "
-                              "build both models with DistributedModelParallel and the "
-                              "DynamicEmbeddingCollectionSharder / TorchRec's own sharder, "
-                              "then compare their outputs"),
 }
 
 #: Upstream's names not provided here -> what to use instead (one text per name,
@@ -66,8 +62,11 @@ REFUSED: Mapping[str, str] = {
     "MemoryType": "Counter.memory_usage() takes no memory type and returns all bytes held",
     "COUNTER_TYPE": "admission counts are float64 here (export_admission_counters(name).counts)",
     "torch_dtype_to_np_dtype": "call .numpy() on the exported tensors (keys int64, rows float32)",
-    "DTYPE_NUM_BYTES": "use dtype.itemsize (rows are float32: get_table_value_bytes sizes them)",
     "tabulate": "it is upstream's printing helper; format tables with your own code",
+    **{name: _STORAGE_INTERFACE
+       for name in ("DynamicEmbCache", "DynamicEmbTableState", "flush_cache", "eval_lookup")},
+    "export_keys_values_iter": ("module.tables.export_keys_values(device, batch_size, "
+                                "table_id) yields upstream's chunks"),
     "assert_tensors_equal": "use torch.testing.assert_close",
     **{name: _STORAGE_INTERFACE
        for name in ("Storage", "Cache", "CopyMode", "OptionsT", "OptimizerT")},

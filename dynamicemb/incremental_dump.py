@@ -59,13 +59,14 @@ def _paths(model: nn.Module, group: Collective) -> Dict[str, List[str]]:
 def get_score(model: nn.Module, pg: Optional[dist.ProcessGroup] = None
               ) -> Dict[str, Dict[str, int]]:
     """Per collection path and table, the score the next training batch gives the rows
-    it touches (``next_score``; the smallest over ranks): pass it to
+    it touches (``next_score``: for a CUSTOMIZED table the score ``set_score``
+    registered; the smallest over ranks): pass it to
     ``incremental_dump`` to get the rows touched from now on. Call it on every rank
     of ``pg`` (the default group, or this process alone).
 
     Raises:
         CheckpointError: on every rank, if a table's scores do not order rows by time
-            (LFU, CUSTOMIZED).
+            (LFU, NO_EVICTION).
     """
     group = Collective(pg)
     tables = local_tables(model)

@@ -334,11 +334,16 @@ class DynamicEmbTableOptions:
         init_capacity: rows allocated at first on each rank (default: the rank's
             ``max_capacity``; larger is capped to it); the table doubles when its
             load passes ``max_load_factor``.
-        bucket_capacity: slots per hash bucket (multiple of 16).
+        bucket_capacity: slots per hash bucket (multiple of 16), or upstream's
+            ``MAX_BUCKET_CAPACITY``: one bucket per table, of ``max_capacity``
+            rounded up to 16 slots, allocated at once (eviction then takes the
+            table's lowest score; a lookup scans the bucket, so keep it for small
+            tables). The module resolves it (``in_one_bucket``).
         max_load_factor: growth threshold in (0, 1].
         score_strategy: eviction scores (LRU/TIMESTAMP, STEP, LFU, CUSTOMIZED,
             NO_EVICTION, LRU_LFU; upstream's integers and its compound tuple
-            ``(TIMESTAMP, LFU)``, in either order, too).
+            ``(TIMESTAMP, LFU)``, in either order, too). None is the default, LRU
+            (upstream's scripts pass None for the tables they keep static).
         ttl: row lifetime (None: rows live until evicted). A row not looked up for
             more than ``ttl`` ticks of its table's time expires: a lookup sees a fresh
             row, as for a never-seen id, and ``expire()`` frees it in every tier. The
@@ -402,6 +407,9 @@ class DynamicEmbTableOptions:
             ``dynamicemb.shard.refresh_replicas`` (a collective) or given to it.
             Replicas are synchronous (staleness 0): trained rows equal those of
             training without replicas (bit for bit with dedup). 0 (default): none.
+        device_id: upstream's CUDA device index of the table, accepted for its
+            scripts: the module's ``device`` places the rows, as upstream's module
+            places them on its own device whatever this says.
     """
 
     dim: Optional[int] = None
@@ -429,6 +437,7 @@ class DynamicEmbTableOptions:
     local_host_for_values: Optional[int] = None
     placement: Optional[str] = None
     replicas: Union[int, float] = 0
+    device_id: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.dim is not None and self.dim <= 0:
@@ -441,15 +450,15 @@ class DynamicEmbTableOptions:
                 f"init_capacity must be in (0, max_capacity={self.max_capacity}], "
                 f"got {self.init_capacity}"
             )
-        if self.bucket_capacity <= 0 or self.bucket_capacity % 16:
-            raise ValueError(
-                f"bucket_capacity must be a positive multiple of 16, got {self.bucket_capacity}"
-                + (" (upstream's MAX_BUCKET_CAPACITY, one bucket per table, is not supported: "
-                     "leave the default 128)"
-                   if self.bucket_capacity == MAX_BUCKET_CAPACITY else ""))
+        if self.bucket_capacity != MAX_BUCKET_CAPACITY and (
+                self.bucket_capacity <= 0 or self.bucket_capacity % 16):
+            raise ValueError(f"bucket_capacity must be a positive multiple of 16 or "
+                             f"MAX_BUCKET_CAPACITY (one bucket per table), got "
+                             f"{self.bucket_capacity}")
         if not 0.0 < self.max_load_factor <= 1.0:
             raise ValueError(f"max_load_factor must be in (0, 1], got {self.max_load_factor}")
-        self.score_strategy = score_strategy_of(self.score_strategy)
+        self.score_strategy = (DynamicEmbScoreStrategy.LRU if self.score_strategy is None
+                               else score_strategy_of(self.score_strategy))
         check_ttl(self.ttl, self.score_strategy)
         self.safe_check_mode = DynamicEmbCheckMode(self.safe_check_mode)
         self._check_budgets()
@@ -497,6 +506,10 @@ class DynamicEmbTableOptions:
         except ValueError:
             raise ValueError(f"dist_type must be one of {accepted} (DynamicEmbDistType), got "
                              f"{self.dist_type!r}") from None
+        if self.device_id is not None and (isinstance(self.device_id, bool) or not isinstance(
+                self.device_id, int) or self.device_id < 0):
+            raise ValueError(f"device_id must be None or a CUDA device index (int >= 0), got "
+                             f"{self.device_id!r}")
         if self.index_type not in (None, torch.int64, torch.int32):
             raise ValueError(f"index_type must be torch.int64 or torch.int32, got {self.index_type}")
         if self.embedding_dtype not in (None, torch.float32):
@@ -540,6 +553,24 @@ class DynamicEmbTableOptions:
         if self.ttl is not None:
             raise ValueError("ttl with external_storage is not supported yet: rows in the "
                              "external store would not expire; drop one of the two")
+
+    def bucket_slots(self, rows: int) -> int:
+        """Slots per bucket of a table of ``rows`` rows: ``bucket_capacity``, or for
+        upstream's ``MAX_BUCKET_CAPACITY`` every slot (``rows`` rounded up to 16)."""
+        if self.bucket_capacity == MAX_BUCKET_CAPACITY:
+            return -(-max(int(rows), 1) // 16) * 16
+        return self.bucket_capacity
+
+    def in_one_bucket(self) -> "DynamicEmbTableOptions":
+        """These options with upstream's ``MAX_BUCKET_CAPACITY`` resolved for
+        ``max_capacity``: ``bucket_capacity``, ``max_capacity`` and ``init_capacity`` all
+        ``bucket_slots(max_capacity)`` (one bucket, allocated at once); ``self`` for
+        any other bucket capacity or while ``max_capacity`` is unset."""
+        if self.bucket_capacity != MAX_BUCKET_CAPACITY or self.max_capacity is None:
+            return self
+        slots = self.bucket_slots(self.max_capacity)
+        return dataclasses.replace(self, bucket_capacity=slots, max_capacity=slots,
+                                   init_capacity=slots)
 
     def device_budget(self, num_shards: int = 1) -> Optional[int]:
         """Device bytes for value rows on one of the ``num_shards`` ranks holding the

@@ -144,6 +144,7 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
             raise ValueError("table_names must be unique, one per table")
         for name, options in zip(self.table_names, self.table_options):
             options.check_shape(name)
+        self.table_options = [o.in_one_bucket() for o in self.table_options]
         self.feature_table_map = list(feature_table_map) if feature_table_map is not None else list(
             range(num_tables))
         if not self.feature_table_map or not all(

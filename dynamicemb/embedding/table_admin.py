@@ -188,16 +188,19 @@ class TableAdmin:
             group.admission.counter.set_clock(clocks.admission_clock)
 
     def next_score(self, table_name: str) -> int:
-        """The score the next training batch gives the keys it touches (LRU, STEP):
-        rows scoring at least this were touched after this call."""
-        group, _ = self._location(table_name)
+        """The score the next training batch gives the keys it touches (LRU, LRU_LFU,
+        STEP: rows scoring at least this were touched after this call; CUSTOMIZED: the
+        score ``set_score`` registered)."""
+        group, local = self._location(table_name)
+        if group.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
+            return int(group.custom_scores[local])
         if group.score_strategy == DynamicEmbScoreStrategy.STEP:
             return self.train_steps + 1
         if group.score_strategy in (DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.LRU_LFU):
             return group.table.clock + 1  # LRU_LFU: min_score reads the time part
         raise ValueError(
             f"table {table_name!r} uses {group.score_strategy.name} scores, which do not "
-            f"order rows by time; next_score needs LRU, LRU_LFU or STEP")
+            f"order rows by time; next_score needs LRU, LRU_LFU, STEP or CUSTOMIZED")
 
     def expire(self) -> Dict[str, int]:
         """TTL sweep: frees, in every tier, the rows of tables with a ``ttl`` that

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from dynamicemb.ops.interface import COMPOUND_COUNT_SHIFT, COMPOUND_TIME_MASK
 from dynamicemb.types import DynamicEmbScoreStrategy
 
-__all__ = ["CacheView", "StorageView", "UpstreamMembers", "upstream_scores"]
+__all__ = ["CacheView", "DynamicEmbStorage", "HybridStorage", "StorageView", "UpstreamMembers",
+           "upstream_scores"]
 
 #: Rows per chunk of upstream's exports (its ``BATCH_SIZE_PER_DUMP``).
 BATCH_SIZE_PER_DUMP = 65536
@@ -91,6 +92,20 @@ class StorageView:
         return self._module.table_size(self._module.table_names[int(table_id)])
 
 
+class DynamicEmbStorage(StorageView):
+    """``module.tables`` of a module whose rows each live in one store: every row in
+    device memory, in host memory only, or in the store under a device cache
+    (``caching=True``), as upstream's ``DynamicEmbStorage`` (its module's storage in
+    those layouts)."""
+
+
+class HybridStorage(StorageView):
+    """``module.tables`` of a module with an uncached table whose device budget
+    (``local_hbm_for_values`` / ``global_hbm_for_values``) is smaller than its rows:
+    rows beyond the budget live in host memory, with no promotion, as upstream's
+    ``HybridStorage`` (device + host without a cache)."""
+
+
 class CacheView:
     """``module.cache``: the cache statistics upstream's tools read.
 
@@ -126,8 +141,12 @@ class UpstreamMembers:
     @property
     def tables(self) -> StorageView:
         """Upstream's storage, as far as its tests read it: ``export_keys_values(device,
-        batch_size, table_id)`` and ``size(table_id)``."""
-        return StorageView(self)
+        batch_size, table_id)`` and ``size(table_id)``; a ``HybridStorage`` when a table
+        keeps rows in device and host memory without a cache (a placement tier), else
+        a ``DynamicEmbStorage`` (upstream's classes of those layouts)."""
+        split = any(g.storage.device_tier is not None and not g.storage.promote
+                    for g in self._groups)
+        return (HybridStorage if split else DynamicEmbStorage)(self)
 
     @property
     def cache(self) -> Optional[CacheView]:
@@ -176,13 +195,7 @@ class UpstreamMembers:
         Raises:
             ValueError: a table's scores do not order rows by time (LFU, NO_EVICTION).
         """
-        return {name: self._upstream_score(name) for name in self.table_names}
-
-    def _upstream_score(self, name: str) -> int:
-        group, local = self._location(name)
-        if group.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
-            return int(group.custom_scores[local])
-        return self.next_score(name)
+        return {name: self.next_score(name) for name in self.table_names}
 
     def incremental_dump(self, named_thresholds: Union[int, Mapping[str, int], None] = None,
                          pg: Optional[dist.ProcessGroup] = None
@@ -211,7 +224,7 @@ class UpstreamMembers:
         unknown = sorted(set(named_thresholds) - set(self.table_names))
         if unknown:
             raise ValueError(f"no tables {unknown} in this module (tables {self.table_names})")
-        next_scores = {n: self._upstream_score(n) for n in named_thresholds}
+        next_scores = {n: self.next_score(n) for n in named_thresholds}
         self.flush()
         rows: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         for name, threshold in named_thresholds.items():

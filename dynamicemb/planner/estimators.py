@@ -46,12 +46,13 @@ def dynamic_table_bytes(options: DynamicEmbTableOptions, rows: int,
     slots, row_bytes = _slots_and_row_bytes(options, rows, optimizer)
     slots -= _external_rows(options, slots, row_bytes)
     values = slots * row_bytes
-    index = math.ceil(slots * metadata_bytes_per_slot(options.bucket_capacity))
+    bucket = options.bucket_slots(rows)
+    index = math.ceil(slots * metadata_bytes_per_slot(bucket))
     budget = options.device_budget(num_shards)
     if budget is None or (not options.caching and budget >= values):
         return values + index, 0
     device = min(budget, values)
-    device_index = math.ceil(device // row_bytes * metadata_bytes_per_slot(options.bucket_capacity))
+    device_index = math.ceil(device // row_bytes * metadata_bytes_per_slot(bucket))
     host = values if options.caching else values - device
     return device + device_index + index, host
 
@@ -70,7 +71,8 @@ def _slots_and_row_bytes(options: DynamicEmbTableOptions, rows: int,
     if options.optimizer_args is not None:
         optimizer = options.optimizer_args.optimizer
     state_dim = optimizer_state_dim(DynamicEmbOptimType.of(optimizer), options.dim) if options.training else 0
-    slots = num_buckets_for(rows, options.bucket_capacity) * options.bucket_capacity
+    bucket = options.bucket_slots(rows)
+    slots = num_buckets_for(rows, bucket) * bucket
     return slots, (options.dim + state_dim) * 4
 
 

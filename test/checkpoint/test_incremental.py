@@ -41,5 +41,5 @@ def test_rows_touched_since_the_threshold(strategy, caching):
 
 def test_lfu_scores_are_refused():
     module = make_tables(strategy=DynamicEmbScoreStrategy.LFU)
-    with pytest.raises(Exception, match="LRU, LRU_LFU or STEP"):
+    with pytest.raises(Exception, match="LRU, LRU_LFU, STEP or CUSTOMIZED"):
         incremental_dump(module, 0)

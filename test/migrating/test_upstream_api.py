@@ -26,6 +26,7 @@ from dynamicemb import (
     ScoredHashTable,
 )
 from dynamicemb.ops.interface import optimizer_state_dim
+from dynamicemb.types import MAX_BUCKET_CAPACITY
 
 # (module path, name, our object): upstream's spelling -> what it is here
 UPSTREAM_NAMES = [
@@ -144,7 +145,9 @@ REFUSED_OPTIONS = [
     (dict(admission_counter=64, admit_strategy=FrequencyAdmissionStrategy(2)), "admission_counter"),
     (dict(local_hbm_for_values=10, global_hbm_for_values=10), "global_hbm_for_values"),
     (dict(global_hbm_for_values=-1), "global_hbm_for_values"),
-    (dict(bucket_capacity=2**63 - 1), "MAX_BUCKET_CAPACITY"),
+    (dict(bucket_capacity=100), "MAX_BUCKET_CAPACITY"),
+    (dict(device_id=-1), "device_id"),
+    (dict(device_id="cuda:0"), "device_id"),
 ]
 
 
@@ -178,6 +181,11 @@ def test_supported_upstream_options():
     for dist in ("roundrobin", "hash_roundrobin"):
         _options(dist_type=dist)
     _options(index_type=torch.int32, embedding_dtype=torch.float32)
+    # upstream's scripts pass None for tables they keep static: the default, LRU
+    assert _options(score_strategy=None).score_strategy == DynamicEmbScoreStrategy.LRU
+    # device_id (upstream's CUDA index, its module fills it): the module's device places rows
+    placed = BatchedDynamicEmbeddingTables([_options(device_id=0)], learning_rate=0.1)
+    assert placed.device == torch.device("cpu") and placed.table_options[0].device_id == 0
     module = BatchedDynamicEmbeddingTables([_options(index_type=torch.int32)], learning_rate=0.1)
     out = module(torch.tensor([5, 7], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32))
     assert out.shape == (2, 4)
@@ -327,3 +335,31 @@ def test_checkpoint_table_names_in_upstreams_form(tmp_path):
     assert loaded.table_size("a") == 0
     got, want = loaded.export_keys_values("b"), saved.export_keys_values("b")
     assert torch.equal(got.keys, want.keys) and torch.equal(got.embeddings, want.embeddings)
+
+
+def test_max_bucket_capacity_is_one_bucket_per_table_as_upstream():
+    """Upstream's ``bucket_capacity=MAX_BUCKET_CAPACITY`` (its dump/load, LFU and
+    admission tests use it): one bucket of the table's capacity rounded up to 16,
+    allocated at once, sized as ``get_sharded_table_capacity`` and the planner size
+    it; eviction takes the table's lowest scores (LRU: the oldest rows)."""
+    from dynamicemb.planner.estimators import dynamic_table_bytes
+
+    options = _options(max_capacity=30, bucket_capacity=MAX_BUCKET_CAPACITY)
+    config = _Config(30, 4)
+    assert dynamicemb.get_sharded_table_capacity(config, 1, MAX_BUCKET_CAPACITY) == 32
+    assert dynamic_table_bytes(options, 30)[0] == dynamic_table_bytes(
+        _options(max_capacity=32, bucket_capacity=32), 32)[0]
+    module = BatchedDynamicEmbeddingTables([options], learning_rate=0.1, pooling_mode=2)
+    resolved = module.table_options[0]
+    assert (resolved.bucket_capacity, resolved.max_capacity, resolved.init_capacity) == (32, 32, 32)
+
+    def step(ids):
+        ids = torch.tensor(ids)
+        module(ids, torch.arange(ids.numel() + 1)).sum().backward()
+
+    step(range(16))
+    step(range(16, 32))  # the bucket is full
+    step(range(8))  # 0..7 touched again: 8..15 are now the oldest
+    step(range(100, 108))  # 8 new rows evict the 8 oldest
+    assert sorted(module.export_keys_values("t0").keys.tolist()) == \
+        [*range(8), *range(16, 32), *range(100, 108)]

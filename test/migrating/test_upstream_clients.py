@@ -149,8 +149,8 @@ def test_types_names_are_ours(name):
 
 
 def test_types_values_are_the_tables():
-    """The dtypes named are those of exported rows; MAX_BUCKET_CAPACITY is refused
-    where it is used, naming what to write."""
+    """The dtypes named are those of exported rows; MAX_BUCKET_CAPACITY is one
+    bucket per table (checked in test_upstream_api)."""
     from dynamicemb.types import (EMBEDDING_TYPE, KEY_TYPE, MAX_BUCKET_CAPACITY, OPT_STATE_TYPE,
                                   SCORE_TYPE)
     module = _table()
@@ -159,8 +159,9 @@ def test_types_values_are_the_tables():
     assert (rows.keys.dtype, rows.embeddings.dtype, rows.scores.dtype,
             rows.optimizer_states.dtype) == (KEY_TYPE, EMBEDDING_TYPE, SCORE_TYPE, OPT_STATE_TYPE)
     assert dynamicemb.MAX_BUCKET_CAPACITY == MAX_BUCKET_CAPACITY
-    with pytest.raises(ValueError, match="MAX_BUCKET_CAPACITY.*default 128"):
-        DynamicEmbTableOptions(dim=DIM, max_capacity=64, bucket_capacity=MAX_BUCKET_CAPACITY)
+    one_bucket = DynamicEmbTableOptions(dim=DIM, max_capacity=64,
+                                        bucket_capacity=MAX_BUCKET_CAPACITY).in_one_bucket()
+    assert one_bucket.bucket_capacity == one_bucket.max_capacity == 64
 
 
 @pytest.mark.parametrize("module,name,replacement", REFUSED, ids=[f"{m}.{n}" for m, n, _ in REFUSED])

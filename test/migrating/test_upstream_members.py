@@ -81,15 +81,60 @@ def test_provided_names_behave_as_upstreams():
         == 2 * 512 * (DIM + 2 * DIM) * 4
 
 
-@pytest.mark.parametrize("name", ["key_value_table", "scored_hashtable", "extendable_tensor",
-                                  "index_range_meta", "lookup_meta", "construct_twin_module"])
+@pytest.mark.parametrize("name", ["scored_hashtable", "extendable_tensor",
+                                  "index_range_meta", "lookup_meta"])
 def test_upstream_internal_modules_are_refused_on_import(name):
     with pytest.raises(ImportError, match=rf"dynamicemb\.{name} is upstream dynamicemb's internal "
                                           rf"module and is not provided here: .+MIGRATING"):
         importlib.import_module(f"dynamicemb.{name}")
 
 
+UPSTREAM_PATHS = ["dynamicemb", "dynamicemb.types", "dynamicemb.optimizer", "dynamicemb.utils",
+                  "dynamicemb.dynamicemb_config", "dynamicemb.batched_dynamicemb_tables",
+                  "dynamicemb.key_value_table"]
+
+
+def test_every_refusal_text_is_raised_by_a_module_path_and_provided_names_are_not_refused():
+    """Each of ``REFUSED``'s texts is what some module path raises for that name (no
+    stale text for a name since provided)."""
+    from dynamicemb._upstream import REFUSED
+
+    modules = [importlib.import_module(path) for path in UPSTREAM_PATHS]
+    for name, text in REFUSED.items():
+        raised = []
+        for module in modules:
+            try:
+                getattr(module, name)
+            except ImportError as err:
+                raised.append(str(err))
+            except AttributeError:
+                pass
+        assert raised and all(text in message for message in raised), name
+    for module, name, _ in PROVIDED:
+        assert name not in REFUSED, f"{module}.{name} is provided, yet has a refusal text"
+
+
 # ---------------------------------------------------------------------------- members
+def test_tables_is_upstreams_storage_class_of_the_layout():
+    """``isinstance(m.tables, HybridStorage)`` (upstream's dump/load, LFU and admission
+    tests check it): device + host rows without a cache; ``DynamicEmbStorage`` for one
+    store (all in device memory, host only, or under a cache)."""
+    from dynamicemb.key_value_table import DynamicEmbStorage, HybridStorage
+
+    row = DIM * 4
+    for options, kind in ((dict(), DynamicEmbStorage),
+                          (dict(caching=True, local_hbm_for_values=16 * row), DynamicEmbStorage),
+                          (dict(local_hbm_for_values=0), DynamicEmbStorage),
+                          (dict(local_hbm_for_values=16 * row), HybridStorage)):
+        module = _module(**options)
+        _train(module, range(40))
+        assert type(module.tables) is kind, options
+        keys = torch.cat([c[0] for c in module.tables.export_keys_values(None, 7)])
+        assert sorted(keys.tolist()) == list(range(40))  # every row, in either tier
+    with pytest.raises(ImportError, match="DynamicEmbCache is upstream dynamicemb's.+caching"):
+        from dynamicemb.key_value_table import DynamicEmbCache  # noqa: F401
+
+
 def test_tables_exports_as_upstreams_storage_with_the_compound_score_in_its_layout():
     """``module.tables.export_keys_values(device, batch_size, table_id)`` yields upstream's
     4-tuples; a ``(TIMESTAMP, LFU)`` table's scores are ``[timestamp, frequency]``, the
@@ -162,6 +207,14 @@ def test_module_get_score_and_incremental_dump_give_the_rows_touched_since():
     assert sorted(rows["t0"][0].tolist()) == [2, 3] and score == {"t0": 6}
     with pytest.raises(ValueError, match="no tables"):
         custom.incremental_dump({"t9": 0})
+    # the same threshold through the model-level forms (upstream's unit test calls them)
+    from dynamicemb.incremental_dump import get_score, incremental_dump
+
+    assert custom.next_score("t0") == 6 and get_score(custom) == {"model": {"t0": 6}}
+    rows, score = incremental_dump(custom, {"model": {"t0": 6}})
+    assert sorted(rows["model"]["t0"][0].tolist()) == [2, 3] and score == {"model": {"t0": 6}}
+    by_table, _ = dynamicemb.incremental_dump(custom, {"t0": 5})
+    assert sorted(by_table["t0"][0].tolist()) == [1, 2, 3]
     with pytest.raises(ValueError, match="LFU"):
         _module(score_strategy=DynamicEmbScoreStrategy.LFU).get_score()
 
