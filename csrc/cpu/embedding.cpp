@@ -18,6 +18,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -364,6 +365,21 @@ int64_t place_grads(const Bags* bags, const int64_t* rank, int64_t n, int64_t en
   return out_of_range;
 }
 
+// Whether every value of v (n,) is finite: inf and NaN have every exponent bit
+// set, so the largest magnitude's bits reach 0x7f800000. An integer max
+// reduction, which the compiler vectorizes; a reduction of float compares
+// (!(fabs(x) <= FLT_MAX)) it does not, and that scalar loop cost as much as the
+// whole sum (1 ms a step at 22,893 rows of dim 128).
+inline bool all_finite(const float* __restrict__ v, int64_t n) {
+  uint32_t top = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    uint32_t bits;
+    std::memcpy(&bits, v + c, sizeof bits);
+    top = std::max(top, bits & 0x7fffffffu);
+  }
+  return top < 0x7f800000u;
+}
+
 // Where each lookup's gradient lies and its scale, placed at its rank: the runs
 // the backward sums, one per unique row (u < U = starts.numel() - 1).
 struct GradRuns {
@@ -407,9 +423,7 @@ struct GradRuns {
   template <class Before>
   bool sum(int64_t u, float* __restrict__ acc, const Before& before) const {
     sum_row_grads(acc, dim, pos.data(), scale.data(), grad, first[u], first[u + 1], before);
-    bool bad = false;  // NaN fails every comparison; inf exceeds FLT_MAX
-    for (int64_t c = 0; c < dim; ++c) bad |= !(std::fabs(acc[c]) <= FLT_MAX);
-    return !bad;
+    return all_finite(acc, dim);
   }
 
   // Prefetches the gradient rows kPrefetchAhead entries ahead of entry e.
