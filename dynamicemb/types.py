@@ -203,7 +203,7 @@ class DynamicEmbGradientCheck(str, Enum):
       batch is updated, then the error is raised.
     - ``BATCH``: every row's sum is written and checked before any row changes; one
       non-finite sum refuses the whole batch's update (no row or state changes). It
-      moves the summed gradients through memory once more: about 0.5 ms of a 7 ms
+      moves the summed gradients through memory once more: about 0.5 ms of a 6 ms
       step at batch 65,536, dim 128 (benchmark/RESULTS.md, "The CPU backward's
       gradient check").
 
