@@ -132,6 +132,11 @@ class DynamicTableState(torch.Tensor):
     def __reduce_ex__(self, protocol: int):
         return pickled_records(self.kernel, self.table, self.record_layout).__reduce_ex__(protocol)
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> torch.Tensor:
+        """``copy.deepcopy`` of a state dict: the records as pickling gives them (a
+        snapshot of the rows, as ``deepcopy`` of a static table's weight is)."""
+        return pickled_records(self.kernel, self.table, self.record_layout)
+
     # ---------------------------------------------------------------- save
     def __create_write_items__(self, fqn: str, obj: Any) -> List[WriteItem]:
         self._load = None

@@ -3,6 +3,7 @@
 A collection mixing a static TorchRec table ("st", FBGEMM's kernel) with the dynamic
 tables of ``checkpoint_workers`` ("rw" row-wise, "tw" table-wise)."""
 
+import copy
 import os
 
 import torch
@@ -171,6 +172,18 @@ def _check_pickled(pickled: str, world_size: int, want_rows) -> None:
     assert_rows(dynamic_rows(untouched), before, exact=True)
 
 
+def _check_snapshot(snapshot: dict, pickled: str) -> None:
+    """``copy.deepcopy`` of a state dict (taken before the pickled one was written and
+    before more training) holds each dynamic table's records as plain int64 tensors,
+    equal to the pickled file's: a snapshot, not a view of the live tables."""
+    saved = torch.load(pickled, weights_only=True)
+    entries = [k for k in snapshot if k.endswith(".dynamic_state")]
+    assert entries and entries == [k for k in saved if k.endswith(".dynamic_state")], entries
+    for key in entries:
+        assert type(snapshot[key]) is torch.Tensor, (key, type(snapshot[key]))
+        assert torch.equal(snapshot[key], saved[key]), key
+
+
 def _check_enums(world_size: int) -> None:
     """Both enums: the mixed collection trains identically (static rows included)."""
     runs = []
@@ -196,11 +209,13 @@ def dcp_round_trips(rank: int, world_size: int, directory: str) -> None:
     train(ref, range(4))
     dcp.save(dcp_state(ref), checkpoint_id=ck2)
     pickled = os.path.join(directory, f"model{rank}.pt")
+    snapshot = copy.deepcopy(_dynamic_only(ref.state_dict()))  # a "best state" copy
     # upstream's example's order: torch.save of the state dict, then DynamicEmbDump
     torch.save(_dynamic_only(ref.state_dict()), pickled)
     DynamicEmbDump(os.path.join(directory, "dump"), ref)
     want_outs = train(ref, range(4, 9))
     want_rows = dynamic_rows(ref)
+    _check_snapshot(snapshot, pickled)
     _check_pickled(pickled, world_size, want_rows)
 
     loaded = build(world_size)
