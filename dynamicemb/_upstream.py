@@ -10,12 +10,20 @@ from typing import Any, Callable, Iterable, Mapping
 __all__ = ["REFUSED", "REFUSED_MODULES", "module_getattr", "refuse_module"]
 
 _TORCH_DTYPES = "tables take torch dtypes (rows are float32)"
+#: The external tier as it is accepted today (``DynamicEmbTableOptions.external_storage``).
+_EXTERNAL_STORAGE = ("external storage is supported: external_storage takes a directory path "
+                     "(RocksDB), 'redis://host:port[,...]' (Redis), a RocksDBStorage / "
+                     "RedisStorage spec, or a dynamicemb.KVStore (subclass it for a store of "
+                     "your own)")
 _STORAGE_INTERFACE = ("upstream's storage and cache classes are not reproduced (module.tables "
                       "is a DynamicEmbStorage or HybridStorage view, by layout): "
                       "DynamicEmbTableOptions' caching and local_hbm_for_values / "
-                      "global_hbm_for_values choose where rows live, external_storage takes a "
-                      "path, a Redis URL or a KVStore; module.tables.export_keys_values(device, "
-                      "batch_size, table_id) and module.cache_metrics() read them")
+                      "global_hbm_for_values choose where rows live, and " + _EXTERNAL_STORAGE
+                      + "; module.tables.export_keys_values(device, batch_size, table_id) and "
+                      "module.cache_metrics() read them")
+#: Upstream's ``Storage`` (and its type variables): the base class of its external stores.
+_STORAGE_BASE = ("upstream's Storage base class is not reproduced, but " + _EXTERNAL_STORAGE
+                 + "; local_host_for_values bounds the host store above it")
 _OPTIMIZER_CLASSES = ("upstream's per-storage optimizer classes are not reproduced: the "
                       "optimizer is fused_params['optimizer'] (EmbOptimType) or "
                       "DynamicEmbOptimizerArgs; get_optimizer_state_dim(optimizer, dim) gives "
@@ -24,8 +32,10 @@ _CHECKPOINT_FILES = ("DynamicEmbDump writes this package's format, not upstream'
                      "(docs/CHECKPOINTS.md): read one with dynamicemb.checkpoint, or convert "
                      "upstream's keys/values with import_keys_values")
 _SCORE_INTERNALS = ("upstream's score arguments drive its CUDA hash table: score_strategy in "
-                    "DynamicEmbTableOptions chooses the rule, ScoredHashTable is this package's "
-                    "table")
+                    "DynamicEmbTableOptions chooses the rule (one strategy, or upstream's "
+                    "compound (TIMESTAMP, LFU), which is LRU_LFU here), ScoredHashTable is "
+                    "this package's table, and module.export_admission_counters(table) reads "
+                    "admission counters")
 #: Upstream's internal modules (hash table, CUDA extension buffers, lookup metadata) ->
 #: what to use instead; importing one raises ``ImportError`` with the text.
 REFUSED_MODULES: Mapping[str, str] = {
@@ -68,8 +78,8 @@ REFUSED: Mapping[str, str] = {
     "export_keys_values_iter": ("module.tables.export_keys_values(device, batch_size, "
                                 "table_id) yields upstream's chunks"),
     "assert_tensors_equal": "use torch.testing.assert_close",
-    **{name: _STORAGE_INTERFACE
-       for name in ("Storage", "Cache", "CopyMode", "OptionsT", "OptimizerT")},
+    **{name: _STORAGE_INTERFACE for name in ("Cache", "CopyMode")},
+    **{name: _STORAGE_BASE for name in ("Storage", "OptionsT", "OptimizerT")},
 }
 
 

@@ -1,16 +1,18 @@
-"""Upstream dynamicemb's module path of its table module.
+"""Upstream dynamicemb's module path ``dynamicemb.batched_dynamicemb_tables``: its table
+module (``BatchedDynamicEmbeddingTablesV2`` is ``BatchedDynamicEmbeddingTables``).
 
-``BatchedDynamicEmbeddingTablesV2`` is ``BatchedDynamicEmbeddingTables`` (the same
-class; see ``docs/MIGRATING.md`` for the differences from upstream's).
+The code lives in ``dynamicemb.compat.batched_dynamicemb_tables``, with the
+``__getattr__`` that refuses upstream's names not provided here; this module only
+re-exports it (``docs/MIGRATING.md``).
 """
 
-from dynamicemb._upstream import module_getattr
-from dynamicemb.embedding.module import BatchedDynamicEmbeddingTables
+from dynamicemb.compat.batched_dynamicemb_tables import (  # noqa: F401
+    BatchedDynamicEmbeddingTables,
+    BatchedDynamicEmbeddingTablesV2,
+    __getattr__,
+)
 
-__all__ = ["BatchedDynamicEmbeddingTables", "BatchedDynamicEmbeddingTablesV2"]
-
-BatchedDynamicEmbeddingTablesV2 = BatchedDynamicEmbeddingTables
-
-# upstream's checkpoint file names: refused by name (this package's format differs)
-__getattr__ = module_getattr(__name__, lazy={}, refused=(
-    "encode_checkpoint_file_path", "encode_meta_json_file_path"))
+__all__ = [
+    "BatchedDynamicEmbeddingTables",
+    "BatchedDynamicEmbeddingTablesV2",
+]

@@ -1,23 +1,32 @@
-"""Upstream dynamicemb's module path of its configuration names (re-exported; those
-not provided are refused by name, with what to use instead)."""
+"""Upstream dynamicemb's module path ``dynamicemb.dynamicemb_config``: its configuration
+names.
 
-from dynamicemb._upstream import module_getattr
+The code lives in ``dynamicemb.compat.dynamicemb_config``, with the ``__getattr__`` that
+refuses upstream's names not provided here; this module only re-exports it
+(``docs/MIGRATING.md``).
+"""
 
-from dynamicemb.options import (DynamicEmbInitializerArgs, DynamicEmbInitializerMode,
-                                DynamicEmbPoolingMode, DynamicEmbTableOptions)
-from dynamicemb.sizing import (BUCKET_ALIGNMENT, DEMB_TABLE_ALIGN_SIZE, align_to_table_size,
-                               get_sharded_table_capacity, get_table_value_bytes)
-from dynamicemb.embedding.upstream_members import BATCH_SIZE_PER_DUMP
-from dynamicemb.sizing import DEFAULT_BUCKET_CAPACITY
-from dynamicemb.types import (DynamicEmbCheckMode, DynamicEmbDistType, DynamicEmbEvictStrategy,
-                              DynamicEmbScoreStrategy, ScoreStrategy)
-
-#: Upstream's modulus of the DEBUG initializer: ``DynamicEmbInitializerMode.DEBUG``
-#: fills every element of a new row with ``key % DEBUG_EMB_INITIALIZER_MOD``.
-DEBUG_EMB_INITIALIZER_MOD = 100_000
-#: The ``dist_type`` values ``DynamicEmbTableOptions`` takes (upstream's name; its
-#: ``continuous`` is refused here, ``hash`` is this package's default).
-SUPPORTED_DIST_TYPES = tuple(d.value for d in DynamicEmbDistType)
+from dynamicemb.compat.dynamicemb_config import (  # noqa: F401
+    BATCH_SIZE_PER_DUMP,
+    BUCKET_ALIGNMENT,
+    DEBUG_EMB_INITIALIZER_MOD,
+    DEFAULT_BUCKET_CAPACITY,
+    DEMB_TABLE_ALIGN_SIZE,
+    DynamicEmbCheckMode,
+    DynamicEmbDistType,
+    DynamicEmbEvictStrategy,
+    DynamicEmbInitializerArgs,
+    DynamicEmbInitializerMode,
+    DynamicEmbPoolingMode,
+    DynamicEmbScoreStrategy,
+    DynamicEmbTableOptions,
+    SUPPORTED_DIST_TYPES,
+    ScoreStrategy,
+    align_to_table_size,
+    get_sharded_table_capacity,
+    get_table_value_bytes,
+    __getattr__,
+)
 
 __all__ = [
     "BATCH_SIZE_PER_DUMP",
@@ -39,7 +48,3 @@ __all__ = [
     "get_sharded_table_capacity",
     "get_table_value_bytes",
 ]
-
-__getattr__ = module_getattr(__name__, lazy={}, refused=(
-    "_sharded_table_bucket_layout", "data_type_to_dyn_emb", "dyn_emb_to_torch",
-    "torch_to_dyn_emb", "data_type_to_dtype", "string_to_evict_strategy"))

@@ -1,28 +1,18 @@
-"""Upstream dynamicemb's ``dynamicemb.utils`` path: ``TORCHREC_TYPES``, the TorchRec
-collections a planner plans (upstream's examples collect ``eb_configs`` from the
-modules whose type is in it), and ``DTYPE_NUM_BYTES``. Its other names are refused by
-name with what to use instead."""
+"""Upstream dynamicemb's module path ``dynamicemb.utils``: ``TORCHREC_TYPES`` and
+``DTYPE_NUM_BYTES`` (imports TorchRec).
 
-import torch
+The code lives in ``dynamicemb.compat.utils``, with the ``__getattr__`` that refuses
+upstream's names not provided here; this module only re-exports it
+(``docs/MIGRATING.md``).
+"""
 
-from dynamicemb._torchrec import require_torchrec
-from dynamicemb._upstream import module_getattr
-
-require_torchrec("dynamicemb.utils")
-
-from torchrec.modules.embedding_modules import (  # noqa: E402
-    EmbeddingBagCollection,
-    EmbeddingCollection,
+from dynamicemb.compat.utils import (  # noqa: F401
+    DTYPE_NUM_BYTES,
+    TORCHREC_TYPES,
+    __getattr__,
 )
 
-__all__ = ["DTYPE_NUM_BYTES", "TORCHREC_TYPES"]
-
-#: The TorchRec collection types whose tables can be dynamic.
-TORCHREC_TYPES = frozenset({EmbeddingBagCollection, EmbeddingCollection})
-#: Bytes of an element of each dtype upstream's sizes use (``dtype.itemsize``).
-DTYPE_NUM_BYTES = {dtype: dtype.itemsize for dtype in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-    torch.uint64, torch.uint32, torch.int8, torch.uint8)}
-
-__getattr__ = module_getattr(__name__, lazy={}, refused=(
-    "torch_to_dyn_emb", "tabulate", "assert_tensors_equal"))
+__all__ = [
+    "DTYPE_NUM_BYTES",
+    "TORCHREC_TYPES",
+]

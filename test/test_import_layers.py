@@ -32,8 +32,9 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("checkpoint", ("checkpoint", "lifetime", "clean_exit")),
     ("serving", ("inference",)),
     ("TorchRec", ("_torchrec", "planner", "plan", "shard", "partition")),
-    # upstream's module paths and the package's public names
-    ("upstream paths", ("__init__", "batched_dynamicemb_tables", "construct_twin_module",
+    # upstream's module paths (thin re-exports of compat/, which holds their code) and
+    # the package's public names
+    ("upstream paths", ("__init__", "compat", "batched_dynamicemb_tables", "construct_twin_module",
                         "dump_load", "dynamicemb_config", "embedding_admission",
                         "exportable_tables", "extendable_tensor", "get_planner",
                         "incremental_dump", "index_range_meta", "key_value_table",

@@ -115,8 +115,8 @@ TYPES_NAMES = {
 # upstream's name -> a word of the replacement the refusal names
 TYPES_REFUSED = {"MemoryType": "memory_usage",
                  "COUNTER_TYPE": "float64", "torch_dtype_to_np_dtype": "numpy",
-                 "Storage": "caching", "Cache": "caching", "CopyMode": "caching",
-                 "OptionsT": "caching", "OptimizerT": "caching"}
+                 "Storage": "KVStore", "Cache": "caching", "CopyMode": "caching",
+                 "OptionsT": "KVStore", "OptimizerT": "KVStore"}
 UTILS_REFUSED = {"torch_to_dyn_emb": "torch dtypes",
                  "tabulate": "format", "assert_tensors_equal": "assert_close"}
 CONFIG_REFUSED = {"data_type_to_dyn_emb": "torch dtypes",

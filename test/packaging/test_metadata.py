@@ -61,6 +61,9 @@ LAYERS = [
     ("import dynamicemb.shard", "dynamicemb.shard"),
     ("import dynamicemb.planner", "dynamicemb.planner"),
     ("import dynamicemb.plan; dynamicemb.plan.to_sharding_plan", "dynamicemb.plan.to_sharding_plan"),
+    # upstream's paths over TorchRec name themselves, not dynamicemb.compat, where the code is
+    ("import dynamicemb.get_planner", "dynamicemb.get_planner"),
+    ("from dynamicemb.utils import TORCHREC_TYPES", "dynamicemb.utils"),
 ]
 
 
