@@ -2,6 +2,7 @@
 // instruction-set level as dynamicemb._C_<level>; dynamicemb/ops/cpu_kernels.py loads
 // the best one this CPU runs.
 #include <string>
+#include <utility>
 
 #include <torch/python.h>
 
@@ -38,6 +39,14 @@ bool cpu_runs(const std::string& level) {
 #endif
 }
 
+namespace py = pybind11;
+
+// A BatchPart (Python's NamedTuple, or None: every key) as its fields.
+std::pair<c10::optional<at::Tensor>, int64_t> part_fields(const py::object& part) {
+  if (part.is_none()) return {c10::nullopt, 0};
+  return {part.attr("groups").cast<at::Tensor>(), part.attr("group").cast<int64_t>()};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -51,6 +60,54 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("upsert", &c::upsert, "one inserting pass; returns deferred positions");
   m.def("dedup_upsert", &c::dedup_upsert,
         "dedup overlapped with a first inserting pass over the unique keys");
+  // The padded step's verbs take the CUDA backend's arguments (dynamicemb/ops/cuda):
+  // a BatchPart or an InitSpec as the Python object.
+  m.def(
+      "padded_dedup_upsert",
+      [](const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+         const at::Tensor& tids, const c10::optional<at::Tensor>& frequencies, int64_t rule,
+         at::Tensor& time, int64_t now_index, bool evicts, bool one_table,
+         const c10::optional<at::Tensor>& error, at::Tensor& outcomes, at::Tensor& size,
+         const py::object& part) {
+        const auto fields = part_fields(part);
+        return c::padded_dedup_upsert(meta, bc, keys, tids, frequencies, rule, time, now_index,
+                                      evicts, one_table, error, outcomes, size, fields.first,
+                                      fields.second);
+      },
+      "dedup (grouped) padded to n, then one inserting pass over the unique keys",
+      py::arg("meta"), py::arg("bc"), py::arg("keys"), py::arg("tids"),
+      py::arg("frequencies"), py::arg("rule"), py::arg("time"), py::arg("now_index"),
+      py::arg("evicts"), py::arg("one_table"), py::arg("error"), py::arg("outcomes"),
+      py::arg("size"), py::arg("part") = py::none());
+  m.def(
+      "padded_dedup",
+      [](const at::Tensor& keys, const at::Tensor& tids, const c10::optional<at::Tensor>& error,
+         const py::object& part) {
+        const auto fields = part_fields(part);
+        return c::padded_dedup(keys, tids, error, fields.first, fields.second);
+      },
+      "dedup padded to n", py::arg("keys"), py::arg("tids"), py::arg("error"),
+      py::arg("part") = py::none());
+  m.def("padded_upsert", &c::padded_upsert,
+        "one inserting pass over unique keys with their buckets given", py::arg("meta"),
+        py::arg("bc"), py::arg("keys"), py::arg("tids"), py::arg("scores"), py::arg("rule"),
+        py::arg("evicts"), py::arg("one_table"), py::arg("buckets"), py::arg("outcomes"),
+        py::arg("size"));
+  m.def("erase_where", &c::erase_where, "erase the keys of a status; count them",
+        py::arg("meta"), py::arg("bc"), py::arg("keys"), py::arg("tids"), py::arg("status"),
+        py::arg("which"), py::arg("erased"), py::arg("size"));
+  m.def(
+      "init_new_rows",
+      [](at::Tensor& values, const at::Tensor& slots, const at::Tensor& status,
+         const at::Tensor& keys, const at::Tensor& tids, int64_t dim, const py::object& spec,
+         double state_value) {
+        c::init_new_rows(values, slots, status, keys, tids, dim,
+                         spec.attr("ints").cast<at::Tensor>(),
+                         spec.attr("floats").cast<at::Tensor>(), state_value);
+      },
+      "full initial rows of the keys an inserting call stored", py::arg("values"),
+      py::arg("slots"), py::arg("status"), py::arg("keys"), py::arg("tids"), py::arg("dim"),
+      py::arg("spec"), py::arg("state_value"));
   m.def("check_offsets", &c::check_offsets, "0, or the first problem of an offsets tensor");
   m.def("unpin", &c::unpin, "clear the pinned bit of slots");
   m.def("undo_upsert", &c::undo_upsert, "revert an inserting call");
@@ -58,8 +115,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("erase", &c::erase, "erase keys");
   m.def("expire", &c::expire, "TTL sweep: empty slots last accessed before a time");
   m.def("dedup", &c::dedup, "unique (table, key) pairs in first-occurrence order",
-        pybind11::arg("keys"), pybind11::arg("tids"), pybind11::arg("frequencies"),
-        pybind11::arg("group") = false);
+        py::arg("keys"), py::arg("tids"), py::arg("frequencies"),
+        py::arg("group") = false);
   m.def("init_rows", &c::init_rows, "initialize rows per (table, key, column)");
   m.def("pooled_forward", &c::pooled_forward, "pooled lookup (sum/mean)");
   m.def("sequence_forward", &c::sequence_forward, "sequence lookup");

@@ -1,7 +1,9 @@
 // CPU dedup of (table id, key) pairs: an open-addressing set over one batch,
-// shared by the `dedup` op (embedding.cpp) and the fused `dedup_upsert` op
-// (hash_table.cpp), which hands each new pair to an inserting thread as soon as
-// it is found.
+// shared by the `dedup` and `padded_dedup` ops (embedding.cpp) and the fused
+// `dedup_upsert` and `padded_dedup_upsert` ops (hash_table.cpp), which hand each
+// new pair to an inserting thread as soon as it is found. The padded ops give
+// their unique arrays n entries, as the CUDA kernels do (csrc/cuda/dedup.cu): the
+// entries past the unique count are padding.
 #pragma once
 
 #include <algorithm>
@@ -21,12 +23,21 @@ struct DedupOut {
   int16_t* tids;    // (U,) their table ids
   uint64_t* hash;   // (U,) hash_key of each pair (the table's hash); may be nullptr
   int64_t* counts;  // (U,) sum of the frequencies of each pair's lookups
-  int64_t* inverse;  // (n,) unique index of each lookup
+  int64_t* inverse;  // (n,) unique index of each lookup (-1: left out)
+};
+
+// The lookups a call takes (Python's BatchPart): those of one group of a batch
+// that several groups share. groups == nullptr: every lookup.
+struct BatchPart {
+  const int64_t* groups = nullptr;  // (n,) the group of each lookup
+  int64_t group = 0;
+  bool leaves_out(int64_t i) const { return groups != nullptr && groups[i] != group; }
 };
 
 // Dedup of keys[0, n) (n < 2^31). Calls publish(u) with the number of unique
 // pairs written so far, every `every` new pairs; writes of pairs [0, u) happen
-// before the call. Returns U. Never throws once `set` is allocated.
+// before the call. Lookups `part` leaves out get inverse -1 and count nowhere.
+// Returns U. Never throws once `set` is allocated.
 class DedupSet {
  public:
   explicit DedupSet(int64_t n) {
@@ -38,13 +49,18 @@ class DedupSet {
 
   template <class Publish>
   int64_t run(const int64_t* k, const int16_t* t, const int64_t* freq, int64_t n,
-              const DedupOut& out, int64_t every, Publish&& publish) {
+              const DedupOut& out, int64_t every, Publish&& publish,
+              const BatchPart& part = BatchPart{}) {
     uint64_t ahead[kAhead];  // hashes of the next lookups, their set lines prefetched
     for (int64_t i = 0; i < std::min(n, kAhead); ++i) ahead[i] = fetch(k[i], t[i]);
     int64_t unique = 0;
     for (int64_t i = 0; i < n; ++i) {
       const uint64_t h = ahead[i % kAhead];
       if (i + kAhead < n) ahead[i % kAhead] = fetch(k[i + kAhead], t[i + kAhead]);
+      if (part.leaves_out(i)) {
+        out.inverse[i] = -1;
+        continue;
+      }
       const int64_t c = freq ? freq[i] : 1;
       const uint32_t tag = static_cast<uint32_t>(h >> 32);
       for (uint64_t pos = h & mask_;; pos = (pos + 1) & mask_) {
@@ -104,6 +120,31 @@ inline void group_by_unique(const int64_t* inverse, int64_t n, int64_t unique, i
   // starts[u + 1] is now where group u begins; ranking moves it to where it ends,
   // which is where group u + 1 begins.
   for (int64_t j = 0; j < n; ++j) rank[j] = inverse[j] >= 0 ? starts[inverse[j] + 1]++ : -1;
+}
+
+// The unique arrays of a padded dedup past its U pairs: key 0, table 0, count 0
+// (what csrc/cuda/dedup.cu writes there). With `starts` (room for n + 2 entries,
+// [0, U + 1] written by group_by_unique), its entries up to n hold the lookup
+// count, as the scan of zero occurrences gives on the GPU.
+inline void pad_unique(const DedupOut& out, int64_t unique, int64_t n, int64_t* starts) {
+  std::fill(out.keys + unique, out.keys + n, 0);
+  std::fill(out.tids + unique, out.tids + n, int16_t{0});
+  std::fill(out.counts + unique, out.counts + n, 0);
+  if (starts != nullptr) std::fill(starts + unique + 1, starts + n + 1, starts[unique]);
+}
+
+// A padded dedup's outputs for a batch the module's input check refused: no
+// unique pair (all padding), every inverse -1, and with `starts` the grouping of
+// no lookup: starts 0, and rank as the GPU's stable sort of n equal inverses
+// leaves it (j) or, when a part is given, -1 (no lookup places a gradient).
+inline void refuse_unique(const DedupOut& out, int64_t n, int64_t* starts, int64_t* rank,
+                          const BatchPart& part) {
+  std::fill(out.inverse, out.inverse + n, -1);
+  if (starts != nullptr) {
+    starts[0] = 0;
+    for (int64_t j = 0; j < n; ++j) rank[j] = part.groups != nullptr ? -1 : j;
+  }
+  pad_unique(out, 0, n, starts);
 }
 
 }  // namespace cpu

@@ -164,26 +164,24 @@ int64_t check_offsets(const at::Tensor& offsets, int64_t num_indices) {
   return decreasing ? 3 : 0;
 }
 
-// Unique (table, key) pairs in first-occurrence order. counts[u] sums the
-// frequencies of u's lookups (1 each when none are given). With `group`, also the
-// lookups grouped by unique index (group_by_unique), which the fused backward
-// walks; without, starts and rank are empty.
-// Returns (unique_keys (U,), unique_tids (U,) int16, inverse (N,), counts (U,),
-// starts (U + 1,), rank (N,)).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(
-    const at::Tensor& keys, const at::Tensor& tids,
-    const c10::optional<at::Tensor>& frequencies, bool group) {
-  check_tensor(keys, at::kLong, "keys");
-  check_tensor(tids, at::kShort, "tids");
-  TORCH_CHECK(tids.numel() == keys.numel(), "one table id per key");
+namespace {
+
+using UniqueTuple =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// `dedup` and `padded_dedup`: the unique arrays have n entries, narrowed to the U
+// pairs unless `padded` (then the rest is padding, pad_unique). A `refused` batch
+// (padded only) has no pair.
+UniqueTuple dedup_lookups(const at::Tensor& keys, const at::Tensor& tids,
+                          const c10::optional<at::Tensor>& frequencies, bool group, bool padded,
+                          bool refused, const BatchPart& part) {
+  const int64_t n = keys.numel();
   const int64_t* freq = nullptr;
   if (frequencies.has_value()) {
     check_tensor(*frequencies, at::kLong, "frequencies");
-    TORCH_CHECK(frequencies->numel() == keys.numel(), "one frequency per key");
+    TORCH_CHECK(frequencies->numel() == n, "one frequency per key");
     freq = frequencies->data_ptr<int64_t>();
   }
-  const int64_t n = keys.numel();
-  TORCH_CHECK(n < (int64_t{1} << 31), "dedup takes fewer than 2^31 keys, got ", n);
   auto ukeys = at::empty({n}, keys.options());
   auto utids = at::empty({n}, tids.options());
   auto counts = at::empty({n}, keys.options());
@@ -192,15 +190,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   auto rank = at::empty({group ? n : 0}, keys.options());
   const DedupOut out{ukeys.data_ptr<int64_t>(), utids.data_ptr<int16_t>(), nullptr,
                      counts.data_ptr<int64_t>(), inverse.data_ptr<int64_t>()};
+  if (refused) {
+    refuse_unique(out, n, nullptr, nullptr, part);
+    return {ukeys, utids, inverse, counts, starts, rank};
+  }
   const int64_t u = DedupSet(n).run(keys.data_ptr<int64_t>(), tids.data_ptr<int16_t>(), freq,
-                                    n, out, n + 1, [](int64_t) {});
+                                    n, out, n + 1, [](int64_t) {}, part);
   if (group) {
     group_by_unique(inverse.data_ptr<int64_t>(), n, u, starts.data_ptr<int64_t>(),
                     rank.data_ptr<int64_t>());
     starts = starts.narrow(0, 0, u + 1);
   }
+  if (padded) {
+    pad_unique(out, u, n, nullptr);
+    return {ukeys, utids, inverse, counts, starts, rank};
+  }
   return {ukeys.narrow(0, 0, u), utids.narrow(0, 0, u), inverse, counts.narrow(0, 0, u), starts,
           rank};
+}
+
+void check_lookups(const at::Tensor& keys, const at::Tensor& tids) {
+  check_tensor(keys, at::kLong, "keys");
+  check_tensor(tids, at::kShort, "tids");
+  TORCH_CHECK(tids.numel() == keys.numel(), "one table id per key");
+  TORCH_CHECK(keys.numel() < (int64_t{1} << 31), "dedup takes fewer than 2^31 keys, got ",
+              keys.numel());
+}
+
+}  // namespace
+
+// Unique (table, key) pairs in first-occurrence order. counts[u] sums the
+// frequencies of u's lookups (1 each when none are given). With `group`, also the
+// lookups grouped by unique index (group_by_unique), which the fused backward
+// walks; without, starts and rank are empty.
+// Returns (unique_keys (U,), unique_tids (U,) int16, inverse (N,), counts (U,),
+// starts (U + 1,), rank (N,)).
+UniqueTuple dedup(const at::Tensor& keys, const at::Tensor& tids,
+                  const c10::optional<at::Tensor>& frequencies, bool group) {
+  check_lookups(keys, tids);
+  return dedup_lookups(keys, tids, frequencies, group, false, false, BatchPart{});
+}
+
+// `dedup` (not grouped) padded to the N lookups, as DedupKernels.padded_dedup:
+// (unique_keys (N,), unique_tids (N,), inverse (N,), counts (N,), empty, empty),
+// entries past the U pairs key 0, table 0, count 0. A batch the error word refuses
+// has no pair (inverse -1); lookups of other groups than part's get inverse -1.
+UniqueTuple padded_dedup(const at::Tensor& keys, const at::Tensor& tids,
+                         const c10::optional<at::Tensor>& error,
+                         const c10::optional<at::Tensor>& part_groups, int64_t part_group) {
+  check_lookups(keys, tids);
+  const BatchPart part = batch_part(part_groups, part_group, keys.numel());
+  return dedup_lookups(keys, tids, c10::nullopt, false, true, is_refused(error), part);
 }
 
 // out[rows[i], 0:dim] = initializer(table, keys[i], column) for every i.
@@ -224,6 +264,49 @@ void init_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& keys,
   for (int64_t i = 0; i < m; ++i) {
     float* row = o + r[i] * width;
     for (int64_t c = 0; c < dim; ++c) row[c] = init_element(p, table, k[i], static_cast<int>(c));
+  }
+}
+
+// The full rows [initializer (dim) | state_value] of the keys an inserting call
+// just stored (status kInserted or kEvictedAndInserted), at values[slots[i]], as
+// demb_init_new_rows (new_row_element of init_primitives.h); the others are left
+// alone. spec: init_ints (T, 3) int64 and init_floats (T, 5) float32 (InitSpec).
+void init_new_rows(at::Tensor& values, const at::Tensor& slots, const at::Tensor& status,
+                   const at::Tensor& keys, const at::Tensor& tids, int64_t dim,
+                   const at::Tensor& init_ints, const at::Tensor& init_floats,
+                   double state_value) {
+  check_tensor(values, at::kFloat, "values");
+  check_tensor(slots, at::kLong, "slots");
+  check_tensor(status, at::kChar, "status");
+  check_tensor(keys, at::kLong, "keys");
+  check_tensor(tids, at::kShort, "table_ids");
+  check_tensor(init_ints, at::kLong, "init ints");
+  check_tensor(init_floats, at::kFloat, "init floats");
+  const int64_t n = slots.numel();
+  TORCH_CHECK(status.numel() == n && keys.numel() == n && tids.numel() == n &&
+                  values.dim() == 2,
+              "slots, status and keys need one length; values [C, width]");
+  TORCH_CHECK(init_ints.dim() == 2 && init_ints.size(1) == 3 && init_floats.dim() == 2 &&
+                  init_floats.size(0) == init_ints.size(0) && init_floats.size(1) == 5,
+              "an InitSpec holds (T, 3) ints and (T, 5) floats");
+  const int64_t width = values.size(1);
+  TORCH_CHECK(0 <= dim && dim <= width, "dim must be in [0, ", width, "], got ", dim);
+  float* v = values.data_ptr<float>();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int8_t* st = status.data_ptr<int8_t>();
+  const int64_t* k = keys.data_ptr<int64_t>();
+  const int16_t* t = tids.data_ptr<int16_t>();
+  const int64_t* ints = init_ints.data_ptr<int64_t>();
+  const float* floats = init_floats.data_ptr<float>();
+  const float state = static_cast<float>(state_value);
+#pragma omp parallel for schedule(static) if (n * width >= kParallelMinWork)
+  for (int64_t i = 0; i < n; ++i) {
+    if (st[i] != kInserted && st[i] != kEvictedAndInserted) continue;
+    const InitParams p = init_params_of(ints, floats, t[i]);
+    float* row = v + s[i] * width;
+    for (int64_t c = 0; c < width; ++c) {
+      row[c] = new_row_element(p, ints[3 * t[i]], k[i], c, dim, state);
+    }
   }
 }
 

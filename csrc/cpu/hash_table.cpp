@@ -249,9 +249,13 @@ void upsert_owned(const CpuTableView& v, const UpsertArgs& a, const Rule& rule, 
 }
 
 // Each thread hashes the pending keys as it partitions them: no separate pass.
+// pending (npending,): the pass's positions, nullptr: [0, npending). buckets
+// (nullptr: none) gives the positions' buckets: kNoBucket marks padding (slot -1,
+// kFailed, counted nowhere), the rest are not read (each key's hash decides).
 template <class Rule>
 std::vector<int64_t> upsert_all(const CpuTableView& v, const UpsertArgs& a, const Rule& rule,
-                                const int64_t* pending, int64_t npending, int64_t* outcomes) {
+                                const int64_t* pending, int64_t npending,
+                                const int32_t* buckets, int64_t* outcomes) {
   std::vector<uint8_t> blocked(v.num_buckets, 0);
   const int threads = npending >= kParallelMinKeys ? omp_get_max_threads() : 1;
   std::vector<std::vector<int64_t>> deferred(threads);
@@ -265,7 +269,14 @@ std::vector<int64_t> upsert_all(const CpuTableView& v, const UpsertArgs& a, cons
     mine.reserve(npending / nt + 16);
     hash.reserve(npending / nt + 16);
     for (int64_t p = 0; p < npending; ++p) {
-      const int64_t i = pending[p];
+      const int64_t i = pending != nullptr ? pending[p] : p;
+      if (buckets != nullptr && buckets[i] == kNoBucket) {
+        if (t == 0) {
+          a.out.slots[i] = -1;
+          a.out.status[i] = kFailed;
+        }
+        continue;
+      }
       const uint64_t h = hash_key(a.keys[i], a.tids[i]);
       if (v.owner_of(bucket_of(h, v.num_buckets), nt) == t) {
         mine.push_back(i);
@@ -283,6 +294,20 @@ std::vector<int64_t> upsert_all(const CpuTableView& v, const UpsertArgs& a, cons
   for (auto& d : deferred) merged.insert(merged.end(), d.begin(), d.end());
   std::sort(merged.begin(), merged.end());
   return merged;
+}
+
+// Calls f(score rule object) for the rule code: 0 clock (score = now), 1 count
+// (LFU, adds given), 2 given (CUSTOMIZED), 3 count then clock (LRU_LFU: adds
+// given, stamps now).
+template <class F>
+void with_rule(int64_t rule, uint64_t now, F&& f) {
+  switch (rule) {
+    case 0: f(ClockScore{now}); break;
+    case 1: f(CountScore{}); break;
+    case 2: f(GivenScore{}); break;
+    case 3: f(CountThenClockScore{now}); break;
+    default: TORCH_CHECK(false, "unknown score rule ", rule);
+  }
 }
 
 template <class T>
@@ -324,6 +349,13 @@ UpsertArgs pass_args(int64_t n, bool evicts, bool can_grow, bool one_table, at::
   return a;
 }
 
+// The table's size in memory ((1,) int64), which a padded call advances.
+int64_t* size_of(at::Tensor& size) {
+  check_tensor(size, at::kLong, "size");
+  TORCH_CHECK(size.numel() == 1, "size must hold one count");
+  return size.data_ptr<int64_t>();
+}
+
 int64_t* outcomes_of(at::Tensor& outcomes) {
   check_tensor(outcomes, at::kLong, "outcomes");
   TORCH_CHECK(outcomes.numel() == kNumOutcomes, "outcomes must hold ", kNumOutcomes, " counts");
@@ -363,26 +395,76 @@ at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Ten
   const int64_t* p = pending.data_ptr<int64_t>();
   const int64_t np = pending.numel();
   std::vector<int64_t> deferred;
-  switch (rule) {
-    case 0: deferred = upsert_all(v, a, ClockScore{static_cast<uint64_t>(now)}, p, np, counts); break;
-    case 1: deferred = upsert_all(v, a, CountScore{}, p, np, counts); break;
-    case 2: deferred = upsert_all(v, a, GivenScore{}, p, np, counts); break;
-    case 3:
-      deferred = upsert_all(v, a, CountThenClockScore{static_cast<uint64_t>(now)}, p, np, counts);
-      break;
-    default: TORCH_CHECK(false, "unknown score rule ", rule);
-  }
+  with_rule(rule, static_cast<uint64_t>(now), [&](const auto& score) {
+    deferred = upsert_all(v, a, score, p, np, nullptr, counts);
+  });
   return tensor_of(deferred, keys.options());
 }
 
+namespace {
+
+// A dedup of keys (n,) into `out` and an inserting pass over its unique keys (a:
+// keys and tids are out's; given, when a rule reads scores, out's counts) in one
+// call: one thread dedups, a second upserts the pairs (owning every bucket); while
+// the second finishes, the first groups the lookups by unique index into starts
+// and rank (group_by_unique; none when starts is nullptr). With the clock rule
+// (no given scores) the dedup publishes each new pair as it goes, so the two
+// overlap; a rule that reads the counts waits for the dedup to end. With one
+// thread they run one after the other. Returns U; the pass writes entries [0, U)
+// and adds its outcomes to `counted`.
+template <class Rule>
+int64_t dedup_and_upsert(const CpuTableView& v, const UpsertArgs& a, const Rule& rule,
+                         const int64_t* keys, const int16_t* tids, const int64_t* freq,
+                         int64_t n, const BatchPart& part, DedupOut out, int64_t* starts,
+                         int64_t* rank, std::vector<int64_t>& deferred, int64_t* counted) {
+  // Everything that allocates happens here: nothing in the parallel region throws.
+  std::unique_ptr<uint64_t[]> uhash(new uint64_t[n + 1]);  // written before it is read
+  out.hash = uhash.get();
+  DedupSet set(n);
+  std::vector<uint8_t> blocked(v.num_buckets, 0);
+  deferred.reserve(n);
+  std::atomic<int64_t> published{0};
+  const StreamFeed feed{uhash.get(), &published};
+  const int64_t every = a.given == nullptr ? kPublishEvery : n + 1;
+  int64_t unique = 0;
+  const int threads = n >= kParallelMinKeys ? std::min(2, omp_get_max_threads()) : 1;
+#pragma omp parallel num_threads(threads)
+  {
+    const bool alone = omp_get_num_threads() < 2;
+    if (omp_get_thread_num() == 0) {
+      unique = set.run(
+          keys, tids, freq, n, out, every,
+          [&](int64_t u) { published.store(u, std::memory_order_release); }, part);
+      published.store(unique | StreamFeed::kDone, std::memory_order_release);
+      if (starts != nullptr) group_by_unique(out.inverse, n, unique, starts, rank);
+    }
+    if (alone || omp_get_thread_num() == 1) {
+      upsert_owned(v, a, rule, feed, blocked, deferred, counted);
+    }
+  }
+  return unique;
+}
+
+void check_dedup_batch(const at::Tensor& keys, const at::Tensor& tids,
+                       const c10::optional<at::Tensor>& frequencies, const int64_t** freq) {
+  check_batch(keys, tids);
+  const int64_t n = keys.numel();
+  TORCH_CHECK(n < (int64_t{1} << 31), "dedup takes fewer than 2^31 keys, got ", n);
+  *freq = nullptr;
+  if (frequencies.has_value()) {
+    check_tensor(*frequencies, at::kLong, "frequencies");
+    TORCH_CHECK(frequencies->numel() == n, "one frequency per key");
+    *freq = frequencies->data_ptr<int64_t>();
+  }
+}
+
+}  // namespace
+
 // `dedup` and a first inserting pass over its unique keys in one call, with the
-// clock rule (score = now): one thread dedups and publishes each new pair, a
-// second upserts the pairs as they come (owning every bucket), so the two
-// overlap; while the second finishes, the first groups the lookups by unique
-// index (group_by_unique, as `dedup` with group = true). With one thread they run
-// one after the other. The pass outputs (slots .. ev_scores) need room for N
-// keys; entries [0, U) are written, as by `upsert` over unique keys with pending
-// = all of them.
+// clock rule (score = now), overlapped (dedup_and_upsert); the lookups are
+// grouped as by `dedup` with group = true. The pass outputs (slots .. ev_scores)
+// need room for N keys; entries [0, U) are written, as by `upsert` over unique
+// keys with pending = all of them.
 // Returns (unique_keys (U,), unique_tids (U,) int16, inverse (N,), counts (U,),
 // starts (U + 1,), rank (N,), deferred unique indices (sorted)).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
@@ -392,15 +474,9 @@ dedup_upsert(
     bool evicts, bool can_grow, bool one_table, at::Tensor& slots, at::Tensor& status,
     const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys, at::Tensor& ev_tids,
     at::Tensor& ev_scores, at::Tensor& outcomes) {
-  check_batch(keys, tids);
+  const int64_t* freq;
+  check_dedup_batch(keys, tids, frequencies, &freq);
   const int64_t n = keys.numel();
-  TORCH_CHECK(n < (int64_t{1} << 31), "dedup takes fewer than 2^31 keys, got ", n);
-  const int64_t* freq = nullptr;
-  if (frequencies.has_value()) {
-    check_tensor(*frequencies, at::kLong, "frequencies");
-    TORCH_CHECK(frequencies->numel() == n, "one frequency per key");
-    freq = frequencies->data_ptr<int64_t>();
-  }
   int64_t* counted = outcomes_of(outcomes);
   const CpuTableView v = view_of(meta, bc);
   auto ukeys = at::empty({n}, keys.options());
@@ -409,41 +485,136 @@ dedup_upsert(
   auto inverse = at::empty({n}, keys.options());
   auto starts = at::empty({n + 2}, keys.options());
   auto rank = at::empty({n}, keys.options());
-  std::unique_ptr<uint64_t[]> uhash(new uint64_t[n]);  // written before it is read
   UpsertArgs a = pass_args(n, evicts, can_grow, one_table, slots, status, prev_scores, ev_keys,
                            ev_tids, ev_scores);
   a.keys = ukeys.data_ptr<int64_t>();
   a.tids = utids.data_ptr<int16_t>();
-  const DedupOut out{ukeys.data_ptr<int64_t>(), utids.data_ptr<int16_t>(), uhash.get(),
+  const DedupOut out{ukeys.data_ptr<int64_t>(), utids.data_ptr<int16_t>(), nullptr,
                      counts.data_ptr<int64_t>(), inverse.data_ptr<int64_t>()};
-  // Everything that allocates happens here: nothing in the parallel region throws.
-  DedupSet set(n);
-  std::vector<uint8_t> blocked(v.num_buckets, 0);
   std::vector<int64_t> deferred;
-  deferred.reserve(n);
-  std::atomic<int64_t> published{0};
-  const StreamFeed feed{uhash.get(), &published};
-  int64_t unique = 0;
-  const int threads = n >= kParallelMinKeys ? std::min(2, omp_get_max_threads()) : 1;
-#pragma omp parallel num_threads(threads)
-  {
-    const bool alone = omp_get_num_threads() < 2;
-    if (omp_get_thread_num() == 0) {
-      unique = set.run(keys.data_ptr<int64_t>(), tids.data_ptr<int16_t>(), freq, n, out,
-                       kPublishEvery,
-                       [&](int64_t u) { published.store(u, std::memory_order_release); });
-      published.store(unique | StreamFeed::kDone, std::memory_order_release);
-      group_by_unique(out.inverse, n, unique, starts.data_ptr<int64_t>(),
-                      rank.data_ptr<int64_t>());
-    }
-    if (alone || omp_get_thread_num() == 1) {
-      upsert_owned(v, a, ClockScore{static_cast<uint64_t>(now)}, feed, blocked, deferred,
-                   counted);
-    }
-  }
+  const int64_t unique = dedup_and_upsert(
+      v, a, ClockScore{static_cast<uint64_t>(now)}, keys.data_ptr<int64_t>(),
+      tids.data_ptr<int16_t>(), freq, n, BatchPart{}, out, starts.data_ptr<int64_t>(),
+      rank.data_ptr<int64_t>(), deferred, counted);
   return {ukeys.narrow(0, 0, unique), utids.narrow(0, 0, unique), inverse,
           counts.narrow(0, 0, unique), starts.narrow(0, 0, unique + 1), rank,
           tensor_of(deferred, keys.options())};
+}
+
+// `dedup_upsert` padded to the N lookups, as HashTableKernels.padded_dedup_upsert:
+// the unique arrays and the pass outputs have N entries, those past the U pairs
+// padding (key 0, table 0, count 0, slot -1, kFailed, counted nowhere; starts past
+// U hold the lookup count). The table cannot grow. Unless the error word refuses
+// the batch (then nothing changes: no pair, inverse -1), `time` (2,) (the table's
+// clock and step) advances by one and the pass runs at time[now_index] with
+// `rule`, a count rule scoring by the dedup's counts; `outcomes` (4,) += its
+// outcome counts, `size` (1,) += its inserts into empty slots. part_groups (N,)
+// (None: every lookup) and part_group: the lookups of other groups are left out.
+// Returns (unique_keys, unique_tids, inverse, counts, starts (N + 1,), rank, slots,
+// status, prev_scores, ev_keys, ev_tids, ev_scores).
+PaddedDedupUpserted padded_dedup_upsert(
+    const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+    const at::Tensor& tids, const c10::optional<at::Tensor>& frequencies, int64_t rule,
+    at::Tensor& time, int64_t now_index, bool evicts, bool one_table,
+    const c10::optional<at::Tensor>& error, at::Tensor& outcomes, at::Tensor& size,
+    const c10::optional<at::Tensor>& part_groups, int64_t part_group) {
+  const int64_t* freq;
+  check_dedup_batch(keys, tids, frequencies, &freq);
+  const int64_t n = keys.numel();
+  check_tensor(time, at::kLong, "time");
+  TORCH_CHECK(time.numel() == 2 && (now_index == 0 || now_index == 1),
+              "time holds a clock and a step; now_index picks one");
+  TORCH_CHECK(0 <= rule && rule <= 3, "unknown score rule ", rule);
+  int64_t* counted = outcomes_of(outcomes);
+  int64_t* table_size = size_of(size);
+  const CpuTableView v = view_of(meta, bc);
+  const BatchPart part = batch_part(part_groups, part_group, n);
+  const bool refused = is_refused(error);
+  const auto i64 = keys.options();
+  auto ukeys = at::empty({n}, i64);
+  auto utids = at::empty({n}, tids.options());
+  auto counts = at::empty({n}, i64);
+  auto inverse = at::empty({n}, i64);
+  auto starts = at::empty({n + 2}, i64);
+  auto rank = at::empty({n}, i64);
+  auto slots = at::empty({n}, i64);
+  auto status = at::empty({n}, i64.dtype(at::kChar));
+  auto prev = at::empty({n}, i64);
+  auto ev_keys = at::empty({n}, i64);
+  auto ev_tids = at::empty({n}, tids.options());
+  auto ev_scores = at::empty({n}, i64);
+  UpsertArgs a = pass_args(n, evicts, false, one_table, slots, status, prev, ev_keys, ev_tids,
+                           ev_scores);
+  const DedupOut out{ukeys.data_ptr<int64_t>(), utids.data_ptr<int16_t>(), nullptr,
+                     counts.data_ptr<int64_t>(), inverse.data_ptr<int64_t>()};
+  int64_t unique = 0;
+  if (refused) {
+    refuse_unique(out, n, starts.data_ptr<int64_t>(), rank.data_ptr<int64_t>(), part);
+  } else {
+    int64_t* clock_and_step = time.data_ptr<int64_t>();
+    ++clock_and_step[0];
+    ++clock_and_step[1];
+    a.keys = out.keys;
+    a.tids = out.tids;
+    a.given = rule == 0 ? nullptr : reinterpret_cast<const uint64_t*>(out.counts);
+    const int64_t inserted_before = counted[kInserted];
+    std::vector<int64_t> deferred;  // none: the table cannot grow
+    with_rule(rule, static_cast<uint64_t>(clock_and_step[now_index]), [&](const auto& score) {
+      unique = dedup_and_upsert(v, a, score, keys.data_ptr<int64_t>(), tids.data_ptr<int16_t>(),
+                                freq, n, part, out, starts.data_ptr<int64_t>(),
+                                rank.data_ptr<int64_t>(), deferred, counted);
+    });
+    *table_size += counted[kInserted] - inserted_before;
+    pad_unique(out, unique, n, starts.data_ptr<int64_t>());
+  }
+  std::fill(a.out.slots + unique, a.out.slots + n, -1);
+  std::fill(a.out.status + unique, a.out.status + n, int8_t{kFailed});
+  return {ukeys, utids, inverse, counts, starts.narrow(0, 0, n + 1), rank, slots, status, prev,
+          ev_keys, ev_tids, ev_scores};
+}
+
+// One inserting pass over unique keys (n,) whose buckets (n,) int32 are given, as
+// HashTableKernels.padded_upsert: a position of bucket kNoBucket is padding (slot
+// -1, kFailed, counted nowhere). The table cannot grow; the call's time is 0 (the
+// clock rule scores 0). outcomes (4,) += the outcome counts, size (1,) += the
+// inserts into empty slots. Returns (slots, status, prev_scores, ev_keys, ev_tids,
+// ev_scores), (n,) each.
+PassResult padded_upsert(const std::vector<at::Tensor>& meta, int64_t bc,
+                         const at::Tensor& keys, const at::Tensor& tids,
+                         const c10::optional<at::Tensor>& scores, int64_t rule, bool evicts,
+                         bool one_table, const at::Tensor& buckets, at::Tensor& outcomes,
+                         at::Tensor& size) {
+  check_batch(keys, tids);
+  const int64_t n = keys.numel();
+  check_tensor(buckets, at::kInt, "buckets");
+  TORCH_CHECK(buckets.numel() == n, "buckets are given for every key of a pass: (", n,
+              ",) int32");
+  int64_t* counted = outcomes_of(outcomes);
+  int64_t* table_size = size_of(size);
+  const CpuTableView v = view_of(meta, bc);
+  const auto i64 = keys.options();
+  auto slots = at::empty({n}, i64);
+  auto status = at::empty({n}, i64.dtype(at::kChar));
+  auto prev = at::empty({n}, i64);
+  auto ev_keys = at::empty({n}, i64);
+  auto ev_tids = at::empty({n}, tids.options());
+  auto ev_scores = at::empty({n}, i64);
+  UpsertArgs a = pass_args(n, evicts, false, one_table, slots, status, prev, ev_keys, ev_tids,
+                           ev_scores);
+  a.keys = keys.data_ptr<int64_t>();
+  a.tids = tids.data_ptr<int16_t>();
+  if (scores.has_value()) {
+    check_tensor(*scores, at::kLong, "scores");
+    TORCH_CHECK(scores->numel() == n, "one score per key");
+    a.given = optional_ptr<const uint64_t>(*scores);
+  }
+  TORCH_CHECK(rule == 0 || scores.has_value(), "the count and given-score rules need scores");
+  const int64_t inserted_before = counted[kInserted];
+  with_rule(rule, 0, [&](const auto& score) {
+    upsert_all(v, a, score, nullptr, n, buckets.data_ptr<int32_t>(), counted);
+  });
+  *table_size += counted[kInserted] - inserted_before;
+  return {slots, status, prev, ev_keys, ev_tids, ev_scores};
 }
 
 // Clears the pinned bit of every slot >= 0 in `slots`. Buckets are split
@@ -502,29 +673,66 @@ at::Tensor grow(const std::vector<at::Tensor>& old_meta,
   return moved;
 }
 
-// Erases each key once; returns a bool per key. Buckets are split across threads
-// as in upsert, so a key given twice is erased by its first occurrence.
+namespace {
+
+// Erases keys[i] (i < n) where status is nullptr or status[i] == which; erased[i]
+// (nullptr: not written) = whether it was there. Buckets are split across threads
+// as in upsert, so a key given twice is erased by its first occurrence. Returns
+// how many were there.
+int64_t erase_each(const CpuTableView& v, const int64_t* k, const int16_t* t, int64_t n,
+                   const int8_t* status, int64_t which, bool* erased) {
+  const int threads = n >= kParallelMinKeys ? omp_get_max_threads() : 1;
+  int64_t found = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : found)
+  {
+    const int me = omp_get_thread_num();
+    const int nt = omp_get_num_threads();
+    for (int64_t i = 0; i < n; ++i) {
+      if (status != nullptr && status[i] != which) continue;
+      const KeyHome home = home_of(v, hash_key(k[i], t[i]));
+      if (v.owner_of(home.bucket, nt) != me) continue;
+      if (erase_one<PlainBits>(v, DigestProbe{}, home, k[i], t[i])) {
+        ++found;
+        if (erased != nullptr) erased[i] = true;
+      }
+    }
+  }
+  return found;
+}
+
+}  // namespace
+
+// Erases each key once; returns a bool per key (a key given twice is erased by
+// its first occurrence).
 at::Tensor erase(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
                  const at::Tensor& tids) {
   check_batch(keys, tids);
   const CpuTableView v = view_of(meta, bc);
   const int64_t n = keys.numel();
   auto erased = at::zeros({n}, keys.options().dtype(at::kBool));
-  bool* e = erased.data_ptr<bool>();
-  const int64_t* k = keys.data_ptr<int64_t>();
-  const int16_t* t = tids.data_ptr<int16_t>();
-  const int threads = n >= kParallelMinKeys ? omp_get_max_threads() : 1;
-#pragma omp parallel num_threads(threads)
-  {
-    const int me = omp_get_thread_num();
-    const int nt = omp_get_num_threads();
-    for (int64_t i = 0; i < n; ++i) {
-      const KeyHome home = home_of(v, hash_key(k[i], t[i]));
-      if (v.owner_of(home.bucket, nt) != me) continue;
-      if (erase_one<PlainBits>(v, DigestProbe{}, home, k[i], t[i])) e[i] = true;
-    }
-  }
+  erase_each(v, keys.data_ptr<int64_t>(), tids.data_ptr<int16_t>(), n, nullptr, 0,
+             erased.data_ptr<bool>());
   return erased;
+}
+
+// Erases keys[i] wherever status[i] == which (the victims of a call, by their
+// status in it: each a different key), as HashTableKernels.erase_where; erased
+// (1,) += and size (1,) -= the keys found.
+void erase_where(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+                 const at::Tensor& tids, const at::Tensor& status, int64_t which,
+                 at::Tensor& erased, at::Tensor& size) {
+  check_batch(keys, tids);
+  const int64_t n = keys.numel();
+  check_tensor(status, at::kChar, "status");
+  TORCH_CHECK(status.numel() >= n, "one status per key");
+  check_tensor(erased, at::kLong, "erased");
+  TORCH_CHECK(erased.numel() == 1, "erased must hold one count");
+  int64_t* table_size = size_of(size);
+  const CpuTableView v = view_of(meta, bc);
+  const int64_t found = erase_each(v, keys.data_ptr<int64_t>(), tids.data_ptr<int16_t>(), n,
+                                   status.data_ptr<int8_t>(), which, nullptr);
+  erased.data_ptr<int64_t>()[0] += found;
+  *table_size -= found;
 }
 
 // TTL sweep: empties every slot whose last access (score & time_mask) is before

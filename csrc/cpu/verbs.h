@@ -39,6 +39,31 @@ dedup_upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& 
              bool evicts, bool can_grow, bool one_table, at::Tensor& slots, at::Tensor& status,
              const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys,
              at::Tensor& ev_tids, at::Tensor& ev_scores, at::Tensor& outcomes);
+// What a padded inserting pass returns, (n,) each: (slots, status, prev_scores,
+// ev_keys, ev_tids, ev_scores).
+using PassResult =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// What padded_dedup_upsert returns: the dedup's (unique_keys, unique_tids, inverse,
+// counts, starts, rank), then the PassResult.
+using PaddedDedupUpserted =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+               at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// dedup_upsert padded to the n keys, as the CUDA backend's: nothing is read on
+// the host but the error word. part_groups (None: every key) and part_group are a
+// BatchPart's fields.
+PaddedDedupUpserted padded_dedup_upsert(
+    const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+    const at::Tensor& tids, const c10::optional<at::Tensor>& frequencies, int64_t rule,
+    at::Tensor& time, int64_t now_index, bool evicts, bool one_table,
+    const c10::optional<at::Tensor>& error, at::Tensor& outcomes, at::Tensor& size,
+    const c10::optional<at::Tensor>& part_groups, int64_t part_group);
+// One inserting pass over unique keys with their buckets given (kNoBucket: padding)
+// into a table that cannot grow; outcomes (4,) and size (1,) advance.
+PassResult padded_upsert(const std::vector<at::Tensor>& meta, int64_t bc,
+                         const at::Tensor& keys, const at::Tensor& tids,
+                         const c10::optional<at::Tensor>& scores, int64_t rule, bool evicts,
+                         bool one_table, const at::Tensor& buckets, at::Tensor& outcomes,
+                         at::Tensor& size);
 // Clears the pinned bit of every slot >= 0 of slots (n,).
 void unpin(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& slots);
 // Reverts an inserting call from what its passes wrote (each (n,)), newest first.
@@ -53,6 +78,11 @@ at::Tensor grow(const std::vector<at::Tensor>& old_meta,
 // Erases each key once; returns (n,) bool: whether it was there.
 at::Tensor erase(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
                  const at::Tensor& tids);
+// Erases keys[i] where status[i] == which; erased (1,) += and size (1,) -= the
+// keys found.
+void erase_where(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+                 const at::Tensor& tids, const at::Tensor& status, int64_t which,
+                 at::Tensor& erased, at::Tensor& size);
 // TTL sweep: empties every slot whose last access (score & time_mask) is before
 // `before`; returns (capacity,) bool, the slots it emptied.
 at::Tensor expire(const std::vector<at::Tensor>& meta, int64_t bc, int64_t time_mask,
@@ -70,6 +100,19 @@ int64_t check_offsets(const at::Tensor& offsets, int64_t num_indices);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(
     const at::Tensor& keys, const at::Tensor& tids,
     const c10::optional<at::Tensor>& frequencies, bool group);
+// dedup (not grouped) padded to the n keys: (unique_keys, unique_tids, inverse,
+// counts, empty, empty), (n,) each; a refused batch (error word) has no pair.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+padded_dedup(const at::Tensor& keys, const at::Tensor& tids,
+             const c10::optional<at::Tensor>& error,
+             const c10::optional<at::Tensor>& part_groups, int64_t part_group);
+// values[slots[i]] = the full initial row [initializer (dim) | state_value] of each
+// key whose status is kInserted or kEvictedAndInserted; init_ints (T, 3) and
+// init_floats (T, 5) are an InitSpec's.
+void init_new_rows(at::Tensor& values, const at::Tensor& slots, const at::Tensor& status,
+                   const at::Tensor& keys, const at::Tensor& tids, int64_t dim,
+                   const at::Tensor& init_ints, const at::Tensor& init_floats,
+                   double state_value);
 // out[rows[i], 0:dim] = the initializer's value of (table, keys[i], column).
 void init_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& keys,
                int64_t table, int64_t dim, int64_t mode, double mean, double std_dev,

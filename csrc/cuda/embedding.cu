@@ -28,14 +28,6 @@ using namespace dynamicemb::cuda;
         init_ints, init_floats                                                        \
   }
 
-// Table t's initializer from the packed arrays of DEMB_ROW_PARAMS.
-__device__ __forceinline__ InitParams init_params_of(const int64_t* ints, const float* floats,
-                                                     int64_t t) {
-  return InitParams{static_cast<int32_t>(ints[3 * t + 1]), floats[5 * t], floats[5 * t + 1],
-                    floats[5 * t + 2], floats[5 * t + 3], floats[5 * t + 4],
-                    static_cast<uint64_t>(ints[3 * t + 2])};
-}
-
 // Reads element c of unique row u. A negative reference names a transient row,
 // or, when the initializers are given, a key that found no slot: its row is its
 // table's initializer's, computed here (initializers are functions of the key).
@@ -117,10 +109,8 @@ extern "C" __global__ void demb_init_new_rows(float* values, int64_t width, cons
   if (status[i] != kInserted && status[i] != kEvictedAndInserted) return;
   const int64_t c = e - i * width;
   const int64_t t = tids[i];
-  values[slots[i] * width + c] =
-      c < dim ? init_element(init_params_of(init_ints, init_floats, t), init_ints[3 * t], keys[i],
-                             static_cast<int>(c))
-              : state_value;
+  values[slots[i] * width + c] = new_row_element(init_params_of(init_ints, init_floats, t),
+                                                 init_ints[3 * t], keys[i], c, dim, state_value);
 }
 
 // Pooled lookup, one warp per bag k = f * batch + b: out[b, col(f) + c] = the

@@ -74,4 +74,20 @@ DEMB_HD float init_element(const InitParams& p, int64_t table, int64_t key, int 
   }
 }
 
+// Table t's initializer from a packed InitSpec (dynamicemb/ops/records.py): ints
+// (T, 3) stream, mode, seed; floats (T, 5) mean, std_dev, lower, upper, value.
+DEMB_HD InitParams init_params_of(const int64_t* ints, const float* floats, int64_t t) {
+  return InitParams{static_cast<int32_t>(ints[3 * t + 1]), floats[5 * t], floats[5 * t + 1],
+                    floats[5 * t + 2], floats[5 * t + 3], floats[5 * t + 4],
+                    static_cast<uint64_t>(ints[3 * t + 2])};
+}
+
+// Column c of a new stored row [embedding (dim) | optimizer state] of `key`, in
+// the table whose initializer is p and stream `stream`: the initializer's value,
+// then state_value for every optimizer state column.
+DEMB_HD float new_row_element(const InitParams& p, int64_t stream, int64_t key, int64_t c,
+                              int64_t dim, float state_value) {
+  return c < dim ? init_element(p, stream, key, static_cast<int>(c)) : state_value;
+}
+
 }  // namespace dynamicemb

@@ -1,0 +1,312 @@
+"""The CPU extension's padded-step verbs against the CUDA kernels (as emulated).
+
+``padded_dedup_upsert``, ``padded_dedup``, ``padded_upsert``, ``erase_where`` and
+``init_new_rows`` of the CPU extension must return what ``CudaKernels`` returns for the
+same arguments, bit for bit (padding past the unique count included), and leave twin
+tables, clocks and counters in the same state: on random batches with duplicates,
+sizes 0 and 1, full buckets with and without eviction, every score rule, a refused
+batch (error word set) and a ``BatchPart``. Entries a kernel leaves unwritten
+(``prev_scores`` but for hits, the victims' fields but for evictions) are compared
+where they are defined.
+"""
+
+import random
+
+import pytest
+import torch
+
+from dynamicemb.ops import cpu_kernels
+from dynamicemb.ops.cpu import CpuBackend
+from dynamicemb.ops.records import BatchPart, InitSpec
+from dynamicemb_testing.cuda_emulation import emulated_cuda
+
+HIT, INSERTED, EVICTED, FAILED = 0, 1, 2, 3
+NO_BUCKET = 0x7FFFFFFF
+RULES = [0, 1, 2, 3]  # clock, count, given, count then clock
+
+
+def new_table(num_buckets: int, bc: int):
+    return CpuBackend().new_table(num_buckets=num_buckets, max_num_buckets=num_buckets,
+                                  bucket_capacity=bc, value_dim=4, value_dtype=torch.float32,
+                                  device=torch.device("cpu"))
+
+
+def twin(memory):
+    """A table of the same shape holding the same bytes."""
+    other = new_table(memory.num_buckets, memory.bucket_capacity)
+    for mine, theirs in zip(other.meta, memory.meta):
+        mine.copy_(theirs)
+    return other
+
+
+def assert_same_tables(a, b, what: str) -> None:
+    for name, x, y in zip(("keys", "scores", "tids", "digests", "occupied", "pinned"),
+                          a.meta, b.meta):
+        assert torch.equal(x, y), f"{what}: table {name} differ"
+
+
+def assert_same(got, want, what: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{what}: {got.dtype} {tuple(got.shape)} vs {want.dtype} {tuple(want.shape)}")
+    assert torch.equal(got, want), f"{what} differ:\n{got}\n{want}"
+
+
+def assert_same_pass(got, want, what: str) -> None:
+    """(slots, status, prev_scores, ev_keys, ev_tids, ev_scores), each where written."""
+    slots, status = want[0], want[1]
+    assert_same(got[0], slots, f"{what} slots")
+    assert_same(got[1], status, f"{what} status")
+    hits, evicted = status == HIT, status == EVICTED
+    assert_same(got[2][hits], want[2][hits], f"{what} prev_scores")
+    for i, name in ((3, "ev_keys"), (4, "ev_tids"), (5, "ev_scores")):
+        assert got[i].dtype == want[i].dtype and got[i].shape == want[i].shape, name
+        assert_same(got[i][evicted], want[i][evicted], f"{what} {name}")
+
+
+def batch(rng: random.Random, n: int, pool: int, tables: int):
+    keys = torch.tensor([rng.randrange(pool) - pool // 4 for _ in range(n)], dtype=torch.int64)
+    tids = torch.tensor([rng.randrange(tables) for _ in range(n)], dtype=torch.int16)
+    return keys, tids
+
+
+def maybe_part(rng: random.Random, n: int, with_part: bool):
+    if not with_part:
+        return None
+    return BatchPart(torch.tensor([rng.randrange(3) for _ in range(n)], dtype=torch.int64), 1)
+
+
+class Twins:
+    """A table for the CPU verb and its twin for the emulated CUDA kernel, with
+    their clocks and counters."""
+
+    def __init__(self, num_buckets: int, bc: int) -> None:
+        self.cpu = new_table(num_buckets, bc)
+        self.gpu = twin(self.cpu)
+        self.bc = bc
+        self.state = {side: dict(time=torch.tensor([5, 2], dtype=torch.int64),
+                                 outcomes=torch.zeros(4, dtype=torch.int64),
+                                 size=torch.zeros(1, dtype=torch.int64),
+                                 erased=torch.zeros(1, dtype=torch.int64))
+                      for side in ("cpu", "gpu")}
+
+    def check(self, what: str) -> None:
+        assert_same_tables(self.cpu, self.gpu, what)
+        for name in ("time", "outcomes", "size", "erased"):
+            assert_same(self.state["cpu"][name], self.state["gpu"][name], f"{what}: {name}")
+        assert int(self.state["cpu"]["size"]) == int(
+            (self.cpu.meta[3] != 0).sum()), f"{what}: size counts the occupied slots"
+        assert int(self.cpu.meta[5].count_nonzero()) == 0, f"{what}: a slot stays pinned"
+
+
+def run_both(twins: Twins, kernels, verb: str, make_args):
+    """verb(*make_args(memory, state)) on the CPU extension and on the emulation."""
+    cpu = getattr(cpu_kernels.load(), verb)(*make_args(twins.cpu, twins.state["cpu"]))
+    gpu = getattr(kernels, verb)(*make_args(twins.gpu, twins.state["gpu"]))
+    return cpu, gpu
+
+
+def dedup_upsert_args(keys, tids, frequencies, rule, now_index, evicts, one_table, error, part):
+    def make(memory, state):
+        return (memory.meta, memory.bucket_capacity, keys, tids, frequencies, rule,
+                state["time"], now_index, evicts, one_table, error, state["outcomes"],
+                state["size"], part)
+    return make
+
+
+def assert_same_dedup_upsert(got, want, what: str) -> None:
+    assert len(got) == len(want) == 12, what
+    for i, name in enumerate(("ukeys", "utids", "inverse", "counts", "starts", "rank")):
+        assert_same(got[i], want[i], f"{what} {name}")
+    assert_same_pass(got[6:], want[6:], what)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("evicts", [True, False], ids=["evicts", "no-eviction"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_padded_dedup_upsert_matches_cuda(rule, evicts, seed):
+    """Calls in sequence (the table fills, then evicts or fails), of sizes 0, 1 and
+    more, with frequencies or not, an error word clear or set, a part or none."""
+    rng = random.Random(f"{rule}{evicts}{seed}")
+    twins = Twins(num_buckets=4, bc=16)
+    with emulated_cuda() as kernels:
+        for call, n in enumerate([0, 1, 7, 40, 0, 90, 1, 150, 64]):
+            keys, tids = batch(rng, n, pool=160, tables=3)
+            one_table = call % 3 == 2
+            if one_table:
+                tids.zero_()
+            frequencies = (torch.tensor([rng.randrange(1, 4) for _ in range(n)], dtype=torch.int64)
+                           if call % 2 else None)
+            refused = call in (4, 6) or (call == 7 and seed == 1)
+            error = None if call % 4 == 1 and not refused else torch.tensor([int(refused)])
+            part = maybe_part(rng, n, with_part=call % 3 == 1)
+            args = dedup_upsert_args(keys, tids, frequencies, rule, call % 2, evicts,
+                                     one_table, error, part)
+            got, want = run_both(twins, kernels, "padded_dedup_upsert", args)
+            what = f"call {call} (n={n}, refused={refused}, part={part is not None})"
+            assert_same_dedup_upsert(got, want, what)
+            twins.check(what)
+            if refused:
+                assert (got[7] == FAILED).all() and (got[2] == -1).all(), what
+    outcomes = twins.state["cpu"]["outcomes"].tolist()
+    assert outcomes[EVICTED if evicts else FAILED] > 0, "the calls filled a bucket"
+    assert outcomes[HIT] > 0 and outcomes[INSERTED] > 0
+
+
+def test_padded_dedup_upsert_threads():
+    """A batch large enough for the overlapped dedup and pass (two threads)."""
+    rng = random.Random(7)
+    twins = Twins(num_buckets=64, bc=128)
+    with emulated_cuda() as kernels:
+        for rule, n in ((0, 6000), (1, 9000), (3, 5000)):
+            keys, tids = batch(rng, n, pool=12000, tables=2)
+            frequencies = torch.tensor([rng.randrange(1, 3) for _ in range(n)], dtype=torch.int64)
+            part = maybe_part(rng, n, with_part=rule == 1)
+            args = dedup_upsert_args(keys, tids, frequencies, rule, 0, True, False,
+                                     torch.zeros(1, dtype=torch.int64), part)
+            got, want = run_both(twins, kernels, "padded_dedup_upsert", args)
+            assert_same_dedup_upsert(got, want, f"rule {rule}")
+            twins.check(f"rule {rule}")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_padded_dedup_matches_cuda(seed):
+    rng = random.Random(seed)
+    with emulated_cuda() as kernels:
+        for call, n in enumerate([0, 1, 2, 30, 500]):
+            keys, tids = batch(rng, n, pool=max(2, n // 2), tables=2)
+            error = [None, torch.zeros(1, dtype=torch.int64),
+                     torch.tensor([3])][(call + seed) % 3]
+            part = maybe_part(rng, n, with_part=(call + seed) % 2 == 1)
+            got = cpu_kernels.load().padded_dedup(keys, tids, error, part)
+            want = kernels.padded_dedup(keys, tids, error, part)
+            assert len(got) == len(want) == 6
+            for i, name in enumerate(("ukeys", "utids", "inverse", "counts", "starts", "rank")):
+                assert_same(got[i], want[i], f"call {call} {name}")
+
+
+def unique_batch(rng: random.Random, n: int, pool: int, num_buckets: int):
+    """Unique keys (table 0..1) with their buckets, some positions padding."""
+    pairs = rng.sample([(k, t) for k in range(pool) for t in range(2)], n)
+    keys = torch.tensor([k for k, _ in pairs], dtype=torch.int64)
+    tids = torch.tensor([t for _, t in pairs], dtype=torch.int16)
+    hashes = cpu_kernels.load().hash_keys(keys, tids)
+    buckets = torch.bitwise_and(hashes, num_buckets - 1).to(torch.int32)
+    padding = torch.tensor([rng.random() < 0.2 for _ in range(n)], dtype=torch.bool)
+    return keys, tids, torch.where(padding, NO_BUCKET, buckets).to(torch.int32)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("evicts", [True, False], ids=["evicts", "no-eviction"])
+def test_padded_upsert_matches_cuda(rule, evicts):
+    rng = random.Random(f"{rule}{evicts}")
+    twins = Twins(num_buckets=4, bc=16)
+    with emulated_cuda() as kernels:
+        for call, n in enumerate([0, 1, 30, 60, 100]):
+            keys, tids, buckets = unique_batch(rng, n, pool=120, num_buckets=4)
+            scores = torch.tensor([rng.randrange(1, 1000) for _ in range(n)], dtype=torch.int64)
+            one_table = call == 3
+            if one_table:  # every table id 0: the pairs of table 1 stand aside
+                keep = tids == 0
+                keys, tids, buckets, scores = keys[keep], tids[keep], buckets[keep], scores[keep]
+
+            def make(memory, state):
+                return (memory.meta, memory.bucket_capacity, keys, tids, scores, rule, evicts,
+                        one_table, buckets, state["outcomes"], state["size"])
+            got, want = run_both(twins, kernels, "padded_upsert", make)
+            assert len(got) == len(want) == 6
+            assert_same_pass(got, want, f"call {call}")
+            assert (got[0][buckets == NO_BUCKET] == -1).all()
+            twins.check(f"call {call}")
+    assert twins.state["cpu"]["outcomes"][EVICTED if evicts else FAILED] > 0
+
+
+@pytest.mark.parametrize("which", [HIT, INSERTED, EVICTED, FAILED])
+def test_erase_where_matches_cuda(which):
+    """Erases the keys of one status of a padded call (victims: from a second table,
+    as the host store's victims leave the cache)."""
+    rng = random.Random(which)
+    twins = Twins(num_buckets=4, bc=16)
+    with emulated_cuda() as kernels:
+        for call, n in enumerate([40, 0, 1, 120, 80]):
+            keys, tids = batch(rng, n, pool=150, tables=2)
+            args = dedup_upsert_args(keys, tids, None, 0, 0, True, False, None, None)
+            result, _ = run_both(twins, kernels, "padded_dedup_upsert", args)
+            status = result[7]
+            erase_keys, erase_tids = ((result[9], result[10]) if which == EVICTED
+                                      else (result[0], result[1]))
+
+            def make(memory, state):
+                return (memory.meta, memory.bucket_capacity, erase_keys, erase_tids, status,
+                        which, state["erased"], state["size"])
+            run_both(twins, kernels, "erase_where", make)
+            twins.check(f"call {call}")
+    if which in (HIT, INSERTED):
+        assert int(twins.state["cpu"]["erased"]) > 0
+
+
+INIT_SPECS = [  # (stream, mode, seed), (mean, std_dev, lower, upper, value)
+    ((0, 0, 11), (0.5, 2.0, -1.0, 1.0, 0.0)),  # normal
+    ((3, 1, 12), (0.0, 1.0, -0.5, 0.5, 0.0)),  # truncated normal
+    ((1, 2, 13), (0.0, 1.0, -0.1, 0.3, 0.0)),  # uniform
+    ((2, 3, 14), (0.0, 1.0, 0.0, 1.0, 0.25)),  # constant
+    ((4, 4, 15), (0.0, 1.0, 0.0, 1.0, 0.0)),  # debug
+]
+
+
+@pytest.mark.parametrize("dim,width", [(4, 4), (3, 9)])
+def test_init_new_rows_matches_cuda(dim, width):
+    """Rows of new keys (inserted, evicted and inserted) get [initializer | state];
+    hits, failures and padding keep their rows."""
+    rng = random.Random(dim)
+    spec = InitSpec(torch.tensor([ints for ints, _ in INIT_SPECS], dtype=torch.int64),
+                    torch.tensor([floats for _, floats in INIT_SPECS], dtype=torch.float32))
+    n = 300
+    keys = torch.tensor([rng.randrange(-1000, 10**12) for _ in range(n)], dtype=torch.int64)
+    tids = torch.tensor([rng.randrange(len(INIT_SPECS)) for _ in range(n)], dtype=torch.int16)
+    slots = torch.randperm(400, generator=torch.Generator().manual_seed(dim))[:n]
+    status = torch.tensor([rng.choice([HIT, INSERTED, EVICTED, FAILED]) for _ in range(n)],
+                          dtype=torch.int8)
+    before = torch.randn(400, width, generator=torch.Generator().manual_seed(1))
+    got, want = before.clone(), before.clone()
+    cpu_kernels.load().init_new_rows(got, slots, status, keys, tids, dim, spec, 0.125)
+    with emulated_cuda() as kernels:
+        kernels.init_new_rows(want, slots, status, keys, tids, dim, spec, 0.125)
+    assert_same(got, want, "values")
+    new = (status == INSERTED) | (status == EVICTED)
+    untouched = torch.ones(400, dtype=torch.bool)
+    untouched[slots[new]] = False
+    assert torch.equal(got[untouched], before[untouched])
+    assert (got[slots[new], dim:] == 0.125).all()
+    empty = torch.empty(0, dtype=torch.int64)
+    cpu_kernels.load().init_new_rows(got, empty, empty.to(torch.int8), empty,
+                                     empty.to(torch.int16), dim, spec, 0.0)
+
+
+def test_bad_arguments_raise():
+    memory = new_table(4, 16)
+    kernels = cpu_kernels.load()
+    keys, tids = torch.arange(5), torch.zeros(5, dtype=torch.int16)
+    outcomes, size = torch.zeros(4, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+
+    def call(time=torch.zeros(2, dtype=torch.int64), now_index=0, rule=0, part=None,
+             error=None):
+        kernels.padded_dedup_upsert(memory.meta, 16, keys, tids, None, rule, time, now_index,
+                                    True, False, error, outcomes, size, part)
+
+    with pytest.raises(RuntimeError, match="time holds a clock and a step"):
+        call(time=torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="now_index"):
+        call(now_index=2)
+    with pytest.raises(RuntimeError, match="unknown score rule"):
+        call(rule=7)
+    with pytest.raises(RuntimeError, match="part.groups"):
+        call(part=BatchPart(torch.zeros(4, dtype=torch.int64), 0))
+    with pytest.raises(RuntimeError, match="error word"):
+        call(error=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="buckets"):
+        kernels.padded_upsert(memory.meta, 16, keys, tids, None, 0, True, False,
+                              torch.zeros(4, dtype=torch.int32), outcomes, size)
+    with pytest.raises(RuntimeError, match="need scores"):
+        kernels.padded_upsert(memory.meta, 16, keys, tids, None, 1, True, False,
+                              torch.zeros(5, dtype=torch.int32), outcomes, size)
+    assert int(outcomes.sum()) == 0 and int(size) == 0, "a refused call changed counts"
