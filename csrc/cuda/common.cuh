@@ -17,10 +17,6 @@ namespace cuda {
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 constexpr int kWarp = 32;
 
-// The bucket of a padding position of a batch whose unique keys are padded to its
-// lookup count (dedup.cu): sorted after every real bucket, walked by no pass.
-constexpr int32_t kNoBucket = 0x7FFFFFFF;
-
 // The kernels' table arguments, in this order, after the outputs they name.
 #define DEMB_TABLE_PARAMS                                                             \
   int64_t *slot_words, int16_t *slot_tids, uint8_t *digests, uint64_t *occupied,       \

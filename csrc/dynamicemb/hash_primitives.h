@@ -201,4 +201,9 @@ enum InsertStatus : int8_t {
   kDeferred = 4,
 };
 
+// The bucket of a padding position of a batch whose unique keys are padded to its
+// lookup count (csrc/cuda/dedup.cu), or of a key a padded pass skips: sorted after
+// every real bucket, walked by no pass.
+constexpr int32_t kNoBucket = 0x7FFFFFFF;
+
 }  // namespace dynamicemb
