@@ -103,6 +103,7 @@ CASES = [  # (num_tables, n, unique, host capacity, cache capacity, cached fract
     (1, 0, 0, 256, 64, 0.5),
     (1, 1, 1, 256, 64, 0.5),
     (1, 1, 0, 256, 64, 0.5),
+    (2, 50, 0, 256, 64, 0.5),     # all padding: a refused batch, another group's batch
     (2, 40, 30, 256, 64, 0.25),   # the misses fit in the free slots
     (3, 80, 60, 512, 64, 0.5),    # they do not: hot misses, hottest first
     (1, 100, 90, 512, 64, 3.0),   # a full cache: every miss taken evicts
@@ -168,6 +169,29 @@ def test_a_victim_goes_back_before_its_slot_takes_a_new_row():
     assert torch.equal(host.values[homes], victim_rows[cached[0]])
     assert torch.equal(cache.values[cached[0]], host.values[host_slots[order]])
     assert torch.equal(refs[order], cached[0])
+
+
+def test_bad_arguments_are_refused_by_name():
+    host, cache, keys, tids = make_tiers(0, 1, 256, 64, 0.5)
+    cpu = cpu_kernels.load()
+    n = 4
+    bkeys, btids = keys[:n], torch.zeros(n, dtype=torch.int16)
+    counts, host_slots = torch.ones(n, dtype=torch.int64), host.find(bkeys)
+    size = torch.tensor([cache.size()])
+    with pytest.raises(RuntimeError, match="counts"):
+        cpu.promotion_plan(cache.memory.meta, BC, bkeys, btids, counts.int(), host_slots, True,
+                           size)
+    with pytest.raises(RuntimeError, match="host_slots must hold 4"):
+        cpu.promotion_plan(cache.memory.meta, BC, bkeys, btids, counts, host_slots[:3], True,
+                           size)
+    order = torch.arange(n)
+    with pytest.raises(RuntimeError, match="host_keys"):
+        cpu.promotion_order(order, bkeys, btids, host_slots, host.memory.meta[0].clone(),
+                            torch.zeros(4, dtype=torch.int64), cache.num_buckets)
+    slots, status = torch.full((n,), -1), torch.full((n,), 3, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="one width"):
+        cpu.promote_rows(host.memory.meta, BC, host.values[:, :2].contiguous(), cache.values,
+                         order, host_slots, slots, status, bkeys, btids, torch.empty(n).long())
 
 
 def options(strategy):
