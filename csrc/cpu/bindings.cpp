@@ -126,4 +126,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each unique row's summed gradient applied where finite; returns the rows that were not");
   m.def("per_sample_weight_grad", &c::per_sample_weight_grad, "gradient of weights");
   m.def("occupied_slots", &c::occupied_slots, "occupied slots of a range");
+  m.def("promotion_plan", &c::promotion_plan,
+        "a padded batch's promotion into a cache: (cache_slots, plan, rank)");
+  m.def("promotion_order", &c::promotion_order,
+        "the cache call's (keys, tids, scores, buckets) in promotion order");
+  m.def("promote_rows", &c::promote_rows,
+        "victims written back, new rows copied in, row references written");
 }

@@ -1,6 +1,7 @@
 // Every CPU verb of the extension dynamicemb._C_<level>, declared once: bindings.cpp
-// binds them, hash_table.cpp and embedding.cpp define them. Python reaches them only
-// through dynamicemb/ops/cpu.py; dynamicemb/ops/cuda.py offers the same verbs on CUDA.
+// binds them, hash_table.cpp, cache.cpp and embedding.cpp define them. Python reaches
+// them only through dynamicemb/ops/cpu.py; dynamicemb/ops/cuda.py offers the same verbs
+// on CUDA.
 //
 // `meta` is the table's tensor list [keys, scores, tids, digests, occupied, pinned]
 // (csrc/dynamicemb/hash_primitives.h), `bc` its bucket capacity. `tiers` is
@@ -90,6 +91,29 @@ at::Tensor expire(const std::vector<at::Tensor>& meta, int64_t bc, int64_t time_
 // Occupied slots of [start, end), ascending.
 at::Tensor occupied_slots(const std::vector<at::Tensor>& meta, int64_t bc, int64_t start,
                           int64_t end);
+
+// ---- a padded batch's promotion into a cache (cache.cpp; dynamicemb/cache_policy.h)
+
+// The probe and the rank: (cache_slots (n,), plan (4,), rank (n,)) of unique keys
+// padded to n (counts 0: padding; host_slots -1: not stored), for a cache `meta`
+// holding cache_size (1,) keys.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> promotion_plan(
+    const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+    const at::Tensor& tids, const at::Tensor& counts, const at::Tensor& host_slots,
+    bool one_table, const at::Tensor& cache_size);
+// The cache call's (keys, tids, scores, buckets) (n,) in `order` (the keys by
+// descending rank); host_keys is the keys column of the host store's (slots, 2) array.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> promotion_order(
+    const at::Tensor& order, const at::Tensor& keys, const at::Tensor& tids,
+    const at::Tensor& host_slots, const at::Tensor& host_keys, const at::Tensor& plan,
+    int64_t num_buckets);
+// After the cache call (slots .. ev_tids (n,), in `order`): victims' rows written back
+// to the host store `host_meta`, new keys' rows copied in, refs (n,) written.
+void promote_rows(const std::vector<at::Tensor>& host_meta, int64_t host_bc,
+                  at::Tensor& host_values, at::Tensor& cache_values, const at::Tensor& order,
+                  const at::Tensor& host_slots, const at::Tensor& slots,
+                  const at::Tensor& status, const at::Tensor& ev_keys,
+                  const at::Tensor& ev_tids, at::Tensor& refs);
 
 // ---- the embedding module (embedding.cpp)
 

@@ -202,8 +202,9 @@ enum InsertStatus : int8_t {
 };
 
 // The bucket of a padding position of a batch whose unique keys are padded to its
-// lookup count (csrc/cuda/dedup.cu): sorted after every real bucket, walked by no
-// pass; an inserting pass gives it slot -1 and kFailed and counts it nowhere.
+// lookup count (csrc/cuda/dedup.cu), or of a key a padded pass skips: sorted after
+// every real bucket, walked by no pass; an inserting pass gives it slot -1 and
+// kFailed and counts it nowhere.
 constexpr int32_t kNoBucket = 0x7FFFFFFF;
 
 }  // namespace dynamicemb

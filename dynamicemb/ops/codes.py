@@ -129,5 +129,5 @@ def metadata_bytes_per_slot(bucket_capacity: int) -> float:
     return 8 + 8 + 2 + 1 + 2 * 8 * words / bucket_capacity
 
 
-#: The bucket of a key a padded inserting pass skips (``kNoBucket``, common.cuh).
+#: The bucket of a key a padded inserting pass skips (``kNoBucket``, hash_primitives.h).
 KNO_BUCKET = 0x7FFFFFFF

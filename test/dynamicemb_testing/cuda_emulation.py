@@ -36,7 +36,7 @@ _TABLE_ARGS = 7
 # DEMB_ROW_PARAMS: device rows, host rows, width, transient, dim, row_ref, and the
 # computed rows' unique keys, table ids, init ints and init floats
 _ROW_ARGS = 10
-# kNoBucket of csrc/cuda/common.cuh: a padding position's bucket
+# kNoBucket of csrc/dynamicemb/hash_primitives.h: a padding position's bucket
 _NO_BUCKET = 0x7FFFFFFF
 _FAILED = 3  # InsertStatus.FAILED
 
