@@ -28,14 +28,6 @@ using namespace dynamicemb::cuda;
         init_ints, init_floats                                                        \
   }
 
-// Table t's initializer from the packed arrays of DEMB_ROW_PARAMS.
-__device__ __forceinline__ InitParams init_params_of(const int64_t* ints, const float* floats,
-                                                     int64_t t) {
-  return InitParams{static_cast<int32_t>(ints[3 * t + 1]), floats[5 * t], floats[5 * t + 1],
-                    floats[5 * t + 2], floats[5 * t + 3], floats[5 * t + 4],
-                    static_cast<uint64_t>(ints[3 * t + 2])};
-}
-
 // Reads element c of unique row u. A negative reference names a transient row,
 // or, when the initializers are given, a key that found no slot: its row is its
 // table's initializer's, computed here (initializers are functions of the key).
@@ -54,9 +46,8 @@ struct RowReader {
   __device__ __forceinline__ float at(int64_t u, int64_t c) const {
     const int64_t r = row_ref[u];
     if (r < 0 && init_ints != nullptr) {
-      const int64_t t = init_tids[u];
-      return init_element(init_params_of(init_ints, init_floats, t), init_ints[3 * t],
-                          init_keys[u], static_cast<int>(c));
+      return PackedInits{init_ints, init_floats}.element(init_tids[u], init_keys[u],
+                                                         static_cast<int>(c));
     }
     return row_of(r, device_rows, host_rows, width, transient, dim)[c];
   }
@@ -116,10 +107,8 @@ extern "C" __global__ void demb_init_new_rows(float* values, int64_t width, cons
   const int64_t i = e / width;
   if (status[i] != kInserted && status[i] != kEvictedAndInserted) return;
   const int64_t c = e - i * width;
-  const int64_t t = tids[i];
   values[slots[i] * width + c] =
-      c < dim ? init_element(init_params_of(init_ints, init_floats, t), init_ints[3 * t], keys[i],
-                             static_cast<int>(c))
+      c < dim ? PackedInits{init_ints, init_floats}.element(tids[i], keys[i], static_cast<int>(c))
               : state_value;
 }
 

@@ -74,4 +74,24 @@ DEMB_HD float init_element(const InitParams& p, int64_t table, int64_t key, int 
   }
 }
 
+// The initializers of a group's tables packed for the kernels (InitSpec,
+// dynamicemb/ops/records.py): ints (T, 3) int64 (stream, mode, seed) and
+// floats (T, 5) float32 (mean, std_dev, lower, upper, value).
+struct PackedInits {
+  const int64_t* ints;
+  const float* floats;
+
+  // Table t's initializer.
+  DEMB_HD InitParams params(int64_t t) const {
+    return InitParams{static_cast<int32_t>(ints[3 * t + 1]), floats[5 * t], floats[5 * t + 1],
+                      floats[5 * t + 2], floats[5 * t + 3], floats[5 * t + 4],
+                      static_cast<uint64_t>(ints[3 * t + 2])};
+  }
+
+  // Element `col` of the initial row of `key` in table t (its stream: ints[3 t]).
+  DEMB_HD float element(int64_t t, int64_t key, int col) const {
+    return init_element(params(t), ints[3 * t], key, col);
+  }
+};
+
 }  // namespace dynamicemb
