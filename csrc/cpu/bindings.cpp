@@ -49,6 +49,12 @@ std::pair<c10::optional<at::Tensor>, int64_t> part_fields(const py::object& part
 
 }  // namespace
 
+// The optimizer arguments of the backward verbs (optimizer_params' order).
+#define OPTIMIZER_ARGS                                                                    \
+  py::arg("kind"), py::arg("lr"), py::arg("eps"), py::arg("beta1"), py::arg("beta2"),     \
+      py::arg("weight_decay"), py::arg("step_size"), py::arg("bias_correction2_sqrt"), \
+      py::arg("decay_scale")
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace c = dynamicemb::cpu;
   m.doc() = "dynamicemb CPU kernels";
@@ -108,7 +114,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "full initial rows of the keys an inserting call stored", py::arg("values"),
       py::arg("slots"), py::arg("status"), py::arg("keys"), py::arg("tids"), py::arg("dim"),
       py::arg("spec"), py::arg("state_value"));
-  m.def("check_offsets", &c::check_offsets, "0, or the first problem of an offsets tensor");
+  m.def("check_offsets", &c::check_offsets,
+        "0, or the first problem of an offsets tensor (with error: recorded there, None)",
+        py::arg("offsets"), py::arg("num_indices"), py::arg("error") = py::none());
   m.def("unpin", &c::unpin, "clear the pinned bit of slots");
   m.def("undo_upsert", &c::undo_upsert, "revert an inserting call");
   m.def("grow", &c::grow, "rehash into twice the buckets");
@@ -118,13 +126,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("keys"), py::arg("tids"), py::arg("frequencies"),
         py::arg("group") = false);
   m.def("init_rows", &c::init_rows, "initialize rows per (table, key, column)");
-  m.def("pooled_forward", &c::pooled_forward, "pooled lookup (sum/mean)");
-  m.def("sequence_forward", &c::sequence_forward, "sequence lookup");
-  m.def("sum_gradients", &c::sum_gradients, "each unique row's summed gradient");
-  m.def("update_rows", &c::update_rows, "optimizer update of rows from summed gradients");
+  // The lookups and the backward take the keywords of a step counted on the device
+  // (verbs.h): init (an InitRows), error (the error word), schedule (a DeviceSchedule).
+  m.def("pooled_forward", &c::pooled_forward, "pooled lookup (sum/mean)", py::arg("tiers"),
+        py::arg("transient"), py::arg("row_slot"), py::arg("inverse"), py::arg("offsets"),
+        py::arg("weights"), py::arg("feature_col"), py::arg("batch"), py::arg("dim"),
+        py::arg("mean"), py::arg("out"), py::arg("init") = py::none(),
+        py::arg("error") = py::none());
+  m.def("sequence_forward", &c::sequence_forward, "sequence lookup", py::arg("tiers"),
+        py::arg("transient"), py::arg("row_slot"), py::arg("inverse"), py::arg("dim"),
+        py::arg("out"), py::arg("init") = py::none(), py::arg("error") = py::none());
+  m.def("sum_gradients", &c::sum_gradients, "each unique row's summed gradient",
+        py::arg("starts"), py::arg("rank"), py::arg("offsets"), py::arg("weights"),
+        py::arg("feature_col"), py::arg("batch"), py::arg("mean"), py::arg("grad"),
+        py::arg("sums"), py::arg("error") = py::none());
+  m.def("update_rows", &c::update_rows, "optimizer update of rows from summed gradients",
+        py::arg("tiers"), py::arg("row_slot"), py::arg("sums"), OPTIMIZER_ARGS,
+        py::arg("error") = py::none(), py::arg("schedule") = py::none());
   m.def("sum_and_update_rows", &c::sum_and_update_rows,
-        "each unique row's summed gradient applied where finite; returns the rows that were not");
-  m.def("per_sample_weight_grad", &c::per_sample_weight_grad, "gradient of weights");
+        "each unique row's summed gradient applied where finite; returns the rows that were not",
+        py::arg("tiers"), py::arg("row_slot"), py::arg("starts"), py::arg("rank"),
+        py::arg("offsets"), py::arg("weights"), py::arg("feature_col"), py::arg("batch"),
+        py::arg("mean"), py::arg("grad"), py::arg("dim"), OPTIMIZER_ARGS,
+        py::arg("error") = py::none(), py::arg("schedule") = py::none());
+  m.def("per_sample_weight_grad", &c::per_sample_weight_grad, "gradient of weights",
+        py::arg("tiers"), py::arg("transient"), py::arg("row_slot"), py::arg("inverse"),
+        py::arg("offsets"), py::arg("feature_col"), py::arg("batch"), py::arg("dim"),
+        py::arg("grad"), py::arg("out"), py::arg("init") = py::none(),
+        py::arg("error") = py::none());
   m.def("occupied_slots", &c::occupied_slots, "occupied slots of a range");
   m.def("promotion_plan", &c::promotion_plan,
         "a padded batch's promotion into a cache: (cache_slots, plan, rank)");

@@ -147,21 +147,104 @@ Bags bags_of(const at::Tensor& offsets, const at::Tensor& feature_col, int64_t b
               offsets.numel() - 1};
 }
 
+// Whether the module's input check refused this batch (error: its (1,) int64 word).
+bool refused(const c10::optional<at::Tensor>& error) {
+  if (!error.has_value()) return false;
+  check_tensor(*error, at::kLong, "error");
+  TORCH_CHECK(error->numel() == 1, "the error word is one int64");
+  return error->data_ptr<int64_t>()[0] != 0;
+}
+
+// The lookups' reader of unique rows, one per thread, chosen once per call so that
+// the loops carry no branch for the rows they do not have. StoredRows reads each
+// referenced row. ComputedRows (a step counted on the device, which has no
+// transient rows) computes the row of a negative reference, a key whose insert
+// failed, from its table's initializer into the thread's scratch row, as the CUDA
+// kernels' RowReader does; a caller uses a row before it asks for the next.
+struct StoredRows {
+  RowSource src;
+  const float* row(int64_t u) const { return src.row(u); }
+  void prefetch(int64_t u) const { prefetch_row(src.row(u), src.dim); }
+};
+
+struct ComputedRows {
+  RowSource src;
+  const int64_t* keys;  // (U,) the unique keys of the references
+  const int16_t* tids;  // (U,) their table ids
+  PackedInits inits;
+  mutable std::vector<float> scratch;  // (dim,)
+
+  const float* row(int64_t u) const {
+    if (src.row_ref[u] >= 0) return src.row(u);
+    const int64_t t = tids[u], key = keys[u];
+    for (int64_t c = 0; c < src.dim; ++c) {
+      scratch[c] = inits.element(t, key, static_cast<int>(c));
+    }
+    return scratch.data();
+  }
+  void prefetch(int64_t u) const {
+    if (src.row_ref[u] >= 0) prefetch_row(src.row(u), src.dim);
+  }
+};
+
+// Calls body(make_rows), make_rows() giving a thread its reader: ComputedRows over
+// `init` (an InitRows) when it is given, else StoredRows.
+template <class Body>
+void with_rows(const RowSource& src, const c10::optional<InitRowsArg>& init, int64_t num_refs,
+               const Body& body) {
+  if (!init.has_value()) {
+    body([&] { return StoredRows{src}; });
+    return;
+  }
+  const at::Tensor& keys = std::get<0>(*init);
+  const at::Tensor& tids = std::get<1>(*init);
+  const at::Tensor& ints = std::get<0>(std::get<2>(*init));
+  const at::Tensor& floats = std::get<1>(std::get<2>(*init));
+  check_tensor(keys, at::kLong, "init keys");
+  check_tensor(tids, at::kShort, "init table_ids");
+  check_tensor(ints, at::kLong, "init ints");
+  check_tensor(floats, at::kFloat, "init floats");
+  TORCH_CHECK(keys.dim() == 1 && tids.sizes() == keys.sizes(),
+              "init keys and table_ids must be 1-D of one length");
+  TORCH_CHECK(keys.numel() == num_refs, "init keys must have one entry per row reference");
+  TORCH_CHECK(ints.dim() == 2 && ints.size(1) == 3 && floats.dim() == 2 &&
+                  floats.size(0) == ints.size(0) && floats.size(1) == 5,
+              "an InitSpec holds (T, 3) ints and (T, 5) floats");
+  const PackedInits inits{ints.data_ptr<int64_t>(), floats.data_ptr<float>()};
+  const int64_t* k = keys.data_ptr<int64_t>();
+  const int16_t* t = tids.data_ptr<int16_t>();
+  body([&] { return ComputedRows{src, k, t, inits, std::vector<float>(src.dim)}; });
+}
+
 }  // namespace
 
 // What is wrong with an offsets tensor of `num_indices` lookups: 0 nothing,
 // 1 it does not start at 0, 2 it does not end at num_indices, 3 it decreases.
-int64_t check_offsets(const at::Tensor& offsets, int64_t num_indices) {
+// With `error` (the module's (1,) int64 word), the word takes max(word, 4 - code)
+// for a problem (demb_check_offsets: the smallest code wins) and None is returned.
+c10::optional<int64_t> check_offsets(const at::Tensor& offsets, int64_t num_indices,
+                                     const c10::optional<at::Tensor>& error) {
   check_tensor(offsets, at::kLong, "offsets");
   const int64_t* o = offsets.data_ptr<int64_t>();
   const int64_t m = offsets.numel();
   TORCH_CHECK(m >= 1, "offsets must have at least one entry");
-  if (o[0] != 0) return 1;
-  if (o[m - 1] != num_indices) return 2;
-  int64_t decreasing = 0;
+  refused(error);  // checks the word
+  int64_t code = 0;
+  if (o[0] != 0) {
+    code = 1;
+  } else if (o[m - 1] != num_indices) {
+    code = 2;
+  } else {
+    int64_t decreasing = 0;
 #pragma omp parallel for schedule(static) reduction(| : decreasing) if (m >= kParallelMinWork * 16)
-  for (int64_t i = 1; i < m; ++i) decreasing |= o[i] < o[i - 1];
-  return decreasing ? 3 : 0;
+    for (int64_t i = 1; i < m; ++i) decreasing |= o[i] < o[i - 1];
+    code = decreasing ? 3 : 0;
+  }
+  if (!error.has_value()) return code;
+  // atomicMax of the unsigned word in the kernel
+  uint64_t* word = reinterpret_cast<uint64_t*>(error->data_ptr<int64_t>());
+  if (code) *word = std::max(*word, static_cast<uint64_t>(4 - code));
+  return c10::nullopt;
 }
 
 namespace {
@@ -269,7 +352,7 @@ void init_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& keys,
 
 // The full rows [initializer (dim) | state_value] of the keys an inserting call
 // just stored (status kInserted or kEvictedAndInserted), at values[slots[i]], as
-// demb_init_new_rows (new_row_element of init_primitives.h); the others are left
+// demb_init_new_rows (PackedInits::new_row_element); the others are left
 // alone. spec: init_ints (T, 3) int64 and init_floats (T, 5) float32 (InitSpec).
 void init_new_rows(at::Tensor& values, const at::Tensor& slots, const at::Tensor& status,
                    const at::Tensor& keys, const at::Tensor& tids, int64_t dim,
@@ -302,37 +385,26 @@ void init_new_rows(at::Tensor& values, const at::Tensor& slots, const at::Tensor
 #pragma omp parallel for schedule(static) if (n * width >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) {
     if (st[i] != kInserted && st[i] != kEvictedAndInserted) continue;
-    const InitParams p = init_params_of(ints, floats, t[i]);
+    const PackedInits inits{ints, floats};
     float* row = v + s[i] * width;
     for (int64_t c = 0; c < width; ++c) {
-      row[c] = new_row_element(p, ints[3 * t[i]], k[i], c, dim, state);
+      row[c] = inits.new_row_element(t[i], k[i], c, dim, state);
     }
   }
 }
 
-// Pooled lookup: out[b, col_f : col_f + dim] = sum (or mean) over bag (f, b).
-// Writes every column of its features (zeros for empty bags). Bags of a feature
-// are split among threads by sample; rows are prefetched kPrefetchAhead lookups
-// ahead (the gather is latency-bound). Outputs of kStreamMinBytes or more are
-// written with streaming stores (each bag summed in a thread-local row first).
-void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
-                    const at::Tensor& row_slot, const at::Tensor& inverse,
-                    const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
-                    const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
-                    at::Tensor& out) {
-  const RowSource src = row_source(tiers, transient, row_slot, dim);
-  const Bags bags = bags_of(offsets, feature_col, batch);
-  check_tensor(inverse, at::kLong, "inverse");
-  check_tensor(out, at::kFloat, "out");
-  const int64_t* inv = inverse.data_ptr<int64_t>();
-  const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
-  float* o = out.data_ptr<float>();
-  const int64_t out_width = out.size(1);
-  const int64_t num_features = feature_col.numel();
-  const bool stream = out.nbytes() >= kStreamMinBytes;
+namespace {
+
+// The bags of pooled_forward, with rows read through make_rows()'s readers.
+template <class MakeRows>
+void pool_bags(const Bags& bags, int64_t num_features, const int64_t* inv, const float* w,
+               int64_t dim, bool mean, float* o, int64_t out_width, bool stream,
+               const MakeRows& make_rows) {
 #pragma omp parallel if (bags.num_bags >= kParallelMinWork / 16)
   {
+    const auto rows = make_rows();
     std::vector<float> local(stream ? dim : 0);
+    const int64_t batch = bags.batch;
     for (int64_t f = 0; f < num_features; ++f) {
       const int64_t col = bags.feature_col[f];
       if (col < 0) continue;
@@ -342,10 +414,10 @@ void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tran
       for (int64_t b = 0; b < batch; ++b) {
         float* dst = o + b * out_width + col;
         const int64_t begin = off[b], end = off[b + 1];
-        const auto row_at = [&](int64_t j) { return src.row(inv[j]); };
+        const auto row_at = [&](int64_t j) { return rows.row(inv[j]); };
         const auto before = [&](int64_t j) DEMB_PREFETCH_HOOK {
           const int64_t jp = j + kPrefetchAhead;
-          if (jp < ahead_end && inv[jp] >= 0) prefetch_row(src.row(inv[jp]), dim);
+          if (jp < ahead_end && inv[jp] >= 0) rows.prefetch(inv[jp]);
         };
         if (stream && end - begin == 1 && !w && !mean) {
           before(begin);  // a lone unweighted row goes straight from the table
@@ -362,34 +434,82 @@ void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tran
   }
 }
 
+}  // namespace
+
+// Pooled lookup: out[b, col_f : col_f + dim] = sum (or mean) over bag (f, b).
+// Writes every column of its features (zeros for empty bags). Bags of a feature
+// are split among threads by sample; rows are prefetched kPrefetchAhead lookups
+// ahead (the gather is latency-bound). Outputs of kStreamMinBytes or more are
+// written with streaming stores (each bag summed in a thread-local row first).
+// `init`: negative references read their initializer's row (ComputedRows). A
+// batch the input check refused (`error` set) pools to zeros, its offsets unread.
+void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
+                    const at::Tensor& row_slot, const at::Tensor& inverse,
+                    const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
+                    const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
+                    at::Tensor& out, const c10::optional<InitRowsArg>& init,
+                    const c10::optional<at::Tensor>& error) {
+  const RowSource src = row_source(tiers, transient, row_slot, dim);
+  const Bags bags = bags_of(offsets, feature_col, batch);
+  check_tensor(inverse, at::kLong, "inverse");
+  check_tensor(out, at::kFloat, "out");
+  float* o = out.data_ptr<float>();
+  const int64_t out_width = out.size(1);
+  if (refused(error)) {
+    for (int64_t f = 0; f < feature_col.numel(); ++f) {
+      const int64_t col = bags.feature_col[f];
+      for (int64_t b = 0; col >= 0 && b < batch; ++b) {
+        std::fill(o + b * out_width + col, o + b * out_width + col + dim, 0.f);
+      }
+    }
+    return;
+  }
+  const int64_t* inv = inverse.data_ptr<int64_t>();
+  const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
+  const bool stream = out.nbytes() >= kStreamMinBytes;
+  with_rows(src, init, row_slot.numel(), [&](const auto& make_rows) {
+    pool_bags(bags, feature_col.numel(), inv, w, dim, mean, o, out_width, stream, make_rows);
+  });
+}
+
 // Sequence lookup: out[j] = row of lookup j, for lookups whose inverse is >= 0.
-// Streaming stores from kStreamMinBytes of output, as in pooled_forward.
+// Streaming stores from kStreamMinBytes of output, as in pooled_forward. `init`
+// and `error` as in pooled_forward (a refused batch's out (N, dim) is zeros).
 void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
                       const at::Tensor& row_slot, const at::Tensor& inverse, int64_t dim,
-                      at::Tensor& out) {
+                      at::Tensor& out, const c10::optional<InitRowsArg>& init,
+                      const c10::optional<at::Tensor>& error) {
   const RowSource src = row_source(tiers, transient, row_slot, dim);
   check_tensor(inverse, at::kLong, "inverse");
   check_tensor(out, at::kFloat, "out");
   const int64_t* inv = inverse.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
   const int64_t n = inverse.numel();
-  const bool stream = out.nbytes() >= kStreamMinBytes;
-#pragma omp parallel if (n >= kParallelMinWork)
-  {
-#pragma omp for schedule(static) nowait
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t jp = j + kPrefetchAhead;
-      if (jp < n && inv[jp] >= 0) prefetch_row(src.row(inv[jp]), dim);
-      if (inv[j] < 0) continue;
-      const float* row = src.row(inv[j]);
-      if (stream) {
-        stream_copy(o + j * dim, row, dim);
-      } else {
-        std::copy(row, row + dim, o + j * dim);
-      }
-    }
-    if (stream) store_fence();
+  TORCH_CHECK(out.numel() >= n * dim, "out must be (N, dim)");
+  if (refused(error)) {
+    std::fill(o, o + n * dim, 0.f);
+    return;
   }
+  const bool stream = out.nbytes() >= kStreamMinBytes;
+  with_rows(src, init, row_slot.numel(), [&](const auto& make_rows) {
+#pragma omp parallel if (n >= kParallelMinWork)
+    {
+      const auto rows = make_rows();
+#pragma omp for schedule(static) nowait
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t jp = j + kPrefetchAhead;
+        if (jp < n && inv[jp] >= 0) rows.prefetch(inv[jp]);
+        if (inv[j] < 0) continue;
+        const float* row = rows.row(inv[j]);
+        if (stream) {
+          stream_copy(o + j * dim, row, dim);
+        } else {
+          std::copy(row, row + dim, o + j * dim);
+        }
+      }
+      if (stream) store_fence();
+    }
+  });
 }
 
 namespace {
@@ -516,15 +636,31 @@ struct GradRuns {
   }
 };
 
+// The update's parameters. With `schedule` (a DeviceSchedule) the learning rate
+// and step count are read from its tensors, the step advanced first when it says
+// so, and the step's scalars computed from them as demb_fused_update does
+// (schedule_step); the caller has checked that the batch was not refused.
 OptimizerParams update_params(int64_t kind, double lr, double eps, double beta1, double beta2,
                               double weight_decay, double step_size,
-                              double bias_correction2_sqrt, double decay_scale) {
-  return optimizer_params(
+                              double bias_correction2_sqrt, double decay_scale,
+                              const c10::optional<ScheduleArg>& schedule) {
+  OptimizerParams p = optimizer_params(
       static_cast<int32_t>(kind), static_cast<float>(lr), static_cast<float>(eps),
       static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(weight_decay),
       static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2),
       static_cast<float>(step_size), static_cast<float>(bias_correction2_sqrt),
       static_cast<float>(decay_scale));
+  if (!schedule.has_value()) return p;
+  const at::Tensor& lr_at = std::get<0>(*schedule);
+  const at::Tensor& step_at = std::get<1>(*schedule);
+  check_tensor(lr_at, at::kDouble, "lr");
+  check_tensor(step_at, at::kLong, "step");
+  TORCH_CHECK(lr_at.numel() == 1 && step_at.numel() == 1, "lr and step are (1,) each");
+  int64_t* step = step_at.data_ptr<int64_t>();
+  if (std::get<2>(*schedule)) ++*step;  // demb_place_grads' advance
+  schedule_step(p, lr_at.data_ptr<double>()[0], *step, std::get<3>(*schedule),
+                std::get<4>(*schedule), std::get<5>(*schedule));
+  return p;
 }
 
 }  // namespace
@@ -535,13 +671,16 @@ OptimizerParams update_params(int64_t kind, double lr, double eps, double beta1,
 // by unique row (group_by_unique, computed by the dedup in the forward). Returns how
 // many rows' sums hold NaN or inf: a non-finite gradient value reaches the sum of
 // every row that reads it, so a caller that updates no row when this is non-zero
-// refuses such a batch without a separate pass over the gradient.
+// refuses such a batch without a separate pass over the gradient. A batch the input
+// check refused (`error` set) writes nothing and returns 0.
 int64_t sum_gradients(const at::Tensor& starts, const at::Tensor& rank,
                       const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                       const at::Tensor& feature_col, int64_t batch, bool mean,
-                      const at::Tensor& grad, at::Tensor& sums) {
+                      const at::Tensor& grad, at::Tensor& sums,
+                      const c10::optional<at::Tensor>& error) {
   check_tensor(sums, at::kFloat, "sums");
   TORCH_CHECK(sums.dim() == 2, "sums must be (>= unique rows, dim)");
+  if (refused(error)) return 0;  // nothing to sum: its offsets are not read
   const GradRuns runs(starts, rank, offsets, weights, feature_col, batch, mean, grad,
                       sums.size(1));
   TORCH_CHECK(sums.size(0) >= runs.num_unique, "sums must be (>= unique rows, dim)");
@@ -559,13 +698,18 @@ int64_t sum_gradients(const at::Tensor& starts, const at::Tensor& rank,
 
 // The checked-batch backward's second pass: the optimizer's update of every stored
 // unique row (device tier or host store) from its summed gradient, row u of `sums`
-// (sum_gradients). Rows not stored (transient) are skipped.
+// (sum_gradients). Rows not stored (transient) are skipped. `schedule`: the
+// scalars from device memory (update_params); a refused batch (`error` set)
+// updates nothing and leaves the schedule's step as it is.
 void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
                  const at::Tensor& sums, int64_t kind, double lr, double eps, double beta1,
                  double beta2, double weight_decay, double step_size,
-                 double bias_correction2_sqrt, double decay_scale) {
+                 double bias_correction2_sqrt, double decay_scale,
+                 const c10::optional<at::Tensor>& error,
+                 const c10::optional<ScheduleArg>& schedule) {
   check_tensor(sums, at::kFloat, "sums");
   TORCH_CHECK(sums.dim() == 2, "sums must be (>= unique rows, dim)");
+  if (refused(error)) return;
   const int64_t dim = sums.size(1);
   const at::Tensor no_transient = at::empty({0, dim}, tiers[0].options());
   const RowSource src = row_source(tiers, no_transient, row_slot, dim);
@@ -575,7 +719,7 @@ void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slo
   const int64_t state_floats = optimizer_state_dim(static_cast<int>(kind), dim);
   TORCH_CHECK(src.width >= dim + state_floats, "value rows too narrow for the optimizer state");
   const OptimizerParams p = update_params(kind, lr, eps, beta1, beta2, weight_decay, step_size,
-                                          bias_correction2_sqrt, decay_scale);
+                                          bias_correction2_sqrt, decay_scale, schedule);
   const float* acc = sums.data_ptr<float>();
 #pragma omp parallel for schedule(dynamic, 64) if (num_unique * dim >= kParallelMinWork)
   for (int64_t u = 0; u < num_unique; ++u) {
@@ -593,7 +737,9 @@ void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slo
 // is finite, the optimizer's update of the stored row (update_rows'), so its
 // results are those of the two passes bit for bit. A row whose sum holds NaN or
 // inf keeps its value and state; transient rows are summed (checked), not updated.
-// Returns how many rows had a non-finite sum.
+// `error` and `schedule` as in update_rows (the step advances even when some rows
+// are not finite, as the host's count does). Returns how many rows had a
+// non-finite sum (0 for a refused batch).
 int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
                             const at::Tensor& starts, const at::Tensor& rank,
                             const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
@@ -601,7 +747,9 @@ int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tens
                             const at::Tensor& grad, int64_t dim, int64_t kind, double lr,
                             double eps, double beta1, double beta2, double weight_decay,
                             double step_size, double bias_correction2_sqrt,
-                            double decay_scale) {
+                            double decay_scale, const c10::optional<at::Tensor>& error,
+                            const c10::optional<ScheduleArg>& schedule) {
+  if (refused(error)) return 0;  // its offsets are not read, the step not counted
   const GradRuns runs(starts, rank, offsets, weights, feature_col, batch, mean, grad, dim);
   const at::Tensor no_transient = at::empty({0, dim}, tiers[0].options());
   const RowSource src = row_source(tiers, no_transient, row_slot, dim);
@@ -611,7 +759,7 @@ int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tens
   const int64_t state_floats = optimizer_state_dim(static_cast<int>(kind), dim);
   TORCH_CHECK(src.width >= dim + state_floats, "value rows too narrow for the optimizer state");
   const OptimizerParams p = update_params(kind, lr, eps, beta1, beta2, weight_decay, step_size,
-                                          bias_correction2_sqrt, decay_scale);
+                                          bias_correction2_sqrt, decay_scale, schedule);
   int64_t non_finite = 0;
 #pragma omp parallel if (num_unique * dim >= kParallelMinWork) reduction(+ : non_finite)
   {
@@ -635,34 +783,44 @@ int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tens
 
 // Gradient of per-sample weights (SUM pooling): out[j] = <grad of bag(j) in its
 // feature's columns, row of lookup j>, for lookups of this group (inverse >= 0).
-// Runs before the optimizer so it sees the rows the forward used.
+// Runs before the optimizer so it sees the rows the forward used. `init` as in
+// pooled_forward; a refused batch (`error` set) writes nothing.
 void per_sample_weight_grad(const std::vector<at::Tensor>& tiers,
-                            const at::Tensor& transient, const at::Tensor& row_slot, const at::Tensor& inverse,
-                            const at::Tensor& offsets, const at::Tensor& feature_col,
-                            int64_t batch, int64_t dim, const at::Tensor& grad,
-                            at::Tensor& out) {
+                            const at::Tensor& transient, const at::Tensor& row_slot,
+                            const at::Tensor& inverse, const at::Tensor& offsets,
+                            const at::Tensor& feature_col, int64_t batch, int64_t dim,
+                            const at::Tensor& grad, at::Tensor& out,
+                            const c10::optional<InitRowsArg>& init,
+                            const c10::optional<at::Tensor>& error) {
   const RowSource src = row_source(tiers, transient, row_slot, dim);
   const Bags bags = bags_of(offsets, feature_col, batch);
   check_tensor(inverse, at::kLong, "inverse");
   check_tensor(grad, at::kFloat, "grad");
   check_tensor(out, at::kFloat, "out");
+  if (refused(error)) return;
   const int64_t* inv = inverse.data_ptr<int64_t>();
   const float* g = grad.data_ptr<float>();
   const int64_t grad_width = grad.size(1);
   float* o = out.data_ptr<float>();
-#pragma omp parallel for schedule(static) if (bags.num_bags >= kParallelMinWork / 16)
-  for (int64_t k = 0; k < bags.num_bags; ++k) {
-    const int64_t col = bags.feature_col[k / batch];
-    if (col < 0) continue;
-    const float* gk = g + (k % batch) * grad_width + col;
-    for (int64_t j = bags.offsets[k]; j < bags.offsets[k + 1]; ++j) {
-      if (inv[j] < 0) continue;
-      const float* row = src.row(inv[j]);
-      float dot = 0.f;
-      for (int64_t c = 0; c < dim; ++c) dot += gk[c] * row[c];
-      o[j] = dot;
+  with_rows(src, init, row_slot.numel(), [&](const auto& make_rows) {
+#pragma omp parallel if (bags.num_bags >= kParallelMinWork / 16)
+    {
+      const auto rows = make_rows();
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < bags.num_bags; ++k) {
+        const int64_t col = bags.feature_col[k / batch];
+        if (col < 0) continue;
+        const float* gk = g + (k % batch) * grad_width + col;
+        for (int64_t j = bags.offsets[k]; j < bags.offsets[k + 1]; ++j) {
+          if (inv[j] < 0) continue;
+          const float* row = rows.row(inv[j]);
+          float dot = 0.f;
+          for (int64_t c = 0; c < dim; ++c) dot += gk[c] * row[c];
+          o[j] = dot;
+        }
+      }
     }
-  }
+  });
 }
 
 }  // namespace cpu

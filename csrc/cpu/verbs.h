@@ -116,9 +116,23 @@ void promote_rows(const std::vector<at::Tensor>& host_meta, int64_t host_bc,
                   const at::Tensor& ev_tids, at::Tensor& refs);
 
 // ---- the embedding module (embedding.cpp)
+//
+// The keyword arguments of a step counted on the device, as the CUDA kernels take
+// them: `error`, the module's (1,) int64 error word (set: the batch was refused,
+// nothing is read or updated; the outputs are written as the kernels write them);
+// `init`, an InitRows; `schedule`, a DeviceSchedule (dynamicemb/ops/records.py).
 
-// 0, or the first problem of an offsets tensor of num_indices lookups.
-int64_t check_offsets(const at::Tensor& offsets, int64_t num_indices);
+// InitRows: (keys (U,) int64, table_ids (U,) int16, InitSpec (ints (T, 3) int64,
+// floats (T, 5) float32)); a negative row reference reads its initializer's row.
+using InitRowsArg = std::tuple<at::Tensor, at::Tensor, std::tuple<at::Tensor, at::Tensor>>;
+// DeviceSchedule: (lr (1,) float64, step (1,) int64, advance, beta1, beta2,
+// decoupled_decay).
+using ScheduleArg = std::tuple<at::Tensor, at::Tensor, bool, double, double, double>;
+
+// 0, or the first problem of an offsets tensor of num_indices lookups; with
+// `error`, the problem recorded in the word and None returned.
+c10::optional<int64_t> check_offsets(const at::Tensor& offsets, int64_t num_indices,
+                                     const c10::optional<at::Tensor>& error);
 // Unique (table, key) pairs in first-occurrence order. Returns (unique_keys,
 // unique_tids, inverse, counts, starts, rank); starts and rank empty unless group.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(
@@ -146,22 +160,27 @@ void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tran
                     const at::Tensor& row_slot, const at::Tensor& inverse,
                     const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                     const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
-                    at::Tensor& out);
+                    at::Tensor& out, const c10::optional<InitRowsArg>& init,
+                    const c10::optional<at::Tensor>& error);
 // Sequence lookup: out (N, dim) row j = row of lookup j.
 void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
                       const at::Tensor& row_slot, const at::Tensor& inverse, int64_t dim,
-                      at::Tensor& out);
+                      at::Tensor& out, const c10::optional<InitRowsArg>& init,
+                      const c10::optional<at::Tensor>& error);
 // The backward, checked per batch, in two passes: each unique row's gradient
 // summed into sums (U, dim), returning how many sums hold NaN or inf; then the
 // optimizer's update of every stored row from its sum.
 int64_t sum_gradients(const at::Tensor& starts, const at::Tensor& rank,
                       const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                       const at::Tensor& feature_col, int64_t batch, bool mean,
-                      const at::Tensor& grad, at::Tensor& sums);
+                      const at::Tensor& grad, at::Tensor& sums,
+                      const c10::optional<at::Tensor>& error);
 void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
                  const at::Tensor& sums, int64_t kind, double lr, double eps, double beta1,
                  double beta2, double weight_decay, double step_size,
-                 double bias_correction2_sqrt, double decay_scale);
+                 double bias_correction2_sqrt, double decay_scale,
+                 const c10::optional<at::Tensor>& error,
+                 const c10::optional<ScheduleArg>& schedule);
 // The backward, checked per row, in one pass: each unique row's gradient summed
 // and, when finite, applied to its stored row; returns how many rows were not.
 int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
@@ -171,13 +190,16 @@ int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tens
                             const at::Tensor& grad, int64_t dim, int64_t kind, double lr,
                             double eps, double beta1, double beta2, double weight_decay,
                             double step_size, double bias_correction2_sqrt,
-                            double decay_scale);
+                            double decay_scale, const c10::optional<at::Tensor>& error,
+                            const c10::optional<ScheduleArg>& schedule);
 // Gradient of per-sample weights (SUM pooling): out (N,).
 void per_sample_weight_grad(const std::vector<at::Tensor>& tiers,
                             const at::Tensor& transient, const at::Tensor& row_slot,
                             const at::Tensor& inverse, const at::Tensor& offsets,
                             const at::Tensor& feature_col, int64_t batch, int64_t dim,
-                            const at::Tensor& grad, at::Tensor& out);
+                            const at::Tensor& grad, at::Tensor& out,
+                            const c10::optional<InitRowsArg>& init,
+                            const c10::optional<at::Tensor>& error);
 
 }  // namespace cpu
 }  // namespace dynamicemb

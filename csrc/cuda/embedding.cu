@@ -46,9 +46,8 @@ struct RowReader {
   __device__ __forceinline__ float at(int64_t u, int64_t c) const {
     const int64_t r = row_ref[u];
     if (r < 0 && init_ints != nullptr) {
-      const int64_t t = init_tids[u];
-      return init_element(init_params_of(init_ints, init_floats, t), init_ints[3 * t],
-                          init_keys[u], static_cast<int>(c));
+      return PackedInits{init_ints, init_floats}.element(init_tids[u], init_keys[u],
+                                                         static_cast<int>(c));
     }
     return row_of(r, device_rows, host_rows, width, transient, dim)[c];
   }
@@ -108,9 +107,8 @@ extern "C" __global__ void demb_init_new_rows(float* values, int64_t width, cons
   const int64_t i = e / width;
   if (status[i] != kInserted && status[i] != kEvictedAndInserted) return;
   const int64_t c = e - i * width;
-  const int64_t t = tids[i];
-  values[slots[i] * width + c] = new_row_element(init_params_of(init_ints, init_floats, t),
-                                                 init_ints[3 * t], keys[i], c, dim, state_value);
+  values[slots[i] * width + c] =
+      PackedInits{init_ints, init_floats}.new_row_element(tids[i], keys[i], c, dim, state_value);
 }
 
 // Pooled lookup, one warp per bag k = f * batch + b: out[b, col(f) + c] = the

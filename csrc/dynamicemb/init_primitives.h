@@ -74,20 +74,31 @@ DEMB_HD float init_element(const InitParams& p, int64_t table, int64_t key, int 
   }
 }
 
-// Table t's initializer from a packed InitSpec (dynamicemb/ops/records.py): ints
-// (T, 3) stream, mode, seed; floats (T, 5) mean, std_dev, lower, upper, value.
-DEMB_HD InitParams init_params_of(const int64_t* ints, const float* floats, int64_t t) {
-  return InitParams{static_cast<int32_t>(ints[3 * t + 1]), floats[5 * t], floats[5 * t + 1],
-                    floats[5 * t + 2], floats[5 * t + 3], floats[5 * t + 4],
-                    static_cast<uint64_t>(ints[3 * t + 2])};
-}
+// The initializers of a group's tables packed for the kernels (InitSpec,
+// dynamicemb/ops/records.py): ints (T, 3) int64 (stream, mode, seed) and
+// floats (T, 5) float32 (mean, std_dev, lower, upper, value).
+struct PackedInits {
+  const int64_t* ints;
+  const float* floats;
 
-// Column c of a new stored row [embedding (dim) | optimizer state] of `key`, in
-// the table whose initializer is p and stream `stream`: the initializer's value,
-// then state_value for every optimizer state column.
-DEMB_HD float new_row_element(const InitParams& p, int64_t stream, int64_t key, int64_t c,
-                              int64_t dim, float state_value) {
-  return c < dim ? init_element(p, stream, key, static_cast<int>(c)) : state_value;
-}
+  // Table t's initializer.
+  DEMB_HD InitParams params(int64_t t) const {
+    return InitParams{static_cast<int32_t>(ints[3 * t + 1]), floats[5 * t], floats[5 * t + 1],
+                      floats[5 * t + 2], floats[5 * t + 3], floats[5 * t + 4],
+                      static_cast<uint64_t>(ints[3 * t + 2])};
+  }
+
+  // Element `col` of the initial row of `key` in table t (its stream: ints[3 t]).
+  DEMB_HD float element(int64_t t, int64_t key, int col) const {
+    return init_element(params(t), ints[3 * t], key, col);
+  }
+
+  // Column c of a new stored row [embedding (dim) | optimizer state] of `key` in
+  // table t: the initializer's value, then state_value for every state column.
+  DEMB_HD float new_row_element(int64_t t, int64_t key, int64_t c, int64_t dim,
+                                float state_value) const {
+    return c < dim ? element(t, key, static_cast<int>(c)) : state_value;
+  }
+};
 
 }  // namespace dynamicemb

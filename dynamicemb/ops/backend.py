@@ -272,13 +272,16 @@ class Backend(abc.ABC):
     def sum_gradients(self, *, starts: torch.Tensor, rank: torch.Tensor,
                       offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
                       feature_col: torch.Tensor, batch: int, mean: bool,
-                      grad: torch.Tensor, out: torch.Tensor) -> int:
+                      grad: torch.Tensor, out: torch.Tensor,
+                      error: Optional[torch.Tensor] = None) -> int:
         """The backward's first half, where ``free_host_reads``: out[u] = the summed
         gradient of unique row u (U = starts.numel() - 1; the grouping of
         ``fused_backward``), for every unique row.
 
         Args:
             out (Tensor): (>= U, dim) float32, written.
+            error (Tensor): the module's (1,) int64 error word, or None; set: the
+                batch was refused, nothing is written and 0 is returned.
 
         Returns:
             How many rows' sums hold NaN or inf. A non-finite value of ``grad`` (or

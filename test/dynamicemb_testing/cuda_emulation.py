@@ -426,8 +426,8 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
 
     def run_per_sample_weight_grad(self, a):
         r = _ROW_ARGS
-        if self._refused(self._t(a[r + 8])):
-            return
+        if self._refused(self._t(a[r + 8])) or self._t(a[r + 7]) is None:
+            return  # refused, or bags without lookups: nothing to write
         tiers, transient, dim, row_ref = self._rows(a)
         self._cpu.per_sample_weight_grad(tiers, transient, row_ref, self._ids(a[r]),
                                          self._t(a[r + 1]), self._t(a[r + 2]), int(a[r + 3]),
