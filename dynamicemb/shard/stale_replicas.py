@@ -116,6 +116,7 @@ class StaleCopies:
         self.dim = dim
         self._tables = _tables_of(lookup)
         _check_optimizers(self._tables, [t.name for t in replicas.tables], self.staleness)
+        self._traffic = [0, 0, 0]  # what take_traffic reports
         self.drop()
 
     def drop(self) -> None:
@@ -124,7 +125,6 @@ class StaleCopies:
         self.rows: Optional[torch.Tensor] = None  # (S, dim) leaf; None: pull first
         self.counts = torch.zeros(self.replicas.num_slots, dtype=torch.int64)
         self.steps = 0  # training lookups since the last sync, the same on every rank
-        self._traffic = [0, 0, 0]
 
     def take_traffic(self) -> Tuple[int, int, int]:
         """(counts all-reduced, rows pulled, gradient rows pushed) since the last call
@@ -175,17 +175,15 @@ class StaleCopies:
         if counts.numel():
             dist.all_reduce(counts, group=pg)
         active = torch.nonzero(counts > 0).flatten()  # (A,) the same on every rank
-        traffic = self._traffic
-        traffic[0] += counts.numel()
+        self._traffic[0] += counts.numel()
         if active.numel():
             grad = None if self.rows is None else self.rows.grad
             grads = (torch.zeros(active.numel(), self.dim) if grad is None else grad[active])
             total = self._push(grads, replicas.owners[active])
             owned = active[replicas.owners[active] == replicas.rank]
             self._apply_owned(owned, counts[owned], total)
-            traffic[2] += active.numel()
+            self._traffic[2] += active.numel()
         self.drop()
-        self._traffic = traffic
 
     def _push(self, grads: torch.Tensor, owners: torch.Tensor) -> torch.Tensor:
         """Sends each rank's gradients (A, dim) of the active ids to their owners

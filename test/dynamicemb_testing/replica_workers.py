@@ -6,7 +6,7 @@ train on the same per-rank batches of power-law ids (hot ids on every rank); the
 outputs and trained rows are compared at every step and at the end.
 """
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -80,11 +80,12 @@ class EbcModel(nn.Module):
 
 
 def build(world_size: int, fused: Dict, with_replicas: bool, dedup: bool = True,
-          collection: str = "ec", staleness: int = 0, tables: Optional[Dict] = None
-          ) -> DistributedModelParallel:
+          collection: str = "ec", staleness: Union[int, Dict[str, int]] = 0,
+          tables: Optional[Dict] = None) -> DistributedModelParallel:
     """The model (an EC, or an EBC with one MEAN table) on ``world_size`` ranks, with
     the tables' replicas or none (the static table's TorchRec init drawn from one seed);
-    ``staleness``: their ``replica_staleness``; ``tables``: other tables than
+    ``staleness``: their ``replica_staleness`` (one, or per table name, default 0);
+    ``tables``: other tables than
     ``tables_for``'s (same form as ``TABLES``)."""
     torch.manual_seed(0)
     tables = tables_for(fused, collection) if tables is None else tables
@@ -108,8 +109,9 @@ def build(world_size: int, fused: Dict, with_replicas: bool, dedup: bool = True,
                                           world_size=world_size, device_type="cpu")
     for n, (rows, _, st, replicas) in tables.items():
         if st is not None:
+            stale = staleness.get(n, 0) if isinstance(staleness, dict) else staleness
             plan[n] = to_dynamic_sharding(plan[n], _options(n, rows, replicas if with_replicas else 0,
-                                                            staleness))
+                                                            stale))
     return DistributedModelParallel(model, plan=ShardingPlan({collection: plan}), sharders=[sharder],
                                     device=CPU)
 

@@ -176,6 +176,8 @@ def stale_sgd_matches_window_reference(rank: int, world_size: int, staleness: in
             torch.testing.assert_close(got[f].double(), v, **TOLERANCE, msg=f"step {step} feature {f}")
         counters = sharded.id_counters
         assert counters.replicated > 0, step
+        if step == REFRESH_AT:  # the refresh pushed the window's gradients first
+            assert counters.replica_grads > 0 and counters.replica_rows > 0, step
         if counters.replica_rows == 0:  # a step without a sync crosses nothing for replicas
             assert counters.replica_slots == 0 and counters.replica_grads == 0, step
             quiet_steps += 1
@@ -247,22 +249,9 @@ def stale_refusals(rank: int, world_size: int) -> None:
     mixed = dict(TABLES)
     mixed["s_fresh"] = (16384, ["e"], "row_wise", 4)
     try:
-        _build_mixed(world_size, mixed)
+        build(world_size, OPTIMIZERS["sgd"], True, staleness={"s_hot": 2, "s_frac": 2},
+              tables=mixed)
     except ValueError as err:
         assert "share replica_staleness" in str(err), str(err)
     else:
         raise AssertionError("a sharding with two stalenesses was built")
-
-
-def _build_mixed(world_size: int, tables: Dict) -> None:
-    """``build`` with ``s_fresh`` at staleness 0 and the others at 2."""
-    import dynamicemb_testing.replica_workers as workers  # noqa: PLC0415
-
-    options = workers._options
-    try:
-        workers._options = lambda n, rows, replicas, staleness=0: options(
-            n, rows, replicas, 0 if n == "s_fresh" else staleness)
-        build(world_size, OPTIMIZERS["sgd"], True, staleness=2, tables=tables)
-    finally:
-        workers._options = options
-
