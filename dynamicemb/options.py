@@ -405,8 +405,17 @@ class DynamicEmbTableOptions:
             float in (0, 1) (that fraction of the rows the table stores, all ranks
             together). The ids are chosen from the owners' scores by
             ``dynamicemb.shard.refresh_replicas`` (a collective) or given to it.
-            Replicas are synchronous (staleness 0): trained rows equal those of
-            training without replicas (bit for bit with dedup). 0 (default): none.
+            At ``replica_staleness`` 0 replicas are synchronous: trained rows equal
+            those of training without replicas (bit for bit with dedup). 0
+            (default): none.
+        replica_staleness: how many training steps a replica may lag its owner
+            (HET-GMP's ``--bound``; needs ``replicas`` > 0): an int >= 0. 0
+            (default): synchronous. s > 0: every rank keeps copies of the
+            replicated rows and accumulates their gradients; every s steps the
+            owners apply the accumulated gradients (one optimizer call) and the
+            copies are pulled again (``dynamicemb.shard.stale_replicas``). The
+            optimizer must be SGD, Adagrad or row-wise Adagrad without weight
+            decay (checked when the table is sharded); no ``admit_strategy``.
         device_id: upstream's CUDA device index of the table, accepted for its
             scripts: the module's ``device`` places the rows, as upstream's module
             places them on its own device whatever this says.
@@ -437,6 +446,7 @@ class DynamicEmbTableOptions:
     local_host_for_values: Optional[int] = None
     placement: Optional[str] = None
     replicas: Union[int, float] = 0
+    replica_staleness: int = 0
     device_id: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -481,6 +491,17 @@ class DynamicEmbTableOptions:
                              f"got {replicas} (give a count as an int)")
         if replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {replicas}")
+        staleness = self.replica_staleness
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"replica_staleness must be an int >= 0 (steps a replica may lag "
+                             f"its owner), got {staleness!r}")
+        if staleness and not replicas:
+            raise ValueError(f"replica_staleness={staleness} needs replicas > 0 (it bounds how "
+                             f"stale the replicas are); set replicas or replica_staleness=0")
+        if staleness and self.admit_strategy is not None:
+            raise ValueError("replica_staleness > 0 with an admit_strategy: a replica's copy of "
+                             "an id its owner has not stored is the initializer's row, which "
+                             "admission may refuse to store; use replica_staleness=0")
 
     def _check_budgets(self) -> None:
         for name in ("local_hbm_for_values", "global_hbm_for_values"):

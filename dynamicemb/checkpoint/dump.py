@@ -11,7 +11,7 @@ from dynamicemb.checkpoint._progress import Progress
 from dynamicemb.checkpoint.format import (FIELD_DTYPES, CheckpointError, FieldWriter, Manifest,
                                           ShardEntry, TableEntry, field_file_name, jsonable)
 from dynamicemb.checkpoint.layout import MANIFEST, begin_version, commit_version, discard
-from dynamicemb.checkpoint.tables import LocalTable, local_tables, table_name_list
+from dynamicemb.checkpoint.tables import LocalTable, local_tables, pending_updates, table_name_list
 from dynamicemb.placement import placement_record
 
 __all__ = ["DynamicEmbDump"]
@@ -61,6 +61,8 @@ def DynamicEmbDump(  # noqa: N802 (upstream dynamicemb's name)
         DynamicEmbDump("/ckpt/dynamic", model, allow_overwrite=True)
     """
     table_names = table_name_list(table_names)
+    for pending in pending_updates(model):  # owner rows only, with nothing pending
+        pending.flush_pending()
     group = Collective(pg)
     tables, error = {}, None
     try:

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dynamicemb.checkpoint._collective import Collective
-from dynamicemb.checkpoint.tables import local_tables
+from dynamicemb.checkpoint.tables import local_tables, pending_updates
 
 __all__ = ["incremental_dump"]
 
@@ -43,6 +43,8 @@ def incremental_dump(
         ...train...
         fresh, threshold = incremental_dump(model, threshold)  # rows touched since
     """
+    for pending in pending_updates(model):  # owner rows only, with nothing pending
+        pending.flush_pending()
     group = Collective(pg)
     tables = local_tables(model)
     if not isinstance(score_threshold, Mapping):

@@ -11,7 +11,7 @@ from dynamicemb.checkpoint._progress import Progress
 from dynamicemb.checkpoint.format import (CheckpointError, FieldReader, Manifest, ShardEntry,
                                           TableEntry, verify_file)
 from dynamicemb.checkpoint.layout import MANIFEST, current_version
-from dynamicemb.checkpoint.tables import LocalTable, local_tables, table_name_list
+from dynamicemb.checkpoint.tables import LocalTable, local_tables, pending_updates, table_name_list
 from dynamicemb.embedding import TableClocks
 
 __all__ = ["DynamicEmbLoad"]
@@ -81,6 +81,8 @@ def DynamicEmbLoad(  # noqa: N802 (upstream dynamicemb's name)
         held = set().union(*group.all_gather(set(tables)))
         missing = sorted(set(table_names) - held)
         group.agree(f"no dynamic table named {missing} in the model" if missing else None)
+    for pending in pending_updates(model):  # copies of the rows being replaced
+        pending.drop_pending()
     error = None
     try:
         _load_rank(version, manifest, tables, optim, counter, merge, group.rank)

@@ -10,8 +10,8 @@ from dynamicemb.embedding import BatchedDynamicEmbeddingTables
 from dynamicemb.placement import TablePlacement
 from dynamicemb.types import DynamicEmbDistType
 
-__all__ = ["LocalTable", "ShardKernel", "dynamic_modules", "local_tables", "shard_kernels",
-           "table_name_list", "unwrap"]
+__all__ = ["LocalTable", "PendingUpdates", "ShardKernel", "dynamic_modules", "local_tables",
+           "pending_updates", "shard_kernels", "table_name_list", "unwrap"]
 
 
 @dataclass
@@ -64,6 +64,33 @@ class ShardKernel:
     def placement(self, table_name: str) -> Optional[TablePlacement]:
         """The table's placement file entry (None: every key on its ``dist_type`` owner)."""
         raise NotImplementedError
+
+
+class PendingUpdates:
+    """A part of a sharded model that holds updates of owner rows not applied yet
+    (hot-row replicas with bounded staleness: accumulated gradients, and copies of
+    rows): checkpoints apply them before reading rows and drop them before writing
+    rows. ``dynamicemb.shard``'s replica lookups derive from it (found by type,
+    ``pending_updates``)."""
+
+    def flush_pending(self) -> None:
+        """Applies the pending updates to the owner rows (a collective of the
+        module's ranks when any is pending; call it on every rank)."""
+        raise NotImplementedError
+
+    def drop_pending(self) -> None:
+        """Forgets the pending updates and the copies of rows, which are read again
+        from their owners when next needed (before rows are loaded; every rank)."""
+        raise NotImplementedError
+
+
+def pending_updates(module: nn.Module) -> Iterator[PendingUpdates]:
+    """Every ``PendingUpdates`` of ``module``'s sharded modules, in module order
+    (the same on every rank)."""
+    for sharded in module.modules():
+        for lookup in getattr(sharded, "_lookups", None) or ():
+            if isinstance(lookup, PendingUpdates):
+                yield lookup
 
 
 def shard_kernels(module: nn.Module) -> Iterator[Tuple[str, ShardKernel]]:

@@ -77,6 +77,34 @@ class TableAdmin:
         return (torch.cat([c.keys for c in chunks]).to(device),
                 torch.cat([c.embeddings for c in chunks]).to(device))
 
+    def read_rows(self, table_name: str, keys: torch.Tensor) -> torch.Tensor:
+        """The current embeddings of ``keys`` in one table, read without changing
+        anything (no insert, score, clock or promotion): a stored row from the tier
+        holding it, else the row a training insert would store (the table's
+        initializer; the external tier's row where it holds one).
+
+        Args:
+            keys (Tensor): (n,) int64.
+
+        Returns:
+            (n, dim) float32 on the module's device.
+        """
+        group, local = self._location(table_name)
+        keys = keys.to(self.device, torch.int64).contiguous()
+        n = keys.numel()
+        tids = torch.full((n,), local, dtype=torch.int16, device=self.device)
+        refs = group.storage.resolve(keys, tids)
+        missing = (refs < 0).nonzero().squeeze(1)
+        transient = group.init.transient(keys[missing], tids[missing], train=True)
+        group.storage.fill_from_below(keys[missing], tids[missing], transient)
+        refs[missing] = -(torch.arange(missing.numel(), dtype=torch.int64, device=self.device) + 1)
+        out = torch.empty(n, group.dim, dtype=torch.float32, device=self.device)
+        if n:
+            group.ops.sequence_forward(sources=group.storage.sources(transient), row_ref=refs,
+                                       inverse=torch.arange(n, dtype=torch.int64, device=self.device),
+                                       dim=group.dim, out=out)
+        return out
+
     def iter_keys_values(self, table_name: str, chunk_slots: int = 1 << 16, *,
                          min_score: Optional[int] = None) -> Iterator[ExportedRows]:
         """The stored rows of one table, ``chunk_slots`` host-store slots at a time, then

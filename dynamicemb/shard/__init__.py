@@ -21,6 +21,7 @@ from dynamicemb.shard.embeddingbag import (
 )
 from dynamicemb.shard.kernel import DynamicEmbEmbedding, DynamicEmbEmbeddingBag, DynamicEmbKeyedOptimizer
 from dynamicemb.shard.replicas import refresh_replicas
+from dynamicemb.shard.stale_replicas import flush_replicas
 from dynamicemb.shard.topology import host_ranks, threads_per_rank
 from dynamicemb.placement import owner_rank
 
@@ -33,6 +34,7 @@ __all__ = [
     "IdCounters",
     "ShardedDynamicEmbeddingBagCollection",
     "ShardedDynamicEmbeddingCollection",
+    "flush_replicas",
     "get_dynamic_tables",
     "host_ranks",
     "import_dense_rows",

@@ -24,9 +24,12 @@ class IdCounters:
 
     With replicas (``dynamicemb.shard.replicas``): ``replicated`` counts the ids this
     rank served from replicas instead of sending them; ``replica_slots`` the
-    replicated ids whose counts were all-reduced (one int64 each) and
-    ``replica_rows`` the replicated rows in use, which their owners sent to every
-    other rank (``dim`` floats each; as many gradients came back)."""
+    replicated ids whose counts were all-reduced (one int64 each);
+    ``replica_rows`` the replicated rows their owners sent to every other rank
+    (``dim`` floats each: at staleness 0 the rows in use every step, with
+    staleness > 0 every replicated row at each sync) and ``replica_grads`` the
+    gradient rows every rank sent back to the owners (the rows in use; with
+    staleness > 0 those of a window, at its sync)."""
 
     world_size: int
     before_dedup: Dict[str, int] = field(default_factory=dict)
@@ -34,16 +37,18 @@ class IdCounters:
     replicated: int = 0
     replica_slots: int = 0
     replica_rows: int = 0
+    replica_grads: int = 0
 
     def reset(self) -> None:
         self.before_dedup.clear()
         self.sent.clear()
-        self.replicated = self.replica_slots = self.replica_rows = 0
+        self.replicated = self.replica_slots = self.replica_rows = self.replica_grads = 0
 
-    def add_replicas(self, replicated: int, slots: int, rows: int) -> None:
+    def add_replicas(self, replicated: int, slots: int, rows: int, grads: int) -> None:
         self.replicated += replicated
         self.replica_slots += slots
         self.replica_rows += rows
+        self.replica_grads += grads
 
     def add_sent(self, table: str, per_rank: torch.Tensor) -> None:
         total = self.sent.get(table)

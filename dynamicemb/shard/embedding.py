@@ -111,8 +111,7 @@ class ShardedDynamicEmbeddingCollection(ShardedEmbeddingCollection):
         for sharding_ctx in ctx.sharding_contexts:
             batch = getattr(sharding_ctx, REPLICA_ATTR, None)
             if batch is not None and batch.rows is not None:
-                self.id_counters.add_replicas(batch.hot_positions.numel(), batch.local_counts.numel(),
-                                              batch.active_slots.numel())
+                self.id_counters.add_replicas(batch.hot_positions.numel(), *batch.traffic)
 
     def compute(self, ctx: EmbeddingCollectionContext, dist_input):
         self._arm_replicas(ctx)

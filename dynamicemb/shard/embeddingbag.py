@@ -110,8 +110,7 @@ class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             sent = getattr(sharding_ctx, SENT_ATTR, None)
             batch = None if sent is None else sent.replicas
             if batch is not None and batch.rows is not None:
-                self.id_counters.add_replicas(batch.hot_positions.numel(), batch.local_counts.numel(),
-                                              batch.active_slots.numel())
+                self.id_counters.add_replicas(batch.hot_positions.numel(), *batch.traffic)
 
     def compute(self, ctx: EmbeddingBagCollectionContext, dist_input):
         self._arm_replicas(ctx)

@@ -1,4 +1,5 @@
-"""Hot-row replicas of row-wise dynamic tables (HET-GMP's mirrors), synchronous.
+"""Hot-row replicas of row-wise dynamic tables (HET-GMP's mirrors), synchronous
+(``replica_staleness`` 0; s > 0 keeps copies instead: ``stale_replicas.py``).
 
 A table with ``DynamicEmbTableOptions.replicas`` > 0 has a set of replicated ids,
 identical on every rank (``refresh_replicas`` chooses them: a collective). Per batch
@@ -32,7 +33,7 @@ batch.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,13 +44,14 @@ from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddi
 from torchrec.distributed.types import Awaitable, ParameterSharding
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from dynamicemb.checkpoint.tables import PendingUpdates
 from dynamicemb.placement import owner_rank, table_placement
 from dynamicemb.planner.types import CUSTOMIZED_KERNEL, table_options
 from dynamicemb.shard._common import get_dynamic_tables
 from dynamicemb.shard.input_dist import DynamicEmbRwSparseFeaturesDist, FeatureRoute
 from dynamicemb.shard.lookup import DynamicEmbGroupedEmbeddingsLookup
 
-__all__ = ["ReplicaBatch", "ReplicaSet", "check_replica_plan", "refresh_replicas", "serve_owned",
+__all__ = ["ReplicaBatch", "ReplicaPendingUpdates", "ReplicaSet", "check_replica_plan", "refresh_replicas", "serve_owned",
            "split_replicated", "with_replica_rows"]
 
 # attribute of a batch's SequenceShardingContext holding its ``ReplicaBatch``
@@ -77,8 +79,12 @@ class ReplicaBatch:
         cold_positions: (n - h,) positions of the values that cross the all-to-all.
         local_counts: (S,) int64, occurrences of each replicated id in this rank's
             batch.
-        active_slots: (A,) sorted slots some rank looks up (set by the lookup).
-        rows: (A, dim) the owners' rows of those slots (set by the lookup).
+        active_slots: (A,) sorted slots some rank looks up (set by the lookup;
+            with staleness > 0 every slot).
+        rows: (A, dim) the owners' rows of those slots (set by the lookup; with
+            staleness > 0 this rank's copies).
+        traffic: (counts all-reduced, rows sent by owners, gradient rows sent to
+            owners) for this batch (set by the lookup; ``IdCounters.add_replicas``).
     """
 
     hot_positions: torch.Tensor
@@ -87,6 +93,7 @@ class ReplicaBatch:
     local_counts: torch.Tensor
     active_slots: Optional[torch.Tensor] = None
     rows: Optional[torch.Tensor] = None
+    traffic: Tuple[int, int, int] = (0, 0, 0)
 
 
 class ReplicaSet:
@@ -98,11 +105,21 @@ class ReplicaSet:
     Args:
         tables: the sharding's tables with ``replicas`` > 0.
         pg: the sharding's process group.
+        staleness: their ``replica_staleness``.
+        feature_names: the sharding's features, in its order.
+
+    Attributes:
+        stale: with staleness > 0, the copies (``stale_replicas.StaleCopies``,
+            attached with the lookup); None otherwise.
     """
 
-    def __init__(self, tables: List[ReplicatedTable], pg: dist.ProcessGroup) -> None:
+    def __init__(self, tables: List[ReplicatedTable], pg: dist.ProcessGroup, staleness: int = 0,
+                 feature_names: Optional[List[str]] = None) -> None:
         self.tables = tables
         self.pg = pg
+        self.staleness = staleness
+        self.feature_names = list(feature_names or [])
+        self.stale: Any = None
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)
         self._ids: Dict[str, torch.Tensor] = {t.name: torch.empty(0, dtype=torch.int64) for t in tables}
@@ -124,8 +141,12 @@ class ReplicaSet:
                              f"{sorted(self._ids)})")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point():
             raise ValueError(f"replicated ids of {table!r} must be a 1-D integer tensor")
+        if self.stale is not None:  # pending gradients reach the owners first
+            self.stale.flush()
         self._ids[table] = torch.unique(ids.to(torch.int64).cpu())
         self._flatten()
+        if self.stale is not None:
+            self.stale.drop()
 
     def _flatten(self) -> None:
         ids = [self._ids[t.name] for t in self.tables]
@@ -144,9 +165,14 @@ class ReplicaSet:
 
 
 def replica_set_of(sharding) -> Optional[ReplicaSet]:
-    """A ``ReplicaSet`` for a row-wise EC sharding whose dynamic tables ask for
-    replicas (None when none does)."""
-    tables, feature = [], 0
+    """A ``ReplicaSet`` for a row-wise sharding whose dynamic tables ask for
+    replicas (None when none does).
+
+    Raises:
+        ValueError: its replicated tables differ in ``replica_staleness`` (one
+            sharding syncs them together).
+    """
+    tables, feature, staleness = [], 0, {}
     for table in sharding.embedding_tables():
         if table.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
             options = table_options(table)
@@ -155,8 +181,14 @@ def replica_set_of(sharding) -> Optional[ReplicaSet]:
                     options.placement, table.name, sharding._world_size))
                 tables.append(ReplicatedTable(table.name, feature, table.num_features(),
                                               options.replicas, route))
+                staleness[table.name] = options.replica_staleness
         feature += table.num_features()
-    return ReplicaSet(tables, sharding._pg) if tables else None
+    if len(set(staleness.values())) > 1:
+        raise ValueError(f"tables with replicas in one row-wise sharding must share "
+                         f"replica_staleness (their windows sync together); got {staleness}")
+    if not tables:
+        return None
+    return ReplicaSet(tables, sharding._pg, next(iter(staleness.values())), sharding.feature_names())
 
 
 def check_replica_plan(params: Mapping[str, ParameterSharding]) -> None:
@@ -325,6 +357,8 @@ def serve_owned(replicas: ReplicaSet, batch: Optional[ReplicaBatch], features: K
     Returns:
         (received ids, dim): the rows of the received ids, in their order.
     """
+    if replicas.stale is not None:  # staleness > 0: copies, no exchange
+        return replicas.stale.serve(batch, features)
     if batch is None:
         raise RuntimeError("replicas: the lookup needs its batch's ReplicaBatch (run the "
                            "module through the dynamic sharded collections)")
@@ -348,10 +382,26 @@ def serve_owned(replicas: ReplicaSet, batch: Optional[ReplicaBatch], features: K
         by_owner = torch.argsort(owners, stable=True)
         owned = _OwnerRowsToAll.apply(owned, by_owner, sizes, replicas.pg)
     batch.rows = owned
+    batch.traffic = (counts.numel(), active.numel(), active.numel())
     return rows[received]
 
 
-class DynamicEmbRwReplicaLookup(DynamicEmbGroupedEmbeddingsLookup):
+class ReplicaPendingUpdates(PendingUpdates):
+    """The stale replicas' pending gradients of a lookup holding ``_replicas``
+    (checkpoints flush them; nothing at staleness 0)."""
+
+    _replicas: Optional[ReplicaSet]
+
+    def flush_pending(self) -> None:
+        if self._replicas is not None and self._replicas.stale is not None:
+            self._replicas.stale.flush()
+
+    def drop_pending(self) -> None:
+        if self._replicas is not None and self._replicas.stale is not None:
+            self._replicas.stale.drop()
+
+
+class DynamicEmbRwReplicaLookup(ReplicaPendingUpdates, DynamicEmbGroupedEmbeddingsLookup):
     """Owner side of a row-wise EC sharding with replicas (``serve_owned``)."""
 
     def __init__(self, *args, replicas: ReplicaSet, dim: int, **kwargs) -> None:
@@ -475,8 +525,10 @@ def refresh_replicas(module: nn.Module, ids: Optional[Mapping[str, torch.Tensor]
     fraction of its stored rows; ties to the smaller id): with LFU scores the most
     frequent ids, with LRU the most recently used. ``ids`` replaces that choice for
     the tables it names with rank 0's ids (e.g. the hottest ids of a data sample).
-    Replicas hold no rows between steps, so a refresh changes what crosses the
-    all-to-all, never the trained rows.
+    At staleness 0 replicas hold no rows between steps, so a refresh changes what
+    crosses the all-to-all, never the trained rows; with staleness > 0 it first
+    applies the pending gradients (``flush_replicas``), and the next lookup pulls
+    the new ids' rows.
 
     Args:
         module: the model.
@@ -500,6 +552,9 @@ def refresh_replicas(module: nn.Module, ids: Optional[Mapping[str, torch.Tensor]
         if not isinstance(given, torch.Tensor) or given.dim() != 1 or given.is_floating_point() \
                 or given.dtype == torch.bool:
             raise ValueError(f"refresh_replicas: the ids of {name!r} must be a 1-D integer tensor")
+    for replicas in sets:  # stale replicas' pending gradients reach the owners first
+        if replicas.stale is not None:
+            replicas.stale.flush()
     stored_here = None
     chosen: Dict[str, int] = {}
     for replicas in sets:

@@ -31,9 +31,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynamicemb.shard.dedup import dedup_features, table_spans
 from dynamicemb.shard.lookup import DynamicEmbGroupedEmbeddingsLookup
-from dynamicemb.shard.replicas import (ReplicaBatch, ReplicaSet, replica_set_of, serve_owned,
-                                       split_replicated, with_replica_rows)
+from dynamicemb.shard.replicas import (ReplicaBatch, ReplicaPendingUpdates, ReplicaSet,
+                                       replica_set_of, serve_owned, split_replicated,
+                                       with_replica_rows)
 from dynamicemb.shard.rw_sharding import _input_dist
+from dynamicemb.shard.stale_replicas import attach_copies
 
 __all__ = ["DynamicEmbRwDedupPooledEmbeddingSharding", "dedup_applies"]
 
@@ -122,7 +124,7 @@ class _OwnerSplits:
         self.per_source: Optional[List[int]] = None
 
 
-class DynamicEmbRwDedupLookup(DynamicEmbGroupedEmbeddingsLookup):
+class DynamicEmbRwDedupLookup(ReplicaPendingUpdates, DynamicEmbGroupedEmbeddingsLookup):
     """Owner side: one row per received (unique) id, returned in source-rank order
     (the order the rows all-to-all sends them back in)."""
 
@@ -212,10 +214,12 @@ class DynamicEmbRwDedupPooledEmbeddingSharding(RwPooledEmbeddingSharding):
     def create_lookup(self, device: Optional[torch.device] = None, fused_params=None, feature_processor=None):
         if feature_processor is not None:
             raise NotImplementedError("feature processors are not supported with dynamic id dedup")
-        return DynamicEmbRwDedupLookup(
+        lookup = DynamicEmbRwDedupLookup(
             self._grouped_embedding_configs, pg=self._pg,
             device=device if device is not None else self._device, env=self._env,
             owner=self._owner, world_size=self._world_size, dim=self._dim(), replicas=self.replicas)
+        attach_copies(self.replicas, lookup, self._dim())
+        return lookup
 
     def create_output_dist(self, device: Optional[torch.device] = None) -> DynamicEmbRwDedupOutputDist:
         return DynamicEmbRwDedupOutputDist(self._pg, self._dim(), self._get_num_features(), self._owner)

@@ -20,6 +20,7 @@ from dynamicemb.shard.replicas import (
     DynamicEmbRwReplicaSparseFeaturesDist,
     replica_set_of,
 )
+from dynamicemb.shard.stale_replicas import attach_copies
 
 __all__ = ["DynamicEmbRwPooledEmbeddingSharding", "DynamicEmbRwSequenceEmbeddingSharding"]
 
@@ -71,9 +72,12 @@ class DynamicEmbRwSequenceEmbeddingSharding(RwSequenceEmbeddingSharding):
     def create_lookup(self, device: Optional[torch.device] = None, fused_params=None, feature_processor=None):
         device = device if device is not None else self._device
         if self.replicas is not None:
-            return DynamicEmbRwReplicaLookup(
+            dim = self.embedding_tables()[0].embedding_dim
+            lookup = DynamicEmbRwReplicaLookup(
                 self._grouped_embedding_configs, pg=self._pg, device=device, env=self._env,
-                replicas=self.replicas, dim=self.embedding_tables()[0].embedding_dim)
+                replicas=self.replicas, dim=dim)
+            attach_copies(self.replicas, lookup, dim)
+            return lookup
         return DynamicEmbGroupedEmbeddingsLookup(
             self._grouped_embedding_configs, pg=self._pg, device=device, env=self._env)
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from dynamicemb.checkpoint.records import (COUNTER, HEADER, ROW, VIRTUAL_COLUMNS, VIRTUAL_ROWS,
                                            RecordLayout, TableLoad, export_records)
-from dynamicemb.checkpoint.tables import shard_kernels
+from dynamicemb.checkpoint.tables import pending_updates, shard_kernels
 from dynamicemb.types import DynamicEmbDistType
 
 __all__ = ["DynamicTableState", "STATE_SUFFIX", "register_state_hooks"]
@@ -301,12 +301,18 @@ def import_pickled_entries(module: nn.Module, state_dict: Dict[str, Any], prefix
 def register_state_hooks(sharded: nn.Module, container: str) -> None:
     """Adds ``<container>.<table>.dynamic_state`` entries to ``sharded``'s state
     dicts, and loads them (``import_pickled_entries``) out of a state dict before
-    TorchRec loads the rest."""
+    TorchRec loads the rest. Stale replicas' pending gradients are applied before
+    a state dict is taken (a collective then, as DCP's save is) and dropped before
+    one is loaded."""
     def add_entries(module: nn.Module, destination: Dict[str, Any], prefix: str, _meta) -> None:
+        for pending in pending_updates(module):
+            pending.flush_pending()
         for name, kernel in shard_kernels(module):
             destination[f"{prefix}{container}.{name}{STATE_SUFFIX}"] = DynamicTableState(name, kernel)
 
     def load_entries(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args) -> None:
+        for pending in pending_updates(module):
+            pending.drop_pending()
         import_pickled_entries(module, state_dict, prefix, container)
 
     sharded._register_state_dict_hook(add_entries)

@@ -113,7 +113,7 @@ def build_model(tables: Sequence[TableSpec], dim: int, dense_arch: Sequence[int]
 def constraints_for(tables: Sequence[TableSpec], dim: int, state_floats: int,
                     cache_fraction: float, score_strategy: DynamicEmbScoreStrategy,
                     admission_threshold: int, placement: Optional[str] = None,
-                    replicas: float = 0) -> Dict[str, DynamicEmbParameterConstraints]:
+                    replicas: float = 0, staleness: int = 0) -> Dict[str, DynamicEmbParameterConstraints]:
     """Planner constraints making the dynamic tables dynamic (row-wise by key hash).
 
     Args:
@@ -124,6 +124,7 @@ def constraints_for(tables: Sequence[TableSpec], dim: int, state_floats: int,
             rows (1.0 or more: every row in device memory, no cache).
         admission_threshold: occurrences before a new id gets a row (1: admit all).
         replicas: hot-row replicas of every dynamic table (``DynamicEmbTableOptions``).
+        staleness: their ``replica_staleness`` (0: synchronous).
     """
     out = {}
     for t in tables:
@@ -136,7 +137,7 @@ def constraints_for(tables: Sequence[TableSpec], dim: int, state_floats: int,
                                   if caching else None),
             admit_strategy=(FrequencyAdmissionStrategy(threshold=admission_threshold)
                             if admission_threshold > 1 else None), placement=placement,
-            replicas=replicas)
+            replicas=replicas, replica_staleness=staleness if replicas else 0)
         out[f"t_{t.feature}"] = DynamicEmbParameterConstraints(
             use_dynamicemb=True, sharding_types=["row_wise"], dynamicemb_options=options)
     return out

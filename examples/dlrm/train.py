@@ -45,6 +45,7 @@ from dynamicemb.planner import DynamicEmbeddingShardingPlanner
 from dynamicemb.shard import (
     DynamicEmbeddingBagCollectionSharder,
     DynamicEmbeddingCollectionSharder,
+    flush_replicas,
     get_dynamic_tables,
     refresh_replicas,
     threads_per_rank,
@@ -100,6 +101,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "scores (use --score-strategy lfu for the most frequent ids); 0: none")
     p.add_argument("--replicas-refresh", type=int, default=20,
                    help="steps between choices of the replicated ids (at steps 1, 1 + N, ...)")
+    p.add_argument("--staleness", type=int, default=0,
+                   help="steps a replica may lag its owner (replica_staleness; needs --replicas "
+                   "and --optimizer sgd, adagrad or rowwise_adagrad): replicated rows are read "
+                   "from local copies and their gradients pushed every N steps; 0: synchronous")
     p.add_argument("--plan-file", help="HugeCTR plan file instead of the planner (lookup i = cat_i)")
     p.add_argument("--max-steps", type=int, default=0,
                    help="stop after this many steps in all, resumed ones included (0: run every epoch)")
@@ -122,6 +127,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--pg-timeout must be > 0")
     if args.checkpoint_every < 0 or args.max_steps < 0:
         p.error("--checkpoint-every and --max-steps must be >= 0")
+    if args.staleness < 0 or (args.staleness and not args.replicas):
+        p.error("--staleness must be >= 0 and needs --replicas")
     if args.data != "synthetic" and not args.train_files:
         p.error(f"--data {args.data} needs --train-files")
     return args
@@ -195,7 +202,8 @@ def shard(args, model, tables, device: torch.device, world: int) -> DistributedM
     constraints = constraints_for(tables, args.embedding_dim, state * args.embedding_dim
                                   + (1 if args.optimizer == "rowwise_adagrad" else 0),
                                   args.cache_fraction, DynamicEmbScoreStrategy[args.score_strategy.upper()],
-                                  args.admission_threshold, args.placement, args.replicas)
+                                  args.admission_threshold, args.placement, args.replicas,
+                                  args.staleness)
     sharder = (DynamicEmbeddingCollectionSharder if args.collection == "ec"
                else DynamicEmbeddingBagCollectionSharder)
     sharders = [sharder(fused_params={"optimizer": optimizer, "learning_rate": args.lr, "eps": 1e-8})]
@@ -219,11 +227,13 @@ def to_batch(batch, tables, device) -> TorchRecBatch:
 
 
 def evaluate(args, dmp, evals, tables, device) -> float:
-    """Eval AUC over every rank's eval samples (torchmetrics syncs the ranks).
+    """Eval AUC over every rank's eval samples (torchmetrics syncs the ranks), after
+    stale replicas' pending gradients reached their owners (a collective).
 
     Raises:
         DataError: on every rank, if the eval rows hold one class only.
     """
+    flush_replicas(dmp)
     auroc = torchmetrics.AUROC(task="binary").to(device)
     positives, total = 0, 0
     dmp.eval()
@@ -427,7 +437,7 @@ def count_alltoall(dmp, progress, dynamic: Set[str]) -> None:
     progress["alltoall_dynamic_ids"] = progress.get("alltoall_dynamic_ids", 0) + sum(
         n for t, n in sent.items() if t in dynamic)
     progress["counted_steps"] = progress.get("counted_steps", 0) + 1
-    for key in ("replicated", "replica_slots", "replica_rows"):  # replicas (EC)
+    for key in ("replicated", "replica_slots", "replica_rows", "replica_grads"):  # replicas
         progress[key] = progress.get(key, 0) + sum(getattr(c, key) for c in _id_counters(dmp))
 
 
@@ -449,24 +459,26 @@ def traffic_per_step(args, progress) -> Dict[str, float]:
     ``dim``-float row back and sends its gradient (12 + 8 dim B); EBC sends the id
     (8 B; its pooled outputs' reduce-scatter has a fixed size). Replicas: the ranks
     all-reduce one int64 count per replicated id (a ring all-reduce of ``n`` bytes
-    moves ``2 (W - 1) / W n`` bytes out of each rank), and the owners send each
-    replicated row in use to the ``W - 1`` other ranks and get as many gradients
-    back (``dim`` floats each).
+    moves ``2 (W - 1) / W n`` bytes out of each rank), the owners send replicated
+    rows to the ``W - 1`` other ranks and get gradient rows back (``dim`` floats
+    each): at staleness 0 the rows in use every step, with ``--staleness N`` all
+    replicated rows and the gradients of those in use once per N steps (amortized:
+    the per-step mean over the run).
     """
     world = dist.get_world_size()
     total = torch.tensor([progress.get(k, 0) for k in (
         "alltoall_ids", "alltoall_dynamic_ids", "replicated", "replica_slots", "replica_rows",
-        "counted_steps")], dtype=torch.float64)
+        "replica_grads", "counted_steps")], dtype=torch.float64)
     dist.all_reduce(total)
-    ids, dynamic, replicated, slots, rows, steps = (float(x) for x in total)
+    ids, dynamic, replicated, slots, rows, grads, steps = (float(x) for x in total)
     steps = max(1.0, steps / world)
     per_id = 12 + 8 * args.embedding_dim if args.collection == "ec" else 8
-    slots, rows = slots / world, rows / world  # every rank counts the same
-    sync = 2 * (world - 1) * slots * 8 + 2 * (world - 1) * rows * args.embedding_dim * 4
+    slots, rows, grads = slots / world, rows / world, grads / world  # every rank counts the same
+    sync = 2 * (world - 1) * slots * 8 + (world - 1) * (rows + grads) * args.embedding_dim * 4
     return {"alltoall_ids": ids / steps, "alltoall_dynamic_ids": dynamic / steps,
             "alltoall_bytes": ids * per_id / steps, "alltoall_dynamic_bytes": dynamic * per_id / steps,
             "replicated_ids": replicated / steps, "replica_rows": rows / steps,
-            "replica_sync_bytes": sync / steps}
+            "replica_grads": grads / steps, "replica_sync_bytes": sync / steps}
 
 
 def summarize(args, history, report, step, samples, run_samples, elapsed, train) -> None:
@@ -495,8 +507,9 @@ def summarize(args, history, report, step, samples, run_samples, elapsed, train)
     print(f"bytes/step (estimated, all ranks): all-to-all {t['alltoall_bytes']:,.0f} "
           f"({t['alltoall_dynamic_bytes']:,.0f} of dynamic tables), replica sync "
           f"{t['replica_sync_bytes']:,.0f}, total {t['alltoall_bytes'] + t['replica_sync_bytes']:,.0f}; "
-          f"ids served by replicas {t['replicated_ids']:,.0f}/step, replicated rows in use "
-          f"{t['replica_rows']:,.0f}/step")
+          f"ids served by replicas {t['replicated_ids']:,.0f}/step, replicated rows sent "
+          f"{t['replica_rows']:,.1f}/step, their gradients {t['replica_grads']:,.1f}/step"
+          + (f" (staleness {args.staleness}: amortized)" if args.staleness else ""))
     print("\n| dynamic table | rows held | max rows | cache hit rate | cache evictions |")
     print("|---|---|---|---|---|")
     for name, r in report.items():

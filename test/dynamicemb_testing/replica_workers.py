@@ -6,7 +6,7 @@ train on the same per-rank batches of power-law ids (hot ids on every rank); the
 outputs and trained rows are compared at every step and at the end.
 """
 
-from typing import Dict
+from typing import Dict, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ TABLES = {"t_hot": (4096, ["a", "b"], "row_wise", 8), "t_frac": (4096, ["c"], "r
           "t_static": (64, ["f"], None, 0)}
 DIM = 8
 OPTIMIZERS = {
+    "sgd": {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.05},
     "rowwise_adagrad": {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05,
                         "eps": 1e-8},
     "adam": {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.02, "eps": 1e-8, "beta1": 0.8,
@@ -53,10 +54,11 @@ EXACT = {"atol": 0.0, "rtol": 0.0}
 ROUNDING = {"atol": 1e-6, "rtol": 1e-5}
 
 
-def _options(name: str, rows: int, replicas) -> DynamicEmbTableOptions:
+def _options(name: str, rows: int, replicas, staleness: int = 0) -> DynamicEmbTableOptions:
     init = DynamicEmbInitializerArgs(mode="normal", mean=0.0, std_dev=0.1, seed=5)
     return DynamicEmbTableOptions(dim=DIM, max_capacity=rows, initializer_args=init,
-                                  score_strategy=DynamicEmbScoreStrategy.LFU, replicas=replicas)
+                                  score_strategy=DynamicEmbScoreStrategy.LFU, replicas=replicas,
+                                  replica_staleness=staleness if replicas else 0)
 
 
 def tables_for(fused: Dict, collection: str = "ec") -> Dict:
@@ -78,11 +80,15 @@ class EbcModel(nn.Module):
 
 
 def build(world_size: int, fused: Dict, with_replicas: bool, dedup: bool = True,
-          collection: str = "ec") -> DistributedModelParallel:
+          collection: str = "ec", staleness: Union[int, Dict[str, int]] = 0,
+          tables: Optional[Dict] = None) -> DistributedModelParallel:
     """The model (an EC, or an EBC with one MEAN table) on ``world_size`` ranks, with
-    the tables' replicas or none (the static table's TorchRec init drawn from one seed)."""
+    the tables' replicas or none (the static table's TorchRec init drawn from one seed);
+    ``staleness``: their ``replica_staleness`` (one, or per table name, default 0);
+    ``tables``: other tables than
+    ``tables_for``'s (same form as ``TABLES``)."""
     torch.manual_seed(0)
-    tables = tables_for(fused, collection)
+    tables = tables_for(fused, collection) if tables is None else tables
     meta = torch.device("meta")
     if collection == "ec":
         module = EmbeddingCollection(tables=[
@@ -103,7 +109,9 @@ def build(world_size: int, fused: Dict, with_replicas: bool, dedup: bool = True,
                                           world_size=world_size, device_type="cpu")
     for n, (rows, _, st, replicas) in tables.items():
         if st is not None:
-            plan[n] = to_dynamic_sharding(plan[n], _options(n, rows, replicas if with_replicas else 0))
+            stale = staleness.get(n, 0) if isinstance(staleness, dict) else staleness
+            plan[n] = to_dynamic_sharding(plan[n], _options(n, rows, replicas if with_replicas else 0,
+                                                            stale))
     return DistributedModelParallel(model, plan=ShardingPlan({collection: plan}), sharders=[sharder],
                                     device=CPU)
 

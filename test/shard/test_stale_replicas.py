@@ -1,0 +1,82 @@
+"""Hot-row replicas with bounded staleness (``replica_staleness`` s > 0) under DMP on 2
+and 4 gloo ranks, EC and EBC: SGD equals a float64 replay in which the replicated
+rows' gradients of each window are applied at its end (``stale_workers``),
+checkpoints and state dicts flush pending gradients first, loads drop the copies;
+the option's and the optimizers' refusals; ``read_rows`` reads without changing."""
+
+import pytest
+import torch
+
+from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions
+from dynamicemb.types import DynamicEmbScoreStrategy
+from dynamicemb_testing import stale_workers
+from dynamicemb_testing.dist_utils import SharedSpawns
+
+# (staleness, collection)
+TWO_RANKS = [(3, "ec"), (2, "ebc"), (1, "ec")]
+
+
+@pytest.fixture(scope="module")
+def spawns(tmp_path_factory):
+    spawns = SharedSpawns(str(tmp_path_factory.mktemp("stale")))
+    spawns.run(2, [(f"sgd-{s}-{c}", stale_workers.stale_sgd_matches_window_reference,
+                    (s, c, str(tmp_path_factory.mktemp(f"ckpt-{s}-{c}")))) for s, c in TWO_RANKS]
+               + [("state-dict", stale_workers.stale_state_dict_and_flush, ()),
+                  ("refusals", stale_workers.stale_refusals, ())])
+    spawns.run(4, [("sgd-4-ranks", stale_workers.stale_sgd_matches_window_reference,
+                    (3, "ec", str(tmp_path_factory.mktemp("ckpt-4"))))])
+    return spawns
+
+
+@pytest.mark.parametrize("staleness, collection", TWO_RANKS)
+def test_stale_sgd_equals_windowed_reference_on_two_ranks(spawns, staleness, collection):
+    spawns.check(f"sgd-{staleness}-{collection}")
+
+
+def test_stale_sgd_equals_windowed_reference_on_four_ranks(spawns):
+    spawns.check("sgd-4-ranks")
+
+
+def test_state_dict_and_flush_replicas_apply_pending_once(spawns):
+    spawns.check("state-dict")
+
+
+def test_adam_weight_decay_and_mixed_staleness_are_refused(spawns):
+    spawns.check("refusals")
+
+
+@pytest.mark.parametrize("staleness, says", [(-1, "int >= 0"), (1.0, "int >= 0"), (True, "int >= 0"),
+                                             ("3", "int >= 0"), (None, "int >= 0")])
+def test_bad_staleness_is_refused(staleness, says):
+    with pytest.raises(ValueError, match=says):
+        DynamicEmbTableOptions(dim=8, replicas=4, replica_staleness=staleness)
+
+
+def test_staleness_needs_replicas_and_no_admission():
+    with pytest.raises(ValueError, match="needs replicas > 0"):
+        DynamicEmbTableOptions(dim=8, replica_staleness=10)
+    from dynamicemb import FrequencyAdmissionStrategy  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="admit_strategy"):
+        DynamicEmbTableOptions(dim=8, replicas=4, replica_staleness=10,
+                               admit_strategy=FrequencyAdmissionStrategy(threshold=2))
+    assert DynamicEmbTableOptions(dim=8, replicas=0.01, replica_staleness=100).replica_staleness == 100
+    assert DynamicEmbTableOptions(dim=8).replica_staleness == 0
+
+
+def test_read_rows_reads_without_changing_anything():
+    options = DynamicEmbTableOptions(dim=4, max_capacity=1024,
+                                     score_strategy=DynamicEmbScoreStrategy.LFU)
+    module = BatchedDynamicEmbeddingTables([options], table_names=["t"], feature_table_map=[0])
+    ids = torch.tensor([3, 5, 3, 9])
+    module(ids, torch.tensor([0, 4]))
+    before = module.export_keys_values("t")
+    got = module.read_rows("t", torch.tensor([9, 42, 3]))
+    after = module.export_keys_values("t")
+    for field in before._fields:
+        assert torch.equal(getattr(before, field), getattr(after, field)), field
+    stored = dict(zip(before.keys.tolist(), before.embeddings))
+    assert torch.equal(got[0], stored[9]) and torch.equal(got[2], stored[3])
+    module(torch.tensor([42]), torch.tensor([0, 1]))  # the row an insert stores
+    inserted = module.export_keys_values("t")
+    assert torch.equal(got[1], dict(zip(inserted.keys.tolist(), inserted.embeddings))[42])
