@@ -156,7 +156,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("error") = py::none());
   m.def("occupied_slots", &c::occupied_slots, "occupied slots of a range");
   m.def("promotion_plan", &c::promotion_plan,
-        "a padded batch's promotion into a cache: (cache_slots, plan, rank)");
+        "a padded batch's promotion into a cache: (cache_slots, plan, rank, order)");
   m.def("promotion_order", &c::promotion_order,
         "the cache call's (keys, tids, scores, buckets) in promotion order");
   m.def("promote_rows", &c::promote_rows,

@@ -35,9 +35,31 @@ struct RowCopy {
   }
 };
 
+// order (n,) = the positions by descending rank, ties in position order (a stable
+// sort), without a sort of n keys: every rank is one of the policy's constants but
+// a hot miss's count, so the hits, the hot misses (sorted by count, stably), the
+// misses, the cold misses and the positions left out follow one another.
+void order_by_rank(const int64_t* r, int64_t n, int64_t* order) {
+  std::vector<int64_t> hot;
+  int64_t next = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (r[i] == kRankHit) order[next++] = i;
+    else if (r[i] > kRankMiss) hot.push_back(i);
+  }
+  std::stable_sort(hot.begin(), hot.end(), [r](int64_t a, int64_t b) { return r[a] > r[b]; });
+  std::copy(hot.begin(), hot.end(), order + next);
+  next += static_cast<int64_t>(hot.size());
+  for (const int64_t rank : {kRankMiss, kRankCold, kRankLeftOut}) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (r[i] == rank) order[next++] = i;
+    }
+  }
+  TORCH_CHECK(next == n, "a promotion rank outside the policy's (cache_policy.h)");
+}
+
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> promotion_plan(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> promotion_plan(
     const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
     const at::Tensor& tids, const at::Tensor& counts, const at::Tensor& host_slots,
     bool one_table, const at::Tensor& cache_size) {
@@ -89,7 +111,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> promotion_plan(
   int64_t* r = rank.data_ptr<int64_t>();
 #pragma omp parallel for schedule(static) if (n >= kParallelMinKeys)
   for (int64_t i = 0; i < n; ++i) r[i] = promotion_rank(c[i], hs[i], cs[i], overflow);
-  return {cache_slots, plan, rank};
+  auto order = at::empty({n}, keys.options());
+  order_by_rank(r, n, order.data_ptr<int64_t>());
+  return {cache_slots, plan, rank, order};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> promotion_order(

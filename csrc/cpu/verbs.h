@@ -97,7 +97,7 @@ at::Tensor occupied_slots(const std::vector<at::Tensor>& meta, int64_t bc, int64
 // The probe and the rank: (cache_slots (n,), plan (4,), rank (n,)) of unique keys
 // padded to n (counts 0: padding; host_slots -1: not stored), for a cache `meta`
 // holding cache_size (1,) keys.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> promotion_plan(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> promotion_plan(
     const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
     const at::Tensor& tids, const at::Tensor& counts, const at::Tensor& host_slots,
     bool one_table, const at::Tensor& cache_size);

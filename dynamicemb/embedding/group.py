@@ -196,7 +196,7 @@ class TableGroup:
         self.storage = TieredStorage.build(
             self.table, first.caching, device_rows, device=device, initialize=self.init.stored,
             external=external_tier(first, self.table, table_names),
-            initialize_new=self.init.stored_new if self.ops.counts_on_device else None)
+            initialize_new=self.init.stored_new)
         self.admission = (None if first.admit_strategy is None
                           else Admission(first.admit_strategy,
                                          [o.admission_counter for o in options], device))
@@ -247,7 +247,7 @@ class TableGroup:
         (``TieredStorage.finds_on_device``). Then ``begin_lookup`` takes the module's
         error word."""
         if not (insert and self.training):
-            return self.ops.counts_on_device and self.storage.finds_on_device
+            return self.storage.finds_on_device
         return (self.admission is None
                 and self.score_strategy != DynamicEmbScoreStrategy.CUSTOMIZED
                 and self.storage.counts_on_device)

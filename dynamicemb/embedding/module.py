@@ -170,10 +170,11 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
         # Checks of a batch's values (finite weights and gradients) where they cost no
         # host sync: on the CPU; on a GPU a step does not wait for them.
         self._check_data = for_device(self.device).free_host_reads
-        # On a backend that counts on the device, a step that keeps its counts there
-        # checks its offsets into this word (read by the host at the next call).
-        self._errors = (InputErrors(self.device, at_once=sync_checks)
-                        if for_device(self.device).counts_on_device else None)
+        # A step that keeps its counts on the device checks its offsets into this
+        # word, read by the host at the next call; where reading it costs nothing
+        # (the CPU), in the call itself.
+        self._errors = InputErrors(self.device,
+                                   at_once=sync_checks or for_device(self.device).free_host_reads)
 
     def _build_groups(self, module_optimizer: DynamicEmbOptimizerArgs) -> None:
         by_key: Dict[tuple, List[int]] = {}

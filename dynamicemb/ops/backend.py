@@ -31,11 +31,6 @@ class Backend(abc.ABC):
     #: Whether reading a value of its tensors on the host costs nothing (the CPU) or
     #: waits for the device (a GPU: checks of data that need one are left out of a step).
     free_host_reads: bool = True
-    #: Whether a training step may keep its counts in device memory (the CUDA
-    #: backend): a padded ``dedup_upsert``, new rows initialized by status
-    #: (``init_new_rows``), rows of failed keys computed where read (``InitRows``)
-    #: and the offsets check into an error word that later kernels read.
-    counts_on_device: bool = False
 
     # ------------------------------------------------------------ allocation
     @abc.abstractmethod
@@ -101,8 +96,8 @@ class Backend(abc.ABC):
                             evicts: bool, one_table: bool, error: Optional[torch.Tensor],
                             outcomes: torch.Tensor, size: torch.Tensor,
                             part: Optional["BatchPart"] = None) -> Tuple[Deduplicated, Upserted]:
-        """``dedup_upsert`` with every size, count and clock left on the device (only
-        where ``counts_on_device``, into a table that cannot grow): the dedup is
+        """``dedup_upsert`` with every size, count and clock left on the device (into
+        a table that cannot grow): the dedup is
         padded to the N keys.
 
         Args:
@@ -124,7 +119,7 @@ class Backend(abc.ABC):
                      part: Optional["BatchPart"] = None) -> Deduplicated:
         """``dedup`` (not grouped) padded to the N keys, the unique count left on the
         device; ``error``: a batch whose word is set has no unique key; ``part``:
-        only the keys of one group (only where ``counts_on_device``)."""
+        only the keys of one group."""
         raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
     def padded_upsert(self, *, memory: TableMemory, keys: torch.Tensor,
@@ -134,15 +129,14 @@ class Backend(abc.ABC):
         """One inserting pass over unique keys with their buckets given ((n,) int32;
         ``KNO_BUCKET``: skipped, slot -1, FAILED, counted nowhere), into a table that
         cannot grow, every count on the device: ``outcomes`` (4,) += the pass's
-        InsertStatus counts, ``size`` (1,) += its inserts into empty slots (only
-        where ``counts_on_device``)."""
+        InsertStatus counts, ``size`` (1,) += its inserts into empty slots."""
         raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
     def padded_erase(self, *, memory: TableMemory, keys: torch.Tensor,
                      table_ids: torch.Tensor, status: torch.Tensor, which: int,
                      erased: torch.Tensor, size: torch.Tensor) -> None:
         """Erases ``keys[i]`` where ``status[i] == which`` (distinct keys); ``erased``
-        (1,) += and ``size`` (1,) -= the keys found (only where ``counts_on_device``)."""
+        (1,) += and ``size`` (1,) -= the keys found."""
         raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
     def promotion_plan(self, *, cache: TableMemory, keys: torch.Tensor,
@@ -153,7 +147,7 @@ class Backend(abc.ABC):
         -1: not stored) a cache takes, on the device: ``TieredStorage``'s policy
         (hits first; every miss when they fit in ``cache``'s free slots, else the
         misses seen more than once, hottest first, as many as fit beside the hits)
-        (only where ``counts_on_device``)."""
+       ."""
         raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
     def promotion_order(self, *, order: torch.Tensor, keys: torch.Tensor,
@@ -162,7 +156,7 @@ class Backend(abc.ABC):
                         cache: TableMemory) -> Tuple[torch.Tensor, ...]:
         """The cache call's (keys, table ids, scores, buckets) in ``order`` (the
         keys by descending ``plan.rank``): the host store's scores, and
-        ``KNO_BUCKET`` past the keys the plan takes (only where ``counts_on_device``)."""
+        ``KNO_BUCKET`` past the keys the plan takes."""
         raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
     def promote_rows(self, *, host: TableMemory, cache: TableMemory, order: torch.Tensor,
@@ -171,7 +165,7 @@ class Backend(abc.ABC):
         """After the cache call ``cached`` (in ``order``): victims' rows written back to
         the host store, new keys' rows copied in from it, and refs (n,) = each unique
         key's row reference (its cache slot, else its host slot with HOST_ROW_BIT,
-        else -1) (only where ``counts_on_device``)."""
+        else -1)."""
         raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
     def init_new_rows(self, *, values: torch.Tensor, slots: torch.Tensor,
@@ -179,7 +173,7 @@ class Backend(abc.ABC):
                       dim: int, spec: InitSpec, state_value: float) -> None:
         """values[slots[i]] = the full initial row (initializer, then ``state_value``
         for the optimizer state) of each key whose ``status`` is INSERTED or
-        EVICTED_AND_INSERTED (only where ``counts_on_device``)."""
+        EVICTED_AND_INSERTED."""
         raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
     @abc.abstractmethod
@@ -217,7 +211,7 @@ class Backend(abc.ABC):
                       error: Optional[torch.Tensor] = None) -> Optional[int]:
         """0 if ``offsets`` go from 0 to ``num_indices`` without decreasing; 1 or 2 if
         the first or last is wrong; 3 if they decrease. With ``error`` ((1,) int64
-        word, only where ``counts_on_device``): the problem goes into the word
+        word): the problem goes into the word
         (``error_code`` reads it) and None is returned, nothing read on the host."""
 
     @abc.abstractmethod
@@ -256,7 +250,7 @@ class Backend(abc.ABC):
                        sums: Optional[torch.Tensor] = None) -> int:
         """Sums each stored row's gradient and applies the optimizer to it in place
         (``offsets`` None: sequence lookups). Rows with no lookup (padding) and rows
-        not stored are skipped. ``schedule`` (where ``counts_on_device``): the
+        not stored are skipped. ``schedule``: the
         learning rate and step count are read from device memory, not from
         ``update``. ``sums`` (where ``free_host_reads``): (>= U, dim) float32, the
         rows' gradients as ``sum_gradients`` wrote them for this batch; the update

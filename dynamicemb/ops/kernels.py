@@ -112,8 +112,6 @@ class KernelBackend(Backend):
 
     def padded_dedup_upsert(self, *, memory, keys, table_ids, frequencies, rule, time,
                             now_index, evicts, one_table, error, outcomes, size, part=None):
-        if not self.counts_on_device:
-            raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
         if memory.can_grow:  # a full bucket would defer keys to a growth
             raise ValueError("a padded dedup_upsert needs a table that cannot grow")
         *unique, slots, status, prev, ev_keys, ev_tids, ev_scores = (
@@ -125,18 +123,12 @@ class KernelBackend(Backend):
                                                hits=None, inserted=None, evicted=None,
                                                failed=None, growths=0)
 
-    def _padded_only(self) -> None:
-        if not self.counts_on_device:
-            raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
-
     def padded_dedup(self, *, keys, table_ids, error, part=None):
-        self._padded_only()
         unique = Deduplicated(*self.kernels.padded_dedup(keys, table_ids, error, part))
         return unique._replace(starts=None, rank=None)
 
     def padded_upsert(self, *, memory, keys, table_ids, scores, buckets, rule, evicts,
                       one_table, outcomes, size):
-        self._padded_only()
         if memory.can_grow:
             raise ValueError("a padded upsert needs a table that cannot grow")
         outs = self.kernels.padded_upsert(memory.meta, memory.bucket_capacity, keys, table_ids,
@@ -145,31 +137,25 @@ class KernelBackend(Backend):
         return Upserted(*outs, hits=None, inserted=None, evicted=None, failed=None, growths=0)
 
     def padded_erase(self, *, memory, keys, table_ids, status, which, erased, size):
-        self._padded_only()
         self.kernels.erase_where(memory.meta, memory.bucket_capacity, keys, table_ids, status,
                                  which, erased, size)
 
     def promotion_plan(self, *, cache, keys, table_ids, counts, host_slots, one_table,
                        cache_size):
-        self._padded_only()
         return PromotionPlan(*self.kernels.promotion_plan(
             cache.meta, cache.bucket_capacity, keys, table_ids, counts, host_slots, one_table,
             cache_size))
 
     def promotion_order(self, *, order, keys, table_ids, host_slots, host, plan, cache):
-        self._padded_only()
         return self.kernels.promotion_order(order, keys, table_ids, host_slots, host.meta[0],
                                             plan.plan, cache.num_buckets)
 
     def promote_rows(self, *, host, cache, order, host_slots, cached, refs):
-        self._padded_only()
         self.kernels.promote_rows(host.meta, host.bucket_capacity, host.values, cache.values,
                                   order, host_slots, cached.slots, cached.status,
                                   cached.ev_keys, cached.ev_tids, refs)
 
     def init_new_rows(self, *, values, slots, status, keys, table_ids, dim, spec, state_value):
-        if not self.counts_on_device:
-            raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
         self.kernels.init_new_rows(values, slots, status, keys, table_ids, dim, spec,
                                    state_value)
 
@@ -303,12 +289,8 @@ class KernelBackend(Backend):
         its counts takes none."""
         if init is None and error is None and schedule is None:
             return _NO_ARGUMENTS  # the common case, first: this runs on every launch
-        given = {name: value for name, value in (("init", init), ("error", error),
-                                                 ("schedule", schedule)) if value is not None}
-        if not self.counts_on_device:
-            raise ValueError(f"{type(self).__name__} checks batches and makes transient "
-                             f"rows on the host: no {' or '.join(given)}")
-        return given
+        return {name: value for name, value in (("init", init), ("error", error),
+                                                ("schedule", schedule)) if value is not None}
 
     def pooled_forward(self, *, sources, row_ref, inverse, offsets, weights, feature_col,
                        batch, dim, mean, out, error=None):

@@ -214,12 +214,14 @@ class PromotionPlan(NamedTuple):
         cache_slots: (n,) int64, each unique key's cache slot before the promotion
         (-1: not there); plan: (4,) int64, the hits, misses and hot misses counted
         and the number of keys the cache call takes; rank: (n,) int64, the
-        promotion order (larger first, ties in batch order).
+        promotion order (larger first, ties in batch order); order: (n,) int64,
+        the positions sorted by it (the cache call's keys come in that order).
     """
 
     cache_slots: torch.Tensor
     plan: torch.Tensor
     rank: torch.Tensor
+    order: torch.Tensor
 
 
 class DeviceSchedule(NamedTuple):

@@ -412,7 +412,7 @@ class TieredStorage:
         plan = ops.promotion_plan(cache=tier.memory, keys=keys, table_ids=tids, counts=counts,
                                   host_slots=host_slots, one_table=self.host.num_tables == 1,
                                   cache_size=tier.size_on_device())
-        order = torch.sort(plan.rank, descending=True, stable=True).indices
+        order = plan.order
         ckeys, ctids, scores, buckets = ops.promotion_order(
             order=order, keys=keys, table_ids=tids, host_slots=host_slots,
             host=self.host.memory, plan=plan, cache=tier.memory)

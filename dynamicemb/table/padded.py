@@ -47,7 +47,7 @@ class PaddedCalls:
         keeps counts on the device, and nothing the call decides needs them on the
         host: the table cannot grow (no key waits for a growth), failed inserts are
         ignored (IGNORE: neither raised nor logged) and rows do not expire."""
-        return (self._ops.counts_on_device and not self._memory.can_grow
+        return (not self._memory.can_grow
                 and self.check_mode == DynamicEmbCheckMode.IGNORE and self.ttl is None)
 
     def _prepare_padded(self, keys, tids, frequencies, error,

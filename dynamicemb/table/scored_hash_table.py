@@ -152,8 +152,7 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         # advance them)
         self._stored = DeviceCounters([0], self.device)
         self._time = DeviceCounters([0, 0], self.device)
-        if self._ops.counts_on_device:
-            self._outcome_totals = DeviceTotals(DEVICE_TOTALS, self.device)
+        self._outcome_totals = DeviceTotals(DEVICE_TOTALS, self.device)
         self._generation = 0
         self._pending: Optional[PendingInsert] = None
         self._none_inserted = SharedZeros(torch.bool, self.device)

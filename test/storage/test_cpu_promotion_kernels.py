@@ -80,13 +80,15 @@ def assert_equal(got, want):
 
 def promote(kernels, emulated, host, cache, keys, tids, counts, host_slots):
     """A padded batch's promotion run by ``kernels`` (within ``emulated_cuda(emulated)``):
-    the plan, the stable sort, the order, the cache's padded insert (``emulated``'s,
-    for both) and the rows. Returns every output, the cache call's included."""
+    the plan (with its stable sort of the ranks), the order, the cache's padded
+    insert (``emulated``'s, for both) and the rows. Returns every output, the cache
+    call's included."""
     one_table = host.num_tables == 1
     size = torch.tensor([cache.size()])
     plan = kernels.promotion_plan(cache.memory.meta, BC, keys, tids, counts, host_slots,
                                   one_table, size)
-    order = torch.sort(plan[2], descending=True, stable=True).indices
+    order = plan[3]
+    assert torch.equal(order, torch.sort(plan[2], descending=True, stable=True).indices)
     ordered = kernels.promotion_order(order, keys, tids, host_slots, host.memory.meta[0],
                                       plan[1], cache.num_buckets)
     ckeys, ctids, scores, buckets = ordered

@@ -47,7 +47,6 @@ class CudaBackend(KernelBackend):
     #: The widest embedding a group may have (the fused update's shared memory).
     max_dim = MAX_DIM
     free_host_reads = False
-    counts_on_device = True
 
     def __init__(self) -> None:
         super().__init__(CudaKernels())

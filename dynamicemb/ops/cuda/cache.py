@@ -13,7 +13,8 @@ class CacheKernels(KernelLauncher):
     """The cache promotion verbs of ``CudaKernels``."""
 
     def promotion_plan(self, meta, bc, keys, tids, counts, host_slots, one_table, cache_size):
-        """(cache_slots, plan, rank) of a padded batch's promotion (csrc/cuda/cache.cu)."""
+        """(cache_slots, plan, rank, order) of a padded batch's promotion
+        (csrc/cuda/cache.cu; order: the keys by descending rank, a stable sort)."""
         _expect_batch(keys, tids)
         _expect(counts, torch.int64, "counts")
         _expect(host_slots, torch.int64, "host_slots")
@@ -31,7 +32,8 @@ class CacheKernels(KernelLauncher):
         self._launch("demb_cache_rank", dev, max(n, 1), [
             _ptr(counts), _ptr(host_slots), _ptr(cache_slots), _i64(n), _i64(capacity),
             _ptr(cache_size), _ptr(plan), _ptr(rank)])
-        return cache_slots, plan, rank
+        order = torch.sort(rank, descending=True, stable=True).indices
+        return cache_slots, plan, rank, order
 
     def promotion_order(self, order, keys, tids, host_slots, host_keys, plan, num_buckets):
         """The cache call's (keys, tids, scores, buckets) in ``order``."""
