@@ -292,10 +292,8 @@ class EmulatedAccelerator(Accelerator):
         return "ok" if not guard.syncs else f"syncs: {guard.report()}"[:500]
 
     def held_bytes(self) -> Dict[str, int]:
-        """Reachable tensors' bytes, once the emulation has forgotten the tensors
-        behind its launches' pointers (each launch registers its own again; a GPU
-        holds no such map)."""
-        self.kernels._tensors.clear()
+        """Reachable tensors' bytes (after a collection; the emulation holds the
+        tensors behind a launch's pointers only until the launch has run)."""
         gc.collect()
         return {"tensors": live_tensor_bytes()}
 

@@ -115,3 +115,15 @@ def test_a_shifted_or_mistyped_argument_is_caught():
     m = want.index(np.int64, 8)  # the pass's key count, after the table's parameters
     mistyped = want[:m] + [np.int32] + want[m + 1:]
     assert f"argument {m} is int64" in mismatch("demb_upsert", got, mistyped)
+
+
+def test_the_emulation_holds_no_tensor_of_a_finished_launch():
+    """The emulation maps a launch's pointers back to tensors only until the launch
+    has run (a GPU keeps no such map): after launches of every kernel it holds none,
+    so a long test's memory does not grow with its launches."""
+    with emulated_cuda() as kernels:
+        _launch_every_kernel()
+    assert set(kernels.launches) == set(_KERNELS)
+    held = list(kernels._tensors.values()) + list(kernels._launched.values())
+    assert not held, f"{len(held)} tensors held after the launches"
+    assert kernels._probed is None and kernels._placed is None

@@ -20,7 +20,6 @@ so the module takes the paths it takes inside a real capture.
 import contextlib
 from typing import Any, List, Tuple
 
-import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -69,8 +68,7 @@ class EmulatedGraph:
 
         def recorded_launch(name, device, threads, args, shared_mem=0, block=256):
             if threads > 0:  # the pointers' tensors, as they are now
-                tensors = {int(a): kernels._t(a) for a in args
-                           if isinstance(a, np.uint64) and kernels._t(a) is not None}
+                tensors = kernels.tensors_of(args)
                 self.records.append(("launch", name, device, threads, args, shared_mem, block,
                                      tensors))
             self.recording = False  # the emulated kernel's own ops are not the graph's
@@ -97,7 +95,8 @@ class EmulatedGraph:
         for record in self.records:
             if record[0] == "launch":
                 _, name, device, threads, args, shared_mem, block, tensors = record
-                self.kernels._tensors.update(tensors)
+                for tensor in tensors.values():  # the pointers' tensors, taken again
+                    self.kernels.remember(tensor)
                 self.kernels._launch(name, device, threads, args, shared_mem, block)
                 continue
             _, func, args, kwargs, out = record
