@@ -11,7 +11,9 @@ It also counts, for one steady-state step of the CUDA backend's code (run on CPU
 tensors, its kernels emulated: ``test/dynamicemb_testing/cuda_emulation.py``), the
 host synchronizations (by site), the aten ops (and how many would launch a GPU kernel)
 and the CuPy launches, with all rows on the device and with a device cache of 10% of
-the ids. (The emulated step's time is not reported: its kernels run on the CPU.)
+the ids; and the same for the CPU backend's own step (``sync_guard.counted_cpu``:
+its host reads of tensor values, its aten ops and its calls of the extension). (The
+emulated step's time is not reported: its kernels run on the CPU.)
 
 Example::
 
@@ -34,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from dynamicemb import (BatchedDynamicEmbeddingTables, DynamicEmbOptimType,  # noqa: E402
                         DynamicEmbTableOptions)
 from dynamicemb_testing.cuda_emulation import emulated_cuda  # noqa: E402
-from dynamicemb_testing.sync_guard import SyncGuard  # noqa: E402
+from dynamicemb_testing.sync_guard import SyncGuard, counted_cpu  # noqa: E402
 
 
 def parse_args():
@@ -102,10 +104,14 @@ def time_steps(args):
             for name, xs in times.items()}
 
 
-def count_step(args, cache: bool):
-    """Syncs (by site), aten ops, aten launches and CuPy launches of one steady step."""
+COUNTED = {"cuda_emulated": emulated_cuda, "cpu": counted_cpu}
+
+
+def count_step(args, cache: bool, backend: str = "cuda_emulated"):
+    """Syncs (by site), aten ops, aten launches and kernel launches (CuPy's, or the
+    CPU extension's calls) of one steady step of ``backend`` (a key of ``COUNTED``)."""
     data = batches(args, args.count_lookups, 3, seed=1)
-    with emulated_cuda() as kernels:
+    with COUNTED[backend]() as kernels:
         module = dynamic_module(args, cache_rows=args.num_ids // 10 if cache else None)
         for ids, offsets in data:
             step(module, ids, offsets)
@@ -116,14 +122,16 @@ def count_step(args, cache: bool):
         kernels.guard = None
     sites = Counter(s.where.rsplit(" ", 1)[-1] for s in guard.syncs)
     return {"syncs": len(guard.syncs), "sync_sites": dict(sites), "aten_ops": len(guard.ops),
-            "aten_launches": guard.launches(), "cupy_launches": sum(kernels.launches.values())}
+            "aten_launches": guard.launches(), "kernel_launches": sum(kernels.launches.values())}
 
 
 def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
     result = {"args": vars(args), "host_time": time_steps(args),
-              "counts": {"all_rows": count_step(args, False), "cache_10pct": count_step(args, True)}}
+              "counts": {backend: {"all_rows": count_step(args, False, backend),
+                                   "cache_10pct": count_step(args, True, backend)}
+                         for backend in COUNTED}}
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -20,7 +20,9 @@ when any guard fails.
   with the same dedup (``benchmark_embedding_collection.py``, a short run).
 - P5 the CUDA step's host syncs and kernel launches, counted on CPU under the
   emulation (``benchmark_step_overhead.py``): 0 syncs; at most 20 launches of the
-  step's own with all rows on the device, 30 with a 10% cache.
+  step's own with all rows on the device, 30 with a 10% cache. ``P5 cpu``: the same
+  counts, with the same goals, of the CPU backend's own step (its host reads of
+  tensor values; its launches: the extension's calls and the aten ops).
 
 Example::
 
@@ -65,7 +67,7 @@ class Verdict(NamedTuple):
 
     def line(self) -> str:
         mark = "FAIL" if self.failed else ("ok" if self.ratio <= self.goal else "ok (noise)")
-        return (f"{self.name:<12} {self.ratio:8.3f}  [{self.low:.3f}, {self.high:.3f}]  "
+        return (f"{self.name:<15} {self.ratio:8.3f}  [{self.low:.3f}, {self.high:.3f}]  "
                 f"goal <= {self.goal:<6g} {mark:<10} {self.what}")
 
 
@@ -200,16 +202,19 @@ def guard_step_counts() -> List[Verdict]:
     args = SimpleNamespace(dim=128, num_ids=100_000, count_lookups=4096)
     loss = _loss_launches()
     found = []
-    for cache, budget in ((False, 20), (True, 30)):
-        counts = overhead.count_step(args, cache)
-        own = counts["aten_launches"] + counts["cupy_launches"] - loss
-        where = "10% cache" if cache else "all rows on the device"
-        found.append(verdict(f"P5 syncs{' c' if cache else ''}",
-                             f"host syncs of a steady CUDA step, {where} (emulated)",
-                             [counts["syncs"]], 0))
-        found.append(verdict(f"P5 launch{' c' if cache else ''}",
-                             f"kernel launches of the step's own, {where} (emulated)", [own],
-                             budget))
+    for backend, prefix, step, how in (("cuda_emulated", "P5", "CUDA", "(emulated)"),
+                                       ("cpu", "P5 cpu", "CPU", "(the CPU backend's own)")):
+        for cache, budget in ((False, 20), (True, 30)):
+            counts = overhead.count_step(args, cache, backend)
+            own = counts["aten_launches"] + counts["kernel_launches"] - loss
+            where = "10% cache" if cache else "all rows on the device"
+            suffix = " c" if cache else ""
+            found.append(verdict(f"{prefix} syncs{suffix}",
+                                 f"host syncs of a steady {step} step, {where} {how}",
+                                 [counts["syncs"]], 0))
+            found.append(verdict(f"{prefix} launch{suffix}",
+                                 f"kernel launches of the step's own, {where} {how}", [own],
+                                 budget))
     return found
 
 
@@ -237,7 +242,7 @@ def main() -> int:
         verdicts += guard_collection(max(args.reps, 5))
     if "P5" in args.only:
         verdicts += guard_step_counts()
-    print(f"\nguard        ratio    [quartiles]      goal         verdict    what "
+    print(f"\nguard           ratio    [quartiles]      goal         verdict    what "
           f"({torch.get_num_threads()} threads, {time.perf_counter() - started:.0f} s)")
     for v in verdicts:
         print(v.line())

@@ -156,10 +156,13 @@ def test_step_overhead_benchmark(tmp_path):
     assert set(got["host_time"]) == {"dynamicemb", "fbgemm_cpu_tbe"}
     for row in got["host_time"].values():
         assert positive_finite(row["median_us"]) and positive_finite(row["ratio_to_fbgemm"])
-    for layout in ("all_rows", "cache_10pct"):
-        counts = got["counts"][layout]
-        assert counts["syncs"] == sum(counts["sync_sites"].values())
-        assert 0 < counts["aten_launches"] <= counts["aten_ops"] and counts["cupy_launches"] > 0
+    assert set(got["counts"]) == {"cuda_emulated", "cpu"}
+    for backend in got["counts"].values():
+        for layout in ("all_rows", "cache_10pct"):
+            counts = backend[layout]
+            assert counts["syncs"] == sum(counts["sync_sites"].values())
+            assert 0 < counts["aten_launches"] <= counts["aten_ops"]
+            assert counts["kernel_launches"] > 0
 
 
 def test_inference_benchmark():
@@ -217,13 +220,16 @@ def test_external_storage_benchmark():
 
 
 def test_guards_count_the_gpu_step_and_write_verdicts(tmp_path):
-    """guards.py's P5 (counts, not times: the same on every machine) against its
-    budgets, and the JSON verdicts it writes; a verdict fails only past its goal by
-    more than its noise (its lower quartile)."""
+    """guards.py's P5 (counts, not times: the same on every machine) of the emulated
+    CUDA step and of the CPU backend's own against their budgets, and the JSON
+    verdicts it writes; a verdict fails only past its goal by more than its noise
+    (its lower quartile)."""
     out = tmp_path / "guards.json"
     done = run("guards.py", "--only", "P5", "--out", str(out))
     verdicts = json.loads(out.read_text())
-    assert [v["name"] for v in verdicts] == ["P5 syncs", "P5 launch", "P5 syncs c", "P5 launch c"]
+    assert [v["name"] for v in verdicts] == [
+        "P5 syncs", "P5 launch", "P5 syncs c", "P5 launch c",
+        "P5 cpu syncs", "P5 cpu launch", "P5 cpu syncs c", "P5 cpu launch c"]
     for v in verdicts:
         assert v["ratio"] <= v["goal"] and not v["failed"], v
         assert v["name"] in done.stdout

@@ -1,6 +1,8 @@
 """The CUDA backend's training step, run on CPU tensors: its results, its host
 synchronizations and its kernel launches (no GPU needed; see
-``dynamicemb_testing/cuda_emulation.py`` and ``sync_guard.py``).
+``dynamicemb_testing/cuda_emulation.py`` and ``sync_guard.py``); and the CPU
+backend's own step, the same Python, counted the same way (``counted_cpu``: each call
+of the extension is a launch).
 
 A GPU step is host-bound when the host waits for the device. These tests pin the
 synchronizations that remain on a steady-state step to the sites
@@ -16,10 +18,11 @@ import torch
 
 from dynamicemb import DynamicEmbOptimType, DynamicEmbPoolingMode, DynamicEmbScoreStrategy
 from dynamicemb.ops.cuda import CudaKernels
+from dynamicemb.ops.kernels import KernelBackend
 from dynamicemb_testing.cuda_emulation import emulated_cuda
 from dynamicemb_testing.module_reference import (OPTIMIZER_ARGS, TableSpec, export_dict,
                                                  make_tables)
-from dynamicemb_testing.sync_guard import SyncGuard
+from dynamicemb_testing.sync_guard import SyncGuard, counted_cpu
 
 BATCH, BAG = 256, 4  # 1,024 lookups
 # The kernels take the optimizer's scalars as float32 where the CPU's take float64:
@@ -28,7 +31,10 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 # A table that may still grow (``init_capacity`` below ``max_capacity``) reads its
 # counts on the host until it has grown to its most: the check, the unique count,
 # the insert's outcome (which tells whether a full bucket deferred keys to a growth).
-GROWABLE_SYNCS = Counter({"check_offsets": 1, "_dedup": 1, "_passes": 1})
+# The CPU's extension returns the check's problem and the unique keys sized: it
+# reads the outcome only.
+GROWABLE_SYNCS = {"cuda-emulated": Counter({"check_offsets": 1, "_dedup": 1, "_passes": 1}),
+                  "cpu": Counter({"_passes": 1})}
 # One launch each per step, new ids or not: the offsets check, the dedup (3; its
 # numbering also gives the unique keys' buckets and pads), the insert, the new rows'
 # initialization (by status: whether there are new rows is not read), the lookup,
@@ -53,6 +59,27 @@ STEP_LAUNCH_BUDGET = 20
 CACHE_KERNELS = STEP_KERNELS | {"demb_erase_where", "demb_cache_probe", "demb_cache_rank",
                                 "demb_promotion_order", "demb_promote_rows"}
 CACHE_LAUNCH_BUDGET = 30
+# The CPU backend's own step: one extension call each for the offsets check, the
+# dedup and insert, the new rows, the lookup and the backward (summed and updated in
+# one pass). A cache adds the promotion (the victims' erase, the plan, the order, the
+# cache's insert, the rows moved); a placement tier finds the keys it holds and hashes
+# the new ones instead of the plan and the order. Their budgets are the CUDA step's.
+CPU_CALLS = {
+    "all-rows": {"check_offsets", "padded_dedup_upsert", "init_new_rows", "pooled_forward",
+                 "sum_and_update_rows"},
+    "host-rows": {"check_offsets", "padded_dedup_upsert", "init_new_rows", "pooled_forward",
+                  "sum_and_update_rows"},
+}
+CPU_CALLS["cache"] = CPU_CALLS["all-rows"] | {"erase_where", "promotion_plan",
+                                               "promotion_order", "padded_upsert", "promote_rows"}
+CPU_CALLS["placed"] = CPU_CALLS["all-rows"] | {"erase_where", "find", "hash_keys",
+                                                "padded_upsert", "promote_rows"}
+CPU_BUDGET = {"all-rows": STEP_LAUNCH_BUDGET, "host-rows": STEP_LAUNCH_BUDGET,
+              "cache": CACHE_LAUNCH_BUDGET, "placed": CACHE_LAUNCH_BUDGET}
+# Reads of a batch's values the CPU step makes because they cost it nothing
+# (``Backend.free_host_reads``; a GPU step leaves them out): per-sample weights are
+# finite, frequencies are >= 1.
+CPU_DATA_CHECKS = Counter({"_all_finite": 1, "check_frequencies": 1})
 
 
 def _batches(pool: int, count: int, seed: int, hot: bool = False):
@@ -168,16 +195,17 @@ def test_a_steady_step_makes_no_sync(new_ids, optimizer):
     assert other.ops == guard.ops, "the op sequence depends on the number of unique ids"
 
 
-def test_a_table_that_may_grow_reads_its_counts_until_it_cannot():
+@pytest.mark.parametrize("backend", ["cuda-emulated", "cpu"])
+def test_a_table_that_may_grow_reads_its_counts_until_it_cannot(backend):
     """While the table may still grow, a step reads the check, the unique count and
     the outcome (whether a full bucket deferred keys to a growth); once it has grown
     to max_capacity, none."""
-    with emulated_cuda() as kernels:
+    with (emulated_cuda() if backend == "cuda-emulated" else counted_cpu()) as kernels:
         module = _module(capacity=1 << 11, init_capacity=1 << 10)
         ids, offsets = _batches(100, 1, seed=5)[0]
         _step(module, ids, offsets)
         guard = _guarded_step(module, kernels, ids, offsets)
-        assert _sites(guard) == GROWABLE_SYNCS, guard.report()
+        assert _sites(guard) == GROWABLE_SYNCS[backend], guard.report()
         _step(module, *_batches(3000, 1, seed=6)[0])  # grows to its most
         assert module._groups[0].table.capacity() == 1 << 11
         guard = _guarded_step(module, kernels, ids, offsets)
@@ -204,6 +232,72 @@ def test_a_cache_step_makes_no_sync():
     own = guard.launches() - LOSS_LAUNCHES + sum(launches.values())
     assert own <= CACHE_LAUNCH_BUDGET, own
     assert other.ops == guard.ops, "the op sequence depends on the number of unique ids"
+
+
+@pytest.mark.parametrize("layout", list(CPU_CALLS))
+@pytest.mark.parametrize("optimizer", [DynamicEmbOptimType.EXACT_SGD, DynamicEmbOptimType.ADAM],
+                         ids=["sgd", "adam"])
+def test_a_steady_cpu_step_makes_no_sync(optimizer, layout):
+    """The CPU backend's own step (its extension's calls counted as launches): no
+    host read, in the CUDA step's launch budget, and a batch with the same lookup
+    count but other ids (new ones, far fewer unique) makes the same calls and aten
+    ops with the same shapes."""
+    with counted_cpu() as kernels:
+        module = _module(optimizer, **LAYOUTS[layout])
+        batches = _batches(3000, 3, seed=6)
+        for ids, offsets in batches:
+            _step(module, ids, offsets)
+        kernels.calls.clear()
+        guard = _guarded_step(module, kernels, *batches[0])
+        launches, calls = Counter(kernels.launches), list(kernels.calls)
+        ids, offsets = batches[1]
+        kernels.calls.clear()
+        other = _guarded_step(module, kernels, torch.where(ids % 5 == 0, ids + 10_000, 11),
+                              offsets)
+    assert not guard.syncs, guard.report()
+    assert launches == Counter(dict.fromkeys(CPU_CALLS[layout], 1)), launches
+    own = guard.launches() - LOSS_LAUNCHES + sum(launches.values())
+    assert own <= CPU_BUDGET[layout], own
+    assert other.ops == guard.ops, "the aten ops depend on the ids"
+    assert kernels.calls == calls, "the extension's calls depend on the ids"
+
+
+def test_the_cpu_step_reads_only_the_batch_checks():
+    """Per-sample weights and frequencies: the CPU step reads their values (finite,
+    >= 1) and nothing else (LFU scores, which count the frequencies)."""
+    spec = TableSpec(dim=8, max_capacity=1 << 12,
+                     options=dict(score_strategy=DynamicEmbScoreStrategy.LFU))
+    gen = torch.Generator().manual_seed(17)
+    ids, offsets = torch.randint(0, 500, (512,), generator=gen), torch.arange(0, 513, 4)
+    weights = torch.rand(512, generator=gen)
+    freq = torch.randint(1, 5, (512,), generator=gen)
+    with counted_cpu() as kernels:
+        module, _ = make_tables([spec], optimizer=OPTIMIZER_ARGS[DynamicEmbOptimType.EXACT_SGD])
+        for _ in range(2):
+            module(ids, offsets, weights, frequencies=freq).sum().backward()
+        with SyncGuard() as guard:
+            kernels.guard = guard
+            module(ids, offsets, weights, frequencies=freq).sum().backward()
+        kernels.guard = None
+    assert _sites(guard) == CPU_DATA_CHECKS, guard.report()
+
+
+def test_a_sync_put_back_fails_the_cpu_guard(monkeypatch):
+    """The CPU step's guard is not blind: an insert that reads a count is caught."""
+    real = KernelBackend.padded_dedup_upsert
+
+    def padded_dedup_upsert(self, **kwargs):
+        unique, upserted = real(self, **kwargs)
+        int(upserted.status.sum())  # what a careless edit would add
+        return unique, upserted
+
+    monkeypatch.setattr(KernelBackend, "padded_dedup_upsert", padded_dedup_upsert)
+    with counted_cpu() as kernels:
+        module = _module()
+        ids, offsets = _batches(100, 1, seed=7)[0]
+        _step(module, ids, offsets)
+        guard = _guarded_step(module, kernels, ids, offsets)
+    assert [s.what for s in guard.syncs] == ["Tensor.__int__"], guard.report()
 
 
 def test_a_sync_put_back_fails_the_guard(monkeypatch):
@@ -253,11 +347,12 @@ def test_guard_sees_every_kind_of_sync():
 def test_several_groups_make_no_sync(optimizer):
     """Four tables in two groups (two dims): each group takes its part of the whole
     batch (other groups' lookups left out), so nothing is split on the host: no
-    sync, new ids or not, and the CPU backend's outputs and rows."""
+    sync on either backend, new ids or not, and the CPU backend's outputs and rows."""
     specs = [TableSpec(dim=8, max_capacity=1 << 13), TableSpec(dim=16, max_capacity=1 << 13),
              TableSpec(dim=8, max_capacity=1 << 13), TableSpec(dim=16, max_capacity=1 << 13)]
     args = OPTIMIZER_ARGS[optimizer]
-    cpu, _ = make_tables(specs, optimizer=args)
+    with counted_cpu() as counted:
+        cpu, _ = make_tables(specs, optimizer=args)
     with emulated_cuda() as kernels:
         module, _ = make_tables(specs, optimizer=args)
         assert len(module._groups) == 2
@@ -266,12 +361,16 @@ def test_several_groups_make_no_sync(optimizer):
             torch.testing.assert_close(_step(module, batch, offsets), _step(cpu, batch, offsets),
                                        **TOL)
         guard = _guarded_step(module, kernels, ids + 9000, offsets)
-        _step(cpu, ids + 9000, offsets)
+        with counted_cpu(counted):
+            cpu_guard = _guarded_step(cpu, counted, ids + 9000, offsets)
+        cpu_launches = Counter(counted.launches)  # one call per group, the check aside
         for name in module.table_names:
             _assert_same_rows(module, cpu, name)
         assert module.train_steps == cpu.train_steps == 3
         assert module.cache_metrics() == cpu.cache_metrics()
     assert not guard.syncs, guard.report()
+    assert not cpu_guard.syncs, cpu_guard.report()
+    assert set(cpu_launches) == CPU_CALLS["all-rows"], cpu_launches
 
 
 def test_cuda_path_expires_rows_as_the_cpu_backend():
@@ -321,8 +420,9 @@ def test_a_step_with_frequencies_makes_no_sync(strategy):
 @pytest.mark.parametrize("layout", ["all-rows", "cache", "placed", "host-rows"])
 def test_an_eval_step_makes_no_sync(layout):
     """Eval (no insert) finds rows and computes the eval initializer's row of unseen
-    ids in the lookup kernel: no sync, the CPU backend's outputs."""
-    cpu = _module(**LAYOUTS[layout])
+    ids in the lookup kernel: no sync on either backend, the same outputs."""
+    with counted_cpu() as counted:
+        cpu = _module(**LAYOUTS[layout])
     with emulated_cuda() as kernels:
         emulated = _module(**LAYOUTS[layout])
         for ids, offsets in _batches(3000, 2, seed=12):
@@ -331,12 +431,16 @@ def test_an_eval_step_makes_no_sync(layout):
         ids, offsets = _batches(6000, 1, seed=13)[0]  # half of them unseen
         for m in (cpu, emulated):
             m.eval()
-        want = cpu(ids, offsets)
         with SyncGuard() as guard, torch.no_grad():
             kernels.guard = guard
             got = emulated(ids, offsets)
         kernels.guard = None
+    with counted_cpu(counted), SyncGuard() as cpu_guard, torch.no_grad():
+        counted.guard = cpu_guard
+        want = cpu(ids, offsets)
+    counted.guard = None
     assert not guard.syncs, guard.report()
+    assert not cpu_guard.syncs, cpu_guard.report()
     torch.testing.assert_close(got, want, **TOL)
 
 

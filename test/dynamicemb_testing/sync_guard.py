@@ -8,21 +8,27 @@ Python number (its value is copied from host memory), and the ``Tensor`` methods
 hand a value to Python (``item``, ``tolist``, ``cpu``, ``bool``/``int``/``float``).
 Run over CPU tensors (where none of them costs anything) it shows what the same
 code does on a GPU; ``cuda_emulation.emulated_cuda`` routes the CUDA backend's
-code onto CPU tensors for it.
+code onto CPU tensors for it. ``counted_cpu`` counts the CPU backend's own step the
+same way: each call of the extension is a launch, and what it does inside (its C++
+reading its own inputs) is not recorded.
 """
 
 import contextlib
 import os
 import traceback
 from collections import Counter
-from typing import List, NamedTuple, Tuple
+from types import ModuleType
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dynamicemb
+import dynamicemb.ops as ops
+from dynamicemb.ops import cpu_kernels
+from dynamicemb.ops.cpu import CpuBackend
 
-__all__ = ["Sync", "SyncGuard", "LAUNCH_FREE_OPS"]
+__all__ = ["CountedCpuKernels", "LAUNCH_FREE_OPS", "Sync", "SyncGuard", "counted_cpu"]
 
 # Ops that wait for the device: their output's size (or value) depends on data.
 _SYNC_OPS = {
@@ -82,9 +88,7 @@ class _Recorder(TorchDispatchMode):
         guard = self.guard
         if guard.active:
             name = func.overloadpacket.__name__
-            shapes = tuple(tuple(a.shape) for a in _flat(args, kwargs)
-                           if isinstance(a, torch.Tensor))
-            guard.ops.append((name, shapes))
+            guard.ops.append((name, _shapes(args, kwargs)))
             syncs = name in _SYNC_OPS and not (
                 name == "repeat_interleave" and kwargs.get("output_size") is not None)
             if name in ("index", "index_put", "index_put_") and _is_bool_index(
@@ -103,6 +107,10 @@ def _flat(args, kwargs):
             yield from a
         else:
             yield a
+
+
+def _shapes(args, kwargs) -> tuple:
+    return tuple(tuple(a.shape) for a in _flat(args, kwargs) if isinstance(a, torch.Tensor))
 
 
 class SyncGuard:
@@ -170,3 +178,59 @@ class SyncGuard:
         """The synchronizing calls by site, most frequent first."""
         counts = Counter(self.syncs)
         return "\n".join(f"{n} x {s.what} at {s.where}" for s, n in counts.most_common())
+
+
+class CountedCpuKernels:
+    """The CPU extension with every call of a function counted as a launch; a
+    ``guard`` set here is paused while the call runs (the kernel's own work, as an
+    emulated CUDA kernel's).
+
+    Args:
+        kernels: the extension module; default the process's (``cpu_kernels.load``).
+
+    Attributes:
+        launches: function name -> calls so far.
+        calls: (function name, tensor argument shapes) of every call, in order.
+        guard: a ``SyncGuard`` (or None).
+    """
+
+    def __init__(self, kernels: Optional[ModuleType] = None) -> None:
+        self._kernels = kernels if kernels is not None else cpu_kernels.load()
+        self.launches: Counter = Counter()
+        self.calls: List[Tuple[str, tuple]] = []
+        self.guard: Optional[SyncGuard] = None
+
+    def __getattr__(self, name: str):
+        function = getattr(self._kernels, name)
+        if not callable(function):
+            return function
+
+        def launch(*args, **kwargs):
+            self.launches[name] += 1
+            self.calls.append((name, _shapes(args, kwargs)))
+            paused = self.guard.paused() if self.guard is not None else contextlib.nullcontext()
+            with paused:
+                return function(*args, **kwargs)
+
+        return launch
+
+
+@contextlib.contextmanager
+def counted_cpu(kernels: Optional[CountedCpuKernels] = None):
+    """Within: the CPU backend's calls of its extension are counted (modules built
+    inside keep the counted backend).
+
+    Args:
+        kernels: the counter to use again; default a new one.
+
+    Yields:
+        The ``CountedCpuKernels``: set its ``guard`` to the ``SyncGuard`` of a step.
+    """
+    kernels = CountedCpuKernels() if kernels is None else kernels
+    backend = CpuBackend(kernels)
+    saved = ops._cpu
+    ops._cpu = lambda: backend
+    try:
+        yield kernels
+    finally:
+        ops._cpu = saved
