@@ -1,8 +1,8 @@
-"""A module's input check on a GPU step: found by a kernel, raised by the host later.
+"""A module's input check on the padded step: found by a kernel, raised by the host.
 
-A training step that keeps its counts on the device (``Backend.counts_on_device``)
-cannot read whether a batch's offsets are well formed before going on: that read
-would wait for the device. So the check is a kernel that writes the batch's
+A training step that keeps its counts on the device cannot read whether a batch's
+offsets are well formed before going on: on a GPU that read would wait for the
+device. So the check is a kernel that writes the batch's
 problem into an error word in device memory; every later kernel of the step reads
 the word, so a refused batch reads no offsets, pools to zeros and changes no row.
 The word goes to pinned host memory by an asynchronous copy, and the host reads it
@@ -63,7 +63,8 @@ class InputErrors:
 
     Args:
         device: the module's device.
-        at_once: raise in the call that gets a bad batch (a sync per step).
+        at_once: raise in the call that gets a bad batch (on a GPU a sync per step; the
+            CPU reads the word for free and always raises at once).
     """
 
     def __init__(self, device: torch.device, at_once: bool = False) -> None:

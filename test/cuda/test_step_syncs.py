@@ -45,7 +45,7 @@ STEP_KERNELS = {"demb_check_offsets", "demb_dedup_insert", "demb_dedup_first",
 # aten ops that launch a kernel on a step, the test's own loss (5) included: the
 # dedup's fill, scans and sorts, the rank's arange and scatter, the copy of the
 # check's word to the host; new ids add nothing (their rows are initialized by
-# status in one kernel). With the 10 CuPy launches, 19 of the step's own: the
+# status in one kernel). With the 11 CuPy launches (STEP_KERNELS), 20 of the step's own: the
 # issue's budget is 20. (15 and 24 with 3 syncs before the padded step.)
 ATEN_LAUNCH_CEILING = 14
 LOSS_LAUNCHES = 5  # _step's loss: linspace, mul, sum; its backward: ones_like, mul
