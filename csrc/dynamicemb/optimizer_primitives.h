@@ -85,7 +85,13 @@ DEMB_HD void schedule_step(OptimizerParams& p, double lr, int64_t step, double b
   p.decay_scale = static_cast<float>(1.0 - lr * decoupled_decay);
 }
 
-DEMB_HD void sgd_row(float* w, const float* g, int dim, const OptimizerParams& p) {
+// The rows' pointers are __restrict__: a row, its state and its gradient never
+// overlap, and without the promise GCC versions each loop by a run-time overlap
+// check that takes a scalar copy, contracted differently (one ulp), when the
+// gradient lies within a vector of the row: which happened by where the heap put a
+// thread's accumulator (issue 38's flake).
+DEMB_HD void sgd_row(float* __restrict__ w, const float* __restrict__ g, int dim,
+                     const OptimizerParams& p) {
   for (int i = 0; i < dim; ++i) {
     const float gi = g[i] + p.weight_decay * w[i];
     w[i] *= p.decay_scale;
@@ -93,8 +99,8 @@ DEMB_HD void sgd_row(float* w, const float* g, int dim, const OptimizerParams& p
   }
 }
 
-DEMB_HD void adagrad_row(float* w, float* sum, const float* g, int dim,
-                         const OptimizerParams& p) {
+DEMB_HD void adagrad_row(float* __restrict__ w, float* __restrict__ sum,
+                         const float* __restrict__ g, int dim, const OptimizerParams& p) {
   for (int i = 0; i < dim; ++i) {
     const float gi = g[i] + p.weight_decay * w[i];
     sum[i] += gi * gi;
@@ -103,7 +109,8 @@ DEMB_HD void adagrad_row(float* w, float* sum, const float* g, int dim,
   }
 }
 
-DEMB_HD void rowwise_adagrad_row(float* w, float* sum, const float* g, int dim,
+DEMB_HD void rowwise_adagrad_row(float* __restrict__ w, float* __restrict__ sum,
+                                 const float* __restrict__ g, int dim,
                                  const OptimizerParams& p) {
   float sq = 0.f;
   for (int i = 0; i < dim; ++i) {
@@ -119,8 +126,8 @@ DEMB_HD void rowwise_adagrad_row(float* w, float* sum, const float* g, int dim,
   }
 }
 
-DEMB_HD void adam_row(float* w, float* m, float* v, const float* g, int dim,
-                      const OptimizerParams& p) {
+DEMB_HD void adam_row(float* __restrict__ w, float* __restrict__ m, float* __restrict__ v,
+                      const float* __restrict__ g, int dim, const OptimizerParams& p) {
   for (int i = 0; i < dim; ++i) {
     const float gi = g[i] + p.weight_decay * w[i];
     w[i] *= p.decay_scale;  // AdamW: param.mul_(1 - lr * weight_decay) first
