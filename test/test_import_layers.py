@@ -43,11 +43,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
 
 #: Imports that still run up a layer, each with why; the test fails when one is
 #: gone too, so that this list only shrinks.
-KNOWN_UPWARD: Dict[Tuple[str, str], str] = {
-    ("dynamicemb.embedding.upstream_members", "dynamicemb.checkpoint._collective"):
-        "upstream's incremental_dump on the module gathers ranks' rows with the "
-        "checkpoint's Collective (a lazy import)",
-}
+KNOWN_UPWARD: Dict[Tuple[str, str], str] = {}
 
 
 def _modules() -> Dict[str, pathlib.Path]:

@@ -232,9 +232,8 @@ class UpstreamMembers:
             rows[name] = (torch.cat([c.keys for c in chunks]).cpu(),
                           torch.cat([c.embeddings for c in chunks]).cpu())
         if pg is not None:
-            from dynamicemb.checkpoint._collective import Collective  # checkpoint imports us
-
-            gathered = Collective(pg).all_gather((rows, next_scores))
+            gathered = [None] * dist.get_world_size(pg)  # every rank's, in rank order
+            dist.all_gather_object(gathered, (rows, next_scores), group=pg)
             rows = {n: (torch.cat([g[0][n][0] for g in gathered]),
                         torch.cat([g[0][n][1] for g in gathered])) for n in rows}
             next_scores = {n: min(g[1][n] for g in gathered) for n in next_scores}

@@ -40,7 +40,8 @@ def spawns(tmp_path_factory):
     runs = SharedSpawns(str(tmp / "outcomes"))
     # the recipe's straight run first, so that it runs in new processes as documented
     runs.run(2, [("recipe-straight", recipe_workers.straight_run, (recipe, recipe_record)),
-                 save(2), ("round-trip", ckpt_workers.sharded_round_trip, (str(tmp / "round-trip"),))])
+                 save(2), ("round-trip", ckpt_workers.sharded_round_trip, (str(tmp / "round-trip"),)),
+                 ("incremental-gather", ckpt_workers.incremental_dump_gathers_every_rank, ())])
     runs.run(1, [load(2, 1, RESHARDINGS[2][0][1]), load(2, 1, ["row_wise"], str(tmp / "rocks")), save(1)])
     runs.run(4, [load(2, 4, RESHARDINGS[2][1][1]), save(4)])
     # the recipe's resumed run first: "new processes load with the recipe"; then the
@@ -54,6 +55,10 @@ def spawns(tmp_path_factory):
 
 def test_sharded_round_trip_is_exact(spawns):
     spawns.check("round-trip")
+
+
+def test_module_incremental_dump_gathers_every_rank(spawns):
+    spawns.check("incremental-gather")
 
 
 @pytest.mark.parametrize("saved_world", sorted(RESHARDINGS))

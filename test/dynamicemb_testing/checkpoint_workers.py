@@ -185,3 +185,28 @@ def sharded_round_trip(rank: int, world_size: int, directory: str) -> None:
         for x, y in zip(outs_a, outs_b):
             for f in FEATURES:
                 assert torch.equal(x[f], y[f])
+
+
+def incremental_dump_gathers_every_rank(rank: int, world_size: int) -> None:
+    """A module's ``incremental_dump(pg=...)`` (upstream's member) returns every rank's
+    rows touched since the threshold, in rank order, and the lowest next score."""
+    from dynamicemb import BatchedDynamicEmbeddingTablesV2, DynamicEmbTableOptions
+
+    init = DynamicEmbInitializerArgs(mode="normal", std_dev=0.1, seed=3)
+    module = BatchedDynamicEmbeddingTablesV2(
+        [DynamicEmbTableOptions(dim=4, max_capacity=256, initializer_args=init)],
+        table_names=["t"], pooling_mode=2, learning_rate=0.1)
+    ids = torch.tensor([10 * rank + 1, 10 * rank + 2])
+    module(ids, torch.arange(ids.numel() + 1)).sum().backward()
+    rows, next_scores = module.incremental_dump({"t": 0}, pg=dist.group.WORLD)
+    want = [10 * r + k for r in range(world_size) for k in (1, 2)]
+    keys, embeddings = rows["t"]
+    assert sorted(keys.tolist()[2 * rank: 2 * rank + 2]) == [10 * rank + 1, 10 * rank + 2]
+    assert sorted(keys.tolist()) == want and embeddings.shape == (len(want), 4)
+    mine = module.export_keys_values("t")
+    for key, row in zip(keys.tolist(), embeddings):
+        if key in mine.keys.tolist():
+            assert torch.equal(row, mine.embeddings[mine.keys.tolist().index(key)])
+    every = [None] * world_size
+    dist.all_gather_object(every, module.next_score("t"))
+    assert next_scores == {"t": min(every)}
