@@ -278,11 +278,13 @@ class TableGroup:
         train = insert and self.training
         if error is not None and not train:  # eval, padded: rows found, none inserted
             unique = self.ops.padded_dedup(keys=keys, table_ids=tids, error=error, part=part)
-            return Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
-                          counts=unique.counts,
-                          row_ref=self.storage.resolve(unique.keys, unique.table_ids),
-                          init=InitRows(unique.keys, unique.table_ids,
-                                        self.init.spec(False, self.device)))
+            lookup = Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
+                            counts=unique.counts,
+                            row_ref=self.storage.resolve(unique.keys, unique.table_ids))
+            if self.storage.external is not None:  # absent rows may be below: read as
+                return lookup  # transient rows by finish_lookup, from the host
+            return lookup._replace(init=InitRows(unique.keys, unique.table_ids,
+                                                 self.init.spec(False, self.device)))
         if error is not None:
             unique, pending = self.storage.prepare_dedup(keys, tids, frequencies, padded=True,
                                                          error=error, part=part)

@@ -251,17 +251,18 @@ class TieredStorage:
     def counts_on_device(self) -> bool:
         """Whether a training lookup may run padded, every count left on the device
         (``prepare_dedup(padded=True)``, ``commit_padded``): every layout whose
-        tables allow it (``ScoredHashTable.counts_on_device``), with no tier below
-        and an ``initialize_new``."""
+        tables allow it (``ScoredHashTable.counts_on_device``), with an
+        ``initialize_new``. An external tier adds its store calls to the step, from
+        the host: they read what the insert evicted and what it found new (the one
+        layout whose step syncs)."""
         layout = self.device_tier is None or self.device_tier.counts_on_device
-        return (layout and self.external is None and self.initialize_new is not None
-                and self.host.counts_on_device)
+        return layout and self.initialize_new is not None and self.host.counts_on_device
 
     @property
     def finds_on_device(self) -> bool:
-        """Whether ``resolve`` reads nothing on the host (an eval lookup may then run
-        padded): no tier below (its store is called from the host) and no ``ttl``."""
-        return self.external is None and self.host.ttl is None
+        """Whether an eval lookup may run padded: no ``ttl`` (with an external tier,
+        the rows it holds are then read from the host: ``TableGroup.finish_lookup``)."""
+        return self.host.ttl is None
 
     def prepare(self, keys, tids, scores) -> PendingInsert:
         """Phase one: the host store decides keys and scores (may raise; see
@@ -322,12 +323,12 @@ class TieredStorage:
             The host store's result: slots are host slots, on the host store's device.
         """
         result = pending.commit()
-        staged, self._staged = self._staged, None
-        if staged is not None and staged.pending is pending:
-            result = self.external.restore(result, staged, self._on_host(keys),
-                                           self._on_host(tids))
-            self._count_below("external_reads", tids, staged.at)
-            self._count_below("external_writes", result.evicted.table_ids, None)
+        came_back = self._restore_below(pending, result.slots, keys, tids)
+        if came_back is not None and came_back.numel():  # found below: not new after all
+            inserted = result.inserted.clone()
+            inserted[came_back] = False
+            result = result._replace(inserted=inserted, inserted_at=None,
+                                     num_inserted=result.num_inserted - came_back.numel())
         if result.num_inserted and self.initialize is not None:
             new_at = result.inserted_positions()
             self.initialize(self.host.values, result.slots[new_at],
@@ -342,6 +343,18 @@ class TieredStorage:
             self._drop_expired(self._on_host(keys)[result.expired],
                                self._on_host(tids)[result.expired])
         return result
+
+    def _restore_below(self, pending: PendingInsert, slots, keys, tids) -> Optional[torch.Tensor]:
+        """After ``pending`` committed: the rows its first phase found below take their
+        host slots (``ExternalTier.restore``); returns their positions among ``keys``
+        (None without an external tier's part in ``pending``)."""
+        staged, self._staged = self._staged, None
+        if staged is None or staged.pending is not pending:
+            return None
+        came_back = self.external.restore(slots, staged, self._on_host(keys), self._on_host(tids))
+        self._count_below("external_reads", tids, staged.at)
+        self._count_below("external_writes", staged.written, None)
+        return came_back
 
     def commit_padded(self, pending: PendingInsert, keys: torch.Tensor, tids: torch.Tensor,
                       counts: torch.Tensor) -> torch.Tensor:
@@ -363,6 +376,7 @@ class TieredStorage:
         result = pending.commit()
         host_slots = result.slots
         self.initialize_new(self.host.values, host_slots, result.status, keys, tids)
+        self._restore_below(pending, host_slots, keys, tids)  # over the new rows
         several = self.host.num_tables > 1  # then counted per table with masks
         if several:
             self._count_where("lookups", tids, counts > 0)

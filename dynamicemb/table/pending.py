@@ -98,23 +98,37 @@ class PendingInsert:
         """(n,) int64 slots decided by the call, -1 where the insert failed."""
         return self.upserted.slots
 
+    # The counts below are the kernel's own, or, for a padded call, read from its
+    # per-key status on the host (a sync: only a caller that must know asks).
+    def _real(self, mask: torch.Tensor) -> torch.Tensor:
+        """``mask`` without a padded call's padding (count 0)."""
+        return mask if self.padded is None else mask & (self.padded.counts > 0)
+
     @property
     def num_failed(self) -> int:
         """Keys that found no slot."""
-        return self.upserted.failed
+        if self.padded is None:
+            return self.upserted.failed
+        return int(self._real(self.upserted.status == InsertStatus.FAILED).sum())
 
     @property
     def num_new(self) -> int:
         """Keys new to the table (inserted, evicting or not)."""
-        return self.upserted.inserted + self.upserted.evicted
+        if self.padded is None:
+            return self.upserted.inserted + self.upserted.evicted
+        return int(self.new_keys().sum())
 
     def new_keys(self) -> torch.Tensor:
         """(n,) bool, True where the key is new to the table (before ``commit``)."""
-        return _inserted_mask(self.upserted)
+        return self._real(_inserted_mask(self.upserted))
 
     def evicted(self) -> "Entries":
         """The entries this call evicts, with their rows, read before ``commit`` (which
         overwrites them); in input order of the keys that evict them."""
+        if self.padded is not None:
+            return self._read_evicted(
+                self._real(self.upserted.status == InsertStatus.EVICTED_AND_INSERTED).nonzero()
+                .squeeze(1))
         if self.upserted.evicted == 0:
             return self._no_evicted()
         return self._read_evicted()
@@ -191,10 +205,11 @@ class PendingInsert:
         return Entries(keys=empty, table_ids=empty, scores=empty, slots=empty,
                        values=self.table.memory.values[:0])
 
-    def _read_evicted(self) -> Entries:
+    def _read_evicted(self, positions: Optional[torch.Tensor] = None) -> Entries:
         upserted = self.upserted
-        positions = torch.nonzero_static(upserted.status == InsertStatus.EVICTED_AND_INSERTED,
-                                         size=upserted.evicted).squeeze(1)
+        if positions is None:
+            positions = torch.nonzero_static(upserted.status == InsertStatus.EVICTED_AND_INSERTED,
+                                             size=upserted.evicted).squeeze(1)
         slots = upserted.slots[positions]
         return Entries(
             keys=upserted.ev_keys[positions],

@@ -509,3 +509,43 @@ def test_a_prefetch_pipeline_makes_no_sync(layout):
         torch.testing.assert_close(g, w, **TOL)
     for guard in guards:
         assert not guard.syncs, guard.report()
+
+
+# The one layout whose step syncs: an external tier's store is reached from the host,
+# so its step reads what the insert evicted and found new (``PendingInsert``'s counts
+# of a padded call), stages and restores rows (``ExternalTier``), and an eval step
+# reads the rows below of keys the host store lacks. Every sync is at that seam.
+EXTERNAL_SEAM = {"evicted", "num_failed", "num_new", "_stage_below", "_restore_below", "stage",
+                 "restore", "_pack_keys", "_pack_values", "_transient_rows", "fill_from_below",
+                 "get", "put", "delete"}
+
+
+@pytest.mark.parametrize("backend", ["cuda-emulated", "cpu"])
+@pytest.mark.parametrize("cache", [False, True], ids=["host", "cache"])
+def test_an_external_tier_syncs_only_at_its_seam(tmp_path, backend, cache):
+    """A host store of 1,024 rows over RocksDB (and a cache of 256): the padded step,
+    whose only host reads are the store's calls and what they need."""
+    pytest.importorskip("rocksdict", reason="the external tier is tested against the real rocksdict")
+    from dynamicemb.storage.external import RocksDBStorage
+
+    options = dict(external_storage=RocksDBStorage(str(tmp_path / "db")),
+                   local_host_for_values=16 * 4 * 1024)
+    if cache:
+        options.update(local_hbm_for_values=16 * 4 * 256, caching=True)
+    with (emulated_cuda() if backend == "cuda-emulated" else counted_cpu()) as kernels:
+        module, _ = make_tables([TableSpec(dim=16, max_capacity=1 << 13, options=options)],
+                                optimizer=OPTIMIZER_ARGS[DynamicEmbOptimType.EXACT_SGD])
+        batches = _batches(3000, 4, seed=6)
+        for ids, offsets in batches[:3]:
+            _step(module, ids, offsets)
+        assert module._counted(True) and module._counted(False)  # the one step
+        guard = _guarded_step(module, kernels, *batches[3])
+        module.eval()
+        with SyncGuard() as eval_guard:
+            kernels.guard = eval_guard
+            module(*batches[0])
+        kernels.guard = None
+        metrics = module.cache_metrics()["t0"]
+    assert metrics.external_writes > 0 and metrics.external_reads > 0  # rows went down and up
+    assert guard.syncs and set(_sites(guard)) <= EXTERNAL_SEAM, guard.report()
+    assert eval_guard.syncs and set(_sites(eval_guard)) <= EXTERNAL_SEAM, eval_guard.report()

@@ -23,7 +23,7 @@ import torch
 from dynamicemb.ops.interface import Entries
 from dynamicemb.kvstore.store import ExternalStorageError, KVStore
 from dynamicemb.kvstore.store import brief_error as _brief
-from dynamicemb.table import InsertResult, PendingInsert, ScoredHashTable
+from dynamicemb.table import PendingInsert, ScoredHashTable
 from dynamicemb.types import DynamicEmbScoreStrategy
 
 __all__ = ["ExternalTier", "Staged"]
@@ -43,6 +43,7 @@ class Staged(NamedTuple):
     at: torch.Tensor
     scores: torch.Tensor
     rows: torch.Tensor
+    written: torch.Tensor  # (v,) the table ids of the victims written below
 
 
 class ExternalTier:
@@ -99,34 +100,39 @@ class ExternalTier:
         empty = torch.empty(0, dtype=torch.int64)
         new_at = pending.new_keys().nonzero().squeeze(1) if pending.num_new else empty
         if new_at.numel() == 0:
-            return Staged(pending, empty, empty, torch.empty(0, self.store.row_width))
+            return Staged(pending, empty, empty, torch.empty(0, self.store.row_width),
+                          victims.table_ids)
         found, rows = self._call("read rows", self.store.get, keys[new_at].cpu(),
                                  tids[new_at].cpu())
-        return Staged(pending, new_at[found.to(new_at.device)], rows.scores, rows.rows)
+        return Staged(pending, new_at[found.to(new_at.device)], rows.scores, rows.rows,
+                      victims.table_ids)
 
-    def restore(self, result: InsertResult, staged: Staged, keys: torch.Tensor,
-                tids: torch.Tensor) -> InsertResult:
-        """Phase two, after the host store committed: the rows found below take their
-        host slots with their scores (LFU adds the stored count to this batch's), are
-        no longer new, and are deleted below.
+    def restore(self, slots: torch.Tensor, staged: Staged, keys: torch.Tensor,
+                tids: torch.Tensor) -> torch.Tensor:
+        """Phase two, after the host store committed and initialized its new rows: the
+        rows found below take their host slots with their scores (LFU adds the stored
+        count to this batch's) and are deleted below.
+
+        Args:
+            slots: (n,) the committed insert's host slots of ``keys``.
+            staged: what ``stage`` fetched for that insert.
+            keys, tids: (n,) the prepared keys.
 
         Returns:
-            ``result`` with those keys no longer counted as inserted.
+            (r,) positions among ``keys`` of those rows, which are not new to the
+            table after all.
         """
-        if staged.at.numel() == 0:
-            return result
         device = self.host.device
         at = staged.at.to(device)
-        slots = result.slots[at]
+        if at.numel() == 0:
+            return at
+        slots = slots[at]
         self.host.values[slots] = staged.rows.to(device)
         if self.host.score_strategy == DynamicEmbScoreStrategy.LFU:  # counts add up
             self.host.set_scores_at(slots, staged.scores.to(device) + self.host.scores_at(slots))
         # the other strategies give a key the same score whether it was found or new
-        inserted = result.inserted.clone()
-        inserted[at] = False
         self._delete_below(keys[at].cpu(), tids[at].cpu())
-        return result._replace(inserted=inserted, inserted_at=None,
-                               num_inserted=result.num_inserted - at.numel())
+        return at
 
     def _delete_below(self, keys: torch.Tensor, tids: torch.Tensor) -> None:
         try:
