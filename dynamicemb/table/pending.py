@@ -18,10 +18,12 @@ __all__ = ["InsertingTable", "PaddedCall", "PendingInsert"]
 class PaddedCall(NamedTuple):
     """What a padded call (``prepare_dedup_find_or_insert(padded=True)``) needs to be
     undone: its input-check word (None: none) and its dedup's counts (N,), 0 for
-    padding."""
+    padding; with ``admit``, ``admitted`` (N,) bool: the keys its pass took (the
+    others are not in it, like padding), else None."""
 
     error: Optional[torch.Tensor]
     counts: torch.Tensor
+    admitted: Optional[torch.Tensor] = None
 
 
 class InsertingTable(Protocol):
