@@ -242,9 +242,9 @@ class TableGroup:
     # ------------------------------------------------------------- lookup
     def counts_on_device(self, insert: bool) -> bool:
         """Whether a lookup (training when ``insert``) may run with every size and count
-        left on the device: a training lookup of a group without admission or
-        CUSTOMIZED scores whose storage allows it (``TieredStorage.counts_on_device``;
-        admission decides on the device too), or an eval lookup whose storage finds
+        left on the device: a training lookup of a group without CUSTOMIZED scores
+        whose storage allows it (``TieredStorage.counts_on_device``; admission decides
+        on the device too), or an eval lookup whose storage finds
         rows on the device (``TieredStorage.finds_on_device``). Then ``begin_lookup``
         takes the module's error word."""
         if not (insert and self.training):
