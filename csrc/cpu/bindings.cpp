@@ -88,17 +88,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "padded_dedup",
       [](const at::Tensor& keys, const at::Tensor& tids, const c10::optional<at::Tensor>& error,
-         const py::object& part) {
+         const py::object& part, const c10::optional<at::Tensor>& frequencies, bool group,
+         const c10::optional<at::Tensor>& time) {
         const auto fields = part_fields(part);
-        return c::padded_dedup(keys, tids, error, fields.first, fields.second);
+        return c::padded_dedup(keys, tids, frequencies, group, error, time, fields.first,
+                               fields.second);
       },
-      "dedup padded to n", py::arg("keys"), py::arg("tids"), py::arg("error"),
-      py::arg("part") = py::none());
+      "dedup padded to n (grouped when asked; a table's time advanced)", py::arg("keys"),
+      py::arg("tids"), py::arg("error"), py::arg("part") = py::none(),
+      py::arg("frequencies") = py::none(), py::arg("group") = false,
+      py::arg("time") = py::none());
   m.def("padded_upsert", &c::padded_upsert,
         "one inserting pass over unique keys with their buckets given", py::arg("meta"),
         py::arg("bc"), py::arg("keys"), py::arg("tids"), py::arg("scores"), py::arg("rule"),
         py::arg("evicts"), py::arg("one_table"), py::arg("buckets"), py::arg("outcomes"),
-        py::arg("size"));
+        py::arg("size"), py::arg("time") = py::none(), py::arg("now_index") = 0);
   m.def("erase_where", &c::erase_where, "erase the keys of a status; count them",
         py::arg("meta"), py::arg("bc"), py::arg("keys"), py::arg("tids"), py::arg("status"),
         py::arg("which"), py::arg("erased"), py::arg("size"));

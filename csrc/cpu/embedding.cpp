@@ -253,8 +253,8 @@ using UniqueTuple =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // `dedup` and `padded_dedup`: the unique arrays have n entries, narrowed to the U
-// pairs unless `padded` (then the rest is padding, pad_unique). A `refused` batch
-// (padded only) has no pair.
+// pairs unless `padded` (then the rest is padding, pad_unique, and with `group`
+// starts has n + 1 entries). A `refused` batch (padded only) has no pair.
 UniqueTuple dedup_lookups(const at::Tensor& keys, const at::Tensor& tids,
                           const c10::optional<at::Tensor>& frequencies, bool group, bool padded,
                           bool refused, const BatchPart& part) {
@@ -271,25 +271,23 @@ UniqueTuple dedup_lookups(const at::Tensor& keys, const at::Tensor& tids,
   auto inverse = at::empty({n}, keys.options());
   auto starts = at::empty({group ? n + 2 : 0}, keys.options());
   auto rank = at::empty({group ? n : 0}, keys.options());
+  int64_t* starts_at = group ? starts.data_ptr<int64_t>() : nullptr;
+  int64_t* rank_at = group ? rank.data_ptr<int64_t>() : nullptr;
   const DedupOut out{ukeys.data_ptr<int64_t>(), utids.data_ptr<int16_t>(), nullptr,
                      counts.data_ptr<int64_t>(), inverse.data_ptr<int64_t>()};
   if (refused) {
-    refuse_unique(out, n, nullptr, nullptr, part);
-    return {ukeys, utids, inverse, counts, starts, rank};
+    refuse_unique(out, n, starts_at, rank_at, part);
+    return {ukeys, utids, inverse, counts, group ? starts.narrow(0, 0, n + 1) : starts, rank};
   }
   const int64_t u = DedupSet(n).run(keys.data_ptr<int64_t>(), tids.data_ptr<int16_t>(), freq,
                                     n, out, n + 1, [](int64_t) {}, part);
-  if (group) {
-    group_by_unique(inverse.data_ptr<int64_t>(), n, u, starts.data_ptr<int64_t>(),
-                    rank.data_ptr<int64_t>());
-    starts = starts.narrow(0, 0, u + 1);
-  }
+  if (group) group_by_unique(inverse.data_ptr<int64_t>(), n, u, starts_at, rank_at);
   if (padded) {
-    pad_unique(out, u, n, nullptr);
-    return {ukeys, utids, inverse, counts, starts, rank};
+    pad_unique(out, u, n, starts_at);
+    return {ukeys, utids, inverse, counts, group ? starts.narrow(0, 0, n + 1) : starts, rank};
   }
-  return {ukeys.narrow(0, 0, u), utids.narrow(0, 0, u), inverse, counts.narrow(0, 0, u), starts,
-          rank};
+  return {ukeys.narrow(0, 0, u), utids.narrow(0, 0, u), inverse, counts.narrow(0, 0, u),
+          group ? starts.narrow(0, 0, u + 1) : starts, rank};
 }
 
 void check_lookups(const at::Tensor& keys, const at::Tensor& tids) {
@@ -314,16 +312,30 @@ UniqueTuple dedup(const at::Tensor& keys, const at::Tensor& tids,
   return dedup_lookups(keys, tids, frequencies, group, false, false, BatchPart{});
 }
 
-// `dedup` (not grouped) padded to the N lookups, as DedupKernels.padded_dedup:
-// (unique_keys (N,), unique_tids (N,), inverse (N,), counts (N,), empty, empty),
-// entries past the U pairs key 0, table 0, count 0. A batch the error word refuses
-// has no pair (inverse -1); lookups of other groups than part's get inverse -1.
+// `dedup` padded to the N lookups, as DedupKernels.padded_dedup: (unique_keys (N,),
+// unique_tids (N,), inverse (N,), counts (N,), starts (N + 1,), rank (N,)), starts
+// and rank empty unless `group`; entries past the U pairs key 0, table 0, count 0
+// (starts: the lookup count). A batch the error word refuses has no pair (inverse
+// -1); lookups of other groups than part's get inverse -1. `time` (2,) int64 (a
+// table's clock and step; None: none) advances by one unless the batch is refused.
 UniqueTuple padded_dedup(const at::Tensor& keys, const at::Tensor& tids,
+                         const c10::optional<at::Tensor>& frequencies, bool group,
                          const c10::optional<at::Tensor>& error,
+                         const c10::optional<at::Tensor>& time,
                          const c10::optional<at::Tensor>& part_groups, int64_t part_group) {
   check_lookups(keys, tids);
   const BatchPart part = batch_part(part_groups, part_group, keys.numel());
-  return dedup_lookups(keys, tids, c10::nullopt, false, true, is_refused(error), part);
+  const bool refused = is_refused(error);
+  if (time.has_value()) {
+    check_tensor(*time, at::kLong, "time");
+    TORCH_CHECK(time->numel() == 2, "time holds a clock and a step");
+    if (!refused) {
+      int64_t* clock_and_step = time->data_ptr<int64_t>();
+      ++clock_and_step[0];
+      ++clock_and_step[1];
+    }
+  }
+  return dedup_lookups(keys, tids, frequencies, group, true, refused, part);
 }
 
 // out[rows[i], 0:dim] = initializer(table, keys[i], column) for every i.

@@ -496,16 +496,25 @@ PaddedDedupUpserted padded_dedup_upsert(
 
 // One inserting pass over unique keys (n,) whose buckets (n,) int32 are given, as
 // HashTableKernels.padded_upsert: a position of bucket kNoBucket is padding (slot
-// -1, kFailed, counted nowhere). The table cannot grow; the call's time is 0 (the
-// clock rule scores 0). outcomes (4,) += the outcome counts, size (1,) += the
-// inserts into empty slots. Returns (slots, status, prev_scores, ev_keys, ev_tids,
-// ev_scores), (n,) each.
+// -1, kFailed, counted nowhere). The table cannot grow; the call's time (the clock
+// rule's score) is time[now_index] (time (2,) int64, a table's clock and step), 0
+// without `time`. outcomes (4,) += the outcome counts, size (1,) += the inserts into
+// empty slots. Returns (slots, status, prev_scores, ev_keys, ev_tids, ev_scores),
+// (n,) each.
 PassResult padded_upsert(const std::vector<at::Tensor>& meta, int64_t bc,
                          const at::Tensor& keys, const at::Tensor& tids,
                          const c10::optional<at::Tensor>& scores, int64_t rule, bool evicts,
                          bool one_table, const at::Tensor& buckets, at::Tensor& outcomes,
-                         at::Tensor& size) {
+                         at::Tensor& size, const c10::optional<at::Tensor>& time,
+                         int64_t now_index) {
   check_batch(keys, tids);
+  int64_t now = 0;
+  if (time.has_value()) {
+    check_tensor(*time, at::kLong, "time");
+    TORCH_CHECK(time->numel() == 2 && (now_index == 0 || now_index == 1),
+                "time holds a clock and a step; now_index picks one");
+    now = time->data_ptr<int64_t>()[now_index];
+  }
   const int64_t n = keys.numel();
   check_tensor(buckets, at::kInt, "buckets");
   TORCH_CHECK(buckets.numel() == n, "buckets are given for every key of a pass: (", n,
@@ -531,7 +540,7 @@ PassResult padded_upsert(const std::vector<at::Tensor>& meta, int64_t bc,
   }
   TORCH_CHECK(rule == 0 || scores.has_value(), "the count and given-score rules need scores");
   const int64_t inserted_before = counted[kInserted];
-  with_rule(rule, 0, [&](const auto& score) {
+  with_rule(rule, static_cast<uint64_t>(now), [&](const auto& score) {
     upsert_all(v, a, score, nullptr, n, buckets.data_ptr<int32_t>(), counted);
   });
   *table_size += counted[kInserted] - inserted_before;

@@ -59,12 +59,14 @@ PaddedDedupUpserted padded_dedup_upsert(
     const c10::optional<at::Tensor>& error, at::Tensor& outcomes, at::Tensor& size,
     const c10::optional<at::Tensor>& part_groups, int64_t part_group);
 // One inserting pass over unique keys with their buckets given (kNoBucket: padding)
-// into a table that cannot grow; outcomes (4,) and size (1,) advance.
+// into a table that cannot grow; outcomes (4,) and size (1,) advance. time (None:
+// the call's time is 0) and now_index: the call's time is time[now_index].
 PassResult padded_upsert(const std::vector<at::Tensor>& meta, int64_t bc,
                          const at::Tensor& keys, const at::Tensor& tids,
                          const c10::optional<at::Tensor>& scores, int64_t rule, bool evicts,
                          bool one_table, const at::Tensor& buckets, at::Tensor& outcomes,
-                         at::Tensor& size);
+                         at::Tensor& size, const c10::optional<at::Tensor>& time,
+                         int64_t now_index);
 // Clears the pinned bit of every slot >= 0 of slots (n,).
 void unpin(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& slots);
 // Reverts an inserting call from what its passes wrote (each (n,)), newest first.
@@ -138,11 +140,13 @@ c10::optional<int64_t> check_offsets(const at::Tensor& offsets, int64_t num_indi
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(
     const at::Tensor& keys, const at::Tensor& tids,
     const c10::optional<at::Tensor>& frequencies, bool group);
-// dedup (not grouped) padded to the n keys: (unique_keys, unique_tids, inverse,
-// counts, empty, empty), (n,) each; a refused batch (error word) has no pair.
+// dedup padded to the n keys: (unique_keys, unique_tids, inverse, counts, starts,
+// rank), (n,) each but starts (n + 1,), both empty unless `group`; a refused batch
+// (error word) has no pair; time (2,) (None: none) advances by one unless refused.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 padded_dedup(const at::Tensor& keys, const at::Tensor& tids,
-             const c10::optional<at::Tensor>& error,
+             const c10::optional<at::Tensor>& frequencies, bool group,
+             const c10::optional<at::Tensor>& error, const c10::optional<at::Tensor>& time,
              const c10::optional<at::Tensor>& part_groups, int64_t part_group);
 // values[slots[i]] = the full initial row [initializer (dim) | state_value] of each
 // key whose status is kInserted or kEvictedAndInserted; init_ints (T, 3) and

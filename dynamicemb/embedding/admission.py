@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import torch
 
-from dynamicemb.ops.interface import Entries
+from dynamicemb.ops.interface import Entries, InsertStatus
 from dynamicemb.options import DynamicEmbInitializerArgs, FrequencyAdmissionStrategy, KVCounter
 from dynamicemb.table import ScoredHashTable
 from dynamicemb.types import DynamicEmbScoreStrategy
@@ -39,6 +39,18 @@ class Counter(abc.ABC):
     @abc.abstractmethod
     def erase(self, keys: torch.Tensor, table_ids: torch.Tensor) -> None:
         """Forgets the counts of keys."""
+
+    @abc.abstractmethod
+    def add_where(self, keys: torch.Tensor, table_ids: torch.Tensor,
+                  frequencies: torch.Tensor, mask: torch.Tensor) -> None:
+        """``add`` of the unique keys where ``mask`` (n,) bool, nothing read on the host
+        (a padded step: ``table_ids`` int16 from its dedup)."""
+
+    @abc.abstractmethod
+    def erase_where(self, keys: torch.Tensor, table_ids: torch.Tensor,
+                    mask: torch.Tensor) -> None:
+        """``erase`` of the unique keys where ``mask`` (n,) bool, nothing read on the
+        host."""
 
     @abc.abstractmethod
     def memory_usage(self) -> int:
@@ -90,7 +102,7 @@ class HashCounter(Counter):
         self.table.set_clock(clock)
 
     def counts(self, keys, table_ids):
-        slots = self.table.find(keys, table_ids)
+        slots = self.table.find(keys, table_ids, checked=True)  # a dedup's table ids
         return torch.where(slots >= 0, self.table.values[slots.clamp(min=0), 0],
                            torch.zeros((), dtype=torch.float64, device=keys.device))
 
@@ -103,8 +115,30 @@ class HashCounter(Counter):
         out[ok] = self.table.values[counted.slots[ok], 0]
         return out
 
+    def add_where(self, keys, table_ids, frequencies, mask):
+        table = self.table
+        # an inserting call of the table's own (its clock ticks) when any key is added
+        upserted = table.padded_upsert(
+            keys, table_ids, frequencies if self.lowest_first else None,
+            table.buckets_where(keys, table_ids, mask), tick=mask.any().to(torch.int64))
+        # count += frequency (a new key: = frequency, over the row of the key it
+        # replaced): index_add_ of integers in float64 is exact in any order, and a
+        # key left out adds 0 to slot 0
+        column = table.values[:, 0]
+        slots = upserted.slots.clamp(min=0)
+        added = frequencies.to(torch.float64)
+        status = upserted.status
+        new = (status - InsertStatus.INSERTED).view(torch.uint8) < 2  # INSERTED, EVICTED_...
+        delta = torch.where(status == InsertStatus.HIT, added,
+                            torch.where(new, added - column[slots], 0.0))
+        column.index_add_(0, slots, delta)
+
     def erase(self, keys, table_ids):
         self.table.erase(keys, table_ids)
+
+    def erase_where(self, keys, table_ids, mask):
+        # the mask as a status whose erased value is 1
+        self.table.padded_erase(keys, table_ids, mask.to(torch.int8), InsertStatus.INSERTED)
 
     def memory_usage(self) -> int:
         return sum(self.table.memory_bytes().values())
@@ -153,15 +187,17 @@ class Admission:
 
     def admitted(self, stored: torch.Tensor, keys: torch.Tensor, tids: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:
-        """Mask of unique keys that may be stored (read-only): those already ``stored``
-        (a bool mask), and new ones whose counted occurrences, with this batch's,
-        reach the threshold."""
-        admitted = stored.clone()
-        new = (~admitted).nonzero().squeeze(1)
-        if new.numel():
-            seen = self.counter.counts(keys[new], tids[new])
-            admitted[new] = seen + counts[new].double() >= self.threshold
-        return admitted
+        """Mask of unique keys that may be stored (read-only, nothing read on the
+        host): those already ``stored`` (a bool mask), and new ones whose counted
+        occurrences, with this batch's, reach the threshold.
+
+        Args:
+            stored (Tensor): (n,) bool.
+            keys (Tensor): (n,) int64 and tids (Tensor): (n,) int16, from a dedup.
+            counts (Tensor): (n,) int64 this batch's occurrences.
+        """
+        seen = self.counter.counts(keys, tids)
+        return stored | (seen + counts.double() >= self.threshold)
 
     def count(self, keys: torch.Tensor, tids: torch.Tensor, counts: torch.Tensor,
               admitted: torch.Tensor, stored_now: torch.Tensor) -> None:
@@ -171,6 +207,16 @@ class Admission:
         waiting = (~admitted).nonzero().squeeze(1)
         if waiting.numel():
             self.counter.add(keys[waiting], tids[waiting], counts[waiting])
+
+    def count_on_device(self, keys: torch.Tensor, tids: torch.Tensor, counts: torch.Tensor,
+                        admitted: torch.Tensor, status: torch.Tensor) -> None:
+        """``count`` after a padded insert, nothing read on the host: forgets the
+        counters of keys it stored (``status`` (N,) INSERTED or EVICTED_AND_INSERTED)
+        and adds this batch's occurrences of keys still waiting (``admitted`` False,
+        ``counts`` (N,) > 0: not padding)."""
+        stored_now = (status - InsertStatus.INSERTED).view(torch.uint8) < 2
+        self.counter.erase_where(keys, tids, stored_now)
+        self.counter.add_where(keys, tids, counts, (counts > 0) & ~admitted)
 
     # ---------------------------------------------------------- checkpoints
     def export(self, tid: int) -> Entries:

@@ -24,7 +24,7 @@ from dynamicemb.options import (DynamicEmbOptimizerArgs, DynamicEmbOptimType, Dy
 from dynamicemb.storage import TieredStorage
 from dynamicemb.storage.external import ExternalStorageError, namespace_of, open_store
 from dynamicemb.storage.external.tier import ExternalTier
-from dynamicemb.table import PendingInsert, ScoredHashTable
+from dynamicemb.table import MAX_TABLES, PendingInsert, ScoredHashTable
 from dynamicemb.table.device_counts import DeviceCounters, capturing
 from dynamicemb.types import DynamicEmbScoreStrategy
 
@@ -117,7 +117,8 @@ class Lookup(NamedTuple):
         the lookup does not train; row_ref: (U,) where each unique row lives
         (``dynamicemb.storage``; -(t + 1) for row t of ``transient``, [T, dim]);
         generation: the storage's when looked up; insert: the prepared insert until
-        it is committed; admitted: (U,) bool, None without admission.
+        it is committed; admitted: (U,) bool (padded: (N,), the keys the insert
+        took), None without admission.
 
         A padded lookup (``TableGroup.counts_on_device``) has N entries where others
         have U: the unique rows, then padding (no lookup, reference -1); ``init``
@@ -241,16 +242,17 @@ class TableGroup:
     # ------------------------------------------------------------- lookup
     def counts_on_device(self, insert: bool) -> bool:
         """Whether a lookup (training when ``insert``) may run with every size and count
-        left on the device: a training lookup of a group without admission or
-        CUSTOMIZED scores whose storage allows it (``TieredStorage.counts_on_device``),
-        or an eval lookup whose storage finds rows on the device
-        (``TieredStorage.finds_on_device``). Then ``begin_lookup`` takes the module's
-        error word."""
+        left on the device: a training lookup of a group without CUSTOMIZED scores
+        whose storage allows it (``TieredStorage.counts_on_device``; admission decides
+        on the device too), or an eval lookup whose storage finds
+        rows on the device (``TieredStorage.finds_on_device``). Then ``begin_lookup``
+        takes the module's error word."""
         if not (insert and self.training):
             return self.storage.finds_on_device
-        return (self.admission is None
-                and self.score_strategy != DynamicEmbScoreStrategy.CUSTOMIZED
-                and self.storage.counts_on_device)
+        return (self.score_strategy != DynamicEmbScoreStrategy.CUSTOMIZED
+                and self.storage.counts_on_device
+                # keys not admitted read spec rows T + t (int16 table ids)
+                and (self.admission is None or 2 * len(self.table_indices) <= MAX_TABLES + 1))
 
     def begin_lookup(self, keys: torch.Tensor, tids: torch.Tensor, insert: bool,
                      frequencies: Optional[torch.Tensor] = None,
@@ -286,13 +288,13 @@ class TableGroup:
             return lookup._replace(init=InitRows(unique.keys, unique.table_ids,
                                                  self.init.spec(False, self.device)))
         if error is not None:
-            unique, pending = self.storage.prepare_dedup(keys, tids, frequencies, padded=True,
-                                                         error=error, part=part)
+            unique, pending = self.storage.prepare_dedup(
+                keys, tids, frequencies, padded=True, error=error, part=part,
+                admit=None if self.admission is None else self._admit)
             return Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
                           counts=unique.counts, starts=unique.starts, rank=unique.rank,
-                          insert=pending,
-                          init=InitRows(unique.keys, unique.table_ids,
-                                        self.init.spec(True, self.device)))
+                          insert=pending, admitted=pending.padded.admitted,
+                          init=self._computed_rows(unique, pending.padded.admitted))
         if (train and self.admission is None
                 and self.score_strategy != DynamicEmbScoreStrategy.CUSTOMIZED):
             # Nothing to decide between the dedup and the insert: one overlapped call.
@@ -320,6 +322,24 @@ class TableGroup:
         return lookup._replace(insert=self.storage.prepare(keys_in, tids_in, scores),
                                admitted=admitted)
 
+    def _admit(self, unique, stored: torch.Tensor) -> torch.Tensor:
+        """The admission of a padded lookup's unique keys (``stored``: in the host
+        store; a key an external tier holds is stored too)."""
+        stored = self.storage.or_below(unique.keys, unique.table_ids, stored, unique.counts > 0)
+        return self.admission.admitted(stored, unique.keys, unique.table_ids, unique.counts)
+
+    def _computed_rows(self, unique, admitted: Optional[torch.Tensor]) -> InitRows:
+        """The initializers of a padded training lookup's rows without a slot: the
+        tables' (a failed insert), and for keys not admitted the admission's
+        initializer where it has one (table id T + t of the spec)."""
+        args = None if self.admission is None else self.admission.initializer_args
+        if args is None:
+            return InitRows(unique.keys, unique.table_ids, self.init.spec(True, self.device))
+        waiting = (unique.counts > 0) & ~admitted
+        tids = torch.where(waiting, unique.table_ids + len(self.table_indices),
+                           unique.table_ids)
+        return InitRows(unique.keys, tids, self.init.spec(True, self.device, others=args))
+
     def abort_lookup(self, lookup: Lookup) -> None:
         if lookup.insert is not None:
             lookup.insert.abort()
@@ -330,8 +350,13 @@ class TableGroup:
         rows."""
         keys, tids = lookup.keys, lookup.tids
         if lookup.init is not None:  # padded: rows of absent keys are computed where read
-            refs = lookup.row_ref if lookup.insert is None else self.storage.commit_padded(
-                lookup.insert, keys, tids, lookup.counts)
+            refs = lookup.row_ref
+            if lookup.insert is not None:
+                status = lookup.insert.upserted.status
+                refs = self.storage.commit_padded(lookup.insert, keys, tids, lookup.counts)
+                if lookup.admitted is not None:
+                    self.admission.count_on_device(keys, tids, lookup.counts, lookup.admitted,
+                                                   status)
             return lookup._replace(row_ref=refs, transient=self._no_transient,
                                    generation=self.storage.generation, insert=None)
         if lookup.insert is None:

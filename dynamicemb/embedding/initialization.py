@@ -29,13 +29,16 @@ def init_stream(table_name: str) -> int:
 
 
 def init_spec(names: Sequence[str], options: Sequence[DynamicEmbTableOptions],
-              train: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+              train: bool = False, args: Optional[DynamicEmbInitializerArgs] = None,
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(T, 3) int64 (stream, mode code, seed) and (T, 5) float64 (mean, std_dev, lower,
-    upper, value) of each table's eval initializer (``train``: its training one), as
-    the kernels take them (``InitSpec``, in float32 there)."""
+    upper, value) of each table's eval initializer (``train``: its training one;
+    ``args``: that one for every table, with the table's stream and bounds), as the
+    kernels take them (``InitSpec``, in float32 there)."""
     ints, floats = [], []
+    given = args
     for name, o in zip(names, options):
-        args = o.initializer_args if train else o.eval_initializer_args
+        args = given if given is not None else o.initializer_args if train else o.eval_initializer_args
         lower, upper = args.bounds(o.max_capacity)
         ints.append([init_stream(name), init_mode_code(args.mode), args.seed])
         floats.append([args.mean, args.std_dev, lower, upper, args.value])
@@ -81,12 +84,18 @@ class RowInitializer:
         self._names, self._options = list(table_names), list(options)
         self._specs = {}  # (train, device) -> InitSpec
 
-    def spec(self, train: bool, device: torch.device) -> InitSpec:
+    def spec(self, train: bool, device: torch.device,
+             others: Optional[DynamicEmbInitializerArgs] = None) -> InitSpec:
         """The tables' training (or eval) initializers packed for the kernels, on
-        ``device`` (built once)."""
-        key = (train, device)
+        ``device`` (built once). ``others``: T more rows follow, table t's with
+        ``others`` (the rows of table id T + t: keys that admission has not
+        admitted yet read ``transient(..., args=others)``'s rows there)."""
+        key = (train, device, None if others is None else repr(others))  # not hashable
         if key not in self._specs:
             ints, floats = init_spec(self._names, self._options, train)
+            if others is not None:
+                more_ints, more_floats = init_spec(self._names, self._options, args=others)
+                ints, floats = torch.cat([ints, more_ints]), torch.cat([floats, more_floats])
             self._specs[key] = InitSpec(ints.to(device), floats.to(device, torch.float32))
         return self._specs[key]
 

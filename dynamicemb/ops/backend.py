@@ -116,20 +116,34 @@ class Backend(abc.ABC):
 
     def padded_dedup(self, *, keys: torch.Tensor, table_ids: torch.Tensor,
                      error: Optional[torch.Tensor],
-                     part: Optional["BatchPart"] = None) -> Deduplicated:
-        """``dedup`` (not grouped) padded to the N keys, the unique count left on the
-        device; ``error``: a batch whose word is set has no unique key; ``part``:
-        only the keys of one group."""
+                     part: Optional["BatchPart"] = None,
+                     frequencies: Optional[torch.Tensor] = None, group: bool = False,
+                     time: Optional[torch.Tensor] = None) -> Deduplicated:
+        """``dedup`` padded to the N keys, the unique count left on the device;
+        ``error``: a batch whose word is set has no unique key; ``part``: only the
+        keys of one group.
+
+        Args:
+            frequencies (Tensor, optional): (N,) int64, summed into the counts.
+            group: the lookups grouped by unique key too (``starts`` (N + 1,): past
+                the U keys, the lookup count; ``rank`` (N,)); else both None.
+            time (Tensor, optional): (2,) int64, a table's clock and step, advanced
+                by one unless ``error`` refuses the batch (as by
+                ``padded_dedup_upsert``, for a pass that follows).
+        """
         raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
     def padded_upsert(self, *, memory: TableMemory, keys: torch.Tensor,
                       table_ids: torch.Tensor, scores: Optional[torch.Tensor],
                       buckets: torch.Tensor, rule: ScoreRule, evicts: bool, one_table: bool,
-                      outcomes: torch.Tensor, size: torch.Tensor) -> Upserted:
+                      outcomes: torch.Tensor, size: torch.Tensor,
+                      time: Optional[torch.Tensor] = None, now_index: int = 0) -> Upserted:
         """One inserting pass over unique keys with their buckets given ((n,) int32;
         ``KNO_BUCKET``: skipped, slot -1, FAILED, counted nowhere), into a table that
         cannot grow, every count on the device: ``outcomes`` (4,) += the pass's
-        InsertStatus counts, ``size`` (1,) += its inserts into empty slots."""
+        InsertStatus counts, ``size`` (1,) += its inserts into empty slots. The
+        call's time (the clock rule's score) is ``time[now_index]`` ((2,) int64, the
+        table's clock and step, read on the device), 0 without ``time``."""
         raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
     def padded_erase(self, *, memory: TableMemory, keys: torch.Tensor,

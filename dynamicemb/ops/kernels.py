@@ -123,17 +123,19 @@ class KernelBackend(Backend):
                                                hits=None, inserted=None, evicted=None,
                                                failed=None, growths=0)
 
-    def padded_dedup(self, *, keys, table_ids, error, part=None):
-        unique = Deduplicated(*self.kernels.padded_dedup(keys, table_ids, error, part))
-        return unique._replace(starts=None, rank=None)
+    def padded_dedup(self, *, keys, table_ids, error, part=None, frequencies=None,
+                     group=False, time=None):
+        unique = Deduplicated(*self.kernels.padded_dedup(
+            keys, table_ids, error, part, frequencies=frequencies, group=group, time=time))
+        return unique if group else unique._replace(starts=None, rank=None)
 
     def padded_upsert(self, *, memory, keys, table_ids, scores, buckets, rule, evicts,
-                      one_table, outcomes, size):
+                      one_table, outcomes, size, time=None, now_index=0):
         if memory.can_grow:
             raise ValueError("a padded upsert needs a table that cannot grow")
         outs = self.kernels.padded_upsert(memory.meta, memory.bucket_capacity, keys, table_ids,
                                           scores, int(rule), evicts, one_table, buckets,
-                                          outcomes, size)
+                                          outcomes, size, time=time, now_index=now_index)
         return Upserted(*outs, hits=None, inserted=None, evicted=None, failed=None, growths=0)
 
     def padded_erase(self, *, memory, keys, table_ids, status, which, erased, size):

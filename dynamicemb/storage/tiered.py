@@ -38,7 +38,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import torch
 
 from dynamicemb.ops import for_device, resolve_device
-from dynamicemb.ops.interface import HOST_ROW_BIT, KNO_BUCKET, InsertStatus, RowSources
+from dynamicemb.ops.interface import HOST_ROW_BIT, InsertStatus, RowSources
 from dynamicemb.kvstore.store import ExternalStorageError
 from dynamicemb.table import (Deduplicated, Entries, InsertResult, PendingInsert,
                               ScoredHashTable)
@@ -274,17 +274,17 @@ class TieredStorage:
         return pending
 
     def prepare_dedup(self, keys, tids, frequencies, padded: bool = False,
-                      error: Optional[torch.Tensor] = None,
-                      part=None) -> Tuple[Deduplicated, PendingInsert]:
+                      error: Optional[torch.Tensor] = None, part=None,
+                      admit=None) -> Tuple[Deduplicated, PendingInsert]:
         """Phase one of a batch with repeated keys: its dedup and ``prepare`` of the
         unique keys in one call (see ``ScoredHashTable.prepare_dedup_find_or_insert``,
-        whose ``padded``, ``error`` and ``part`` these are; ``padded`` where
-        ``counts_on_device``, then ``commit_padded`` follows). The dedup is returned
-        on ``device``."""
+        whose ``padded``, ``error``, ``part`` and ``admit`` these are; ``padded``
+        where ``counts_on_device``, then ``commit_padded`` follows). The dedup is
+        returned on ``device``."""
         frequencies = None if frequencies is None else self._on_host(frequencies)
         unique, pending = self.host.prepare_dedup_find_or_insert(
             self._on_host(keys), self._on_host(tids), frequencies, checked=True,
-            padded=padded, error=error, part=part)
+            padded=padded, error=error, part=part, admit=admit)
         self._stage_below(pending, unique.keys, unique.table_ids)
         if self._two_devices:
             unique = Deduplicated(*(None if t is None else t.to(self.device) for t in unique))
@@ -372,7 +372,7 @@ class TieredStorage:
             (N,) row references (``row_ref.h``): -1 where a key's insert failed (a
             padded lookup reads its initializer's row there).
         """
-        upserted = pending.upserted
+        upserted, admitted = pending.upserted, pending.padded.admitted
         result = pending.commit()
         host_slots = result.slots
         self.initialize_new(self.host.values, host_slots, result.status, keys, tids)
@@ -380,6 +380,8 @@ class TieredStorage:
         several = self.host.num_tables > 1  # then counted per table with masks
         if several:
             self._count_where("lookups", tids, counts > 0)
+        elif admitted is not None:  # lookups the host store's totals do not count
+            self._count_where("lookups", tids, (counts > 0) & ~admitted)
             evicted = result.status == InsertStatus.EVICTED_AND_INSERTED
             self._count_where("host_evictions", torch.where(evicted, upserted.ev_tids, 0),
                               evicted)
@@ -401,10 +403,7 @@ class TieredStorage:
         tier, ops = self.device_tier, for_device(self.device)
         new = (status - InsertStatus.INSERTED).view(torch.uint8) < 2  # INSERTED or EVICTED_...
         taken = (host_slots >= 0) & ((tier.find(keys, tids, checked=True) >= 0) | new)
-        buckets = torch.where(
-            taken, torch.bitwise_and(ops.hash_keys(keys=keys, table_ids=tids),
-                                     tier.num_buckets - 1), KNO_BUCKET).to(torch.int32)
-        placed = tier.padded_upsert(keys, tids, None, buckets)
+        placed = tier.padded_upsert(keys, tids, None, tier.buckets_where(keys, tids, taken))
         refs = torch.empty_like(host_slots)
         ops.promote_rows(host=self.host.memory, cache=tier.memory,
                          order=torch.arange(keys.numel(), device=self.device),
@@ -696,13 +695,24 @@ class TieredStorage:
         (``at_time``: as ``ScoredHashTable.find``, rows expired then are absent)."""
         stored = self.host.find(self._on_host(keys), self._on_host(tids), checked=True,
                                 at_time=at_time) >= 0
-        if self.external is not None:
-            absent = (~stored).nonzero().squeeze(1)
-            if absent.numel():
-                found, _ = self.external.get(self._on_host(keys)[absent],
-                                             self._on_host(tids)[absent])
-                stored[absent] = found.to(stored.device)
-        return self._on_device(stored)
+        return self._on_device(self.or_below(keys, tids, stored))
+
+    def or_below(self, keys: torch.Tensor, tids: torch.Tensor, stored: torch.Tensor,
+                 asked: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``stored`` (n,) bool (the host store holds the key), or with an external
+        tier also where the store holds it, among the keys ``asked`` (default all):
+        the store is asked from the host."""
+        if self.external is None:
+            return stored
+        absent = ~stored if asked is None else asked & ~stored
+        absent = absent.nonzero().squeeze(1)
+        if absent.numel() == 0:
+            return stored
+        found, _ = self.external.get(self._on_host(keys)[self._on_host(absent)],
+                                     self._on_host(tids)[self._on_host(absent)])
+        stored = stored.clone()
+        stored[absent] = found.to(stored.device)
+        return stored
 
     def fill_from_below(self, keys: torch.Tensor, tids: torch.Tensor,
                         rows: torch.Tensor) -> None:

@@ -18,10 +18,12 @@ __all__ = ["InsertingTable", "PaddedCall", "PendingInsert"]
 class PaddedCall(NamedTuple):
     """What a padded call (``prepare_dedup_find_or_insert(padded=True)``) needs to be
     undone: its input-check word (None: none) and its dedup's counts (N,), 0 for
-    padding."""
+    padding; with ``admit``, ``admitted`` (N,) bool: the keys its pass took (the
+    others are not in it, like padding), else None."""
 
     error: Optional[torch.Tensor]
     counts: torch.Tensor
+    admitted: Optional[torch.Tensor] = None
 
 
 class InsertingTable(Protocol):
@@ -101,8 +103,12 @@ class PendingInsert:
     # The counts below are the kernel's own, or, for a padded call, read from its
     # per-key status on the host (a sync: only a caller that must know asks).
     def _real(self, mask: torch.Tensor) -> torch.Tensor:
-        """``mask`` without a padded call's padding (count 0)."""
-        return mask if self.padded is None else mask & (self.padded.counts > 0)
+        """``mask`` over the keys a padded call's pass took: not its padding (count 0)
+        nor, with an admission, the keys it did not admit."""
+        if self.padded is None:
+            return mask
+        mask = mask & (self.padded.counts > 0)
+        return mask if self.padded.admitted is None else mask & self.padded.admitted
 
     @property
     def num_failed(self) -> int:

@@ -10,7 +10,7 @@ argument checks ``table/checks.py``.
 
 import contextlib
 import logging
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -547,6 +547,7 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         padded: bool = False,
         error: Optional[torch.Tensor] = None,
         part: Optional[BatchPart] = None,
+        admit: Optional[Callable[[Deduplicated, torch.Tensor], torch.Tensor]] = None,
     ) -> Tuple[Deduplicated, PendingInsert]:
         """``prepare_find_or_insert`` of the unique pairs of a batch that may repeat
         keys, returning the dedup too. With a clock-scored strategy (LRU, STEP,
@@ -574,6 +575,11 @@ class ScoredHashTable(TableInputs, PaddedCalls):
                 and the call changes nothing.
             part (``BatchPart``, optional): a padded call takes only these keys of the
                 batch (the others: inverse -1, no lookup).
+            admit (optional): a padded call inserts only the unique keys that
+                ``admit(unique, stored)`` admits, on the device ((N,) bool;
+                ``stored`` (N,) bool: the key is in the table, found before the
+                pass); the others find no slot and are counted nowhere
+                (``PaddedCall.admitted``). The dedup and the pass are then two calls.
 
         Returns:
             (``Deduplicated``, ``PendingInsert`` over ``Deduplicated.keys``).
@@ -594,7 +600,9 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         if not checked:
             frequencies = check_frequencies(frequencies, n, self.device)
         if padded:
-            return self._prepare_padded(keys, tids, frequencies, error, part)
+            return self._prepare_padded(keys, tids, frequencies, error, part, admit)
+        if admit is not None:
+            raise ValueError("admit is taken by a padded call only")
         if self._rule != ScoreRule.CLOCK:  # LFU: the scores are the counts, known after the dedup
             unique = self._ops.dedup(keys=keys, table_ids=tids, frequencies=frequencies,
                                      group=True)

@@ -16,9 +16,11 @@ from collections import Counter
 import pytest
 import torch
 
-from dynamicemb import DynamicEmbOptimType, DynamicEmbPoolingMode, DynamicEmbScoreStrategy
+from dynamicemb import (DynamicEmbInitializerArgs, DynamicEmbInitializerMode, DynamicEmbOptimType,
+                        DynamicEmbPoolingMode, DynamicEmbScoreStrategy)
 from dynamicemb.ops.cuda import CudaKernels
 from dynamicemb.ops.kernels import KernelBackend
+from dynamicemb.options import FrequencyAdmissionStrategy, KVCounter
 from dynamicemb_testing.cuda_emulation import emulated_cuda
 from dynamicemb_testing.module_reference import (OPTIMIZER_ARGS, TableSpec, export_dict,
                                                  make_tables)
@@ -549,3 +551,62 @@ def test_an_external_tier_syncs_only_at_its_seam(tmp_path, backend, cache):
     assert metrics.external_writes > 0 and metrics.external_reads > 0  # rows went down and up
     assert guard.syncs and set(_sites(guard)) <= EXTERNAL_SEAM, guard.report()
     assert eval_guard.syncs and set(_sites(eval_guard)) <= EXTERNAL_SEAM, eval_guard.report()
+
+
+def _admission_module(counter: str):
+    """A table that stores a key once it was seen twice: its counts in an LRU counter
+    table or a ``KVCounter`` (lowest counts forgotten first), both smaller than the
+    ids of a batch; keys not admitted read the admission's initializer."""
+    strategy = FrequencyAdmissionStrategy(
+        threshold=2, counter_capacity=1024,
+        initializer_args=DynamicEmbInitializerArgs(mode=DynamicEmbInitializerMode.CONSTANT,
+                                                   value=-0.5))
+    options = dict(admit_strategy=strategy)
+    if counter == "kv":
+        options["admission_counter"] = KVCounter(capacity=1024)
+    module, _ = make_tables([TableSpec(dim=16, max_capacity=1 << 13, options=options)],
+                            optimizer=OPTIMIZER_ARGS[DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD])
+    return module
+
+
+@pytest.mark.parametrize("counter", ["lru", "kv"])
+def test_an_admission_step_makes_no_sync(counter):
+    """Admission decides on the device: the unique keys' counts found in the counter
+    table, the admitted keys inserted, the keys just stored forgotten and the others
+    counted, the rows of keys not admitted computed from the admission's
+    initializer. A steady step (some keys stored, some admitted now, some still
+    waiting) reads nothing on either backend, a batch with the same lookup count but
+    other ids makes the same ops with the same shapes, and both backends agree on
+    outputs, rows and counters."""
+    batches = _batches(6000, 4, seed=9)
+    with counted_cpu() as counted:
+        cpu = _admission_module(counter)
+    with emulated_cuda() as kernels:
+        module = _admission_module(counter)
+        for ids, offsets in batches[:3]:
+            torch.testing.assert_close(_step(module, ids, offsets), _step(cpu, ids, offsets),
+                                       **TOL)
+        ids, offsets = batches[3]
+        guard = _guarded_step(module, kernels, ids, offsets)
+        with counted_cpu(counted):
+            counted.calls.clear()
+            cpu_guard = _guarded_step(cpu, counted, ids, offsets)
+            calls = list(counted.calls)
+            counted.calls.clear()
+            fewer = torch.where(ids % 5 == 0, ids + 20_000, 11)
+            cpu_other = _guarded_step(cpu, counted, fewer, offsets)
+            assert counted.calls == calls, "the extension's calls depend on the ids"
+        other = _guarded_step(module, kernels, fewer, offsets)
+        _assert_same_rows(module, cpu)
+        counters = [m._groups[0].admission.export(0) for m in (module, cpu)]
+        assert module._groups[0].admission.counter.clock == cpu._groups[0].admission.counter.clock
+    assert cpu._groups[0].counts_on_device(True)
+    stored = export_dict(cpu, "t0")
+    assert 0 < len(stored) < 6000 and counters[1].keys.numel() > 0  # some keys still wait
+    got, want = ({int(k): (int(s), float(v)) for k, s, v in zip(c.keys, c.scores, c.values[:, 0])}
+                 for c in counters)
+    assert got == want
+    for g in (guard, other, cpu_guard, cpu_other):
+        assert not g.syncs, g.report()
+    assert other.ops == guard.ops, "the op sequence depends on the ids"
+    assert cpu_other.ops == cpu_guard.ops, "the aten ops depend on the ids"

@@ -11,6 +11,7 @@ pytest.importorskip("redis", reason="the external stores are tested against the 
 
 from dynamicemb import (BatchedDynamicEmbeddingTables, DynamicEmbDump, DynamicEmbLoad,
                         DynamicEmbInitializerArgs, DynamicEmbOptimType, DynamicEmbScoreStrategy,
+                        FrequencyAdmissionStrategy,
                         DynamicEmbTableOptions, incremental_dump)
 from dynamicemb.storage.external import ExternalStorageError, RedisStorage, RocksDBStorage
 from test_exactness import STATE_FLOATS, assert_identical, power_law_batches, snapshot, train
@@ -21,14 +22,14 @@ LRU, LFU = DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.LFU
 
 
 def make_module(optimizer, strategy, external=None, host_rows=HOST_ROWS, device_rows=None,
-                pooling="sum"):
+                pooling="sum", admit=None):
     row_bytes = (DIM + STATE_FLOATS[optimizer]) * 4
     options = DynamicEmbTableOptions(
         dim=DIM, max_capacity=8192, bucket_capacity=16, score_strategy=strategy,
         initializer_args=DynamicEmbInitializerArgs(mode="normal", std_dev=0.1, seed=11),
         caching=device_rows is not None,
         local_hbm_for_values=None if device_rows is None else device_rows * row_bytes,
-        external_storage=external,
+        external_storage=external, admit_strategy=admit,
         local_host_for_values=None if external is None else host_rows * row_bytes)
     return BatchedDynamicEmbeddingTables(
         [options, options], table_names=["a", "b"], pooling_mode=pooling,
@@ -71,6 +72,23 @@ def test_rows_split_with_rocksdb_train_identically(tmp_path, optimizer, strategy
     probe = batches(seed=4, steps=1)[0]
     with torch.no_grad():
         assert torch.equal(module(*probe), reference(*probe))
+
+
+@pytest.mark.parametrize("strategy", [LRU, LFU], ids=["lru", "lfu"])
+def test_admission_over_an_external_tier_trains_identically(tmp_path, strategy):
+    """A key whose row went down is stored: admission does not count it again
+    (the padded step asks the store for the keys the host store lacks)."""
+    admit = FrequencyAdmissionStrategy(threshold=2, counter_capacity=1024)
+    data = batches(steps=30)
+    reference = make_module(DynamicEmbOptimType.EXACT_SGD, strategy, admit=admit)
+    expected = train(reference, data, prefetch=False)
+    module = make_module(DynamicEmbOptimType.EXACT_SGD, strategy,
+                         RocksDBStorage(str(tmp_path / "db")), host_rows=64, admit=admit)
+    assert all(torch.equal(a, b) for a, b in zip(train(module, data, prefetch=False), expected))
+    writes, reads = below(module)
+    assert writes > 0 and reads > 0
+    assert module.table_size("a") == reference.table_size("a")
+    assert_identical(snapshot(module), snapshot(reference))
 
 
 def test_rows_split_with_redis_train_identically(redis_servers):

@@ -168,8 +168,11 @@ def test_padded_dedup_upsert_threads():
             twins.check(f"rule {rule}")
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["plain", "grouped-timed"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_padded_dedup_matches_cuda(seed):
+def test_padded_dedup_matches_cuda(seed, grouped):
+    """Plain, or (an admission's dedup) grouped, with frequencies, advancing a
+    table's time unless the batch is refused."""
     rng = random.Random(seed)
     with emulated_cuda() as kernels:
         for call, n in enumerate([0, 1, 2, 30, 500]):
@@ -177,11 +180,21 @@ def test_padded_dedup_matches_cuda(seed):
             error = [None, torch.zeros(1, dtype=torch.int64),
                      torch.tensor([3])][(call + seed) % 3]
             part = maybe_part(rng, n, with_part=(call + seed) % 2 == 1)
-            got = cpu_kernels.load().padded_dedup(keys, tids, error, part)
-            want = kernels.padded_dedup(keys, tids, error, part)
+            kw = {}
+            if grouped:
+                freq = torch.tensor([rng.randrange(1, 5) for _ in range(n)], dtype=torch.int64)
+                kw = dict(frequencies=freq, group=True)
+            times = [torch.tensor([5, 9]) for _ in range(2)]
+            got = cpu_kernels.load().padded_dedup(keys, tids, error, part,
+                                                  time=times[0] if grouped else None, **kw)
+            want = kernels.padded_dedup(keys, tids, error, part,
+                                        time=times[1] if grouped else None, **kw)
             assert len(got) == len(want) == 6
             for i, name in enumerate(("ukeys", "utids", "inverse", "counts", "starts", "rank")):
                 assert_same(got[i], want[i], f"call {call} {name}")
+            assert got[4].numel() == (n + 1 if grouped else 0)
+            ticked = grouped and (error is None or int(error) == 0)
+            assert times[0].tolist() == times[1].tolist() == ([6, 10] if ticked else [5, 9])
 
 
 def unique_batch(rng: random.Random, n: int, pool: int, num_buckets: int):
@@ -209,9 +222,12 @@ def test_padded_upsert_matches_cuda(rule, evicts):
                 keep = tids == 0
                 keys, tids, buckets, scores = keys[keep], tids[keep], buckets[keep], scores[keep]
 
+            # the call's time from a table's (clock, step), or 0 without one
+            time = None if call == 0 else torch.tensor([40 + call, 7 * call])
+
             def make(memory, state):
                 return (memory.meta, memory.bucket_capacity, keys, tids, scores, rule, evicts,
-                        one_table, buckets, state["outcomes"], state["size"])
+                        one_table, buckets, state["outcomes"], state["size"], time, call % 2)
             got, want = run_both(twins, kernels, "padded_upsert", make)
             assert len(got) == len(want) == 6
             assert_same_pass(got, want, f"call {call}")

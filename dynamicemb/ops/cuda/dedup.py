@@ -46,9 +46,13 @@ class DedupKernels(KernelLauncher):
         starts, rank); starts and rank are empty unless ``group``."""
         return self._dedup(keys, tids, frequencies, group)[0]
 
-    def padded_dedup(self, keys, tids, error, part=None):
-        """``dedup`` (not grouped) padded to the n keys: nothing read on the host."""
-        return self._dedup(keys, tids, None, False, padded=True, error=error, part=part)[0]
+    def padded_dedup(self, keys, tids, error, part=None, frequencies=None, group=False,
+                     time=None):
+        """``dedup`` padded to the n keys: nothing read on the host (``group``: the
+        lookups grouped too; ``time``: a table's clock and step, advanced by the
+        numbering kernel unless the batch is refused)."""
+        return self._dedup(keys, tids, frequencies, group, padded=True, error=error, time=time,
+                           part=part)[0]
 
     def _dedup(self, keys, tids, frequencies, grouped: bool, num_buckets: Optional[int] = None,
                padded: bool = False, error: Optional[torch.Tensor] = None,

@@ -128,18 +128,25 @@ class HashTableKernels(KernelLauncher):
         return (ukeys, utids, inverse, counts, starts, rank, *outs)
 
     def padded_upsert(self, meta, bc, keys, tids, scores, rule, evicts, one_table, buckets,
-                      outcomes, size):
+                      outcomes, size, time=None, now_index=0):
         """One inserting pass over unique keys with their buckets given (kNoBucket:
         skipped, slot -1, FAILED, counted nowhere) into a table that cannot grow;
-        ``outcomes`` (4,) and ``size`` (1,) advance on the device. Returns (slots,
-        status, prev_scores, ev_keys, ev_tids, ev_scores), (n,) each."""
+        ``outcomes`` (4,) and ``size`` (1,) advance on the device; the pass's time
+        is ``time[now_index]`` (read on the device), 0 without ``time``. Returns
+        (slots, status, prev_scores, ev_keys, ev_tids, ev_scores), (n,) each."""
         _expect(buckets, torch.int32, "buckets")
         _expect(outcomes, torch.int64, "outcomes")
+        now_at = None
+        if time is not None:
+            _expect(time, torch.int64, "time")
+            if time.numel() != 2 or now_index not in (0, 1):
+                raise ValueError("time holds a clock and a step; now_index picks one")
+            now_at = time[now_index:now_index + 1]
         n = keys.numel()
         outs = [torch.empty(n, dtype=dtype, device=keys.device) for dtype in (
             torch.int64, torch.int8, torch.int64, torch.int64, torch.int16, torch.int64)]
         self.upsert(meta, bc, keys, tids, scores, rule, 0, evicts, False, one_table, None,
-                    *outs, outcomes, buckets=buckets, size=size)
+                    *outs, outcomes, buckets=buckets, now_at=now_at, size=size)
         return tuple(outs)
 
     def erase_where(self, meta, bc, keys, tids, status, which, erased, size) -> None:
