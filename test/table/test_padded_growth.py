@@ -57,20 +57,27 @@ def two_buckets(device, **kw) -> ScoredHashTable:
 @pytest.mark.parametrize("strategy", [DynamicEmbScoreStrategy.LRU,
                                       DynamicEmbScoreStrategy.NO_EVICTION], ids=lambda s: s.name)
 def test_a_full_bucket_fails_its_key_and_the_next_call_grows(device, strategy):
-    """20 keys of one bucket of 16 (the table's load allows them: no growth ahead):
-    the last 4 fail, none evicts; the next call grows once and inserts them."""
+    """A bucket of 16 filled by one call; 4 more keys of it (the table's load allows
+    them: no growth ahead) fail, none evicts; the next call grows once (for the
+    failures alone: its load needs no growth) and inserts them."""
     table = two_buckets(device, score_strategy=strategy)
     keys = in_bucket(0, 2, 20)
-    assert torch.equal(padded(table, keys), statuses((InsertStatus.INSERTED, 16),
-                                                     (InsertStatus.FAILED, 4)))
+    assert torch.equal(padded(table, keys[:16]), statuses((InsertStatus.INSERTED, 16)))
+    assert torch.equal(padded(table, keys[16:]), statuses((InsertStatus.FAILED, 4)))
     assert (table.size(), table.capacity(), table.stats.growths) == (16, 32, 0)
     assert table.stats.failed_inserts == 4 and table.stats.evictions == 0
-    got = padded(table, keys)  # grows first (the failures it read), then inserts
-    assert torch.equal(got, statuses((InsertStatus.HIT, 16), (InsertStatus.INSERTED, 4)))
+    got = padded(table, keys[16:])  # grows first (the failures it read), then inserts
+    assert torch.equal(got, statuses((InsertStatus.INSERTED, 4)))
     assert (table.size(), table.capacity(), table.stats.growths) == (20, 64, 1)
     assert table.stats.failed_inserts == 4
-    found = table.find(keys.to(device))
-    assert bool((found >= 0).all())
+    assert bool((table.find(keys.to(device)) >= 0).all())
+
+
+def test_keys_pinned_by_their_call_fill_a_bucket(device):
+    """20 new keys of one bucket of 16 in one call: 16 land, 4 fail."""
+    table = two_buckets(device)
+    got = padded(table, in_bucket(0, 2, 20))
+    assert torch.equal(got, statuses((InsertStatus.INSERTED, 16), (InsertStatus.FAILED, 4)))
 
 
 def test_a_table_at_its_most_evicts_from_a_full_bucket(device):
