@@ -21,7 +21,7 @@ from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
 __all__ = ["DEVICE_TOTALS", "PaddedCalls", "SizeWatch"]
 
-logger = logging.getLogger("dynamicemb.table.scored_hash_table")
+logger = logging.getLogger("dynamicemb.table.scored_hash_table")  # the table's messages
 
 # The padded calls' totals in device memory: hits, inserted, evicted, failed (an
 # upsert's InsertStatus counts), then keys erased.
@@ -98,11 +98,11 @@ class PaddedCalls:
         if not self._watched:
             return self._evicts
         watch = self._watch
-        self._read_watch()
-        if self._stored.held_on_host():  # the host's count: exact, and read for free
-            watch.bound = self._size
-            watch.copy_stale = watch.copy.on_the_way
-        if not capturing():  # a graph's replays run no Python: no growth there
+        if not capturing():  # a graph's replays run no Python: nothing is read or grown
+            self._read_watch()
+            if self._stored.held_on_host():  # the host's count: exact, and read for free
+                watch.bound = self._size
+                watch.copy_stale = watch.copy.on_the_way
             if watch.failed and self._memory.can_grow:
                 self._grow()
             watch.failed = 0
@@ -138,7 +138,7 @@ class PaddedCalls:
         keys = sum(totals) - sum(watch.totals)
         failed = totals[InsertStatus.FAILED] - watch.totals[InsertStatus.FAILED]
         watch.totals = totals
-        if not failed:
+        if failed <= 0:  # (an abort takes back what its call counted)
             return
         watch.failed += failed
         if self.check_mode == DynamicEmbCheckMode.WARNING:
@@ -156,6 +156,10 @@ class PaddedCalls:
         if not self.counts_on_device:
             raise ValueError("a padded insert needs a table without a ttl")
         self._check_idle()
+        if self.check_mode == DynamicEmbCheckMode.ERROR and capturing():
+            raise RuntimeError(
+                "safe_check_mode ERROR reads each insert's failures on the host, which a "
+                "CUDA graph cannot capture: capture a table in WARNING or IGNORE mode")
         while True:
             evicts = self._before_padded(keys.numel())
             self._padded = True

@@ -17,6 +17,7 @@ import torch
 from dynamicemb import DynamicEmbCheckMode, DynamicEmbScoreStrategy, ScoredHashTable
 from dynamicemb.ops.interface import InsertStatus
 from dynamicemb.table import hash_keys
+from dynamicemb.table.device_counts import CountsCopy
 from dynamicemb_testing.devices import EMULATED, backend_device, devices
 
 LOGGER = "dynamicemb.table.scored_hash_table"
@@ -182,3 +183,26 @@ def test_error_raises_and_changes_nothing_when_the_table_cannot_grow(device):
         assert torch.equal(b, a)
     assert not bool(table.memory.meta[5].any())  # no slot left pinned
     assert padded(table, torch.arange(2)).tolist() == [InsertStatus.HIT] * 2
+
+
+def test_while_the_copy_travels_the_bound_adds_every_call(device, monkeypatch):
+    """A copy still on the way (a GPU behind the host) is not waited for: the bound
+    adds every call's keys, and the table grows ahead on it; once the copy arrives,
+    the bound is the size it read plus the keys given since."""
+    travelling = [True]
+    arrived = CountsCopy.arrived
+    monkeypatch.setattr(CountsCopy, "arrived",
+                        lambda self: None if travelling[0] else arrived(self))
+    table = ScoredHashTable(capacity=64, bucket_capacity=16, max_capacity=4096,
+                            max_load_factor=0.5, device=device)
+    keys = torch.arange(10)
+    for _ in range(3):  # bounds 10, 20, 30 of the size 10: no growth
+        padded(table, keys)
+    assert table.capacity() == 64
+    padded(table, keys)  # 30 + 10 > 32: grows on the bound
+    assert (table.capacity(), table._watch.bound) == (128, 40)
+    travelling[0] = False
+    padded(table, keys)  # the copy of the first call: 10, plus 30 given since
+    assert table.capacity() == 128
+    padded(table, keys)  # copies now arrive at once (or at the next call on a GPU)
+    assert table._watch.bound in (10, 20) and table.size() == 10
