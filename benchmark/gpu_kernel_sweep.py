@@ -5,9 +5,10 @@
 hide a small out-of-bounds access inside a larger cached block), and under
 ``racecheck`` and ``synccheck``. What it runs: training steps of every layout the
 step covers (all rows on the device with Adam, per-sample weights and a table that
-grows mid-batch; a device cache; a placement tier; rows in host memory alone), a
-sequence (unpooled) lookup, a prefetch pipeline over a cache, an eval step, and the
-table verbs no step launches (find, erase, expiry, an undone insert).
+grows ahead of its steps; a device cache; a placement tier; rows in host memory
+alone), a sequence (unpooled) lookup, a prefetch pipeline over a cache, an eval step,
+and what no step launches (find, erase, expiry, an undone insert, a growth between an
+insert's passes, the rows of unseen keys read).
 
 It counts every launch by kernel name and exits 1 if a kernel of ``csrc/cuda``
 (``dynamicemb.ops.cuda._KERNELS``) was not launched, so the selection covers every
@@ -64,9 +65,10 @@ def train_steps(m, gen, steps: int, num_bags: int, bag: int, pool: int, device,
 def sweep(device) -> None:
     """The calls that launch every kernel (see the module docstring)."""
     gen = torch.Generator().manual_seed(0)
-    # Adam, per-sample weights, a table that grows mid-batch
+    # Adam, per-sample weights, a table that grows (ahead of a step)
     grows = module(device, 16, 1 << 13, DynamicEmbOptimType.ADAM, init_capacity=256)
     train_steps(grows, gen, 2, 256, 4, 3000, device, weighted=True)
+    grows.read_rows(grows.table_names[0], torch.arange(10**6, 10**6 + 8, device=device))
     sgd_rows = 8 * 4
     # a device cache, a placement tier, rows in host memory alone (256 device rows)
     for options in (dict(caching=True, local_hbm_for_values=sgd_rows * 256),
@@ -98,6 +100,9 @@ def sweep(device) -> None:
     for _ in range(4):
         table.find_or_insert(keys[50:60])
     table.expire()
+    # one bucket of 16 slots for 40 keys: the insert grows between its passes
+    ScoredHashTable(capacity=16, bucket_capacity=16, max_capacity=256,
+                    device=device).find_or_insert(torch.arange(40, device=device))
     full = ScoredHashTable(capacity=16, bucket_capacity=16, device=device,
                            score_strategy=DynamicEmbScoreStrategy.NO_EVICTION,
                            check_mode=DynamicEmbCheckMode.ERROR)

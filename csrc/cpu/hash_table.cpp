@@ -425,7 +425,8 @@ dedup_upsert(
 // `dedup_upsert` padded to the N lookups, as HashTableKernels.padded_dedup_upsert:
 // the unique arrays and the pass outputs have N entries, those past the U pairs
 // padding (key 0, table 0, count 0, slot -1, kFailed, counted nowhere; starts past
-// U hold the lookup count). The table cannot grow. Unless the error word refuses
+// U hold the lookup count). No key is deferred: a full bucket evicts (`evicts`) or
+// fails its key, whether the table may grow or not. Unless the error word refuses
 // the batch (then nothing changes: no pair, inverse -1), `time` (2,) (the table's
 // clock and step) advances by one and the pass runs at time[now_index] with
 // `rule`, a count rule scoring by the dedup's counts; `outcomes` (4,) += its
@@ -479,7 +480,7 @@ PaddedDedupUpserted padded_dedup_upsert(
     a.tids = out.tids;
     a.given = rule == 0 ? nullptr : reinterpret_cast<const uint64_t*>(out.counts);
     const int64_t inserted_before = counted[kInserted];
-    std::vector<int64_t> deferred;  // none: the table cannot grow
+    std::vector<int64_t> deferred;  // none: the pass defers no key
     with_rule(rule, static_cast<uint64_t>(clock_and_step[now_index]), [&](const auto& score) {
       unique = dedup_and_upsert(v, a, score, keys.data_ptr<int64_t>(), tids.data_ptr<int16_t>(),
                                 freq, n, part, out, starts.data_ptr<int64_t>(),
@@ -496,7 +497,7 @@ PaddedDedupUpserted padded_dedup_upsert(
 
 // One inserting pass over unique keys (n,) whose buckets (n,) int32 are given, as
 // HashTableKernels.padded_upsert: a position of bucket kNoBucket is padding (slot
-// -1, kFailed, counted nowhere). The table cannot grow; the call's time (the clock
+// -1, kFailed, counted nowhere). No key is deferred; the call's time (the clock
 // rule's score) is time[now_index] (time (2,) int64, a table's clock and step), 0
 // without `time`. outcomes (4,) += the outcome counts, size (1,) += the inserts into
 // empty slots. Returns (slots, status, prev_scores, ev_keys, ev_tids, ev_scores),

@@ -96,9 +96,10 @@ class Backend(abc.ABC):
                             evicts: bool, one_table: bool, error: Optional[torch.Tensor],
                             outcomes: torch.Tensor, size: torch.Tensor,
                             part: Optional["BatchPart"] = None) -> Tuple[Deduplicated, Upserted]:
-        """``dedup_upsert`` with every size, count and clock left on the device (into
-        a table that cannot grow): the dedup is
-        padded to the N keys.
+        """``dedup_upsert`` with every size, count and clock left on the device: the
+        dedup is padded to the N keys, and the pass defers no key (a full bucket
+        evicts where ``evicts``, else fails its key, whether the table may grow or
+        not: the caller grows between calls).
 
         Args:
             rule: CLOCK, or a count rule whose scores are the dedup's counts.
@@ -139,11 +140,11 @@ class Backend(abc.ABC):
                       outcomes: torch.Tensor, size: torch.Tensor,
                       time: Optional[torch.Tensor] = None, now_index: int = 0) -> Upserted:
         """One inserting pass over unique keys with their buckets given ((n,) int32;
-        ``KNO_BUCKET``: skipped, slot -1, FAILED, counted nowhere), into a table that
-        cannot grow, every count on the device: ``outcomes`` (4,) += the pass's
-        InsertStatus counts, ``size`` (1,) += its inserts into empty slots. The
-        call's time (the clock rule's score) is ``time[now_index]`` ((2,) int64, the
-        table's clock and step, read on the device), 0 without ``time``."""
+        ``KNO_BUCKET``: skipped, slot -1, FAILED, counted nowhere), deferring no key
+        (as ``padded_dedup_upsert``), every count on the device: ``outcomes`` (4,) +=
+        the pass's InsertStatus counts, ``size`` (1,) += its inserts into empty
+        slots. The call's time (the clock rule's score) is ``time[now_index]`` ((2,)
+        int64, the table's clock and step, read on the device), 0 without ``time``."""
         raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
     def padded_erase(self, *, memory: TableMemory, keys: torch.Tensor,

@@ -112,8 +112,6 @@ class KernelBackend(Backend):
 
     def padded_dedup_upsert(self, *, memory, keys, table_ids, frequencies, rule, time,
                             now_index, evicts, one_table, error, outcomes, size, part=None):
-        if memory.can_grow:  # a full bucket would defer keys to a growth
-            raise ValueError("a padded dedup_upsert needs a table that cannot grow")
         *unique, slots, status, prev, ev_keys, ev_tids, ev_scores = (
             self.kernels.padded_dedup_upsert(memory.meta, memory.bucket_capacity, keys,
                                              table_ids, frequencies, int(rule), time,
@@ -131,8 +129,6 @@ class KernelBackend(Backend):
 
     def padded_upsert(self, *, memory, keys, table_ids, scores, buckets, rule, evicts,
                       one_table, outcomes, size, time=None, now_index=0):
-        if memory.can_grow:
-            raise ValueError("a padded upsert needs a table that cannot grow")
         outs = self.kernels.padded_upsert(memory.meta, memory.bucket_capacity, keys, table_ids,
                                           scores, int(rule), evicts, one_table, buckets,
                                           outcomes, size, time=time, now_index=now_index)

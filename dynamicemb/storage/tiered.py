@@ -127,6 +127,7 @@ class TieredStorage:
     ) -> None:
         self.host = host
         self.external = external
+        host.grows_for_failures = external is not None  # every key must find its slot
         self._staged = None  # the external tier's part of the prepared insert
         self.initialize = initialize
         self.initialize_new = initialize_new

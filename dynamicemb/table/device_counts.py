@@ -6,11 +6,11 @@ memory. The host reads them when someone asks (a sync), and cannot tell whether 
 replay changed them since: once kernels hold them, every read goes to the device.
 """
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
-__all__ = ["DeviceCounters", "DeviceTotals", "capturing"]
+__all__ = ["CountsCopy", "DeviceCounters", "DeviceTotals", "capturing"]
 
 
 def capturing() -> bool:
@@ -74,6 +74,11 @@ class DeviceCounters:
             self._values = self._tensor.tolist()
         return self._values[index]
 
+    def held_on_host(self) -> bool:
+        """Whether the host's values hold (set since kernels last had them): reading
+        them then costs nothing."""
+        return self._state == _HOST
+
     def set(self, index: int, value: int) -> None:
         """Sets one counter on the host (the device copy is written when next needed)."""
         if self._state == _DEVICE:
@@ -104,3 +109,43 @@ class DeviceCounters:
 
 
 _HOST, _DEVICE = 0, 1
+
+
+class CountsCopy:
+    """Device counts copied to host memory without waiting, read once they arrived.
+
+    ``start`` enqueues the copies (into pinned memory on a GPU, then an event); a
+    later ``arrived`` returns the values if the event has completed and None while
+    they are on the way: the host never waits. On the CPU the copy is done when
+    ``start`` returns. One copy is on the way at a time.
+
+    Args:
+        width: how many int64 values.
+        device: where the counts are.
+    """
+
+    def __init__(self, width: int, device: torch.device) -> None:
+        self._host = torch.zeros(width, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._values = self._host.numpy()  # read as numpy: no torch op, no sync
+        self._event = None
+        self.on_the_way = False
+
+    def start(self, *counts: torch.Tensor) -> None:
+        """Copies ``counts`` (int64 device tensors, ``width`` values in all) in order."""
+        at = 0
+        for t in counts:
+            self._host[at:at + t.numel()].copy_(t, non_blocking=True)
+            at += t.numel()
+        self._event = None
+        if counts[0].is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self.on_the_way = True
+
+    def arrived(self) -> Optional[List[int]]:
+        """The values of the copy on the way once it has arrived (then it is no longer
+        on the way); None while it travels or when none was started."""
+        if not self.on_the_way or (self._event is not None and not self._event.query()):
+            return None
+        self.on_the_way = False
+        return [int(v) for v in self._values]

@@ -1,20 +1,54 @@
 """The table's padded calls: inserts and erases that keep every count in device
-memory (a padded step, where ``counts_on_device``), mixed into ``ScoredHashTable``."""
+memory (a padded step, where ``counts_on_device``), mixed into ``ScoredHashTable``.
 
-from typing import Callable, Optional, Tuple
+A padded call reads nothing on the host, so what decides growth and reports failed
+inserts reaches the host late (``SizeWatch``): the table grows ahead of need, by an
+upper bound of its size, and while it may still grow a full bucket fails its key
+instead of evicting (the key's row is computed for the step, the failure makes the
+next call grow, and the key is inserted at its next lookup). docs/ARCHITECTURE.md,
+"Growth and failed inserts on the padded step".
+"""
+
+import logging
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
 from dynamicemb.ops.interface import KNO_BUCKET, Deduplicated, InsertStatus, ScoreRule, Upserted
-from dynamicemb.table.device_counts import DeviceTotals
+from dynamicemb.table.device_counts import CountsCopy, DeviceTotals, capturing
 from dynamicemb.table.pending import PaddedCall, PendingInsert
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
-__all__ = ["DEVICE_TOTALS", "PaddedCalls"]
+__all__ = ["DEVICE_TOTALS", "PaddedCalls", "SizeWatch"]
+
+logger = logging.getLogger("dynamicemb.table.scored_hash_table")  # the table's messages
 
 # The padded calls' totals in device memory: hits, inserted, evicted, failed (an
 # upsert's InsertStatus counts), then keys erased.
 DEVICE_TOTALS = 5
+
+
+class SizeWatch:
+    """What the host knows of a padded table without waiting for the device: an
+    upper bound of its size and the failed inserts it has learnt of.
+
+    After a padded call the size and the outcome totals (hits, inserted, evicted,
+    failed) go to host memory (``CountsCopy``); a later call reads them once they
+    arrived (on the CPU, where reads are free, the call itself). The bound is the
+    size read plus every key given to padded calls since the copy was taken, or
+    the host's own count where the host set it since.
+
+    Args:
+        device: the table's device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.copy = CountsCopy(1 + 4, device)
+        self.bound = 0
+        self.since_copy = 0  # keys given to padded calls since the copy on the way
+        self.copy_stale = False  # the host set the size since the copy was taken
+        self.totals: List[int] = [0] * 4  # the outcome totals read last
+        self.failed = 0  # keys that failed (read) and that no growth answered yet
 
 
 class PaddedCalls:
@@ -43,44 +77,126 @@ class PaddedCalls:
 
     @property
     def counts_on_device(self) -> bool:
-        """Whether ``prepare_dedup_find_or_insert(padded=True)`` may run: the backend
-        keeps counts on the device, and nothing the call decides needs them on the
-        host: the table cannot grow (no key waits for a growth), failed inserts are
-        ignored (IGNORE: neither raised nor logged) and rows do not expire."""
-        return (not self._memory.can_grow
-                and self.check_mode == DynamicEmbCheckMode.IGNORE and self.ttl is None)
+        """Whether ``prepare_dedup_find_or_insert(padded=True)`` may run: rows do not
+        expire. A table that may grow grows ahead (``_before_padded``); failed
+        inserts are logged at a later call (WARNING) or read at once, undone and
+        raised (ERROR: a sync the user chose)."""
+        return self.ttl is None
+
+    @property
+    def _watched(self) -> bool:
+        """Whether padded calls need what ``SizeWatch`` learns: the table may grow,
+        or failed inserts are reported."""
+        return self._memory.can_grow or self.check_mode != DynamicEmbCheckMode.IGNORE
+
+    def _before_padded(self, n: int) -> bool:
+        """Before a padded call of ``n`` keys: reads the counts an earlier call copied
+        if they arrived (nothing waits), grows once for failed inserts it learnt of
+        and while the size's bound plus ``n`` exceeds ``max_load_factor`` of the
+        capacity (growth reads the device: once per doubling). Returns whether a full
+        bucket evicts: never while the table may grow (the key fails instead)."""
+        if not self._watched:
+            return self._evicts
+        watch = self._watch
+        if not capturing():  # a graph's replays run no Python: nothing is read or grown
+            self._read_watch()
+            if self._stored.held_on_host():  # the host's count: exact, and read for free
+                watch.bound = self._size
+                watch.copy_stale = watch.copy.on_the_way
+            if watch.failed and self._memory.can_grow:
+                self._grow()
+            watch.failed = 0
+            while (self._memory.can_grow
+                   and watch.bound + n > self.max_load_factor * self.capacity()):
+                self._grow()
+        watch.bound += n
+        if watch.copy.on_the_way:
+            watch.since_copy += n
+        return self._evicts and not self._memory.can_grow
+
+    def _after_padded(self) -> None:
+        """After a padded call's kernels: its size and totals start for the host
+        (unless a copy is on the way still); on the CPU they are read at once."""
+        watch = self._watch
+        if not self._watched or capturing() or watch.copy.on_the_way:
+            return
+        watch.copy.start(self._stored.on_device(), self._outcome_totals.tensor[:4])
+        watch.since_copy, watch.copy_stale = 0, False
+        if self._ops.free_host_reads:
+            self._read_watch()
+
+    def _read_watch(self) -> None:
+        """Takes the copied counts if they arrived: the size's bound, and the failed
+        inserts since the last copy (logged in WARNING mode)."""
+        watch = self._watch
+        arrived = watch.copy.arrived()
+        if arrived is None:
+            return
+        size, totals = arrived[0], arrived[1:]
+        if not watch.copy_stale:
+            watch.bound = size + watch.since_copy
+        keys = sum(totals) - sum(watch.totals)
+        failed = totals[InsertStatus.FAILED] - watch.totals[InsertStatus.FAILED]
+        watch.totals = totals
+        if failed <= 0:  # (an abort takes back what its call counted)
+            return
+        watch.failed += failed
+        if self.check_mode == DynamicEmbCheckMode.WARNING:
+            grows = ("; the table grows at its next call and inserts them at their next "
+                     "lookup" if self._memory.can_grow else "")
+            logger.warning(self._failure_message(failed, keys) + grows)
 
     def _prepare_padded(self, keys, tids, frequencies, error, part,
                         admit: Optional[Callable] = None) -> Tuple[Deduplicated, PendingInsert]:
         """A padded call: its kernels advance the clock and the step in device memory
         (unless ``error`` refuses the batch) and read its time there, and add their
-        outcome counts to the device totals. Nothing is read on the host. ``admit``:
-        the pass takes only the keys it admits (``prepare_dedup_find_or_insert``)."""
+        outcome counts to the device totals. Nothing is read on the host, but in
+        ERROR mode the call's failed inserts (one sync): then it is undone, and the
+        table grows and runs it again, or raises when it cannot grow. ``admit``: the
+        pass takes only the keys it admits (``prepare_dedup_find_or_insert``)."""
         if not self.counts_on_device:
-            raise ValueError(
-                "a padded insert needs a backend that counts on the device and a table "
-                "that cannot grow, ignores failed inserts and has no ttl")
+            raise ValueError("a padded insert needs a table without a ttl")
         self._check_idle()
-        self._padded = True
-        if admit is not None:
-            return self._prepare_admitted(keys, tids, frequencies, error, part, admit)
-        unique, upserted = self._ops.padded_dedup_upsert(
-            memory=self._memory, keys=keys, table_ids=tids, frequencies=frequencies,
-            rule=self._rule, time=self._time.on_device(),
-            now_index=self._now_index, evicts=self._evicts, one_table=self.num_tables == 1,
-            error=error, outcomes=self._outcome_totals.tensor[:4], size=self._stored.on_device(),
-            part=part)
-        pending = PendingInsert(self, upserted, None, None, read_evicted=False, assign=False,
-                                padded=PaddedCall(error, unique.counts))
-        self._pending = pending
+        if self.check_mode == DynamicEmbCheckMode.ERROR and capturing():
+            raise RuntimeError(
+                "safe_check_mode ERROR reads each insert's failures on the host, which a "
+                "CUDA graph cannot capture: capture a table in WARNING or IGNORE mode")
+        while True:
+            evicts = self._before_padded(keys.numel())
+            self._padded = True
+            if admit is not None:
+                unique, pending = self._prepare_admitted(keys, tids, frequencies, error, part,
+                                                         admit, evicts)
+            else:
+                unique, upserted = self._ops.padded_dedup_upsert(
+                    memory=self._memory, keys=keys, table_ids=tids, frequencies=frequencies,
+                    rule=self._rule, time=self._time.on_device(), now_index=self._now_index,
+                    evicts=evicts, one_table=self.num_tables == 1, error=error,
+                    outcomes=self._outcome_totals.tensor[:4], size=self._stored.on_device(),
+                    part=part)
+                pending = PendingInsert(self, upserted, None, None, read_evicted=False,
+                                        assign=False, padded=PaddedCall(error, unique.counts))
+            self._pending = pending
+            raises = self.check_mode == DynamicEmbCheckMode.ERROR
+            if not (raises or self.grows_for_failures):
+                break
+            failed = pending.num_failed  # a sync (padding and keys not admitted aside)
+            if not failed or not (raises or self._memory.can_grow):
+                break  # (a caller that needs every key stored reads the failures)
+            pending.abort()
+            if not self._memory.can_grow:
+                raise RuntimeError(self._failure_message(failed, int((unique.counts > 0).sum()))
+                                   + "; the call was undone")
+            self._grow()  # the keys of full buckets get room: the call again
+        self._after_padded()
         return unique, pending
 
-    def _prepare_admitted(self, keys, tids, frequencies, error, part,
-                          admit: Callable) -> Tuple[Deduplicated, PendingInsert]:
+    def _prepare_admitted(self, keys, tids, frequencies, error, part, admit: Callable,
+                          evicts: bool) -> Tuple[Deduplicated, PendingInsert]:
         """``_prepare_padded`` with an admission between the dedup and the pass: the
         pass is the fused call's (same time, scores and order of keys per bucket)
         over the admitted keys; the others get bucket ``KNO_BUCKET`` (slot -1,
-        FAILED, counted nowhere)."""
+        FAILED, counted nowhere). ``evicts``: whether a full bucket may evict."""
         time = self._time.on_device()
         unique = self._ops.padded_dedup(keys=keys, table_ids=tids, error=error, part=part,
                                         frequencies=frequencies, group=True, time=time)
@@ -93,7 +209,7 @@ class PaddedCalls:
             memory=self._memory, keys=unique.keys, table_ids=unique.table_ids,
             scores=None if self._rule == ScoreRule.CLOCK else unique.counts,
             buckets=self.buckets_where(unique.keys, unique.table_ids, admitted),
-            rule=self._rule, evicts=self._evicts, one_table=one_table,
+            rule=self._rule, evicts=evicts, one_table=one_table,
             outcomes=self._outcome_totals.tensor[:4], size=self._stored.on_device(), time=time,
             now_index=self._now_index)
         pending = PendingInsert(self, upserted, None, None, read_evicted=False, assign=False,
@@ -137,22 +253,25 @@ class PaddedCalls:
         Returns:
             ``Upserted`` of the n keys (its four counts None).
         """
-        if not self.counts_on_device:
-            raise ValueError("a padded insert needs a backend that counts on the device and "
-                             "a table that cannot grow, ignores failed inserts and has no ttl")
+        if (not self.counts_on_device or self._memory.can_grow
+                or self.check_mode == DynamicEmbCheckMode.ERROR):
+            raise ValueError("a padded upsert needs a table without a ttl that cannot grow "
+                             "(its buckets are given) and does not raise failed inserts")
         self._check_idle()
-        self._padded = True
         given = self._given_scores(scores, keys.numel(), checked=True)
         time = None
         if tick is not None:
             time = self._time.on_device()
             time[:1].add_(tick)
+        evicts = self._before_padded(keys.numel())
+        self._padded = True
         upserted = self._ops.padded_upsert(
             memory=self._memory, keys=keys, table_ids=table_ids, scores=given, buckets=buckets,
-            rule=self._rule, evicts=self._evicts, one_table=self.num_tables == 1,
+            rule=self._rule, evicts=evicts, one_table=self.num_tables == 1,
             outcomes=self._outcome_totals.tensor[:4], size=self._stored.on_device(), time=time,
             now_index=self._now_index)
         self._generation += 1  # whether it evicted or moved a key is not read
+        self._after_padded()
         return upserted
 
     def padded_erase(self, keys: torch.Tensor, table_ids: torch.Tensor, status: torch.Tensor,
@@ -161,7 +280,7 @@ class PaddedCalls:
         another table's call, by its status: distinct keys), with every count on
         the device (where ``counts_on_device``)."""
         if not self.counts_on_device:
-            raise ValueError("a padded erase needs a backend that counts on the device")
+            raise ValueError("a padded erase needs a table without a ttl")
         self._check_idle()
         self._padded = True
         self._ops.padded_erase(memory=self._memory, keys=keys, table_ids=table_ids,

@@ -22,7 +22,7 @@ from dynamicemb.options import check_ttl
 from dynamicemb.table.checks import (TableInputs, check_frequencies, check_keys,
                                      table_ids_as_int16)
 from dynamicemb.table.device_counts import DeviceCounters, DeviceTotals
-from dynamicemb.table.padded import DEVICE_TOTALS, PaddedCalls
+from dynamicemb.table.padded import DEVICE_TOTALS, PaddedCalls, SizeWatch
 from dynamicemb.table.pending import PendingInsert
 from dynamicemb.table.results import Expired, InsertResult, TableStats
 from dynamicemb.table.shared_zeros import SharedZeros
@@ -129,6 +129,11 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         self.ttl = ttl
         self._compound = self.score_strategy == DynamicEmbScoreStrategy.LRU_LFU
         self.check_mode = DynamicEmbCheckMode(check_mode)
+        # Whether a padded call reads its failed inserts in the call and, while the
+        # table may grow, grows and runs again (as ERROR mode does): set by a caller
+        # that needs every key stored (an external tier's host store: a key without
+        # a slot could not take its row back from below).
+        self.grows_for_failures = False
         self.max_load_factor = float(max_load_factor)
         self.value_dim = value_dim
         self.value_dtype = value_dtype
@@ -153,6 +158,7 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         self._stored = DeviceCounters([0], self.device)
         self._time = DeviceCounters([0, 0], self.device)
         self._outcome_totals = DeviceTotals(DEVICE_TOTALS, self.device)
+        self._watch = SizeWatch(self.device)  # what padded calls tell the host, late
         self._generation = 0
         self._pending: Optional[PendingInsert] = None
         self._none_inserted = SharedZeros(torch.bool, self.device)
@@ -680,12 +686,15 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         return self._prepare(keys, table_ids, scores, values, read_evicted, assign,
                              exact, checked).commit()
 
-    def _report_failures(self, failed: int, n: int, pending: "PendingInsert") -> None:
-        message = (
+    def _failure_message(self, failed: int, n: int) -> str:
+        return (
             f"{failed} of {n} keys found no slot: every slot of their bucket is in use "
             f"by this call, or the table is full at max_capacity={self.max_capacity()} "
             f"with {self.score_strategy.name}"
         )
+
+    def _report_failures(self, failed: int, n: int, pending: "PendingInsert") -> None:
+        message = self._failure_message(failed, n)
         if self.check_mode == DynamicEmbCheckMode.ERROR:
             pending.abort()
             raise RuntimeError(message + "; the call was undone")

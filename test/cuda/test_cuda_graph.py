@@ -8,7 +8,8 @@ same batches eagerly; ``make gpu-check`` captures a real graph."""
 import pytest
 import torch
 
-from dynamicemb import DynamicEmbOptimType, DynamicEmbPoolingMode, DynamicEmbScoreStrategy
+from dynamicemb import (DynamicEmbOptimType, DynamicEmbPoolingMode, DynamicEmbScoreStrategy,
+                        ScoredHashTable)
 from dynamicemb_testing.cuda_emulation import emulated_cuda
 from dynamicemb_testing.graph_emulation import EmulatedGraph
 from dynamicemb_testing.module_reference import (OPTIMIZER_ARGS, TableSpec, export_dict,
@@ -158,15 +159,16 @@ def test_a_refused_batch_in_a_replay_changes_nothing_until_checked():
         _assert_same_tables(graphed, eager)
 
 
-def test_the_emulated_graph_sees_a_step_that_needs_the_host():
-    """The stand-in is not blind: a table that may still grow takes the step that reads
-    its counts on the host (its clock is a kernel argument): replaying that step
+def test_the_emulated_graph_sees_a_step_that_needs_the_host(monkeypatch):
+    """The stand-in is not blind: a step that reads its counts on the host (the
+    host-counted step, forced here; its clock is a kernel argument): replaying it
     scores every replay with the capture's clock, unlike eager training."""
+    monkeypatch.setattr(ScoredHashTable, "counts_on_device", property(lambda self: False))
     optimizer, pooling = DynamicEmbOptimType.EXACT_SGD, DynamicEmbPoolingMode.SUM
     strategy = DynamicEmbScoreStrategy.LRU
     with emulated_cuda() as kernels:
-        graphed, eager = (_module(optimizer, pooling, strategy, capacity=1 << 14,
-                                  init_capacity=1 << 13) for _ in range(2))
+        graphed, eager = (_module(optimizer, pooling, strategy, capacity=1 << 14)
+                          for _ in range(2))
         for m in (graphed, eager):
             _step(m, _ids(0))
         graph, static_ids, _, _ = _captured(graphed, kernels, _ids(1))

@@ -16,8 +16,8 @@ from collections import Counter
 import pytest
 import torch
 
-from dynamicemb import (DynamicEmbInitializerArgs, DynamicEmbInitializerMode, DynamicEmbOptimType,
-                        DynamicEmbPoolingMode, DynamicEmbScoreStrategy)
+from dynamicemb import (DynamicEmbCheckMode, DynamicEmbInitializerArgs, DynamicEmbInitializerMode,
+                        DynamicEmbOptimType, DynamicEmbPoolingMode, DynamicEmbScoreStrategy)
 from dynamicemb.ops.cuda import CudaKernels
 from dynamicemb.ops.kernels import KernelBackend
 from dynamicemb.options import FrequencyAdmissionStrategy, KVCounter
@@ -30,13 +30,15 @@ BATCH, BAG = 256, 4  # 1,024 lookups
 # The kernels take the optimizer's scalars as float32 where the CPU's take float64:
 # Adam may differ in the last bit (as on a GPU; test_module_twins.py).
 TOL = dict(rtol=1e-5, atol=1e-6)
-# A table that may still grow (``init_capacity`` below ``max_capacity``) reads its
-# counts on the host until it has grown to its most: the check, the unique count,
-# the insert's outcome (which tells whether a full bucket deferred keys to a growth).
-# The CPU's extension returns the check's problem and the unique keys sized: it
-# reads the outcome only.
-GROWABLE_SYNCS = {"cuda-emulated": Counter({"check_offsets": 1, "_dedup": 1, "_passes": 1}),
-                  "cpu": Counter({"_passes": 1})}
+# A table that may still grow (``init_capacity`` below ``max_capacity``) grows ahead
+# of its steps by an upper bound of its size, which the host learns from two copies
+# (its size and outcome totals) that the step starts for it and a later call reads
+# once they arrived (the CPU at once, for free): no sync, before or after it has grown
+# to its most, for the two copies' launches. A growth reads the device once per
+# doubling (``KernelBackend.grow``'s compaction of the moved rows).
+GROWABLE_SYNCS = {"cuda-emulated": Counter(), "cpu": Counter()}
+GROWTH_SYNCS = Counter({"grow": 1})  # per doubling
+GROWABLE_COPIES = 2
 # One launch each per step, new ids or not: the offsets check, the dedup (3; its
 # numbering also gives the unique keys' buckets and pads), the insert, the new rows'
 # initialization (by status: whether there are new rows is not read), the lookup,
@@ -100,7 +102,7 @@ def _batches(pool: int, count: int, seed: int, hot: bool = False):
 
 def _module(optimizer=DynamicEmbOptimType.EXACT_SGD, pooling=DynamicEmbPoolingMode.SUM,
             cache=False, capacity=1 << 13, init_capacity=None, host_rows=False, placed=False,
-            **kw):
+            check_mode=None, **kw):
     options = {}
     if cache or placed:  # 256 rows of the device's: a cache, or where new rows land
         options = dict(local_hbm_for_values=16 * 4 * 256, caching=cache)
@@ -108,6 +110,8 @@ def _module(optimizer=DynamicEmbOptimType.EXACT_SGD, pooling=DynamicEmbPoolingMo
         options = dict(local_hbm_for_values=0, caching=False)
     if init_capacity:
         options["init_capacity"] = init_capacity
+    if check_mode is not None:
+        options["safe_check_mode"] = check_mode
     spec = TableSpec(dim=16, max_capacity=capacity, options=options)
     module, _ = make_tables([spec], pooling=pooling, optimizer=OPTIMIZER_ARGS[optimizer], **kw)
     return module
@@ -197,21 +201,55 @@ def test_a_steady_step_makes_no_sync(new_ids, optimizer):
     assert other.ops == guard.ops, "the op sequence depends on the number of unique ids"
 
 
+def _backend(name: str):
+    return emulated_cuda() if name == "cuda-emulated" else counted_cpu()
+
+
 @pytest.mark.parametrize("backend", ["cuda-emulated", "cpu"])
-def test_a_table_that_may_grow_reads_its_counts_until_it_cannot(backend):
-    """While the table may still grow, a step reads the check, the unique count and
-    the outcome (whether a full bucket deferred keys to a growth); once it has grown
-    to max_capacity, none."""
-    with (emulated_cuda() if backend == "cuda-emulated" else counted_cpu()) as kernels:
-        module = _module(capacity=1 << 11, init_capacity=1 << 10)
+def test_a_table_that_may_grow_makes_no_sync(backend):
+    """A table that may still grow: a steady step makes no sync, before and after
+    the table has grown to its most, within the launch budget and with the same ops
+    for another number of unique ids; a step that grows reads the device once per
+    doubling, and only there."""
+    with _backend(backend) as kernels:
+        module = _module(capacity=1 << 13, init_capacity=1 << 10)
+        table = module._groups[0].table
         ids, offsets = _batches(100, 1, seed=5)[0]
-        _step(module, ids, offsets)
+        for _ in range(2):  # grows ahead: room for the size and a batch of new ids
+            _step(module, ids, offsets)
+        capacity = table.capacity()
         guard = _guarded_step(module, kernels, ids, offsets)
-        assert _sites(guard) == GROWABLE_SYNCS[backend], guard.report()
-        _step(module, *_batches(3000, 1, seed=6)[0])  # grows to its most
-        assert module._groups[0].table.capacity() == 1 << 11
-        guard = _guarded_step(module, kernels, ids, offsets)
-    assert not guard.syncs, guard.report()
+        launches = Counter(kernels.launches)
+        other = _guarded_step(module, kernels, torch.where(ids % 3 == 0, ids, 7), offsets)
+        assert table.capacity() == capacity < table.max_capacity()
+        growths = table.stats.growths
+        _step(module, *_batches(6000, 1, seed=6)[0])  # ~900 new ids: the bound reaches
+        grow = _guarded_step(module, kernels, *_batches(6000, 1, seed=7)[0])  # the limit
+        doublings = table.stats.growths - growths
+        assert table.capacity() == table.max_capacity() and doublings > 0
+        full = _guarded_step(module, kernels, ids, offsets)
+    assert _sites(guard) == GROWABLE_SYNCS[backend], guard.report()
+    assert other.ops == guard.ops, "the op sequence depends on the number of unique ids"
+    own = guard.launches() - LOSS_LAUNCHES + sum(launches.values())
+    assert own <= STEP_LAUNCH_BUDGET + GROWABLE_COPIES, own
+    want = Counter({site: n * doublings for site, n in GROWTH_SYNCS.items()})
+    assert _sites(grow) == want, grow.report()
+    assert not full.syncs, full.report()
+
+
+@pytest.mark.parametrize("backend", ["cuda-emulated", "cpu"])
+def test_check_modes_sync_only_for_error(backend):
+    """WARNING reads its failure count when its copy arrived (a later call): a steady
+    step makes no sync. ERROR reads the call's failures before it returns, to undo it
+    and raise: one sync, the user's choice."""
+    for mode, want in ((DynamicEmbCheckMode.WARNING, Counter()),
+                       (DynamicEmbCheckMode.ERROR, Counter({"num_failed": 1}))):
+        with _backend(backend) as kernels:
+            module = _module(check_mode=mode)
+            ids, offsets = _batches(3000, 1, seed=8)[0]
+            _step(module, ids, offsets)
+            guard = _guarded_step(module, kernels, ids, offsets)
+        assert _sites(guard) == want, (mode, guard.report())
 
 
 def test_a_cache_step_makes_no_sync():

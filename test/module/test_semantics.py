@@ -23,6 +23,7 @@ from dynamicemb import (
     DynamicEmbTableOptions,
     FrequencyAdmissionStrategy,
 )
+from dynamicemb.table import hash_keys
 from dynamicemb_testing.devices import expect_refused
 from dynamicemb_testing.module_reference import (
     SPECIAL_IDS,
@@ -591,6 +592,28 @@ def test_growth_between_forward_and_backward(device):
     assert set(got) == set(want)
     for k, v in want.items():
         assert torch.allclose(got[k][0], torch.full((2,), v)), k
+
+
+def test_a_key_that_meets_a_full_bucket_of_a_growing_table(device):
+    """The one result growth ahead changes: 4 new keys of a full 16-slot bucket in a
+    table that may grow (its load allows them: no growth ahead) evict nothing, read
+    their initializer's row, get no update and make the next call grow, which
+    inserts them (the host-counted step grew in the call and stored them)."""
+    m = module_of(device, [options(2, max_capacity=256, init_capacity=32, bucket_capacity=16,
+                                   max_load_factor=1.0, init_value=0.0)], pooling_mode=NONE)
+    keys = torch.arange(4096)
+    keys = keys[(hash_keys(keys, torch.zeros_like(keys)) & 1) == 0][:20].tolist()
+    table = m._groups[0].table  # internal: only to confirm the scenario happened
+    m(*one_bag(keys[:16])).sum().backward()
+    out = m(*one_bag(keys[16:]))
+    (2 * out).sum().backward()
+    assert torch.equal(out.detach().cpu(), torch.zeros(4, 2))
+    assert (table.capacity(), table.stats.failed_inserts) == (32, 4)
+    assert set(export_dict(m, "t0")) == set(keys[:16])  # none evicted, none updated
+    assert torch.equal(rows_of(m, "t0", keys[:16]), torch.full((16, 2), -0.1))
+    m(*one_bag(keys[16:])).sum().backward()  # grows first, then inserts the 4
+    assert table.capacity() == 64
+    assert torch.equal(rows_of(m, "t0", keys[16:]), torch.full((4, 2), -0.1))
 
 
 def test_eviction_between_forward_and_backward(device):

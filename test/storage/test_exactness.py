@@ -62,7 +62,8 @@ def touched_keys(batches) -> int:
     return torch.cat([ids for ids, _ in batches]).unique().numel()
 
 
-def make_module(device, optimizer, strategy, pooling, caching=False, device_rows=None, max_capacity=8192):
+def make_module(device, optimizer, strategy, pooling, caching=False, device_rows=None,
+                max_capacity=8192, **options):
     row_bytes = (DIM + STATE_FLOATS[optimizer]) * 4
     options = DynamicEmbTableOptions(
         dim=DIM,
@@ -72,6 +73,7 @@ def make_module(device, optimizer, strategy, pooling, caching=False, device_rows
         initializer_args=DynamicEmbInitializerArgs(mode="normal", std_dev=0.1, seed=11),
         caching=caching,
         local_hbm_for_values=None if device_rows is None else device_rows * row_bytes,
+        **options,
     )
     return BatchedDynamicEmbeddingTables(
         [options, options], table_names=["a", "b"], pooling_mode=pooling,
@@ -143,6 +145,25 @@ def test_any_cache_size_trains_identically(optimizer, strategy, pooling, prefetc
             assert torch.equal(got, want), name
         assert_identical(snapshot(module), expected)
         module.flush()
+        assert_identical(snapshot(module), expected)
+
+
+def test_a_growing_host_store_trains_identically_whatever_the_cache(device):
+    """A host store that grows from 64 rows per table (load factor 1: some keys fail
+    in full buckets) gets the same calls whatever the tiers above it: every layout
+    trains as the single tier."""
+    batches = power_law_batches(seed=5)
+    optimizer, strategy = DynamicEmbOptimType.ADAM, DynamicEmbScoreStrategy.LRU
+    grows = dict(init_capacity=64, max_load_factor=1.0)
+    reference = make_module(device, optimizer, strategy, "sum", **grows)
+    expected_out = train(reference, batches, prefetch=False)
+    expected = snapshot(reference)
+    stats = reference._groups[0].table.stats  # internal: the scenario happened
+    assert stats.growths >= 3 and stats.failed_inserts > 0
+    for name, (caching, rows) in layouts(touched_keys(batches)).items():
+        module = make_module(device, optimizer, strategy, "sum", caching, rows, **grows)
+        for got, want in zip(train(module, batches, prefetch=True), expected_out):
+            assert torch.equal(got, want), name
         assert_identical(snapshot(module), expected)
 
 

@@ -98,8 +98,8 @@ class HashTableKernels(KernelLauncher):
     def padded_dedup_upsert(self, meta, bc, keys, tids, frequencies, rule, time, now_index,
                             evicts, one_table, error, outcomes, size, part=None):
         """``dedup`` (grouped) padded to the n keys, then one inserting pass over them
-        into a table that cannot grow (so no key is deferred): nothing is read on
-        the host. The numbering kernel advances ``time`` (the table's clock and
+        that defers no key (a full bucket evicts where ``evicts``, else fails its
+        key, whether the table may grow or not): nothing is read on the host. The numbering kernel advances ``time`` (the table's clock and
         step, (2,) int64) unless the batch is refused, and the pass reads its time
         from ``time[now_index]``; ``rule`` 0 scores by it, a count rule by the
         dedup's counts. The pass adds its outcome counts to ``outcomes`` (4,) and its
@@ -130,9 +130,9 @@ class HashTableKernels(KernelLauncher):
     def padded_upsert(self, meta, bc, keys, tids, scores, rule, evicts, one_table, buckets,
                       outcomes, size, time=None, now_index=0):
         """One inserting pass over unique keys with their buckets given (kNoBucket:
-        skipped, slot -1, FAILED, counted nowhere) into a table that cannot grow;
-        ``outcomes`` (4,) and ``size`` (1,) advance on the device; the pass's time
-        is ``time[now_index]`` (read on the device), 0 without ``time``. Returns
+        skipped, slot -1, FAILED, counted nowhere), deferring no key; ``outcomes``
+        (4,) and ``size`` (1,) advance on the device; the pass's time is
+        ``time[now_index]`` (read on the device), 0 without ``time``. Returns
         (slots, status, prev_scores, ev_keys, ev_tids, ev_scores), (n,) each."""
         _expect(buckets, torch.int32, "buckets")
         _expect(outcomes, torch.int64, "outcomes")
