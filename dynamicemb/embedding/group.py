@@ -241,16 +241,14 @@ class TableGroup:
     # ------------------------------------------------------------- lookup
     def counts_on_device(self, insert: bool) -> bool:
         """Whether a lookup (training when ``insert``) may run with every size and count
-        left on the device: a training lookup of a group without admission or
-        CUSTOMIZED scores whose storage allows it (``TieredStorage.counts_on_device``),
-        or an eval lookup whose storage finds rows on the device
-        (``TieredStorage.finds_on_device``). Then ``begin_lookup`` takes the module's
-        error word."""
+        left on the device: a training lookup of a group without admission whose
+        storage allows it (``TieredStorage.counts_on_device``; CUSTOMIZED scores
+        are read by the kernels from ``custom_scores``), or an eval lookup whose
+        storage finds rows on the device (``TieredStorage.finds_on_device``). Then
+        ``begin_lookup`` takes the module's error word."""
         if not (insert and self.training):
             return self.storage.finds_on_device
-        return (self.admission is None
-                and self.score_strategy != DynamicEmbScoreStrategy.CUSTOMIZED
-                and self.storage.counts_on_device)
+        return self.admission is None and self.storage.counts_on_device
 
     def begin_lookup(self, keys: torch.Tensor, tids: torch.Tensor, insert: bool,
                      frequencies: Optional[torch.Tensor] = None,
@@ -283,18 +281,21 @@ class TableGroup:
                           row_ref=self.storage.resolve(unique.keys, unique.table_ids),
                           init=InitRows(unique.keys, unique.table_ids,
                                         self.init.spec(False, self.device)))
+        customized = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED
+        table_scores = self.custom_scores if customized else None
         if error is not None:
-            unique, pending = self.storage.prepare_dedup(keys, tids, frequencies, padded=True,
-                                                         error=error, part=part)
+            unique, pending = self.storage.prepare_dedup(
+                keys, tids, frequencies, padded=True, error=error, part=part,
+                table_scores=table_scores)
             return Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
                           counts=unique.counts, starts=unique.starts, rank=unique.rank,
                           insert=pending,
                           init=InitRows(unique.keys, unique.table_ids,
                                         self.init.spec(True, self.device)))
-        if (train and self.admission is None
-                and self.score_strategy != DynamicEmbScoreStrategy.CUSTOMIZED):
-            # Nothing to decide between the dedup and the insert: one overlapped call.
-            unique, pending = self.storage.prepare_dedup(keys, tids, frequencies)
+        if train and self.admission is None:
+            # Nothing to decide between the dedup and the insert: one call.
+            unique, pending = self.storage.prepare_dedup(keys, tids, frequencies,
+                                                         table_scores=table_scores)
             return Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
                           counts=unique.counts, starts=unique.starts, rank=unique.rank,
                           insert=pending)
@@ -311,7 +312,7 @@ class TableGroup:
             admitted = self.admission.admitted(stored, keys_in, tids_in, counts_in)
             keys_in, tids_in, counts_in = keys_in[admitted], tids_in[admitted], counts_in[admitted]
         scores = None
-        if self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
+        if customized:
             scores = self.custom_scores[tids_in.long()]
         elif self.score_strategy in (DynamicEmbScoreStrategy.LFU, DynamicEmbScoreStrategy.LRU_LFU):
             scores = counts_in  # LFU counts occurrences, not batches

@@ -111,14 +111,15 @@ class KernelBackend(Backend):
         return unique, upserted
 
     def padded_dedup_upsert(self, *, memory, keys, table_ids, frequencies, rule, time,
-                            now_index, evicts, one_table, error, outcomes, size, part=None):
+                            now_index, evicts, one_table, error, outcomes, size, part=None,
+                            table_scores=None, ttl=0):
         if memory.can_grow:  # a full bucket would defer keys to a growth
             raise ValueError("a padded dedup_upsert needs a table that cannot grow")
         *unique, slots, status, prev, ev_keys, ev_tids, ev_scores = (
             self.kernels.padded_dedup_upsert(memory.meta, memory.bucket_capacity, keys,
                                              table_ids, frequencies, int(rule), time,
                                              now_index, evicts, one_table, error, outcomes,
-                                             size, part))
+                                             size, part, table_scores, int(ttl)))
         return Deduplicated(*unique), Upserted(slots, status, prev, ev_keys, ev_tids, ev_scores,
                                                hits=None, inserted=None, evicted=None,
                                                failed=None, growths=0)
