@@ -333,3 +333,87 @@ def test_bad_arguments_raise():
         kernels.padded_upsert(memory.meta, 16, keys, tids, None, 1, True, False,
                               torch.zeros(5, dtype=torch.int32), outcomes, size)
     assert int(outcomes.sum()) == 0 and int(size) == 0, "a refused call changed counts"
+
+
+# ------------------------------------------------- a padded call against the old path
+def _tables(strategy, ttl):
+    from dynamicemb.table import ScoredHashTable
+    return [ScoredHashTable(num_tables=3, capacity=64, bucket_capacity=16,
+                            score_strategy=strategy, ttl=ttl) for _ in range(2)]
+
+
+PADDED_CASES = {  # strategy, ttl
+    "lru-ttl": ("LRU", 2), "step-ttl": ("STEP", 3), "lru_lfu-ttl": ("LRU_LFU", 2),
+    "no_eviction-ttl": ("NO_EVICTION", 2), "customized": ("CUSTOMIZED", None),
+}
+
+
+@pytest.mark.parametrize("case", list(PADDED_CASES))
+def test_padded_table_matches_old_path(case):
+    """``prepare_dedup_find_or_insert(padded=True)`` with a ttl (hits on expired rows
+    are inserts the kernel finds at the time it keeps on the device) or CUSTOMIZED
+    scores (each table's score read by table id) decides what the host-counted call
+    decides: slots, new keys (expired hits included), scores, table bytes, size and
+    stats; ``find`` then misses the same expired rows without the host's time."""
+    from dynamicemb.types import DynamicEmbScoreStrategy as S
+    name, ttl = PADDED_CASES[case]
+    strategy = S[name]
+    old, padded = _tables(strategy, ttl)
+    rng = random.Random(case)
+    customized = strategy == S.CUSTOMIZED
+    for call in range(14):
+        n = rng.choice([1, 20, 60, 90])
+        keys, tids = batch(rng, n, pool=40 + 20 * (call % 3), tables=3)
+        freq = torch.tensor([rng.randrange(1, 4) for _ in range(n)], dtype=torch.int64)
+        scores = (torch.tensor([rng.randrange(0, 50) for _ in range(3)], dtype=torch.int64)
+                  if customized else None)
+        if strategy == S.STEP:
+            old.set_step(call + 1)  # the padded call advances its step on the device
+        unique, pending = old.prepare_dedup_find_or_insert(keys, tids, freq,
+                                                           table_scores=scores)
+        want = pending.commit()
+        got_unique, got_pending = padded.prepare_dedup_find_or_insert(
+            keys, tids, freq, padded=True, error=torch.zeros(1, dtype=torch.int64),
+            table_scores=scores)
+        got = got_pending.commit()
+        u, what = unique.keys.numel(), f"call {call}"
+        assert_same(got_unique.keys[:u], unique.keys, f"{what} keys")
+        assert_same(got.slots[:u], want.slots, f"{what} slots")
+        new = (got.status[:u] == INSERTED) | (got.status[:u] == EVICTED)
+        assert_same(new, want.inserted, f"{what} new keys")
+        assert_same_tables(padded.memory, old.memory, what)
+        assert padded.size() == old.size() and padded.now == old.now, what
+        probe = torch.arange(-12, 60)
+        for t in range(3):
+            ids = torch.full_like(probe, t, dtype=torch.int16)
+            assert_same(padded.find(probe, ids), old.find(probe, ids), f"{what} find")
+    assert padded.stats == old.stats
+    if ttl is not None:
+        assert old.stats.expired > 0, "some rows expired on a hit"
+
+
+def test_padded_abort_restores_expired_rows():
+    """Aborting a padded call whose hits found expired rows gives them back their
+    old scores (the key stays), and takes back the clock, size and totals."""
+    from dynamicemb.table import ScoredHashTable
+    from dynamicemb.types import DynamicEmbScoreStrategy as S
+    table = ScoredHashTable(num_tables=2, capacity=64, bucket_capacity=16,
+                            score_strategy=S.LRU_LFU, ttl=1)
+    word = torch.zeros(1, dtype=torch.int64)
+    rng = random.Random(5)
+    first = batch(rng, 30, pool=40, tables=2)
+    for keys, tids in (first, batch(rng, 10, pool=200, tables=2),
+                       batch(rng, 10, pool=200, tables=2)):
+        table.prepare_dedup_find_or_insert(keys, tids, padded=True, error=word)[1].commit()
+    before = [t.clone() for t in table.memory.meta]
+    totals = table.outcome_totals().tensor.clone()
+    clock, size = table.clock, table.size()
+    _, pending = table.prepare_dedup_find_or_insert(*first, padded=True, error=word)
+    expired = table.outcome_totals().tensor[4] - totals[4]
+    assert int(expired) > 0, "the call found expired rows"
+    pending.abort()
+    for name, x, y in zip(("keys", "scores", "tids", "digests", "occupied", "pinned"),
+                          table.memory.meta, before):
+        assert torch.equal(x, y), name
+    assert torch.equal(table.outcome_totals().tensor, totals)
+    assert table.clock == clock and table.size() == size
