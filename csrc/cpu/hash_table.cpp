@@ -549,8 +549,8 @@ PaddedDedupUpserted padded_dedup_upsert(
 // HashTableKernels.padded_upsert: a position of bucket kNoBucket is padding (slot
 // -1, kFailed, counted nowhere). The table cannot grow; the call's time is 0 (the
 // clock rule scores 0). outcomes (5,) += the outcome counts (no hit expires:
-// [4] stays), size (1,) += the inserts into empty slots. Returns (slots, status, prev_scores, ev_keys, ev_tids,
-// ev_scores), (n,) each.
+// [4] stays), size (1,) += the inserts into empty slots. Returns (slots, status,
+// prev_scores, ev_keys, ev_tids, ev_scores), (n,) each.
 PassResult padded_upsert(const std::vector<at::Tensor>& meta, int64_t bc,
                          const at::Tensor& keys, const at::Tensor& tids,
                          const c10::optional<at::Tensor>& scores, int64_t rule, bool evicts,

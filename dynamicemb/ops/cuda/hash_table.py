@@ -148,8 +148,8 @@ class HashTableKernels(KernelLauncher):
                       outcomes, size):
         """One inserting pass over unique keys with their buckets given (kNoBucket:
         skipped, slot -1, FAILED, counted nowhere) into a table that cannot grow;
-        ``outcomes`` (5,) and ``size`` (1,) advance on the device (no hit expires). Returns (slots,
-        status, prev_scores, ev_keys, ev_tids, ev_scores), (n,) each."""
+        ``outcomes`` (5,) and ``size`` (1,) advance on the device (no hit expires).
+        Returns (slots, status, prev_scores, ev_keys, ev_tids, ev_scores), (n,) each."""
         _expect(buckets, torch.int32, "buckets")
         _expect(outcomes, torch.int64, "outcomes")
         if outcomes.numel() != _NUM_OUTCOMES + 1:
