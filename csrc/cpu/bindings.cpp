@@ -63,7 +63,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_runs", &cpu_runs, "whether this CPU runs code built for -march=<level>");
   m.def("hash_keys", &c::hash_keys, "64-bit hash of (table id, key)");
   m.def("find", &c::find, "slot of each key, -1 if absent");
-  m.def("upsert", &c::upsert, "one inserting pass; returns deferred positions");
+  m.def("upsert", &c::upsert, "one inserting pass; returns deferred positions",
+        py::arg("meta"), py::arg("bc"), py::arg("keys"), py::arg("tids"), py::arg("given"),
+        py::arg("rule"), py::arg("now"), py::arg("evicts"), py::arg("can_grow"),
+        py::arg("one_table"), py::arg("pending"), py::arg("slots"), py::arg("status"),
+        py::arg("prev_scores"), py::arg("ev_keys"), py::arg("ev_tids"), py::arg("ev_scores"),
+        py::arg("outcomes"), py::arg("table_scores") = py::none(), py::arg("ttl") = 0);
   m.def("dedup_upsert", &c::dedup_upsert,
         "dedup overlapped with a first inserting pass over the unique keys");
   // The padded step's verbs take the CUDA backend's arguments (dynamicemb/ops/cuda):
@@ -74,17 +79,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          const at::Tensor& tids, const c10::optional<at::Tensor>& frequencies, int64_t rule,
          at::Tensor& time, int64_t now_index, bool evicts, bool one_table,
          const c10::optional<at::Tensor>& error, at::Tensor& outcomes, at::Tensor& size,
-         const py::object& part) {
+         const py::object& part, const c10::optional<at::Tensor>& table_scores, int64_t ttl) {
         const auto fields = part_fields(part);
         return c::padded_dedup_upsert(meta, bc, keys, tids, frequencies, rule, time, now_index,
                                       evicts, one_table, error, outcomes, size, fields.first,
-                                      fields.second);
+                                      fields.second, table_scores, ttl);
       },
       "dedup (grouped) padded to n, then one inserting pass over the unique keys",
       py::arg("meta"), py::arg("bc"), py::arg("keys"), py::arg("tids"),
       py::arg("frequencies"), py::arg("rule"), py::arg("time"), py::arg("now_index"),
       py::arg("evicts"), py::arg("one_table"), py::arg("error"), py::arg("outcomes"),
-      py::arg("size"), py::arg("part") = py::none());
+      py::arg("size"), py::arg("part") = py::none(), py::arg("table_scores") = py::none(),
+      py::arg("ttl") = 0);
   m.def(
       "padded_dedup",
       [](const at::Tensor& keys, const at::Tensor& tids, const c10::optional<at::Tensor>& error,
@@ -102,7 +108,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one inserting pass over unique keys with their buckets given", py::arg("meta"),
         py::arg("bc"), py::arg("keys"), py::arg("tids"), py::arg("scores"), py::arg("rule"),
         py::arg("evicts"), py::arg("one_table"), py::arg("buckets"), py::arg("outcomes"),
-        py::arg("size"), py::arg("time") = py::none(), py::arg("now_index") = 0);
+        py::arg("size"), py::arg("time") = py::none(), py::arg("now_index") = 0,
+        py::arg("ttl") = 0);
   m.def("erase_where", &c::erase_where, "erase the keys of a status; count them",
         py::arg("meta"), py::arg("bc"), py::arg("keys"), py::arg("tids"), py::arg("status"),
         py::arg("which"), py::arg("erased"), py::arg("size"));

@@ -31,8 +31,11 @@ namespace dynamicemb {
 namespace cpu {
 namespace {
 
-// Outcomes counted per call: kHit, kInserted, kEvictedAndInserted, kFailed.
+// Outcomes counted per call: kHit, kInserted, kEvictedAndInserted, kFailed, then
+// (a padded call's, or one with a ttl) the expired hits, at kExpiredOutcome.
 constexpr int kNumOutcomes = 4;
+constexpr int kNumCounted = kNumOutcomes + 1;
+using Counted = std::array<int64_t, kNumCounted>;
 
 }  // namespace
 
@@ -74,7 +77,8 @@ namespace {
 struct UpsertArgs {
   const int64_t* keys;
   const int16_t* tids;
-  const uint64_t* given;  // nullptr unless a rule needs scores
+  const uint64_t* given;         // (n,) nullptr unless a rule needs scores per key
+  const uint64_t* table_scores;  // (T,) or nullptr: the scores by table id (given_score)
   PassOptions opt;
   PassOutputs out;
 };
@@ -126,7 +130,7 @@ constexpr int kAhead = 16;
 template <class Rule, class Feed>
 void upsert_owned(const CpuTableView& v, const UpsertArgs& a, const Rule& rule, const Feed& feed,
                   std::vector<uint8_t>& blocked, std::vector<int64_t>& deferred,
-                  int64_t* outcomes) {
+                  int64_t* outcomes) {  // (kNumCounted,) +=
   int64_t m = INT64_MAX / 2;  // number of keys, known once the feed says so
   int hints[2 * kAhead];
   for (int64_t q = 0; q < m + 2 * kAhead; ++q) {
@@ -149,11 +153,14 @@ void upsert_owned(const CpuTableView& v, const UpsertArgs& a, const Rule& rule, 
     const int64_t p = q - 2 * kAhead;
     if (p >= 0 && p < m) {
       const int64_t i = feed.at(p);
-      const uint64_t given = a.given ? a.given[i] : 0;
-      if (upsert_one(v, DigestProbe{}, rule, a.opt, a.out, i, a.keys[i], a.tids[i], given,
-                     home_of(v, feed.hash(p)), hints[p % (2 * kAhead)],
-                     blocked.data()) == kDeferred) {
+      const uint64_t given = given_score(a.given, a.table_scores, i, a.tids[i]);
+      const int8_t st = upsert_one(v, DigestProbe{}, rule, a.opt, a.out, i, a.keys[i],
+                                   a.tids[i], given, home_of(v, feed.hash(p)),
+                                   hints[p % (2 * kAhead)], blocked.data());
+      if (st == kDeferred) {
         deferred.push_back(i);
+      } else {
+        ++outcomes[st == kExpiredHit ? kExpiredOutcome : st];
       }
     }
   }
@@ -162,7 +169,6 @@ void upsert_owned(const CpuTableView& v, const UpsertArgs& a, const Rule& rule, 
   for (int64_t p = 0; p < m; ++p) {
     const int64_t s = a.out.slots[feed.at(p)];
     const int8_t st = a.out.status[feed.at(p)];
-    if (st != kDeferred) ++outcomes[st];
     if (st == kDeferred || s < 0) continue;
     const int64_t b = v.bucket_of_slot(s);
     if (!blocked[b]) clear_bit(v.pinned_of(b), static_cast<int>(s - b * v.bc));
@@ -176,11 +182,11 @@ void upsert_owned(const CpuTableView& v, const UpsertArgs& a, const Rule& rule, 
 template <class Rule>
 std::vector<int64_t> upsert_all(const CpuTableView& v, const UpsertArgs& a, const Rule& rule,
                                 const int64_t* pending, int64_t npending,
-                                const int32_t* buckets, int64_t* outcomes) {
+                                const int32_t* buckets, int64_t* outcomes) {  // += (kNumCounted,)
   std::vector<uint8_t> blocked(v.num_buckets, 0);
   const int threads = npending >= kParallelMinKeys ? omp_get_max_threads() : 1;
   std::vector<std::vector<int64_t>> deferred(threads);
-  std::vector<std::array<int64_t, kNumOutcomes>> counted(threads);
+  std::vector<Counted> counted(threads);
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num();
@@ -209,7 +215,7 @@ std::vector<int64_t> upsert_all(const CpuTableView& v, const UpsertArgs& a, cons
     upsert_owned(v, a, rule, feed, blocked, deferred[t], counted[t].data());
   }
   for (const auto& c : counted) {
-    for (int o = 0; o < kNumOutcomes; ++o) outcomes[o] += c[o];
+    for (int o = 0; o < kNumCounted; ++o) outcomes[o] += c[o];
   }
   std::vector<int64_t> merged;
   for (auto& d : deferred) merged.insert(merged.end(), d.begin(), d.end());
@@ -254,7 +260,8 @@ UpsertArgs pass_args(int64_t n, bool evicts, bool can_grow, bool one_table, at::
   a.keys = nullptr;
   a.tids = nullptr;
   a.given = nullptr;
-  a.opt = PassOptions{evicts, can_grow, one_table};
+  a.table_scores = nullptr;
+  a.opt = PassOptions{evicts, can_grow, one_table, 0};
   a.out.slots = slots.data_ptr<int64_t>();
   a.out.status = status.data_ptr<int8_t>();
   a.out.prev_scores = nullptr;
@@ -277,10 +284,30 @@ int64_t* size_of(at::Tensor& size) {
   return size.data_ptr<int64_t>();
 }
 
-int64_t* outcomes_of(at::Tensor& outcomes) {
+// A call's outcome counts in memory: (4,), or (5,) with the expired hits (a padded
+// call's, and any call with a ttl).
+int64_t* outcomes_of(at::Tensor& outcomes, bool with_expired) {
   check_tensor(outcomes, at::kLong, "outcomes");
-  TORCH_CHECK(outcomes.numel() == kNumOutcomes, "outcomes must hold ", kNumOutcomes, " counts");
+  const int64_t want = with_expired ? kNumCounted : kNumOutcomes;
+  TORCH_CHECK(outcomes.numel() == want || (!with_expired && outcomes.numel() == kNumCounted),
+              "outcomes must hold ", want, " counts (hits, inserted, evicted, failed",
+              with_expired ? ", expired hits)" : ")");
   return outcomes.data_ptr<int64_t>();
+}
+
+// Adds what a call counted to its outcomes (the expired hits where they have room).
+void add_outcomes(at::Tensor& outcomes, const Counted& counted) {
+  int64_t* out = outcomes.data_ptr<int64_t>();
+  for (int o = 0; o < outcomes.numel(); ++o) out[o] += counted[o];
+}
+
+// The per-table scores of a call (CUSTOMIZED, read by table id): (T,) int64.
+const uint64_t* table_scores_of(const c10::optional<at::Tensor>& table_scores) {
+  if (!table_scores.has_value()) return nullptr;
+  check_tensor(*table_scores, at::kLong, "table_scores");
+  TORCH_CHECK(table_scores->dim() == 1 && table_scores->numel() > 0,
+              "table_scores holds one score per table: (T,) int64");
+  return reinterpret_cast<const uint64_t*>(table_scores->data_ptr<int64_t>());
 }
 
 at::Tensor tensor_of(const std::vector<int64_t>& values, const at::TensorOptions& options) {
@@ -294,17 +321,21 @@ at::Tensor tensor_of(const std::vector<int64_t>& values, const at::TensorOptions
 // Inserting pass over keys[pending]. Fills slots/status (and the optional
 // outputs) at the pending positions; returns the deferred positions (sorted).
 // outcomes (int64 [4]) += how many keys of the pass were hits, inserted, evicted
-// and inserted, failed (deferred keys are counted by the pass that settles them).
-// rule: 0 clock (score = now), 1 count (LFU, adds given), 2 given (CUSTOMIZED),
-// 3 count then clock (LRU_LFU: adds given, stamps now).
+// and inserted, failed (deferred keys are counted by the pass that settles them),
+// and [4] (outcomes of 5) its expired hits. rule: 0 clock (score = now), 1 count
+// (LFU, adds given), 2 given (CUSTOMIZED: per key, or table_scores (T,) by table
+// id), 3 count then clock (LRU_LFU: adds given, stamps now). ttl (0: none): a hit
+// on a row last accessed before now - ttl is an insert (outcomes of 5 needed).
 at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
                   const at::Tensor& tids, const c10::optional<at::Tensor>& given, int64_t rule, int64_t now,
                   bool evicts, bool can_grow, bool one_table, const at::Tensor& pending,
                   at::Tensor& slots, at::Tensor& status,
                   const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys,
-                  at::Tensor& ev_tids, at::Tensor& ev_scores, at::Tensor& outcomes) {
+                  at::Tensor& ev_tids, at::Tensor& ev_scores, at::Tensor& outcomes,
+                  const c10::optional<at::Tensor>& table_scores, int64_t ttl) {
   check_batch(keys, tids);
-  int64_t* counts = outcomes_of(outcomes);
+  TORCH_CHECK(ttl >= 0, "ttl must be >= 0 (0: none), got ", ttl);
+  outcomes_of(outcomes, ttl != 0);
   check_tensor(pending, at::kLong, "pending");
   const CpuTableView v = view_of(meta, bc);
   UpsertArgs a = pass_args(keys.numel(), evicts, can_grow, one_table, slots, status, prev_scores,
@@ -312,13 +343,18 @@ at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Ten
   a.keys = keys.data_ptr<int64_t>();
   a.tids = tids.data_ptr<int16_t>();
   a.given = given.has_value() ? optional_ptr<const uint64_t>(*given) : nullptr;
-  TORCH_CHECK(rule == 0 || a.given != nullptr, "the count and given-score rules need scores");
+  a.table_scores = table_scores_of(table_scores);
+  a.opt.expired_before = expired_before(static_cast<uint64_t>(now), static_cast<uint64_t>(ttl));
+  TORCH_CHECK(rule == 0 || a.given != nullptr || (rule == 2 && a.table_scores != nullptr),
+              "the count and given-score rules need scores");
   const int64_t* p = pending.data_ptr<int64_t>();
   const int64_t np = pending.numel();
   std::vector<int64_t> deferred;
+  Counted counted{};
   with_rule(rule, static_cast<uint64_t>(now), [&](const auto& score) {
-    deferred = upsert_all(v, a, score, p, np, nullptr, counts);
+    deferred = upsert_all(v, a, score, p, np, nullptr, counted.data());
   });
+  add_outcomes(outcomes, counted);
   return tensor_of(deferred, keys.options());
 }
 
@@ -398,7 +434,7 @@ dedup_upsert(
   const int64_t* freq;
   check_dedup_batch(keys, tids, frequencies, &freq);
   const int64_t n = keys.numel();
-  int64_t* counted = outcomes_of(outcomes);
+  outcomes_of(outcomes, false);
   const CpuTableView v = view_of(meta, bc);
   auto ukeys = at::empty({n}, keys.options());
   auto utids = at::empty({n}, tids.options());
@@ -413,10 +449,12 @@ dedup_upsert(
   const DedupOut out{ukeys.data_ptr<int64_t>(), utids.data_ptr<int16_t>(), nullptr,
                      counts.data_ptr<int64_t>(), inverse.data_ptr<int64_t>()};
   std::vector<int64_t> deferred;
+  Counted counted{};
   const int64_t unique = dedup_and_upsert(
       v, a, ClockScore{static_cast<uint64_t>(now)}, keys.data_ptr<int64_t>(),
       tids.data_ptr<int16_t>(), freq, n, BatchPart{}, out, starts.data_ptr<int64_t>(),
-      rank.data_ptr<int64_t>(), deferred, counted);
+      rank.data_ptr<int64_t>(), deferred, counted.data());
+  add_outcomes(outcomes, counted);
   return {ukeys.narrow(0, 0, unique), utids.narrow(0, 0, unique), inverse,
           counts.narrow(0, 0, unique), starts.narrow(0, 0, unique + 1), rank,
           tensor_of(deferred, keys.options())};
@@ -429,9 +467,12 @@ dedup_upsert(
 // fails its key, whether the table may grow or not. Unless the error word refuses
 // the batch (then nothing changes: no pair, inverse -1), `time` (2,) (the table's
 // clock and step) advances by one and the pass runs at time[now_index] with
-// `rule`, a count rule scoring by the dedup's counts; `outcomes` (4,) += its
-// outcome counts, `size` (1,) += its inserts into empty slots. part_groups (N,)
-// (None: every lookup) and part_group: the lookups of other groups are left out.
+// `rule`: a count rule scores by the dedup's counts, the given rule by
+// table_scores (T,), each table's score read by table id; with a ttl (0: none) a
+// hit on a row last accessed before time[now_index] - ttl is an insert. `outcomes`
+// (5,) += its outcome counts and expired hits, `size` (1,) += its inserts into
+// empty slots. part_groups (N,) (None: every lookup) and part_group: the lookups
+// of other groups are left out.
 // Returns (unique_keys, unique_tids, inverse, counts, starts (N + 1,), rank, slots,
 // status, prev_scores, ev_keys, ev_tids, ev_scores).
 PaddedDedupUpserted padded_dedup_upsert(
@@ -439,7 +480,8 @@ PaddedDedupUpserted padded_dedup_upsert(
     const at::Tensor& tids, const c10::optional<at::Tensor>& frequencies, int64_t rule,
     at::Tensor& time, int64_t now_index, bool evicts, bool one_table,
     const c10::optional<at::Tensor>& error, at::Tensor& outcomes, at::Tensor& size,
-    const c10::optional<at::Tensor>& part_groups, int64_t part_group) {
+    const c10::optional<at::Tensor>& part_groups, int64_t part_group,
+    const c10::optional<at::Tensor>& table_scores, int64_t ttl) {
   const int64_t* freq;
   check_dedup_batch(keys, tids, frequencies, &freq);
   const int64_t n = keys.numel();
@@ -447,8 +489,12 @@ PaddedDedupUpserted padded_dedup_upsert(
   TORCH_CHECK(time.numel() == 2 && (now_index == 0 || now_index == 1),
               "time holds a clock and a step; now_index picks one");
   TORCH_CHECK(0 <= rule && rule <= 3, "unknown score rule ", rule);
-  int64_t* counted = outcomes_of(outcomes);
+  TORCH_CHECK(ttl >= 0, "ttl must be >= 0 (0: none), got ", ttl);
+  outcomes_of(outcomes, true);
   int64_t* table_size = size_of(size);
+  const uint64_t* per_table = table_scores_of(table_scores);
+  TORCH_CHECK(rule != 2 || per_table != nullptr,
+              "the given-score rule of a padded call reads each table's score: table_scores");
   const CpuTableView v = view_of(meta, bc);
   const BatchPart part = batch_part(part_groups, part_group, n);
   const bool refused = is_refused(error);
@@ -478,15 +524,20 @@ PaddedDedupUpserted padded_dedup_upsert(
     ++clock_and_step[1];
     a.keys = out.keys;
     a.tids = out.tids;
-    a.given = rule == 0 ? nullptr : reinterpret_cast<const uint64_t*>(out.counts);
-    const int64_t inserted_before = counted[kInserted];
+    const bool counts_rule = rule == 1 || rule == 3;
+    a.given = counts_rule ? reinterpret_cast<const uint64_t*>(out.counts) : nullptr;
+    a.table_scores = rule == 2 ? per_table : nullptr;
+    const uint64_t now = static_cast<uint64_t>(clock_and_step[now_index]);
+    a.opt.expired_before = expired_before(now, static_cast<uint64_t>(ttl));
     std::vector<int64_t> deferred;  // none: the pass defers no key
-    with_rule(rule, static_cast<uint64_t>(clock_and_step[now_index]), [&](const auto& score) {
+    Counted counted{};
+    with_rule(rule, now, [&](const auto& score) {
       unique = dedup_and_upsert(v, a, score, keys.data_ptr<int64_t>(), tids.data_ptr<int16_t>(),
                                 freq, n, part, out, starts.data_ptr<int64_t>(),
-                                rank.data_ptr<int64_t>(), deferred, counted);
+                                rank.data_ptr<int64_t>(), deferred, counted.data());
     });
-    *table_size += counted[kInserted] - inserted_before;
+    add_outcomes(outcomes, counted);
+    *table_size += counted[kInserted];
     pad_unique(out, unique, n, starts.data_ptr<int64_t>());
   }
   std::fill(a.out.slots + unique, a.out.slots + n, -1);
@@ -499,16 +550,18 @@ PaddedDedupUpserted padded_dedup_upsert(
 // HashTableKernels.padded_upsert: a position of bucket kNoBucket is padding (slot
 // -1, kFailed, counted nowhere). No key is deferred; the call's time (the clock
 // rule's score) is time[now_index] (time (2,) int64, a table's clock and step), 0
-// without `time`. outcomes (4,) += the outcome counts, size (1,) += the inserts into
-// empty slots. Returns (slots, status, prev_scores, ev_keys, ev_tids, ev_scores),
-// (n,) each.
+// without `time`; with ttl (0: none) a hit on a row expired at that time is an
+// insert. outcomes (5,) += the outcome counts, size (1,) += the inserts into empty
+// slots. Returns (slots, status, prev_scores,
+// ev_keys, ev_tids, ev_scores), (n,) each.
 PassResult padded_upsert(const std::vector<at::Tensor>& meta, int64_t bc,
                          const at::Tensor& keys, const at::Tensor& tids,
                          const c10::optional<at::Tensor>& scores, int64_t rule, bool evicts,
                          bool one_table, const at::Tensor& buckets, at::Tensor& outcomes,
                          at::Tensor& size, const c10::optional<at::Tensor>& time,
-                         int64_t now_index) {
+                         int64_t now_index, int64_t ttl) {
   check_batch(keys, tids);
+  TORCH_CHECK(ttl >= 0, "ttl must be >= 0 (0: none), got ", ttl);
   int64_t now = 0;
   if (time.has_value()) {
     check_tensor(*time, at::kLong, "time");
@@ -520,7 +573,7 @@ PassResult padded_upsert(const std::vector<at::Tensor>& meta, int64_t bc,
   check_tensor(buckets, at::kInt, "buckets");
   TORCH_CHECK(buckets.numel() == n, "buckets are given for every key of a pass: (", n,
               ",) int32");
-  int64_t* counted = outcomes_of(outcomes);
+  outcomes_of(outcomes, true);
   int64_t* table_size = size_of(size);
   const CpuTableView v = view_of(meta, bc);
   const auto i64 = keys.options();
@@ -540,11 +593,13 @@ PassResult padded_upsert(const std::vector<at::Tensor>& meta, int64_t bc,
     a.given = optional_ptr<const uint64_t>(*scores);
   }
   TORCH_CHECK(rule == 0 || scores.has_value(), "the count and given-score rules need scores");
-  const int64_t inserted_before = counted[kInserted];
+  a.opt.expired_before = expired_before(static_cast<uint64_t>(now), static_cast<uint64_t>(ttl));
+  Counted counted{};
   with_rule(rule, static_cast<uint64_t>(now), [&](const auto& score) {
-    upsert_all(v, a, score, nullptr, n, buckets.data_ptr<int32_t>(), counted);
+    upsert_all(v, a, score, nullptr, n, buckets.data_ptr<int32_t>(), counted.data());
   });
-  *table_size += counted[kInserted] - inserted_before;
+  add_outcomes(outcomes, counted);
+  *table_size += counted[kInserted];
   return {slots, status, prev, ev_keys, ev_tids, ev_scores};
 }
 

@@ -26,12 +26,15 @@ at::Tensor hash_keys(const at::Tensor& keys, const at::Tensor& tids);
 at::Tensor find(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
                 const at::Tensor& tids, bool single_table);
 // One inserting pass over keys[pending]; returns the deferred positions (sorted).
+// table_scores (T,): the given rule's scores by table id, instead of `given`; ttl
+// (0: none): hits on rows expired at `now` are inserts, counted at outcomes[4].
 at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
                   const at::Tensor& tids, const c10::optional<at::Tensor>& given, int64_t rule,
                   int64_t now, bool evicts, bool can_grow, bool one_table,
                   const at::Tensor& pending, at::Tensor& slots, at::Tensor& status,
                   const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys,
-                  at::Tensor& ev_tids, at::Tensor& ev_scores, at::Tensor& outcomes);
+                  at::Tensor& ev_tids, at::Tensor& ev_scores, at::Tensor& outcomes,
+                  const c10::optional<at::Tensor>& table_scores, int64_t ttl);
 // dedup overlapped with a first inserting pass over the unique keys. Returns
 // (unique_keys, unique_tids, inverse, counts, starts, rank, deferred).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
@@ -51,22 +54,26 @@ using PaddedDedupUpserted =
                at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 // dedup_upsert padded to the n keys, as the CUDA backend's: nothing is read on
 // the host but the error word. part_groups (None: every key) and part_group are a
-// BatchPart's fields.
+// BatchPart's fields; table_scores (T,) the given rule's scores by table id; ttl
+// (0: none) the rows' lifetime. outcomes (5,): hits, inserted, evicted, failed,
+// expired hits.
 PaddedDedupUpserted padded_dedup_upsert(
     const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
     const at::Tensor& tids, const c10::optional<at::Tensor>& frequencies, int64_t rule,
     at::Tensor& time, int64_t now_index, bool evicts, bool one_table,
     const c10::optional<at::Tensor>& error, at::Tensor& outcomes, at::Tensor& size,
-    const c10::optional<at::Tensor>& part_groups, int64_t part_group);
+    const c10::optional<at::Tensor>& part_groups, int64_t part_group,
+    const c10::optional<at::Tensor>& table_scores, int64_t ttl);
 // One inserting pass over unique keys with their buckets given (kNoBucket: padding)
-// into a table that cannot grow; outcomes (4,) and size (1,) advance. time (None:
-// the call's time is 0) and now_index: the call's time is time[now_index].
+// into a table that cannot grow; outcomes (5,) and size (1,) advance. time (None:
+// the call's time is 0) and now_index: the call's time is time[now_index]; ttl (0:
+// none): a hit on a row expired at that time is an insert (outcomes[4]).
 PassResult padded_upsert(const std::vector<at::Tensor>& meta, int64_t bc,
                          const at::Tensor& keys, const at::Tensor& tids,
                          const c10::optional<at::Tensor>& scores, int64_t rule, bool evicts,
                          bool one_table, const at::Tensor& buckets, at::Tensor& outcomes,
                          at::Tensor& size, const c10::optional<at::Tensor>& time,
-                         int64_t now_index);
+                         int64_t now_index, int64_t ttl);
 // Clears the pinned bit of every slot >= 0 of slots (n,).
 void unpin(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& slots);
 // Reverts an inserting call from what its passes wrote (each (n,)), newest first.

@@ -36,12 +36,13 @@ struct BucketBits {
 // offset where the key was seen at the start of its chunk (or -1): trusted only
 // if the slot still holds the key, since an earlier key of the run may have
 // evicted it (and a key not seen then may since have been inserted by a repeat
-// of it). Returns the key's status.
+// of it). Returns the key's status, kExpiredHit for a hit on a row last accessed
+// before `expired_before` (written as kInserted: upsert_one's contract).
 template <class Rule>
 __device__ int8_t upsert_key(const TableView& v, const PassOutputs& o, const Rule& rule,
                              BucketBits& bits, int64_t i, int64_t key, int16_t tid,
                              uint64_t given, uint64_t h, int hint, bool evicts, bool can_grow,
-                             bool one_table) {
+                             bool one_table, uint64_t expired_before) {
   const int64_t base = bucket_of(h, v.num_buckets) * v.bc;
   const uint8_t digest = digest_of(h);
   const int lane = lane_id();
@@ -52,16 +53,20 @@ __device__ int8_t upsert_key(const TableView& v, const PassOutputs& o, const Rul
   }
   int j = __any_sync(kFullMask, holds) ? hint : probe_warp(v, base, key, tid, one_table, digest);
   if (j >= 0) {
+    // the slot's owner reads its score, and tells the warp whether the row expired
+    uint64_t old = 0;
+    if (lane == owner_lane(j)) old = v.scores[base + j];
+    const bool expired =
+        __shfl_sync(kFullMask, rule.time_of(old) < expired_before ? 1 : 0, owner_lane(j)) != 0;
     if (lane == owner_lane(j)) {
-      const uint64_t old = v.scores[base + j];
       if (o.prev_scores) o.prev_scores[i] = old;
-      v.scores[base + j] = rule.on_hit(old, given);
+      v.scores[base + j] = expired ? rule.on_insert(given) : rule.on_hit(old, given);
       o.slots[i] = base + j;
-      o.status[i] = kHit;
+      o.status[i] = expired ? kInserted : kHit;
     }
     set_bit(bits.pinned, j);
     set_bit(bits.pinned_here, j);
-    return kHit;
+    return expired ? kExpiredHit : kHit;
   }
   int8_t outcome = kInserted;
   j = first_clear_bit_from(bits.occupied, v.bc, start_offset(h, v.bc));
@@ -93,25 +98,43 @@ __device__ int8_t upsert_key(const TableView& v, const PassOutputs& o, const Rul
     v.tids[base + j] = tid;
     v.digests[base + j] = digest;
     v.scores[base + j] = rule.on_insert(given);
+    if (o.prev_scores) o.prev_scores[i] = kNoPrevScore;
     o.slots[i] = base + j;
     o.status[i] = outcome;
   }
   return outcome;
 }
 
+// What one inserting pass gives each of its runs: the keys (n,), their scores (per
+// key, or per table: given_score), the order of the pass's positions and its options.
+struct PassInputs {
+  const int64_t* keys;
+  const int16_t* tids;
+  const uint64_t* given;
+  const uint64_t* table_scores;
+  const int64_t* order;
+  bool evicts;
+  bool can_grow;
+  bool one_table;
+  uint64_t expired_before;  // expired_before(now, ttl): 0, nothing expires
+};
+
 // The run of keys order[q0, q1) of bucket b, in order. The run goes 32 keys at
 // a time: each lane loads one key and probes for it (its hint), then the warp
 // settles the 32 in order with the key's fields broadcast by shuffles. At the
 // end the bucket's bits are stored, this pass's pins cleared unless the bucket
 // is blocked (the next pass needs them). outcomes (4,) += the run's settled keys by
-// status, deferred[0] += its deferred keys (when deferred is given). Returns the
-// run's inserts into empty slots (the same in every lane).
+// status and outcomes[kExpiredOutcome] += its expired hits (only a pass with a ttl
+// has any: its outcomes have room), deferred[0] += its deferred keys (when deferred
+// is given). Returns the run's inserts into empty slots (the same in every lane).
 template <class Rule>
-__device__ unsigned long long upsert_run(const TableView& v, const PassOutputs& o, const Rule& rule,
-                           const int64_t* keys, const int16_t* tids, const uint64_t* given,
-                           const int64_t* order, int64_t q0, int64_t q1, bool evicts,
-                           bool can_grow, bool one_table, unsigned long long* outcomes,
-                           unsigned long long* deferred) {
+__device__ unsigned long long upsert_run(const TableView& v, const PassOutputs& o,
+                                         const Rule& rule, const PassInputs& in, int64_t q0,
+                                         int64_t q1, unsigned long long* outcomes,
+                                         unsigned long long* deferred) {
+  const int64_t* keys = in.keys;
+  const int16_t* tids = in.tids;
+  const int64_t* order = in.order;
   const int64_t i0 = order[q0];
   const int64_t b = bucket_of(hash_key(keys[i0], tids[i0]), v.num_buckets);
   BucketBits bits;
@@ -122,7 +145,7 @@ __device__ unsigned long long upsert_run(const TableView& v, const PassOutputs& 
     bits.pinned_here[w] = 0;
   }
   bool blocked = false;
-  unsigned long long counted[kDeferred + 1] = {0, 0, 0, 0, 0};
+  unsigned long long counted[kExpiredHit + 1] = {0, 0, 0, 0, 0, 0};
   for (int64_t chunk = q0; chunk < q1; chunk += kWarp) {
     __syncwarp();  // the chunk's probes read slots other lanes wrote
     const int64_t q = chunk + lane_id();
@@ -133,11 +156,11 @@ __device__ unsigned long long upsert_run(const TableView& v, const PassOutputs& 
       my_i = order[q];
       my_key = keys[my_i];
       my_tid = tids[my_i];
-      my_given = given ? given[my_i] : 0;
+      my_given = given_score(in.given, in.table_scores, my_i, static_cast<int16_t>(my_tid));
       my_h = hash_key(my_key, static_cast<int16_t>(my_tid));
       if (!blocked) {
         my_hint = find_one(v, ThreadProbe{}, home_of(v, my_h), my_key,
-                           static_cast<int16_t>(my_tid), one_table);
+                           static_cast<int16_t>(my_tid), in.one_table);
       }
     }
     const int in_chunk = q1 - chunk < kWarp ? static_cast<int>(q1 - chunk) : kWarp;
@@ -150,7 +173,8 @@ __device__ unsigned long long upsert_run(const TableView& v, const PassOutputs& 
         status = upsert_key(v, o, rule, bits, i, __shfl_sync(kFullMask, my_key, t),
                             static_cast<int16_t>(__shfl_sync(kFullMask, my_tid, t)),
                             __shfl_sync(kFullMask, my_given, t), __shfl_sync(kFullMask, my_h, t),
-                            __shfl_sync(kFullMask, my_hint, t), evicts, can_grow, one_table);
+                            __shfl_sync(kFullMask, my_hint, t), in.evicts, in.can_grow,
+                            in.one_table, in.expired_before);
         blocked = status == kDeferred;
       }
       ++counted[status];
@@ -161,6 +185,7 @@ __device__ unsigned long long upsert_run(const TableView& v, const PassOutputs& 
       if (counted[s]) atomicAdd(outcomes + s, counted[s]);
     }
     if (deferred != nullptr && counted[kDeferred]) atomicAdd(deferred, counted[kDeferred]);
+    if (counted[kExpiredHit]) atomicAdd(outcomes + kExpiredOutcome, counted[kExpiredHit]);
     for (int w = 0; w < bits.words; ++w) {
       v.occupied_of(b)[w] = bits.occupied[w];
       v.pinned_of(b)[w] = blocked ? bits.pinned[w] : bits.pinned[w] & ~bits.pinned_here[w];
@@ -224,6 +249,9 @@ __device__ int64_t run_end(const int32_t* sorted_buckets, int64_t m, int64_t q0,
 // cannot grow and no key is deferred). now_at (null: none): the call's time is
 // *now_at (the table's clock or step in device memory) instead of now. size (null:
 // none): the table's size in device memory, += the inserts into empty slots.
+// table_scores (null: none): the given rule's scores by table id, for a null
+// `given`. ttl (0: none): a hit on a row last accessed before now - ttl is an
+// insert (upsert_one), counted at outcomes[4] (then (5,)).
 extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
                                        const int16_t* tids, const uint64_t* given, int rule,
                                        uint64_t now, bool evicts, bool can_grow, bool one_table,
@@ -233,7 +261,8 @@ extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
                                        int16_t* ev_tids, uint64_t* ev_scores,
                                        unsigned long long* outcomes,
                                        unsigned long long* deferred, const int64_t* now_at,
-                                       unsigned long long* size) {
+                                       unsigned long long* size, const uint64_t* table_scores,
+                                       uint64_t ttl) {
   const int64_t q0 = global_warp();  // the same for the warp's lanes: uniform exits
   if (q0 >= m) return;
   if (now_at != nullptr) now = static_cast<uint64_t>(*now_at);
@@ -249,23 +278,22 @@ extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
   const int64_t q1 = run_end(sorted_buckets, m, q0, b);
   const TableView v = DEMB_TABLE_VIEW;
   const PassOutputs o{slots, status, prev_scores, ev_keys, ev_tids, ev_scores};
+  const PassInputs in{keys,  tids,     given,     table_scores,
+                      order, evicts,   can_grow,  one_table,
+                      expired_before(now, ttl)};
   unsigned long long inserted = 0;
   switch (rule) {
     case 0:
-      inserted = upsert_run(v, o, ClockScore{now}, keys, tids, given, order, q0, q1, evicts,
-                            can_grow, one_table, outcomes, deferred);
+      inserted = upsert_run(v, o, ClockScore{now}, in, q0, q1, outcomes, deferred);
       break;
     case 1:
-      inserted = upsert_run(v, o, CountScore{}, keys, tids, given, order, q0, q1, evicts,
-                            can_grow, one_table, outcomes, deferred);
+      inserted = upsert_run(v, o, CountScore{}, in, q0, q1, outcomes, deferred);
       break;
     case 3:
-      inserted = upsert_run(v, o, CountThenClockScore{now}, keys, tids, given, order, q0, q1,
-                            evicts, can_grow, one_table, outcomes, deferred);
+      inserted = upsert_run(v, o, CountThenClockScore{now}, in, q0, q1, outcomes, deferred);
       break;
     default:
-      inserted = upsert_run(v, o, GivenScore{}, keys, tids, given, order, q0, q1, evicts,
-                            can_grow, one_table, outcomes, deferred);
+      inserted = upsert_run(v, o, GivenScore{}, in, q0, q1, outcomes, deferred);
       break;
   }
   if (size != nullptr && inserted && lane_id() == 0) atomicAdd(size, inserted);

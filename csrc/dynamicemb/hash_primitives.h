@@ -149,10 +149,13 @@ DEMB_HD int probe_bucket_scalar(const Keys& keys, const int16_t* tids,
 
 // Score rules: the policy objects the bulk loops are templated on. A kernel calls
 // on_insert / on_hit and never branches on the strategy's name.
+// time_of(score) is the last access a score records, which a ttl measures (rules
+// that record none return the score: a table with a ttl never uses them).
 struct ClockScore {  // LRU, STEP, NO_EVICTION: the call's clock (or step) value
   uint64_t now;
   DEMB_HD uint64_t on_insert(uint64_t /*given*/) const { return now; }
   DEMB_HD uint64_t on_hit(uint64_t /*old*/, uint64_t /*given*/) const { return now; }
+  DEMB_HD static uint64_t time_of(uint64_t score) { return score; }
 };
 
 // Scores stay below 2^63 so they read as non-negative int64 in Python.
@@ -163,11 +166,13 @@ struct CountScore {  // LFU: times the key was seen; `given` is this call's coun
   DEMB_HD uint64_t on_hit(uint64_t old, uint64_t given) const {  // saturating
     return given > kMaxScore - old ? kMaxScore : old + given;
   }
+  DEMB_HD static uint64_t time_of(uint64_t score) { return score; }
 };
 
 struct GivenScore {  // CUSTOMIZED: the caller's score
   DEMB_HD uint64_t on_insert(uint64_t given) const { return given; }
   DEMB_HD uint64_t on_hit(uint64_t /*old*/, uint64_t given) const { return given; }
+  DEMB_HD static uint64_t time_of(uint64_t score) { return score; }
 };
 
 // LRU_LFU (upstream's compound (TIMESTAMP, LFU)), one word ranked as upstream ranks
@@ -190,7 +195,31 @@ struct CountThenClockScore {  // `now` < 2^32; `given` is this call's count
     const uint64_t count = old >> kCompoundCountShift;
     return pack(given > kCompoundMaxCount - count ? kCompoundMaxCount : count + given);
   }
+  DEMB_HD static uint64_t time_of(uint64_t score) { return score & kCompoundTimeMask; }
 };
+
+// The score an inserting pass gives key i of table `tid`: its own (`per_key`, (n,)),
+// its table's (`per_table`, (T,): CUSTOMIZED scores of a padded call, read by table
+// id), or none (0: a rule that reads no score).
+DEMB_HD uint64_t given_score(const uint64_t* per_key, const uint64_t* per_table, int64_t i,
+                             int16_t tid) {
+  if (per_key != nullptr) return per_key[i];
+  return per_table != nullptr ? per_table[tid] : 0;
+}
+
+// TTL: a row whose last access (the rule's time_of its score) is below this time
+// has expired at the call's time `now`, for a lifetime of `ttl` ticks (0: no ttl,
+// nothing expires), as ScoredHashTable.expired_before. An inserting pass takes a
+// hit on an expired row as an insert (upsert_one).
+DEMB_HD uint64_t expired_before(uint64_t now, uint64_t ttl) {
+  return ttl != 0 && now > ttl ? now - ttl : 0;
+}
+
+// The previous score an inserting pass records for a key it inserted into a slot
+// without one (prev_scores): a new key's or a victim's slot. Scores stay below
+// 2^63, so as int64 this is -1, which no score is; a hit on an expired row records
+// the row's score there instead.
+constexpr uint64_t kNoPrevScore = ~0ull;
 
 // Outcome of one key in an inserting call (the kernels' `status` output).
 enum InsertStatus : int8_t {
@@ -200,6 +229,14 @@ enum InsertStatus : int8_t {
   kFailed = 3,
   kDeferred = 4,
 };
+
+// What upsert_one returns for a hit on an expired row, whose status it writes as
+// kInserted (the row is new): the passes count these apart from inserts into empty
+// slots (a padded call's outcomes, at kExpiredOutcome).
+constexpr int8_t kExpiredHit = 5;
+// A padded call's outcome counts: hits, inserted, evicted and inserted, failed,
+// then expired hits.
+constexpr int kExpiredOutcome = 4;
 
 // The bucket of a padding position of a batch whose unique keys are padded to its
 // lookup count (csrc/cuda/dedup.cu), or of a key a padded pass skips: sorted after

@@ -19,9 +19,13 @@
 //     nothing changes; the key comes back in the pass after growth.
 //   - hit (key present): kHit; score = rule.on_hit(old, given), the old score
 //     recorded in prev_scores (when recorded); the slot is pinned.
+//   - hit on an expired row (rule.time_of(old) below the pass's expired_before,
+//     a ttl's): the key takes its own slot as a new key: kInserted, score =
+//     rule.on_insert(given), the old score recorded in prev_scores; pinned. The
+//     procedure returns kExpiredHit (counted apart from inserts into empty slots).
 //   - insert: the first empty slot at or after the key's start offset, wrapping
 //     around the bucket; kInserted; key, table id, digest written, score =
-//     rule.on_insert(given); occupied and pinned.
+//     rule.on_insert(given), kNoPrevScore in prev_scores; occupied and pinned.
 //   - full bucket, table may grow: the bucket is blocked, kDeferred.
 //   - full bucket, rule evicts, some slot unpinned: the unpinned slot with the
 //     minimum score, ties to the lowest offset, is the victim; its key, table id
@@ -138,6 +142,8 @@ struct PassOptions {
   bool evicts;     // the rule evicts (every strategy but NO_EVICTION)
   bool can_grow;   // capacity < max_capacity: a full bucket defers its keys
   bool one_table;  // every table id is 0: the key decides alone
+  uint64_t expired_before;  // a hit on a row last accessed before this is an insert
+                            // (expired_before(now, ttl); 0: nothing expires)
 };
 
 // Where an inserting pass writes, at the key's position i (each (n,)).
@@ -183,12 +189,14 @@ DEMB_HD_INLINED int8_t upsert_one(const TableView& v, const Probe& probe, const 
   uint64_t* pinned = v.pinned_of(home.bucket);
   if (j >= 0) {
     uint64_t& score = v.scores[base + j];
-    if (out.prev_scores) out.prev_scores[i] = score;
-    score = rule.on_hit(score, given);
+    const uint64_t old = score;
+    if (out.prev_scores) out.prev_scores[i] = old;
+    const bool expired = rule.time_of(old) < opt.expired_before;
+    score = expired ? rule.on_insert(given) : rule.on_hit(old, given);
     set_bit(pinned, j);
     out.slots[i] = base + j;
-    out.status[i] = kHit;
-    return kHit;
+    out.status[i] = expired ? kInserted : kHit;
+    return expired ? kExpiredHit : kHit;
   }
   uint64_t* occupied = v.occupied_of(home.bucket);
   int8_t outcome = kInserted;
@@ -210,6 +218,7 @@ DEMB_HD_INLINED int8_t upsert_one(const TableView& v, const Probe& probe, const 
     out.ev_scores[i] = v.scores[base + j];
     outcome = kEvictedAndInserted;
   }
+  if (out.prev_scores) out.prev_scores[i] = kNoPrevScore;
   set_bit(occupied, j);
   set_bit(pinned, j);
   v.keys[base + j] = key;
@@ -233,8 +242,9 @@ DEMB_HD bool erase_one(const TableView& v, const Probe& probe, const KeyHome& ho
   return true;
 }
 
-// Reverts key i of an inserting pass (ERROR mode, aborts): a hit gets its old
-// score back, a fresh slot is emptied, an evicted victim is put back. Each of
+// Reverts key i of an inserting pass (ERROR mode, aborts): a hit, or a hit on an
+// expired row (kInserted with a previous score recorded), gets its old score back,
+// a fresh slot is emptied, an evicted victim is put back. Each of
 // these rewrites every field the call changed in the slot from the record of the
 // slot's state before key i, so the oldest key of a call that touched a slot
 // restores it alone: a caller walks the keys newest first (the CPU), or undoes
@@ -245,7 +255,9 @@ DEMB_HD void undo_one(const TableView& v, const PassRecord& r, int64_t i) {
   if (s < 0) return;
   const int64_t b = s / v.bc;
   const int j = static_cast<int>(s - b * v.bc);
-  if (r.status[i] == kHit) {
+  const bool expired_hit = r.status[i] == kInserted && r.prev_scores != nullptr &&
+                           r.prev_scores[i] != kNoPrevScore;
+  if (r.status[i] == kHit || expired_hit) {
     v.scores[s] = r.prev_scores[i];
   } else if (r.status[i] == kInserted) {
     Bits::clear(v.occupied_of(b), j);

@@ -242,15 +242,15 @@ class TableGroup:
     # ------------------------------------------------------------- lookup
     def counts_on_device(self, insert: bool) -> bool:
         """Whether a lookup (training when ``insert``) may run with every size and count
-        left on the device: a training lookup of a group without CUSTOMIZED scores
-        whose storage allows it (``TieredStorage.counts_on_device``; admission decides
-        on the device too), or an eval lookup whose storage finds
-        rows on the device (``TieredStorage.finds_on_device``). Then ``begin_lookup``
-        takes the module's error word."""
+        left on the device: a training lookup whose storage allows it
+        (``TieredStorage.counts_on_device``; CUSTOMIZED scores are read by the
+        kernels from ``custom_scores``, admission decides on the device too), or an
+        eval lookup whose storage finds rows on the device
+        (``TieredStorage.finds_on_device``). Then ``begin_lookup`` takes the
+        module's error word."""
         if not (insert and self.training):
             return self.storage.finds_on_device
-        return (self.score_strategy != DynamicEmbScoreStrategy.CUSTOMIZED
-                and self.storage.counts_on_device
+        return (self.storage.counts_on_device
                 # keys not admitted read spec rows T + t (int16 table ids)
                 and (self.admission is None or 2 * len(self.table_indices) <= MAX_TABLES + 1))
 
@@ -287,18 +287,21 @@ class TableGroup:
                 return lookup  # transient rows by finish_lookup, from the host
             return lookup._replace(init=InitRows(unique.keys, unique.table_ids,
                                                  self.init.spec(False, self.device)))
+        customized = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED
+        table_scores = self.custom_scores if customized else None
         if error is not None:
             unique, pending = self.storage.prepare_dedup(
                 keys, tids, frequencies, padded=True, error=error, part=part,
-                admit=None if self.admission is None else self._admit)
+                admit=None if self.admission is None else self._admit,
+                table_scores=table_scores)
             return Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
                           counts=unique.counts, starts=unique.starts, rank=unique.rank,
                           insert=pending, admitted=pending.padded.admitted,
                           init=self._computed_rows(unique, pending.padded.admitted))
-        if (train and self.admission is None
-                and self.score_strategy != DynamicEmbScoreStrategy.CUSTOMIZED):
-            # Nothing to decide between the dedup and the insert: one overlapped call.
-            unique, pending = self.storage.prepare_dedup(keys, tids, frequencies)
+        if train and self.admission is None:
+            # Nothing to decide between the dedup and the insert: one call.
+            unique, pending = self.storage.prepare_dedup(keys, tids, frequencies,
+                                                         table_scores=table_scores)
             return Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
                           counts=unique.counts, starts=unique.starts, rank=unique.rank,
                           insert=pending)
@@ -315,7 +318,7 @@ class TableGroup:
             admitted = self.admission.admitted(stored, keys_in, tids_in, counts_in)
             keys_in, tids_in, counts_in = keys_in[admitted], tids_in[admitted], counts_in[admitted]
         scores = None
-        if self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
+        if customized:
             scores = self.custom_scores[tids_in.long()]
         elif self.score_strategy in (DynamicEmbScoreStrategy.LFU, DynamicEmbScoreStrategy.LRU_LFU):
             scores = counts_in  # LFU counts occurrences, not batches

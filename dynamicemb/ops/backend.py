@@ -95,23 +95,34 @@ class Backend(abc.ABC):
                             rule: ScoreRule, time: torch.Tensor, now_index: int,
                             evicts: bool, one_table: bool, error: Optional[torch.Tensor],
                             outcomes: torch.Tensor, size: torch.Tensor,
-                            part: Optional["BatchPart"] = None) -> Tuple[Deduplicated, Upserted]:
+                            part: Optional["BatchPart"] = None,
+                            table_scores: Optional[torch.Tensor] = None,
+                            ttl: int = 0) -> Tuple[Deduplicated, Upserted]:
         """``dedup_upsert`` with every size, count and clock left on the device: the
         dedup is padded to the N keys, and the pass defers no key (a full bucket
         evicts where ``evicts``, else fails its key, whether the table may grow or
         not: the caller grows between calls).
 
         Args:
-            rule: CLOCK, or a count rule whose scores are the dedup's counts.
+            rule: CLOCK, a count rule whose scores are the dedup's counts, or GIVEN
+                (CUSTOMIZED), whose scores are ``table_scores``'.
             time: (2,) int64, the table's clock and step: advanced by one, then
                 ``time[now_index]`` is the call's time (its scores).
             error: (1,) int64 or None: a batch whose word is set has no unique key
                 and changes nothing (not even ``time``).
-            outcomes: (4,) int64 totals the call adds its hits, inserts, evicting
-                inserts and failures to (``Upserted``'s four counts are None).
+            outcomes: (5,) int64 totals the call adds its hits, inserts into empty
+                slots, evicting inserts, failures and expired hits to
+                (``Upserted``'s four counts are None).
             size: (1,) int64, the table's size, advanced by the inserts into
                 empty slots.
             part: only the keys of one group of the batch (``BatchPart``).
+            table_scores: (T,) int64, each logical table's score (GIVEN), read by
+                the kernel by table id.
+            ttl: the rows' lifetime in ticks of the call's time (0: none): a hit
+                on a row whose last access is below ``time[now_index] - ttl``
+                takes the row as a new key's: status INSERTED (its row is then
+                initialized as a new one), its previous score in ``prev_scores``
+                (a new key's is -1), counted in ``outcomes[4]``, not ``[1]``.
         """
         raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
@@ -138,13 +149,15 @@ class Backend(abc.ABC):
                       table_ids: torch.Tensor, scores: Optional[torch.Tensor],
                       buckets: torch.Tensor, rule: ScoreRule, evicts: bool, one_table: bool,
                       outcomes: torch.Tensor, size: torch.Tensor,
-                      time: Optional[torch.Tensor] = None, now_index: int = 0) -> Upserted:
+                      time: Optional[torch.Tensor] = None, now_index: int = 0,
+                      ttl: int = 0) -> Upserted:
         """One inserting pass over unique keys with their buckets given ((n,) int32;
         ``KNO_BUCKET``: skipped, slot -1, FAILED, counted nowhere), deferring no key
-        (as ``padded_dedup_upsert``), every count on the device: ``outcomes`` (4,) +=
-        the pass's InsertStatus counts, ``size`` (1,) += its inserts into empty
-        slots. The call's time (the clock rule's score) is ``time[now_index]`` ((2,)
-        int64, the table's clock and step, read on the device), 0 without ``time``."""
+        (as ``padded_dedup_upsert``), every count on the device: ``outcomes`` (5,) +=
+        the pass's InsertStatus counts (``[4]``: hits on rows expired under ``ttl``,
+        0: none, which are inserts), ``size`` (1,) += its inserts into empty slots.
+        The call's time (the clock rule's score) is ``time[now_index]`` ((2,) int64,
+        the table's clock and step, read on the device), 0 without ``time``."""
         raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
     def padded_erase(self, *, memory: TableMemory, keys: torch.Tensor,

@@ -111,12 +111,13 @@ class KernelBackend(Backend):
         return unique, upserted
 
     def padded_dedup_upsert(self, *, memory, keys, table_ids, frequencies, rule, time,
-                            now_index, evicts, one_table, error, outcomes, size, part=None):
+                            now_index, evicts, one_table, error, outcomes, size, part=None,
+                            table_scores=None, ttl=0):
         *unique, slots, status, prev, ev_keys, ev_tids, ev_scores = (
             self.kernels.padded_dedup_upsert(memory.meta, memory.bucket_capacity, keys,
                                              table_ids, frequencies, int(rule), time,
                                              now_index, evicts, one_table, error, outcomes,
-                                             size, part))
+                                             size, part, table_scores, int(ttl)))
         return Deduplicated(*unique), Upserted(slots, status, prev, ev_keys, ev_tids, ev_scores,
                                                hits=None, inserted=None, evicted=None,
                                                failed=None, growths=0)
@@ -128,10 +129,11 @@ class KernelBackend(Backend):
         return unique if group else unique._replace(starts=None, rank=None)
 
     def padded_upsert(self, *, memory, keys, table_ids, scores, buckets, rule, evicts,
-                      one_table, outcomes, size, time=None, now_index=0):
+                      one_table, outcomes, size, time=None, now_index=0, ttl=0):
         outs = self.kernels.padded_upsert(memory.meta, memory.bucket_capacity, keys, table_ids,
                                           scores, int(rule), evicts, one_table, buckets,
-                                          outcomes, size, time=time, now_index=now_index)
+                                          outcomes, size, time=time, now_index=now_index,
+                                          ttl=int(ttl))
         return Upserted(*outs, hits=None, inserted=None, evicted=None, failed=None, growths=0)
 
     def padded_erase(self, *, memory, keys, table_ids, status, which, erased, size):

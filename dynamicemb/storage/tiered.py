@@ -41,7 +41,7 @@ from dynamicemb.ops import for_device, resolve_device
 from dynamicemb.ops.interface import HOST_ROW_BIT, InsertStatus, RowSources
 from dynamicemb.kvstore.store import ExternalStorageError
 from dynamicemb.table import (Deduplicated, Entries, InsertResult, PendingInsert,
-                              ScoredHashTable)
+                              ScoredHashTable, expired_hits)
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
 __all__ = ["TierMetrics", "TieredStorage"]
@@ -261,9 +261,11 @@ class TieredStorage:
 
     @property
     def finds_on_device(self) -> bool:
-        """Whether an eval lookup may run padded: no ``ttl`` (with an external tier,
-        the rows it holds are then read from the host: ``TableGroup.finish_lookup``)."""
-        return self.host.ttl is None
+        """Whether an eval lookup may run padded: always (rows expired under a
+        ``ttl`` are found at the time the kernels keep on the device; with an
+        external tier, the rows it holds are read from the host:
+        ``TableGroup.finish_lookup``)."""
+        return True
 
     def prepare(self, keys, tids, scores) -> PendingInsert:
         """Phase one: the host store decides keys and scores (may raise; see
@@ -276,16 +278,18 @@ class TieredStorage:
 
     def prepare_dedup(self, keys, tids, frequencies, padded: bool = False,
                       error: Optional[torch.Tensor] = None, part=None,
-                      admit=None) -> Tuple[Deduplicated, PendingInsert]:
+                      admit=None, table_scores: Optional[torch.Tensor] = None
+                      ) -> Tuple[Deduplicated, PendingInsert]:
         """Phase one of a batch with repeated keys: its dedup and ``prepare`` of the
         unique keys in one call (see ``ScoredHashTable.prepare_dedup_find_or_insert``,
-        whose ``padded``, ``error``, ``part`` and ``admit`` these are; ``padded``
-        where ``counts_on_device``, then ``commit_padded`` follows). The dedup is
-        returned on ``device``."""
+        whose ``padded``, ``error``, ``part``, ``admit`` and ``table_scores`` these
+        are; ``padded`` where ``counts_on_device``, then ``commit_padded`` follows).
+        The dedup is returned on ``device``."""
         frequencies = None if frequencies is None else self._on_host(frequencies)
+        table_scores = None if table_scores is None else self._on_host(table_scores)
         unique, pending = self.host.prepare_dedup_find_or_insert(
             self._on_host(keys), self._on_host(tids), frequencies, checked=True,
-            padded=padded, error=error, part=part, admit=admit)
+            padded=padded, error=error, part=part, admit=admit, table_scores=table_scores)
         self._stage_below(pending, unique.keys, unique.table_ids)
         if self._two_devices:
             unique = Deduplicated(*(None if t is None else t.to(self.device) for t in unique))
@@ -360,9 +364,9 @@ class TieredStorage:
     def commit_padded(self, pending: PendingInsert, keys: torch.Tensor, tids: torch.Tensor,
                       counts: torch.Tensor) -> torch.Tensor:
         """Phase two of a padded insert (``prepare_dedup(padded=True)``), every count on
-        the device: commits, initializes the rows of new keys (by status), drops
-        the host store's victims from a cache and promotes the batch into it
-        (``_promote_padded``).
+        the device: commits, initializes the rows of new keys (by status: a hit on
+        an expired row is one), drops the host store's victims and expired rows
+        from a cache and promotes the batch into it (``_promote_padded``).
 
         Args:
             pending: from ``prepare_dedup(padded=True)``.
@@ -386,9 +390,13 @@ class TieredStorage:
             evicted = result.status == InsertStatus.EVICTED_AND_INSERTED
             self._count_where("host_evictions", torch.where(evicted, upserted.ev_tids, 0),
                               evicted)
+            if self.host.ttl is not None:
+                self._count_where("expired", tids, expired_hits(upserted))
         if self.device_tier is not None:
             self.device_tier.padded_erase(upserted.ev_keys, upserted.ev_tids, result.status,
                                           InsertStatus.EVICTED_AND_INSERTED)
+            if self.host.ttl is not None:  # a cached copy of an expired row is dead
+                self.device_tier.padded_erase(keys, tids, result.status, InsertStatus.INSERTED)
             if not self.promote:
                 return self._place_padded(keys, tids, host_slots, result.status, several)
             return self._promote_padded(keys, tids, counts, host_slots, several)
@@ -763,16 +771,17 @@ class TieredStorage:
         totals = self.host.outcome_totals()
         if totals is None or self.host.num_tables > 1:
             return
-        hits, inserted, evicted, failed, _ = totals.take("metrics")
-        lookups = hits + inserted + evicted + failed
+        hits, inserted, evicted, failed, expired, _ = totals.take("metrics")
+        lookups = hits + inserted + evicted + failed + expired
         stored = lookups - failed
         self._add("lookups", lookups)
         self._add("host_evictions", evicted)
+        self._add("expired", expired)
         if self.device_tier is None:
             self._add("misses" if self.host_only else "hits", stored)
             return
         cached = self.device_tier.outcome_totals()
-        c_hits, c_inserted, c_evicted, _, _ = cached.take("metrics") if cached else [0] * 5
+        c_hits, c_inserted, c_evicted, *_ = cached.take("metrics") if cached else [0] * 6
         self._add("hits", c_hits)
         self._add("misses", stored - c_hits)
         self._add("evictions", c_evicted)

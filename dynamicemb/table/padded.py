@@ -19,13 +19,16 @@ from dynamicemb.table.device_counts import CountsCopy, DeviceTotals, capturing
 from dynamicemb.table.pending import PaddedCall, PendingInsert
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
-__all__ = ["DEVICE_TOTALS", "PaddedCalls", "SizeWatch"]
+__all__ = ["DEVICE_TOTALS", "PaddedCalls", "SizeWatch", "expired_hits"]
 
 logger = logging.getLogger("dynamicemb.table.scored_hash_table")  # the table's messages
 
 # The padded calls' totals in device memory: hits, inserted, evicted, failed (an
-# upsert's InsertStatus counts), then keys erased.
-DEVICE_TOTALS = 5
+# upsert's InsertStatus counts), hits on expired rows (status INSERTED, counted
+# apart), then keys erased.
+DEVICE_TOTALS = 6
+_OUTCOMES = slice(0, 5)  # what an inserting call adds to
+_ERASED = slice(5, 6)
 
 
 class SizeWatch:
@@ -43,11 +46,11 @@ class SizeWatch:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.copy = CountsCopy(1 + 4, device)
+        self.copy = CountsCopy(1 + 5, device)  # the size, the outcome totals
         self.bound = 0
         self.since_copy = 0  # keys given to padded calls since the copy on the way
         self.copy_stale = False  # the host set the size since the copy was taken
-        self.totals: List[int] = [0] * 4  # the outcome totals read last
+        self.totals: List[int] = [0] * 5  # the outcome totals read last
         self.failed = 0  # keys that failed (read) and that no growth answered yet
 
 
@@ -56,8 +59,8 @@ class PaddedCalls:
     memory, device counters and totals)."""
 
     def outcome_totals(self) -> Optional[DeviceTotals]:
-        """What padded calls counted (hits, inserted, evicted, failed, erased), in
-        device memory; None before the first padded call."""
+        """What padded calls counted (hits, inserted, evicted, failed, expired,
+        erased), in device memory; None before the first padded call."""
         return self._outcome_totals if self._padded else None
 
     def size_on_device(self) -> torch.Tensor:
@@ -69,19 +72,21 @@ class PaddedCalls:
         """Adds what padded calls counted on the device to the stats."""
         if not self._padded:
             return
-        _, inserted, evicted, failed, erased = self._outcome_totals.take("table")
+        _, inserted, evicted, failed, expired, erased = self._outcome_totals.take("table")
         self._stats.inserts += inserted + evicted
         self._stats.evictions += evicted
         self._stats.failed_inserts += failed
+        self._stats.expired += expired
         self._stats.erases += erased
 
     @property
     def counts_on_device(self) -> bool:
-        """Whether ``prepare_dedup_find_or_insert(padded=True)`` may run: rows do not
-        expire. A table that may grow grows ahead (``_before_padded``); failed
-        inserts are logged at a later call (WARNING) or read at once, undone and
-        raised (ERROR: a sync the user chose)."""
-        return self.ttl is None
+        """Whether ``prepare_dedup_find_or_insert(padded=True)`` may run: always. A
+        table that may grow grows ahead (``_before_padded``); failed inserts are
+        logged at a later call (WARNING) or read at once, undone and raised (ERROR:
+        a sync the user chose); rows expired (``ttl``) are found by the kernels at
+        the time they read on the device."""
+        return True
 
     @property
     def _watched(self) -> bool:
@@ -120,7 +125,7 @@ class PaddedCalls:
         watch = self._watch
         if not self._watched or capturing() or watch.copy.on_the_way:
             return
-        watch.copy.start(self._stored.on_device(), self._outcome_totals.tensor[:4])
+        watch.copy.start(self._stored.on_device(), self._outcome_totals.tensor[_OUTCOMES])
         watch.since_copy, watch.copy_stale = 0, False
         if self._ops.free_host_reads:
             self._read_watch()
@@ -147,15 +152,16 @@ class PaddedCalls:
             logger.warning(self._failure_message(failed, keys) + grows)
 
     def _prepare_padded(self, keys, tids, frequencies, error, part,
-                        admit: Optional[Callable] = None) -> Tuple[Deduplicated, PendingInsert]:
+                        admit: Optional[Callable] = None,
+                        table_scores: Optional[torch.Tensor] = None
+                        ) -> Tuple[Deduplicated, PendingInsert]:
         """A padded call: its kernels advance the clock and the step in device memory
         (unless ``error`` refuses the batch) and read its time there, and add their
-        outcome counts to the device totals. Nothing is read on the host, but in
+        outcome counts to the device totals; hits on rows expired at that time
+        (``ttl``) are inserts. Nothing is read on the host, but in
         ERROR mode the call's failed inserts (one sync): then it is undone, and the
         table grows and runs it again, or raises when it cannot grow. ``admit``: the
         pass takes only the keys it admits (``prepare_dedup_find_or_insert``)."""
-        if not self.counts_on_device:
-            raise ValueError("a padded insert needs a table without a ttl")
         self._check_idle()
         if self.check_mode == DynamicEmbCheckMode.ERROR and capturing():
             raise RuntimeError(
@@ -166,14 +172,15 @@ class PaddedCalls:
             self._padded = True
             if admit is not None:
                 unique, pending = self._prepare_admitted(keys, tids, frequencies, error, part,
-                                                         admit, evicts)
+                                                         admit, evicts, table_scores)
             else:
                 unique, upserted = self._ops.padded_dedup_upsert(
                     memory=self._memory, keys=keys, table_ids=tids, frequencies=frequencies,
                     rule=self._rule, time=self._time.on_device(), now_index=self._now_index,
                     evicts=evicts, one_table=self.num_tables == 1, error=error,
-                    outcomes=self._outcome_totals.tensor[:4], size=self._stored.on_device(),
-                    part=part)
+                    outcomes=self._outcome_totals.tensor[_OUTCOMES],
+                    size=self._stored.on_device(), part=part, table_scores=table_scores,
+                    ttl=self.ttl or 0)
                 pending = PendingInsert(self, upserted, None, None, read_evicted=False,
                                         assign=False, padded=PaddedCall(error, unique.counts))
             self._pending = pending
@@ -192,30 +199,43 @@ class PaddedCalls:
         return unique, pending
 
     def _prepare_admitted(self, keys, tids, frequencies, error, part, admit: Callable,
-                          evicts: bool) -> Tuple[Deduplicated, PendingInsert]:
+                          evicts: bool, table_scores: Optional[torch.Tensor]
+                          ) -> Tuple[Deduplicated, PendingInsert]:
         """``_prepare_padded`` with an admission between the dedup and the pass: the
         pass is the fused call's (same time, scores and order of keys per bucket)
         over the admitted keys; the others get bucket ``KNO_BUCKET`` (slot -1,
-        FAILED, counted nowhere). ``evicts``: whether a full bucket may evict."""
+        FAILED, counted nowhere). ``evicts``: whether a full bucket may evict;
+        ``table_scores``: CUSTOMIZED scores by table id. The find of stored keys
+        and the pass take rows expired at the call's time (``ttl``) as absent."""
         time = self._time.on_device()
         unique = self._ops.padded_dedup(keys=keys, table_ids=tids, error=error, part=part,
                                         frequencies=frequencies, group=True, time=time)
         one_table = self.num_tables == 1
         real = unique.counts > 0  # padding: count 0
-        stored = real & (self._ops.find(memory=self._memory, keys=unique.keys,
-                                        table_ids=unique.table_ids, one_table=one_table) >= 0)
+        # stored: in the table at the call's time (a row expired then is absent)
+        stored = real & (self.find(unique.keys, unique.table_ids, checked=True) >= 0)
         admitted = real & admit(unique, stored)
         upserted = self._ops.padded_upsert(
             memory=self._memory, keys=unique.keys, table_ids=unique.table_ids,
-            scores=None if self._rule == ScoreRule.CLOCK else unique.counts,
+            scores=self._pass_scores(unique, table_scores),
             buckets=self.buckets_where(unique.keys, unique.table_ids, admitted),
             rule=self._rule, evicts=evicts, one_table=one_table,
-            outcomes=self._outcome_totals.tensor[:4], size=self._stored.on_device(), time=time,
-            now_index=self._now_index)
+            outcomes=self._outcome_totals.tensor[_OUTCOMES], size=self._stored.on_device(),
+            time=time, now_index=self._now_index, ttl=self.ttl or 0)
         pending = PendingInsert(self, upserted, None, None, read_evicted=False, assign=False,
                                 padded=PaddedCall(error, unique.counts, admitted))
         self._pending = pending
         return unique, pending
+
+    def _pass_scores(self, unique: Deduplicated,
+                     table_scores: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The scores a padded pass over ``unique`` gives: none (the clock rule), the
+        counts (a count rule) or CUSTOMIZED's by table id (gathered on the device)."""
+        if self._rule == ScoreRule.CLOCK:
+            return None
+        if self._rule == ScoreRule.GIVEN:
+            return table_scores.index_select(0, unique.table_ids.long())
+        return unique.counts
 
     @property
     def _now_index(self) -> int:
@@ -253,7 +273,7 @@ class PaddedCalls:
         Returns:
             ``Upserted`` of the n keys (its four counts None).
         """
-        if (not self.counts_on_device or self._memory.can_grow
+        if (not self.counts_on_device or self._memory.can_grow or self.ttl is not None
                 or self.check_mode == DynamicEmbCheckMode.ERROR):
             raise ValueError("a padded upsert needs a table without a ttl that cannot grow "
                              "(its buckets are given) and does not raise failed inserts")
@@ -268,8 +288,8 @@ class PaddedCalls:
         upserted = self._ops.padded_upsert(
             memory=self._memory, keys=keys, table_ids=table_ids, scores=given, buckets=buckets,
             rule=self._rule, evicts=evicts, one_table=self.num_tables == 1,
-            outcomes=self._outcome_totals.tensor[:4], size=self._stored.on_device(), time=time,
-            now_index=self._now_index)
+            outcomes=self._outcome_totals.tensor[_OUTCOMES], size=self._stored.on_device(),
+            time=time, now_index=self._now_index)
         self._generation += 1  # whether it evicted or moved a key is not read
         self._after_padded()
         return upserted
@@ -285,19 +305,29 @@ class PaddedCalls:
         self._padded = True
         self._ops.padded_erase(memory=self._memory, keys=keys, table_ids=table_ids,
                                status=status, which=int(which),
-                               erased=self._outcome_totals.tensor[4:],
+                               erased=self._outcome_totals.tensor[_ERASED],
                                size=self._stored.on_device())
         self._generation += 1
 
     def _undo_padded(self, pending: PendingInsert) -> None:
         """Takes back what a padded call advanced on the device (the time and the
         totals; a refused batch advanced nothing); its slots are undone already."""
-        padded, status = pending.padded, pending.upserted.status
+        padded, upserted = pending.padded, pending.upserted
+        status = upserted.status
         done = 1 if padded.error is None else (padded.error == 0).to(torch.int64)
         self._time.on_device().sub_(done)
         real = padded.counts > 0  # padding: count 0, counted nowhere
         if padded.admitted is not None:  # nor were the keys left out of the pass
             real = real & padded.admitted
-        added = torch.stack([((status == s) & real).sum() for s in range(4)])
-        self._outcome_totals.tensor[:4].sub_(added)  # (a view: the totals themselves)
+        added = [((status == s) & real).sum() for s in range(4)]
+        expired = (expired_hits(upserted) & real).sum()
+        added[InsertStatus.INSERTED] = added[InsertStatus.INSERTED] - expired
+        added = torch.stack(added + [expired])
+        self._outcome_totals.tensor[_OUTCOMES].sub_(added)  # (a view: the totals themselves)
         self._stored.on_device().sub_(added[InsertStatus.INSERTED])
+
+
+def expired_hits(upserted: Upserted) -> torch.Tensor:
+    """(n,) bool: the keys of a padded call that hit a row expired at its time
+    (status INSERTED with a previous score: a new key's is -1)."""
+    return (upserted.status == InsertStatus.INSERTED) & (upserted.prev_scores >= 0)

@@ -348,12 +348,14 @@ class ScoredHashTable(TableInputs, PaddedCalls):
                                one_table=self.num_tables == 1)
         if self.ttl is None:  # nothing expires: no need of the time (on the device)
             return slots
-        before = self.expired_before(self.now if at_time is None else at_time)
-        if before > 0:
-            found = slots.clamp(min=0)
-            dead = (slots >= 0) & (self.time_of(self._memory.scores[found]) < before)
-            slots = torch.where(dead, torch.full_like(slots, -1), slots)
-        return slots
+        if at_time is None:  # ``now``, read where the kernels keep it: no sync
+            index = 1 if self.score_strategy == DynamicEmbScoreStrategy.STEP else 0
+            before = (self._time.on_device()[index] - self.ttl).clamp_(min=0)
+        else:
+            before = self.expired_before(at_time)
+        found = slots.clamp(min=0)
+        dead = (slots >= 0) & (self.time_of(self._memory.scores[found]) < before)
+        return torch.where(dead, -1, slots)
 
     def find_or_insert(
         self,
@@ -554,11 +556,13 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         error: Optional[torch.Tensor] = None,
         part: Optional[BatchPart] = None,
         admit: Optional[Callable[[Deduplicated, torch.Tensor], torch.Tensor]] = None,
+        table_scores: Optional[torch.Tensor] = None,
     ) -> Tuple[Deduplicated, PendingInsert]:
         """``prepare_find_or_insert`` of the unique pairs of a batch that may repeat
         keys, returning the dedup too. With a clock-scored strategy (LRU, STEP,
         NO_EVICTION) the dedup and the insert overlap: one thread finds the unique
-        pairs while another inserts them. LFU adds each pair's count to its score.
+        pairs while another inserts them. LFU adds each pair's count to its score;
+        CUSTOMIZED gives each pair its table's score (``table_scores``).
 
         ``padded`` (where ``counts_on_device``): nothing is read on the host. The
         dedup's arrays and the insert's per-key arrays have N entries (padding past
@@ -586,33 +590,35 @@ class ScoredHashTable(TableInputs, PaddedCalls):
                 ``stored`` (N,) bool: the key is in the table, found before the
                 pass); the others find no slot and are counted nowhere
                 (``PaddedCall.admitted``). The dedup and the pass are then two calls.
+            table_scores (Tensor, optional): (num_tables,) int64 >= 0, CUSTOMIZED only
+                (and then required): the score of each logical table's keys, read
+                by table id (by the kernel, in a padded call).
 
         Returns:
             (``Deduplicated``, ``PendingInsert`` over ``Deduplicated.keys``).
 
         Raises:
-            ValueError: with the CUSTOMIZED strategy, whose scores are per key: dedup
-                first and call ``prepare_find_or_insert``; ``padded`` where not
-                ``counts_on_device``.
+            ValueError: ``table_scores`` missing with CUSTOMIZED or given without it;
+                ``padded`` where not ``counts_on_device``.
         """
-        if self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
-            raise ValueError(
-                "prepare_dedup_find_or_insert takes no scores: with CUSTOMIZED, dedup "
-                "first and call prepare_find_or_insert with a score per unique key")
         self._check_idle()
+        table_scores = self._table_scores(table_scores, checked)
         keys = self._keys(keys)
         n = keys.numel()
         tids = self._table_ids(table_ids, n, checked)
         if not checked:
             frequencies = check_frequencies(frequencies, n, self.device)
         if padded:
-            return self._prepare_padded(keys, tids, frequencies, error, part, admit)
+            return self._prepare_padded(keys, tids, frequencies, error, part, admit,
+                                        table_scores)
         if admit is not None:
             raise ValueError("admit is taken by a padded call only")
-        if self._rule != ScoreRule.CLOCK:  # LFU: the scores are the counts, known after the dedup
+        if self._rule != ScoreRule.CLOCK:  # the scores are known after the dedup
             unique = self._ops.dedup(keys=keys, table_ids=tids, frequencies=frequencies,
                                      group=True)
-            return unique, self._prepare(unique.keys, unique.table_ids, unique.counts,
+            scores = (unique.counts if table_scores is None  # LFU: the counts
+                      else table_scores[unique.table_ids.long()])
+            return unique, self._prepare(unique.keys, unique.table_ids, scores,
                                          values=None, read_evicted=True, assign=False,
                                          checked=True)
         self._grow_for_load()
@@ -623,6 +629,27 @@ class ScoredHashTable(TableInputs, PaddedCalls):
                 now=now, evicts=self._evicts, one_table=self.num_tables == 1)
         return unique, self._pending_insert(upserted, clock_before, None, read_evicted=True,
                                             assign=False, now=now)
+
+    def _table_scores(self, table_scores: Optional[torch.Tensor],
+                      checked: bool) -> Optional[torch.Tensor]:
+        """CUSTOMIZED: the (num_tables,) int64 scores of a deduplicating call
+        (required; values read only unless ``checked``); otherwise none."""
+        customized = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED
+        if table_scores is None:
+            if customized:
+                raise ValueError("with CUSTOMIZED scores, prepare_dedup_find_or_insert needs "
+                                 "table_scores: the score of each logical table")
+            return None
+        if not customized:
+            raise ValueError(f"table_scores are only accepted with the CUSTOMIZED strategy, "
+                             f"this table uses {self.score_strategy.name}")
+        if (not isinstance(table_scores, torch.Tensor) or table_scores.dtype != torch.int64
+                or table_scores.shape != (self.num_tables,)):
+            raise ValueError(f"table_scores must be a ({self.num_tables},) int64 tensor")
+        self._here(table_scores, "table_scores")
+        if not checked and int(table_scores.min()) < 0:
+            raise ValueError("scores must be >= 0")
+        return table_scores.contiguous()
 
     def _check_idle(self) -> None:
         if self._pending is not None:
@@ -718,7 +745,8 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         stay on the device."""
         self._pending = None
         if num_inserted is None:  # every count stays on the device
-            self._generation += self._evicts  # whether a key was evicted is not read
+            # whether a key was evicted, or an expired row given to a new key, is not read
+            self._generation += self._evicts or self.ttl is not None
             return
         self._settle_device_counts()  # then the host's stats are current
         self._size += num_inserted - num_evicted

@@ -648,3 +648,101 @@ def test_an_admission_step_makes_no_sync(counter):
         assert not g.syncs, g.report()
     assert other.ops == guard.ops, "the op sequence depends on the ids"
     assert cpu_other.ops == cpu_guard.ops, "the aten ops depend on the ids"
+
+
+# TTL and CUSTOMIZED scores on the padded step: the kernels find expired rows at the
+# time they keep on the device and read each table's score by table id. A cache
+# adds the erase of its copies of expired rows (a second erase_where).
+SCORED = {
+    "lru-ttl": dict(ttl=2, score_strategy=DynamicEmbScoreStrategy.LRU),
+    "step-ttl": dict(ttl=1, score_strategy=DynamicEmbScoreStrategy.STEP),
+    "lru_lfu-ttl": dict(ttl=2, score_strategy=DynamicEmbScoreStrategy.LRU_LFU),
+    "customized": dict(score_strategy=DynamicEmbScoreStrategy.CUSTOMIZED),
+}
+
+
+def _scored_module(options, cache: bool):
+    options = dict(options)
+    if cache:
+        options.update(local_hbm_for_values=16 * 4 * 256, caching=True)
+    spec = TableSpec(dim=16, max_capacity=1 << 13, options=options)
+    module, _ = make_tables([spec], optimizer=OPTIMIZER_ARGS[DynamicEmbOptimType.EXACT_SGD])
+    if options["score_strategy"] == DynamicEmbScoreStrategy.CUSTOMIZED:
+        module.set_score({"t0": 9})
+    return module
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["all-rows", "cache"])
+@pytest.mark.parametrize("case", list(SCORED))
+def test_a_ttl_or_customized_step_makes_no_sync(case, cache):
+    """A steady step with a ttl (rows of the batches before last have expired) or
+    CUSTOMIZED scores runs padded: no sync on the CPU backend's own step nor the
+    emulated CUDA step, the CPU backend's outputs and rows, the same calls and ops
+    for a batch with the same lookup count and other ids."""
+    batches = [(ids + 4000 * (i % 3), offsets)  # every third batch comes back
+               for i, (ids, offsets) in enumerate(_batches(3000, 6, seed=18))]
+    with counted_cpu() as counted:
+        cpu = _scored_module(SCORED[case], cache)
+    with emulated_cuda() as kernels:
+        emulated = _scored_module(SCORED[case], cache)
+        for ids, offsets in batches[:-1]:
+            torch.testing.assert_close(_step(emulated, ids, offsets), _step(cpu, ids, offsets),
+                                       **TOL)
+        guard = _guarded_step(emulated, kernels, *batches[-1])
+        launches = Counter(kernels.launches)
+        ids, offsets = batches[-2]
+        other = _guarded_step(emulated, kernels, torch.where(ids % 5 == 0, ids, 11), offsets)
+        with counted_cpu(counted):
+            counted.calls.clear()
+            cpu_guard = _guarded_step(cpu, counted, *batches[-1])
+            cpu_launches, calls = Counter(counted.launches), list(counted.calls)
+            counted.calls.clear()
+            cpu_other = _guarded_step(cpu, counted, torch.where(ids % 5 == 0, ids, 11), offsets)
+            other_calls = list(counted.calls)
+        _assert_same_rows(emulated, cpu)
+        assert emulated.cache_metrics() == cpu.cache_metrics()
+        expired = cpu.cache_metrics()["t0"].expired
+    assert not guard.syncs, guard.report()
+    assert not cpu_guard.syncs, cpu_guard.report()
+    ttl = "ttl" in SCORED[case]
+    assert (expired > 0) == ttl, "rows expired on a hit (and only with a ttl)"
+    assert set(launches) == (CACHE_KERNELS if cache else STEP_KERNELS), launches
+    assert set(cpu_launches) == CPU_CALLS["cache" if cache else "all-rows"], cpu_launches
+    assert cpu_launches["erase_where"] == (1 + ttl if cache else 0), cpu_launches
+    assert other.ops == guard.ops, "the op sequence depends on the ids"
+    assert cpu_other.ops == cpu_guard.ops, "the CPU step's aten ops depend on the ids"
+    assert other_calls == calls, "the extension's calls depend on the ids"
+
+
+def test_a_ttl_eval_step_makes_no_sync():
+    """Eval with a ttl: a row expired at the table's time (kept on the device) reads
+    the eval initializer's row, with no sync, as on the CPU backend."""
+    batches = [(ids + 4000 * i, offsets)  # at the end, the first batch's rows expired
+               for i, (ids, offsets) in enumerate(_batches(3000, 4, seed=19))]
+    with counted_cpu() as counted:
+        cpu = _scored_module(SCORED["lru-ttl"], cache=False)
+    with emulated_cuda() as kernels:
+        emulated = _scored_module(SCORED["lru-ttl"], cache=False)
+        for ids, offsets in batches:
+            _step(emulated, ids, offsets), _step(cpu, ids, offsets)
+        for m in (cpu, emulated):
+            m.eval()
+        ids = torch.cat([batches[0][0], batches[-1][0]])  # expired ids, and live ones
+        offsets = torch.arange(0, ids.numel() + 1, BAG)
+        with SyncGuard() as guard, torch.no_grad():
+            kernels.guard = guard
+            got = emulated(ids, offsets)
+        kernels.guard = None
+    with counted_cpu(counted), SyncGuard() as cpu_guard, torch.no_grad():
+        counted.guard = cpu_guard
+        want = cpu(ids, offsets)
+    counted.guard = None
+    assert not guard.syncs, guard.report()
+    assert not cpu_guard.syncs, cpu_guard.report()
+    torch.testing.assert_close(got, want, **TOL)
+    fresh = _scored_module(dict(SCORED["lru-ttl"], ttl=None), cache=False).eval()
+    with torch.no_grad():  # the expired ids read their initial rows, the others trained ones
+        initial = fresh(ids, offsets)
+    half = BATCH
+    torch.testing.assert_close(want[:half], initial[:half], **TOL)
+    assert not torch.allclose(want[half:], initial[half:])

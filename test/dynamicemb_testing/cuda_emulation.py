@@ -180,15 +180,17 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         order, m = self._t(a[t + 9]), int(a[t + 10])
         outs = [self._t(x) for x in a[t + 11:t + 17]]
         outcomes, deferred_count = self._t(a[t + 17]), self._t(a[t + 18])
+        table_scores, ttl = self._t(a[t + 21]), int(a[t + 22])
         # padding positions (bucket kNoBucket): slot -1, FAILED, counted nowhere
         padding = self._t(a[t + 8])[:m] == _NO_BUCKET
         outs[0][order[:m][padding]] = -1
         outs[1][order[:m][padding]] = _FAILED
-        counts = torch.zeros(4, dtype=torch.int64)
+        counts = torch.zeros(5, dtype=torch.int64)  # and the expired hits
         deferred = self._cpu.upsert(self._meta(a), int(a[6]), keys, tids, given, rule, now,
                                     evicts, can_grow, one_table,
-                                    order[:m][~padding].contiguous(), *outs, counts)
-        outcomes += counts
+                                    order[:m][~padding].contiguous(), *outs, counts,
+                                    table_scores=table_scores, ttl=ttl)
+        outcomes += counts[:outcomes.numel()]
         size = self._t(a[t + 20])
         if size is not None:  # the table's size on the device: its inserts into empty slots
             size += counts[1]

@@ -94,7 +94,7 @@ def promote(kernels, emulated, host, cache, keys, tids, counts, host_slots):
     ckeys, ctids, scores, buckets = ordered
     cached = emulated.padded_upsert(
         cache.memory.meta, BC, ckeys, ctids, scores, int(ScoreRule.GIVEN), True, one_table,
-        buckets, torch.zeros(4, dtype=torch.int64), size)
+        buckets, torch.zeros(5, dtype=torch.int64), size)
     refs = torch.full_like(host_slots, -7)
     kernels.promote_rows(host.memory.meta, BC, host.values, cache.values, order, host_slots,
                          cached[0], cached[1], cached[3], cached[4], refs)

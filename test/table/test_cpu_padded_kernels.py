@@ -4,10 +4,14 @@
 ``init_new_rows`` of the CPU extension must return what ``CudaKernels`` returns for the
 same arguments, bit for bit (padding past the unique count included), and leave twin
 tables, clocks and counters in the same state: on random batches with duplicates,
-sizes 0 and 1, full buckets with and without eviction, every score rule, a refused
-batch (error word set) and a ``BatchPart``. Entries a kernel leaves unwritten
-(``prev_scores`` but for hits, the victims' fields but for evictions) are compared
-where they are defined.
+sizes 0 and 1, full buckets with and without eviction, every score rule (the given
+rule by table scores), a ttl, a refused batch (error word set) and a ``BatchPart``.
+Entries a kernel leaves unwritten (``prev_scores`` of evictions and failures, the
+victims' fields but for evictions) are compared where they are defined.
+
+A padded call with a ttl or CUSTOMIZED scores must also decide what the host-counted
+call (``prepare_dedup_find_or_insert`` without ``padded``) decides: same slots, new
+keys, table bytes and stats (``test_padded_table_matches_old_path``).
 """
 
 import random
@@ -21,6 +25,7 @@ from dynamicemb.ops.records import BatchPart, InitSpec
 from dynamicemb_testing.cuda_emulation import emulated_cuda
 
 HIT, INSERTED, EVICTED, FAILED = 0, 1, 2, 3
+EXPIRED = 4  # where the padded verbs count hits on expired rows
 NO_BUCKET = 0x7FFFFFFF
 RULES = [0, 1, 2, 3]  # clock, count, given, count then clock
 
@@ -56,8 +61,9 @@ def assert_same_pass(got, want, what: str) -> None:
     slots, status = want[0], want[1]
     assert_same(got[0], slots, f"{what} slots")
     assert_same(got[1], status, f"{what} status")
-    hits, evicted = status == HIT, status == EVICTED
-    assert_same(got[2][hits], want[2][hits], f"{what} prev_scores")
+    # a hit's old score; an insert's -1, or an expired row's old score
+    recorded, evicted = (status == HIT) | (status == INSERTED), status == EVICTED
+    assert_same(got[2][recorded], want[2][recorded], f"{what} prev_scores")
     for i, name in ((3, "ev_keys"), (4, "ev_tids"), (5, "ev_scores")):
         assert got[i].dtype == want[i].dtype and got[i].shape == want[i].shape, name
         assert_same(got[i][evicted], want[i][evicted], f"{what} {name}")
@@ -84,7 +90,7 @@ class Twins:
         self.gpu = twin(self.cpu)
         self.bc = bc
         self.state = {side: dict(time=torch.tensor([5, 2], dtype=torch.int64),
-                                 outcomes=torch.zeros(4, dtype=torch.int64),
+                                 outcomes=torch.zeros(5, dtype=torch.int64),
                                  size=torch.zeros(1, dtype=torch.int64),
                                  erased=torch.zeros(1, dtype=torch.int64))
                       for side in ("cpu", "gpu")}
@@ -105,11 +111,17 @@ def run_both(twins: Twins, kernels, verb: str, make_args):
     return cpu, gpu
 
 
-def dedup_upsert_args(keys, tids, frequencies, rule, now_index, evicts, one_table, error, part):
+TABLE_SCORES = torch.tensor([7, 3, 11], dtype=torch.int64)  # the given rule's, by table
+
+
+def dedup_upsert_args(keys, tids, frequencies, rule, now_index, evicts, one_table, error, part,
+                      ttl=0):
+    table_scores = TABLE_SCORES if rule == 2 else None
+
     def make(memory, state):
         return (memory.meta, memory.bucket_capacity, keys, tids, frequencies, rule,
                 state["time"], now_index, evicts, one_table, error, state["outcomes"],
-                state["size"], part)
+                state["size"], part, table_scores, ttl)
     return make
 
 
@@ -122,11 +134,12 @@ def assert_same_dedup_upsert(got, want, what: str) -> None:
 
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("evicts", [True, False], ids=["evicts", "no-eviction"])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_padded_dedup_upsert_matches_cuda(rule, evicts, seed):
+@pytest.mark.parametrize("seed,ttl", [(0, 0), (1, 0), (0, 2), (1, 3)])
+def test_padded_dedup_upsert_matches_cuda(rule, evicts, seed, ttl):
     """Calls in sequence (the table fills, then evicts or fails), of sizes 0, 1 and
-    more, with frequencies or not, an error word clear or set, a part or none."""
-    rng = random.Random(f"{rule}{evicts}{seed}")
+    more, with frequencies or not, an error word clear or set, a part or none, and
+    a ttl or none (the clock rules then find expired rows)."""
+    rng = random.Random(f"{rule}{evicts}{seed}{ttl}")
     twins = Twins(num_buckets=4, bc=16)
     with emulated_cuda() as kernels:
         for call, n in enumerate([0, 1, 7, 40, 0, 90, 1, 150, 64]):
@@ -140,7 +153,7 @@ def test_padded_dedup_upsert_matches_cuda(rule, evicts, seed):
             error = None if call % 4 == 1 and not refused else torch.tensor([int(refused)])
             part = maybe_part(rng, n, with_part=call % 3 == 1)
             args = dedup_upsert_args(keys, tids, frequencies, rule, call % 2, evicts,
-                                     one_table, error, part)
+                                     one_table, error, part, ttl)
             got, want = run_both(twins, kernels, "padded_dedup_upsert", args)
             what = f"call {call} (n={n}, refused={refused}, part={part is not None})"
             assert_same_dedup_upsert(got, want, what)
@@ -149,7 +162,9 @@ def test_padded_dedup_upsert_matches_cuda(rule, evicts, seed):
                 assert (got[7] == FAILED).all() and (got[2] == -1).all(), what
     outcomes = twins.state["cpu"]["outcomes"].tolist()
     assert outcomes[EVICTED if evicts else FAILED] > 0, "the calls filled a bucket"
-    assert outcomes[HIT] > 0 and outcomes[INSERTED] > 0
+    assert outcomes[HIT] + outcomes[EXPIRED] > 0 and outcomes[INSERTED] > 0
+    if ttl and rule in (0, 3):  # the rules whose scores record the time
+        assert outcomes[EXPIRED] > 0, "some hit found its row expired"
 
 
 def test_padded_dedup_upsert_threads():
@@ -162,7 +177,7 @@ def test_padded_dedup_upsert_threads():
             frequencies = torch.tensor([rng.randrange(1, 3) for _ in range(n)], dtype=torch.int64)
             part = maybe_part(rng, n, with_part=rule == 1)
             args = dedup_upsert_args(keys, tids, frequencies, rule, 0, True, False,
-                                     torch.zeros(1, dtype=torch.int64), part)
+                                     torch.zeros(1, dtype=torch.int64), part, ttl=rule)
             got, want = run_both(twins, kernels, "padded_dedup_upsert", args)
             assert_same_dedup_upsert(got, want, f"rule {rule}")
             twins.check(f"rule {rule}")
@@ -302,12 +317,12 @@ def test_bad_arguments_raise():
     memory = new_table(4, 16)
     kernels = cpu_kernels.load()
     keys, tids = torch.arange(5), torch.zeros(5, dtype=torch.int16)
-    outcomes, size = torch.zeros(4, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    outcomes, size = torch.zeros(5, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
 
     def call(time=torch.zeros(2, dtype=torch.int64), now_index=0, rule=0, part=None,
-             error=None):
+             error=None, table_scores=None, ttl=0, counts=outcomes):
         kernels.padded_dedup_upsert(memory.meta, 16, keys, tids, None, rule, time, now_index,
-                                    True, False, error, outcomes, size, part)
+                                    True, False, error, counts, size, part, table_scores, ttl)
 
     with pytest.raises(RuntimeError, match="time holds a clock and a step"):
         call(time=torch.zeros(3, dtype=torch.int64))
@@ -319,6 +334,14 @@ def test_bad_arguments_raise():
         call(part=BatchPart(torch.zeros(4, dtype=torch.int64), 0))
     with pytest.raises(RuntimeError, match="error word"):
         call(error=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="table_scores"):
+        call(rule=2)
+    with pytest.raises(RuntimeError, match="table_scores"):
+        call(rule=2, table_scores=torch.zeros(0, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="ttl must be >= 0"):
+        call(ttl=-1)
+    with pytest.raises(RuntimeError, match="outcomes must hold 5"):
+        call(counts=torch.zeros(4, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="buckets"):
         kernels.padded_upsert(memory.meta, 16, keys, tids, None, 0, True, False,
                               torch.zeros(4, dtype=torch.int32), outcomes, size)
@@ -326,3 +349,87 @@ def test_bad_arguments_raise():
         kernels.padded_upsert(memory.meta, 16, keys, tids, None, 1, True, False,
                               torch.zeros(5, dtype=torch.int32), outcomes, size)
     assert int(outcomes.sum()) == 0 and int(size) == 0, "a refused call changed counts"
+
+
+# ------------------------------------------------- a padded call against the old path
+def _tables(strategy, ttl):
+    from dynamicemb.table import ScoredHashTable
+    return [ScoredHashTable(num_tables=3, capacity=64, bucket_capacity=16,
+                            score_strategy=strategy, ttl=ttl) for _ in range(2)]
+
+
+PADDED_CASES = {  # strategy, ttl
+    "lru-ttl": ("LRU", 2), "step-ttl": ("STEP", 3), "lru_lfu-ttl": ("LRU_LFU", 2),
+    "no_eviction-ttl": ("NO_EVICTION", 2), "customized": ("CUSTOMIZED", None),
+}
+
+
+@pytest.mark.parametrize("case", list(PADDED_CASES))
+def test_padded_table_matches_old_path(case):
+    """``prepare_dedup_find_or_insert(padded=True)`` with a ttl (hits on expired rows
+    are inserts the kernel finds at the time it keeps on the device) or CUSTOMIZED
+    scores (each table's score read by table id) decides what the host-counted call
+    decides: slots, new keys (expired hits included), scores, table bytes, size and
+    stats; ``find`` then misses the same expired rows without the host's time."""
+    from dynamicemb.types import DynamicEmbScoreStrategy as S
+    name, ttl = PADDED_CASES[case]
+    strategy = S[name]
+    old, padded = _tables(strategy, ttl)
+    rng = random.Random(case)
+    customized = strategy == S.CUSTOMIZED
+    for call in range(14):
+        n = rng.choice([1, 20, 60, 90])
+        keys, tids = batch(rng, n, pool=40 + 20 * (call % 3), tables=3)
+        freq = torch.tensor([rng.randrange(1, 4) for _ in range(n)], dtype=torch.int64)
+        scores = (torch.tensor([rng.randrange(0, 50) for _ in range(3)], dtype=torch.int64)
+                  if customized else None)
+        if strategy == S.STEP:
+            old.set_step(call + 1)  # the padded call advances its step on the device
+        unique, pending = old.prepare_dedup_find_or_insert(keys, tids, freq,
+                                                           table_scores=scores)
+        want = pending.commit()
+        got_unique, got_pending = padded.prepare_dedup_find_or_insert(
+            keys, tids, freq, padded=True, error=torch.zeros(1, dtype=torch.int64),
+            table_scores=scores)
+        got = got_pending.commit()
+        u, what = unique.keys.numel(), f"call {call}"
+        assert_same(got_unique.keys[:u], unique.keys, f"{what} keys")
+        assert_same(got.slots[:u], want.slots, f"{what} slots")
+        new = (got.status[:u] == INSERTED) | (got.status[:u] == EVICTED)
+        assert_same(new, want.inserted, f"{what} new keys")
+        assert_same_tables(padded.memory, old.memory, what)
+        assert padded.size() == old.size() and padded.now == old.now, what
+        probe = torch.arange(-12, 60)
+        for t in range(3):
+            ids = torch.full_like(probe, t, dtype=torch.int16)
+            assert_same(padded.find(probe, ids), old.find(probe, ids), f"{what} find")
+    assert padded.stats == old.stats
+    if ttl is not None:
+        assert old.stats.expired > 0, "some rows expired on a hit"
+
+
+def test_padded_abort_restores_expired_rows():
+    """Aborting a padded call whose hits found expired rows gives them back their
+    old scores (the key stays), and takes back the clock, size and totals."""
+    from dynamicemb.table import ScoredHashTable
+    from dynamicemb.types import DynamicEmbScoreStrategy as S
+    table = ScoredHashTable(num_tables=2, capacity=64, bucket_capacity=16,
+                            score_strategy=S.LRU_LFU, ttl=1)
+    word = torch.zeros(1, dtype=torch.int64)
+    rng = random.Random(5)
+    first = batch(rng, 30, pool=40, tables=2)
+    for keys, tids in (first, batch(rng, 10, pool=200, tables=2),
+                       batch(rng, 10, pool=200, tables=2)):
+        table.prepare_dedup_find_or_insert(keys, tids, padded=True, error=word)[1].commit()
+    before = [t.clone() for t in table.memory.meta]
+    totals = table.outcome_totals().tensor.clone()
+    clock, size = table.clock, table.size()
+    _, pending = table.prepare_dedup_find_or_insert(*first, padded=True, error=word)
+    expired = table.outcome_totals().tensor[4] - totals[4]
+    assert int(expired) > 0, "the call found expired rows"
+    pending.abort()
+    for name, x, y in zip(("keys", "scores", "tids", "digests", "occupied", "pinned"),
+                          table.memory.meta, before):
+        assert torch.equal(x, y), name
+    assert torch.equal(table.outcome_totals().tensor, totals)
+    assert table.clock == clock and table.size() == size

@@ -165,6 +165,29 @@ def test_customized_scores_checked(verb, change, error, match, device):
     assert_unchanged(t, before)
 
 
+# A deduplicating call takes CUSTOMIZED scores per table: (num_tables,) int64 >= 0
+TABLE_SCORES_BAD = [
+    ("CUSTOMIZED", None, "table_scores"),
+    ("CUSTOMIZED", torch.tensor([1, -1]), ">= 0"),
+    ("CUSTOMIZED", torch.ones(3, dtype=torch.int64), r"\(2,\) int64"),
+    ("CUSTOMIZED", torch.ones(2, dtype=torch.int32), r"\(2,\) int64"),
+    ("LRU", torch.ones(2, dtype=torch.int64), "only accepted with the CUSTOMIZED"),
+]
+
+
+@pytest.mark.parametrize("strategy, table_scores, match", TABLE_SCORES_BAD)
+def test_table_scores_checked(strategy, table_scores, match, device):
+    t = filled_table(device, strategy)
+    before = full_state(t)
+    if table_scores is not None:
+        table_scores = table_scores.to(device)
+    keys = as_keys([3, 50, 3], device)
+    with pytest.raises(ValueError, match=match):
+        t.prepare_dedup_find_or_insert(keys, torch.tensor([0, 1, 0], device=device),
+                                       table_scores=table_scores)
+    assert_unchanged(t, before)
+
+
 # LFU takes optional occurrence counts: 1-D int64 of the keys' length, positive
 LFU_BAD = [
     (dict(scores=torch.tensor([1, -1, 2, 3])), ValueError, "scores|counts|>= 1|negative"),

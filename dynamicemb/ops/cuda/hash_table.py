@@ -35,21 +35,28 @@ class HashTableKernels(KernelLauncher):
                pending, slots, status, prev_scores, ev_keys, ev_tids, ev_scores,
                outcomes, buckets: Optional[torch.Tensor] = None,
                now_at: Optional[torch.Tensor] = None,
-               size: Optional[torch.Tensor] = None) -> torch.Tensor:
+               size: Optional[torch.Tensor] = None,
+               table_scores: Optional[torch.Tensor] = None, ttl: int = 0) -> torch.Tensor:
         """One inserting pass over keys[pending] (``pending=None``: every key, without
         building the positions; ``buckets``: their buckets, when the caller has
         them; ``now_at``: the time in device memory, instead of ``now``; ``size``:
-        the table's size in device memory, which the pass advances); returns
-        the deferred positions, or while the table may grow a ``DeferredCount``
-        (their number stays on the device until the caller reads it with the
-        outcomes)."""
+        the table's size in device memory, which the pass advances;
+        ``table_scores`` (T,): the given rule's scores by table id, instead of
+        ``given``; ``ttl`` (0: none): hits on rows expired at the call's time are
+        inserts, counted at ``outcomes[4]``); returns the deferred positions, or
+        while the table may grow a ``DeferredCount`` (their number stays on the
+        device until the caller reads it with the outcomes)."""
         _expect_batch(keys, tids)
         if pending is not None:
             _expect(pending, torch.int64, "pending")
         _expect(outcomes, torch.int64, "outcomes")
-        if outcomes.numel() != _NUM_OUTCOMES:
-            raise ValueError(f"outcomes must hold {_NUM_OUTCOMES} counts")
-        if rule != 0 and given is None:
+        if outcomes.numel() not in (_NUM_OUTCOMES, _NUM_OUTCOMES + 1) or (
+                ttl and outcomes.numel() != _NUM_OUTCOMES + 1):
+            raise ValueError(f"outcomes must hold {_NUM_OUTCOMES} counts, and the expired "
+                             f"hits with a ttl")
+        if table_scores is not None:
+            _expect(table_scores, torch.int64, "table_scores")
+        if rule != 0 and given is None and not (rule == 2 and table_scores is not None):
             raise ValueError("the count and given-score rules need scores")
         if bc > _MAX_BUCKET_CAPACITY:
             raise ValueError(f"the CUDA backend inserts into buckets of at most "
@@ -76,7 +83,7 @@ class HashTableKernels(KernelLauncher):
             np.bool_(evicts), np.bool_(can_grow), np.bool_(one_table), _ptr(sorted_buckets),
             _ptr(order), _i64(m), _ptr(slots), _ptr(status), _ptr(prev_scores),
             _ptr(ev_keys), _ptr(ev_tids), _ptr(ev_scores), _ptr(outcomes), _ptr(deferred),
-            _ptr(now_at), _ptr(size)])
+            _ptr(now_at), _ptr(size), _ptr(table_scores), np.uint64(ttl)])
         if deferred is None:
             return torch.empty(0, dtype=torch.int64, device=keys.device)
         # how many were deferred is read by the caller with the outcome counts
@@ -96,14 +103,18 @@ class HashTableKernels(KernelLauncher):
         return ukeys, utids, inverse, counts, starts, rank, deferred
 
     def padded_dedup_upsert(self, meta, bc, keys, tids, frequencies, rule, time, now_index,
-                            evicts, one_table, error, outcomes, size, part=None):
+                            evicts, one_table, error, outcomes, size, part=None,
+                            table_scores=None, ttl=0):
         """``dedup`` (grouped) padded to the n keys, then one inserting pass over them
         that defers no key (a full bucket evicts where ``evicts``, else fails its
         key, whether the table may grow or not): nothing is read on the host. The numbering kernel advances ``time`` (the table's clock and
         step, (2,) int64) unless the batch is refused, and the pass reads its time
         from ``time[now_index]``; ``rule`` 0 scores by it, a count rule by the
-        dedup's counts. The pass adds its outcome counts to ``outcomes`` (4,) and its
-        inserts into empty slots to ``size`` (1,).
+        dedup's counts, the given rule by ``table_scores`` (T,) (each table's score,
+        read by table id). With a ``ttl`` (0: none), a hit on a row last accessed
+        before that time - ttl is an insert. The pass adds its outcome counts and
+        expired hits to ``outcomes`` (5,) and its inserts into empty slots to
+        ``size`` (1,).
 
         Returns:
             (ukeys, utids, inverse, counts, starts, rank, slots, status, prev_scores,
@@ -115,27 +126,36 @@ class HashTableKernels(KernelLauncher):
         _expect(outcomes, torch.int64, "outcomes")
         if time.numel() != 2 or now_index not in (0, 1):
             raise ValueError("time holds a clock and a step; now_index picks one")
+        if outcomes.numel() != _NUM_OUTCOMES + 1:
+            raise ValueError(f"outcomes must hold {_NUM_OUTCOMES + 1} counts (the expired "
+                             f"hits last)")
+        if rule == 2 and table_scores is None:
+            raise ValueError("the given-score rule of a padded call reads each table's "
+                             "score: table_scores")
         n = keys.numel()
         unique, buckets = self._dedup(keys, tids, frequencies, True, num_buckets=int(table[5]),
                                       padded=True, error=error, time=time, part=part)
         ukeys, utids, inverse, counts, starts, rank = unique
         outs = [torch.empty(n, dtype=dtype, device=keys.device) for dtype in (
             torch.int64, torch.int8, torch.int64, torch.int64, torch.int16, torch.int64)]
-        given = None if rule == 0 else counts
+        given = counts if rule in (1, 3) else None
         self.upsert(meta, bc, ukeys, utids, given, rule, 0, evicts, False, one_table, None,
                     *outs, outcomes, buckets=buckets, now_at=time[now_index:now_index + 1],
-                    size=size)
+                    size=size, table_scores=table_scores if rule == 2 else None, ttl=ttl)
         return (ukeys, utids, inverse, counts, starts, rank, *outs)
 
     def padded_upsert(self, meta, bc, keys, tids, scores, rule, evicts, one_table, buckets,
-                      outcomes, size, time=None, now_index=0):
+                      outcomes, size, time=None, now_index=0, ttl=0):
         """One inserting pass over unique keys with their buckets given (kNoBucket:
         skipped, slot -1, FAILED, counted nowhere), deferring no key; ``outcomes``
-        (4,) and ``size`` (1,) advance on the device; the pass's time is
-        ``time[now_index]`` (read on the device), 0 without ``time``. Returns
+        (5,) and ``size`` (1,) advance on the device; the pass's time is
+        ``time[now_index]`` (read on the device), 0 without ``time``; ``ttl`` (0:
+        none): a hit on a row expired at that time is an insert (``outcomes[4]``). Returns
         (slots, status, prev_scores, ev_keys, ev_tids, ev_scores), (n,) each."""
         _expect(buckets, torch.int32, "buckets")
         _expect(outcomes, torch.int64, "outcomes")
+        if outcomes.numel() != _NUM_OUTCOMES + 1:
+            raise ValueError(f"outcomes must hold {_NUM_OUTCOMES + 1} counts")
         now_at = None
         if time is not None:
             _expect(time, torch.int64, "time")
@@ -146,7 +166,7 @@ class HashTableKernels(KernelLauncher):
         outs = [torch.empty(n, dtype=dtype, device=keys.device) for dtype in (
             torch.int64, torch.int8, torch.int64, torch.int64, torch.int16, torch.int64)]
         self.upsert(meta, bc, keys, tids, scores, rule, 0, evicts, False, one_table, None,
-                    *outs, outcomes, buckets=buckets, now_at=now_at, size=size)
+                    *outs, outcomes, buckets=buckets, now_at=now_at, size=size, ttl=ttl)
         return tuple(outs)
 
     def erase_where(self, meta, bc, keys, tids, status, which, erased, size) -> None:
