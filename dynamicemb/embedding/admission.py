@@ -199,15 +199,6 @@ class Admission:
         seen = self.counter.counts(keys, tids)
         return stored | (seen + counts.double() >= self.threshold)
 
-    def count(self, keys: torch.Tensor, tids: torch.Tensor, counts: torch.Tensor,
-              admitted: torch.Tensor, stored_now: torch.Tensor) -> None:
-        """After a committed insert: forget the counters of keys just stored (positions
-        ``stored_now``) and add this batch's occurrences of keys still waiting."""
-        self.counter.erase(keys[stored_now], tids[stored_now])
-        waiting = (~admitted).nonzero().squeeze(1)
-        if waiting.numel():
-            self.counter.add(keys[waiting], tids[waiting], counts[waiting])
-
     def count_on_device(self, keys: torch.Tensor, tids: torch.Tensor, counts: torch.Tensor,
                         admitted: torch.Tensor, status: torch.Tensor) -> None:
         """``count`` after a padded insert, nothing read on the host: forgets the

@@ -8,7 +8,6 @@ is the sum of its tables' capacities, shared by them. The group is the only
 caller of the embedding kernels.
 """
 
-import math
 from dataclasses import astuple
 from typing import List, NamedTuple, Optional
 
@@ -120,10 +119,12 @@ class Lookup(NamedTuple):
         it is committed; admitted: (U,) bool (padded: (N,), the keys the insert
         took), None without admission.
 
-        A padded lookup (``TableGroup.counts_on_device``) has N entries where others
-        have U: the unique rows, then padding (no lookup, reference -1); ``init``
+        The arrays have N entries (the batch's lookup count) where the unique rows
+        are U: the unique rows, then padding (no lookup, reference -1); ``init``
         gives the kernels the initializers that compute the rows of negative
-        references (keys whose insert failed), so it has no transient rows.
+        references (keys whose insert failed or that were not admitted), so it has no
+        transient rows (an eval lookup over an external tier has transient rows
+        instead, read from below).
     """
 
     keys: torch.Tensor
@@ -195,9 +196,14 @@ class TableGroup:
                 num_buckets_for(host_rows, first.bucket_capacity) * first.bucket_capacity),
         )
         self.storage = TieredStorage.build(
-            self.table, first.caching, device_rows, device=device, initialize=self.init.stored,
-            external=external_tier(first, self.table, table_names),
-            initialize_new=self.init.stored_new)
+            self.table, first.caching, device_rows, device=device,
+            initialize=self.init.stored,
+            external=external_tier(first, self.table, table_names))
+        if first.admit_strategy is not None and 2 * len(table_indices) > MAX_TABLES + 1:
+            raise ValueError(  # keys not admitted read spec rows T + t (int16 table ids)
+                f"tables {table_names}: a group with admission holds at most "
+                f"{(MAX_TABLES + 1) // 2} tables, got {len(table_indices)}: give some of "
+                f"them other options (a group is the tables of one set of options)")
         self.admission = (None if first.admit_strategy is None
                           else Admission(first.admit_strategy,
                                          [o.admission_counter for o in options], device))
@@ -240,45 +246,27 @@ class TableGroup:
         return self._lr
 
     # ------------------------------------------------------------- lookup
-    def counts_on_device(self, insert: bool) -> bool:
-        """Whether a lookup (training when ``insert``) may run with every size and count
-        left on the device: a training lookup whose storage allows it
-        (``TieredStorage.counts_on_device``; CUSTOMIZED scores are read by the
-        kernels from ``custom_scores``, admission decides on the device too), or an
-        eval lookup whose storage finds rows on the device
-        (``TieredStorage.finds_on_device``). Then ``begin_lookup`` takes the
-        module's error word."""
-        if not (insert and self.training):
-            return self.storage.finds_on_device
-        return (self.storage.counts_on_device
-                # keys not admitted read spec rows T + t (int16 table ids)
-                and (self.admission is None or 2 * len(self.table_indices) <= MAX_TABLES + 1))
-
     def begin_lookup(self, keys: torch.Tensor, tids: torch.Tensor, insert: bool,
-                     frequencies: Optional[torch.Tensor] = None,
-                     error: Optional[torch.Tensor] = None,
+                     frequencies: Optional[torch.Tensor], error: torch.Tensor,
                      part: Optional[BatchPart] = None) -> Lookup:
-        """Phase one of a lookup: dedup, admission decision, hash-table slots decided.
+        """Phase one of a lookup: dedup, admission decision, hash-table slots decided,
+        every size and count left on the device (arrays of the N lookups, padded).
 
         Nothing observable changes until ``finish_lookup``; ``abort_lookup`` undoes
         the prepared insert, so a module can make a batch over several groups atomic.
 
         Args:
-            keys (Tensor): (N,) int64 ids of this group's lookups.
+            keys (Tensor): (N,) int64 ids of the batch's lookups.
             tids (Tensor): (N,) int16 local table ids.
             insert: training: insert admitted unseen keys; else only find.
             frequencies (Tensor, optional): (N,) int64 occurrences each lookup stands
-                for (ids deduplicated upstream); default 1.
-            error (Tensor, optional): (1,) int64, the module's input-check word of this
-                batch: given only where ``counts_on_device(insert)``, and then the
-                lookup is padded (nothing read on the host) and a batch whose word is
-                set changes nothing.
-            part (``BatchPart``, optional): with ``error``, keys, tids and
-                frequencies are the whole batch, of which this group takes its part
-                (other groups' lookups get inverse -1); otherwise the group's own.
+                for (ids deduplicated upstream); None: 1 each.
+            error (Tensor): (1,) int64, the module's input-check word of this batch:
+                a batch whose word is set changes nothing.
+            part (``BatchPart``, optional): the lookups of this group (other groups'
+                get inverse -1); None: every lookup is this group's.
         """
-        train = insert and self.training
-        if error is not None and not train:  # eval, padded: rows found, none inserted
+        if not (insert and self.training):  # eval: rows found, none inserted
             unique = self.ops.padded_dedup(keys=keys, table_ids=tids, error=error, part=part)
             lookup = Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
                             counts=unique.counts,
@@ -288,42 +276,14 @@ class TableGroup:
             return lookup._replace(init=InitRows(unique.keys, unique.table_ids,
                                                  self.init.spec(False, self.device)))
         customized = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED
-        table_scores = self.custom_scores if customized else None
-        if error is not None:
-            unique, pending = self.storage.prepare_dedup(
-                keys, tids, frequencies, padded=True, error=error, part=part,
-                admit=None if self.admission is None else self._admit,
-                table_scores=table_scores)
-            return Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
-                          counts=unique.counts, starts=unique.starts, rank=unique.rank,
-                          insert=pending, admitted=pending.padded.admitted,
-                          init=self._computed_rows(unique, pending.padded.admitted))
-        if train and self.admission is None:
-            # Nothing to decide between the dedup and the insert: one call.
-            unique, pending = self.storage.prepare_dedup(keys, tids, frequencies,
-                                                         table_scores=table_scores)
-            return Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
-                          counts=unique.counts, starts=unique.starts, rank=unique.rank,
-                          insert=pending)
-        unique = self.ops.dedup(keys=keys, table_ids=tids, frequencies=frequencies, group=train)
-        lookup = Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
-                        counts=unique.counts, starts=unique.starts, rank=unique.rank)
-        if not train:
-            return lookup._replace(row_ref=self.storage.resolve(lookup.keys, lookup.tids))
-        keys_in, tids_in, counts_in, admitted = lookup.keys, lookup.tids, lookup.counts, None
-        if self.admission is not None:
-            # The table indexes every key in its tiers; a row expired at the insert's
-            # time is absent.
-            stored = self.storage.contains(keys_in, tids_in, at_time=self.table.next_time)
-            admitted = self.admission.admitted(stored, keys_in, tids_in, counts_in)
-            keys_in, tids_in, counts_in = keys_in[admitted], tids_in[admitted], counts_in[admitted]
-        scores = None
-        if customized:
-            scores = self.custom_scores[tids_in.long()]
-        elif self.score_strategy in (DynamicEmbScoreStrategy.LFU, DynamicEmbScoreStrategy.LRU_LFU):
-            scores = counts_in  # LFU counts occurrences, not batches
-        return lookup._replace(insert=self.storage.prepare(keys_in, tids_in, scores),
-                               admitted=admitted)
+        unique, pending = self.storage.prepare_dedup(
+            keys, tids, frequencies, error=error, part=part,
+            admit=None if self.admission is None else self._admit,
+            table_scores=self.custom_scores if customized else None)
+        return Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
+                      counts=unique.counts, starts=unique.starts, rank=unique.rank,
+                      insert=pending, admitted=pending.padded.admitted,
+                      init=self._computed_rows(unique, pending.padded.admitted))
 
     def _admit(self, unique, stored: torch.Tensor) -> torch.Tensor:
         """The admission of a padded lookup's unique keys (``stored``: in the host
@@ -348,85 +308,45 @@ class TableGroup:
             lookup.insert.abort()
 
     def finish_lookup(self, lookup: Lookup) -> Lookup:
-        """Phase two: commit the insert (storage initializes new rows), place rows in
-        their tiers, count admissions. Unique keys without a stored row get transient
-        rows."""
+        """Phase two: commit the insert (storage initializes new rows and places rows
+        in their tiers), count admissions. Rows of keys without a slot are computed
+        where they are read (``InitRows``); an eval lookup over an external tier reads
+        the rows below of keys the host store lacks as transient rows."""
         keys, tids = lookup.keys, lookup.tids
-        if lookup.init is not None:  # padded: rows of absent keys are computed where read
-            refs = lookup.row_ref
-            if lookup.insert is not None:
-                status = lookup.insert.upserted.status
-                refs = self.storage.commit_padded(lookup.insert, keys, tids, lookup.counts)
-                if lookup.admitted is not None:
-                    self.admission.count_on_device(keys, tids, lookup.counts, lookup.admitted,
-                                                   status)
-            return lookup._replace(row_ref=refs, transient=self._no_transient,
-                                   generation=self.storage.generation, insert=None)
-        if lookup.insert is None:
-            refs = lookup.row_ref
-        elif lookup.admitted is None:  # every unique key went to the host store
-            result = self.storage.commit(lookup.insert, keys, tids)
-            refs = self.storage.place(keys, tids, result.slots, result.inserted, lookup.counts,
-                                      num_stored=keys.numel() - result.num_failed)
-            if result.num_failed == 0:  # every row stored: no transient rows
-                return lookup._replace(row_ref=refs, transient=self._no_transient,
-                                       generation=self.storage.generation, insert=None)
-        else:
-            at = lookup.admitted.nonzero().squeeze(1)
-            result = self.storage.commit(lookup.insert, keys[at], tids[at])
-            new_at = result.inserted_positions().to(self.device)
-            host_slots = torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
-            host_slots[at] = result.slots.to(self.device)
-            new = torch.zeros_like(lookup.admitted)
-            new[at[new_at]] = True
-            refs = self.storage.place(keys, tids, host_slots, new, lookup.counts)
-            self.admission.count(keys, tids, lookup.counts, lookup.admitted, at[new_at])
-        transient = self._transient_rows(keys, tids, refs, train=lookup.insert is not None,
-                                         rejected=lookup.admitted)
-        return lookup._replace(row_ref=refs, transient=transient,
+        if lookup.init is None:  # eval over an external tier
+            transient = self._rows_below(keys, tids, lookup.row_ref)
+            return lookup._replace(transient=transient, generation=self.storage.generation)
+        refs = lookup.row_ref
+        if lookup.insert is not None:
+            status = lookup.insert.upserted.status
+            refs = self.storage.commit(lookup.insert, keys, tids, lookup.counts)
+            if lookup.admitted is not None:
+                self.admission.count_on_device(keys, tids, lookup.counts, lookup.admitted,
+                                               status)
+        return lookup._replace(row_ref=refs, transient=self._no_transient,
                                generation=self.storage.generation, insert=None)
 
-    def _transient_rows(self, keys, tids, refs, train: bool,
-                        rejected: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Initialized rows for unique keys without a stored row (refs < 0); their
-        references become -(t + 1) for transient row t. Keys not admitted (``rejected``
-        False, given with admission) get the admission strategy's initializer if it
-        has one."""
-        if refs.numel() == 0 or int(refs.min()) >= 0:  # every row stored (the common case)
+    def _rows_below(self, keys, tids, refs) -> torch.Tensor:
+        """Transient rows for unique keys without a row in memory (refs < 0; their
+        references become -(t + 1) for transient row t): the external tier's row
+        where it holds one, else the initializer's (an eval lookup; read from the
+        host)."""
+        if refs.numel() == 0 or int(refs.min()) >= 0:  # every row in memory
             return self._no_transient
         missing = (refs < 0).nonzero().squeeze(1)
         refs[missing] = -(torch.arange(missing.numel(), dtype=torch.int64, device=self.device) + 1)
-        rows = self.init.transient(keys[missing], tids[missing], train)
-        if not train:  # rows of the external tier are read where they are
-            self.storage.fill_from_below(keys[missing], tids[missing], rows)
-        args = None if self.admission is None else self.admission.initializer_args
-        if train and rejected is not None and args is not None:
-            waiting = (~rejected[missing]).nonzero().squeeze(1)
-            if waiting.numel():
-                rows[waiting] = self.init.transient(keys[missing][waiting],
-                                                    tids[missing][waiting], train, args=args)
+        rows = self.init.transient(keys[missing], tids[missing], False)
+        self.storage.fill_from_below(keys[missing], tids[missing], rows)
         return rows
 
     def refresh(self, lookup: Lookup) -> Lookup:
         """The lookup with its row references found again if rows moved since (growth,
-        promotion, eviction); rows that left the table get no update in backward."""
-        if lookup.generation == self.storage.generation:
+        promotion, eviction); a row that left the table reads its initializer's row
+        and gets no update in backward."""
+        if lookup.generation == self.storage.generation or lookup.init is None:
             return lookup
-        if lookup.init is not None:  # padded: a row that left reads its initializer's
-            found = self.storage.resolve(lookup.keys, lookup.tids)
-            refs = torch.where(lookup.row_ref >= 0, found, lookup.row_ref)
-            return lookup._replace(row_ref=refs, generation=self.storage.generation)
-        refs = lookup.row_ref.clone()
-        stored = (refs >= 0).nonzero().squeeze(1)
-        found = self.storage.resolve(lookup.keys[stored], lookup.tids[stored])
-        gone = found < 0
-        if bool(gone.any()):  # keep reading something defined: the initializer's row
-            extra = self.init.transient(lookup.keys[stored][gone], lookup.tids[stored][gone],
-                                        train=True)
-            found[gone] = -(torch.arange(extra.shape[0], dtype=torch.int64, device=self.device)
-                            + lookup.transient.shape[0] + 1)
-            lookup = lookup._replace(transient=torch.cat([lookup.transient, extra]))
-        refs[stored] = found
+        found = self.storage.resolve(lookup.keys, lookup.tids)
+        refs = torch.where(lookup.row_ref >= 0, found, lookup.row_ref)
         return lookup._replace(row_ref=refs, generation=self.storage.generation)
 
     # ------------------------------------------------------------ kernels
@@ -472,13 +392,12 @@ class TableGroup:
     def backward(self, lookup: Lookup, grad: torch.Tensor, lr: float,
                  offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
                  feature_col: torch.Tensor, batch: int, mean: bool,
-                 error: Optional[torch.Tensor] = None,
-                 sums: Optional[torch.Tensor] = None) -> int:
+                 error: torch.Tensor, sums: Optional[torch.Tensor] = None) -> int:
         """Sums each stored row's gradient and applies the fused optimizer (nothing
-        for a batch whose input-check word ``error`` is set). With ``error`` (a step
-        counted on the device) the learning rate and Adam's step count are read in
-        device memory, where the kernels advance the count. ``sums``: the rows'
-        gradients as ``sum_gradients`` wrote them (the update then reads those).
+        for a batch whose input-check word ``error`` is set). The learning rate and
+        Adam's step count are read in device memory, where the kernels advance the
+        count. ``sums``: the rows' gradients as ``sum_gradients`` wrote them (the
+        update then reads those).
 
         Returns:
             How many rows' summed gradients held NaN or inf and were left unchanged
@@ -491,20 +410,15 @@ class TableGroup:
         adam = opt.optimizer == DynamicEmbOptimType.ADAM
         mode = opt.decay_mode
         decoupled = opt.weight_decay if mode == DynamicEmbWeightDecayMode.DECOUPLE else 0.0
-        step_size, bias2_sqrt, schedule = lr, 1.0, None
-        if error is not None:
-            schedule = DeviceSchedule(self.device_lr(lr), self._optimizer_step.on_device(),
-                                      advance=adam, beta1=opt.beta1, beta2=opt.beta2,
-                                      decoupled_decay=decoupled)
-        elif adam:
-            self.adam_step += 1
-            step_size = lr / (1 - opt.beta1 ** self.adam_step)
-            bias2_sqrt = math.sqrt(1 - opt.beta2 ** self.adam_step)
+        # the step size, bias correction and decay are computed from the learning
+        # rate and Adam's step in device memory (``DeviceSchedule``)
+        schedule = DeviceSchedule(self.device_lr(lr), self._optimizer_step.on_device(),
+                                  advance=adam, beta1=opt.beta1, beta2=opt.beta2,
+                                  decoupled_decay=decoupled)
         update = OptimizerUpdate(
             optimizer=opt.optimizer, lr=lr, eps=opt.eps, beta1=opt.beta1, beta2=opt.beta2,
             weight_decay=opt.weight_decay if mode == DynamicEmbWeightDecayMode.L2 else 0.0,
-            step_size=step_size, bias_correction2_sqrt=bias2_sqrt,
-            decay_scale=1.0 - lr * decoupled)
+            step_size=lr, bias_correction2_sqrt=1.0, decay_scale=1.0 - lr * decoupled)
         return self.ops.fused_backward(
             sources=self.storage.sources(self._no_transient), row_ref=lookup.row_ref,
             starts=lookup.starts, rank=lookup.rank, offsets=offsets, weights=weights,

@@ -100,10 +100,9 @@ class RowInitializer:
         return self._specs[key]
 
     def fill(self, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
-             tids: torch.Tensor, train: bool,
-             args: Optional[DynamicEmbInitializerArgs] = None) -> None:
+             tids: torch.Tensor, train: bool) -> None:
         """out[rows, :dim] = each key's initial embedding (its logical table's
-        training or eval initializer, or ``args`` for every table when given)."""
+        training or eval initializer)."""
         if len(self.tables) == 1:
             parts = [(rows, keys)]
         else:  # each table's keys: a stable sort by table, cut at sizes read in one sync
@@ -114,37 +113,27 @@ class RowInitializer:
         for init, (r, k) in zip(self.tables, parts):
             if r.numel() == 0:
                 continue
-            use = args if args is not None else init.train if train else init.eval
+            use = init.train if train else init.eval
             lower, upper = use.bounds(init.max_capacity)
             self.ops.init_rows(out=out, rows=r.contiguous(), keys=k.contiguous(),
                                stream=init.stream, dim=self.dim, mode=use.mode,
                                mean=use.mean, std_dev=use.std_dev, lower=lower,
                                upper=upper, value=use.value, seed=use.seed)
 
-    def stored(self, values: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
-               tids: torch.Tensor) -> None:
-        """values[slots] = the full initial value rows of new stored keys."""
-        self.fill(values, slots, keys, tids, train=True)
-        if self.state_dim:
-            # index_fill_ takes the number as a kernel argument (an indexed
-            # assignment would copy it from host memory: a sync on a GPU)
-            values[:, self.dim:].index_fill_(0, slots, self.initial_state)
-
-    def stored_new(self, values: torch.Tensor, slots: torch.Tensor, status: torch.Tensor,
-                   keys: torch.Tensor, tids: torch.Tensor) -> None:
-        """``stored`` for the keys whose status (``InsertStatus``) says they were just
-        inserted, in one launch with no count of them (a padded insert)."""
+    def stored(self, values: torch.Tensor, slots: torch.Tensor, status: torch.Tensor,
+               keys: torch.Tensor, tids: torch.Tensor) -> None:
+        """values[slots] = the full initial value rows (embedding and optimizer state)
+        of the keys whose status (``InsertStatus``) says they were just inserted, in
+        one launch with no count of them."""
         self.ops.init_new_rows(values=values, slots=slots, status=status, keys=keys,
                                table_ids=tids, dim=self.dim,
                                spec=self.spec(True, values.device),
                                state_value=self.initial_state)
 
-    def transient(self, keys: torch.Tensor, tids: torch.Tensor, train: bool,
-                  args: Optional[DynamicEmbInitializerArgs] = None) -> torch.Tensor:
-        """(len(keys), dim) initial rows that are not stored (``args``: another
-        initializer than the tables', e.g. for keys admission has not admitted yet)."""
+    def transient(self, keys: torch.Tensor, tids: torch.Tensor, train: bool) -> torch.Tensor:
+        """(len(keys), dim) initial rows that are not stored."""
         out = torch.empty(keys.numel(), self.dim, dtype=torch.float32, device=keys.device)
         if keys.numel():
             rows = torch.arange(keys.numel(), dtype=torch.int64, device=keys.device)
-            self.fill(out, rows, keys, tids, train, args)
+            self.fill(out, rows, keys, tids, train)
         return out

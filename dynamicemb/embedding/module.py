@@ -170,9 +170,8 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
         # Checks of a batch's values (finite weights and gradients) where they cost no
         # host sync: on the CPU; on a GPU a step does not wait for them.
         self._check_data = for_device(self.device).free_host_reads
-        # A step that keeps its counts on the device checks its offsets into this
-        # word, read by the host at the next call; where reading it costs nothing
-        # (the CPU), in the call itself.
+        # The step checks its offsets into this word, read by the host at the next
+        # call; where reading it costs nothing (the CPU), in the call itself.
         self._errors = InputErrors(self.device,
                                    at_once=sync_checks or for_device(self.device).free_host_reads)
 
@@ -252,8 +251,7 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
         sync). The next call raises it anyway; call this after replaying a CUDA
         graph of the step, where no module code runs (docs/ARCHITECTURE.md, "CUDA
         graphs")."""
-        if self._errors is not None:
-            self._errors.raise_if_refused(wait_for_device=True)
+        self._errors.raise_if_refused(wait_for_device=True)
 
     def set_train_steps(self, steps: int) -> None:
         """Restores ``train_steps`` (e.g. from a checkpoint)."""
@@ -284,10 +282,9 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
         backward on the training stream waits for the prefetch (``StreamOrder``)."""
         self._stream_order.before_use()
         self._raise_refused()
-        # a step that keeps its counts on the device checks into a word of its own
-        error = (torch.zeros(1, dtype=torch.int64, device=self.device)
-                 if self._counted(self.training) else None)
-        check = None if error is None else self._check_on_device()
+        # a prefetched batch checks into a word of its own
+        error = torch.zeros(1, dtype=torch.int64, device=self.device)
+        check = self._check_on_device()
         indices, offsets, _, batch_size = self._validate(indices, offsets, per_sample_weights,
                                                          check, word=error)
         frequencies = self._validate_frequencies(frequencies, indices.numel())
@@ -386,13 +383,12 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
         """
         self._raise_refused()
         training = self.training
-        counted = self._counted(training)
-        check = self._check_on_device() if counted else None
+        check = self._check_on_device()
         indices, offsets, weights, batch_size = self._validate(indices, offsets, per_sample_weights,
                                                                check)
         frequencies = self._validate_frequencies(frequencies, indices.numel())
         self._stream_order.before_use()
-        error = self._errors.word if counted else None
+        error = self._errors.word
         if self._prefetched:
             lookups = self._take_prefetched(indices, offsets)
         else:

@@ -13,7 +13,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from dynamicemb.embedding.group import Lookup
-from dynamicemb.embedding.input_errors import CheckedBatch, offsets_message
+from dynamicemb.embedding.input_errors import CheckedBatch
 from dynamicemb.ops import for_device
 from dynamicemb.ops.interface import BatchPart
 from dynamicemb.options import DynamicEmbPoolingMode
@@ -85,21 +85,12 @@ class StepPipeline:
     def _raise_refused(self) -> None:
         """Raises the error of a batch an earlier call's kernel refused (bad offsets); a
         refused prefetched batch leaves the queue (it changed nothing)."""
-        if self._errors is None:
-            return
         try:
             self._errors.raise_if_refused()
         except ValueError:
             self._prefetched = deque(p for p in self._prefetched
                                      if p.check is None or not p.check.refused)
             raise
-
-    def _counted(self, training: bool) -> bool:
-        """Whether this call's step keeps every count on the device: a backend that
-        can, and a lookup every group can run padded (several groups each take
-        their part of the whole batch)."""
-        return self._errors is not None and all(g.counts_on_device(training)
-                                                for g in self._groups)
 
     def _check_on_device(self) -> CheckedBatch:
         """A batch to be checked by a kernel into the error word (read at the next
@@ -113,10 +104,11 @@ class StepPipeline:
             self._steps_on_table = True
         return CheckedBatch()
 
-    def _validate(self, indices, offsets, weights, check: Optional[CheckedBatch] = None,
+    def _validate(self, indices, offsets, weights, check: CheckedBatch,
                   word: Optional[torch.Tensor] = None):
-        """The batch on the module's device, checked: at once, or with ``check`` by a
-        kernel into the error word (``InputErrors``; ``word``: a prefetch's own)."""
+        """The batch on the module's device, checked: its types and shapes at once,
+        its offsets by a kernel into the error word (``InputErrors``; ``word``: a
+        prefetch's own), read at once where reads are free."""
         pooling = self.pooling_mode
         check_batch_types(indices, offsets, weights, "" if pooling == DynamicEmbPoolingMode.SUM
                           else f"this module uses {pooling.name}")
@@ -130,10 +122,6 @@ class StepPipeline:
         # The batch moves to the rows' device (a no-op when it is there already).
         offsets = offsets.to(device=self.device, dtype=torch.int64).contiguous()
         n = indices.numel()
-        if check is None:
-            problem = for_device(self.device).check_offsets(offsets=offsets, num_indices=n)
-            if problem:
-                raise ValueError(offsets_message(problem, offsets, n))
         if weights is not None:
             if weights.shape != (n,):
                 raise ValueError(
@@ -143,11 +131,11 @@ class StepPipeline:
             if self._check_data and not _all_finite(weights):
                 raise ValueError("per_sample_weights must be finite, got NaN or inf")
         indices = indices.to(device=self.device, dtype=torch.int64).contiguous()
-        if check is not None:  # last: a batch refused at once has changed nothing
-            for_device(self.device).check_offsets(
-                offsets=offsets, num_indices=n, error=self._errors.word if word is None else word)
-            check.offsets, check.num_indices = offsets, n
-            self._errors.checked(check, word)
+        # last: a batch refused at once has changed nothing
+        for_device(self.device).check_offsets(
+            offsets=offsets, num_indices=n, error=self._errors.word if word is None else word)
+        check.offsets, check.num_indices = offsets, n
+        self._errors.checked(check, word)
         return indices, offsets, weights, num_bags // self._num_features
 
     def _take_prefetched(self, indices, offsets) -> List[Lookup]:
@@ -167,55 +155,30 @@ class StepPipeline:
                                  check_values=self._check_data)
 
     def _lookup(self, indices, offsets, batch_size, insert: bool,
-                frequencies: Optional[torch.Tensor] = None,
-                error: Optional[torch.Tensor] = None) -> List[Lookup]:
-        """Every group's lookup, atomically: if one group fails (a full table in ERROR
-        mode), the groups before it are rolled back and no table changes. ``error``:
-        the batch's check word, for a step counted on the device (each group then
-        takes its part of the whole batch)."""
-        if insert and error is None:  # STEP scores: the training step this forward is
-            self._steps_to_host()  # (a counted step advances it on the device)
-            for g in self._groups:
-                g.table.set_step(self._train_steps + 1)
+                frequencies: Optional[torch.Tensor], error: torch.Tensor) -> List[Lookup]:
+        """Every group's lookup of its part of the whole batch, atomically: if one
+        group fails (a full table in ERROR mode, a failing external store), the
+        groups before it are rolled back and no table changes. ``error``: the
+        batch's check word."""
         pending = []
-        parts = self._split_by_group(indices, offsets, batch_size, padded=error is not None)
         try:
-            for group, keys, tids, positions, part in parts:
-                freq = frequencies
-                if freq is not None and positions is not None:
-                    freq = freq[positions]
-                pending.append(group.begin_lookup(keys, tids, insert, freq, error, part))
+            for group, tids, part in self._split_by_group(indices, offsets, batch_size):
+                pending.append(group.begin_lookup(indices, tids, insert, frequencies, error,
+                                                  part))
         except BaseException:
             for group, p in reversed(list(zip(self._groups, pending))):
                 group.abort_lookup(p)
-            if error is None:
-                for g in self._groups:
-                    g.table.set_step(self._train_steps)
             raise
         if insert:
-            if error is None:
-                self._train_steps += 1
             self._changed()
-        lookups = [g.finish_lookup(p) for g, p in zip(self._groups, pending)]
-        for g, (found, (_, _, _, positions, _)) in enumerate(zip(lookups, parts)):
-            if positions is not None:  # back to positions in the whole batch
-                inverse = torch.full((indices.numel(),), -1, dtype=torch.int64, device=self.device)
-                inverse[positions] = found.inverse
-                rank = None
-                if found.rank is not None:
-                    rank = torch.full((indices.numel(),), -1, dtype=torch.int64,
-                                      device=self.device)
-                    rank[positions] = found.rank
-                lookups[g] = found._replace(inverse=inverse, rank=rank)
-        return lookups
+        return [g.finish_lookup(p) for g, p in zip(self._groups, pending)]
 
-    def _split_by_group(self, indices, offsets, batch_size, padded: bool = False):
-        """(group, keys, local table ids, positions in the batch or None, part or None)
-        per group. ``padded``: every group gets the whole batch and its
-        ``BatchPart`` (no sizes read on the host)."""
+    def _split_by_group(self, indices, offsets, batch_size):
+        """(group, local table ids, ``BatchPart`` or None) per group: every group
+        takes its part of the whole batch (nothing read on the host)."""
         n = indices.numel()
         if len(self._groups) == 1 and len(self._groups[0].table_indices) == 1:
-            return [(self._groups[0], indices, self._zero_tids.take(n), None, None)]
+            return [(self._groups[0], self._zero_tids.take(n), None)]
         bounds = offsets[:: max(batch_size, 1)] if batch_size else torch.zeros(
             self._num_features + 1, dtype=torch.int64, device=self.device)
         # each lookup's feature: how many features end at or before it (a search, not
@@ -227,18 +190,9 @@ class StepPipeline:
                                      right=True).clamp_(max=self._num_features - 1)
         tids = self._feature_local_tid[feature]
         if len(self._groups) == 1:
-            return [(self._groups[0], indices, tids, None, None)]
-        if padded:
-            groups = self._feature_group[feature]
-            return [(group, indices, tids, None, BatchPart(groups, g))
-                    for g, group in enumerate(self._groups)]
-        # Each group's lookups in batch order: a stable sort by group, cut at the
-        # groups' sizes (read in one sync for all groups, not one per group).
-        sizes = torch.zeros(len(self._groups), dtype=torch.int64, device=self.device).index_add_(
-            0, self._feature_group, bounds[1:] - bounds[:-1]).tolist()
-        order = torch.sort(self._feature_group[feature], stable=True).indices
-        return [(group, indices[positions], tids[positions].contiguous(), positions, None)
-                for group, positions in zip(self._groups, torch.split(order, sizes))]
+            return [(self._groups[0], tids, None)]
+        groups = self._feature_group[feature]
+        return [(group, tids, BatchPart(groups, g)) for g, group in enumerate(self._groups)]
 
     def _compute_output(self, batch: _Batch) -> torch.Tensor:
         mean = self.pooling_mode == DynamicEmbPoolingMode.MEAN

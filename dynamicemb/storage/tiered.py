@@ -49,10 +49,6 @@ __all__ = ["TierMetrics", "TieredStorage"]
 logger = logging.getLogger(__name__)
 
 
-# Sorts a batch's cache hits before every miss (above any occurrence count).
-_HIT_RANK = torch.iinfo(torch.int64).max
-
-
 @dataclass
 class TierMetrics:
     """Counts of one table's traffic between the tiers (unique keys per batch).
@@ -105,13 +101,9 @@ class TieredStorage:
         host_only: no device memory at all: every reference is a host reference.
         device: where the device tier, the references and the batches are (default:
             the host store's device).
-        initialize: ``initialize(values, slots, keys, tids)`` writes the initial rows
-            of keys the host store inserts (default: they stay zero).
-        external: an ``ExternalTier`` below the host store, or None.
-        initialize_new: ``initialize_new(values, slots, status, keys, tids)`` writes
-            the initial rows of the keys whose status says the host store just
-            inserted them: what a padded insert needs (``commit_padded``); without
-            it no insert is padded.
+        initialize: ``initialize(values, slots, status, keys, tids)`` writes the
+            initial rows of the keys whose status says the host store just inserted
+            them (``commit``); None: they stay zero.
     """
 
     def __init__(
@@ -123,14 +115,12 @@ class TieredStorage:
         device: Optional[torch.device] = None,
         initialize: Optional[Callable] = None,
         external=None,
-        initialize_new: Optional[Callable] = None,
     ) -> None:
         self.host = host
         self.external = external
         host.grows_for_failures = external is not None  # every key must find its slot
         self._staged = None  # the external tier's part of the prepared insert
         self.initialize = initialize
-        self.initialize_new = initialize_new
         self.device = host.device if device is None else resolve_device(device)
         self._two_devices = self.device != host.device
         self.device_tier = device_tier
@@ -156,18 +146,16 @@ class TieredStorage:
     @classmethod
     def build(cls, host: ScoredHashTable, caching: bool, device_rows: Optional[int],
               device: Optional[torch.device] = None,
-              initialize: Optional[Callable] = None, external=None,
-              initialize_new: Optional[Callable] = None) -> "TieredStorage":
+              initialize: Optional[Callable] = None, external=None) -> "TieredStorage":
         """The layout for a device budget of ``device_rows`` rows (None: unlimited),
         with the device tier on ``device`` (default: the host store's), over an
         ``external`` tier or none."""
         device = host.device if device is None else device
         if not cls.host_store_off_device(caching, device_rows, host.max_capacity()):
-            return cls(host, device=device, initialize=initialize, external=external,
-                       initialize_new=initialize_new)
+            return cls(host, device=device, initialize=initialize, external=external)
         if device_rows < 16:  # smaller than one bucket: no device tier at all
             return cls(host, host_only=True, device=device, initialize=initialize,
-                       external=external, initialize_new=initialize_new)
+                       external=external)
         # a cache never holds more rows than the table can: a budget beyond that
         # (a typo, or a global budget split over few rows) allocates no more
         device_rows = min(device_rows, host.max_capacity())
@@ -186,7 +174,7 @@ class TieredStorage:
             device=device,
         )
         return cls(host, tier, promote=caching, device=device, initialize=initialize,
-                   external=external, initialize_new=initialize_new)
+                   external=external)
 
     def describe(self) -> str:
         below = "" if self.external is None else f", over {self.external.describe()}"
@@ -248,48 +236,18 @@ class TieredStorage:
         return refs
 
     # ----------------------------------------------------------- training
-    @property
-    def counts_on_device(self) -> bool:
-        """Whether a training lookup may run padded, every count left on the device
-        (``prepare_dedup(padded=True)``, ``commit_padded``): every layout whose
-        tables allow it (``ScoredHashTable.counts_on_device``), with an
-        ``initialize_new``. An external tier adds its store calls to the step, from
-        the host: they read what the insert evicted and what it found new (the one
-        layout whose step syncs)."""
-        layout = self.device_tier is None or self.device_tier.counts_on_device
-        return layout and self.initialize_new is not None and self.host.counts_on_device
-
-    @property
-    def finds_on_device(self) -> bool:
-        """Whether an eval lookup may run padded: always (rows expired under a
-        ``ttl`` are found at the time the kernels keep on the device; with an
-        external tier, the rows it holds are read from the host:
-        ``TableGroup.finish_lookup``)."""
-        return True
-
-    def prepare(self, keys, tids, scores) -> PendingInsert:
-        """Phase one: the host store decides keys and scores (may raise; see
-        ``ScoredHashTable.prepare_find_or_insert``)."""
-        scores = None if scores is None else self._on_host(scores)
-        keys, tids = self._on_host(keys), self._on_host(tids)
-        pending = self.host.prepare_find_or_insert(keys, tids, scores, checked=True)
-        self._stage_below(pending, keys, tids)
-        return pending
-
-    def prepare_dedup(self, keys, tids, frequencies, padded: bool = False,
-                      error: Optional[torch.Tensor] = None, part=None,
-                      admit=None, table_scores: Optional[torch.Tensor] = None
+    def prepare_dedup(self, keys, tids, frequencies, error: Optional[torch.Tensor] = None,
+                      part=None, admit=None, table_scores: Optional[torch.Tensor] = None
                       ) -> Tuple[Deduplicated, PendingInsert]:
-        """Phase one of a batch with repeated keys: its dedup and ``prepare`` of the
-        unique keys in one call (see ``ScoredHashTable.prepare_dedup_find_or_insert``,
-        whose ``padded``, ``error``, ``part``, ``admit`` and ``table_scores`` these
-        are; ``padded`` where ``counts_on_device``, then ``commit_padded`` follows).
-        The dedup is returned on ``device``."""
+        """Phase one of a batch with repeated keys: its dedup and the host store's
+        padded insert of the unique keys (``ScoredHashTable.prepare_dedup_find_or_insert
+        (padded=True)``, whose ``error``, ``part``, ``admit`` and ``table_scores``
+        these are); ``commit`` follows. The dedup is returned on ``device``."""
         frequencies = None if frequencies is None else self._on_host(frequencies)
         table_scores = None if table_scores is None else self._on_host(table_scores)
         unique, pending = self.host.prepare_dedup_find_or_insert(
             self._on_host(keys), self._on_host(tids), frequencies, checked=True,
-            padded=padded, error=error, part=part, admit=admit, table_scores=table_scores)
+            padded=True, error=error, part=part, admit=admit, table_scores=table_scores)
         self._stage_below(pending, unique.keys, unique.table_ids)
         if self._two_devices:
             unique = Deduplicated(*(None if t is None else t.to(self.device) for t in unique))
@@ -315,40 +273,6 @@ class TieredStorage:
             pending.abort()
             raise
 
-    def commit(self, pending: PendingInsert, keys: torch.Tensor,
-               tids: torch.Tensor) -> InsertResult:
-        """Phase two, host side: commits, initializes the rows of new keys in the host
-        store, and drops keys the host store evicted from the device tier too.
-
-        Args:
-            pending: from ``prepare``/``prepare_dedup``.
-            keys, tids: the keys it prepared (the unique keys for ``prepare_dedup``).
-
-        Returns:
-            The host store's result: slots are host slots, on the host store's device.
-        """
-        result = pending.commit()
-        came_back = self._restore_below(pending, result.slots, keys, tids)
-        if came_back is not None and came_back.numel():  # found below: not new after all
-            inserted = result.inserted.clone()
-            inserted[came_back] = False
-            result = result._replace(inserted=inserted, inserted_at=None,
-                                     num_inserted=result.num_inserted - came_back.numel())
-        if result.num_inserted and self.initialize is not None:
-            new_at = result.inserted_positions()
-            self.initialize(self.host.values, result.slots[new_at],
-                            self._on_host(keys)[new_at], self._on_host(tids)[new_at])
-        evicted = result.evicted
-        if evicted.keys.numel():
-            self._count("host_evictions", evicted.table_ids)
-            if self.device_tier is not None:
-                self.device_tier.erase(self._on_device(evicted.keys),
-                                       self._on_device(evicted.table_ids))
-        if result.num_expired:
-            self._drop_expired(self._on_host(keys)[result.expired],
-                               self._on_host(tids)[result.expired])
-        return result
-
     def _restore_below(self, pending: PendingInsert, slots, keys, tids) -> Optional[torch.Tensor]:
         """After ``pending`` committed: the rows its first phase found below take their
         host slots (``ExternalTier.restore``); returns their positions among ``keys``
@@ -361,15 +285,15 @@ class TieredStorage:
         self._count_below("external_writes", staged.written, None)
         return came_back
 
-    def commit_padded(self, pending: PendingInsert, keys: torch.Tensor, tids: torch.Tensor,
+    def commit(self, pending: PendingInsert, keys: torch.Tensor, tids: torch.Tensor,
                       counts: torch.Tensor) -> torch.Tensor:
-        """Phase two of a padded insert (``prepare_dedup(padded=True)``), every count on
+        """Phase two of the insert (``prepare_dedup``), every count on
         the device: commits, initializes the rows of new keys (by status: a hit on
         an expired row is one), drops the host store's victims and expired rows
-        from a cache and promotes the batch into it (``_promote_padded``).
+        from a cache and promotes the batch into it (``_promote``).
 
         Args:
-            pending: from ``prepare_dedup(padded=True)``.
+            pending: from ``prepare_dedup``.
             keys, tids, counts: (N,) its dedup's unique keys, table ids and counts
                 (padding: count 0).
 
@@ -380,7 +304,8 @@ class TieredStorage:
         upserted, admitted = pending.upserted, pending.padded.admitted
         result = pending.commit()
         host_slots = result.slots
-        self.initialize_new(self.host.values, host_slots, result.status, keys, tids)
+        if self.initialize is not None:  # (else the rows of new keys stay zero)
+            self.initialize(self.host.values, host_slots, result.status, keys, tids)
         self._restore_below(pending, host_slots, keys, tids)  # over the new rows
         several = self.host.num_tables > 1  # then counted per table with masks
         if several:
@@ -398,13 +323,13 @@ class TieredStorage:
             if self.host.ttl is not None:  # a cached copy of an expired row is dead
                 self.device_tier.padded_erase(keys, tids, result.status, InsertStatus.INSERTED)
             if not self.promote:
-                return self._place_padded(keys, tids, host_slots, result.status, several)
-            return self._promote_padded(keys, tids, counts, host_slots, several)
+                return self._place(keys, tids, host_slots, result.status, several)
+            return self._promote(keys, tids, counts, host_slots, several)
         if several:
             self._count_where("misses" if self.host_only else "hits", tids, host_slots >= 0)
         return self._host_refs(host_slots)
 
-    def _place_padded(self, keys, tids, host_slots, status, several: bool) -> torch.Tensor:
+    def _place(self, keys, tids, host_slots, status, several: bool) -> torch.Tensor:
         """``place``'s placement tier for a padded batch, on the device: the keys it
         holds are found there (a hit of its call), and the host store's new keys land
         in it while it has room (an insert, the row copied in); the others are read
@@ -425,8 +350,8 @@ class TieredStorage:
             self._count_where("host_reads", tids, placed.status == InsertStatus.INSERTED)
         return refs
 
-    def _promote_padded(self, keys, tids, counts, host_slots, several: bool) -> torch.Tensor:
-        """``_into_device_tier``'s promotion of a padded batch, on the device: the plan
+    def _promote(self, keys, tids, counts, host_slots, several: bool) -> torch.Tensor:
+        """The promotion of a batch into the cache (``cache_policy.h``), on the device: the plan
         (which keys the cache takes, in which order), one cache call over the keys
         sorted by it, then victims written back and new rows copied in by one
         kernel, which also writes the references."""
@@ -472,122 +397,6 @@ class TieredStorage:
         self._count("expired", tids)
         if self.device_tier is not None and keys.numel():
             self.device_tier.erase(self._on_device(keys), self._on_device(tids))
-
-    def place(self, keys, tids, host_slots, new, counts,
-              num_stored: Optional[int] = None) -> torch.Tensor:
-        """References for this batch's stored rows (``host_slots`` >= 0), moving rows
-        into the device tier as the layout says.
-
-        Args:
-            keys, tids: (U,) the batch's unique keys and local table ids.
-            host_slots (Tensor): (U,) their host slots, -1 where not stored.
-            new (Tensor): (U,) bool, keys the host store just inserted.
-            counts (Tensor): (U,) occurrences in the batch: the hottest misses are
-                promoted first when not all can be.
-            num_stored: ``(host_slots >= 0).sum()`` where the caller knows it.
-
-        Returns:
-            (U,) row references; -1 where not stored.
-        """
-        self._count("lookups", tids)
-        host_slots, new = self._on_device(host_slots), self._on_device(new)
-        refs = self._host_refs(host_slots, all_stored=num_stored == keys.numel())
-        if self.device_tier is None:
-            field = "misses" if self.host_only else "hits"
-            if num_stored is not None and self.host.num_tables == 1:
-                self._add(field, num_stored)
-            else:
-                self._count_where(field, tids, host_slots >= 0)
-            return refs
-        if self.promote and num_stored == keys.numel():
-            # Every key is stored (the usual case): no positions to pick.
-            one_table = self.host.num_tables == 1
-            slots, fresh, num_hits = self._into_device_tier(keys, tids, host_slots, counts,
-                                                            want_fresh=not one_table)
-            refs = torch.where(slots >= 0, slots, refs)
-            if one_table:  # counted on the host: no mask, no launch
-                self._add("hits", num_hits)
-                self._add("misses", num_stored - num_hits)
-                return refs
-            hit = (slots >= 0) & ~fresh
-            self._count_where("hits", tids, hit)
-            self._count_where("misses", tids, ~hit)
-            return refs
-        stored = host_slots >= 0
-        if self.promote:  # every stored row of the batch goes to the cache
-            candidates = stored
-        else:  # rows stay where they are; new rows land in the tier while it has room
-            known = self.device_tier.find(keys, tids, checked=True)
-            refs = torch.where(known >= 0, known, refs)
-            hit = known >= 0
-            candidates = stored & new
-        at = candidates.nonzero().squeeze(1)
-        slots, fresh, _ = self._into_device_tier(keys[at], tids[at], host_slots[at], counts[at])
-        refs[at] = torch.where(slots >= 0, slots, refs[at])
-        if self.promote:
-            hit = torch.zeros_like(stored)
-            hit[at] = (slots >= 0) & ~fresh
-        self._count_where("hits", tids, hit)
-        self._count_where("misses", tids, stored & ~hit)
-        return refs
-
-    def _into_device_tier(self, keys, tids, host_slots, counts, want_fresh: bool = True):
-        """find_or_insert into the device tier: rows of new entries are copied from the
-        host store, victims are written back. Returns (slots (-1: not there), fresh
-        (None unless ``want_fresh``), the number of keys the cache held before the
-        call, or None without a cache).
-
-        A cache takes the batch's hits first (pinned before any miss picks a victim),
-        then its misses; when they would not all fit in free slots, only misses that
-        occur more than once in the batch, hottest first, at most as many as there is
-        room for. Under
-        a power law most keys of a batch are seen once: promoting them would only push
-        out rows that come back, and cost a copy in and a write-back each. The rest
-        are read and updated where they are, in the host store."""
-        tier = self.device_tier
-        order, num_hits = None, None
-        if self.promote:
-            hit = tier.find(keys, tids, checked=True) >= 0
-            hot = (counts > 1) & ~hit
-            num_hits, num_hot = torch.stack([hit.sum(), hot.sum()]).tolist()  # one sync
-            num_misses = keys.numel() - num_hits
-            # one stable sort: the hits in batch order, then the misses taken (hottest
-            # first when not all fit, else in batch order); the rest are left out
-            if num_misses > tier.capacity() - tier.size():  # promoting would evict
-                taken = min(num_hot, max(tier.capacity() - num_hits, 0))
-                rank = torch.where(hit, _HIT_RANK, torch.where(hot, counts, -1))
-            else:
-                taken, rank = num_misses, hit.to(torch.int64)
-            order = torch.argsort(rank, descending=True, stable=True)[:num_hits + taken]
-            keys, tids, host_slots = keys[order], tids[order], host_slots[order]
-        scores = (self._on_device(self.host.scores_at(self._on_host(host_slots))) if self.promote
-                  else None)
-        result = tier.find_or_insert(keys, tids, scores, checked=True)
-        # Victims first: a key of this batch may have been evicted by an earlier key
-        # of the same call and inserted again, and its fresh row is the victim's.
-        evicted = result.evicted
-        if evicted.keys.numel():
-            self._count("evictions", evicted.table_ids)
-            self._write_back(evicted.keys, evicted.table_ids, evicted.values)
-        fresh = result.inserted
-        if result.num_inserted:  # its size is known: no sync for the compaction
-            at = result.inserted_positions()
-            tier.values[result.slots[at]] = self._on_device(
-                self.host.values[self._on_host(host_slots[at])])
-            if self.host.num_tables == 1:
-                self._add("host_reads", result.num_inserted)
-            else:
-                self._count_where("host_reads", tids, fresh)
-            self._moves += 1
-        if order is None:
-            return result.slots, fresh, num_hits
-        slots = torch.full(hit.shape, -1, dtype=torch.int64, device=result.slots.device)
-        slots[order] = result.slots
-        if not want_fresh:
-            return slots, None, num_hits
-        new = torch.zeros_like(hit)
-        new[order] = fresh
-        return slots, new, num_hits
 
     def _write_back(self, keys, tids, rows) -> None:
         if keys.numel() == 0:
@@ -698,14 +507,6 @@ class TieredStorage:
         if self.external is not None:
             yield from self.external.export_chunks(chunk_slots, min_score)
 
-    def contains(self, keys: torch.Tensor, tids: torch.Tensor,
-                 at_time: Optional[int] = None) -> torch.Tensor:
-        """(n,) bool on ``device``: whether the table stores each key, in any tier
-        (``at_time``: as ``ScoredHashTable.find``, rows expired then are absent)."""
-        stored = self.host.find(self._on_host(keys), self._on_host(tids), checked=True,
-                                at_time=at_time) >= 0
-        return self._on_device(self.or_below(keys, tids, stored))
-
     def or_below(self, keys: torch.Tensor, tids: torch.Tensor, stored: torch.Tensor,
                  asked: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``stored`` (n,) bool (the host store holds the key), or with an external
@@ -765,7 +566,7 @@ class TieredStorage:
 
     def _settle_padded_outcomes(self) -> None:
         """A one-table group's padded steps as metrics, from the tables' totals of
-        them (``commit_padded``): every unique key is a lookup and, once stored, a
+        them (``commit``): every unique key is a lookup and, once stored, a
         hit of the one tier, a miss of host rows, or a cache hit or miss by the
         cache's call; its evictions are written back, its inserts read in."""
         totals = self.host.outcome_totals()

@@ -1,5 +1,5 @@
 """The table's padded calls: inserts and erases that keep every count in device
-memory (a padded step, where ``counts_on_device``), mixed into ``ScoredHashTable``.
+memory (the training step's), mixed into ``ScoredHashTable``.
 
 A padded call reads nothing on the host, so what decides growth and reports failed
 inserts reaches the host late (``SizeWatch``): the table grows ahead of need, by an
@@ -78,15 +78,6 @@ class PaddedCalls:
         self._stats.failed_inserts += failed
         self._stats.expired += expired
         self._stats.erases += erased
-
-    @property
-    def counts_on_device(self) -> bool:
-        """Whether ``prepare_dedup_find_or_insert(padded=True)`` may run: always. A
-        table that may grow grows ahead (``_before_padded``); failed inserts are
-        logged at a later call (WARNING) or read at once, undone and raised (ERROR:
-        a sync the user chose); rows expired (``ttl``) are found by the kernels at
-        the time they read on the device."""
-        return True
 
     @property
     def _watched(self) -> bool:
@@ -273,7 +264,7 @@ class PaddedCalls:
         Returns:
             ``Upserted`` of the n keys (its four counts None).
         """
-        if (not self.counts_on_device or self._memory.can_grow or self.ttl is not None
+        if (self._memory.can_grow or self.ttl is not None
                 or self.check_mode == DynamicEmbCheckMode.ERROR):
             raise ValueError("a padded upsert needs a table without a ttl that cannot grow "
                              "(its buckets are given) and does not raise failed inserts")
@@ -298,9 +289,7 @@ class PaddedCalls:
                      which: InsertStatus) -> None:
         """Erases ``keys[i]`` wherever ``status[i] == which`` (e.g. the victims of
         another table's call, by its status: distinct keys), with every count on
-        the device (where ``counts_on_device``)."""
-        if not self.counts_on_device:
-            raise ValueError("a padded erase needs a table without a ttl")
+        the device."""
         self._check_idle()
         self._padded = True
         self._ops.padded_erase(memory=self._memory, keys=keys, table_ids=table_ids,

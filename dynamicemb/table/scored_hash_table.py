@@ -564,7 +564,7 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         pairs while another inserts them. LFU adds each pair's count to its score;
         CUSTOMIZED gives each pair its table's score (``table_scores``).
 
-        ``padded`` (where ``counts_on_device``): nothing is read on the host. The
+        ``padded`` (the training step's call): nothing is read on the host. The
         dedup's arrays and the insert's per-key arrays have N entries (padding past
         the unique pairs: ``Deduplicated``); the clock and the step advance in device
         memory, where the call reads its time; the commit's ``InsertResult`` has the
@@ -598,8 +598,7 @@ class ScoredHashTable(TableInputs, PaddedCalls):
             (``Deduplicated``, ``PendingInsert`` over ``Deduplicated.keys``).
 
         Raises:
-            ValueError: ``table_scores`` missing with CUSTOMIZED or given without it;
-                ``padded`` where not ``counts_on_device``.
+            ValueError: ``table_scores`` missing with CUSTOMIZED or given without it.
         """
         self._check_idle()
         table_scores = self._table_scores(table_scores, checked)

@@ -8,8 +8,7 @@ same batches eagerly; ``make gpu-check`` captures a real graph."""
 import pytest
 import torch
 
-from dynamicemb import (DynamicEmbOptimType, DynamicEmbPoolingMode, DynamicEmbScoreStrategy,
-                        ScoredHashTable)
+from dynamicemb import DynamicEmbOptimType, DynamicEmbPoolingMode, DynamicEmbScoreStrategy
 from dynamicemb_testing.cuda_emulation import emulated_cuda
 from dynamicemb_testing.graph_emulation import EmulatedGraph
 from dynamicemb_testing.module_reference import (OPTIMIZER_ARGS, TableSpec, export_dict,
@@ -157,29 +156,6 @@ def test_a_refused_batch_in_a_replay_changes_nothing_until_checked():
         graph.replay()
         torch.testing.assert_close(out.detach(), _step(eager, _ids(2)), **TOL)
         _assert_same_tables(graphed, eager)
-
-
-def test_the_emulated_graph_sees_a_step_that_needs_the_host(monkeypatch):
-    """The stand-in is not blind: a step that reads its counts on the host (the
-    host-counted step, forced here; its clock is a kernel argument): replaying it
-    scores every replay with the capture's clock, unlike eager training."""
-    monkeypatch.setattr(ScoredHashTable, "counts_on_device", property(lambda self: False))
-    optimizer, pooling = DynamicEmbOptimType.EXACT_SGD, DynamicEmbPoolingMode.SUM
-    strategy = DynamicEmbScoreStrategy.LRU
-    with emulated_cuda() as kernels:
-        graphed, eager = (_module(optimizer, pooling, strategy, capacity=1 << 14)
-                          for _ in range(2))
-        for m in (graphed, eager):
-            _step(m, _ids(0))
-        graph, static_ids, _, _ = _captured(graphed, kernels, _ids(1))
-        _step(eager, _ids(1))
-        for seed in (2, 3):
-            static_ids.copy_(_ids(seed))
-            graph.replay()
-            _step(eager, _ids(seed))
-        scores = {k: v[2] for k, v in export_dict(graphed, "t0").items()}
-        want = {k: v[2] for k, v in export_dict(eager, "t0").items()}
-    assert scores != want
 
 
 def test_batches_of_any_size_padded_to_the_captured_count_train_as_unpadded():

@@ -5,9 +5,9 @@ and of ``csrc/cuda/cache.cu`` (run by ``EmulatedCudaKernels``) loop over the sam
 per-key procedures (``csrc/dynamicemb/cache_policy.h``). On the same random inputs
 (padded batches of several sizes, 0 and 1 included, keys not stored, keys left out,
 caches with free slots, full caches that must evict, one table and several) they
-give equal outputs, and twin tables end equal. A module trained on the CPU's step
-(``TieredStorage._into_device_tier``) and on the padded step (the header's policy)
-keeps the same cache, batch by batch.
+give equal outputs, and twin tables end equal. A module trained on the CPU backend
+and on the emulated CUDA backend keeps the same cache, batch by batch (that a cache
+of any size trains as all rows in memory: ``test_exactness.py``).
 """
 
 import pytest
@@ -220,9 +220,9 @@ def cache_after_each_batch(strategy, batches):
 
 @pytest.mark.parametrize("strategy", [DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.LFU],
                          ids=lambda s: s.name)
-def test_the_padded_step_keeps_the_cache_the_cpu_step_keeps(strategy):
-    """The header's policy is ``_into_device_tier``'s: the same keys in the same cache
-    slots with the same scores, and the same traffic, after every batch."""
+def test_the_cuda_step_keeps_the_cache_the_cpu_step_keeps(strategy):
+    """The header's policy on both backends: the same keys in the same cache slots
+    with the same scores, and the same traffic, after every batch."""
     gen = torch.Generator().manual_seed(4)
     batches = []
     for _ in range(6):
