@@ -310,13 +310,13 @@ class TieredStorage:
         several = self.host.num_tables > 1  # then counted per table with masks
         if several:
             self._count_where("lookups", tids, counts > 0)
-        elif admitted is not None:  # lookups the host store's totals do not count
-            self._count_where("lookups", tids, (counts > 0) & ~admitted)
             evicted = result.status == InsertStatus.EVICTED_AND_INSERTED
             self._count_where("host_evictions", torch.where(evicted, upserted.ev_tids, 0),
                               evicted)
             if self.host.ttl is not None:
                 self._count_where("expired", tids, expired_hits(upserted))
+        elif admitted is not None:  # lookups the host store's totals do not count
+            self._count_where("lookups", tids, (counts > 0) & ~admitted)
         if self.device_tier is not None:
             self.device_tier.padded_erase(upserted.ev_keys, upserted.ev_tids, result.status,
                                           InsertStatus.EVICTED_AND_INSERTED)
