@@ -204,8 +204,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> promotion_order(
   int16_t* ot = out_tids.data_ptr<int16_t>();
   int64_t* os = out_scores.data_ptr<int64_t>();
   int32_t* ob = buckets.data_ptr<int32_t>();
+  // A key's score is a miss in the host store's large array: prefetched a few
+  // positions ahead so that the misses overlap.
+  constexpr int64_t kAhead = 16;
 #pragma omp parallel for schedule(static) if (n >= kParallelMinKeys)
   for (int64_t q = 0; q < n; ++q) {
+    if (q + kAhead < n && hs[o[q + kAhead]] >= 0) {
+      prefetch(words + kSlotWords * hs[o[q + kAhead]] + 1);
+    }
     order_one(q, o, k, t, hs, words, taken, num_buckets, ok, ot, os, ob);
   }
   return {out_keys, out_tids, out_scores, buckets};
