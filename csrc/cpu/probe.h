@@ -83,28 +83,28 @@ inline int scan_digests(const uint8_t* digests, int to, uint8_t digest, int from
   return -1;
 }
 
-// The bits of offsets [from, to) among the 64 offsets from `base`.
-inline uint64_t bits_between(int from, int to, int base) {
-  const int lo = from - base < 0 ? 0 : from - base > 64 ? 64 : from - base;
-  const int hi = to - base < 0 ? 0 : to - base > 64 ? 64 : to - base;
-  const uint64_t below_hi = hi == 64 ? ~uint64_t{0} : (uint64_t{1} << hi) - 1;
-  const uint64_t below_lo = lo == 64 ? ~uint64_t{0} : (uint64_t{1} << lo) - 1;
-  return below_hi & ~below_lo;
-}
-
 // scan_digests for a bucket of whole lines (bc a multiple of 64, as the default
-// 128): one 64-slot compare per line, masked to [from, to), the line of `from`
-// first (the one a caller prefetched) and the next only when it must be read. A
-// miss, which scans the whole bucket, then takes two compares and no loop over
+// 128): the 16-slot group of `from` first (where a present key usually is: inserts
+// start at its start offset), then one 64-slot compare per line, masked. A miss,
+// which scans the whole bucket, then takes at most three compares and no loop over
 // 16-slot groups, whose trip counts change with the key's start offset (their
 // branches were most of a miss's time).
 template <class TryMatch>
 inline int scan_lines(const uint8_t* digests, int to, uint8_t digest, int from,
                       TryMatch&& try_match) {
-  for (int line = from & ~63; line < to; line += 64) {
-    for (uint64_t m = match_64(digests, line, digest) & bits_between(from, to, line); m != 0;
-         m &= m - 1) {
-      if (try_match(line + __builtin_ctzll(m))) return line + __builtin_ctzll(m);
+  const int g = from & ~15;
+  if (g >= to) return -1;
+  uint32_t first = match_group(digests, g, digest) & (~0u << (from - g));
+  if (to - g < 16) first &= (1u << (to - g)) - 1;
+  for (; first != 0; first &= first - 1) {
+    if (try_match(g + __builtin_ctz(first))) return g + __builtin_ctz(first);
+  }
+  for (int line = (g + 16) & ~63; line < to; line += 64) {
+    uint64_t match = match_64(digests, line, digest);
+    if (line < g + 16) match &= ~uint64_t{0} << (g + 16 - line);
+    if (to - line < 64) match &= (uint64_t{1} << (to - line)) - 1;
+    for (; match != 0; match &= match - 1) {
+      if (try_match(line + __builtin_ctzll(match))) return line + __builtin_ctzll(match);
     }
   }
   return -1;
