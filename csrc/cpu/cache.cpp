@@ -2,10 +2,12 @@
 // per-key procedures as csrc/cuda/cache.cu's kernels (dynamicemb/cache_policy.h,
 // which states the policy), with the same outputs, padding included. The probe
 // finds only the keys that take part, a chunk at a time with its misses overlapped
-// (find_chunk, cpu/table.h); the other loops are one pass each over the n positions.
+// (find_chunk, cpu/table.h); the plan's loops run over the positions up to the last
+// promotable one, the others one pass each over the n positions.
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -35,30 +37,40 @@ struct RowCopy {
   }
 };
 
-// order (n,) = the positions by descending rank, ties in position order (a stable
-// sort), without a sort of n keys: every rank is one of the policy's constants but
-// a hot miss's count, so the hits, the hot misses (sorted by count, stably), the
-// misses, the cold misses and the positions left out follow one another.
-void order_by_rank(const int64_t* r, int64_t n, int64_t* order) {
-  std::vector<int64_t> hot;
-  int64_t next = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    if (r[i] == kRankHit) order[next++] = i;
-    else if (r[i] > kRankMiss) hot.push_back(i);
-  }
-  std::stable_sort(hot.begin(), hot.end(), [r](int64_t a, int64_t b) { return r[a] > r[b]; });
-  std::copy(hot.begin(), hot.end(), order + next);
-  next += static_cast<int64_t>(hot.size());
-  for (const int64_t rank : {kRankMiss, kRankCold, kRankLeftOut}) {
-    for (int64_t i = 0; i < n; ++i) {
-      if (r[i] == rank) order[next++] = i;
-    }
-  }
-  TORCH_CHECK(next == n, "a promotion rank outside the policy's (cache_policy.h)");
+// The classes of the order, in order: rank kRankHit, a hot miss's count, kRankMiss,
+// kRankCold, kRankLeftOut (cache_policy.h).
+enum RankClass : int { kClassHit, kClassHot, kClassMiss, kClassCold, kClassLeftOut, kClasses };
+
+inline int rank_class(int64_t rank) {
+  if (rank == kRankHit) return kClassHit;
+  if (rank > kRankMiss) return kClassHot;
+  if (rank == kRankMiss) return kClassMiss;
+  return rank == kRankCold ? kClassCold : kClassLeftOut;
 }
+
+// What one thread's range of positions holds: the probe's counts of its
+// promotable keys, and how many it leaves out.
+struct RangeCounts {
+  int64_t hits = 0, misses = 0, hot = 0, left_out = 0;
+
+  // Positions of each class: the probe's counts decide them, with the overflow.
+  std::array<int64_t, kClasses> by_class(bool overflow) const {
+    return {hits, overflow ? hot : 0, overflow ? 0 : misses, overflow ? misses - hot : 0,
+            left_out};
+  }
+};
 
 }  // namespace
 
+// The probe, the plan, the ranks and the order in one parallel region: each
+// thread probes a contiguous range of positions and counts its classes; one thread
+// decides the plan and where each thread's classes start in the order; each
+// thread then ranks its range and places its positions, in position order (the
+// order is the stable sort by rank without a sort: every rank but a hot miss's
+// count is one of the policy's constants). Only the hot misses are sorted, by
+// count, stably. Positions past the last promotable one (the padding past the
+// dedup's unique keys) are left out, in position order at the order's end: they
+// are filled, not probed nor ranked.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> promotion_plan(
     const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
     const at::Tensor& tids, const at::Tensor& counts, const at::Tensor& host_slots,
@@ -72,47 +84,95 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> promotion_plan(
   auto cache_slots = at::empty({n}, keys.options());
   auto plan = at::zeros({4}, keys.options());
   auto rank = at::empty({n}, keys.options());
+  auto order = at::empty({n}, keys.options());
   const int64_t* k = keys.data_ptr<int64_t>();
   const int16_t* t = tids.data_ptr<int16_t>();
   const int64_t* c = counts.data_ptr<int64_t>();
   const int64_t* hs = host_slots.data_ptr<int64_t>();
   int64_t* cs = cache_slots.data_ptr<int64_t>();
-  int64_t hits = 0, misses = 0, hot = 0;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) reduction(+ : hits, misses, hot) \
-    if (n >= kParallelMinKeys)
-  for (int64_t ch = 0; ch < chunks; ++ch) {
-    int64_t at[kChunk];  // the chunk's promotable positions
-    int m = 0;
-    for (int64_t i = ch * kChunk; i < std::min(n, (ch + 1) * kChunk); ++i) {
-      if (is_promotable(c[i], hs[i])) {
-        at[m++] = i;
-      } else {
-        cs[i] = -1;
-      }
-    }
-    find_chunk(v, k, t, [&at](int r) { return at[r]; }, m, one_table, cs);
-    for (int r = 0; r < m; ++r) {
-      const ProbeKind kind = probe_kind(c[at[r]], cs[at[r]]);
-      hits += kind == kProbeHit;
-      misses += kind != kProbeHit;
-      hot += kind == kProbeHotMiss;
-    }
-  }
-  const PromotionTotals totals{hits, misses, hot};
+  int64_t* r = rank.data_ptr<int64_t>();
+  int64_t* o = order.data_ptr<int64_t>();
+  int64_t* p = plan.data_ptr<int64_t>();
   const int64_t capacity = v.num_buckets * bc;
   const int64_t size = cache_size.data_ptr<int64_t>()[0];
-  int64_t* p = plan.data_ptr<int64_t>();
-  p[kPlanHits] = hits;
-  p[kPlanMisses] = misses;
-  p[kPlanHot] = hot;
-  p[kPlanTaken] = totals.taken(capacity, size);
-  const bool overflow = totals.overflows(capacity, size);
-  int64_t* r = rank.data_ptr<int64_t>();
-#pragma omp parallel for schedule(static) if (n >= kParallelMinKeys)
-  for (int64_t i = 0; i < n; ++i) r[i] = promotion_rank(c[i], hs[i], cs[i], overflow);
-  auto order = at::empty({n}, keys.options());
-  order_by_rank(r, n, order.data_ptr<int64_t>());
+  int64_t end = n;
+  while (end > 0 && !is_promotable(c[end - 1], hs[end - 1])) --end;
+  const int threads = end >= kParallelMinKeys ? omp_get_max_threads() : 1;
+  std::vector<RangeCounts> ranges(threads);
+  std::vector<std::array<int64_t, kClasses>> next(threads);  // then where each ended
+  bool overflow = false;
+#pragma omp parallel num_threads(threads)
+  {
+    const int me = omp_get_thread_num();
+    const int nt = omp_get_num_threads();
+    const int64_t chunks = (end + kChunk - 1) / kChunk;
+    const int64_t from = chunks * me / nt * kChunk;
+    const int64_t to = std::min(end, chunks * (me + 1) / nt * kChunk);
+    RangeCounts& mine = ranges[me];
+    for (int64_t ch = from; ch < to; ch += kChunk) {
+      int64_t at[kChunk];  // the chunk's promotable positions
+      int m = 0;
+      for (int64_t i = ch; i < std::min(to, ch + kChunk); ++i) {
+        if (is_promotable(c[i], hs[i])) {
+          at[m++] = i;
+        } else {
+          cs[i] = -1;
+          ++mine.left_out;
+        }
+      }
+      find_chunk(v, k, t, [&at](int q) { return at[q]; }, m, one_table, cs);
+      for (int q = 0; q < m; ++q) {
+        const ProbeKind kind = probe_kind(c[at[q]], cs[at[q]]);
+        mine.hits += kind == kProbeHit;
+        mine.misses += kind != kProbeHit;
+        mine.hot += kind == kProbeHotMiss;
+      }
+    }
+    for (int64_t i = end + (n - end) * me / nt; i < end + (n - end) * (me + 1) / nt; ++i) {
+      cs[i] = -1;
+      r[i] = kRankLeftOut;
+      o[i] = i;
+    }
+#pragma omp barrier
+#pragma omp single
+    {
+      PromotionTotals totals{0, 0, 0};
+      for (const RangeCounts& range : ranges) {
+        totals.hits += range.hits;
+        totals.misses += range.misses;
+        totals.hot += range.hot;
+      }
+      p[kPlanHits] = totals.hits;
+      p[kPlanMisses] = totals.misses;
+      p[kPlanHot] = totals.hot;
+      p[kPlanTaken] = totals.taken(capacity, size);
+      overflow = totals.overflows(capacity, size);
+      int64_t start = 0;
+      for (int cls = 0; cls < kClasses; ++cls) {
+        for (int u = 0; u < threads; ++u) {
+          next[u][cls] = start;
+          start += ranges[u].by_class(overflow)[cls];
+        }
+      }
+    }
+    std::array<int64_t, kClasses>& place = next[me];
+    for (int64_t i = from; i < to; ++i) {
+      r[i] = promotion_rank(c[i], hs[i], cs[i], overflow);
+      o[place[rank_class(r[i])]++] = i;
+    }
+  }
+  // Each thread placed exactly the positions its probe counted, class by class.
+  int64_t placed = 0;
+  for (int cls = 0; cls < kClasses; ++cls) {
+    for (int u = 0; u < threads; ++u) {
+      placed += ranges[u].by_class(overflow)[cls];
+      TORCH_CHECK(next[u][cls] == placed, "a promotion rank outside the policy's (cache_policy.h)");
+    }
+  }
+  if (overflow) {  // the hot misses follow the hits, sorted by count
+    int64_t* hot = o + p[kPlanHits];
+    std::stable_sort(hot, hot + p[kPlanHot], [r](int64_t a, int64_t b) { return r[a] > r[b]; });
+  }
   return {cache_slots, plan, rank, order};
 }
 
@@ -144,8 +204,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> promotion_order(
   int16_t* ot = out_tids.data_ptr<int16_t>();
   int64_t* os = out_scores.data_ptr<int64_t>();
   int32_t* ob = buckets.data_ptr<int32_t>();
+  // A key's score is a miss in the host store's large array: prefetched a few
+  // positions ahead so that the misses overlap.
+  constexpr int64_t kAhead = 16;
 #pragma omp parallel for schedule(static) if (n >= kParallelMinKeys)
   for (int64_t q = 0; q < n; ++q) {
+    if (q + kAhead < n && hs[o[q + kAhead]] >= 0) {
+      prefetch(words + kSlotWords * hs[o[q + kAhead]] + 1);
+    }
     order_one(q, o, k, t, hs, words, taken, num_buckets, ok, ot, os, ob);
   }
   return {out_keys, out_tids, out_scores, buckets};

@@ -83,12 +83,41 @@ inline int scan_digests(const uint8_t* digests, int to, uint8_t digest, int from
   return -1;
 }
 
+// scan_digests for a bucket of whole lines (bc a multiple of 64, as the default
+// 128): the 16-slot group of `from` first (where a present key usually is: inserts
+// start at its start offset), then one 64-slot compare per line, masked. A miss,
+// which scans the whole bucket, then takes at most three compares and no loop over
+// 16-slot groups, whose trip counts change with the key's start offset (their
+// branches were most of a miss's time).
+template <class TryMatch>
+inline int scan_lines(const uint8_t* digests, int to, uint8_t digest, int from,
+                      TryMatch&& try_match) {
+  const int g = from & ~15;
+  if (g >= to) return -1;
+  uint32_t first = match_group(digests, g, digest) & (~0u << (from - g));
+  if (to - g < 16) first &= (1u << (to - g)) - 1;
+  for (; first != 0; first &= first - 1) {
+    if (try_match(g + __builtin_ctz(first))) return g + __builtin_ctz(first);
+  }
+  for (int line = (g + 16) & ~63; line < to; line += 64) {
+    uint64_t match = match_64(digests, line, digest);
+    if (line < g + 16) match &= ~uint64_t{0} << (g + 16 - line);
+    if (to - line < 64) match &= (uint64_t{1} << (to - line)) - 1;
+    for (; match != 0; match &= match - 1) {
+      if (try_match(line + __builtin_ctzll(match))) return line + __builtin_ctzll(match);
+    }
+  }
+  return -1;
+}
+
 // First offset >= from whose digest matches, or -1.
 inline int next_digest_match(const uint8_t* digests, int bc, uint8_t digest, int from) {
+  if (bc % 64 == 0) return scan_lines(digests, bc, digest, from, [](int) { return true; });
   return scan_digests(digests, bc, digest, from, [](int) { return true; });
 }
 
-// Offset of (key, table id) in [from, to), or -1 (to a multiple of 16). Empty
+// Offset of (key, table id) in [from, to), or -1 (to a multiple of 16 unless the
+// bucket, bc slots, is whole lines). Empty
 // slots have digest 0, which no key has, so no occupancy bits are read. Every
 // digest match of a group is tried before the next group is loaded (a miss in a
 // full bucket of 128 has about one false match; rescanning from it was a second
@@ -96,10 +125,10 @@ inline int next_digest_match(const uint8_t* digests, int bc, uint8_t digest, int
 // nullptr when the table holds one logical table (every id is 0).
 template <class Keys>
 inline int probe_range(const Keys& keys, const int16_t* tids, const uint8_t* digests,
-                       int to, int64_t key, int16_t tid, uint8_t digest, int from) {
-  return scan_digests(digests, to, digest, from, [&](int j) {
-    return keys[j] == key && (tids == nullptr || tids[j] == tid);
-  });
+                       int to, int64_t key, int16_t tid, uint8_t digest, int from, int bc) {
+  const auto holds = [&](int j) { return keys[j] == key && (tids == nullptr || tids[j] == tid); };
+  if (bc % 64 == 0) return scan_lines(digests, to, digest, from, holds);
+  return scan_digests(digests, to, digest, from, holds);
 }
 
 // Offset of (key, table id) in the bucket, or -1: from the key's start offset to
@@ -113,11 +142,12 @@ inline int probe_bucket(const Keys& keys, const int16_t* tids, const uint8_t* di
                         int first = kFirstUnknown) {
   int j = -1;
   if (first == kFirstUnknown) {
-    j = probe_range(keys, tids, digests, bc, key, tid, digest, start);
+    j = probe_range(keys, tids, digests, bc, key, tid, digest, start, bc);
   } else if (first >= 0) {  // `first` itself was compared by the caller
-    j = probe_range(keys, tids, digests, bc, key, tid, digest, first + 1);
+    j = probe_range(keys, tids, digests, bc, key, tid, digest, first + 1, bc);
   }
-  return j >= 0 || start == 0 ? j : probe_range(keys, tids, digests, start, key, tid, digest, 0);
+  return j >= 0 || start == 0 ? j
+                              : probe_range(keys, tids, digests, start, key, tid, digest, 0, bc);
 }
 
 // The probe policy (table_view.h) of the CPU loops: probe_bucket.

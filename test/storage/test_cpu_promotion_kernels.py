@@ -111,6 +111,7 @@ CASES = [  # (num_tables, n, unique, host capacity, cache capacity, cached fract
     (1, 100, 90, 512, 64, 3.0),   # a full cache: every miss taken evicts
     (2, 300, 200, 1024, 32, 4.0),  # more hits than the cache holds beside them
     (4, 6000, 4500, 16384, 2048, 0.9),  # the parallel loops
+    (2, 9000, 5000, 16384, 8192, 0.1),  # in parallel, every miss fits: one class of misses
 ]
 
 
