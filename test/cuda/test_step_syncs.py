@@ -86,6 +86,20 @@ CPU_BUDGET = {"all-rows": STEP_LAUNCH_BUDGET, "host-rows": STEP_LAUNCH_BUDGET,
 CPU_DATA_CHECKS = Counter({"_all_finite": 1, "check_frequencies": 1})
 
 
+def _assert_cpu_eval_alike(cpu, counted, ids, offsets, got, guard) -> torch.Tensor:
+    """The CPU backend's eval of (ids, offsets), counted: no sync, as the emulated
+    CUDA eval (``got``, whose ``guard`` saw none either), and the same output,
+    which it returns."""
+    with counted_cpu(counted), SyncGuard() as cpu_guard, torch.no_grad():
+        counted.guard = cpu_guard
+        want = cpu(ids, offsets)
+    counted.guard = None
+    assert not guard.syncs, guard.report()
+    assert not cpu_guard.syncs, cpu_guard.report()
+    torch.testing.assert_close(got, want, **TOL)
+    return want
+
+
 def _batches(pool: int, count: int, seed: int, hot: bool = False):
     """(indices, offsets) batches of BATCH bags of BAG ids from [0, pool); ``hot``:
     one id fills half the batch (a row split into pieces in the backward)."""
@@ -475,13 +489,7 @@ def test_an_eval_step_makes_no_sync(layout):
             kernels.guard = guard
             got = emulated(ids, offsets)
         kernels.guard = None
-    with counted_cpu(counted), SyncGuard() as cpu_guard, torch.no_grad():
-        counted.guard = cpu_guard
-        want = cpu(ids, offsets)
-    counted.guard = None
-    assert not guard.syncs, guard.report()
-    assert not cpu_guard.syncs, cpu_guard.report()
-    torch.testing.assert_close(got, want, **TOL)
+    _assert_cpu_eval_alike(cpu, counted, ids, offsets, got, guard)
 
 
 def test_a_backward_after_another_forward_finds_its_rows_without_sync():
@@ -731,13 +739,7 @@ def test_a_ttl_eval_step_makes_no_sync():
             kernels.guard = guard
             got = emulated(ids, offsets)
         kernels.guard = None
-    with counted_cpu(counted), SyncGuard() as cpu_guard, torch.no_grad():
-        counted.guard = cpu_guard
-        want = cpu(ids, offsets)
-    counted.guard = None
-    assert not guard.syncs, guard.report()
-    assert not cpu_guard.syncs, cpu_guard.report()
-    torch.testing.assert_close(got, want, **TOL)
+    want = _assert_cpu_eval_alike(cpu, counted, ids, offsets, got, guard)
     fresh = _scored_module(dict(SCORED["lru-ttl"], ttl=None), cache=False).eval()
     with torch.no_grad():  # the expired ids read their initial rows, the others trained ones
         initial = fresh(ids, offsets)
