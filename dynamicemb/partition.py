@@ -48,6 +48,12 @@ class PartitionConfig:
         seed: METIS's random seed.
         imbalance: METIS's ``ufactor``: a part may weigh (1 + imbalance/1000) x
             the average.
+        replicas: the ids hot-row replicas will serve (every rank reads them
+            locally), left out of the graph and kept on their hash owner: a
+            fraction in (0, 1) of each table's ids in the sample, or a count per
+            table (>= 1), the most frequent; 0: none. Match the tables'
+            ``DynamicEmbTableOptions.replicas``: a replicated id is local to every
+            sample, so placing it only distorts the cut of the others.
     """
 
     world_size: int
@@ -56,6 +62,7 @@ class PartitionConfig:
     max_ids: Optional[int] = None
     seed: int = 0
     imbalance: int = 30
+    replicas: float = 0
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -71,6 +78,17 @@ class PartitionConfig:
             raise ValueError(f"max_ids must be >= 1 or None, got {self.max_ids}")
         if self.imbalance < 1:
             raise ValueError(f"imbalance must be >= 1 (METIS ufactor), got {self.imbalance}")
+        if not (self.replicas == 0 or 0 < self.replicas < 1
+                or (self.replicas >= 1 and self.replicas == int(self.replicas))):
+            raise ValueError(f"replicas must be 0, a fraction in (0, 1) or a whole count >= 1, "
+                             f"got {self.replicas}")
+
+    def replicated_count(self, ids: int) -> int:
+        """How many of a table's ``ids`` distinct ids in the sample are replicated
+        (the table option's rounding: a fraction of the ids, rounded, or the count)."""
+        if self.replicas >= 1:
+            return min(ids, int(self.replicas))
+        return int(round(self.replicas * ids))
 
     @property
     def nodes(self) -> int:
@@ -106,7 +124,7 @@ def bipartite_graph(sparse: np.ndarray, column_table: np.ndarray, config: Partit
     Args:
         sparse: (S, F) int64 ids, one per sample and feature.
         column_table: (F,) int64, the table index of each feature.
-        config: ``min_count`` and ``max_ids`` choose the kept ids.
+        config: ``replicas``, ``min_count`` and ``max_ids`` choose the kept ids.
         empty_id: an id meaning "no value" (never kept), or None.
 
     Returns:
@@ -117,12 +135,16 @@ def bipartite_graph(sparse: np.ndarray, column_table: np.ndarray, config: Partit
     samples = sparse.shape[0]
     column_table = np.asarray(column_table, np.int64)
     vertex_table, vertex_id, edge_sample, edge_vertex, kept = [], [], [], [], 0
+    vertex_replicated: List[np.ndarray] = []  # per table: ids replicas serve
     for table in np.unique(column_table):  # one 1-D unique per table: (table, id) pairs
         ids = sparse[:, column_table == table]
         owner = np.broadcast_to(np.arange(samples, dtype=np.int64)[:, None], ids.shape).reshape(-1)
         ids = ids.reshape(-1)
         valid = ids != empty_id if empty_id is not None else np.ones(ids.shape, bool)
         unique, inverse, counts = np.unique(ids[valid], return_inverse=True, return_counts=True)
+        replicated = np.zeros(len(unique), bool)
+        replicated[np.argsort(-counts, kind="stable")[:config.replicated_count(len(unique))]] = True
+        vertex_replicated.append(replicated)
         vertex_table.append(np.full(len(unique), table, np.int64))
         vertex_id.append(unique)
         edge_sample.append(owner[valid])
@@ -130,9 +152,12 @@ def bipartite_graph(sparse: np.ndarray, column_table: np.ndarray, config: Partit
         kept += len(unique)
     counts_all = np.bincount(np.concatenate(edge_vertex), minlength=kept) if kept else np.zeros(0, np.int64)
     keep = counts_all >= config.min_count
+    if kept:  # replicated ids are local to every sample: out of the graph
+        keep &= ~np.concatenate(vertex_replicated)
     if config.max_ids is not None and keep.sum() > config.max_ids:
+        chosen = np.argsort(-np.where(keep, counts_all, -1), kind="stable")[:config.max_ids]
         keep = np.zeros_like(keep)
-        keep[np.argsort(-counts_all, kind="stable")[:config.max_ids]] = True
+        keep[chosen] = True
     vertex = np.full(kept, -1, np.int64)
     vertex[keep] = np.arange(int(keep.sum()))
     edge_id = vertex[np.concatenate(edge_vertex)] if kept else np.zeros(0, np.int64)
@@ -253,7 +278,7 @@ def partition_ids(sparse: np.ndarray, tables: Sequence[str], config: PartitionCo
              "graph_seconds": built - start, "partition_seconds": done - built,
              "local_fraction": local, "cost": cost, "hash_local_fraction": hash_local,
              "hash_cost": hash_cost, "placement_only_local_fraction": alone_local,
-             "placement_only_cost": alone_cost,
+             "placement_only_cost": alone_cost, "replicas": config.replicas,
              "ids_per_rank": np.bincount(id_ranks, minlength=config.world_size).tolist(),
              "samples_per_rank": np.bincount(sample_ranks, minlength=config.world_size).tolist()}
     return PartitionResult(placements, sample_ranks, stats)
@@ -271,7 +296,9 @@ def route_samples(owners: torch.Tensor, world_size: int) -> List[torch.Tensor]:
 
     Args:
         owners (Tensor): (S, F) int64, the owner rank of each sample's ids
-            (``owner_rank`` with the tables' placements); S a multiple of the ranks.
+            (``owner_rank`` with the tables' placements), or -1 for an id that is
+            local to every rank (a replicated id: it votes for none); S a multiple
+            of the ranks.
         world_size: the ranks.
 
     Returns:
@@ -285,9 +312,9 @@ def route_samples(owners: torch.Tensor, world_size: int) -> List[torch.Tensor]:
     if samples % world_size:
         raise ValueError(f"{samples} samples do not split evenly over {world_size} ranks")
     per_rank = samples // world_size
-    votes = torch.zeros(samples, world_size, dtype=torch.int64)
-    votes.scatter_add_(1, owners, torch.ones_like(owners))
-    best = votes.max(1)
+    votes = torch.zeros(samples, world_size + 1, dtype=torch.int64)  # column 0: no vote
+    votes.scatter_add_(1, owners.clamp(min=-1) + 1, torch.ones_like(owners))
+    best = votes[:, 1:].max(1)
     # the most decided samples pick first; ties keep the sample order
     order = torch.argsort(-best.values, stable=True)
     wanted = best.indices[order]

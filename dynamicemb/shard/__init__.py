@@ -20,7 +20,7 @@ from dynamicemb.shard.embeddingbag import (
     ShardedDynamicEmbeddingBagCollection,
 )
 from dynamicemb.shard.kernel import DynamicEmbEmbedding, DynamicEmbEmbeddingBag, DynamicEmbKeyedOptimizer
-from dynamicemb.shard.replicas import refresh_replicas
+from dynamicemb.shard.replicas import refresh_replicas, replicated_ids
 from dynamicemb.shard.stale_replicas import flush_replicas
 from dynamicemb.shard.topology import host_ranks, threads_per_rank
 from dynamicemb.placement import owner_rank
@@ -40,5 +40,6 @@ __all__ = [
     "import_dense_rows",
     "owner_rank",
     "refresh_replicas",
+    "replicated_ids",
     "threads_per_rank",
 ]

@@ -51,8 +51,8 @@ from dynamicemb.shard._common import get_dynamic_tables
 from dynamicemb.shard.input_dist import DynamicEmbRwSparseFeaturesDist, FeatureRoute
 from dynamicemb.shard.lookup import DynamicEmbGroupedEmbeddingsLookup
 
-__all__ = ["ReplicaBatch", "ReplicaPendingUpdates", "ReplicaSet", "check_replica_plan", "refresh_replicas", "serve_owned",
-           "split_replicated", "with_replica_rows"]
+__all__ = ["ReplicaBatch", "ReplicaPendingUpdates", "ReplicaSet", "check_replica_plan", "refresh_replicas",
+           "replicated_ids", "serve_owned", "split_replicated", "with_replica_rows"]
 
 # attribute of a batch's SequenceShardingContext holding its ``ReplicaBatch``
 REPLICA_ATTR = "dynamicemb_replica_batch"
@@ -467,6 +467,19 @@ def replica_sets(module: nn.Module) -> List[ReplicaSet]:
             (getattr(sub, "_sharding_type_to_sharding", None) or {}).values())
         found += [s.replicas for s in shardings if getattr(s, "replicas", None) is not None]
     return found
+
+
+def replicated_ids(module: nn.Module) -> Dict[str, torch.Tensor]:
+    """The replicated ids of every table with replicas in ``module`` (a
+    ``DistributedModelParallel`` or anything holding sharded collections), the same
+    on every rank: what a sample router can treat as local to every rank (e.g.
+    ``route_samples``, where they vote for no rank). Local: no collective.
+
+    Returns:
+        ``{table name: (n,) int64 sorted ids}`` (empty before ``refresh_replicas``).
+    """
+    return {t.name: replicas.ids_of(t.name) for replicas in replica_sets(module)
+            for t in replicas.tables}
 
 
 def _gather(t: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:

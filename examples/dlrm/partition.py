@@ -21,7 +21,7 @@ import json
 import resource
 import sys
 import time
-from typing import Iterable, Iterator, List, Mapping
+from typing import Dict, Iterable, Iterator, List, Mapping
 
 import numpy as np
 import torch
@@ -53,6 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ids seen fewer times in the sample keep their hash owner")
     p.add_argument("--max-ids", type=int, help="place at most this many ids, the most frequent")
     p.add_argument("--imbalance", type=int, default=30, help="METIS ufactor (30: 3%% imbalance)")
+    p.add_argument("--replicas", type=float, default=0,
+                   help="as train.py's --replicas: the ids hot-row replicas will serve (a "
+                   "fraction of each table's ids, or a count), the most frequent in the "
+                   "sample, stay out of the partition (local to every rank)")
     args = p.parse_args(argv)
     if args.data != "synthetic" and not args.train_files:
         p.error(f"--data {args.data} needs --train-files")
@@ -94,9 +98,12 @@ def main(argv=None) -> None:
     read = time.perf_counter() - start
     columns = dynamic_columns(args)
     names = [f"t_{f}" for f in feature_names(sparse.shape[1])]
-    config = PartitionConfig(world_size=args.world_size, ranks_per_node=args.ranks_per_node,
-                             min_count=args.min_count, max_ids=args.max_ids,
-                             imbalance=args.imbalance)
+    try:
+        config = PartitionConfig(world_size=args.world_size, ranks_per_node=args.ranks_per_node,
+                                 min_count=args.min_count, max_ids=args.max_ids,
+                                 imbalance=args.imbalance, replicas=args.replicas)
+    except ValueError as err:
+        raise SystemExit(f"partition.py: {err}") from None
     result = partition_ids(sparse[:, columns], [names[f] for f in columns], config, empty_id=EMPTY_ID)
     write_placement(args.output, args.world_size, result.placements)
     stats = {**result.stats, "read_seconds": read,
@@ -109,7 +116,8 @@ class RoutedBatches:
     """The job's batches routed by a placement: every rank reads the same global
     batches (``world_size`` x its batch size, from a reader of rank 0 of 1) and keeps
     the samples ``route_samples`` gives it, each sample going to the rank that owns
-    most of its dynamic ids.
+    most of its dynamic ids. Replicated ids (``set_replicated``) are local to every
+    rank and vote for none.
 
     Args:
         source: global batches (e.g. ``SyntheticCriteo(..., batch_size=W * B)``).
@@ -121,6 +129,13 @@ class RoutedBatches:
                  rank: int, world_size: int) -> None:
         self.source, self.placements = source, dict(placements)
         self.rank, self.world_size = rank, world_size
+        self.replicated: Dict[int, torch.Tensor] = {}
+
+    def set_replicated(self, ids: Mapping[int, torch.Tensor]) -> None:
+        """The replicated ids by feature column (``replicated_ids`` after each
+        ``refresh_replicas``), for the batches read from now on. Call it with the same
+        ids on every rank at the same batch, as the split must be the same."""
+        self.replicated = {f: torch.unique(t.to(torch.int64).cpu()) for f, t in ids.items()}
 
     def __len__(self) -> int:
         """Batches per pass: the source's (a streaming reader has none: TypeError)."""
@@ -135,10 +150,17 @@ class RoutedBatches:
             if usable == 0:
                 return
             sparse = batch.sparse[:usable]
-            owners = torch.stack([owner_rank(sparse[:, f], self.world_size, "hash", p)
-                                  for f, p in self.placements.items()], 1)
+            owners = torch.stack([self._owners(sparse[:, f], f, p) for f, p in self.placements.items()], 1)
             mine = route_samples(owners, self.world_size)[self.rank]
             yield Batch(batch.dense[mine], batch.sparse[mine], batch.labels[mine])
+
+    def _owners(self, ids: torch.Tensor, column: int, placement: TablePlacement) -> torch.Tensor:
+        """The owner rank of each id of a column, -1 for a replicated id."""
+        owners = owner_rank(ids, self.world_size, "hash", placement)
+        hot = self.replicated.get(column)
+        if hot is not None and hot.numel():
+            owners[torch.isin(ids, hot)] = -1
+        return owners
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from dynamicemb.shard import (
     flush_replicas,
     get_dynamic_tables,
     refresh_replicas,
+    replicated_ids,
     threads_per_rank,
 )
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -391,6 +392,10 @@ def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, 
                 counters.reset()
             if args.replicas and progress["step"] % args.replicas_refresh == 1 % args.replicas_refresh:
                 refresh_replicas(dmp)  # a collective, between steps, on every rank
+                if isinstance(train, RoutedBatches):  # from the next batch on
+                    hot = replicated_ids(dmp)
+                    train.set_replicated({f: hot[f"t_{t.feature}"] for f, t in enumerate(tables)
+                                          if f"t_{t.feature}" in hot})
             loss, _ = dmp(to_batch(batch, tables, device))
             loss.backward()
             dense_opt.step()

@@ -1,6 +1,8 @@
 """The DLRM job with a graph-partitioned placement (examples/dlrm/partition.py, then
 train.py --placement) on 2 gloo ranks: it trains, reports the all-to-all, sends fewer
-ids across ranks than the hash placement, and refuses a file for another world size."""
+ids across ranks than the hash placement, with hot-row replicas fewer still (a
+partition without the replicated ids, routing that gives them no vote), and refuses
+a file for another world size."""
 
 import json
 import os
@@ -14,9 +16,9 @@ SAMPLES = 20480
 JOB = ("--num-samples", SAMPLES, "--eval-samples", 4096, "--batch-size", 512, "--eval-every", 10)
 
 
-def _partition(path, world_size: int) -> dict:
+def _partition(path, world_size: int, *extra) -> dict:
     done = run_python(["examples/dlrm/partition.py", "--world-size", world_size, "--samples",
-                       SAMPLES, "-o", path], timeout=300, check=True)
+                       SAMPLES, "-o", path, *extra], timeout=300, check=True)
     return json.loads(done.stdout)
 
 
@@ -24,8 +26,13 @@ def _partition(path, world_size: int) -> dict:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("placement_job")
     stats = _partition(tmp / "p2.npz", 2)
+    _partition(tmp / "p2_replicas.npz", 2, "--replicas", 0.02)
+    ec = ("--collection", "ec", "--score-strategy", "lfu")
     jobs = {name: torchrun(*JOB, "--out", tmp / name, *extra) for name, extra in
-            (("hash", ()), ("placed", ("--placement", tmp / "p2.npz")))}
+            (("hash", ()), ("placed", ("--placement", tmp / "p2.npz")),
+             ("placed_ec", (*ec, "--placement", tmp / "p2.npz")),
+             ("placed_ec_replicas", (*ec, "--placement", tmp / "p2_replicas.npz",
+                                     "--replicas", 0.02, "--replicas-refresh", 5)))}
     return tmp, stats, jobs
 
 
@@ -37,18 +44,26 @@ def test_partition_keeps_more_lookups_local_than_the_hash(runs):
 
 def test_placed_job_trains_and_sends_fewer_ids(runs):
     tmp, _, jobs = runs
-    summaries = {}
-    for name, done in jobs.items():
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert "all-to-all:" in done.stdout and "eval AUC" in done.stdout, done.stdout[-2000:]
-        summaries[name] = json.loads((tmp / name / "summary.json").read_text())
+    summaries = _summaries(tmp, jobs)
     placed, hashed = summaries["placed"], summaries["hash"]
     assert placed["steps"] == hashed["steps"] == SAMPLES // 1024
     assert 0.6 < placed["eval_auc"] and abs(placed["eval_auc"] - hashed["eval_auc"]) < 0.02
     sent = {n: s["history"]["alltoall_dynamic_ids_per_step"] for n, s in summaries.items()}
     assert 0 < sent["placed"] < 0.9 * sent["hash"], sent
+    # replicas on top: their ids leave the all-to-all, the partition and routing ignore them
+    assert 0 < sent["placed_ec_replicas"] < 0.85 * sent["placed_ec"], sent
+    assert summaries["placed_ec_replicas"]["history"]["traffic_per_step"]["replicated_ids"] > 0
     every = {n: s["history"]["alltoall_ids_per_step"] for n, s in summaries.items()}
     assert all(every[n] > sent[n] for n in sent), every  # static tables' ids come on top
+
+
+def _summaries(tmp, jobs) -> dict:
+    summaries = {}
+    for name, done in jobs.items():
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "all-to-all:" in done.stdout and "eval AUC" in done.stdout, done.stdout[-2000:]
+        summaries[name] = json.loads((tmp / name / "summary.json").read_text())
+    return summaries
 
 
 def test_a_file_for_another_world_size_is_refused(runs):

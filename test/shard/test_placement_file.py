@@ -68,12 +68,43 @@ def test_min_count_and_max_ids_choose_the_placed_ids():
         PartitionConfig(world_size=4, ranks_per_node=3)
 
 
+def test_replicated_ids_stay_out_of_the_partition():
+    # id 7 of table "a" is in every sample: replicas will serve it, so the partition
+    # leaves it out, and without it the two clusters split cleanly. A count is per
+    # table, the most frequent first, ties to the smaller id (as refresh_replicas)
+    sparse = _two_clusters(False)
+    sparse[:, 0] = 7
+    both = ["a", "b", "c"]
+    placed = partition_ids(sparse, both, PartitionConfig(world_size=2)).placements
+    assert 7 in placed["a"][0].tolist()
+    result = partition_ids(sparse, both, PartitionConfig(world_size=2, replicas=1))
+    assert result.placements["a"][0].tolist() == []  # table a's one id, replicated
+    assert [result.placements[t][0].tolist() for t in "bc"] == [[12], [13]]  # 2 and 3 tie, replicated
+    assert result.stats["local_fraction"] == 1.0 and result.stats["replicas"] == 1
+    # a fraction of each table's ids, rounded: 0.6 of 1 id and of 2 ids is 1 id each
+    most = partition_ids(sparse, both, PartitionConfig(world_size=2, replicas=0.6)).placements
+    assert [len(most[t][0]) for t in both] == [0, 1, 1]
+    capped = partition_ids(sparse, both, PartitionConfig(world_size=2, replicas=0.6, max_ids=1))
+    assert sum(len(ids) for ids, _ in capped.placements.values()) == 1  # max_ids among the others
+    assert 7 not in capped.placements["a"][0].tolist()
+    for bad in (-0.5, 1.5):
+        with pytest.raises(ValueError, match="replicas must be"):
+            PartitionConfig(world_size=2, replicas=bad)
+
+
 def test_route_samples_balances_and_follows_the_owners():
     owners = torch.tensor([[0, 0], [0, 0], [0, 1], [1, 1], [0, 0], [1, 1]])
     split = route_samples(owners, 2)
     assert [t.tolist() for t in split] == [[0, 1, 4], [2, 3, 5]]  # 2 is the tie that fills rank 1
     with pytest.raises(ValueError, match="do not split evenly"):
         route_samples(owners[:5], 2)
+
+
+def test_route_samples_ignores_replicated_ids():
+    # sample 0's one placed id is on rank 1; its replicated ids (-1) vote for no rank
+    owners = torch.tensor([[1, -1, -1], [0, 0, 0], [-1, -1, -1], [1, 1, 0]])
+    split = route_samples(owners, 2)
+    assert [t.tolist() for t in split] == [[1, 2], [0, 3]]  # sample 2 takes the seat left
 
 
 def test_file_round_trip_and_owner_rank(tmp_path):
