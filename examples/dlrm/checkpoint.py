@@ -23,7 +23,7 @@ from dynamicemb import DynamicEmbDump, DynamicEmbLoad
 SLOTS = ("a", "b")
 LATEST = "latest.json"
 # The arguments that shape the model and its sharding: a resume must repeat them.
-MODEL_ARGS = ("data", "scale", "collection", "embedding_dim", "dense_arch", "over_arch",
+MODEL_ARGS = ("data", "data_dir", "scale", "collection", "embedding_dim", "dense_arch", "over_arch",
               "optimizer", "dynamic_threshold", "cache_fraction", "batch_size", "seed")
 
 

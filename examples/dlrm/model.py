@@ -1,6 +1,8 @@
 """The DLRM of the training job: TorchRec's ``torchrec.models.dlrm`` over one
 EmbeddingBagCollection with a table per categorical feature; the big tables are
 made dynamic by planner constraints, the others stay TorchRec's static tables.
+The data set the job's arguments name gives the tables' rows and the dense width
+(``table_specs``, ``num_dense``; train.py and partition.py share them).
 """
 
 from dataclasses import dataclass
@@ -17,6 +19,9 @@ from torchrec import (
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from data import CRITEO_CARDINALITIES, NUM_DENSE
+from movielens import NUM_DENSE as MOVIELENS_DENSE
+from movielens import load_movielens
 from dynamicemb import (
     DynamicEmbScoreStrategy,
     DynamicEmbTableOptions,
@@ -25,7 +30,7 @@ from dynamicemb import (
 from dynamicemb.planner import DynamicEmbParameterConstraints
 
 __all__ = ["PooledEmbeddingCollection", "TableSpec", "build_model", "constraints_for",
-           "feature_names", "to_kjt"]
+           "feature_names", "num_dense", "table_specs", "to_kjt"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,28 @@ class TableSpec:
 
 def feature_names(count: int) -> List[str]:
     return [f"cat_{i}" for i in range(count)]
+
+
+def table_specs(args) -> List[TableSpec]:
+    """A table per categorical feature of the data set ``args`` name (train.py's or
+    partition.py's arguments), dynamic from ``--dynamic-threshold`` rows.
+
+    Rows: synthetic, Criteo's cardinalities x ``--scale``; tsv/parquet, Criteo's;
+    movielens, the distinct values of each feature in the whole data set (``--data-dir``).
+    """
+    if args.data == "movielens":
+        rows = list(load_movielens(args.data_dir).cardinalities)
+    elif args.data == "synthetic":
+        rows = [max(1, round(c * args.scale)) for c in CRITEO_CARDINALITIES]
+    else:
+        rows = list(CRITEO_CARDINALITIES)
+    return [TableSpec(feature=f, rows=r, dynamic=r >= args.dynamic_threshold)
+            for f, r in zip(feature_names(len(rows)), rows)]
+
+
+def num_dense(args) -> int:
+    """Dense features per sample of the data set ``args`` name."""
+    return MOVIELENS_DENSE if args.data == "movielens" else NUM_DENSE
 
 
 class PooledEmbeddingCollection(nn.Module):
@@ -79,7 +106,7 @@ class PooledEmbeddingCollection(nn.Module):
 
 
 def build_model(tables: Sequence[TableSpec], dim: int, dense_arch: Sequence[int],
-                over_arch: Sequence[int], num_dense: int = 13,
+                over_arch: Sequence[int], dense_features: int = NUM_DENSE,
                 collection: str = "ebc") -> DLRMTrain:
     """The unsharded model (tables on ``meta``; DMP materializes them).
 
@@ -88,7 +115,7 @@ def build_model(tables: Sequence[TableSpec], dim: int, dense_arch: Sequence[int]
         dim: embedding dimension (also the dense arch's last width).
         dense_arch: widths of the bottom MLP; its last must equal ``dim``.
         over_arch: widths of the top MLP; its last must be 1.
-        num_dense: dense features per sample.
+        dense_features: dense features per sample (``num_dense``).
         collection: ``"ebc"`` (pooled tables) or ``"ec"`` (sequence tables summed per
             sample by ``PooledEmbeddingCollection``).
     """
@@ -105,7 +132,7 @@ def build_model(tables: Sequence[TableSpec], dim: int, dense_arch: Sequence[int]
         ebc = EmbeddingBagCollection(tables=[
             EmbeddingBagConfig(name=f"t_{t.feature}", embedding_dim=dim, num_embeddings=t.rows,
                                feature_names=[t.feature]) for t in tables], device=meta)
-    return DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=num_dense,
+    return DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=dense_features,
                           dense_arch_layer_sizes=list(dense_arch),
                           over_arch_layer_sizes=list(over_arch)))
 

@@ -11,6 +11,9 @@ Examples::
 
     # 2 ranks, 200k synthetic samples (the job's defaults: --scale 0.05, --alpha 1.05)
     python examples/dlrm/partition.py --world-size 2 --samples 200000 -o placement_2.npz
+    # MovieLens-100K's training ratings (all of them), user and item tables placed
+    python examples/dlrm/partition.py --data movielens --dynamic-threshold 900 \
+        --world-size 2 -o placement_ml.npz
     # 2 nodes of 4 ranks (topology-weighted: inter-node cuts first), Criteo day files
     python examples/dlrm/partition.py --data tsv --train-files day_0 --world-size 8 \\
         --ranks-per-node 4 --samples 1000000 -o placement_8.npz
@@ -26,11 +29,11 @@ from typing import Dict, Iterable, Iterator, List, Mapping
 import numpy as np
 import torch
 
-from data import (CRITEO_CARDINALITIES, EMPTY_ID, Batch, CriteoParquetReader, CriteoTsvReader,
-                  SyntheticCriteo)
+from data import EMPTY_ID, Batch, CriteoParquetReader, CriteoTsvReader, SyntheticCriteo
 from dynamicemb.partition import PartitionConfig, partition_ids, route_samples
 from dynamicemb.placement import TablePlacement, owner_rank, write_placement
-from model import feature_names
+from model import feature_names, table_specs
+from movielens import MovieLens
 
 __all__ = ["RoutedBatches", "main", "read_sample"]
 
@@ -41,12 +44,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("-o", "--output", required=True, help="the placement file to write (.npz)")
     p.add_argument("--world-size", type=int, required=True, help="ranks of the training job")
     p.add_argument("--ranks-per-node", type=int, help="ranks per node (default: all on one node)")
-    p.add_argument("--samples", type=int, default=200_000, help="training samples to read")
-    p.add_argument("--data", choices=["synthetic", "tsv", "parquet"], default="synthetic")
+    p.add_argument("--samples", type=int, default=200_000,
+                   help="training samples to read (all of them if fewer)")
+    p.add_argument("--data", choices=["synthetic", "tsv", "parquet", "movielens"], default="synthetic")
+    p.add_argument("--data-dir", help="movielens: as train.py's (default: the recbole wheel's files)")
     p.add_argument("--train-files", help="comma-separated files (tsv/parquet)")
     p.add_argument("--scale", type=float, default=0.05, help="synthetic: as train.py's")
     p.add_argument("--alpha", type=float, default=1.05, help="synthetic: as train.py's")
-    p.add_argument("--seed", type=int, default=0, help="synthetic data's seed, as train.py's")
+    p.add_argument("--seed", type=int, default=0,
+                   help="as train.py's: synthetic data, MovieLens' training split")
     p.add_argument("--dynamic-threshold", type=int, default=1000, help="as train.py's: tables "
                    "of at least this many rows are dynamic and get a placement")
     p.add_argument("--min-count", type=int, default=2,
@@ -58,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "fraction of each table's ids, or a count), the most frequent in the "
                    "sample, stay out of the partition (local to every rank)")
     args = p.parse_args(argv)
-    if args.data != "synthetic" and not args.train_files:
+    if args.data in ("tsv", "parquet") and not args.train_files:
         p.error(f"--data {args.data} needs --train-files")
     if args.samples < 1:
         p.error("--samples must be >= 1")
@@ -66,10 +72,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def read_sample(args) -> np.ndarray:
-    """The first ``--samples`` training samples' ids, (S, 26) int64, over all ranks."""
+    """The first ``--samples`` training samples' ids, (S, F) int64, over all ranks."""
     if args.data == "synthetic":
         source: Iterable[Batch] = SyntheticCriteo(args.samples, 65536, scale=args.scale,
                                                   alpha=args.alpha, seed=args.seed)
+    elif args.data == "movielens":
+        source = MovieLens(65536, folder=args.data_dir, seed=args.seed)
     else:
         reader = CriteoTsvReader if args.data == "tsv" else CriteoParquetReader
         source = reader(args.train_files.split(","), 65536)
@@ -85,10 +93,8 @@ def read_sample(args) -> np.ndarray:
 
 
 def dynamic_columns(args) -> List[int]:
-    """The features whose tables are dynamic (as train.py's ``table_specs``)."""
-    rows = ([max(1, round(c * args.scale)) for c in CRITEO_CARDINALITIES] if args.data == "synthetic"
-            else list(CRITEO_CARDINALITIES))
-    return [f for f, r in enumerate(rows) if r >= args.dynamic_threshold]
+    """The features whose tables are dynamic (train.py's ``table_specs``)."""
+    return [f for f, t in enumerate(table_specs(args)) if t.dynamic]
 
 
 def main(argv=None) -> None:

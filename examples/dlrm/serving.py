@@ -23,7 +23,7 @@ PROGRAM, SAMPLE = "model.pt2", "sample.pt"
 
 
 class ServedDLRM(nn.Module):
-    """The DLRM on plain tensors: dense (B, 13) float, ids (F * B,) int64 (one per
+    """The DLRM on plain tensors: dense (B, D) float, ids (F * B,) int64 (one per
     sample and feature, feature-major) -> logits (B,)."""
 
     def __init__(self, dlrm: nn.Module, features: List[str]) -> None:

@@ -9,6 +9,9 @@ Examples::
 
     # CPU, 2 ranks, synthetic Criteo-like data with a learnable ground truth
     torchrun --standalone --nproc_per_node 2 examples/dlrm/train.py --num-samples 200000
+    # MovieLens-100K (the recbole wheel's files), user and item tables dynamic
+    torchrun --standalone --nproc_per_node 2 examples/dlrm/train.py --data movielens \
+        --dynamic-threshold 900 --batch-size 256 --epochs 3
     # GPUs (NCCL), Criteo day files, upstream's sizes; on each node (NODE_RANK 0, 1)
     torchrun --nnodes 2 --node_rank NODE_RANK --nproc_per_node 8 --master_addr HOST \\
         --master_port 29500 examples/dlrm/train.py \\
@@ -39,7 +42,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 import checkpoint
 import serving
 from checks import check_eval_labels, check_files, check_rows, in_step
-from data import CRITEO_CARDINALITIES, NUM_DENSE, CriteoParquetReader, CriteoTsvReader, DataError, SyntheticCriteo
+from data import CriteoParquetReader, CriteoTsvReader, DataError, SyntheticCriteo
 from dynamicemb import DynamicEmbScoreStrategy
 from dynamicemb.planner import DynamicEmbeddingShardingPlanner
 from dynamicemb.shard import (
@@ -52,7 +55,8 @@ from dynamicemb.shard import (
     threads_per_rank,
 )
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from model import TableSpec, build_model, constraints_for, feature_names, to_kjt
+from model import build_model, constraints_for, num_dense, table_specs, to_kjt
+from movielens import MovieLens
 from partition import RoutedBatches
 from dynamicemb.placement import TablePlacement, table_placement
 
@@ -64,16 +68,23 @@ OPTIMIZERS = {"sgd": (EmbOptimType.EXACT_SGD, 0), "adagrad": (EmbOptimType.EXACT
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("Examples::")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", choices=["synthetic", "tsv", "parquet"], default="synthetic")
+    p.add_argument("--data", choices=["synthetic", "tsv", "parquet", "movielens"], default="synthetic",
+                   help="movielens: MovieLens-100K, a sample per rating (label: rating >= 4), "
+                   "90%% trained on (shuffled by --seed), 10%% held out for eval")
+    p.add_argument("--data-dir", help="movielens: a folder of RecBole's ml-100k.inter/.user/.item "
+                   "or GroupLens' u.data/u.user/u.item (default: the recbole wheel's)")
     p.add_argument("--train-files", help="comma-separated files (tsv/parquet)")
     p.add_argument("--eval-files", help="comma-separated files (tsv/parquet)")
-    p.add_argument("--num-samples", type=int, default=200_000, help="synthetic training samples")
-    p.add_argument("--eval-samples", type=int, default=20_000, help="synthetic eval samples")
+    p.add_argument("--num-samples", type=int, default=200_000,
+                   help="synthetic training samples (movielens: all its training ratings)")
+    p.add_argument("--eval-samples", type=int, default=20_000,
+                   help="synthetic eval samples (movielens: all its held-out ratings)")
     p.add_argument("--scale", type=float, default=0.05, help="synthetic: Criteo cardinalities x this")
     p.add_argument("--alpha", type=float, default=1.05, help="synthetic: power-law exponent of ids")
     p.add_argument("--signal", type=float, default=1.0,
                    help="synthetic: strength of the hidden model (0: labels are noise)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the model's initialization, synthetic "
+                   "data, MovieLens' split and training order")
     p.add_argument("--batch-size", type=int, default=1024, help="per rank")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
@@ -86,7 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dense-lr", type=float, default=0.01, help="Adagrad rate of the MLPs")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad")
     p.add_argument("--dynamic-threshold", type=int, default=1000,
-                   help="tables of at least this many rows are dynamic")
+                   help="tables of at least this many rows are dynamic (MovieLens' user and "
+                   "item tables have 943 and 1,682 rows: 900 makes both dynamic)")
     p.add_argument("--cache-fraction", type=float, default=0.5,
                    help="device cache of a dynamic table, as a fraction of its rows (>= 1: no cache)")
     p.add_argument("--score-strategy", choices=["lru", "lfu"], default="lru")
@@ -130,7 +142,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--checkpoint-every and --max-steps must be >= 0")
     if args.staleness < 0 or (args.staleness and not args.replicas):
         p.error("--staleness must be >= 0 and needs --replicas")
-    if args.data != "synthetic" and not args.train_files:
+    if args.data in ("tsv", "parquet") and not args.train_files:
         p.error(f"--data {args.data} needs --train-files")
     return args
 
@@ -139,13 +151,6 @@ def _replicas(text: str):
     """``--replicas``: an int count or a float fraction (the table option's two forms)."""
     value = float(text)
     return int(value) if value >= 1 and value == int(value) else value
-
-
-def table_specs(args) -> List[TableSpec]:
-    rows = [max(1, round(c * args.scale)) for c in CRITEO_CARDINALITIES] if args.data == "synthetic" \
-        else list(CRITEO_CARDINALITIES)
-    return [TableSpec(feature=f, rows=r, dynamic=r >= args.dynamic_threshold)
-            for f, r in zip(feature_names(len(rows)), rows)]
 
 
 def datasets(args, rank: int, world: int):
@@ -162,6 +167,8 @@ def _describe(args, which: str) -> str:
     """The data set named as on the command line, for messages."""
     if args.data == "synthetic":
         return f"--num-samples {args.num_samples}" if which == "train" else f"--eval-samples {args.eval_samples}"
+    if args.data == "movielens":
+        return f"--data movielens ({which} split of {args.data_dir or 'the recbole wheel'})"
     return f"--{which}-files {getattr(args, which + '_files')}"
 
 
@@ -188,6 +195,12 @@ def _datasets_of(args, rank: int, world: int, batch_size: int):
                                 seed=args.seed, rank=rank, world_size=world, signal=args.signal,
                                 start=args.num_samples)
         return train, evals
+    if args.data == "movielens":
+        def split(name: str, size: int) -> MovieLens:
+            return MovieLens(size, split=name, folder=args.data_dir, seed=args.seed, rank=rank,
+                             world_size=world)
+
+        return split("train", batch_size), split("eval", args.batch_size)
     reader = CriteoTsvReader if args.data == "tsv" else CriteoParquetReader
     check_files(args.train_files.split(","), "--train-files")
     if args.eval_files:
@@ -319,7 +332,7 @@ def run(args, device: torch.device) -> None:
     train, evals = datasets(args, rank, world)  # checked first: a bad file fails fast
     tables = table_specs(args)
     model = build_model(tables, args.embedding_dim, [int(x) for x in args.dense_arch.split(",")],
-                        [int(x) for x in args.over_arch.split(",")], num_dense=NUM_DENSE,
+                        [int(x) for x in args.over_arch.split(",")], dense_features=num_dense(args),
                         collection=args.collection)
     dmp = shard(args, model, tables, device, world)
     dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
@@ -343,7 +356,7 @@ def run(args, device: torch.device) -> None:
         sample = to_batch(next(iter(evals if evals is not None else train)), tables, device)
         serving.write(args.serving_artifact, dmp, lambda: build_model(
             tables, args.embedding_dim, [int(x) for x in args.dense_arch.split(",")],
-            [int(x) for x in args.over_arch.split(",")], num_dense=NUM_DENSE,
+            [int(x) for x in args.over_arch.split(",")], dense_features=num_dense(args),
             collection=args.collection), tables, sample)
     report = table_report(dmp, tables)
     history["alltoall_ids_per_step"], history["alltoall_dynamic_ids_per_step"] = \

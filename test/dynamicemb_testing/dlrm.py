@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 from types import ModuleType
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 from dynamicemb_testing.scripts import ROOT, run_python
 
@@ -21,21 +21,41 @@ TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "
 JOB_ENV = dict(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
-def _load_example_module(stem: str) -> ModuleType:
-    """``examples/dlrm/<stem>.py`` (one that imports none of its siblings), loaded once
-    under a name of its own (later calls return the same module)."""
+def _load_example_module(stem: str, siblings: Sequence[str] = ()) -> ModuleType:
+    """``examples/dlrm/<stem>.py``, loaded once under a name of its own (later calls
+    return the same module). The ``siblings`` it imports (``from data import ...``)
+    are loaded the same way and seen under their plain names only while it loads."""
     name = f"dynamicemb_testing._dlrm_{stem}"
     if name not in sys.modules:
+        loaded = {sibling: _load_example_module(sibling) for sibling in siblings}
+        saved = {sibling: sys.modules.get(sibling) for sibling in siblings}
         spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", "dlrm", f"{stem}.py"))
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
-        spec.loader.exec_module(module)
+        sys.modules.update(loaded)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        finally:
+            for sibling, previous in saved.items():
+                if previous is None:
+                    del sys.modules[sibling]
+                else:
+                    sys.modules[sibling] = previous
     return sys.modules[name]
 
 
 def load_dlrm_data() -> ModuleType:
     """``examples/dlrm/data.py``, loaded once (later calls return the same module)."""
     return _load_example_module("data")
+
+
+def load_dlrm_movielens() -> ModuleType:
+    """``examples/dlrm/movielens.py`` (MovieLens-100K), its ``data`` being
+    :func:`load_dlrm_data`'s, loaded once."""
+    return _load_example_module("movielens", siblings=("data",))
 
 
 def load_dlrm_checkpoint() -> ModuleType:
