@@ -33,7 +33,7 @@ def main(samples: int, world_size: int) -> None:
     dynamic = [f for f, c in enumerate(CRITEO_CARDINALITIES) if round(c * 0.05) >= 1000]
     sparse = np.concatenate([b.sparse.numpy() for b in SyntheticCriteo(samples, 65536, scale=0.05)])
     config = PartitionConfig(world_size=world_size)
-    xadj, adjncy, _, _ = bipartite_graph(sparse[:, dynamic], np.arange(len(dynamic)), config)
+    xadj, adjncy = bipartite_graph(sparse[:, dynamic], np.arange(len(dynamic)), config)[:2]
     start = time.perf_counter()
     part = _metis(xadj, adjncy, world_size, config)
     _report("metis", part, time.perf_counter() - start, xadj, adjncy, samples, config)

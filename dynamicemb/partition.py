@@ -21,14 +21,15 @@ Example::
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from dynamicemb.placement import owner_rank
 
-__all__ = ["PartitionConfig", "PartitionResult", "bipartite_graph", "partition_ids", "route_samples"]
+__all__ = ["BipartiteGraph", "PartitionConfig", "PartitionResult", "bipartite_graph", "partition_ids",
+           "route_samples"]
 
 #: HET-GMP's costs of a cut edge: between two ranks of one node, and between nodes.
 INTRA_NODE_COST = 0.1
@@ -102,6 +103,9 @@ class PartitionResult:
     Attributes:
         placements: ``{table: (ids (n,) int64, ranks (n,) int64)}``, what
             ``write_placement`` takes.
+        replicated: ``{table: (m,) int64 sorted ids}``, the ids left out for
+            replicas (``PartitionConfig.replicas``; empty without), what
+            ``write_placement``'s ``replicated`` takes.
         sample_ranks: (S,) int64, the rank of each sample of the graph.
         stats: sizes, time, and the cut: ``local_fraction`` of the sample's lookups
             (of placed ids) on their sample's rank, and ``cost`` (HET-GMP's
@@ -111,13 +115,32 @@ class PartitionResult:
     """
 
     placements: Dict[str, Tuple[np.ndarray, np.ndarray]]
+    replicated: Dict[str, np.ndarray]
     sample_ranks: np.ndarray
     stats: Dict[str, float] = field(default_factory=dict)
 
 
+class BipartiteGraph(NamedTuple):
+    """The sample-id graph of ``bipartite_graph``.
+
+    Attributes:
+        xadj, adjncy: METIS's CSR adjacency (int64, both directions, one edge per
+            sample and distinct id); vertices ``[0, S)`` are the samples, ``S + j``
+            the kept ids.
+        vertex_table, vertex_id: (n,) int64, the table index and raw id of each kept
+            id vertex.
+        replicated: per table index, the (m,) int64 sorted ids left out for replicas.
+    """
+
+    xadj: np.ndarray
+    adjncy: np.ndarray
+    vertex_table: np.ndarray
+    vertex_id: np.ndarray
+    replicated: Dict[int, np.ndarray]
+
+
 def bipartite_graph(sparse: np.ndarray, column_table: np.ndarray, config: PartitionConfig,
-                    empty_id: Optional[int] = None
-                    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                    empty_id: Optional[int] = None) -> BipartiteGraph:
     """The sample-id graph: vertices ``[0, S)`` are the samples, ``S + j`` the kept
     ids (``(table, id)`` pairs: one raw id in two tables is two vertices).
 
@@ -128,23 +151,23 @@ def bipartite_graph(sparse: np.ndarray, column_table: np.ndarray, config: Partit
         empty_id: an id meaning "no value" (never kept), or None.
 
     Returns:
-        ``(xadj, adjncy, vertex_table, vertex_id)``: METIS's CSR adjacency (int64,
-        both directions, one edge per sample and distinct id) and, per kept id
-        vertex, its table index and raw id.
+        The graph, the kept ids' tables and raw ids, and the replicated ids.
     """
     samples = sparse.shape[0]
     column_table = np.asarray(column_table, np.int64)
     vertex_table, vertex_id, edge_sample, edge_vertex, kept = [], [], [], [], 0
-    vertex_replicated: List[np.ndarray] = []  # per table: ids replicas serve
+    vertex_replicated: List[np.ndarray] = []  # per table: whether replicas serve the id
+    replicated: Dict[int, np.ndarray] = {}
     for table in np.unique(column_table):  # one 1-D unique per table: (table, id) pairs
         ids = sparse[:, column_table == table]
         owner = np.broadcast_to(np.arange(samples, dtype=np.int64)[:, None], ids.shape).reshape(-1)
         ids = ids.reshape(-1)
         valid = ids != empty_id if empty_id is not None else np.ones(ids.shape, bool)
         unique, inverse, counts = np.unique(ids[valid], return_inverse=True, return_counts=True)
-        replicated = np.zeros(len(unique), bool)
-        replicated[np.argsort(-counts, kind="stable")[:config.replicated_count(len(unique))]] = True
-        vertex_replicated.append(replicated)
+        hot = np.zeros(len(unique), bool)
+        hot[np.argsort(-counts, kind="stable")[:config.replicated_count(len(unique))]] = True
+        vertex_replicated.append(hot)
+        replicated[int(table)] = unique[hot]
         vertex_table.append(np.full(len(unique), table, np.int64))
         vertex_id.append(unique)
         edge_sample.append(owner[valid])
@@ -175,7 +198,7 @@ def bipartite_graph(sparse: np.ndarray, column_table: np.ndarray, config: Partit
     np.cumsum(np.bincount(source, minlength=total), out=xadj[1:])
     tables = np.concatenate(vertex_table) if vertex_table else np.zeros(0, np.int64)
     ids_all = np.concatenate(vertex_id) if vertex_id else np.zeros(0, np.int64)
-    return xadj, target[order], tables[keep], ids_all[keep]
+    return BipartiteGraph(xadj, target[order], tables[keep], ids_all[keep], replicated)
 
 
 def _metis(xadj: np.ndarray, adjncy: np.ndarray, parts: int, config: PartitionConfig) -> np.ndarray:
@@ -257,16 +280,18 @@ def partition_ids(sparse: np.ndarray, tables: Sequence[str], config: PartitionCo
     names = list(dict.fromkeys(tables))
     table_of = np.array([names.index(t) for t in tables], np.int64)
     start = time.perf_counter()
-    xadj, adjncy, vertex_table, vertex_id = bipartite_graph(sparse, table_of, config, empty_id)
+    graph = bipartite_graph(sparse, table_of, config, empty_id)
+    xadj, adjncy, vertex_table, vertex_id = graph.xadj, graph.adjncy, graph.vertex_table, graph.vertex_id
     built = time.perf_counter()
     part = _hierarchical(xadj, adjncy, config)
     done = time.perf_counter()
     samples = sparse.shape[0]
     sample_ranks, id_ranks = part[:samples], part[samples:]
-    placements = {}
+    placements, replicated = {}, {}
     for t, name in enumerate(names):
         mine = vertex_table == t
         placements[name] = (vertex_id[mine], id_ranks[mine])
+        replicated[name] = graph.replicated.get(t, np.zeros(0, np.int64))
     edge_sample = np.repeat(np.arange(samples), np.diff(xadj[:samples + 1]))
     edge_id_rank = part[adjncy[:xadj[samples]]]
     local, cost = _cost(sample_ranks[edge_sample], edge_id_rank, config)
@@ -281,7 +306,7 @@ def partition_ids(sparse: np.ndarray, tables: Sequence[str], config: PartitionCo
              "placement_only_cost": alone_cost, "replicas": config.replicas,
              "ids_per_rank": np.bincount(id_ranks, minlength=config.world_size).tolist(),
              "samples_per_rank": np.bincount(sample_ranks, minlength=config.world_size).tolist()}
-    return PartitionResult(placements, sample_ranks, stats)
+    return PartitionResult(placements, replicated, sample_ranks, stats)
 
 
 def _hash_ranks(ids: np.ndarray, world_size: int) -> np.ndarray:

@@ -22,7 +22,7 @@ it lists, each placed on a chosen rank (e.g. by a graph partition,
 import hashlib
 import os
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Tuple, Union
 
 import numpy as np
@@ -155,6 +155,10 @@ class TablePlacement:
         world_size: the ranks the file places ids over.
         path: the file it was read from.
         sha256: the file's SHA-256 (hex).
+        replicated: (m,) int64 strictly increasing: the ids the partition left to
+            hot-row replicas (``partition.py --replicas``; empty if none), which a
+            job may replicate (``refresh_replicas(model, ids)``). They are not
+            placed: their owner is the ``dist_type`` one.
     """
 
     table: str
@@ -163,6 +167,7 @@ class TablePlacement:
     world_size: int
     path: str
     sha256: str
+    replicated: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
     def lookup(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """The placed rank of each key: a binary search in the sorted ids.
@@ -216,29 +221,47 @@ class PlacementFile:
         return self.tables[name]
 
 
-def write_placement(path: str, world_size: int, tables: Mapping[str, Tuple[torch.Tensor, torch.Tensor]]
-                    ) -> None:
+def write_placement(path: str, world_size: int, tables: Mapping[str, Tuple[torch.Tensor, torch.Tensor]],
+                    replicated: Optional[Mapping[str, torch.Tensor]] = None) -> None:
     """Writes a placement file: an ``.npz`` (no pickled objects) holding ``format``,
     ``version``, ``world_size``, ``tables`` (the names) and, for table ``i``,
-    ``ids_<i>`` (sorted int64 ids) and ``ranks_<i>`` (int64 ranks).
+    ``ids_<i>`` (sorted int64 ids), ``ranks_<i>`` (int64 ranks) and, if given,
+    ``replicated_<i>`` (sorted int64 ids).
 
     Args:
         path: the file to write (``.npz`` is appended by numpy if missing).
         world_size: the ranks the ids are placed over.
         tables: ``{table name: (ids (n,), ranks (n,))}``, ids unique, any order.
+        replicated: ``{table name: ids (m,)}``, the ids left to hot-row replicas
+            (``PartitionResult.replicated``), unique, any order; tables of ``tables``.
 
     Raises:
-        ValueError: repeated ids or ranks outside ``[0, world_size)``.
+        ValueError: repeated ids, ranks outside ``[0, world_size)``, or replicated
+            ids of a table the file does not name.
     """
     arrays = {"format": np.array(PLACEMENT_FORMAT), "version": np.array(PLACEMENT_VERSION),
               "world_size": np.array(world_size, np.int64), "tables": np.array(list(tables), dtype=str)}
+    unknown = sorted(set(replicated or {}) - set(tables))
+    if unknown:
+        raise ValueError(f"placement file {path!r}: replicated ids of tables {unknown} the file "
+                         f"does not place (tables: {sorted(tables)})")
     for i, (name, (ids, ranks)) in enumerate(tables.items()):
         ids, ranks = torch.as_tensor(ids, dtype=torch.int64), torch.as_tensor(ranks, dtype=torch.int64)
         order = torch.argsort(ids)
         ids, ranks = ids[order], ranks[order]
         _check_table(path, name, ids, ranks, world_size)
         arrays[f"ids_{i}"], arrays[f"ranks_{i}"] = ids.numpy(), ranks.numpy()
+        if replicated is not None and name in replicated:
+            hot = torch.sort(torch.as_tensor(replicated[name], dtype=torch.int64).reshape(-1)).values
+            _check_replicated(path, name, hot)
+            arrays[f"replicated_{i}"] = hot.numpy()
     np.savez(path, **arrays)
+
+
+def _check_replicated(path: str, name: str, ids: torch.Tensor) -> None:
+    if ids.dim() != 1 or (ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all())):
+        raise ValueError(f"placement file {path!r}, table {name!r}: replicated ids are not a "
+                         f"sorted 1-D array of unique ids; rewrite the file with write_placement")
 
 
 def _check_table(path: str, name: str, ids: torch.Tensor, ranks: torch.Tensor, world_size: int) -> None:
@@ -303,7 +326,10 @@ def _read_placement(path: str) -> PlacementFile:
             ids = torch.from_numpy(np.ascontiguousarray(arrays[f"ids_{i}"], np.int64))
             ranks = torch.from_numpy(np.ascontiguousarray(arrays[f"ranks_{i}"], np.int64))
             _check_table(path, name, ids, ranks, world_size)
-            tables[name] = TablePlacement(name, ids, ranks, world_size, path, sha256)
+            hot = torch.from_numpy(np.ascontiguousarray(
+                arrays.get(f"replicated_{i}", np.zeros(0, np.int64)), np.int64))
+            _check_replicated(path, name, hot)
+            tables[name] = TablePlacement(name, ids, ranks, world_size, path, sha256, hot)
     except (KeyError, TypeError) as err:
         raise ValueError(f"placement file {path!r} is corrupt (missing or bad entry {err}); "
                          f"write it again with write_placement") from None

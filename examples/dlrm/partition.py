@@ -62,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--replicas", type=float, default=0,
                    help="as train.py's --replicas: the ids hot-row replicas will serve (a "
                    "fraction of each table's ids, or a count), the most frequent in the "
-                   "sample, stay out of the partition (local to every rank)")
+                   "sample, stay out of the partition (local to every rank); the file lists "
+                   "them (train.py --replicas placement replicates exactly those)")
     args = p.parse_args(argv)
     if args.data in ("tsv", "parquet") and not args.train_files:
         p.error(f"--data {args.data} needs --train-files")
@@ -111,7 +112,8 @@ def main(argv=None) -> None:
     except ValueError as err:
         raise SystemExit(f"partition.py: {err}") from None
     result = partition_ids(sparse[:, columns], [names[f] for f in columns], config, empty_id=EMPTY_ID)
-    write_placement(args.output, args.world_size, result.placements)
+    write_placement(args.output, args.world_size, result.placements,
+                    result.replicated if args.replicas else None)
     stats = {**result.stats, "read_seconds": read,
              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
              "output": args.output}

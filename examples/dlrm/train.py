@@ -111,7 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="hot-row replicas of each dynamic table (EC, or EBC where its row-wise "
                    "tables are all dynamic and deduplicated): an int >= 1 "
                    "(ids) or a fraction in (0, 1) of its stored rows; chosen from the owners' "
-                   "scores (use --score-strategy lfu for the most frequent ids); 0: none")
+                   "scores (use --score-strategy lfu for the most frequent ids); 'placement': "
+                   "the ids the --placement file lists as replicated (partition.py --replicas), "
+                   "from the first step on, never changed (HET-GMP's mirrors); 0: none")
     p.add_argument("--replicas-refresh", type=int, default=20,
                    help="steps between choices of the replicated ids (at steps 1, 1 + N, ...)")
     p.add_argument("--staleness", type=int, default=0,
@@ -142,13 +144,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--checkpoint-every and --max-steps must be >= 0")
     if args.staleness < 0 or (args.staleness and not args.replicas):
         p.error("--staleness must be >= 0 and needs --replicas")
+    if args.replicas == "placement" and not args.placement:
+        p.error("--replicas placement needs --placement (a file of partition.py --replicas)")
     if args.data in ("tsv", "parquet") and not args.train_files:
         p.error(f"--data {args.data} needs --train-files")
     return args
 
 
 def _replicas(text: str):
-    """``--replicas``: an int count or a float fraction (the table option's two forms)."""
+    """``--replicas``: an int count or a float fraction (the table option's two forms),
+    or ``placement``."""
+    if text == "placement":
+        return text
     value = float(text)
     return int(value) if value >= 1 and value == int(value) else value
 
@@ -216,7 +223,8 @@ def shard(args, model, tables, device: torch.device, world: int) -> DistributedM
     constraints = constraints_for(tables, args.embedding_dim, state * args.embedding_dim
                                   + (1 if args.optimizer == "rowwise_adagrad" else 0),
                                   args.cache_fraction, DynamicEmbScoreStrategy[args.score_strategy.upper()],
-                                  args.admission_threshold, args.placement, args.replicas,
+                                  args.admission_threshold, args.placement,
+                                  1 if args.replicas == "placement" else args.replicas,
                                   args.staleness)
     sharder = (DynamicEmbeddingCollectionSharder if args.collection == "ec"
                else DynamicEmbeddingBagCollectionSharder)
@@ -392,9 +400,26 @@ def _batches_per_epoch(train) -> Optional[int]:
         return None
 
 
+def _refresh_replicas(args, dmp, train, tables) -> None:
+    """Chooses the replicated ids (a collective): the owners' top scores, or the
+    ``--placement`` file's replicated ids with ``--replicas placement``; a routed
+    reader treats them as local to every rank from the next batch on."""
+    if args.replicas == "placement":
+        placed = _placements(args, dist.get_world_size())
+        refresh_replicas(dmp, {f"t_{tables[f].feature}": p.replicated for f, p in placed.items()})
+    else:
+        refresh_replicas(dmp)
+    if isinstance(train, RoutedBatches):
+        hot = replicated_ids(dmp)
+        train.set_replicated({f: hot[f"t_{t.feature}"] for f, t in enumerate(tables)
+                              if f"t_{t.feature}" in hot})
+
+
 def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, bar) -> None:
     world, history = dist.get_world_size(), progress["history"]
     start, samples_at_start = time.perf_counter(), progress["samples"]
+    if args.replicas == "placement":  # once, before the first batch is routed (a collective)
+        _refresh_replicas(args, dmp, train, tables)
     while progress["epoch"] < args.epochs:
         # A resumed epoch skips the batches it had already trained on.
         for batch in in_step(itertools.islice(train, progress["batch_in_epoch"], None),
@@ -403,12 +428,9 @@ def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, 
                 break
             for counters in _id_counters(dmp):
                 counters.reset()
-            if args.replicas and progress["step"] % args.replicas_refresh == 1 % args.replicas_refresh:
-                refresh_replicas(dmp)  # a collective, between steps, on every rank
-                if isinstance(train, RoutedBatches):  # from the next batch on
-                    hot = replicated_ids(dmp)
-                    train.set_replicated({f: hot[f"t_{t.feature}"] for f, t in enumerate(tables)
-                                          if f"t_{t.feature}" in hot})
+            if args.replicas not in (0, "placement") and \
+                    progress["step"] % args.replicas_refresh == 1 % args.replicas_refresh:
+                _refresh_replicas(args, dmp, train, tables)  # a collective, between steps
             loss, _ = dmp(to_batch(batch, tables, device))
             loss.backward()
             dense_opt.step()

@@ -1,8 +1,8 @@
 """The DLRM job with a graph-partitioned placement (examples/dlrm/partition.py, then
 train.py --placement) on 2 gloo ranks: it trains, reports the all-to-all, sends fewer
-ids across ranks than the hash placement, with hot-row replicas fewer still (a
-partition without the replicated ids, routing that gives them no vote), and refuses
-a file for another world size."""
+ids across ranks than the hash placement, with hot-row replicas fewer still (the
+ids a partition left out for them, listed in its file, given no vote by the routing),
+and refuses a file for another world size."""
 
 import json
 import os
@@ -32,7 +32,7 @@ def runs(tmp_path_factory):
             (("hash", ()), ("placed", ("--placement", tmp / "p2.npz")),
              ("placed_ec", (*ec, "--placement", tmp / "p2.npz")),
              ("placed_ec_replicas", (*ec, "--placement", tmp / "p2_replicas.npz",
-                                     "--replicas", 0.02, "--replicas-refresh", 5)))}
+                                     "--replicas", "placement")))}
     return tmp, stats, jobs
 
 
@@ -50,7 +50,8 @@ def test_placed_job_trains_and_sends_fewer_ids(runs):
     assert 0.6 < placed["eval_auc"] and abs(placed["eval_auc"] - hashed["eval_auc"]) < 0.02
     sent = {n: s["history"]["alltoall_dynamic_ids_per_step"] for n, s in summaries.items()}
     assert 0 < sent["placed"] < 0.9 * sent["hash"], sent
-    # replicas on top: their ids leave the all-to-all, the partition and routing ignore them
+    # replicas on top (the ids the partition left out, from the file): their ids leave
+    # the all-to-all, the partition and the routing ignore them
     assert 0 < sent["placed_ec_replicas"] < 0.85 * sent["placed_ec"], sent
     assert summaries["placed_ec_replicas"]["history"]["traffic_per_step"]["replicated_ids"] > 0
     every = {n: s["history"]["alltoall_ids_per_step"] for n, s in summaries.items()}

@@ -118,6 +118,26 @@ def test_file_round_trip_and_owner_rank(tmp_path):
     assert got.tolist() == [2, int(hashed[1]), 0, 1, 3, int(hashed[5])]
     assert table_placement(path, "t", 1) is None  # one shard: nothing to place
     assert DynamicEmbTableOptions(dim=4, placement=tmp_path / "p.npz").placement == path
+    assert placement.replicated.tolist() == []  # none given
+
+
+def test_file_carries_the_partition_s_replicated_ids(tmp_path):
+    sparse = _two_clusters(False)
+    sparse[:, 0] = 7
+    result = partition_ids(sparse, ["a", "b", "c"], PartitionConfig(world_size=2, replicas=0.6))
+    assert {t: r.tolist() for t, r in result.replicated.items()} == {"a": [7], "b": [2], "c": [3]}
+    path = str(tmp_path / "r.npz")
+    write_placement(path, 2, result.placements, result.replicated)
+    for name in "abc":
+        placement = table_placement(path, name, 2)
+        assert placement.replicated.tolist() == result.replicated[name].tolist()
+        assert not bool(torch.isin(placement.replicated, placement.ids).any())  # not placed
+    write_placement(path, 2, {"a": ([1], [0])}, {"a": torch.tensor([9, -4, 3])})  # any order
+    assert table_placement(path, "a", 2).replicated.tolist() == [-4, 3, 9]
+    with pytest.raises(ValueError, match=r"replicated ids of tables \['z'\]"):
+        write_placement(path, 2, {"a": ([1], [0])}, {"z": torch.tensor([1])})
+    with pytest.raises(ValueError, match="replicated ids are not a sorted 1-D array"):
+        write_placement(path, 2, {"a": ([1], [0])}, {"a": torch.tensor([3, 3])})
 
 
 def _bad(tmp_path, name, **arrays):
@@ -139,6 +159,7 @@ def test_bad_files_are_refused_by_name(tmp_path):
         "range.npz": ({**good, "ranks_0": np.array([0, 2])}, "outside"),
         "unsorted.npz": ({**good, "ids_0": np.array([5, 1])}, "not sorted and unique"),
         "lost.npz": ({k: v for k, v in good.items() if k != "ranks_0"}, "corrupt"),
+        "hot.npz": ({**good, "replicated_0": np.array([4, 4])}, "replicated ids are not a sorted"),
     }
     for name, (content, message) in cases.items():
         path = str(tmp_path / name)
