@@ -13,6 +13,7 @@ import torch
 
 from dynamicemb.embedding.group import TableGroup
 from dynamicemb.embedding.records import ExportedCounters, ExportedRows, TableClocks
+from dynamicemb.ops.codes import HOST_ROW_BIT
 from dynamicemb.options import DynamicEmbOptimizerArgs, DynamicEmbOptimType
 from dynamicemb.types import DynamicEmbScoreStrategy
 
@@ -103,6 +104,33 @@ class TableAdmin:
             group.ops.sequence_forward(sources=group.storage.sources(transient), row_ref=refs,
                                        inverse=torch.arange(n, dtype=torch.int64, device=self.device),
                                        dim=group.dim, out=out)
+        return out
+
+    def read_optimizer_states(self, table_name: str, keys: torch.Tensor) -> torch.Tensor:
+        """The optimizer states of ``keys`` in one table, read without changing
+        anything (as ``read_rows``): a stored row's from the tier holding it, else
+        the optimizer's initial state (what an insert stores; also for a row only
+        the external tier holds).
+
+        Args:
+            keys (Tensor): (n,) int64.
+
+        Returns:
+            (n, state_dim) float32 on the module's device.
+        """
+        group, local = self._location(table_name)
+        keys = keys.to(self.device, torch.int64).contiguous()
+        tids = torch.full((keys.numel(),), local, dtype=torch.int16, device=self.device)
+        refs = group.storage.resolve(keys, tids)
+        sources = group.storage.sources(torch.empty(0, group.dim, device=self.device))
+        out = torch.full((keys.numel(), group.state_dim), float(group.init.initial_state),
+                         dtype=torch.float32, device=self.device)
+        on_host = refs >= HOST_ROW_BIT
+        first = (refs >= 0) & ~on_host  # the first source: device tier, or the one tier
+        for mask, rows, offset in ((first, sources.device, 0), (on_host, sources.host, HOST_ROW_BIT)):
+            if bool(mask.any()):
+                at = (refs[mask] - offset).to(rows.device)
+                out[mask] = rows[at, group.dim:].float().to(self.device)
         return out
 
     def iter_keys_values(self, table_name: str, chunk_slots: int = 1 << 16, *,

@@ -5,10 +5,13 @@ The replicated ids are those of ``replicas.py`` (a ``ReplicaSet``, chosen by
 rows come from and when their gradients reach the owners:
 
 - Every rank keeps a copy of every replicated row (``StaleCopies.rows``, (S, dim), a
-  leaf tensor). A lookup of a replicated id reads the copy, with no exchange; the
-  backward accumulates each step's gradients of the copies in ``rows.grad``
-  (autograd's own accumulation) and the lookup adds the step's occurrence counts to
-  ``counts``.
+  leaf tensor) and of its optimizer state (``states``). A lookup of a replicated id
+  reads the copy, with no exchange; the backward puts the step's gradients of the
+  copies in ``rows.grad`` and the lookup adds the step's occurrence counts to
+  ``counts``. The next lookup applies the step's gradients to the copies with the
+  table's optimizer and the local states (a write-back copy, as HET's cache: a rank
+  reads its own updates at once and the other ranks' at the next sync) and adds them
+  to the window's ``pending`` gradients.
 - A sync runs at the lookup of the first batch after s counted steps (training
   lookups since the last sync: the same number on every rank, so every rank runs
   the collectives at the same batch). The counts are all-reduced (one int64 per
@@ -17,19 +20,22 @@ rows come from and when their gradients reach the owners:
   the world size when TorchRec divides (as the all-to-all's backward does), sum
   them in rank order and apply the sums in one training call of their lookup (the
   ids with the window's counts as frequencies, then the fused backward: one
-  optimizer step on those rows). Then every owner reads its replicated rows
-  (``read_rows``: nothing changes; an id it has not stored reads the initializer's
-  row, the row an insert stores) and sends them to every rank (one
-  ``all_to_all_single``), which replaces its copies.
+  optimizer step on those rows). Then every owner reads its replicated rows and
+  their optimizer states (``read_rows``, ``read_optimizer_states``: nothing changes;
+  an id it has not stored reads the initializer's row and the initial state, what
+  an insert stores) and sends them to every rank (one ``all_to_all_single``), which
+  replaces its copies and states.
 
 Between syncs no rank changes the owner row of a replicated id (every rank, the
-owner too, reads and trains the copy), so each copy equals its owner row and a
-window's gradients are all taken at that row: with SGD the owner row after a sync
-is the row before minus the learning rate times the window's summed gradient, the
-gradients of each window applied at its end. A copy lags its owner by at most s - 1
-steps of gradients. Per s steps the replicas cost one count all-reduce, one push of
-A gradient rows and one pull of S rows to the W - 1 other ranks; at staleness 0 the
-rows and gradients of the A ids in use cross every step.
+owner too, reads and trains its copy): with SGD the owner row after a sync is the
+row before minus the learning rate times the window's summed gradient, the
+gradients of each window applied at its end, and rank r's copy during a window is
+that row minus the learning rate times r's own gradients so far in the window (not
+divided by the world size: each rank's gradient estimates the step's). A copy lags
+its owner by at most s - 1 steps of the other ranks' gradients. Per s steps the
+replicas cost one count all-reduce, one push of A gradient rows and one pull of S
+rows (and their optimizer states) to the W - 1 other ranks; at staleness 0 the rows
+and gradients of the A ids in use cross every step.
 
 Checkpoints apply pending gradients first and loads drop the copies (the lookups
 are ``PendingUpdates``: ``DynamicEmbDump``, ``incremental_dump``, the state dict
@@ -116,6 +122,9 @@ class StaleCopies:
         self.dim = dim
         self._tables = _tables_of(lookup)
         _check_optimizers(self._tables, [t.name for t in replicas.tables], self.staleness)
+        self._state_width = max([self._tables[t.name].optimizer_state_dim(t.name)
+                                 for t in replicas.tables], default=0)
+        self._bounds: List[int] = [0] * (len(replicas.tables) + 1)  # slots of each table
         self._traffic = [0, 0, 0]  # what take_traffic reports
         self.drop()
 
@@ -123,6 +132,8 @@ class StaleCopies:
         """Forgets the copies, the pending gradients and counts (local; after a
         flush, a change of the ids or before rows are loaded)."""
         self.rows: Optional[torch.Tensor] = None  # (S, dim) leaf; None: pull first
+        self.states: Optional[torch.Tensor] = None  # (S, state floats) the copies' optimizer states
+        self.pending: Optional[torch.Tensor] = None  # (S, dim) gradients applied to the copies
         self.counts = torch.zeros(self.replicas.num_slots, dtype=torch.int64)
         self.steps = 0  # training lookups since the last sync, the same on every rank
 
@@ -147,6 +158,8 @@ class StaleCopies:
                                "module through the dynamic sharded collections)")
         if self.rows is None or self.steps >= self.staleness:
             self.sync()
+        else:
+            self._update_copies()
         rows = DynamicEmbGroupedEmbeddingsLookup.forward(self.lookup, features).view(-1, self.dim)
         training = torch.is_grad_enabled() and self.lookup.training
         if training:
@@ -177,13 +190,38 @@ class StaleCopies:
         active = torch.nonzero(counts > 0).flatten()  # (A,) the same on every rank
         self._traffic[0] += counts.numel()
         if active.numel():
-            grad = None if self.rows is None else self.rows.grad
-            grads = (torch.zeros(active.numel(), self.dim) if grad is None else grad[active])
+            grads = self._window_gradients()[active]
             total = self._push(grads, replicas.owners[active])
             owned = active[replicas.owners[active] == replicas.rank]
             self._apply_owned(owned, counts[owned], total)
             self._traffic[2] += active.numel()
         self.drop()
+
+    def _window_gradients(self) -> torch.Tensor:
+        """(S, dim) this rank's gradients of the copies since the last sync: those
+        applied to the copies and the last step's (not applied yet)."""
+        total = torch.zeros(self.replicas.num_slots, self.dim)
+        if self.pending is not None:
+            total += self.pending
+        if self.rows is not None and self.rows.grad is not None:
+            total += self.rows.grad
+        return total
+
+    def _update_copies(self) -> None:
+        """Applies the last step's gradients of the copies (``rows.grad``) to them
+        with each table's optimizer and the local states, and moves them to
+        ``pending``."""
+        grad = self.rows.grad
+        if grad is None:
+            return
+        self.pending = grad.clone() if self.pending is None else self.pending.add_(grad)
+        self.rows.grad = None
+        with torch.no_grad():
+            for t, table in enumerate(self.replicas.tables):
+                first, last = self._bounds[t], self._bounds[t + 1]
+                if last > first:
+                    _apply(self._tables[table.name].optimizer_args(table.name),
+                           self.rows[first:last], self.states[first:last], grad[first:last])
 
     def _push(self, grads: torch.Tensor, owners: torch.Tensor) -> torch.Tensor:
         """Sends each rank's gradients (A, dim) of the active ids to their owners
@@ -229,31 +267,58 @@ class StaleCopies:
             self.lookup.train(was_training)
 
     def _pull(self) -> None:
-        """Every rank's copies = the owners' rows of every replicated id."""
+        """Every rank's copies and states = the owners' rows and optimizer states of
+        every replicated id."""
         replicas = self.replicas
         world_size, num_slots = replicas.world_size, replicas.num_slots
-        rows = torch.zeros(num_slots, self.dim)
+        width = self.dim + self._state_width
+        values = torch.zeros(num_slots, width)
         if num_slots:
             mine = torch.nonzero(replicas.owners == replicas.rank).flatten()  # ascending slots
             owned = self._read(mine)
             sizes = torch.bincount(replicas.owners, minlength=world_size).tolist()
-            received = owned.new_empty(num_slots, self.dim)
+            received = owned.new_empty(num_slots, width)
             dist.all_to_all_single(received, owned.repeat(world_size, 1), sizes,
                                    [mine.numel()] * world_size, group=replicas.pg)
-            rows[torch.argsort(replicas.owners, stable=True)] = received
+            values[torch.argsort(replicas.owners, stable=True)] = received
             self._traffic[1] += num_slots
-        self.rows = rows.requires_grad_()
+        self.rows = values[:, :self.dim].clone().requires_grad_()
+        self.states = values[:, self.dim:].clone()
+        self.pending = None
+        self._bounds = torch.cumsum(torch.bincount(
+            replicas.table_of_slot, minlength=len(replicas.tables)), 0).tolist()
+        self._bounds.insert(0, 0)
 
     def _read(self, slots: torch.Tensor) -> torch.Tensor:
-        """(len(slots), dim) the owner rows of this rank's ``slots`` (ascending)."""
+        """(len(slots), dim + state width) the owner rows and optimizer states of
+        this rank's ``slots`` (ascending; states zero-padded to the widest)."""
         replicas = self.replicas
         parts = []
         tables = replicas.table_of_slot[slots]
         for t, table in enumerate(replicas.tables):  # slots are in table order
             ids = replicas.ids[slots[tables == t]]
             if ids.numel():
-                parts.append(self._tables[table.name].read_rows(table.name, ids).cpu())
-        return torch.cat(parts) if parts else torch.zeros(0, self.dim)
+                module = self._tables[table.name]
+                part = torch.zeros(ids.numel(), self.dim + self._state_width)
+                part[:, :self.dim] = module.read_rows(table.name, ids).cpu()
+                states = module.read_optimizer_states(table.name, ids).cpu()
+                part[:, self.dim:self.dim + states.shape[1]] = states
+                parts.append(part)
+        return torch.cat(parts) if parts else torch.zeros(0, self.dim + self._state_width)
+
+
+def _apply(args, rows: torch.Tensor, states: torch.Tensor, grad: torch.Tensor) -> None:
+    """One optimizer step on copies (in place): the kernels' SGD, Adagrad and
+    row-wise Adagrad update of a row (``optimizer_primitives.h``), no weight decay."""
+    lr = args.learning_rate
+    if args.optimizer == DynamicEmbOptimType.EXACT_SGD:
+        rows.sub_(lr * grad)
+    elif args.optimizer == DynamicEmbOptimType.EXACT_ADAGRAD:
+        states[:, :rows.shape[1]].add_(grad * grad)
+        rows.sub_(lr * grad / (states[:, :rows.shape[1]].sqrt() + args.eps))
+    else:  # EXACT_ROWWISE_ADAGRAD
+        states[:, :1].add_((grad * grad).mean(1, keepdim=True))
+        rows.sub_(grad * (lr / (states[:, :1].sqrt() + args.eps)))
 
 
 def attach_copies(replicas: Optional[ReplicaSet], lookup: DynamicEmbGroupedEmbeddingsLookup,

@@ -219,9 +219,8 @@ def _datasets_of(args, rank: int, world: int, batch_size: int):
 
 
 def shard(args, model, tables, device: torch.device, world: int) -> DistributedModelParallel:
-    optimizer, state = OPTIMIZERS[args.optimizer]
-    constraints = constraints_for(tables, args.embedding_dim, state * args.embedding_dim
-                                  + (1 if args.optimizer == "rowwise_adagrad" else 0),
+    optimizer, _ = OPTIMIZERS[args.optimizer]
+    constraints = constraints_for(tables, args.embedding_dim, _state_floats(args),
                                   args.cache_fraction, DynamicEmbScoreStrategy[args.score_strategy.upper()],
                                   args.admission_threshold, args.placement,
                                   1 if args.replicas == "placement" else args.replicas,
@@ -491,6 +490,11 @@ def alltoall_per_step(progress) -> Tuple[float, float]:
     return float(total[0]) / steps, float(total[1]) / steps
 
 
+def _state_floats(args) -> int:
+    """Optimizer state floats per row of the embedding optimizer."""
+    return OPTIMIZERS[args.optimizer][1] * args.embedding_dim + (args.optimizer == "rowwise_adagrad")
+
+
 def traffic_per_step(args, progress) -> Dict[str, float]:
     """Bytes per training step, all ranks together (a collective), estimated from the
     counters: the all-to-all's and the replicas' sync.
@@ -502,8 +506,8 @@ def traffic_per_step(args, progress) -> Dict[str, float]:
     moves ``2 (W - 1) / W n`` bytes out of each rank), the owners send replicated
     rows to the ``W - 1`` other ranks and get gradient rows back (``dim`` floats
     each): at staleness 0 the rows in use every step, with ``--staleness N`` all
-    replicated rows and the gradients of those in use once per N steps (amortized:
-    the per-step mean over the run).
+    replicated rows with their optimizer states and the gradients of those in use
+    once per N steps (amortized: the per-step mean over the run).
     """
     world = dist.get_world_size()
     total = torch.tensor([progress.get(k, 0) for k in (
@@ -514,7 +518,9 @@ def traffic_per_step(args, progress) -> Dict[str, float]:
     steps = max(1.0, steps / world)
     per_id = 12 + 8 * args.embedding_dim if args.collection == "ec" else 8
     slots, rows, grads = slots / world, rows / world, grads / world  # every rank counts the same
-    sync = 2 * (world - 1) * slots * 8 + (world - 1) * (rows + grads) * args.embedding_dim * 4
+    state = _state_floats(args) if args.staleness else 0  # pulled with each row
+    sync = 2 * (world - 1) * slots * 8 + (world - 1) * (
+        rows * (args.embedding_dim + state) + grads * args.embedding_dim) * 4
     return {"alltoall_ids": ids / steps, "alltoall_dynamic_ids": dynamic / steps,
             "alltoall_bytes": ids * per_id / steps, "alltoall_dynamic_bytes": dynamic * per_id / steps,
             "replicated_ids": replicated / steps, "replica_rows": rows / steps,

@@ -62,7 +62,9 @@ def train_step(dmp, step: int, rank: int, pooled: bool) -> Dict[str, torch.Tenso
 class WindowReference:
     """SGD in float64 on every table's rows: gradients of replicated rows summed
     over each window and applied at its end, the others at every step; gradients
-    divided by the world size (TorchRec's gradient division).
+    divided by the world size (TorchRec's gradient division). During a window rank
+    r reads a replicated row as the row minus the learning rate times r's own
+    gradients of it so far in the window (its write-back copy; not divided).
 
     Args:
         world_size: ranks whose batches make a step.
@@ -77,6 +79,9 @@ class WindowReference:
         self.table_of = {f: n for n, (_, features, _, _) in TABLES.items() for f in features}
         self.hot: Dict[str, set] = {n: set() for n in TABLES}
         self.pending: Dict[str, Dict[int, torch.Tensor]] = {n: {} for n in TABLES}
+        # per rank: its own gradients of replicated rows in the window (its copies)
+        self.local: List[Dict[str, Dict[int, torch.Tensor]]] = [{n: {} for n in TABLES}
+                                                               for _ in range(world_size)]
         self.since = 0
 
     def flush(self) -> None:
@@ -84,7 +89,15 @@ class WindowReference:
             for key, g in grads.items():
                 self.rows[name][key] -= self.lr * g
             grads.clear()
+        for mine in self.local:
+            for grads in mine.values():
+                grads.clear()
         self.since = 0
+
+    def _read(self, rank: int, name: str, key: int) -> torch.Tensor:
+        """The row ``rank`` reads: its copy where the key is replicated."""
+        own = self.local[rank][name].get(key) if key in self.hot[name] else None
+        return self.rows[name][key] if own is None else self.rows[name][key] - self.lr * own
 
     def set_hot(self, hot: Dict[str, List[int]]) -> None:
         self.flush()
@@ -95,17 +108,19 @@ class WindowReference:
         if self.since >= self.staleness:
             self.flush()
         grads: Dict[str, Dict[int, torch.Tensor]] = {n: {} for n in TABLES}
+        own: List[Dict[str, Dict[int, torch.Tensor]]] = [{n: {} for n in TABLES}
+                                                         for _ in range(self.world_size)]
         mine = {}
         for r in range(self.world_size):
             kjt = power_law_batch(step, r, TABLES)
             for f in kjt.keys():
-                name, rows = self.table_of[f], self.rows[self.table_of[f]]
+                name = self.table_of[f]
                 ids, outs = kjt[f].values().tolist(), []
                 at = 0
                 for length in kjt[f].lengths().tolist():
                     bag = ids[at:at + length]
                     at += length
-                    found = [rows[k] for k in bag]
+                    found = [self._read(r, name, k) for k in bag]
                     if self.pooled:
                         pooled = sum(found, torch.zeros(DIM, dtype=torch.float64))
                         outs.append(pooled)
@@ -115,6 +130,8 @@ class WindowReference:
                         per_id = [2 * (row - TARGET[f]) for row in found]
                     for k, g in zip(bag, per_id):
                         grads[name][k] = grads[name].get(k, 0) + g / self.world_size
+                        if k in self.hot[name]:
+                            own[r][name][k] = own[r][name].get(k, 0) + g
                 if r == rank:
                     mine[f] = torch.stack(outs) if outs else torch.zeros(0, DIM, dtype=torch.float64)
         for name, by_key in grads.items():
@@ -123,6 +140,10 @@ class WindowReference:
                     self.pending[name][key] = self.pending[name].get(key, 0) + g
                 else:
                     self.rows[name][key] -= self.lr * g
+        for r, by_table in enumerate(own):  # each rank's copies take its own gradients
+            for name, by_key in by_table.items():
+                for key, g in by_key.items():
+                    self.local[r][name][key] = self.local[r][name].get(key, 0) + g
         self.since += 1
         return mine
 

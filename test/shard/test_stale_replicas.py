@@ -2,12 +2,14 @@
 and 4 gloo ranks, EC and EBC: SGD equals a float64 replay in which the replicated
 rows' gradients of each window are applied at its end (``stale_workers``),
 checkpoints and state dicts flush pending gradients first, loads drop the copies;
-the option's and the optimizers' refusals; ``read_rows`` reads without changing."""
+the option's and the optimizers' refusals; ``read_rows`` and ``read_optimizer_states``
+read without changing; the copies' local update is the kernels'."""
 
 import pytest
 import torch
 
 from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions
+from dynamicemb.shard.stale_replicas import DELAYED_OPTIMIZERS, _apply
 from dynamicemb.types import DynamicEmbScoreStrategy
 from dynamicemb_testing import stale_workers
 from dynamicemb_testing.dist_utils import SharedSpawns
@@ -80,3 +82,39 @@ def test_read_rows_reads_without_changing_anything():
     module(torch.tensor([42]), torch.tensor([0, 1]))  # the row an insert stores
     inserted = module.export_keys_values("t")
     assert torch.equal(got[1], dict(zip(inserted.keys.tolist(), inserted.embeddings))[42])
+
+
+@pytest.mark.parametrize("optimizer", list(DELAYED_OPTIMIZERS))
+@pytest.mark.parametrize("layout", ["one tier", "host only", "cache"])
+def test_copies_take_the_kernels_update_and_read_states_without_changing(optimizer, layout):
+    # a table's own step on two rows (stored in its tiers) and the copies' update
+    # (``_apply``) from the states read_optimizer_states gives agree
+    # every tier a row's state can be read from: the one tier, the host store behind
+    # an empty device tier, a device cache over the host store
+    options = DynamicEmbTableOptions(dim=4, max_capacity=1024, caching=layout == "cache",
+                                     local_hbm_for_values={"one tier": None, "host only": 0,
+                                                           "cache": 512}[layout])
+    module = BatchedDynamicEmbeddingTables([options], table_names=["t"], feature_table_map=[0],
+                                           optimizer=optimizer, learning_rate=0.1)
+    ids, offsets = torch.tensor([3, 5, 3, 9]), torch.tensor([0, 4])
+    for _ in range(2):  # rows with a non-trivial state
+        out = module(ids, offsets)
+        out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+    keys = torch.tensor([3, 9, 42])  # 42: not stored
+    before = module.export_keys_values("t")
+    rows, states = module.read_rows("t", keys), module.read_optimizer_states("t", keys)
+    after = module.export_keys_values("t")
+    for field in before._fields:
+        assert torch.equal(getattr(before, field), getattr(after, field)), field
+    stored = dict(zip(before.keys.tolist(), before.optimizer_states))
+    assert torch.equal(states[0], stored[3]) and torch.equal(states[1], stored[9])
+    assert torch.equal(states[2], torch.zeros_like(states[2]))  # the initial state
+    grad = torch.tensor([[0.5, -1.0, 0.25, 2.0], [-0.75, 0.5, 1.5, -0.25]])
+    _apply(module.optimizer_args("t"), rows[:2], states[:2], grad)
+    out = module(torch.tensor([3, 9]), torch.tensor([0, 1, 2]))  # one id per bag
+    out.backward(grad)
+    trained = module.export_keys_values("t")
+    got = dict(zip(trained.keys.tolist(), zip(trained.embeddings, trained.optimizer_states)))
+    for i, key in enumerate([3, 9]):
+        torch.testing.assert_close(rows[i], got[key][0], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(states[i], got[key][1], rtol=1e-6, atol=1e-7)
