@@ -8,10 +8,11 @@ rows come from and when their gradients reach the owners:
   leaf tensor) and of its optimizer state (``states``). A lookup of a replicated id
   reads the copy, with no exchange; the backward puts the step's gradients of the
   copies in ``rows.grad`` and the lookup adds the step's occurrence counts to
-  ``counts``. The next lookup applies the step's gradients to the copies with the
-  table's optimizer and the local states (a write-back copy, as HET's cache: a rank
-  reads its own updates at once and the other ranks' at the next sync) and adds them
-  to the window's ``pending`` gradients.
+  ``counts``. The next lookup adds them to the window's ``pending`` gradients and
+  sets each copy to the pulled row moved by the table's optimizer step for
+  ``pending`` from the pulled state (a write-back copy, as HET's cache: a rank reads
+  its own updates at once, the other ranks' at the next sync; and the step the owner
+  will apply if the other ranks' gradients match this rank's).
 - A sync runs at the lookup of the first batch after s counted steps (training
   lookups since the last sync: the same number on every rank, so every rank runs
   the collectives at the same batch). The counts are all-reduced (one int64 per
@@ -31,7 +32,9 @@ owner too, reads and trains its copy): with SGD the owner row after a sync is th
 row before minus the learning rate times the window's summed gradient, the
 gradients of each window applied at its end, and rank r's copy during a window is
 that row minus the learning rate times r's own gradients so far in the window (not
-divided by the world size: each rank's gradient estimates the step's). A copy lags
+divided by the world size: each rank's gradients estimate the mean the owner
+applies). With Adagrad the copy is the same one step on r's window sum, so a copy
+never runs ahead of what the owner's windowed step can follow. A copy lags
 its owner by at most s - 1 steps of the other ranks' gradients. Per s steps the
 replicas cost one count all-reduce, one push of A gradient rows and one pull of S
 rows (and their optimizer states) to the W - 1 other ranks; at staleness 0 the rows
@@ -132,7 +135,7 @@ class StaleCopies:
         """Forgets the copies, the pending gradients and counts (local; after a
         flush, a change of the ids or before rows are loaded)."""
         self.rows: Optional[torch.Tensor] = None  # (S, dim) leaf; None: pull first
-        self.states: Optional[torch.Tensor] = None  # (S, state floats) the copies' optimizer states
+        self.base: Optional[torch.Tensor] = None  # (S, dim + state floats) pulled rows and states
         self.pending: Optional[torch.Tensor] = None  # (S, dim) gradients applied to the copies
         self.counts = torch.zeros(self.replicas.num_slots, dtype=torch.int64)
         self.steps = 0  # training lookups since the last sync, the same on every rank
@@ -208,20 +211,22 @@ class StaleCopies:
         return total
 
     def _update_copies(self) -> None:
-        """Applies the last step's gradients of the copies (``rows.grad``) to them
-        with each table's optimizer and the local states, and moves them to
-        ``pending``."""
+        """Moves the last step's gradients of the copies (``rows.grad``) to
+        ``pending`` and sets each copy to its pulled row after one step of its
+        table's optimizer on ``pending`` from the pulled state."""
         grad = self.rows.grad
         if grad is None:
             return
         self.pending = grad.clone() if self.pending is None else self.pending.add_(grad)
         self.rows.grad = None
         with torch.no_grad():
+            self.rows.copy_(self.base[:, :self.dim])
+            states = self.base[:, self.dim:].clone()
             for t, table in enumerate(self.replicas.tables):
                 first, last = self._bounds[t], self._bounds[t + 1]
                 if last > first:
                     _apply(self._tables[table.name].optimizer_args(table.name),
-                           self.rows[first:last], self.states[first:last], grad[first:last])
+                           self.rows[first:last], states[first:last], self.pending[first:last])
 
     def _push(self, grads: torch.Tensor, owners: torch.Tensor) -> torch.Tensor:
         """Sends each rank's gradients (A, dim) of the active ids to their owners
@@ -282,8 +287,8 @@ class StaleCopies:
                                    [mine.numel()] * world_size, group=replicas.pg)
             values[torch.argsort(replicas.owners, stable=True)] = received
             self._traffic[1] += num_slots
+        self.base = values
         self.rows = values[:, :self.dim].clone().requires_grad_()
-        self.states = values[:, self.dim:].clone()
         self.pending = None
         self._bounds = torch.cumsum(torch.bincount(
             replicas.table_of_slot, minlength=len(replicas.tables)), 0).tolist()
