@@ -90,11 +90,8 @@ class TableAdmin:
         Returns:
             (n, dim) float32 on the module's device.
         """
-        group, local = self._location(table_name)
-        keys = keys.to(self.device, torch.int64).contiguous()
+        group, keys, tids, refs = self._resolve(table_name, keys)
         n = keys.numel()
-        tids = torch.full((n,), local, dtype=torch.int16, device=self.device)
-        refs = group.storage.resolve(keys, tids)
         missing = (refs < 0).nonzero().squeeze(1)
         transient = group.init.transient(keys[missing], tids[missing], train=True)
         group.storage.fill_from_below(keys[missing], tids[missing], transient)
@@ -106,22 +103,22 @@ class TableAdmin:
                                        dim=group.dim, out=out)
         return out
 
+    def _resolve(self, table_name: str, keys: torch.Tensor):
+        """(group, keys, table ids, read-only references) of keys of one table."""
+        group, local = self._location(table_name)
+        keys = keys.to(self.device, torch.int64).contiguous()
+        tids = torch.full((keys.numel(),), local, dtype=torch.int16, device=self.device)
+        return group, keys, tids, group.storage.resolve(keys, tids)
+
     def read_optimizer_states(self, table_name: str, keys: torch.Tensor) -> torch.Tensor:
         """The optimizer states of ``keys`` in one table, read without changing
         anything (as ``read_rows``): a stored row's from the tier holding it, else
         the optimizer's initial state (what an insert stores; also for a row only
         the external tier holds).
 
-        Args:
-            keys (Tensor): (n,) int64.
-
-        Returns:
-            (n, state_dim) float32 on the module's device.
+        Args and device: as ``read_rows``'s; returns (n, state_dim) float32.
         """
-        group, local = self._location(table_name)
-        keys = keys.to(self.device, torch.int64).contiguous()
-        tids = torch.full((keys.numel(),), local, dtype=torch.int16, device=self.device)
-        refs = group.storage.resolve(keys, tids)
+        group, keys, _, refs = self._resolve(table_name, keys)
         sources = group.storage.sources(torch.empty(0, group.dim, device=self.device))
         out = torch.full((keys.numel(), group.state_dim), float(group.init.initial_state),
                          dtype=torch.float32, device=self.device)

@@ -1,6 +1,6 @@
 """The DLRM job with a graph-partitioned placement (examples/dlrm/partition.py, then
 train.py --placement) on 2 gloo ranks: it trains, reports the all-to-all, sends fewer
-ids across ranks than the hash placement, with hot-row replicas fewer still (the
+ids across ranks than the hash placement, with stale hot-row replicas fewer still (the
 ids a partition left out for them, listed in its file, given no vote by the routing),
 and refuses a file for another world size."""
 
@@ -32,7 +32,7 @@ def runs(tmp_path_factory):
             (("hash", ()), ("placed", ("--placement", tmp / "p2.npz")),
              ("placed_ec", (*ec, "--placement", tmp / "p2.npz")),
              ("placed_ec_replicas", (*ec, "--placement", tmp / "p2_replicas.npz",
-                                     "--replicas", "placement")))}
+                                     "--replicas", "placement", "--staleness", 5)))}
     return tmp, stats, jobs
 
 
@@ -53,7 +53,9 @@ def test_placed_job_trains_and_sends_fewer_ids(runs):
     # replicas on top (the ids the partition left out, from the file): their ids leave
     # the all-to-all, the partition and the routing ignore them
     assert 0 < sent["placed_ec_replicas"] < 0.85 * sent["placed_ec"], sent
-    assert summaries["placed_ec_replicas"]["history"]["traffic_per_step"]["replicated_ids"] > 0
+    traffic = summaries["placed_ec_replicas"]["history"]["traffic_per_step"]
+    assert traffic["replicated_ids"] > 0 and 0 < traffic["replica_rows"] < traffic["replicated_ids"]
+    assert abs(summaries["placed_ec_replicas"]["eval_auc"] - summaries["placed_ec"]["eval_auc"]) < 0.02
     every = {n: s["history"]["alltoall_ids_per_step"] for n, s in summaries.items()}
     assert all(every[n] > sent[n] for n in sent), every  # static tables' ids come on top
 
