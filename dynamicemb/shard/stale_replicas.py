@@ -5,7 +5,7 @@ The replicated ids are those of ``replicas.py`` (a ``ReplicaSet``, chosen by
 rows come from and when their gradients reach the owners:
 
 - Every rank keeps a copy of every replicated row (``StaleCopies.rows``, (S, dim), a
-  leaf tensor) and of its optimizer state (``states``). A lookup of a replicated id
+  leaf tensor; ``base``: the rows and optimizer states pulled). A lookup of a replicated id
   reads the copy, with no exchange; the backward puts the step's gradients of the
   copies in ``rows.grad`` and the lookup adds the step's occurrence counts to
   ``counts``. The next lookup adds them to the window's ``pending`` gradients and
