@@ -405,6 +405,9 @@ def _refresh_replicas(args, dmp, train, tables) -> None:
     reader treats them as local to every rank from the next batch on."""
     if args.replicas == "placement":
         placed = _placements(args, dist.get_world_size())
+        if not any(p.replicated.numel() for p in placed.values()):  # the same on every rank
+            raise ValueError(f"--replicas placement: {args.placement} lists no replicated ids; "
+                             f"make it with partition.py --replicas (e.g. 0.01)")
         refresh_replicas(dmp, {f"t_{tables[f].feature}": p.replicated for f, p in placed.items()})
     else:
         refresh_replicas(dmp)

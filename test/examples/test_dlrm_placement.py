@@ -2,7 +2,8 @@
 train.py --placement) on 2 gloo ranks: it trains, reports the all-to-all, sends fewer
 ids across ranks than the hash placement, with stale hot-row replicas fewer still (the
 ids a partition left out for them, listed in its file, given no vote by the routing),
-and refuses a file for another world size."""
+and refuses a file for another world size, or --replicas placement with a file that
+lists no replicated ids."""
 
 import json
 import os
@@ -75,6 +76,10 @@ def test_a_file_for_another_world_size_is_refused(runs):
     done = torchrun(*JOB, "--out", tmp / "bad", "--placement", tmp / "p4.npz", timeout=300)
     assert done.returncode != 0
     assert "places ids over 4 ranks" in done.stderr and "p4.npz" in done.stderr, done.stderr[-3000:]
+    done = torchrun(*JOB, "--out", tmp / "none", "--collection", "ec", "--placement",
+                    tmp / "p2.npz", "--replicas", "placement", timeout=300)
+    assert done.returncode != 0
+    assert "lists no replicated ids" in done.stderr and "p2.npz" in done.stderr, done.stderr[-3000:]
 
 
 _ROUTED = """
