@@ -223,6 +223,7 @@ def shard(args, model, tables, device: torch.device, world: int) -> DistributedM
     constraints = constraints_for(tables, args.embedding_dim, _state_floats(args),
                                   args.cache_fraction, DynamicEmbScoreStrategy[args.score_strategy.upper()],
                                   args.admission_threshold, args.placement,
+                                  # placement: replicas on, the ids come from the file
                                   1 if args.replicas == "placement" else args.replicas,
                                   args.staleness)
     sharder = (DynamicEmbeddingCollectionSharder if args.collection == "ec"
