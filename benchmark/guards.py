@@ -11,9 +11,16 @@ when any guard fails.
 - P1 ``find`` + gather / plain gather of the same rows: a table of 1M slots at load
   0.75, dim 128, batch 65,536 ids present.
 - P2 a training step (forward, backward, fused optimizer) / FBGEMM's CPU TBE with the
-  same optimizer: batch 65,536, 1M ids (power law 1.05), dim 128, SGD and row-wise
-  Adagrad; Adam against ``nn.EmbeddingBag(sparse=True)`` + ``SparseAdam`` (FBGEMM's
-  CPU table has no Adam).
+  same optimizer: batch 65,536, 1M ids (power law 1.05), dim 128, SGD, Adagrad and
+  row-wise Adagrad (goal 0.6); Adam against ``nn.EmbeddingBag(sparse=True)`` +
+  ``SparseAdam`` (FBGEMM's CPU table has no Adam; goal 0.4). Each optimizer is also
+  paired against FBGEMM's fastest optimizer on this machine (``P2 <opt> fastest``,
+  reported: which of FBGEMM's JIT kernels wins depends on the CPU).
+- P2 fwd / P2 eval: the training forward and the eval lookup (SGD tables) / FBGEMM's
+  (goal 0.9).
+- P2 floor: the SGD step / the time the bytes it must move (unique rows read twice
+  and written once, the output written, the gradient read) take at the machine's
+  copy bandwidth, measured here (goal 1.6).
 - P3 the training step with a device cache of 10% of the touched ids / all rows
   resident (SGD, the P2 batches).
 - P4 a 2-rank ``EmbeddingCollection`` with dedup (gloo) / TorchRec's static tables
@@ -24,9 +31,12 @@ when any guard fails.
   counts, with the same goals, of the CPU backend's own step (its host reads of
   tensor values; its launches: the extension's calls and the aten ops).
 
+The first lines name the CPU, its vector extensions and the copy of the CPU kernels
+this process loaded: a ratio belongs to a machine kind.
+
 Example::
 
-    bash benchmark/guards.sh            # every guard, about a minute on 2 cores
+    bash benchmark/guards.sh            # every guard, a few minutes on 2 cores
     python benchmark/guards.py --only P2 --reps 21
 """
 
@@ -52,30 +62,54 @@ import benchmark_hash_table as hash_bench  # noqa: E402
 
 class Verdict(NamedTuple):
     """One guard's outcome: its ratio (median of the paired ratios), the quartiles
-    that bound its noise, and its goal (the most the ratio may be)."""
+    that bound its noise, and its goal (the most the ratio may be; None: reported
+    only)."""
 
     name: str
     what: str
     ratio: float
     low: float
     high: float
-    goal: float
+    goal: Optional[float]
 
     @property
     def failed(self) -> bool:
-        return self.low > self.goal
+        return self.goal is not None and self.low > self.goal
 
     def line(self) -> str:
-        mark = "FAIL" if self.failed else ("ok" if self.ratio <= self.goal else "ok (noise)")
-        return (f"{self.name:<15} {self.ratio:8.3f}  [{self.low:.3f}, {self.high:.3f}]  "
-                f"goal <= {self.goal:<6g} {mark:<10} {self.what}")
+        if self.goal is None:
+            mark, goal = "info", "-"
+        else:
+            mark = "FAIL" if self.failed else ("ok" if self.ratio <= self.goal else "ok (noise)")
+            goal = f"{self.goal:g}"
+        return (f"{self.name:<24} {self.ratio:8.3f}  [{self.low:.3f}, {self.high:.3f}]  "
+                f"goal <= {goal:<6} {mark:<10} {self.what}")
 
 
-def verdict(name: str, what: str, ratios: List[float], goal: float) -> Verdict:
+def verdict(name: str, what: str, ratios: List[float], goal: Optional[float]) -> Verdict:
     """The median and quartiles of ``ratios`` against ``goal``."""
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     return Verdict(name, what, round(statistics.median(ratios), 3), round(q[0], 3),
                    round(q[2], 3), goal)
+
+
+def machine() -> str:
+    """The CPU model, its vector extensions that matter here, and the kernel copy loaded."""
+    from dynamicemb.ops import cpu_kernels
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni")
+    return (f"CPU: {model} ({' '.join(f for f in wanted if f in flags) or 'no AVX'}); "
+            f"kernels: {cpu_kernels.load().__name__}; {torch.get_num_threads()} threads")
 
 
 def paired_ratios(subject: Callable[[int], None], baseline: Callable[[int], None], reps: int,
@@ -138,11 +172,76 @@ def _sparse_adam(num_embeddings: int, dim: int):
     return bag, step
 
 
+TRAIN_GOALS = {"sgd": 0.6, "adagrad": 0.6, "rowwise_adagrad": 0.6, "adam": 0.4}
+FBGEMM_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+
+
+def _times(fn: Callable[[int], None], reps: int, warmup: int = 2) -> List[float]:
+    """Seconds of fn(i) over ``reps`` calls after ``warmup``."""
+    spent = []
+    for i in range(warmup + reps):
+        start = time.perf_counter()
+        fn(i)
+        if i >= warmup:
+            spent.append(time.perf_counter() - start)
+    return spent
+
+
+def _fastest_fbgemm(args, num_embeddings: int, batches, grad: torch.Tensor, reps: int):
+    """FBGEMM's optimizer whose training step is fastest here, and its table."""
+    medians = {}
+    for optimizer in FBGEMM_OPTIMIZERS:
+        module = tables_bench.make_torchrec(args, num_embeddings, optimizer)
+        medians[optimizer] = statistics.median(_times(_trainer(module, batches, grad), reps))
+        del module
+    best = min(medians, key=medians.get)
+    return best, tables_bench.make_torchrec(args, num_embeddings, best)
+
+
+def _copy_bandwidth() -> float:
+    """Bytes per second that a 256 MiB tensor copy moves (read + write)."""
+    src = torch.ones(1 << 26)
+    dst = torch.empty_like(src)
+    seconds = statistics.median(_times(lambda i: dst.copy_(src), 7))
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def _lookups(module: torch.nn.Module, batches, evaluate: bool) -> Callable[[int], None]:
+    """A forward of ``module`` per call: the training forward, or eval under no_grad."""
+    def lookup(i: int) -> None:
+        indices, offsets = batches[i % len(batches)]
+        module.train(not evaluate)
+        with torch.set_grad_enabled(not evaluate):
+            module(indices, offsets)
+        module.train()
+    return lookup
+
+
+def _forward_and_floor(args, batches, grad, ours, theirs, reps: int) -> List[Verdict]:
+    """P2 fwd, P2 eval (SGD tables against FBGEMM's) and P2 floor (the SGD step)."""
+    found = []
+    for name, evaluate in (("fwd", False), ("eval", True)):
+        ratios = paired_ratios(_lookups(ours, batches, evaluate),
+                               _lookups(theirs, batches, evaluate), reps)
+        found.append(verdict(f"P2 {name}", f"{'eval lookup' if evaluate else 'training forward'}"
+                             " / FBGEMM CPU TBE's, batch 65,536, dim 128", ratios, 0.9))
+    lookups = batches[0][0].numel()
+    unique = statistics.mean(ids.unique().numel() for ids, _ in batches)
+    row = args.embedding_dim * 4
+    must_move = 3 * unique * row + 2 * lookups * row  # rows read twice, written once; out; grad
+    floor = must_move / _copy_bandwidth()
+    ratios = [t / floor for t in _times(_trainer(ours, batches, grad), reps)]
+    found.append(verdict("P2 floor", f"SGD train step / {must_move / 1e6:.0f} MB at the measured "
+                         f"copy bandwidth ({floor * 1e3:.2f} ms)", ratios, 1.6))
+    return found
+
+
 def guard_training(reps: int, optimizers: List[str]) -> List[Verdict]:
     args = _bench_args(reps)
     num_embeddings, batch = 1 << 20, 65536
     batches = tables_bench.make_batches(args, batch, num_embeddings)
     grad = torch.randn(batch, args.embedding_dim, generator=torch.Generator().manual_seed(2))
+    fastest_name, fastest = _fastest_fbgemm(args, num_embeddings, batches, grad, 5)
     found = []
     for optimizer in optimizers:
         ours = tables_bench.make_dynamicemb(args, num_embeddings, optimizer)
@@ -153,8 +252,14 @@ def guard_training(reps: int, optimizers: List[str]) -> List[Verdict]:
         ratios = paired_ratios(_trainer(ours, batches, grad), _trainer(theirs, batches, grad, after),
                                reps)
         found.append(verdict(f"P2 {optimizer}", f"train step / {name}, batch 65,536, 1M ids, dim 128",
-                             ratios, 0.55))
+                             ratios, TRAIN_GOALS[optimizer]))
+        ratios = paired_ratios(_trainer(ours, batches, grad), _trainer(fastest, batches, grad), reps)
+        found.append(verdict(f"P2 {optimizer} fastest",
+                             f"train step / FBGEMM's fastest here ({fastest_name})", ratios, None))
+        if optimizer == "sgd":
+            found += _forward_and_floor(args, batches, grad, ours, theirs, reps)
         del ours, theirs
+    del fastest
     if "sgd" in optimizers:
         touched = torch.cat([ids for ids, _ in batches]).unique().numel()
         cached = tables_bench.make_dynamicemb(args, num_embeddings, "sgd", max(16, touched // 10))
@@ -225,12 +330,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", choices=GUARDS, default=list(GUARDS))
     parser.add_argument("--reps", type=int, default=21, help="timed pairs per guard")
-    parser.add_argument("--optimizers", nargs="+", default=["sgd", "rowwise_adagrad", "adam"],
-                        choices=["sgd", "rowwise_adagrad", "adam"])
+    parser.add_argument("--optimizers", nargs="+", default=list(TRAIN_GOALS),
+                        choices=list(TRAIN_GOALS))
     parser.add_argument("--out", default=None, help="write the verdicts as JSON here")
     args = parser.parse_args()
     tables_bench.same_allocator_for_all()
     verdicts: List[Verdict] = []
+    print(machine(), flush=True)
     started = time.perf_counter()
     if "P1" in args.only:
         verdicts += guard_find_gather(args.reps)
@@ -242,7 +348,7 @@ def main() -> int:
         verdicts += guard_collection(max(args.reps, 5))
     if "P5" in args.only:
         verdicts += guard_step_counts()
-    print(f"\nguard           ratio    [quartiles]      goal         verdict    what "
+    print(f"\n{'guard':<24} ratio    [quartiles]      goal         verdict    what "
           f"({torch.get_num_threads()} threads, {time.perf_counter() - started:.0f} s)")
     for v in verdicts:
         print(v.line())

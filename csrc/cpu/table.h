@@ -71,7 +71,7 @@ inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 // overlap: hash and prefetch the buckets' digests; find each key's first digest
 // match and prefetch its key and table id; then compare. The r-th key of the chunk
 // is position at(r) of keys, tids and slots, r < m.
-constexpr int kChunk = 16;
+constexpr int kChunk = 128;
 
 template <class Positions>
 inline void find_chunk(const TableView& v, const int64_t* keys, const int16_t* tids,

@@ -240,3 +240,6 @@ def test_guards_count_the_gpu_step_and_write_verdicts(tmp_path):
         sys.path.pop(0)
     assert not verdict("x", "", [0.5, 0.6, 0.9, 1.0], 0.55).failed  # noise reaches the goal
     assert verdict("x", "", [0.7, 0.8, 0.9, 1.0], 0.55).failed
+    assert not verdict("x", "", [7.0, 8.0, 9.0], None).failed  # reported only
+    # a ratio belongs to a machine kind: the CPU and the kernel copy are named
+    assert done.stdout.startswith("CPU: ") and "kernels: dynamicemb._C_" in done.stdout
