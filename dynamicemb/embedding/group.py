@@ -215,6 +215,7 @@ class TableGroup:
         self._lr: Optional[torch.Tensor] = None
         self._lr_written: Optional[float] = None
         self._no_transient = torch.empty(0, self.dim, dtype=torch.float32, device=device)
+        self._one = torch.ones(1, dtype=torch.int64, device=device)  # an eval lookup's count
 
     @property
     def adam_step(self) -> int:
@@ -267,14 +268,13 @@ class TableGroup:
                 get inverse -1); None: every lookup is this group's.
         """
         if not (insert and self.training):  # eval: rows found, none inserted
-            unique = self.ops.padded_dedup(keys=keys, table_ids=tids, error=error, part=part)
-            lookup = Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
-                            counts=unique.counts,
-                            row_ref=self.storage.resolve(unique.keys, unique.table_ids))
-            if self.storage.external is not None:  # absent rows may be below: read as
-                return lookup  # transient rows by finish_lookup, from the host
-            return lookup._replace(init=InitRows(unique.keys, unique.table_ids,
-                                                 self.init.spec(False, self.device)))
+            if self.storage.external is not None:  # absent rows may be below: each read
+                unique = self.ops.padded_dedup(keys=keys, table_ids=tids, error=error,
+                                               part=part)  # once, as a transient row
+                return Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
+                              counts=unique.counts,
+                              row_ref=self.storage.resolve(unique.keys, unique.table_ids))
+            return self._lookup_each(keys, tids, part)
         customized = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED
         unique, pending = self.storage.prepare_dedup(
             keys, tids, frequencies, error=error, part=part,
@@ -284,6 +284,19 @@ class TableGroup:
                       counts=unique.counts, starts=unique.starts, rank=unique.rank,
                       insert=pending, admitted=pending.padded.admitted,
                       init=self._computed_rows(unique, pending.padded.admitted))
+
+    def _lookup_each(self, keys: torch.Tensor, tids: torch.Tensor,
+                     part: Optional[BatchPart]) -> Lookup:
+        """An eval lookup without dedup: each lookup is its own row reference (a probe
+        a lookup costs less than the dedup it would save; a refused batch reads
+        zeros in the forward)."""
+        n = keys.numel()
+        inverse = torch.arange(n, dtype=torch.int64, device=self.device)
+        if part is not None:
+            inverse = torch.where(part.groups == part.group, inverse, -1)
+        return Lookup(keys=keys, tids=tids, inverse=inverse, counts=self._one.expand(n),
+                      row_ref=self.storage.resolve(keys, tids),
+                      init=InitRows(keys, tids, self.init.spec(False, self.device)))
 
     def _admit(self, unique, stored: torch.Tensor) -> torch.Tensor:
         """The admission of a padded lookup's unique keys (``stored``: in the host
