@@ -78,14 +78,16 @@ class TableAdmin:
         return (torch.cat([c.keys for c in chunks]).to(device),
                 torch.cat([c.embeddings for c in chunks]).to(device))
 
-    def read_rows(self, table_name: str, keys: torch.Tensor) -> torch.Tensor:
+    def read_rows(self, table_name: str, keys: torch.Tensor, train: bool = True) -> torch.Tensor:
         """The current embeddings of ``keys`` in one table, read without changing
         anything (no insert, score, clock or promotion): a stored row from the tier
-        holding it, else the row a training insert would store (the table's
-        initializer; the external tier's row where it holds one).
+        holding it (the external tier's too), else the row a training insert would
+        store (the table's initializer), or with ``train=False`` what an eval lookup
+        reads (the eval initializer's row).
 
         Args:
             keys (Tensor): (n,) int64.
+            train: an absent key's row is the training initializer's (else the eval's).
 
         Returns:
             (n, dim) float32 on the module's device.
@@ -93,7 +95,7 @@ class TableAdmin:
         group, keys, tids, refs = self._resolve(table_name, keys)
         n = keys.numel()
         missing = (refs < 0).nonzero().squeeze(1)
-        transient = group.init.transient(keys[missing], tids[missing], train=True)
+        transient = group.init.transient(keys[missing], tids[missing], train=train)
         group.storage.fill_from_below(keys[missing], tids[missing], transient)
         refs[missing] = -(torch.arange(missing.numel(), dtype=torch.int64, device=self.device) + 1)
         out = torch.empty(n, group.dim, dtype=torch.float32, device=self.device)
@@ -109,6 +111,13 @@ class TableAdmin:
         keys = keys.to(self.device, torch.int64).contiguous()
         tids = torch.full((keys.numel(),), local, dtype=torch.int16, device=self.device)
         return group, keys, tids, group.storage.resolve(keys, tids)
+
+    def holds(self, table_name: str, keys: torch.Tensor) -> torch.Tensor:
+        """(n,) bool on the module's device: whether a tier stores each of ``keys`` in
+        one table (the external tier asked from the host), read without changing
+        anything."""
+        group, keys, tids, refs = self._resolve(table_name, keys)
+        return group.storage.or_below(keys, tids, refs >= 0)
 
     def read_optimizer_states(self, table_name: str, keys: torch.Tensor) -> torch.Tensor:
         """The optimizer states of ``keys`` in one table, read without changing

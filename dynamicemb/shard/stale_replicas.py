@@ -24,8 +24,10 @@ rows come from and when their gradients reach the owners:
   optimizer step on those rows). Then every owner reads its replicated rows and
   their optimizer states (``read_rows``, ``read_optimizer_states``: nothing changes;
   an id it has not stored reads the initializer's row and the initial state, what
-  an insert stores) and sends them to every rank (one ``all_to_all_single``), which
-  replaces its copies and states.
+  an insert stores, and is flagged not stored) and sends them to every rank (one
+  ``all_to_all_single``), which replaces its copies and states. An eval lookup reads
+  the copies, but the eval initializer's row for an id not stored at the pull and
+  not trained on this rank since: what eval without replicas reads.
 
 Between syncs no rank changes the owner row of a replicated id (every rank, the
 owner too, reads and trains its copy): with SGD the owner row after a sync is the
@@ -137,6 +139,8 @@ class StaleCopies:
         self.rows: Optional[torch.Tensor] = None  # (S, dim) leaf; None: pull first
         self.base: Optional[torch.Tensor] = None  # (S, dim + state floats) pulled rows and states
         self.pending: Optional[torch.Tensor] = None  # (S, dim) gradients applied to the copies
+        self.stored: Optional[torch.Tensor] = None  # (S,) bool: the owner held the id at the pull
+        self._eval_init: Optional[torch.Tensor] = None  # (S, dim) eval rows of ids not stored
         self.counts = torch.zeros(self.replicas.num_slots, dtype=torch.int64)
         self.steps = 0  # training lookups since the last sync, the same on every rank
 
@@ -169,9 +173,28 @@ class StaleCopies:
             self.steps += 1
             self.counts += batch.local_counts
         batch.active_slots = torch.arange(self.replicas.num_slots)
-        batch.rows = self.rows if training else self.rows.detach()
+        batch.rows = self.rows if training else self._eval_copies()
         batch.traffic = self.take_traffic()
         return rows
+
+    def _eval_copies(self) -> torch.Tensor:
+        """(S, dim) what an eval lookup reads of each replicated id: its copy, but for
+        an id its owner had not stored at the pull and this rank has not trained
+        since, the eval initializer's row (what eval without replicas reads; the
+        pulled copy holds the row an insert would store)."""
+        rows = self.rows.detach()
+        unseen = ~self.stored & (self.counts == 0)
+        if not bool(unseen.any()):
+            return rows
+        if self._eval_init is None:  # once per pull: the rows depend on the ids only
+            self._eval_init = torch.zeros_like(rows)
+            for t, table in enumerate(self.replicas.tables):
+                first, last = self._bounds[t], self._bounds[t + 1]
+                slots = torch.nonzero(~self.stored[first:last]).flatten() + first
+                if slots.numel():
+                    self._eval_init[slots] = self._tables[table.name].read_rows(
+                        table.name, self.replicas.ids[slots], train=False).cpu()
+        return torch.where(unseen[:, None], self._eval_init, rows)
 
     # ------------------------------------------------------------ a sync
     def sync(self) -> None:
@@ -273,10 +296,10 @@ class StaleCopies:
 
     def _pull(self) -> None:
         """Every rank's copies and states = the owners' rows and optimizer states of
-        every replicated id."""
+        every replicated id, and whether the owner stores it."""
         replicas = self.replicas
         world_size, num_slots = replicas.world_size, replicas.num_slots
-        width = self.dim + self._state_width
+        width = self.dim + self._state_width + 1  # the last column: stored (1.0) or not
         values = torch.zeros(num_slots, width)
         if num_slots:
             mine = torch.nonzero(replicas.owners == replicas.rank).flatten()  # ascending slots
@@ -287,7 +310,9 @@ class StaleCopies:
                                    [mine.numel()] * world_size, group=replicas.pg)
             values[torch.argsort(replicas.owners, stable=True)] = received
             self._traffic[1] += num_slots
-        self.base = values
+        self.base = values[:, :-1]
+        self.stored = values[:, -1] > 0
+        self._eval_init = None
         self.rows = values[:, :self.dim].clone().requires_grad_()
         self.pending = None
         self._bounds = torch.cumsum(torch.bincount(
@@ -295,8 +320,9 @@ class StaleCopies:
         self._bounds.insert(0, 0)
 
     def _read(self, slots: torch.Tensor) -> torch.Tensor:
-        """(len(slots), dim + state width) the owner rows and optimizer states of
-        this rank's ``slots`` (ascending; states zero-padded to the widest)."""
+        """(len(slots), dim + state width + 1) the owner rows and optimizer states of
+        this rank's ``slots`` (ascending; states zero-padded to the widest), then 1.0
+        where the owner stores the id (0.0: the row and state an insert would store)."""
         replicas = self.replicas
         parts = []
         tables = replicas.table_of_slot[slots]
@@ -304,12 +330,13 @@ class StaleCopies:
             ids = replicas.ids[slots[tables == t]]
             if ids.numel():
                 module = self._tables[table.name]
-                part = torch.zeros(ids.numel(), self.dim + self._state_width)
+                part = torch.zeros(ids.numel(), self.dim + self._state_width + 1)
                 part[:, :self.dim] = module.read_rows(table.name, ids).cpu()
                 states = module.read_optimizer_states(table.name, ids).cpu()
                 part[:, self.dim:self.dim + states.shape[1]] = states
+                part[:, -1] = module.holds(table.name, ids).cpu().float()
                 parts.append(part)
-        return torch.cat(parts) if parts else torch.zeros(0, self.dim + self._state_width)
+        return torch.cat(parts) if parts else torch.zeros(0, self.dim + self._state_width + 1)
 
 
 def _apply(args, rows: torch.Tensor, states: torch.Tensor, grad: torch.Tensor) -> None:

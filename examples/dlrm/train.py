@@ -510,7 +510,7 @@ def traffic_per_step(args, progress) -> Dict[str, float]:
     moves ``2 (W - 1) / W n`` bytes out of each rank), the owners send replicated
     rows to the ``W - 1`` other ranks and get gradient rows back (``dim`` floats
     each): at staleness 0 the rows in use every step, with ``--staleness N`` all
-    replicated rows with their optimizer states and the gradients of those in use
+    replicated rows with their optimizer states (and a stored flag) and the gradients of those in use
     once per N steps (amortized: the per-step mean over the run).
     """
     world = dist.get_world_size()
@@ -522,7 +522,7 @@ def traffic_per_step(args, progress) -> Dict[str, float]:
     steps = max(1.0, steps / world)
     per_id = 12 + 8 * args.embedding_dim if args.collection == "ec" else 8
     slots, rows, grads = slots / world, rows / world, grads / world  # every rank counts the same
-    state = _state_floats(args) if args.staleness else 0  # pulled with each row
+    state = _state_floats(args) + 1 if args.staleness else 0  # pulled with each row, + stored
     sync = 2 * (world - 1) * slots * 8 + (world - 1) * (
         rows * (args.embedding_dim + state) + grads * args.embedding_dim) * 4
     return {"alltoall_ids": ids / steps, "alltoall_dynamic_ids": dynamic / steps,

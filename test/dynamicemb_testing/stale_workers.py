@@ -276,3 +276,44 @@ def stale_refusals(rank: int, world_size: int) -> None:
         assert "share replica_staleness" in str(err), str(err)
     else:
         raise AssertionError("a sharding with two stalenesses was built")
+
+
+# ids no batch draws (power_law_batch: 0..1999 and negatives), replicated from the start
+UNSEEN = {"s_hot": [10**12 + 1, 10**12 + 2], "s_frac": [10**12 + 3, -(10**12)]}
+
+
+def _unseen_batch() -> "KeyedJaggedTensor":
+    """One sample per feature whose ids training never saw (and a trained one)."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: PLC0415
+    values = {"a": UNSEEN["s_hot"] + [0], "b": [UNSEEN["s_hot"][1]], "c": UNSEEN["s_frac"],
+              "d": [10**12 + 5]}
+    return KeyedJaggedTensor(keys=list(values), values=torch.tensor(sum(values.values(), [])),
+                             lengths=torch.tensor([len(v) for v in values.values()]))
+
+
+def stale_eval_of_unseen_ids(rank: int, world_size: int) -> None:
+    """Eval reads a replicated id that no training step stored as eval without
+    replicas does (the eval initializer's row), at staleness 0 and 2, when the ids
+    are given to ``refresh_replicas`` directly; a trained id reads its copy."""
+    fused = OPTIMIZERS["sgd"]
+    read = {}
+    for label, replicated, staleness in (("none", False, 0), ("s0", True, 0), ("s2", True, 2)):
+        dmp = build(world_size, fused, replicated, collection="ec", staleness=staleness,
+                    tables=TABLES)
+        preload(dmp, world_size, rank)
+        if replicated:
+            refresh_replicas(dmp, {n: torch.tensor(HOT[n] + UNSEEN[n]) for n in HOT})
+        for step in range(3):
+            train_step(dmp, step, rank, pooled=False)
+        dmp.eval()
+        with torch.no_grad():
+            read[label] = _outputs(dmp(_unseen_batch()), pooled=False)
+        dmp.train()
+    for label in ("s0", "s2"):
+        for f, want in read["none"].items():
+            got = read[label][f]
+            unseen = slice(0, -1) if f == "a" else slice(None)  # a's last id was trained
+            torch.testing.assert_close(got[unseen], want[unseen], atol=0.0, rtol=0.0,
+                                       msg=f"{label}: feature {f}'s unseen ids")
+            assert bool((want[unseen] == 0).all()), f"the eval initializer reads zeros ({f})"
+        assert bool(read[label]["a"][-1].ne(0).any()), f"{label}: a trained id reads its row"

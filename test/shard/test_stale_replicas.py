@@ -24,6 +24,7 @@ def spawns(tmp_path_factory):
     spawns.run(2, [(f"sgd-{s}-{c}", stale_workers.stale_sgd_matches_window_reference,
                     (s, c, str(tmp_path_factory.mktemp(f"ckpt-{s}-{c}")))) for s, c in TWO_RANKS]
                + [("state-dict", stale_workers.stale_state_dict_and_flush, ()),
+                  ("eval-unseen", stale_workers.stale_eval_of_unseen_ids, ()),
                   ("refusals", stale_workers.stale_refusals, ())])
     spawns.run(4, [("sgd-4-ranks", stale_workers.stale_sgd_matches_window_reference,
                     (3, "ec", str(tmp_path_factory.mktemp("ckpt-4"))))])
@@ -41,6 +42,10 @@ def test_stale_sgd_equals_windowed_reference_on_four_ranks(spawns):
 
 def test_state_dict_and_flush_replicas_apply_pending_once(spawns):
     spawns.check("state-dict")
+
+
+def test_eval_of_unseen_replicated_ids_reads_the_eval_initializer(spawns):
+    spawns.check("eval-unseen")
 
 
 def test_adam_weight_decay_and_mixed_staleness_are_refused(spawns):
