@@ -297,6 +297,15 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
         for g in self._groups:
             g.storage.flush()
 
+    def release_graphs(self) -> None:
+        """Declares that no CUDA graph captured over this module replays any more: its
+        tables may grow again (a table a graph captured refuses to grow, since growth
+        replaces the arrays the replays use). Capture again after the growth."""
+        for g in self._groups:
+            for table in (g.storage.host, g.storage.device_tier):
+                if table is not None:
+                    table.release_graphs()
+
     def reset_cache_states(self) -> None:
         """Flushes, then empties every device cache (the next batches start cold)."""
         for g in self._groups:

@@ -94,7 +94,9 @@ class PaddedCalls:
         if not self._watched:
             return self._evicts
         watch = self._watch
-        if not capturing():  # a graph's replays run no Python: nothing is read or grown
+        if capturing():
+            self._captured = True
+        else:  # a graph's replays run no Python: nothing is read or grown
             self._read_watch()
             if self._stored.held_on_host():  # the host's count: exact, and read for free
                 watch.bound = self._size

@@ -160,6 +160,9 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         self._outcome_totals = DeviceTotals(DEVICE_TOTALS, self.device)
         self._watch = SizeWatch(self.device)  # what padded calls tell the host, late
         self._generation = 0
+        # a CUDA graph captured a call: its replays use the arrays' addresses, so
+        # growth (which replaces them) is refused until ``release_graphs``
+        self._captured = False
         self._pending: Optional[PendingInsert] = None
         self._none_inserted = SharedZeros(torch.bool, self.device)
 
@@ -505,8 +508,24 @@ class ScoredHashTable(TableInputs, PaddedCalls):
                        scores=memory.scores[slots], slots=slots)
 
     # ----------------------------------------------------------------- growth
+    def release_graphs(self) -> None:
+        """Declares that no CUDA graph captured over this table replays any more: it
+        may grow again (capture anew after growth)."""
+        self._captured = False
+
     def _grow(self) -> None:
-        """Doubles the buckets; every entry keeps its offset in the bucket."""
+        """Doubles the buckets; every entry keeps its offset in the bucket.
+
+        Raises:
+            RuntimeError: a CUDA graph captured a call of this table (growth would
+                free the arrays its replays use) and ``release_graphs`` was not called.
+        """
+        if self._captured:
+            raise RuntimeError(
+                "this table must grow, but a CUDA graph captured it and its replays use "
+                "the table's arrays, which growth replaces (and frees): re-capture after "
+                "growth (release_graphs(), an eager step, then capture again), or give the "
+                "table init_capacity == max_capacity so that it never grows")
         self._ops.grow(memory=self._memory)
         self._grown(1)
 

@@ -236,3 +236,29 @@ def test_host_writes_a_capture_would_replay_are_refused_and_eager_ones_taken():
             _captured(module, kernels, _ids(2))
         module.set_learning_rate(0.5)
         _captured(module, kernels, _ids(3))  # takes it
+
+
+def test_a_table_captured_in_a_graph_refuses_to_grow_until_released():
+    """Growth replaces a table's arrays, and a graph captured before replays into the
+    old ones (freed: the stand-in raises where a GPU would read freed memory). So an
+    eager call that would grow a captured table is refused, with the fix named, and
+    changes nothing; ``release_graphs`` lets the table grow again (capture anew after)."""
+    optimizer, pooling = DynamicEmbOptimType.EXACT_SGD, DynamicEmbPoolingMode.SUM
+    with emulated_cuda() as kernels:
+        module = _module(optimizer, pooling, DynamicEmbScoreStrategy.LRU, capacity=1 << 14,
+                         init_capacity=256)
+        table = module._groups[0].table
+        _step(module, _ids(0, pool=200))
+        graph, static_ids, static_offsets, _ = _captured(module, kernels, _ids(1, pool=200))
+        graph.replay()
+        capacity, rows = table.capacity(), export_dict(module, "t0")
+        new_ids = _ids(2, pool=1 << 20) + 10_000  # every one new: the table must grow
+        with pytest.raises(RuntimeError, match="re-capture after growth"):
+            _step(module, new_ids)
+        assert table.capacity() == capacity and export_dict(module, "t0").keys() == rows.keys()
+        graph.replay()  # its arrays are still the table's
+        module.release_graphs()
+        _step(module, new_ids)
+        assert table.capacity() > capacity
+        with pytest.raises(RuntimeError, match="freed memory"):
+            graph.replay()  # what the refusal kept from happening

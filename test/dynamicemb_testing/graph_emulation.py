@@ -11,6 +11,12 @@ tensors, writing each op's results into the tensors the capture returned (the
 fixed addresses of a graph's memory pool). A step that still needs Python per step
 replays to the wrong result, which is what the tests look for.
 
+A graph holds its own memory pool (what the capture allocated) but only the
+addresses of memory allocated before it: the stand-in keeps the tensors the capture
+allocated and only weak references to the others (a view is rebuilt from its base at
+replay), so a replay after their owner let them go (a table that grew and replaced
+its arrays) raises ``RuntimeError`` where a GPU would read freed memory.
+
 One difference from a GPU: capturing here runs the step once (a CUDA capture runs
 nothing), so a test counts the capture as a step. While capturing,
 ``torch.cuda.is_current_stream_capturing()`` is True (and ``torch.cuda.is_available()``),
@@ -18,11 +24,12 @@ so the module takes the paths it takes inside a real capture.
 """
 
 import contextlib
-from typing import Any, List, Tuple
+import weakref
+from typing import Any, List, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["EmulatedGraph"]
 
@@ -88,11 +95,31 @@ class EmulatedGraph:
             self.recording = False
             kernels._launch = launch
             torch.cuda.is_available, torch.cuda.is_current_stream_capturing = saved
+            self._keep_only_the_pool()
+
+    def _keep_only_the_pool(self) -> None:
+        """Replaces every tensor of the records that the capture did not allocate by
+        a weak reference (``_Address``)."""
+        pool: Set[int] = set()
+        for record in self.records:
+            if record[0] == "op":
+                for t in tree_flatten(record[4])[0]:
+                    if isinstance(t, torch.Tensor):
+                        pool.add(t.untyped_storage().data_ptr())
+
+        def weaken(x):
+            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in pool:
+                return _Address(x)
+            return x
+
+        self.records = [tuple(tree_map(weaken, part) if i > 0 else part
+                              for i, part in enumerate(record)) for record in self.records]
 
     @torch.no_grad()  # a graph knows no autograd: its tensors are memory
     def replay(self) -> None:
         """Runs the recorded ops and launches again, in order."""
         for record in self.records:
+            record = tree_map(lambda x: x.tensor() if isinstance(x, _Address) else x, record)
             if record[0] == "launch":
                 _, name, device, threads, args, shared_mem, block, tensors = record
                 for tensor in tensors.values():  # the pointers' tensors, taken again
@@ -104,6 +131,25 @@ class EmulatedGraph:
             if func.overloadpacket.__name__ in _UNINITIALIZED:
                 continue
             _write_back(out, result)
+
+
+class _Address:
+    """A tensor allocated before the capture, as a graph holds it: its address only
+    (a weak reference to its base and the view's geometry)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        base = t._base if t._base is not None else t
+        self.base = weakref.ref(base)
+        self.geometry = (t.size(), t.stride(), t.storage_offset())
+        self.what = f"{tuple(t.shape)} {t.dtype}"
+
+    def tensor(self) -> torch.Tensor:
+        base = self.base()
+        if base is None:
+            raise RuntimeError(
+                f"graph replay into freed memory: a {self.what} tensor the capture used "
+                "was freed since (a GPU would read or write memory the allocator gave away)")
+        return base.as_strided(*self.geometry)
 
 
 def _write_back(recorded: Any, result: Any) -> None:
