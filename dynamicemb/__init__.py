@@ -34,8 +34,8 @@ from dynamicemb.options import (
 from dynamicemb.sizing import (BUCKET_ALIGNMENT, DEFAULT_BUCKET_CAPACITY, DEMB_TABLE_ALIGN_SIZE,
                                align_to_table_size, get_sharded_table_capacity,
                                get_table_value_bytes)
-from dynamicemb.storage.external import (ExternalStorageError, KVStore, RedisStorage,
-                                         RocksDBStorage)
+from dynamicemb.storage.external import (ExternalStorageError, KVStore, RedisClusterStorage,
+                                         RedisStorage, RocksDBStorage)
 from dynamicemb.table import ScoredHashTable
 from dynamicemb.embedding.upstream_members import BATCH_SIZE_PER_DUMP
 from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicEmbDistType,
@@ -83,6 +83,7 @@ __all__ = [
     "KVStore",
     "MAX_BUCKET_CAPACITY",
     "OptimizerArgs",
+    "RedisClusterStorage",
     "RedisStorage",
     "RocksDBStorage",
     "ScoreStrategy",

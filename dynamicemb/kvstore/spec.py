@@ -2,7 +2,9 @@
 
 - a directory path (``str`` or ``os.PathLike``): RocksDB there (``RocksDBStorage``);
 - ``"redis://host:port[,host:port...]"``: those Redis servers (``RedisStorage``);
-- a ``RocksDBStorage`` or ``RedisStorage`` spec with more settings;
+- ``"redis+cluster://host:port[,host:port...]"``: the Redis Cluster those nodes belong
+  to (``RedisClusterStorage``);
+- a ``RocksDBStorage``, ``RedisStorage`` or ``RedisClusterStorage`` spec with more settings;
 - an open ``KVStore`` (one table group only: its tables share it).
 
 A spec opens one store per table group and rank: RocksDB in the subdirectory
@@ -22,7 +24,8 @@ from typing import Any, Optional, Tuple
 
 from dynamicemb.kvstore.store import KVStore
 
-__all__ = ["RedisStorage", "RocksDBStorage", "as_storage_spec", "namespace_of", "open_store"]
+__all__ = ["RedisClusterStorage", "RedisStorage", "RocksDBStorage", "as_storage_spec",
+           "namespace_of", "open_store"]
 
 _RUN = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -109,22 +112,72 @@ class RedisStorage:
                           timeout=self.timeout, resume=self.resume)
 
 
+@dataclass(frozen=True)
+class RedisClusterStorage:
+    """A Redis Cluster: slots, replicas and failover are the cluster's
+    (``dynamicemb.kvstore.redis_cluster``).
+
+    Args:
+        seeds: ``host:port`` of some of its nodes.
+        timeout: seconds a reply may take before the step fails.
+        run, resume: as ``RedisStorage``'s.
+        replicas_to_wait: replicas each written primary must confirm before a write
+            returns (``WAIT``, default 1); 0 is faster, and a primary that fails then
+            may lose the last writes (detected at the next call, not prevented).
+        wait_timeout: seconds a ``WAIT`` may take before the step fails.
+    """
+
+    seeds: Tuple[str, ...]
+    timeout: float = 5.0
+    run: Optional[str] = None
+    resume: bool = False
+    replicas_to_wait: int = 1
+    wait_timeout: float = 2.0
+
+    def __post_init__(self) -> None:
+        _check_run("RedisClusterStorage", self.run, self.resume)
+        seeds = (self.seeds,) if isinstance(self.seeds, str) else tuple(self.seeds)
+        for a in seeds:
+            if not re.fullmatch(r"[^\s:,/]+:\d+", a):
+                raise ValueError(f"RedisClusterStorage seeds must be host:port, got {a!r}")
+        if not seeds:
+            raise ValueError("RedisClusterStorage needs at least one host:port")
+        if not self.timeout > 0 or not self.wait_timeout > 0:
+            raise ValueError("RedisClusterStorage timeout and wait_timeout must be positive, "
+                             f"got {self.timeout} and {self.wait_timeout}")
+        if (isinstance(self.replicas_to_wait, bool) or not isinstance(self.replicas_to_wait, int)
+                or self.replicas_to_wait < 0):
+            raise ValueError(f"replicas_to_wait must be an int >= 0, got {self.replicas_to_wait!r}")
+        object.__setattr__(self, "seeds", seeds)
+
+    def open(self, namespace: str, row_width: int) -> KVStore:
+        from dynamicemb.kvstore.redis_cluster import RedisClusterStore
+        return RedisClusterStore(self.seeds, _in_run(self.run, namespace), row_width,
+                                 timeout=self.timeout, resume=self.resume,
+                                 replicas_to_wait=self.replicas_to_wait,
+                                 wait_timeout=self.wait_timeout)
+
+
 def as_storage_spec(value: Any):
     """The spec or store ``value`` names (see the module docstring).
 
     Raises:
         ValueError: ``value`` is none of them.
     """
-    if isinstance(value, (RocksDBStorage, RedisStorage, KVStore)):
+    if isinstance(value, (RocksDBStorage, RedisStorage, RedisClusterStorage, KVStore)):
         return value
     if isinstance(value, os.PathLike) or isinstance(value, str):
         text = os.fspath(value)
+        if text.startswith("redis+cluster://"):
+            return RedisClusterStorage(tuple(
+                a for a in text[len("redis+cluster://"):].rstrip("/").split(",")))
         if text.startswith("redis://"):
             return RedisStorage(tuple(a for a in text[len("redis://"):].rstrip("/").split(",")))
         return RocksDBStorage(text)
     raise ValueError(
         "external_storage must be a directory path (RocksDB), 'redis://host:port[,...]', "
-        f"a RocksDBStorage/RedisStorage spec or a KVStore, got {type(value).__name__}")
+        "'redis+cluster://host:port[,...]', a RocksDBStorage/RedisStorage/RedisClusterStorage "
+        f"spec or a KVStore, got {type(value).__name__}")
 
 
 def namespace_of(table_names, rank: int = -1) -> str:

@@ -276,14 +276,20 @@ class KVStore(abc.ABC):
         """Bytes put before every packed key (a backend's namespace)."""
         return b""
 
+    def _prefixes(self, keys: torch.Tensor, table_ids: torch.Tensor) -> np.ndarray:
+        """(len(prefix),) or (n, len(prefix)) uint8: the bytes before each packed key
+        (default: ``_key_prefix`` for every key; all of ``_key_prefix``'s length)."""
+        return np.frombuffer(self._key_prefix(), dtype=np.uint8)
+
     def _pack_keys(self, keys: torch.Tensor, table_ids: torch.Tensor) -> List[bytes]:
         n = keys.numel()
         if table_ids.shape != (n,):
             raise ValueError(f"table_ids must have shape ({n},), got {tuple(table_ids.shape)}")
-        prefix = self._key_prefix()
-        packed = np.empty((n, len(prefix) + KEY_BYTES), dtype=np.uint8)
-        packed[:, :len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
-        packed[:, len(prefix):len(prefix) + 8] = (
+        prefix = self._prefixes(keys.detach().cpu(), table_ids.detach().cpu())
+        width = prefix.shape[-1]
+        packed = np.empty((n, width + KEY_BYTES), dtype=np.uint8)
+        packed[:, :width] = prefix
+        packed[:, width:width + 8] = (
             keys.detach().cpu().to(torch.int64).contiguous().view(torch.uint8).reshape(n, 8).numpy())
         packed[:, -2:] = (table_ids.detach().cpu().to(torch.int16).contiguous()
                           .view(torch.uint8).reshape(n, 2).numpy())

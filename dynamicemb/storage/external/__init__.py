@@ -6,8 +6,10 @@ themselves (the ``KVStore`` interface, ``RocksDBStore``, ``RedisStore``) and the
 ``dynamicemb.kvstore``; their public names are importable from here too.
 """
 
-from dynamicemb.kvstore import (ExternalStorageError, KVStore, RedisStorage, RocksDBStorage,
-                                StoredRows, as_storage_spec, namespace_of, open_store)
+from dynamicemb.kvstore import (ExternalStorageError, KVStore, RedisClusterStorage, RedisStorage,
+                                RocksDBStorage, StoredRows, as_storage_spec, namespace_of,
+                                open_store)
 
-__all__ = ["ExternalStorageError", "KVStore", "RedisStorage", "RocksDBStorage", "StoredRows",
+__all__ = ["ExternalStorageError", "KVStore", "RedisClusterStorage", "RedisStorage",
+           "RocksDBStorage", "StoredRows",
            "as_storage_spec", "namespace_of", "open_store"]

@@ -1,0 +1,333 @@
+"""Rows on a Redis Cluster (the ``redis`` package's cluster client).
+
+The cluster spreads keys over its primaries by hash slot, keeps a replica of each,
+fails over when a primary dies and moves slots between nodes online; this store
+only lays its keys out so that every call's checks stay inside one slot:
+
+- A namespace is cut into ``PARTITIONS`` partitions by a hash of (key, table id)
+  (``partition_of``). Partition ``p``'s keys start with the hash tag
+  ``{<namespace>.<pp>}`` (``pp``: ``p`` in two hex digits), so they share one slot,
+  and the partition holds its own **mark** (the tag, then ``MARK``) and **write
+  count** (the tag, then ``COUNT``) in that slot.
+- A read, a write or a delete is one script per partition (``EVAL``, every key it
+  touches declared) that checks the mark and the count, then reads (``MGET``) or
+  writes and advances the count. The cluster client's pipeline sends each node its commands
+  in one round trip and follows MOVED/ASK redirections (a slot being migrated).
+- The store remembers each partition's count; a partition whose count is not the
+  one it wrote last lost acknowledged writes (a primary died before its replica
+  had them): the call fails by name, as for a mark that is gone (a cluster restarted
+  empty) or another module's (``KVStore.claim``).
+- Writes are durable against one failure by default: after a call's writes, each
+  primary it wrote to is asked to ``WAIT`` until ``replicas_to_wait`` replicas have
+  them (a primary without any replica is noted once in the log: its writes are not
+  replicated). ``WAIT`` covers the writes of its connection: the client keeps one
+  connection per node and the store is used from one thread, so the ``WAIT``
+  follows the pipeline's writes on that connection. ``replicas_to_wait=0`` skips the wait: faster, and a failover may then
+  lose the last writes (detected by the counts, not prevented).
+"""
+
+import logging
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from dynamicemb.kvstore.store import MARK, ExternalStorageError, KVStore, unpack_keys
+
+__all__ = ["COUNT", "PARTITIONS", "RedisClusterStore", "partition_of"]
+
+logger = logging.getLogger(__name__)
+
+PARTITIONS = 64  # partitions of a namespace: at most 64 slots, so spread over the primaries
+COUNT = b"\x00dynamicemb-writes"  # after a partition's tag: its write count
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
+_BATCH = 1 << 12  # keys per MGET or script call
+
+# KEYS[1] the partition's mark, KEYS[2] its write count, then the rows' keys;
+# ARGV[1] this store's mark, ARGV[2] the count it wrote last, then the values.
+# Returns the new count, or {mark found or 0, count found} when a check failed.
+_CHECK = """
+local mark = redis.call('GET', KEYS[1])
+local count = redis.call('GET', KEYS[2]) or '0'
+if mark ~= ARGV[1] or count ~= ARGV[2] then
+  return {mark or 0, count}
+end
+"""
+_CHECKED_MGET = _CHECK + """
+return {1, redis.call('MGET', unpack(KEYS, 3, #KEYS))}
+"""
+_CHECKED_MSET = _CHECK + """
+for i = 3, #KEYS, 1000 do
+  local args = {}
+  for j = i, math.min(i + 999, #KEYS) do
+    args[#args + 1] = KEYS[j]
+    args[#args + 1] = ARGV[j]
+  end
+  redis.call('MSET', unpack(args))
+end
+return redis.call('INCR', KEYS[2])
+"""
+_CHECKED_DEL = _CHECK + """
+for i = 3, #KEYS, 2000 do
+  redis.call('DEL', unpack(KEYS, i, math.min(i + 1999, #KEYS)))
+end
+return redis.call('INCR', KEYS[2])
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+
+def partition_of(keys: torch.Tensor, table_ids: torch.Tensor, partitions: int) -> torch.Tensor:
+    """The partition of each (key, table id): ``((key * 0x9E3779B97F4A7C15 mod 2**64)
+    >> 33 XOR table_id) mod partitions``.
+
+    Shape:
+        keys, table_ids: (n,); returns (n,) int64 in [0, partitions).
+    """
+    mixed = (keys.to(torch.int64) * _GOLDEN) >> 33  # arithmetic shift: keep 31 bits
+    return ((mixed & 0x7FFFFFFF) ^ table_ids.to(torch.int64)) % partitions
+
+
+class RedisClusterStore(KVStore):
+    """Rows on a Redis Cluster (see the module docstring for the layout).
+
+    Args:
+        seeds: ``host:port`` of some of the cluster's nodes (the client learns the
+            rest from them).
+        namespace: prefix of this store's keys (distinct per table group and rank).
+        row_width: floats per row.
+        timeout: seconds a connection or a reply may take before the verb fails.
+        resume: take over the rows an earlier module left (``KVStore.claim``).
+        replicas_to_wait: replicas each written primary must confirm before a write
+            call returns (``WAIT``); 0: none (a failover may lose the last writes).
+        wait_timeout: seconds a ``WAIT`` may take before the call fails.
+    """
+
+    def __init__(self, seeds: Sequence[str], namespace: str, row_width: int,
+                 timeout: float = 5.0, resume: bool = False, replicas_to_wait: int = 1,
+                 wait_timeout: float = 2.0) -> None:
+        super().__init__(f"redis+cluster://{','.join(seeds)}/{namespace}", row_width)
+        if not seeds:
+            raise ValueError("RedisClusterStore needs at least one host:port")
+        if any(c in namespace for c in ":*?[]{}\\"):
+            raise ValueError(f"namespace must not contain any of ':*?[]{{}}\\', got {namespace!r}")
+        self.namespace, self.seeds = namespace, tuple(seeds)
+        self.replicas_to_wait, self.wait_timeout = int(replicas_to_wait), float(wait_timeout)
+        tags = [f"{{{namespace}.{p:02x}}}".encode() for p in range(PARTITIONS)]
+        self._tags = np.frombuffer(b"".join(tags), dtype=np.uint8).reshape(PARTITIONS, -1)
+        self._marks = [t + MARK for t in tags]
+        self._counts_keys = [t + COUNT for t in tags]
+        # the write count each partition has from us, and how many more a failed call
+        # may have added (its pipeline's fate per partition is not known)
+        self._counts = [0] * PARTITIONS
+        self._slack = [0] * PARTITIONS
+        self._unreplicated: set = set()  # primaries noted to have no replica
+        import redis
+        from redis.cluster import ClusterNode, RedisCluster
+        self._redis = redis
+        try:
+            self._client = RedisCluster(
+                startup_nodes=[ClusterNode(h, int(p)) for h, p in (s.rsplit(":", 1) for s in seeds)],
+                socket_timeout=timeout + self.wait_timeout,  # a WAIT's reply may take both
+                socket_connect_timeout=timeout)
+        except Exception as e:
+            raise ExternalStorageError(
+                f"external store {self.name} failed to open: {type(e).__name__}: "
+                f"{str(e)[:200]}") from e
+        self.claim(resume)
+
+    # ------------------------------------------------------------ layout
+    def _key_prefix(self) -> bytes:
+        return self._tags[0].tobytes()  # every tag has this length
+
+    def _prefixes(self, keys: torch.Tensor, table_ids: torch.Tensor) -> np.ndarray:
+        return self._tags[partition_of(keys, table_ids, PARTITIONS).numpy()]
+
+    def _by_partition(self, keys: List[bytes]) -> Dict[int, np.ndarray]:
+        """Positions of ``keys`` per partition (read from their tags)."""
+        width = self._tags.shape[1]
+        tags = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), -1)[:, :width]
+        hexes = tags[:, width - 3:width - 1].copy().view("S2").reshape(-1)
+        parts = np.array([int(h, 16) for h in hexes.tolist()], dtype=np.int64) if len(keys) else \
+            np.empty(0, dtype=np.int64)
+        order = np.argsort(parts, kind="stable")
+        found, starts = np.unique(parts[order], return_index=True)
+        ends = list(starts[1:]) + [len(order)]
+        return {int(p): order[s:e] for p, s, e in zip(found, starts, ends)}
+
+    def _where(self, p: int) -> str:
+        node = self._client.get_node_from_key(self._marks[p])
+        return f"partition {p} (node {node.name})"
+
+    def _check(self, p: int, mark: Optional[bytes], count: Optional[bytes]) -> None:
+        """Raises unless partition ``p`` holds this store's mark and the write count
+        it wrote last (up to the writes a failed call may have made)."""
+        self._check_mark(self._where(p), mark)
+        found = int(count or 0)
+        if not self._counts[p] <= found <= self._counts[p] + self._slack[p]:
+            raise ExternalStorageError(
+                f"external store {self.name}: {self._where(p)} lost writes it had "
+                f"acknowledged (its write count is {found}, this store wrote "
+                f"{self._counts[p]}): a primary failed before its replica had them. Load "
+                f"a checkpoint (DynamicEmbLoad)")
+        self._counts[p], self._slack[p] = found, 0
+
+    def _settle(self, partitions) -> None:
+        """Reads the counts of the partitions a failed call left uncertain."""
+        unsure = [p for p in partitions if self._slack[p]]
+        if not unsure:
+            return
+        pipe = self._client.pipeline()
+        for p in unsure:
+            pipe.get(self._marks[p])
+            pipe.get(self._counts_keys[p])
+        replies = self._execute(pipe)
+        for i, p in enumerate(unsure):
+            self._check(p, replies[2 * i], replies[2 * i + 1])
+
+    # ------------------------------------------------------------- verbs
+    def _get(self, keys: List[bytes]) -> Sequence[Optional[bytes]]:
+        """One checked ``MGET`` script per partition and ``_BATCH`` keys, one pipeline."""
+        groups = self._by_partition(keys)
+        self._settle(groups)
+        pipe, calls = self._client.pipeline(), []
+        for p, at in groups.items():
+            for i in range(0, len(at), _BATCH):
+                part = at[i:i + _BATCH]
+                pipe.execute_command("EVAL", _CHECKED_MGET, 2 + len(part), self._marks[p],
+                                     self._counts_keys[p], *[keys[j] for j in part], self.mark,
+                                     str(self._counts[p]).encode())
+                calls.append((p, part))
+        out: List[Optional[bytes]] = [None] * len(keys)
+        for (p, part), reply in zip(calls, self._execute(pipe)):
+            if reply[0] != 1:  # {mark or 0, count}: a check failed
+                self._check(p, reply[0] or None, reply[1])
+            for j, value in zip(part, reply[1]):
+                out[j] = value
+        return out
+
+    def _put(self, keys: List[bytes], values: List[bytes]) -> None:
+        self._write(_CHECKED_MSET, keys, values)
+
+    def _delete(self, keys: List[bytes]) -> None:
+        self._write(_CHECKED_DEL, keys, None)
+
+    def _write(self, script: str, keys: List[bytes], values: Optional[List[bytes]]) -> None:
+        """Checked scripts of ``_BATCH`` keys per partition in one pipeline (the k-th
+        call of a partition expects its count advanced k times), then ``WAIT``."""
+        groups = self._by_partition(keys)
+        self._settle(groups)
+        pipe, calls = self._client.pipeline(), []
+        for p, at in groups.items():
+            base = self._counts[p]
+            for k, i in enumerate(range(0, len(at), _BATCH)):
+                part = at[i:i + _BATCH]
+                args = [] if values is None else [values[j] for j in part]
+                pipe.execute_command("EVAL", script, 2 + len(part), self._marks[p],
+                                     self._counts_keys[p], *[keys[j] for j in part],
+                                     self.mark, str(base + k).encode(), *args)
+                calls.append(p)
+        try:
+            replies = self._execute(pipe)
+        except ExternalStorageError:
+            for p in calls:  # each call may or may not have run
+                self._slack[p] += 1
+            raise
+        for p, reply in zip(calls, replies):
+            if isinstance(reply, list):  # a check failed: nothing of p was written
+                self._check(p, reply[0] or None, reply[1])
+            self._counts[p] = int(reply)
+        self._wait(calls)
+
+    def _wait(self, partitions: List[int]) -> None:
+        """``WAIT`` on each primary written to, for ``replicas_to_wait`` replicas (a
+        primary known to have none is asked its ``ROLE`` instead, until it has one)."""
+        if self.replicas_to_wait <= 0:
+            return
+        nodes = {n.name: n for n in (self._client.get_node_from_key(self._marks[p])
+                                     for p in set(partitions))}
+        for name, node in nodes.items():
+            if name in self._unreplicated:
+                if not self._command("ROLE", target_nodes=node)[2]:
+                    continue
+                self._unreplicated.discard(name)
+            got = self._command("WAIT", self.replicas_to_wait, int(self.wait_timeout * 1000),
+                                target_nodes=node)
+            if got >= self.replicas_to_wait:
+                continue
+            if not self._command("ROLE", target_nodes=node)[2]:  # no replica to wait for
+                self._unreplicated.add(name)
+                logger.warning("external store %s: node %s has no replica: its writes are "
+                               "not replicated and a failure of it loses them", self.name, name)
+                continue
+            raise ExternalStorageError(
+                f"external store {self.name}: node {name} wrote the rows but {got} of "
+                f"{self.replicas_to_wait} replicas confirmed them within {self.wait_timeout} s "
+                f"(replicas_to_wait); a failover could lose them")
+
+    def _command(self, *args, **kwargs):
+        try:
+            return self._client.execute_command(*args, **kwargs)
+        except self._redis.RedisError as e:
+            raise ExternalStorageError(f"external store {self.name}: {type(e).__name__}: "
+                                       f"{str(e)[:200]}") from e
+
+    def _execute(self, pipe) -> list:
+        try:
+            return pipe.execute()
+        except self._redis.RedisError as e:
+            raise ExternalStorageError(f"external store {self.name}: {type(e).__name__}: "
+                                       f"{str(e)[:200]}") from e
+
+    # ---------------------------------------------------------- ownership
+    def _read_marks(self) -> List[Tuple[str, Optional[bytes]]]:
+        pipe = self._client.pipeline()
+        for p in range(PARTITIONS):
+            pipe.get(self._marks[p])
+            pipe.get(self._counts_keys[p])
+        replies = self._execute(pipe)
+        self._found_counts = [int(c or 0) for c in replies[1::2]]
+        return [(self._where(p), m) for p, m in enumerate(replies[0::2])]
+
+    def _write_marks(self, mark: bytes, replace: bool) -> bool:
+        pipe = self._client.pipeline()
+        for p in range(PARTITIONS):
+            pipe.set(self._marks[p], mark, nx=not replace)
+        took = [bool(t) for t in self._execute(pipe)]
+        if all(took):
+            self._counts = list(self._found_counts) if replace else [0] * PARTITIONS
+            if not replace:
+                pipe = self._client.pipeline()
+                for p in range(PARTITIONS):
+                    pipe.set(self._counts_keys[p], b"0")
+                self._execute(pipe)
+            self._wait(list(range(PARTITIONS)))
+            return True
+        pipe = self._client.pipeline()
+        for p in (p for p in range(PARTITIONS) if took[p]):  # another opener won one
+            pipe.execute_command("EVAL", _RELEASE, 1, self._marks[p], mark)
+        self._execute(pipe)
+        return False
+
+    def _emptying_hint(self) -> str:
+        return (f"delete its keys (the pattern '{{{self.namespace}.*') on the cluster of "
+                f"{', '.join(self.seeds)}")
+
+    def _scan(self, chunk: int) -> Iterator[tuple]:
+        for where, mark in self._read_marks():
+            self._check_mark(where, mark)
+        pattern = b"{" + self.namespace.encode() + b".*"
+        batch: List[bytes] = []
+        for key in self._client.scan_iter(match=pattern, count=chunk,
+                                          target_nodes=self._client.PRIMARIES):
+            batch.append(key)
+            if len(batch) == chunk:
+                yield batch, self._client.mget_nonatomic(batch)
+                batch = []
+        if batch:
+            yield batch, self._client.mget_nonatomic(batch)
+
+    def close(self) -> None:
+        self._client.close()
