@@ -27,6 +27,7 @@ only lays its keys out so that every call's checks stay inside one slot:
 """
 
 import logging
+import time
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -42,6 +43,7 @@ PARTITIONS = 64  # partitions of a namespace: at most 64 slots, so spread over t
 COUNT = b"\x00dynamicemb-writes"  # after a partition's tag: its write count
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 _BATCH = 1 << 12  # keys per MGET or script call
+_ATTEMPTS = 8  # sends of a command redirected or refused while its slot moves
 
 # KEYS[1] the partition's mark, KEYS[2] its write count, then the rows' keys;
 # ARGV[1] this store's mark, ARGV[2] the count it wrote last, then the values.
@@ -77,6 +79,17 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 1
 """
+
+
+def _moving_errors() -> tuple:
+    """The replies of a command that did not run because its slot moves or its node
+    changed role: sent again (after reading the slot map, but for ASK and TRYAGAIN)."""
+    from redis import exceptions as e
+    return (e.AskError, e.TryAgainError, e.ClusterDownError, e.MasterDownError,
+            e.ReadOnlyError, e.BusyLoadingError)
+
+
+_MOVING = _moving_errors()
 
 
 def partition_of(keys: torch.Tensor, table_ids: torch.Tensor, partitions: int) -> torch.Tensor:
@@ -179,29 +192,25 @@ class RedisClusterStore(KVStore):
         unsure = [p for p in partitions if self._slack[p]]
         if not unsure:
             return
-        pipe = self._client.pipeline()
-        for p in unsure:
-            pipe.get(self._marks[p])
-            pipe.get(self._counts_keys[p])
-        replies = self._execute(pipe)
-        for i, p in enumerate(unsure):
-            self._check(p, replies[2 * i], replies[2 * i + 1])
+        replies = self._run([(p, ("MGET", self._marks[p], self._counts_keys[p])) for p in unsure])
+        for p, (mark, count) in zip(unsure, replies):
+            self._check(p, mark, count)
 
     # ------------------------------------------------------------- verbs
     def _get(self, keys: List[bytes]) -> Sequence[Optional[bytes]]:
         """One checked ``MGET`` script per partition and ``_BATCH`` keys, one pipeline."""
         groups = self._by_partition(keys)
         self._settle(groups)
-        pipe, calls = self._client.pipeline(), []
+        commands, calls = [], []
         for p, at in groups.items():
             for i in range(0, len(at), _BATCH):
                 part = at[i:i + _BATCH]
-                pipe.execute_command("EVAL", _CHECKED_MGET, 2 + len(part), self._marks[p],
+                commands.append((p, ("EVAL", _CHECKED_MGET, 2 + len(part), self._marks[p],
                                      self._counts_keys[p], *[keys[j] for j in part], self.mark,
-                                     str(self._counts[p]).encode())
+                                     str(self._counts[p]).encode())))
                 calls.append((p, part))
         out: List[Optional[bytes]] = [None] * len(keys)
-        for (p, part), reply in zip(calls, self._execute(pipe)):
+        for (p, part), reply in zip(calls, self._run(commands)):
             if reply[0] != 1:  # {mark or 0, count}: a check failed
                 self._check(p, reply[0] or None, reply[1])
             for j, value in zip(part, reply[1]):
@@ -219,18 +228,18 @@ class RedisClusterStore(KVStore):
         call of a partition expects its count advanced k times), then ``WAIT``."""
         groups = self._by_partition(keys)
         self._settle(groups)
-        pipe, calls = self._client.pipeline(), []
+        commands, calls = [], []
         for p, at in groups.items():
             base = self._counts[p]
             for k, i in enumerate(range(0, len(at), _BATCH)):
                 part = at[i:i + _BATCH]
                 args = [] if values is None else [values[j] for j in part]
-                pipe.execute_command("EVAL", script, 2 + len(part), self._marks[p],
+                commands.append((p, ("EVAL", script, 2 + len(part), self._marks[p],
                                      self._counts_keys[p], *[keys[j] for j in part],
-                                     self.mark, str(base + k).encode(), *args)
+                                     self.mark, str(base + k).encode(), *args)))
                 calls.append(p)
         try:
-            replies = self._execute(pipe)
+            replies = self._run(commands, writes=True)
         except ExternalStorageError:
             for p in calls:  # each call may or may not have run
                 self._slack[p] += 1
@@ -274,41 +283,99 @@ class RedisClusterStore(KVStore):
             raise ExternalStorageError(f"external store {self.name}: {type(e).__name__}: "
                                        f"{str(e)[:200]}") from e
 
-    def _execute(self, pipe) -> list:
+    def _run(self, commands: List[Tuple[int, tuple]], writes: bool = False) -> list:
+        """The replies of ``(partition, command)`` pairs: one pipeline per node (the
+        node of the partition's slot in the client's map), in order. A command
+        redirected (MOVED, ASK) or refused while its slot moves (TRYAGAIN,
+        CLUSTERDOWN) did not run: it is sent again where the cluster says, after the
+        slot map is read again. A node that cannot be reached fails the call (reads
+        are tried again first; a write may have run)."""
+        replies: list = [None] * len(commands)
+        todo, asking, error = list(range(len(commands))), {}, None
+        for attempt in range(_ATTEMPTS):
+            by_node: Dict[str, tuple] = {}
+            for i in todo:
+                node = asking.get(i) or self._client.get_node_from_key(
+                    self._marks[commands[i][0]])
+                by_node.setdefault(node.name, (node, []))[1].append(i)
+            retry, asking, stale = [], {}, False
+            for node, idx in by_node.values():
+                try:
+                    got = self._pipeline(node, [commands[i][1] for i in idx],
+                                         [i in asking for i in idx])
+                except (self._redis.ConnectionError, self._redis.TimeoutError) as e:
+                    if writes:
+                        raise ExternalStorageError(
+                            f"external store {self.name}: node {node.name}: "
+                            f"{type(e).__name__}: {str(e)[:200]}") from e
+                    retry += idx
+                    stale, error = True, f"node {node.name}: {type(e).__name__}: {e}"
+                    continue
+                errors = self._redis.exceptions
+                for i, reply in zip(idx, got):
+                    if not isinstance(reply, errors.ResponseError):
+                        replies[i] = reply
+                        continue
+                    what = f"node {node.name}: {type(reply).__name__}: {str(reply)[:200]}"
+                    if not isinstance(reply, _MOVING):
+                        raise ExternalStorageError(f"external store {self.name}: {what}")
+                    retry.append(i)
+                    error = what
+                    if isinstance(reply, errors.AskError) and not isinstance(
+                            reply, errors.MovedError):  # this command only, at the target
+                        asking[i] = self._client.get_node(host=reply.host, port=reply.port)
+                    else:
+                        stale |= not isinstance(reply, errors.TryAgainError)
+            if not retry:
+                return replies
+            if stale:
+                self._refresh()
+            asking = {i: n for i, n in asking.items() if n is not None}
+            todo = retry
+            time.sleep(min(0.05 * (attempt + 1), 0.5))
+        raise ExternalStorageError(f"external store {self.name}: {error} (after "
+                                   f"{_ATTEMPTS} attempts)")
+
+    def _pipeline(self, node, commands: List[tuple], asking: List[bool]) -> list:
+        """The replies of ``commands`` on ``node``, in one round trip (errors as values)."""
+        pipe = node.redis_connection.pipeline(transaction=False)
+        for command, ask in zip(commands, asking):
+            if ask:
+                pipe.execute_command("ASKING")
+            pipe.execute_command(*command)
+        got = pipe.execute(raise_on_error=False)
+        if any(asking):  # drop the ASKING replies
+            it = iter(got)
+            got = [next(it) if not ask else (next(it), next(it))[1] for ask in asking]
+        return got
+
+    def _refresh(self) -> None:
+        """Reads the cluster's slot map again (after a failover or a slot moved)."""
         try:
-            return pipe.execute()
-        except self._redis.RedisError as e:
-            raise ExternalStorageError(f"external store {self.name}: {type(e).__name__}: "
-                                       f"{str(e)[:200]}") from e
+            self._client.nodes_manager.initialize()
+        except self._redis.RedisError:
+            pass  # the cluster is still settling: the next attempt tries again
 
     # ---------------------------------------------------------- ownership
     def _read_marks(self) -> List[Tuple[str, Optional[bytes]]]:
-        pipe = self._client.pipeline()
-        for p in range(PARTITIONS):
-            pipe.get(self._marks[p])
-            pipe.get(self._counts_keys[p])
-        replies = self._execute(pipe)
-        self._found_counts = [int(c or 0) for c in replies[1::2]]
-        return [(self._where(p), m) for p, m in enumerate(replies[0::2])]
+        replies = self._run([(p, ("MGET", self._marks[p], self._counts_keys[p]))
+                             for p in range(PARTITIONS)])
+        self._found_counts = [int(count or 0) for _, count in replies]
+        return [(self._where(p), mark) for p, (mark, _) in enumerate(replies)]
 
     def _write_marks(self, mark: bytes, replace: bool) -> bool:
-        pipe = self._client.pipeline()
-        for p in range(PARTITIONS):
-            pipe.set(self._marks[p], mark, nx=not replace)
-        took = [bool(t) for t in self._execute(pipe)]
+        took = [reply is not None for reply in self._run(
+            [(p, ("SET", self._marks[p], mark) + (() if replace else ("NX",)))
+             for p in range(PARTITIONS)], writes=True)]
         if all(took):
             self._counts = list(self._found_counts) if replace else [0] * PARTITIONS
             if not replace:
-                pipe = self._client.pipeline()
-                for p in range(PARTITIONS):
-                    pipe.set(self._counts_keys[p], b"0")
-                self._execute(pipe)
+                self._run([(p, ("SET", self._counts_keys[p], b"0")) for p in range(PARTITIONS)],
+                          writes=True)
             self._wait(list(range(PARTITIONS)))
             return True
-        pipe = self._client.pipeline()
-        for p in (p for p in range(PARTITIONS) if took[p]):  # another opener won one
-            pipe.execute_command("EVAL", _RELEASE, 1, self._marks[p], mark)
-        self._execute(pipe)
+        self._run([(p, ("EVAL", _RELEASE, 1, self._marks[p], mark))  # another opener won one
+                   for p in range(PARTITIONS) if took[p]], writes=True)
         return False
 
     def _emptying_hint(self) -> str:
