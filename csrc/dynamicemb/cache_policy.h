@@ -16,7 +16,7 @@
 //   promote: after the cache's padded insert, victims' rows go back to the host
 //            store, new keys' rows come in, every key gets its reference (promote_one).
 //
-// The policy (TieredStorage._into_device_tier applies the same rule with torch ops):
+// The policy (both backends loop over these procedures; TieredStorage._promote calls them):
 // the batch's hits come first, so they are pinned before any miss picks a victim;
 // then every miss, in batch order, when the misses fit in the cache's free slots;
 // else only the misses seen more than once, hottest first, at most as many as the

@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from dynamicemb.ops.interface import offsets_problem
-from dynamicemb.table.device_counts import capturing
+from dynamicemb.table.device_counts import CountsCopy, capturing
 
 __all__ = ["CheckedBatch", "InputErrors", "offsets_message"]
 
@@ -55,7 +55,6 @@ class CheckedBatch:
 class _Pending(NamedTuple):
     batch: CheckedBatch
     word: torch.Tensor  # the word its kernels read
-    event: Optional[object]  # a torch.cuda.Event recorded after the copy (CUDA only)
 
 
 class InputErrors:
@@ -70,8 +69,7 @@ class InputErrors:
     def __init__(self, device: torch.device, at_once: bool = False) -> None:
         self.word = torch.zeros(1, dtype=torch.int64, device=device)
         self.at_once = at_once
-        self._host = torch.zeros(1, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._host_value = self._host.numpy()  # read as numpy: no torch op, no sync
+        self._copy = CountsCopy(1, device)  # the word, on its way to the host
         self._pending: Optional[_Pending] = None
 
     def checked(self, batch: CheckedBatch, word: Optional[torch.Tensor] = None) -> None:
@@ -83,12 +81,8 @@ class InputErrors:
         if capturing():  # a graph's replays are checked by reading the word itself; the
             return  # batch checked before the capture stays pending
         word = self.word if word is None else word
-        self._host.copy_(word, non_blocking=True)
-        event = None
-        if word.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-        self._pending = _Pending(batch, word, event)
+        self._copy.start(word)
+        self._pending = _Pending(batch, word)
         if self.at_once:
             self.raise_if_refused()
 
@@ -105,9 +99,7 @@ class InputErrors:
         elif pending is None:
             return
         else:
-            if pending.event is not None:
-                pending.event.synchronize()
-            problem = offsets_problem(int(self._host_value[0]))
+            problem = offsets_problem(self._copy.wait()[0])
         if not problem:
             return
         batch = pending.batch if pending is not None else CheckedBatch()

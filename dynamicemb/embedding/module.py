@@ -157,10 +157,6 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
             raise ValueError(f"pooling NONE needs one dim for all tables, got {sorted(set(self.dims))}")
         self.device = resolve_device(device if device is not None else "cpu")
         self._build_groups(module_optimizer)
-        self._train_steps = 0
-        # counted steps advance the group table's step in device memory: then that
-        # step is the module's (a STEP score is train_steps + 1 in both ways)
-        self._steps_on_table = False
         self._version = 0  # see content_version
         self._prefetched: Deque[_Prefetched] = deque()
         self._outputs = OutputBuffers()
@@ -237,13 +233,7 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
     def train_steps(self) -> int:
         """Training forwards so far: the STEP strategy scores a batch's keys with
         ``train_steps + 1``."""
-        return self._groups[0].table.step if self._steps_on_table else self._train_steps
-
-    def _steps_to_host(self) -> None:
-        """After counted steps, the host's train steps again (read from the device)."""
-        if self._steps_on_table:
-            self._train_steps = self._groups[0].table.step
-            self._steps_on_table = False
+        return self._groups[0].table.step
 
     def check_errors(self) -> None:
         """Raises the ``ValueError`` of a batch whose offsets a kernel refused (on a
@@ -258,8 +248,8 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
         if int(steps) < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         self._changed()
-        self._steps_on_table = False
-        self._train_steps = int(steps)
+        for g in self._groups:  # every group's table steps with the module
+            g.table.set_step(int(steps))
 
 
     def prefetch(

@@ -94,14 +94,9 @@ class StepPipeline:
 
     def _check_on_device(self) -> CheckedBatch:
         """A batch to be checked by a kernel into the error word (read at the next
-        call). Its step's counters (train steps, clock, Adam's step) advance in
-        device memory and a refused batch advances none: nothing to put back. The
-        module's train steps follow the first group table's step from here (every
-        group's table steps with it)."""
-        if not self._steps_on_table:
-            for g in self._groups:
-                g.table.set_step(self._train_steps)
-            self._steps_on_table = True
+        call). Its step's counters (train steps: every group table's step, clock,
+        Adam's step) advance in device memory and a refused batch advances none:
+        nothing to put back."""
         return CheckedBatch()
 
     def _validate(self, indices, offsets, weights, check: CheckedBatch,

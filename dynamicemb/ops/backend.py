@@ -90,6 +90,7 @@ class Backend(abc.ABC):
         """``dedup(group=True)`` then ``upsert`` of the unique keys with the clock rule,
         which a backend may overlap."""
 
+    @abc.abstractmethod
     def padded_dedup_upsert(self, *, memory: TableMemory, keys: torch.Tensor,
                             table_ids: torch.Tensor, frequencies: Optional[torch.Tensor],
                             rule: ScoreRule, time: torch.Tensor, now_index: int,
@@ -124,8 +125,8 @@ class Backend(abc.ABC):
                 initialized as a new one), its previous score in ``prev_scores``
                 (a new key's is -1), counted in ``outcomes[4]``, not ``[1]``.
         """
-        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
+    @abc.abstractmethod
     def padded_dedup(self, *, keys: torch.Tensor, table_ids: torch.Tensor,
                      error: Optional[torch.Tensor],
                      part: Optional["BatchPart"] = None,
@@ -143,8 +144,8 @@ class Backend(abc.ABC):
                 by one unless ``error`` refuses the batch (as by
                 ``padded_dedup_upsert``, for a pass that follows).
         """
-        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
+    @abc.abstractmethod
     def padded_upsert(self, *, memory: TableMemory, keys: torch.Tensor,
                       table_ids: torch.Tensor, scores: Optional[torch.Tensor],
                       buckets: torch.Tensor, rule: ScoreRule, evicts: bool, one_table: bool,
@@ -158,15 +159,15 @@ class Backend(abc.ABC):
         0: none, which are inserts), ``size`` (1,) += its inserts into empty slots.
         The call's time (the clock rule's score) is ``time[now_index]`` ((2,) int64,
         the table's clock and step, read on the device), 0 without ``time``."""
-        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
+    @abc.abstractmethod
     def padded_erase(self, *, memory: TableMemory, keys: torch.Tensor,
                      table_ids: torch.Tensor, status: torch.Tensor, which: int,
                      erased: torch.Tensor, size: torch.Tensor) -> None:
         """Erases ``keys[i]`` where ``status[i] == which`` (distinct keys); ``erased``
         (1,) += and ``size`` (1,) -= the keys found."""
-        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
+    @abc.abstractmethod
     def promotion_plan(self, *, cache: TableMemory, keys: torch.Tensor,
                        table_ids: torch.Tensor, counts: torch.Tensor,
                        host_slots: torch.Tensor, one_table: bool,
@@ -176,8 +177,8 @@ class Backend(abc.ABC):
         (hits first; every miss when they fit in ``cache``'s free slots, else the
         misses seen more than once, hottest first, as many as fit beside the hits)
        ."""
-        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
+    @abc.abstractmethod
     def promotion_order(self, *, order: torch.Tensor, keys: torch.Tensor,
                         table_ids: torch.Tensor, host_slots: torch.Tensor,
                         host: TableMemory, plan: "PromotionPlan",
@@ -185,8 +186,8 @@ class Backend(abc.ABC):
         """The cache call's (keys, table ids, scores, buckets) in ``order`` (the
         keys by descending ``plan.rank``): the host store's scores, and
         ``KNO_BUCKET`` past the keys the plan takes."""
-        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
+    @abc.abstractmethod
     def promote_rows(self, *, host: TableMemory, cache: TableMemory, order: torch.Tensor,
                      host_slots: torch.Tensor, cached: Upserted,
                      refs: torch.Tensor) -> None:
@@ -194,15 +195,14 @@ class Backend(abc.ABC):
         the host store, new keys' rows copied in from it, and refs (n,) = each unique
         key's row reference (its cache slot, else its host slot with HOST_ROW_BIT,
         else -1)."""
-        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
+    @abc.abstractmethod
     def init_new_rows(self, *, values: torch.Tensor, slots: torch.Tensor,
                       status: torch.Tensor, keys: torch.Tensor, table_ids: torch.Tensor,
                       dim: int, spec: InitSpec, state_value: float) -> None:
         """values[slots[i]] = the full initial row (initializer, then ``state_value``
         for the optimizer state) of each key whose ``status`` is INSERTED or
         EVICTED_AND_INSERTED."""
-        raise NotImplementedError(f"{type(self).__name__} reads its counts on the host")
 
     @abc.abstractmethod
     def undo_upsert(self, *, memory: TableMemory, upserted: Upserted) -> None:

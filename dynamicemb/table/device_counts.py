@@ -149,3 +149,10 @@ class CountsCopy:
             return None
         self.on_the_way = False
         return [int(v) for v in self._values]
+
+    def wait(self) -> List[int]:
+        """The values of the copy on the way, waiting for it (only for it)."""
+        if self._event is not None:
+            self._event.synchronize()
+        self.on_the_way = False
+        return [int(v) for v in self._values]
