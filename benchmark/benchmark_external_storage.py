@@ -172,7 +172,7 @@ def part_stores(args):
     server = redis_or_none()
     if server is not None:
         try:
-            store = RedisStorage((server.address,)).open("bench", args.width)
+            store = RedisStorage(server.address).open("bench", args.width)
             bench_store("Redis (loopback)", store, args)
             store.close()
         finally:
@@ -221,7 +221,7 @@ def part_train(args):
                name_rocks: make(args, os.path.join(tmp, "db"), host_rows)}
     if server is not None:
         layouts["10% in host, rest in Redis (loopback)"] = make(
-            args, RedisStorage((server.address,)), host_rows)
+            args, RedisStorage(server.address), host_rows)
     try:
         times = {name: [] for name in layouts}
         for ids, offsets in warm:

@@ -33,7 +33,7 @@ from dynamicemb_testing.redis_servers import RedisClusterServers, RedisServer  #
 
 def part_stores(args, server, cluster) -> None:
     stores = {
-        "one server": RedisStorage((server.address,)).open("bench", args.width),
+        "one server": RedisStorage(server.address).open("bench", args.width),
         "cluster, WAIT 1 replica": RedisClusterStorage(tuple(cluster.seeds), run="w").open(
             "bench", args.width),
         "cluster, no WAIT": RedisClusterStorage(tuple(cluster.seeds), run="n",
@@ -74,7 +74,7 @@ def part_train(args, server, cluster) -> None:
     host_rows = max(touched // 10, 128)
     layouts = {"all rows in host memory": ext.make(args),
                "10% in host, rest on one server": ext.make(
-                   args, RedisStorage((server.address,), run="train"), host_rows),
+                   args, RedisStorage(server.address, run="train"), host_rows),
                "10% in host, rest on the cluster": ext.make(
                    args, RedisClusterStorage(tuple(cluster.seeds), run="train"), host_rows)}
     times = {name: [] for name in layouts}

@@ -12,8 +12,9 @@ __all__ = ["REFUSED", "REFUSED_MODULES", "module_getattr", "refuse_module"]
 _TORCH_DTYPES = "tables take torch dtypes (rows are float32)"
 #: The external tier as it is accepted today (``DynamicEmbTableOptions.external_storage``).
 _EXTERNAL_STORAGE = ("external storage is supported: external_storage takes a directory path "
-                     "(RocksDB), 'redis://host:port[,...]' (Redis), a RocksDBStorage / "
-                     "RedisStorage spec, or a dynamicemb.KVStore (subclass it for a store of "
+                     "(RocksDB), 'redis://host:port' (Redis), 'redis+cluster://host:port,...' "
+                     "(Redis Cluster), a RocksDBStorage / RedisStorage / RedisClusterStorage "
+                     "spec, or a dynamicemb.KVStore (subclass it for a store of "
                      "your own)")
 _STORAGE_INTERFACE = ("upstream's storage and cache classes are not reproduced (module.tables "
                       "is a DynamicEmbStorage or HybridStorage view, by layout): "

@@ -379,13 +379,15 @@ class DynamicEmbTableOptions:
             upstream overwrites it.
         external_storage: a third tier below host memory
             (``dynamicemb.storage.external``): a directory path (RocksDB there), a
-            ``"redis://host:port[,host:port...]"`` URL, a ``RocksDBStorage`` or
-            ``RedisStorage`` spec, or an open ``KVStore``. Rows the host store evicts
+            ``"redis://host:port"`` or ``"redis+cluster://host:port[,...]"`` URL, a
+            ``RocksDBStorage``, ``RedisStorage`` or ``RedisClusterStorage`` spec, or an
+            open ``KVStore``. Rows the host store evicts
             go down to it and come back when their keys return: no row is dropped
             for lack of host memory. Not with NO_EVICTION (the host store must evict).
             A new module starts on an empty store: one holding an earlier module's
             rows is refused unless the spec says ``resume=True``; ``run=`` gives a
-            model namespaces of its own (``RocksDBStorage``, ``RedisStorage``).
+            model namespaces of its own (``RocksDBStorage``, ``RedisStorage``,
+            ``RedisClusterStorage``).
         local_host_for_values: host bytes for value rows (embedding + optimizer
             state) on each rank, with ``external_storage``: the host store holds at
             most this many bytes of rows (rounded down to a power-of-two number of

@@ -1,7 +1,7 @@
 """What ``DynamicEmbTableOptions(external_storage=...)`` accepts, and opening it.
 
 - a directory path (``str`` or ``os.PathLike``): RocksDB there (``RocksDBStorage``);
-- ``"redis://host:port[,host:port...]"``: those Redis servers (``RedisStorage``);
+- ``"redis://host:port"``: that Redis server (``RedisStorage``);
 - ``"redis+cluster://host:port[,host:port...]"``: the Redis Cluster those nodes belong
   to (``RedisClusterStorage``);
 - a ``RocksDBStorage``, ``RedisStorage`` or ``RedisClusterStorage`` spec with more settings;
@@ -76,40 +76,47 @@ class RocksDBStorage:
 
 @dataclass(frozen=True)
 class RedisStorage:
-    """Redis (or Valkey) servers, keys spread over them by ``redis.server_of``.
+    """One Redis (or Valkey) server (several: a Redis Cluster, ``RedisClusterStorage``).
 
     Args:
-        addresses: ``host:port`` of each server.
+        address: ``host:port`` of the server.
         timeout: seconds a reply may take before the step fails.
-        run: this model's name on the servers (a prefix of its namespaces): models
-            sharing servers with tables of the same names each take their own.
+        run: this model's name on the server (a prefix of its namespaces): models
+            sharing a server with tables of the same names each take their own.
         resume: take over the rows an earlier module left (its host-memory rows are
             not among them: ``DynamicEmbLoad`` of a checkpoint is the exact way to
             continue a run). Without it a namespace holding rows is refused.
     """
 
-    addresses: Tuple[str, ...]
+    address: str
     timeout: float = 5.0
     run: Optional[str] = None
     resume: bool = False
 
     def __post_init__(self) -> None:
         _check_run("RedisStorage", self.run, self.resume)
-        addresses = ((self.addresses,) if isinstance(self.addresses, str)
-                     else tuple(self.addresses))
-        for a in addresses:
-            if not re.fullmatch(r"[^\s:,/]+:\d+", a):
-                raise ValueError(f"RedisStorage addresses must be host:port, got {a!r}")
-        if not addresses:
-            raise ValueError("RedisStorage needs at least one host:port")
+        address = self.address
+        if isinstance(address, (tuple, list)):
+            if len(address) != 1:
+                raise ValueError(_SEVERAL_SERVERS.format(", ".join(map(str, address))))
+            address = address[0]
+        if not isinstance(address, str) or not re.fullmatch(r"[^\s:,/]+:\d+", address):
+            raise ValueError(f"RedisStorage address must be host:port, got {address!r}")
         if not self.timeout > 0:
             raise ValueError(f"RedisStorage timeout must be positive, got {self.timeout}")
-        object.__setattr__(self, "addresses", addresses)
+        object.__setattr__(self, "address", address)
 
     def open(self, namespace: str, row_width: int) -> KVStore:
         from dynamicemb.kvstore.redis import RedisStore
-        return RedisStore(self.addresses, _in_run(self.run, namespace), row_width,
+        return RedisStore(self.address, _in_run(self.run, namespace), row_width,
                           timeout=self.timeout, resume=self.resume)
+
+
+_SEVERAL_SERVERS = (
+    "several Redis servers ({}) are a Redis Cluster now: run them in cluster mode and give "
+    "'redis+cluster://host:port,...' (RedisClusterStorage), which spreads keys by slot with "
+    "replicas and failover. Rows an earlier version spread over several servers by its own "
+    "hash are not read by either: load a checkpoint (DynamicEmbDump/DynamicEmbLoad)")
 
 
 @dataclass(frozen=True)
@@ -172,10 +179,13 @@ def as_storage_spec(value: Any):
             return RedisClusterStorage(tuple(
                 a for a in text[len("redis+cluster://"):].rstrip("/").split(",")))
         if text.startswith("redis://"):
-            return RedisStorage(tuple(a for a in text[len("redis://"):].rstrip("/").split(",")))
+            servers = text[len("redis://"):].rstrip("/").split(",")
+            if len(servers) > 1:
+                raise ValueError(_SEVERAL_SERVERS.format(", ".join(servers)))
+            return RedisStorage(servers[0])
         return RocksDBStorage(text)
     raise ValueError(
-        "external_storage must be a directory path (RocksDB), 'redis://host:port[,...]', "
+        "external_storage must be a directory path (RocksDB), 'redis://host:port', "
         "'redis+cluster://host:port[,...]', a RocksDBStorage/RedisStorage/RedisClusterStorage "
         f"spec or a KVStore, got {type(value).__name__}")
 

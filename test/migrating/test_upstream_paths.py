@@ -96,14 +96,18 @@ def test_refusal_texts_name_what_the_options_accept(tmp_path):
     external = {k: t for k, t in _texts().items() if "external_storage" in t}
     assert {"name Storage", "name OptionsT", "name Cache"} <= set(external)
     for text in external.values():
-        for form in ("directory path", "redis://", "RocksDBStorage", "RedisStorage", "KVStore"):
+        for form in ("directory path", "redis://", "redis+cluster://", "RocksDBStorage",
+                     "RedisStorage", "RedisClusterStorage", "KVStore"):
             assert form in text
     compound = [t for t in _texts().values() if "compound" in t]
     assert compound and all("(TIMESTAMP, LFU)" in t and "LRU_LFU" in t for t in compound)
 
     assert isinstance(DynamicEmbTableOptions(dim=4, max_capacity=64,
-                                             external_storage="redis://h:1,h:2").external_storage,
+                                             external_storage="redis://h:1").external_storage,
                       dynamicemb.RedisStorage)
+    assert isinstance(DynamicEmbTableOptions(dim=4, max_capacity=64,
+                                             external_storage="redis+cluster://h:1,h:2"
+                                             ).external_storage, dynamicemb.RedisClusterStorage)
     row_bytes = 8 * 4  # dim 4 + SGD's no state, rounded: the host store holds 32 rows or fewer
     options = DynamicEmbTableOptions(dim=4, max_capacity=1024, bucket_capacity=16,
                                      score_strategy=(0, 3), external_storage=str(tmp_path / "db"),

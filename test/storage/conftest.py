@@ -5,7 +5,7 @@ import pytest
 from dynamicemb.storage.external import RedisStorage, RocksDBStorage
 from dynamicemb_testing.redis_servers import REDIS_SERVER, RedisServer
 
-STORE_KINDS = ["rocksdb", "redis", "redis-x2"]
+STORE_KINDS = ["rocksdb", "redis"]
 
 
 @pytest.fixture
@@ -29,8 +29,9 @@ def redis_servers(tmp_path):
 
 @pytest.fixture(params=STORE_KINDS)
 def store_spec(request, tmp_path, redis_servers):
-    """A storage spec of each kind: RocksDB in a temp dir, one or two Redis servers."""
+    """A storage spec of each kind: RocksDB in a temp dir, a Redis server (a Redis
+    Cluster: test_redis_cluster.py)."""
     if request.param == "rocksdb":
         return RocksDBStorage(str(tmp_path / "rocks"))
-    servers = redis_servers(1 if request.param == "redis" else 2)
-    return RedisStorage(tuple(s.address for s in servers), timeout=2.0)
+    (server,) = redis_servers(1)
+    return RedisStorage(server.address, timeout=2.0)

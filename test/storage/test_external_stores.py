@@ -1,5 +1,6 @@
-"""One suite for every external store (RocksDB, one and two Redis servers): the
-batched verbs against a dict model, namespaces, scans, clear, bad rows."""
+"""One suite for every external store (RocksDB, a Redis server): the batched verbs
+against a dict model, namespaces, scans, clear, bad rows (a Redis Cluster:
+test_redis_cluster.py)."""
 
 from dataclasses import replace
 
@@ -9,8 +10,8 @@ import torch
 pytest.importorskip("rocksdict", reason="the external stores are tested against the real rocksdict (requirements.txt pins it)")
 pytest.importorskip("redis", reason="the external stores are tested against the real redis (requirements.txt pins it)")
 
-from dynamicemb.storage.external import ExternalStorageError, KVStore, as_storage_spec
-from dynamicemb.kvstore.redis import server_of
+from dynamicemb.storage.external import ExternalStorageError, KVStore, RedisStorage, as_storage_spec
+from dynamicemb.kvstore.redis_cluster import partition_of
 
 WIDTH = 5
 
@@ -126,15 +127,19 @@ def test_empty_batches(store):
 
 def test_spec_strings():
     assert type(as_storage_spec("/tmp/x")).__name__ == "RocksDBStorage"
-    spec = as_storage_spec("redis://127.0.0.1:1,localhost:2")
-    assert spec.addresses == ("127.0.0.1:1", "localhost:2")
+    assert as_storage_spec("redis://127.0.0.1:1/").address == "127.0.0.1:1"
+    assert RedisStorage(("127.0.0.1:1",)).address == "127.0.0.1:1"
     with pytest.raises(ValueError, match="host:port"):
         as_storage_spec("redis://nohost")
     with pytest.raises(ValueError, match="external_storage must be"):
         as_storage_spec(42)
+    for several in (lambda: as_storage_spec("redis://127.0.0.1:1,localhost:2"),
+                    lambda: RedisStorage(("127.0.0.1:1", "localhost:2"))):
+        with pytest.raises(ValueError, match=r"are a Redis Cluster now.*redis\+cluster://"):
+            several()
 
 
-def test_redis_hash_spreads_keys_evenly():
+def test_the_cluster_partition_hash_spreads_keys_evenly():
     keys = torch.arange(100_000) * 4096  # strided keys: a low-bit hash would pile them up
-    counts = torch.bincount(server_of(keys, torch.zeros_like(keys), 3), minlength=3)
+    counts = torch.bincount(partition_of(keys, torch.zeros_like(keys), 3), minlength=3)
     assert int(counts.min()) > 0.3 * keys.numel()

@@ -111,8 +111,8 @@ def test_a_growing_host_store_over_rocksdb_trains_identically(tmp_path):
 
 
 def test_rows_split_with_redis_train_identically(redis_servers):
-    servers = redis_servers(2)
-    spec = RedisStorage(tuple(s.address for s in servers))
+    (server,) = redis_servers(1)
+    spec = RedisStorage(server.address)
     data = batches(steps=6)
     reference = make_module(DynamicEmbOptimType.ADAM, LFU)
     expected = train(reference, data, prefetch=False)
@@ -191,7 +191,7 @@ def _fail(kind, server):
 def test_a_failing_redis_fails_the_step_by_name_and_training_resumes(redis_servers, kind,
                                                                      message):
     (server,) = redis_servers(1, aof=True)
-    spec = RedisStorage((server.address,), timeout=0.5)
+    spec = RedisStorage(server.address, timeout=0.5)
     data = batches(steps=9)
     reference = make_module(DynamicEmbOptimType.ADAM, LRU)
     module = make_module(DynamicEmbOptimType.ADAM, LRU, spec)

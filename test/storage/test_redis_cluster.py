@@ -141,6 +141,22 @@ def test_a_cluster_restarted_empty_and_lost_writes_fail_by_name(cluster):
     client.close()
 
 
+def test_a_node_that_lost_its_data_is_named_and_refuses_a_resume(cluster):
+    """FLUSHALL on one primary (its replica follows): the partitions on it lost their
+    mark; the calls that touch them and a resume name them."""
+    store = _spec(cluster, "flushed").open("t", WIDTH)
+    keys, tids, rows, scores = entries(2000, seed=4)
+    store.put(keys, tids, rows, scores)
+    import redis
+    port = cluster.primary_ports()[0]
+    redis.Redis(host="127.0.0.1", port=port).flushall()
+    with pytest.raises(ExternalStorageError, match=rf"node 127.0.0.1:{port}\) no longer holds"):
+        store.get(keys, tids)
+    with pytest.raises(ExternalStorageError, match=r"hold none of the earlier module's rows"):
+        _spec(cluster, "flushed", resume=True).open("t", WIDTH)
+    store.close()
+
+
 def test_another_module_s_namespace_is_refused_then_resumed(cluster):
     first = _spec(cluster, "owned").open("t", WIDTH)
     keys, tids, rows, scores = entries(200, seed=3)
