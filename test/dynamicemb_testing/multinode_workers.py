@@ -145,6 +145,24 @@ def twins(rank: int, world_size: int) -> None:
     dedup_workers.dedup_twin(rank, world_size, False, dedup_workers.SUM_TABLES, True, 4)
 
 
+def digest(rank: int, world_size: int) -> None:
+    """Trains a dynamic EC with dedup a few steps and prints a digest of its outputs
+    and owner rows: the same job on two networks prints the same digest."""
+    import hashlib  # noqa: PLC0415
+    from dynamicemb.shard import get_dynamic_tables  # noqa: PLC0415
+    from dynamicemb_testing.replica_workers import OPTIMIZERS, _step, build  # noqa: PLC0415
+    dmp = build(world_size, OPTIMIZERS["sgd"], False)
+    h = hashlib.sha256()
+    for step in range(3):
+        for v in _step(dmp, step, rank).values():
+            h.update(v.detach().numpy().tobytes())
+    for name, module in sorted(get_dynamic_tables(dmp).items()):
+        rows = module.export_keys_values(name)
+        order = torch.argsort(rows.keys)
+        h.update(rows.keys[order].numpy().tobytes() + rows.embeddings[order].numpy().tobytes())
+    print(f"rank {rank}: digest {h.hexdigest()}", flush=True)
+
+
 def fail_on_last_node(rank: int, world_size: int) -> None:
     """Fails on the last node's ranks after a collective (for the launcher's test)."""
     dist.barrier()
@@ -152,7 +170,8 @@ def fail_on_last_node(rank: int, world_size: int) -> None:
         raise AssertionError(f"rank {rank} fails on purpose")
 
 
-CHECKS = {f.__name__: f for f in (topology, planner_memory, plan_file_devices, twins, fail_on_last_node)}
+CHECKS = {f.__name__: f for f in (topology, planner_memory, plan_file_devices, twins, digest,
+                                  fail_on_last_node)}
 
 
 def main(names: List[str]) -> None:
