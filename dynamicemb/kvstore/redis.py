@@ -12,7 +12,7 @@ ranks and tables share a server through namespaces: every key starts with
 import re
 from typing import Iterator, List, Optional, Sequence, Tuple
 
-from dynamicemb.kvstore.store import MARK, KVStore
+from dynamicemb.kvstore.store import MARK, KVStore, in_chunks
 
 __all__ = ["RedisStore"]
 
@@ -134,14 +134,8 @@ class RedisStore(KVStore):
 
     def _scan(self, chunk: int) -> Iterator[tuple]:
         self._check_mark(self._where, self._client.get(self._mark_key))
-        batch: List[bytes] = []
-        for key in self._client.scan_iter(match=self._prefix + b"*", count=chunk):
-            batch.append(key)
-            if len(batch) == chunk:
-                yield batch, self._client.mget(batch)
-                batch = []
-        if batch:
-            yield batch, self._client.mget(batch)
+        yield from in_chunks(self._client.scan_iter(match=self._prefix + b"*", count=chunk),
+                             chunk, self._client.mget)
 
     def flush(self) -> None:
         """Nothing to do: durability is the server's (AOF/RDB) configuration."""

@@ -33,7 +33,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from dynamicemb.kvstore.store import MARK, ExternalStorageError, KVStore, unpack_keys
+from dynamicemb.kvstore.store import MARK, ExternalStorageError, KVStore, in_chunks
 
 __all__ = ["COUNT", "PARTITIONS", "RedisClusterStore", "partition_of"]
 
@@ -385,16 +385,9 @@ class RedisClusterStore(KVStore):
     def _scan(self, chunk: int) -> Iterator[tuple]:
         for where, mark in self._read_marks():
             self._check_mark(where, mark)
-        pattern = b"{" + self.namespace.encode() + b".*"
-        batch: List[bytes] = []
-        for key in self._client.scan_iter(match=pattern, count=chunk,
-                                          target_nodes=self._client.PRIMARIES):
-            batch.append(key)
-            if len(batch) == chunk:
-                yield batch, self._client.mget_nonatomic(batch)
-                batch = []
-        if batch:
-            yield batch, self._client.mget_nonatomic(batch)
+        keys = self._client.scan_iter(match=b"{" + self.namespace.encode() + b".*", count=chunk,
+                                      target_nodes=self._client.PRIMARIES)
+        yield from in_chunks(keys, chunk, self._client.mget_nonatomic)
 
     def close(self) -> None:
         self._client.close()

@@ -29,7 +29,7 @@ import socket
 import time
 import uuid
 from itertools import compress
-from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -318,6 +318,18 @@ def _columns(packed: np.ndarray, start: int, end: int, dtype: str) -> torch.Tens
     """Bytes ``[start, end)`` of each row of ``packed`` (n, b) uint8, as ``dtype``
     (a copy, as a tensor)."""
     return torch.from_numpy(packed[:, start:end].copy().view(dtype))
+
+
+def in_chunks(keys: Iterable[bytes], chunk: int, read) -> Iterator[tuple]:
+    """``(keys, read(keys))`` for every ``chunk`` keys of ``keys`` (a backend's scan)."""
+    batch: List[bytes] = []
+    for key in keys:
+        batch.append(key)
+        if len(batch) == chunk:
+            yield batch, read(batch)
+            batch = []
+    if batch:
+        yield batch, read(batch)
 
 
 def unpack_keys(keys: Sequence[bytes]):
