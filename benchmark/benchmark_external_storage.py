@@ -105,7 +105,7 @@ def raw_calls(store):
                 batch.put(k, v)
             db.write(batch)
         return db.get, put
-    client = store._clients[0]
+    client = store._client
 
     def get(keys):
         pipe = client.pipeline(transaction=False)
