@@ -369,7 +369,8 @@ def run(args, device: torch.device) -> None:
     report = table_report(dmp, tables)
     history["alltoall_ids_per_step"], history["alltoall_dynamic_ids_per_step"] = \
         alltoall_per_step(progress)
-    history["traffic_per_step"] = traffic_per_step(args, progress)
+    history["traffic_per_step"] = traffic_per_step(args, progress, sum(
+        p.numel() for p in dense_opt.params.values()), len(tables))
     if rank == 0:
         summarize(args, history, report, step, progress["samples"],
                   progress["samples"] - resumed_samples, elapsed, train)
@@ -499,9 +500,13 @@ def _state_floats(args) -> int:
     return OPTIMIZERS[args.optimizer][1] * args.embedding_dim + (args.optimizer == "rowwise_adagrad")
 
 
-def traffic_per_step(args, progress) -> Dict[str, float]:
+def traffic_per_step(args, progress, dense_params: int, num_features: int) -> Dict[str, float]:
     """Bytes per training step, all ranks together (a collective), estimated from the
-    counters: the all-to-all's and the replicas' sync.
+    counters: the all-to-all's (with each sample's lengths: an int32 per feature and
+    sample to every other rank), the replicas' sync and the dense gradients' all-reduce
+    (``dense_params`` floats; a ring all-reduce sends ``2 (W - 1) / W`` of them out of
+    each rank). Measured on the namespace cluster (benchmark/RESULTS.md) the link
+    carries ~3% more (TCP/IP and gloo framing).
 
     All-to-all: per id crossing ranks, EC sends 8 B of id and 4 B of count and gets a
     ``dim``-float row back and sends its gradient (12 + 8 dim B); EBC sends the id
@@ -525,7 +530,10 @@ def traffic_per_step(args, progress) -> Dict[str, float]:
     state = _state_floats(args) + 1 if args.staleness else 0  # pulled with each row, + stored
     sync = 2 * (world - 1) * slots * 8 + (world - 1) * (
         rows * (args.embedding_dim + state) + grads * args.embedding_dim) * 4
+    dense = 8 * (world - 1) * dense_params  # bytes out of all ranks, per step
+    lengths = 4 * num_features * args.batch_size * world * (world - 1)
     return {"alltoall_ids": ids / steps, "alltoall_dynamic_ids": dynamic / steps,
+            "dense_allreduce_bytes": float(dense), "lengths_bytes": float(lengths),
             "alltoall_bytes": ids * per_id / steps, "alltoall_dynamic_bytes": dynamic * per_id / steps,
             "replicated_ids": replicated / steps, "replica_rows": rows / steps,
             "replica_grads": grads / steps, "replica_sync_bytes": sync / steps}
