@@ -17,7 +17,7 @@ from dynamicemb.embedding.admission import Admission
 from dynamicemb.embedding.initialization import RowInitializer
 from dynamicemb.ops import for_device
 from dynamicemb.ops.interface import (BatchPart, DeviceSchedule, InitRows, OptimizerUpdate,
-                                      num_buckets_for, optimizer_state_dim)
+                                      RowSources, num_buckets_for, optimizer_state_dim)
 from dynamicemb.options import (DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbTableOptions,
                                 DynamicEmbWeightDecayMode)
 from dynamicemb.storage import TieredStorage
@@ -420,23 +420,51 @@ class TableGroup:
             return 0
         lookup = self.refresh(lookup)
         opt = self.optimizer
-        adam = opt.optimizer == DynamicEmbOptimType.ADAM
-        mode = opt.decay_mode
-        decoupled = opt.weight_decay if mode == DynamicEmbWeightDecayMode.DECOUPLE else 0.0
         # the step size, bias correction and decay are computed from the learning
         # rate and Adam's step in device memory (``DeviceSchedule``)
         schedule = DeviceSchedule(self.device_lr(lr), self._optimizer_step.on_device(),
-                                  advance=adam, beta1=opt.beta1, beta2=opt.beta2,
-                                  decoupled_decay=decoupled)
-        update = OptimizerUpdate(
-            optimizer=opt.optimizer, lr=lr, eps=opt.eps, beta1=opt.beta1, beta2=opt.beta2,
-            weight_decay=opt.weight_decay if mode == DynamicEmbWeightDecayMode.L2 else 0.0,
-            step_size=lr, bias_correction2_sqrt=1.0, decay_scale=1.0 - lr * decoupled)
+                                  advance=opt.optimizer == DynamicEmbOptimType.ADAM,
+                                  beta1=opt.beta1, beta2=opt.beta2,
+                                  decoupled_decay=self._decoupled_decay())
+        update = self._update(lr)
         return self.ops.fused_backward(
             sources=self.storage.sources(self._no_transient), row_ref=lookup.row_ref,
             starts=lookup.starts, rank=lookup.rank, offsets=offsets, weights=weights,
             feature_col=feature_col, batch=batch, dim=self.dim, mean=mean, grad=grad,
             update=update, error=error, schedule=schedule, sums=sums)
+
+    def _decoupled_decay(self) -> float:
+        opt = self.optimizer
+        return opt.weight_decay if opt.decay_mode == DynamicEmbWeightDecayMode.DECOUPLE else 0.0
+
+    def _update(self, lr: float) -> OptimizerUpdate:
+        """The optimizer's settings of a step at ``lr`` (Adam's scalars: the schedule's)."""
+        opt = self.optimizer
+        l2 = opt.weight_decay if opt.decay_mode == DynamicEmbWeightDecayMode.L2 else 0.0
+        return OptimizerUpdate(optimizer=opt.optimizer, lr=lr, eps=opt.eps, beta1=opt.beta1,
+                               beta2=opt.beta2, weight_decay=l2, step_size=lr,
+                               bias_correction2_sqrt=1.0,
+                               decay_scale=1.0 - lr * self._decoupled_decay())
+
+    def step_rows(self, values: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+        """One step of the group's optimizer, in place, on rows a caller holds (not
+        stored here): what a backward does to a stored row, by the same kernel.
+
+        Args:
+            values (Tensor): (n, dim + state_dim) float32 on the group's device, each
+                row ``[embedding | optimizer state]``.
+            grads (Tensor): (n, dim) float32, each row's summed gradient.
+            lr: the learning rate.
+        """
+        if self.optimizer.optimizer == DynamicEmbOptimType.ADAM:
+            raise ValueError("step_rows takes optimizers whose step does not count calls, not ADAM")
+        update = self._update(lr)
+        n = values.shape[0]
+        sources = RowSources(device=values, host=values[:0], transient=self._no_transient)
+        self.ops.fused_backward(
+            sources=sources, row_ref=torch.arange(n, dtype=torch.int64, device=self.device),
+            starts=None, rank=None, offsets=None, weights=None, feature_col=None, batch=0,
+            dim=self.dim, mean=False, grad=grads, update=update, sums=grads)
 
     def sum_gradients(self, lookup: Lookup, grad: torch.Tensor,
                       offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor],

@@ -228,6 +228,20 @@ class TableAdmin:
         """The optimizer settings of one table (its own or the module's)."""
         return self._location(table_name)[0].optimizer
 
+    def step_rows(self, table_name: str, values: torch.Tensor, grads: torch.Tensor) -> None:
+        """One step of a table's optimizer (its kernel, at the current learning rate),
+        in place, on rows a caller holds: what a backward does to a stored row
+        (stale replicas' write-back copies). Not for ADAM (its step counts calls).
+
+        Args:
+            values (Tensor): (n, dim + optimizer_state_dim) float32, rows
+                ``[embedding | state]``, on the module's device.
+            grads (Tensor): (n, dim) float32, each row's summed gradient.
+        """
+        group, _ = self._location(table_name)
+        g = self._groups.index(group)
+        group.step_rows(values, grads, self.optimizer.param_groups[g]["lr"])
+
     def optimizer_state_dim(self, table_name: str) -> int:
         """Floats of optimizer state stored after the embedding in each row."""
         return self._location(table_name)[0].state_dim

@@ -9,7 +9,8 @@ rows come from and when their gradients reach the owners:
   reads the copy, with no exchange; the backward puts the step's gradients of the
   copies in ``rows.grad`` and the lookup adds the step's occurrence counts to
   ``counts``. The next lookup adds them to the window's ``pending`` gradients and
-  sets each copy to the pulled row moved by the table's optimizer step for
+  sets each copy to the pulled row moved by the table's optimizer step (its
+  kernel, ``step_rows``) for
   ``pending`` from the pulled state (a write-back copy, as HET's cache: a rank reads
   its own updates at once, the other ranks' at the next sync; and the step the owner
   will apply if the other ranks' gradients match this rank's).
@@ -243,13 +244,15 @@ class StaleCopies:
         self.pending = grad.clone() if self.pending is None else self.pending.add_(grad)
         self.rows.grad = None
         with torch.no_grad():
-            self.rows.copy_(self.base[:, :self.dim])
-            states = self.base[:, self.dim:].clone()
             for t, table in enumerate(self.replicas.tables):
                 first, last = self._bounds[t], self._bounds[t + 1]
                 if last > first:
-                    _apply(self._tables[table.name].optimizer_args(table.name),
-                           self.rows[first:last], states[first:last], self.pending[first:last])
+                    module = self._tables[table.name]
+                    width = self.dim + module.optimizer_state_dim(table.name)
+                    values = self.base[first:last, :width].to(module.device, copy=True)
+                    module.step_rows(table.name, values,
+                                     self.pending[first:last].to(module.device).contiguous())
+                    self.rows[first:last] = values[:, :self.dim].cpu()
 
     def _push(self, grads: torch.Tensor, owners: torch.Tensor) -> torch.Tensor:
         """Sends each rank's gradients (A, dim) of the active ids to their owners
@@ -337,20 +340,6 @@ class StaleCopies:
                 part[:, -1] = module.holds(table.name, ids).cpu().float()
                 parts.append(part)
         return torch.cat(parts) if parts else torch.zeros(0, self.dim + self._state_width + 1)
-
-
-def _apply(args, rows: torch.Tensor, states: torch.Tensor, grad: torch.Tensor) -> None:
-    """One optimizer step on copies (in place): the kernels' SGD, Adagrad and
-    row-wise Adagrad update of a row (``optimizer_primitives.h``), no weight decay."""
-    lr = args.learning_rate
-    if args.optimizer == DynamicEmbOptimType.EXACT_SGD:
-        rows.sub_(lr * grad)
-    elif args.optimizer == DynamicEmbOptimType.EXACT_ADAGRAD:
-        states[:, :rows.shape[1]].add_(grad * grad)
-        rows.sub_(lr * grad / (states[:, :rows.shape[1]].sqrt() + args.eps))
-    else:  # EXACT_ROWWISE_ADAGRAD
-        states[:, :1].add_((grad * grad).mean(1, keepdim=True))
-        rows.sub_(grad * (lr / (states[:, :1].sqrt() + args.eps)))
 
 
 def attach_copies(replicas: Optional[ReplicaSet], lookup: DynamicEmbGroupedEmbeddingsLookup,

@@ -3,13 +3,13 @@ and 4 gloo ranks, EC and EBC: SGD equals a float64 replay in which the replicate
 rows' gradients of each window are applied at its end (``stale_workers``),
 checkpoints and state dicts flush pending gradients first, loads drop the copies;
 the option's and the optimizers' refusals; ``read_rows`` and ``read_optimizer_states``
-read without changing; the copies' local update is the kernels'."""
+read without changing; the copies' local update is the kernels' (``step_rows``)."""
 
 import pytest
 import torch
 
 from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions
-from dynamicemb.shard.stale_replicas import DELAYED_OPTIMIZERS, _apply
+from dynamicemb.shard.stale_replicas import DELAYED_OPTIMIZERS
 from dynamicemb.types import DynamicEmbScoreStrategy
 from dynamicemb_testing import stale_workers
 from dynamicemb_testing.dist_utils import SharedSpawns
@@ -93,7 +93,7 @@ def test_read_rows_reads_without_changing_anything():
 @pytest.mark.parametrize("layout", ["one tier", "host only", "cache"])
 def test_copies_take_the_kernels_update_and_read_states_without_changing(optimizer, layout):
     # a table's own step on two rows (stored in its tiers) and the copies' update
-    # (``_apply``) from the states read_optimizer_states gives agree
+    # (``step_rows``) from the states read_optimizer_states gives agree
     # every tier a row's state can be read from: the one tier, the host store behind
     # an empty device tier, a device cache over the host store
     options = DynamicEmbTableOptions(dim=4, max_capacity=1024, caching=layout == "cache",
@@ -115,11 +115,19 @@ def test_copies_take_the_kernels_update_and_read_states_without_changing(optimiz
     assert torch.equal(states[0], stored[3]) and torch.equal(states[1], stored[9])
     assert torch.equal(states[2], torch.zeros_like(states[2]))  # the initial state
     grad = torch.tensor([[0.5, -1.0, 0.25, 2.0], [-0.75, 0.5, 1.5, -0.25]])
-    _apply(module.optimizer_args("t"), rows[:2], states[:2], grad)
+    copies = torch.cat([rows[:2], states[:2]], 1)
+    module.step_rows("t", copies, grad)  # what a copy's write-back step runs
     out = module(torch.tensor([3, 9]), torch.tensor([0, 1, 2]))  # one id per bag
     out.backward(grad)
     trained = module.export_keys_values("t")
     got = dict(zip(trained.keys.tolist(), zip(trained.embeddings, trained.optimizer_states)))
-    for i, key in enumerate([3, 9]):
-        torch.testing.assert_close(rows[i], got[key][0], rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(states[i], got[key][1], rtol=1e-6, atol=1e-7)
+    for i, key in enumerate([3, 9]):  # the same kernel: the same bits
+        assert torch.equal(copies[i, :4], got[key][0]), key
+        assert torch.equal(copies[i, 4:], got[key][1]), key
+
+
+def test_step_rows_refuses_adam():
+    module = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=4, max_capacity=64)],
+                                           table_names=["t"], optimizer="adam")
+    with pytest.raises(ValueError, match="not ADAM"):
+        module.step_rows("t", torch.zeros(1, 12), torch.zeros(1, 4))
