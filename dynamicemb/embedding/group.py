@@ -460,11 +460,13 @@ class TableGroup:
             raise ValueError("step_rows takes optimizers whose step does not count calls, not ADAM")
         update = self._update(lr)
         n = values.shape[0]
-        sources = RowSources(device=values, host=values[:0], transient=self._no_transient)
+        each = torch.arange(n, dtype=torch.int64, device=self.device)  # a lookup a row
         self.ops.fused_backward(
-            sources=sources, row_ref=torch.arange(n, dtype=torch.int64, device=self.device),
-            starts=None, rank=None, offsets=None, weights=None, feature_col=None, batch=0,
-            dim=self.dim, mean=False, grad=grads, update=update, sums=grads)
+            sources=RowSources(device=values, host=values[:0], transient=self._no_transient),
+            row_ref=each, starts=torch.arange(n + 1, dtype=torch.int64, device=self.device),
+            rank=each, offsets=None, weights=None,
+            feature_col=torch.zeros(1, dtype=torch.int64, device=self.device), batch=n,
+            dim=self.dim, mean=False, grad=grads, update=update)
 
     def sum_gradients(self, lookup: Lookup, grad: torch.Tensor,
                       offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor],

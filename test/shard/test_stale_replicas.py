@@ -131,3 +131,22 @@ def test_step_rows_refuses_adam():
                                            table_names=["t"], optimizer="adam")
     with pytest.raises(ValueError, match="not ADAM"):
         module.step_rows("t", torch.zeros(1, 12), torch.zeros(1, 4))
+
+
+@pytest.mark.parametrize("optimizer", DELAYED_OPTIMIZERS, ids=lambda o: o.name)
+def test_step_rows_is_the_same_on_the_cuda_backend(optimizer):
+    """The copies' update runs the backward's kernels: the CUDA backend's (emulated
+    here) gives the CPU's bits."""
+    from dynamicemb_testing.cuda_emulation import emulated_cuda  # noqa: PLC0415
+
+    def stepped():
+        module = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=4, max_capacity=64)],
+                                               table_names=["t"], optimizer=optimizer,
+                                               learning_rate=0.1)
+        width = 4 + module.optimizer_state_dim("t")
+        values = torch.linspace(0.1, 1.0, 3 * width).reshape(3, width)
+        module.step_rows("t", values, torch.linspace(-1, 1, 12).reshape(3, 4))
+        return values
+    cpu = stepped()
+    with emulated_cuda():
+        assert torch.equal(stepped(), cpu)
