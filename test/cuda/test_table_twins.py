@@ -5,8 +5,12 @@ tables fed the same calls must hold the same bytes: every slot's key, score,
 table id and digest, the occupancy bits, the value rows, and every result
 (slots, inserted flags, victims, counts) must be equal, through growth mid-call,
 eviction with pinned slots, failed inserts, undo, erase and export.
+
+The CUDA twin runs on a GPU where there is one, and everywhere on the kernels' own
+source run on the CPU (``dynamicemb_testing.simt``, device ``cuda-simt``).
 """
 
+import contextlib
 import random
 
 import pytest
@@ -14,15 +18,35 @@ import torch
 
 from dynamicemb import DynamicEmbCheckMode, DynamicEmbScoreStrategy, ScoredHashTable
 from dynamicemb.table import hash_keys
+from dynamicemb_testing.cuda_emulation import emulated_cuda, real_cpu
+from dynamicemb_testing.devices import SIMT
 
-pytestmark = pytest.mark.cuda
-
-CUDA = torch.device("cuda")
 STRATEGIES = list(DynamicEmbScoreStrategy.__members__.values())
+CUDA = torch.device("cuda")  # the CUDA twin's device: set per test by the fixture
+
+
+@pytest.fixture(autouse=True, params=[pytest.param("cuda", marks=pytest.mark.cuda), SIMT])
+def cuda_twin(request):
+    """The CUDA twin's backend: a GPU, or the kernels' source on the CPU."""
+    global CUDA
+    if request.param == "cuda":
+        CUDA = torch.device("cuda")
+        yield
+        return
+    from dynamicemb_testing.simt import SimtCudaKernels  # noqa: PLC0415
+
+    CUDA = torch.device("cpu")
+    with emulated_cuda(SimtCudaKernels()):
+        yield
+    CUDA = torch.device("cuda")
 
 
 def twins(**kw):
-    return ScoredHashTable(**kw), ScoredHashTable(device=CUDA, **kw)
+    """A CPU table and its CUDA twin (under the emulation, the CPU one keeps the CPU
+    backend)."""
+    with real_cpu() if CUDA.type == "cpu" else contextlib.nullcontext():
+        cpu = ScoredHashTable(**kw)
+    return cpu, ScoredHashTable(device=CUDA, **kw)
 
 
 def on_cpu(x):
@@ -138,12 +162,14 @@ def test_hash_keys_match_cpu():
 
 
 def test_large_batch_matches_cpu():
-    """A million keys into a table that grows twice and then evicts."""
-    cpu, gpu = twins(capacity=1 << 18, max_capacity=1 << 20, value_dim=0,
+    """A million keys (16K on the CPU runtime) into a table that grows twice and then
+    evicts."""
+    bits = 19 if CUDA.type == "cuda" else 14
+    cpu, gpu = twins(capacity=1 << (bits - 1), max_capacity=1 << (bits + 1), value_dim=0,
                      max_load_factor=0.9)
     gen = torch.Generator().manual_seed(0)
     for step in range(3):
-        keys = torch.randint(-2**62, 2**62, (1 << 19,), generator=gen)
+        keys = torch.randint(-2**62, 2**62, (1 << bits,), generator=gen)
         keys[::3] = keys[:(keys.numel() + 2) // 3]  # repeats
         both(cpu, gpu, "find_or_insert", keys)
         assert_same_state(cpu, gpu, f"step {step}")

@@ -30,7 +30,7 @@ import dynamicemb.ops as ops
 from dynamicemb.ops import cpu_kernels, records
 from dynamicemb.ops import cuda as cuda_backend
 
-__all__ = ["EmulatedCudaKernels", "cuda_seams", "emulated_cuda", "set_cuda_seams"]
+__all__ = ["EmulatedCudaKernels", "cuda_seams", "emulated_cuda", "real_cpu", "set_cuda_seams"]
 
 # DEMB_TABLE_PARAMS: keys column, tids, digests, occupied, pinned, num_buckets, bc
 _TABLE_ARGS = 7
@@ -403,6 +403,20 @@ def set_cuda_seams(seams: dict) -> None:
     """Puts back seams that ``cuda_seams`` returned."""
     for (module, name), value in seams.items():
         setattr(module, name, value)
+
+
+_REAL_CPU = ops._cpu
+
+
+@contextlib.contextmanager
+def real_cpu():
+    """Within ``emulated_cuda``: what is built here (a table, a module) binds the CPU
+    backend, as a twin of what the emulation runs."""
+    emulated, ops._cpu = ops._cpu, _REAL_CPU
+    try:
+        yield
+    finally:
+        ops._cpu = emulated
 
 
 @contextlib.contextmanager

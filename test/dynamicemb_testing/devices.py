@@ -26,18 +26,26 @@ def devices() -> List[str]:
 #: The CUDA backend's code on CPU tensors, its kernels emulated (``cuda_emulation``):
 #: suites that take it as a device check the GPU step's Python where no GPU is.
 EMULATED = "cuda-emulated"
+#: The same with the kernels' own source run on the CPU (``simt.SimtCudaKernels``):
+#: the warp code of ``csrc/cuda`` itself, in CI.
+SIMT = "cuda-simt"
 
 
 @contextlib.contextmanager
 def backend_device(name: str) -> Iterator[torch.device]:
-    """The device of ``name`` (a ``devices()`` entry, or ``EMULATED``: the CPU under
-    ``emulated_cuda``, for the block)."""
-    if name != EMULATED:
+    """The device of ``name`` (a ``devices()`` entry; ``EMULATED``: the CPU under
+    ``emulated_cuda``, for the block; ``SIMT``: the same running the kernels' source)."""
+    if name not in (EMULATED, SIMT):
         yield torch.device(name)
         return
     from dynamicemb_testing.cuda_emulation import emulated_cuda  # noqa: PLC0415
 
-    with emulated_cuda():
+    kernels = None
+    if name == SIMT:
+        from dynamicemb_testing.simt import SimtCudaKernels  # noqa: PLC0415
+
+        kernels = SimtCudaKernels()
+    with emulated_cuda(kernels):
         yield torch.device("cpu")
 
 

@@ -5,10 +5,10 @@ step") meets every semantic check in CI, where no GPU is."""
 
 import pytest
 
-from dynamicemb_testing.devices import EMULATED, backend_device, devices
+from dynamicemb_testing.devices import EMULATED, SIMT, backend_device, devices
 
 
-@pytest.fixture(params=devices() + [EMULATED])
+@pytest.fixture(params=devices() + [EMULATED, SIMT])
 def device(request):
     """A backend (ids ``cpu``, ``cuda``), or the CPU under ``emulated_cuda``."""
     with backend_device(request.param) as d:

@@ -19,13 +19,13 @@ from dynamicemb import (
     DynamicEmbScoreStrategy,
     DynamicEmbTableOptions,
 )
-from dynamicemb_testing.devices import EMULATED, backend_device, devices
+from dynamicemb_testing.devices import EMULATED, SIMT, backend_device, devices
 
 DIM = 8
 NUM_FEATURES = 2
 
 
-@pytest.fixture(params=devices() + [EMULATED])
+@pytest.fixture(params=devices() + [EMULATED, SIMT])
 def device(request):
     """A backend, or the CPU under ``emulated_cuda``."""
     with backend_device(request.param) as d:

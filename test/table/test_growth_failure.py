@@ -2,7 +2,8 @@
 leaves the table as it was before the call: contents, scores, pins, size, clock.
 
 Runs on the CPU backend and on the CUDA backend's code with its kernels emulated
-on the CPU (``dynamicemb_testing.cuda_emulation``), since both share the passes.
+on the CPU (``dynamicemb_testing.cuda_emulation``), by the CPU verbs and by the
+kernels' own source (``simt``), since both share the passes.
 """
 
 import contextlib
@@ -13,8 +14,10 @@ import torch
 from dynamicemb.ops.kernels import KernelBackend
 from dynamicemb.table import ScoredHashTable
 from dynamicemb_testing.cuda_emulation import emulated_cuda
+from dynamicemb_testing.simt import SimtCudaKernels
 
-PATHS = {"cpu": contextlib.nullcontext, "cuda-path": emulated_cuda}
+PATHS = {"cpu": contextlib.nullcontext, "cuda-path": emulated_cuda,
+         "cuda-simt": lambda: emulated_cuda(SimtCudaKernels())}
 
 
 def snapshot(table: ScoredHashTable) -> dict:
