@@ -121,7 +121,9 @@ struct PassInputs {
 
 // The run of keys order[q0, q1) of bucket b, in order. The run goes 32 keys at
 // a time: each lane loads one key and probes for it (its hint), then the warp
-// settles the 32 in order with the key's fields broadcast by shuffles. At the
+// settles the 32 in order with the key's fields broadcast by shuffles. A key
+// whose own hash is not of bucket b (stale buckets given by the caller) fails
+// (slot -1, kFailed) and touches no slot: the warp owns bucket b only. At the
 // end the bucket's bits are stored, this pass's pins cleared unless the bucket
 // is blocked (the next pass needs them). outcomes (4,) += the run's settled keys by
 // status and outcomes[kExpiredOutcome] += its expired hits (only a pass with a ttl
@@ -129,14 +131,13 @@ struct PassInputs {
 // is given). Returns the run's inserts into empty slots (the same in every lane).
 template <class Rule>
 __device__ unsigned long long upsert_run(const TableView& v, const PassOutputs& o,
-                                         const Rule& rule, const PassInputs& in, int64_t q0,
-                                         int64_t q1, unsigned long long* outcomes,
+                                         const Rule& rule, const PassInputs& in, int64_t b,
+                                         int64_t q0, int64_t q1,
+                                         unsigned long long* outcomes,
                                          unsigned long long* deferred) {
   const int64_t* keys = in.keys;
   const int16_t* tids = in.tids;
   const int64_t* order = in.order;
-  const int64_t i0 = order[q0];
-  const int64_t b = bucket_of(hash_key(keys[i0], tids[i0]), v.num_buckets);
   BucketBits bits;
   bits.words = v.words;
   for (int w = 0; w < bits.words; ++w) {
@@ -166,13 +167,20 @@ __device__ unsigned long long upsert_run(const TableView& v, const PassOutputs& 
     const int in_chunk = q1 - chunk < kWarp ? static_cast<int>(q1 - chunk) : kWarp;
     for (int t = 0; t < in_chunk; ++t) {
       const int64_t i = __shfl_sync(kFullMask, my_i, t);
+      const uint64_t h = __shfl_sync(kFullMask, my_h, t);
       int8_t status = kDeferred;
-      if (blocked) {
+      if (bucket_of(h, v.num_buckets) != b) {  // not this warp's bucket: fails untouched
+        status = kFailed;
+        if (lane_id() == 0) {
+          o.slots[i] = -1;
+          o.status[i] = kFailed;
+        }
+      } else if (blocked) {
         if (lane_id() == 0) o.status[i] = kDeferred;
       } else {
         status = upsert_key(v, o, rule, bits, i, __shfl_sync(kFullMask, my_key, t),
                             static_cast<int16_t>(__shfl_sync(kFullMask, my_tid, t)),
-                            __shfl_sync(kFullMask, my_given, t), __shfl_sync(kFullMask, my_h, t),
+                            __shfl_sync(kFullMask, my_given, t), h,
                             __shfl_sync(kFullMask, my_hint, t), in.evicts, in.can_grow,
                             in.one_table, in.expired_before);
         blocked = status == kDeferred;
@@ -284,16 +292,16 @@ extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
   unsigned long long inserted = 0;
   switch (rule) {
     case 0:
-      inserted = upsert_run(v, o, ClockScore{now}, in, q0, q1, outcomes, deferred);
+      inserted = upsert_run(v, o, ClockScore{now}, in, b, q0, q1, outcomes, deferred);
       break;
     case 1:
-      inserted = upsert_run(v, o, CountScore{}, in, q0, q1, outcomes, deferred);
+      inserted = upsert_run(v, o, CountScore{}, in, b, q0, q1, outcomes, deferred);
       break;
     case 3:
-      inserted = upsert_run(v, o, CountThenClockScore{now}, in, q0, q1, outcomes, deferred);
+      inserted = upsert_run(v, o, CountThenClockScore{now}, in, b, q0, q1, outcomes, deferred);
       break;
     default:
-      inserted = upsert_run(v, o, GivenScore{}, in, q0, q1, outcomes, deferred);
+      inserted = upsert_run(v, o, GivenScore{}, in, b, q0, q1, outcomes, deferred);
       break;
   }
   if (size != nullptr && inserted && lane_id() == 0) atomicAdd(size, inserted);

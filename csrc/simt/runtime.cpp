@@ -8,6 +8,8 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <csetjmp>
+#include <csignal>
 #include <cstdarg>
 #include <cstdio>
 #include <mutex>
@@ -339,6 +341,46 @@ bool run_block() {
 int ubsan_reports = 0;
 std::string ubsan_message;
 
+struct Grid;
+bool run_blocks(Grid& grid, void* shared, size_t shared_capacity);
+
+// A launch's memory faults (SIGSEGV, SIGBUS in a lane) end the launch with an
+// error, as a GPU reports an illegal address, instead of ending the process.
+sigjmp_buf fault_jump;
+void* fault_address = nullptr;
+int fault_thread = -1;
+struct sigaction saved_segv, saved_bus;
+alignas(16) char fault_stack[64 * 1024];
+
+void on_fault(int sig, siginfo_t* info, void*) {
+  if (g == nullptr || g->current == nullptr) {  // not a lane's: the previous handler's
+    sigaction(SIGSEGV, &saved_segv, nullptr);
+    sigaction(SIGBUS, &saved_bus, nullptr);
+    return;  // the access faults again, under that handler
+  }
+  fault_address = info->si_addr;
+  fault_thread = static_cast<int>(g->current - g->lanes->data());
+  siglongjmp(fault_jump, sig);
+}
+
+void catch_faults() {
+  stack_t alt{};
+  alt.ss_sp = fault_stack;
+  alt.ss_size = sizeof(fault_stack);
+  sigaltstack(&alt, nullptr);  // a lane's stack overflow faults on its guard page
+  struct sigaction action {};
+  action.sa_sigaction = on_fault;
+  action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGSEGV, &action, &saved_segv);
+  sigaction(SIGBUS, &action, &saved_bus);
+}
+
+void release_faults() {
+  sigaction(SIGSEGV, &saved_segv, nullptr);
+  sigaction(SIGBUS, &saved_bus, nullptr);
+}
+
 }  // namespace
 
 const Dim3& thread_idx() { return g->current->idx; }
@@ -394,6 +436,35 @@ int run(const LaunchConfig& config, void (*body)(void*), void* ctx, void* shared
   g = &grid;
   ubsan_reports = 0;
   bool ok = true;
+  catch_faults();
+  if (sigsetjmp(fault_jump, 1) != 0) {
+    char where[128];
+    std::snprintf(where, sizeof(where), "illegal memory access at %p (thread %d of block %u)",
+                  fault_address, fault_thread, grid.block_idx.x);
+    grid.error = where;
+    ok = false;
+  } else {
+    ok = run_blocks(grid, shared, shared_capacity);
+  }
+  release_faults();
+#if SIMT_ASAN
+  if (shared != nullptr) ASAN_UNPOISON_MEMORY_REGION(shared, shared_capacity);
+#endif
+  g = nullptr;
+  if (ubsan_reports) {
+    grid.error = "undefined behaviour: " + ubsan_message;
+    ok = false;
+  }
+  if (!ok) return fail(error, error_size, "%s", grid.error.c_str());
+  return 0;
+}
+
+namespace {
+
+// The blocks of the launch in flight, in the launch's order; false on an error.
+bool run_blocks(Grid& grid, void* shared, size_t shared_capacity) {
+  const LaunchConfig& config = grid.config;
+  bool ok = true;
   for (int64_t b : [&] {
          std::vector<int64_t> blocks(config.grid);
          std::iota(blocks.begin(), blocks.end(), 0);
@@ -417,17 +488,10 @@ int run(const LaunchConfig& config, void (*body)(void*), void* ctx, void* shared
     ok = run_block() && ubsan_reports == 0;
     if (!ok) break;
   }
-#if SIMT_ASAN
-  if (shared != nullptr) ASAN_UNPOISON_MEMORY_REGION(shared, shared_capacity);
-#endif
-  g = nullptr;
-  if (ubsan_reports) {
-    grid.error = "undefined behaviour: " + ubsan_message;
-    ok = false;
-  }
-  if (!ok) return fail(error, error_size, "%s", grid.error.c_str());
-  return 0;
+  return ok;
 }
+
+}  // namespace
 
 }  // namespace simt
 

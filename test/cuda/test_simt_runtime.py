@@ -238,10 +238,38 @@ def test_a_divergent_ballot_is_caught(tmp_path):
 
 
 def test_a_dropped_padding_check_is_caught(tmp_path):
-    """Without the check, the padding positions of the step's dedup (key 0 of table
-    0) are inserted as a key: the table holds a row the batch never had."""
+    """Without the check, the padding positions of the step's dedup (bucket
+    kNoBucket) start a run of that bucket: its bits are read far past the table, an
+    illegal address on a GPU, a fault of the launch here (not of the process)."""
     lib = broken(tmp_path, "hash_table.cu", "  if (b == kNoBucket) {", "  if (false) {")
     want = trained(None, DynamicEmbOptimType.EXACT_SGD)
     assert same(trained(EmulatedCudaKernels(), DynamicEmbOptimType.EXACT_SGD), want)
-    got = trained(SimtCudaKernels(lib=lib), DynamicEmbOptimType.EXACT_SGD)
-    assert not same(got, want)
+    with pytest.raises(KernelFault, match="demb_upsert: illegal memory access"):
+        trained(SimtCudaKernels(lib=lib), DynamicEmbOptimType.EXACT_SGD)
+
+
+# ------------------------------------------------------------ kernel contracts
+def test_keys_given_a_stale_bucket_fail_and_leave_the_table_whole():
+    """demb_upsert checks each key's bucket against its own hash: a caller passing
+    stale buckets (all 0 here) gets those keys failed (slot -1, FAILED), and the
+    occupancy bits still count the stored keys; the keys of bucket 0 land."""
+    from dynamicemb.table import ScoredHashTable, hash_keys  # noqa: PLC0415
+
+    with emulated_cuda(SimtCudaKernels()):
+        table = ScoredHashTable(capacity=64, bucket_capacity=16, max_capacity=64)
+        keys = torch.arange(1, 25)
+        tids = torch.zeros(24, dtype=torch.int16)
+        real = torch.bitwise_and(hash_keys(keys, tids.long()), 3).int()
+        outcomes = torch.zeros(5, dtype=torch.int64)
+        size = torch.zeros(1, dtype=torch.int64)
+        slots, status = table._ops.kernels.padded_upsert(
+            table._memory.meta, 16, keys, tids, None, 0, False, False,
+            torch.zeros(24, dtype=torch.int32), outcomes, size)[:2]
+        home = real == 0
+        assert 0 < int(home.sum()) < 24
+        assert (status[~home] == 3).all() and (slots[~home] == -1).all()
+        assert (status[home] == 1).all() and (slots[home] // 16 == 0).all()
+        occupied = table._memory.meta[4]
+        bits = sum(bin(int(w) & (2**64 - 1)).count("1") for w in occupied.flatten().tolist())
+        assert bits == int(home.sum()) == int(size[0]) == int(outcomes[1])
+        assert int(outcomes[3]) == int((~home).sum())
