@@ -142,6 +142,8 @@ class StepPipeline:
                 "forward got a batch other than the next prefetched one (or another "
                 "train/eval mode); prefetched batches are consumed in order")
         self._prefetched.popleft()
+        # made on the prefetch's stream, read on this one until the backward
+        self._stream_order.hand_over(head.lookups, vars(head.check) if head.check else None)
         return [g.refresh(found) for g, found in zip(self._groups, head.lookups)]
 
     def _validate_frequencies(self, frequencies, n: int) -> Optional[torch.Tensor]:

@@ -14,11 +14,13 @@ sharded kernels.) What still overlaps a prefetch is everything else enqueued on 
 training stream meanwhile: the dense layers' forward and backward.
 """
 
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
-__all__ = ["StreamOrder"]
+from dynamicemb.ops.streams import streams_for
+
+__all__ = ["StreamOrder", "tensors_in"]
 
 
 class StreamOrder:
@@ -26,12 +28,11 @@ class StreamOrder:
 
     Args:
         device: the tables' device; only CUDA devices have streams to order.
-        streams: the stream API (``torch.cuda``'s ``current_stream``); given by tests.
+        streams: the stream API (``dynamicemb.ops.streams``); given by tests.
     """
 
     def __init__(self, device: torch.device, streams: Optional[Any] = None) -> None:
-        self.streams = streams if streams is not None else (
-            torch.cuda if device.type == "cuda" else None)
+        self.streams = streams if streams is not None else streams_for(device)
         self.device = device
         self._last = None
 
@@ -48,10 +49,33 @@ class StreamOrder:
     def _capturing(self) -> bool:
         """Whether the current stream is being captured into a CUDA graph: a capture
         cannot wait for work outside it (the caller orders its graph's replays)."""
-        is_capturing = getattr(self.streams, "is_current_stream_capturing", None)
-        return bool(is_capturing()) if is_capturing is not None else False
+        return bool(self.streams.is_current_stream_capturing())
+
+    def hand_over(self, *records) -> None:
+        """The current stream takes over the tensors of ``records`` (a prefetch's
+        lookups, made on the stream that prefetched): their memory, once freed, is
+        reused only after the work the current stream has enqueued by then, not as soon
+        as the stream that allocated them is done (``record_stream``)."""
+        if self.streams is None:
+            return
+        current = self.streams.current_stream(self.device)
+        for t in tensors_in(records):
+            self.streams.record_stream(t, current)
 
     def used(self) -> None:
         """The current stream has just enqueued work that reads or writes the rows."""
         if self.streams is not None:
             self._last = self.streams.current_stream(self.device)
+
+
+def tensors_in(record) -> Iterator[torch.Tensor]:
+    """Every tensor of a record: a tensor, or tuples (named ones too), lists and dicts of
+    records; anything else holds none."""
+    if isinstance(record, torch.Tensor):
+        yield record
+    elif isinstance(record, (tuple, list)):
+        for item in record:
+            yield from tensors_in(item)
+    elif isinstance(record, dict):
+        for item in record.values():
+            yield from tensors_in(item)

@@ -259,7 +259,12 @@ class KernelBackend(Backend):
             part = moved[start:start + chunk]
             occupied = (part >= 0).nonzero().squeeze(1)  # growth is rare: a sync is fine
             new.values[part[occupied]] = memory.values[start:start + chunk][occupied]
+        self._retire([*memory.meta, memory.values])  # the copies above still read them
         memory.meta, memory.values, memory.num_buckets = new.meta, new.values, new.num_buckets
+
+    def _retire(self, tensors) -> None:
+        """Arrays let go of while kernels may still read them: the CUDA backend keeps
+        their memory until the current stream's work is done; a CPU loop has run."""
 
     def erase(self, *, memory, keys, table_ids):
         return self.kernels.erase(memory.meta, memory.bucket_capacity, keys, table_ids)

@@ -6,9 +6,11 @@ memory. The host reads them when someone asks (a sync), and cannot tell whether 
 replay changed them since: once kernels hold them, every read goes to the device.
 """
 
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
+
+from dynamicemb.ops.streams import streams_for
 
 __all__ = ["CountsCopy", "DeviceCounters", "DeviceTotals", "capturing"]
 
@@ -16,6 +18,42 @@ __all__ = ["CountsCopy", "DeviceCounters", "DeviceTotals", "capturing"]
 def capturing() -> bool:
     """Whether the current CUDA stream is being captured into a graph."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class _Advancers:
+    """The streams whose kernels were handed a device value since the host last read
+    it: a host read or write on another stream first waits for each of them (reading
+    waits only for the current stream; a prefetch on a side stream may still be
+    advancing the value).
+
+    Args:
+        device: where the value is.
+        streams: the stream API (``dynamicemb.ops.streams``; None on a CPU).
+    """
+
+    def __init__(self, device: torch.device, streams: Optional[Any] = None) -> None:
+        self._api = streams if streams is not None else streams_for(device)
+        self._device = device
+        self._streams: list = []
+
+    def handed(self) -> None:
+        """The current stream's kernels may advance the value."""
+        if self._api is not None:
+            current = self._api.current_stream(self._device)
+            if current not in self._streams:
+                self._streams.append(current)
+
+    def settle(self) -> None:
+        """Before the host reads or writes the value on the current stream: that stream
+        waits for the others that advanced it (none while a graph is captured: a
+        capture cannot wait for work outside it, and the host reads nothing then)."""
+        if self._api is None or not self._streams or self._api.is_current_stream_capturing():
+            return
+        current = self._api.current_stream(self._device)
+        for stream in self._streams:
+            if stream != current:
+                current.wait_stream(stream)
+        self._streams = []
 
 
 class DeviceTotals:
@@ -27,15 +65,24 @@ class DeviceTotals:
     Args:
         width: how many counts.
         device: where the kernels run.
+        streams: the stream API (default the device's; given by tests).
     """
 
-    def __init__(self, width: int, device: torch.device) -> None:
-        self.tensor = torch.zeros(width, dtype=torch.int64, device=device)
+    def __init__(self, width: int, device: torch.device, streams: Optional[Any] = None) -> None:
+        self._tensor = torch.zeros(width, dtype=torch.int64, device=device)
         self._taken: Dict[str, List[int]] = {}
+        self._advancers = _Advancers(device, streams)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The totals, for kernels of the current stream that add to them."""
+        self._advancers.handed()
+        return self._tensor
 
     def take(self, reader: str) -> List[int]:
         """What was added since ``reader`` last took (reads the device: a sync)."""
-        now = self.tensor.tolist()
+        self._advancers.settle()
+        now = self._tensor.tolist()
         before = self._taken.get(reader, [0] * len(now))
         self._taken[reader] = now
         return [a - b for a, b in zip(now, before)]
@@ -52,26 +99,34 @@ class DeviceCounters:
     Args:
         values: the first values.
         device: where the kernels run.
+        streams: the stream API (default the device's; given by tests).
     """
 
-    def __init__(self, values: List[int], device: torch.device) -> None:
+    def __init__(self, values: List[int], device: torch.device,
+                 streams: Optional[Any] = None) -> None:
         self._values = [int(v) for v in values]
         self._device = device
         self._tensor = None
+        self._advancers = _Advancers(device, streams)
         # _HOST: the host's values hold (the device copy is written when handed out);
         # _DEVICE: kernels hold them (and may have advanced them since any read)
         self._state = _HOST
 
+    def _read(self) -> None:
+        """The device's values into the host's, when kernels hold them (a sync, after
+        every stream that advanced them)."""
+        if self._state == _DEVICE:
+            self._advancers.settle()
+            self._values = self._tensor.tolist()
+
     def values(self) -> List[int]:
         """The counters, read from the device when kernels hold them."""
-        if self._state == _DEVICE:
-            self._values = self._tensor.tolist()
+        self._read()
         return list(self._values)
 
     def value(self, index: int) -> int:
         """One counter (``values()[index]``, without the copy)."""
-        if self._state == _DEVICE:
-            self._values = self._tensor.tolist()
+        self._read()
         return self._values[index]
 
     def held_on_host(self) -> bool:
@@ -81,8 +136,7 @@ class DeviceCounters:
 
     def set(self, index: int, value: int) -> None:
         """Sets one counter on the host (the device copy is written when next needed)."""
-        if self._state == _DEVICE:
-            self._values = self._tensor.tolist()
+        self._read()
         self._values[index] = value
         self._state = _HOST
 
@@ -102,9 +156,11 @@ class DeviceCounters:
                     "a clock or step count was set on the host since the last step: run one "
                     "step outside the CUDA graph capture first (the capture would replay "
                     "the write)")
+            self._advancers.settle()  # after the kernels of other streams that had it
             for i, v in enumerate(self._values):
                 self._tensor[i].fill_(v)  # a kernel argument: no host-to-device copy
         self._state = _DEVICE
+        self._advancers.handed()
         return self._tensor
 
 

@@ -11,6 +11,7 @@ from dynamicemb.ops import cuda as cuda_backend
 from dynamicemb.embedding.streams import StreamOrder
 from dynamicemb.ops.cuda import MAX_DIM, CudaKernels
 from dynamicemb_testing.cuda_emulation import emulated_cuda
+from dynamicemb_testing.streams import StreamRecorder
 
 SHARED_WITHOUT_OPT_IN = 48 * 1024
 
@@ -86,25 +87,6 @@ def test_kernels_compile_and_load_on_the_tables_device():
     assert recorder.current == 0  # the caller's device is current again
 
 
-class _StreamRecorder:
-    """Stands in for ``torch.cuda``'s stream API on a machine without a GPU: a
-    current stream that tests switch, and the waits streams are asked for."""
-
-    def __init__(self) -> None:
-        self.current = "train"
-        self.waits = []
-        recorder = self
-
-        class Stream(str):
-            def wait_stream(self, other):
-                recorder.waits.append((str(self), str(other)))
-
-        self._stream = Stream
-
-    def current_stream(self, device):
-        return self._stream(self.current)
-
-
 def test_each_use_waits_for_the_stream_that_last_used_the_tables():
     """TorchRec's order: forward(i) on the training stream, then prefetch(i + 1) on
     its own stream, then backward(i) on the training stream. The prefetch must wait
@@ -113,7 +95,7 @@ def test_each_use_waits_for_the_stream_that_last_used_the_tables():
     module = BatchedDynamicEmbeddingTables(
         [DynamicEmbTableOptions(dim=4, max_capacity=64, local_hbm_for_values=4 * 4 * 16,
                                 caching=True)], learning_rate=0.1)
-    streams = _StreamRecorder()
+    streams = StreamRecorder()
     module._stream_order = StreamOrder(module.device, streams)
     batches = [(torch.tensor([1, 2, 3, 4]) + 10 * i, torch.tensor([0, 2, 4])) for i in range(3)]
     streams.current = "prefetch"

@@ -64,6 +64,8 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         self.argument_types: Dict[str, set] = {}
         self.guard = None
         self.host_allocations: list = []
+        # the stream API (``dynamicemb.ops.streams``): none on a CPU; a test gives one
+        self.stream_api = None
         self._cpu = cpu_kernels.load()
         # pointer -> tensor: the pointers taken and not yet handed to a launch
         # (each launch takes its own), then those of the launch in flight

@@ -11,6 +11,7 @@ from dynamicemb.ops.cuda.launch import MAX_DIM
 from dynamicemb.ops.cuda.memory import mapped_host_zeros
 from dynamicemb.ops.cuda.program import _source_digest, cuda_source_root
 from dynamicemb.ops.kernels import KernelBackend
+from dynamicemb.ops.streams import CudaStreams
 
 __all__ = ["CudaBackend", "CudaKernels"]
 
@@ -35,6 +36,17 @@ class CudaKernels(HashTableKernels, CacheKernels, DedupKernels, EmbeddingKernels
         self._modules = {}  # (device index, source) -> cupy.RawModule
         self._functions = {}  # (device index, name) -> cupy.RawKernel
         self._streams = {}  # torch stream pointer -> cupy stream
+        self.stream_api = CudaStreams()
+
+    def retire(self, tensors) -> None:
+        """Tensors let go of while kernels of the current stream may still read them (a
+        grown table's old arrays, read by the growth's copies): their memory is reused
+        only after the work that stream has enqueued by now. Other streams' uses were
+        ordered before the current stream's (``StreamOrder``)."""
+        if self.stream_api is None:
+            return
+        for t in tensors:
+            self.stream_api.record_stream(t, self.stream_api.current_stream(t.device))
 
 
 class CudaBackend(KernelBackend):
@@ -53,6 +65,9 @@ class CudaBackend(KernelBackend):
 
     def zeros(self, shape, dtype, device):
         return torch.zeros(tuple(shape), dtype=dtype, device=device)
+
+    def _retire(self, tensors) -> None:
+        self.kernels.retire(tensors)
 
     def host_zeros(self, shape, dtype, device):
         """Zeroed pinned host memory mapped into the GPU's address space (UVA), seen
