@@ -92,23 +92,24 @@ extern "C" __global__ void demb_init_rows(float* out, int64_t out_width, const i
   out[rows[i] * out_width + c] = init_element(p, table, keys[i], c);
 }
 
-// The full rows of the keys an inserting call just stored, a thread per element:
-// for each i < n whose status is kInserted or kEvictedAndInserted, values[slots[i],
-// c] = its table's initializer's value for c < dim and state_value for the
-// optimizer state after it (c < width). Keys of other statuses (hits, failures,
-// padding) are left alone, so the host needs no count of the new keys.
+// The full rows of the keys an inserting call just stored, one warp per key (lanes
+// over the columns): for each i < n whose status is kInserted or
+// kEvictedAndInserted, values[slots[i], c] = its table's initializer's value for
+// c < dim and state_value for the optimizer state after it (c < width). Keys of
+// other statuses (hits, failures, padding) are left alone, so the host needs no
+// count of the new keys; a steady step's warps (hits) return after one read.
 extern "C" __global__ void demb_init_new_rows(float* values, int64_t width, const int64_t* slots,
                                               const int8_t* status, const int64_t* keys,
                                               const int16_t* tids, int64_t n, int64_t dim,
                                               const int64_t* init_ints, const float* init_floats,
                                               float state_value) {
-  const int64_t e = global_thread();
-  if (e >= n * width) return;
-  const int64_t i = e / width;
-  if (status[i] != kInserted && status[i] != kEvictedAndInserted) return;
-  const int64_t c = e - i * width;
-  values[slots[i] * width + c] =
-      PackedInits{init_ints, init_floats}.new_row_element(tids[i], keys[i], c, dim, state_value);
+  const int64_t i = global_warp();
+  if (i >= n || (status[i] != kInserted && status[i] != kEvictedAndInserted)) return;
+  float* row = values + slots[i] * width;
+  const PackedInits inits{init_ints, init_floats};
+  for (int64_t c = lane_id(); c < width; c += kWarp) {
+    row[c] = inits.new_row_element(tids[i], keys[i], c, dim, state_value);
+  }
 }
 
 // Pooled lookup, one warp per bag k = f * batch + b: out[b, col(f) + c] = the

@@ -247,10 +247,10 @@ __device__ int64_t run_end(const int32_t* sorted_buckets, int64_t m, int64_t q0,
 
 // One inserting pass. `order` (m,) holds the pass's key positions sorted stably
 // by bucket, sorted_buckets (m,) their buckets: the keys of a bucket are a run. One
-// warp per position; the warp at a run's first position settles the run, the others
-// return (so the host never learns how many runs there are). A position of bucket
-// kNoBucket (padding, dedup.cu) gets slot -1 and status kFailed from its own warp
-// and is counted nowhere.
+// warp per 32 positions: its lanes find which of them start a run (a ballot), and
+// the warp settles those runs one after the other (so the host never learns how
+// many runs there are). A position of bucket kNoBucket (padding, dedup.cu) gets
+// slot -1 and status kFailed from its own lane and is counted nowhere.
 // rule: 0 clock (score = now), 1 count (adds given), 2 given, 3 count then clock
 // (LRU_LFU). outcomes (4,) += the pass's keys by InsertStatus (hit, inserted, evicted,
 // failed); deferred[0] += its deferred keys (null: not counted, as when the table
@@ -271,38 +271,46 @@ extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
                                        unsigned long long* deferred, const int64_t* now_at,
                                        unsigned long long* size, const uint64_t* table_scores,
                                        uint64_t ttl) {
-  const int64_t q0 = global_warp();  // the same for the warp's lanes: uniform exits
-  if (q0 >= m) return;
+  const int64_t first = global_warp() * kWarp;  // the same for the warp's lanes
+  if (first >= m) return;
   if (now_at != nullptr) now = static_cast<uint64_t>(*now_at);
-  const int32_t b = sorted_buckets[q0];
-  if (b == kNoBucket) {  // a padding position: no slot, and no count
-    if (lane_id() == 0) {
-      slots[order[q0]] = -1;
-      status[order[q0]] = kFailed;
+  const int64_t q = first + lane_id();
+  bool starts = false;
+  if (q < m) {
+    const int32_t b = sorted_buckets[q];
+    if (b == kNoBucket) {  // a padding position: no slot, and no count
+      slots[order[q]] = -1;
+      status[order[q]] = kFailed;
+    } else {
+      starts = q == 0 || sorted_buckets[q - 1] != b;
     }
-    return;
   }
-  if (q0 > 0 && sorted_buckets[q0 - 1] == b) return;  // inside a run: not its start
-  const int64_t q1 = run_end(sorted_buckets, m, q0, b);
+  unsigned runs = __ballot_sync(kFullMask, starts);
   const TableView v = DEMB_TABLE_VIEW;
   const PassOutputs o{slots, status, prev_scores, ev_keys, ev_tids, ev_scores};
   const PassInputs in{keys,  tids,     given,     table_scores,
                       order, evicts,   can_grow,  one_table,
                       expired_before(now, ttl)};
   unsigned long long inserted = 0;
-  switch (rule) {
-    case 0:
-      inserted = upsert_run(v, o, ClockScore{now}, in, b, q0, q1, outcomes, deferred);
-      break;
-    case 1:
-      inserted = upsert_run(v, o, CountScore{}, in, b, q0, q1, outcomes, deferred);
-      break;
-    case 3:
-      inserted = upsert_run(v, o, CountThenClockScore{now}, in, b, q0, q1, outcomes, deferred);
-      break;
-    default:
-      inserted = upsert_run(v, o, GivenScore{}, in, b, q0, q1, outcomes, deferred);
-      break;
+  while (runs) {
+    const int64_t q0 = first + __ffs(runs) - 1;
+    runs &= runs - 1;
+    const int32_t b = sorted_buckets[q0];
+    const int64_t q1 = run_end(sorted_buckets, m, q0, b);
+    switch (rule) {
+      case 0:
+        inserted += upsert_run(v, o, ClockScore{now}, in, b, q0, q1, outcomes, deferred);
+        break;
+      case 1:
+        inserted += upsert_run(v, o, CountScore{}, in, b, q0, q1, outcomes, deferred);
+        break;
+      case 3:
+        inserted += upsert_run(v, o, CountThenClockScore{now}, in, b, q0, q1, outcomes, deferred);
+        break;
+      default:
+        inserted += upsert_run(v, o, GivenScore{}, in, b, q0, q1, outcomes, deferred);
+        break;
+    }
   }
   if (size != nullptr && inserted && lane_id() == 0) atomicAdd(size, inserted);
 }

@@ -51,7 +51,7 @@ class EmbeddingKernels(KernelLauncher):
     def init_new_rows(self, values, slots, status, keys, tids, dim, spec,
                       state_value) -> None:
         """The full initial rows of the keys whose status is INSERTED or
-        EVICTED_AND_INSERTED (one thread per element; no count needed)."""
+        EVICTED_AND_INSERTED (one warp per key; no count needed)."""
         _expect(values, torch.float32, "values")
         _expect(slots, torch.int64, "slots")
         _expect(status, torch.int8, "status")
@@ -61,7 +61,7 @@ class EmbeddingKernels(KernelLauncher):
         if status.numel() != n or keys.numel() != n or values.dim() != 2:
             raise ValueError("slots, status and keys need one length; values [C, width]")
         width = values.size(1)
-        self._launch("demb_init_new_rows", values.device, n * width, [
+        self._launch("demb_init_new_rows", values.device, 32 * n, [  # a warp per key
             _ptr(values), np.int64(width), _ptr(slots), _ptr(status), _ptr(keys), _ptr(tids),
             _i64(n), _i64(dim), _ptr(spec.ints), _ptr(spec.floats), np.float32(state_value)])
 

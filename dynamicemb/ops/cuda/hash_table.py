@@ -78,7 +78,7 @@ class HashTableKernels(KernelLauncher):
         # the caller), and counts deferred keys only while the table may grow (no
         # key is deferred otherwise).
         deferred = torch.zeros(1, dtype=torch.int64, device=keys.device) if can_grow else None
-        self._launch("demb_upsert", keys.device, 32 * m, table + [
+        self._launch("demb_upsert", keys.device, 32 * ((m + 31) // 32), table + [  # a warp per 32
             _ptr(keys), _ptr(tids), _ptr(given), np.int32(rule), np.uint64(now),
             np.bool_(evicts), np.bool_(can_grow), np.bool_(one_table), _ptr(sorted_buckets),
             _ptr(order), _i64(m), _ptr(slots), _ptr(status), _ptr(prev_scores),
