@@ -478,9 +478,11 @@ bool run_blocks(Grid& grid, void* shared, size_t shared_capacity) {
        }()) {
     grid.block_idx = Dim3{static_cast<unsigned>(b), 0, 0};
     if (shared != nullptr) {
-      std::memset(shared, 0xFF, shared_capacity);
 #if SIMT_ASAN
       ASAN_UNPOISON_MEMORY_REGION(shared, shared_capacity);
+#endif
+      std::memset(shared, 0xFF, shared_capacity);
+#if SIMT_ASAN
       ASAN_POISON_MEMORY_REGION(static_cast<char*>(shared) + config.shared_bytes,
                                 shared_capacity - config.shared_bytes);
 #endif

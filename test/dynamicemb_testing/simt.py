@@ -36,7 +36,7 @@ from dynamicemb.ops.cuda.launch import _grid
 from dynamicemb_testing.cuda_emulation import EmulatedCudaKernels
 from dynamicemb_testing.scripts import ROOT
 
-__all__ = ["KernelFault", "ORDERS", "SimtCudaKernels", "build", "library"]
+__all__ = ["KernelFault", "ORDERS", "SimtCudaKernels", "build", "flags", "library"]
 
 ORDERS = {"forward": 0, "reverse": 1, "shuffled": 2}
 _FLAGS = ("-std=c++17", "-O1", "-g", "-fPIC", "-fno-omit-frame-pointer",
@@ -98,7 +98,7 @@ def _digest(cuda_root: str, flags) -> str:
     return h.hexdigest()[:16]
 
 
-def build(out_dir: str, flags=_FLAGS, cuda_root: Optional[str] = None,
+def build(out_dir: str, flags=None, cuda_root: Optional[str] = None,
           sources: Optional[Dict[str, str]] = None) -> str:
     """Compiles the kernels (``sources``: file name -> text, default ``csrc/cuda``'s
     ``.cu`` files; a header given here replaces ``csrc/cuda``'s) and the runtime into ``out_dir/libsimt_kernels.so``; returns its path.
@@ -106,6 +106,7 @@ def build(out_dir: str, flags=_FLAGS, cuda_root: Optional[str] = None,
     Raises:
         RuntimeError: a compiler error, with its output.
     """
+    flags = globals()["flags"]() if flags is None else flags
     cuda_root = cuda_root or cuda_source_root()
     sources = _kernel_sources(cuda_root) if sources is None else sources
     os.makedirs(out_dir, exist_ok=True)
@@ -145,8 +146,22 @@ def build(out_dir: str, flags=_FLAGS, cuda_root: Optional[str] = None,
     return target
 
 
-def library(flags=_FLAGS) -> ctypes.CDLL:
+def flags() -> tuple:
+    """The build's flags: ``_FLAGS``, plus the address sanitizer when
+    ``DEMB_SIMT_SANITIZE=address`` (the process must then preload libasan:
+    ``test/cuda/test_simt_sanitizers.py`` runs suites that way)."""
+    sanitize = os.environ.get("DEMB_SIMT_SANITIZE", "")
+    if sanitize not in ("", "address"):
+        raise ValueError(f"DEMB_SIMT_SANITIZE must be 'address' or empty, got {sanitize!r}")
+    # under the address sanitizer, UBSan's reports go to libasan's own hook (not the
+    # runtime's): each ends the process instead of failing its launch
+    return _FLAGS + (("-fsanitize=address", "-fno-sanitize-recover=undefined")
+                     if sanitize else ())
+
+
+def library(flags=None) -> ctypes.CDLL:
     """The built kernels of ``csrc/cuda`` (built once per digest of the sources)."""
+    flags = globals()["flags"]() if flags is None else flags
     cuda_root = cuda_source_root()
     digest = _digest(cuda_root, flags)
     with _lock:
