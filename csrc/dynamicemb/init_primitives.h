@@ -60,9 +60,9 @@ DEMB_HD float init_element(const InitParams& p, int64_t table, int64_t key, int 
       }
       return fminf(fmaxf(p.mean, p.lower), p.upper);
     }
-    case kInitUniform:
-      return p.lower +
-             (p.upper - p.lower) * open_uniform(element_bits(p.seed, table, key, c));
+    case kInitUniform:  // one fused multiply-add, whatever a compiler contracts
+      return fmaf(p.upper - p.lower, open_uniform(element_bits(p.seed, table, key, c)),
+                  p.lower);
     case kInitConstant:
       return p.value;
     case kInitDebug: {

@@ -19,6 +19,7 @@ launch that takes it has run."""
 
 import contextlib
 import importlib
+import os
 import pkgutil
 from collections import Counter
 from typing import Dict, List, Optional
@@ -410,6 +411,17 @@ def set_cuda_seams(seams: dict) -> None:
 _REAL_CPU = ops._cpu
 
 
+def _default_kernels() -> EmulatedCudaKernels:
+    mode = os.environ.get("DEMB_CUDA_EMULATION", "verbs")
+    if mode == "simt":
+        from dynamicemb_testing.simt import SimtCudaKernels  # noqa: PLC0415
+
+        return SimtCudaKernels()
+    if mode != "verbs":
+        raise ValueError(f"DEMB_CUDA_EMULATION must be 'verbs' or 'simt', got {mode!r}")
+    return EmulatedCudaKernels()
+
+
 @contextlib.contextmanager
 def real_cpu():
     """Within ``emulated_cuda``: what is built here (a table, a module) binds the CPU
@@ -427,12 +439,15 @@ def emulated_cuda(kernels: Optional[EmulatedCudaKernels] = None):
 
     Args:
         kernels: the emulation to use again (modules built under an earlier
-            ``emulated_cuda`` keep its backend); default a new one.
+            ``emulated_cuda`` keep its backend); default a new one: the CPU verbs'
+            (``EmulatedCudaKernels``), or with ``DEMB_CUDA_EMULATION=simt`` the
+            kernels' own source (``simt.SimtCudaKernels``).
 
     Yields:
         The ``EmulatedCudaKernels`` (its ``launches`` count every kernel launch).
     """
-    kernels = EmulatedCudaKernels() if kernels is None else kernels
+    if kernels is None:
+        kernels = _default_kernels()
     backend = cuda_backend.CudaBackend.__new__(cuda_backend.CudaBackend)
     cuda_backend.KernelBackend.__init__(backend, kernels)
     saved_cpu, saved = ops._cpu, cuda_seams()

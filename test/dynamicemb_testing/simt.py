@@ -39,7 +39,7 @@ from dynamicemb_testing.scripts import ROOT
 __all__ = ["KernelFault", "ORDERS", "SimtCudaKernels", "build", "flags", "library"]
 
 ORDERS = {"forward": 0, "reverse": 1, "shuffled": 2}
-_FLAGS = ("-std=c++17", "-O1", "-g", "-fPIC", "-fno-omit-frame-pointer",
+_FLAGS = ("-std=c++17", "-O2", "-g", "-fPIC", "-fno-omit-frame-pointer",
           "-fsanitize=undefined", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas",
           "-Werror")
 # The dynamic shared memory a block may take: CUDA's default limit (launch.py).

@@ -1,8 +1,17 @@
-"""The kernels' own source under the address sanitizer (with the undefined-behaviour
-sanitizer, fatal there): the suites that run them on the CPU runtime (exactness for
-every cache size, the table twins, the runtime's own tests) pass in a process that
-preloads libasan, and an out-of-bounds read in a kernel is reported there (where the
-ordinary build reads past the array unseen)."""
+"""Suites that pick the kernels' own source by environment, each in a subprocess.
+
+- The step's guards (``DEMB_CUDA_EMULATION=simt``: every ``emulated_cuda()`` runs the
+  real kernels): no sync and the launch budgets of a steady step, the graph stand-in,
+  input errors, host memory, launch configuration, the padded and promotion kernels
+  against the CPU's. Left out there: the comparisons with the CPU backend that train a
+  hot row (more lookups than a piece holds), whose two-level gradient sum differs from
+  the CPU's rank-order sum by rounding on a GPU too (docs/ARCHITECTURE.md, "fused
+  backward"); they run on the CPU verbs' emulation.
+- The address sanitizer (with the undefined-behaviour sanitizer, fatal there): the
+  suites that run the kernels (exactness for every cache size, the table twins, the
+  runtime's tests) pass in a process that preloads libasan, and an out-of-bounds read
+  in a kernel is reported (the ordinary build reads past the array unseen).
+"""
 
 import os
 import subprocess
@@ -20,7 +29,21 @@ def _libasan() -> str:
 
 
 LIBASAN = _libasan()
-pytestmark = pytest.mark.skipif(not LIBASAN, reason="gcc's libasan is not installed")
+needs_asan = pytest.mark.skipif(not LIBASAN, reason="gcc's libasan is not installed")
+
+
+def test_the_step_guards_pass_on_the_kernels_source():
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
+         "test/cuda/test_step_syncs.py", "test/cuda/test_cuda_graph.py",
+         "test/cuda/test_input_errors.py", "test/cuda/test_host_memory.py",
+         "test/cuda/test_launch_config.py", "test/table/test_cpu_padded_kernels.py",
+         "test/storage/test_cpu_promotion_kernels.py",
+         "-k", "not trains_as_the_cpu_backend and not ttl_or_customized"],
+        cwd=ROOT, env=script_env(DEMB_CUDA_EMULATION="simt"), capture_output=True, text=True,
+        timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout
 
 
 def _env():
@@ -28,6 +51,7 @@ def _env():
                       ASAN_OPTIONS="detect_leaks=0")
 
 
+@needs_asan
 def test_the_kernel_suites_pass_under_the_address_sanitizer():
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-q", "-x",
@@ -52,6 +76,7 @@ print("read", out[:4].tolist())
 """
 
 
+@needs_asan
 def test_an_out_of_bounds_read_is_reported():
     def read(n):
         return subprocess.run([sys.executable, "-c", _READ_PAST, str(n)], cwd=ROOT,
