@@ -1,13 +1,15 @@
-"""The CPU extension's promotion verbs against the CUDA kernels, emulated.
+"""The CPU extension's promotion verbs against the CUDA kernels and a Python model.
 
 ``promotion_plan``, ``promotion_order`` and ``promote_rows`` of ``csrc/cpu/cache.cpp``
-and of ``csrc/cuda/cache.cu`` (run by ``EmulatedCudaKernels``) loop over the same
-per-key procedures (``csrc/dynamicemb/cache_policy.h``). On the same random inputs
-(padded batches of several sizes, 0 and 1 included, keys not stored, keys left out,
-caches with free slots, full caches that must evict, one table and several) they
-give equal outputs, and twin tables end equal. A module trained on the CPU backend
-and on the emulated CUDA backend keeps the same cache, batch by batch (that a cache
-of any size trains as all rows in memory: ``test_exactness.py``).
+and of ``csrc/cuda/cache.cu`` (run on the CPU runtime of ``dynamicemb_testing.simt``)
+loop over the same per-key procedures (``csrc/dynamicemb/cache_policy.h``). On the
+same random inputs (padded batches of several sizes, 0 and 1 included, keys not
+stored, keys left out, caches with free slots, full caches that must evict, one table
+and several) they give equal outputs, twin tables end equal, and the plan, ranks and
+order are those of ``policy``, the header's rules written again in Python. A module
+trained on the CPU backend and on the emulated CUDA backend keeps the same cache,
+batch by batch (that a cache of any size trains as all rows in memory:
+``test_exactness.py``).
 """
 
 import pytest
@@ -18,7 +20,9 @@ from dynamicemb import (BatchedDynamicEmbeddingTables, DynamicEmbInitializerArgs
 from dynamicemb.ops import cpu_kernels
 from dynamicemb.ops.codes import KNO_BUCKET, InsertStatus, ScoreRule
 from dynamicemb.table import ScoredHashTable
-from dynamicemb_testing.cuda_emulation import EmulatedCudaKernels, emulated_cuda
+from dynamicemb.table import hash_keys
+from dynamicemb_testing.cuda_emulation import emulated_cuda
+from dynamicemb_testing.simt import SimtCudaKernels
 
 BC = 16
 WIDTH = 5
@@ -78,6 +82,47 @@ def assert_equal(got, want):
         assert a.dtype == b.dtype and torch.equal(a, b), i
 
 
+HIT_RANK, MISS_RANK, COLD_RANK, LEFT_OUT_RANK = 2**63 - 1, 0, -1, -2
+
+
+def policy(counts, host_slots, cache_slots, capacity: int, size: int):
+    """The promotion's plan (hits, misses, hot misses, taken), ranks and order by the
+    rules of cache_policy.h: a key takes part when it is in the batch and its row in
+    the host store; hits first; every miss when the misses fit in the free slots, else
+    only misses seen more than once, hottest first, as many as fit beside the hits;
+    ties in batch order."""
+    part = [c > 0 and h >= 0 for c, h in zip(counts, host_slots)]
+    hits = sum(p and s >= 0 for p, s in zip(part, cache_slots))
+    miss = [p and s < 0 for p, s in zip(part, cache_slots)]
+    misses = sum(miss)
+    hot = sum(m and c > 1 for m, c in zip(miss, counts))
+    overflow = misses > capacity - size
+    taken = hits + (min(hot, max(capacity - hits, 0)) if overflow else misses)
+    rank = [LEFT_OUT_RANK if not p else HIT_RANK if s >= 0 else MISS_RANK if not overflow
+            else c if c > 1 else COLD_RANK for p, s, c in zip(part, cache_slots, counts)]
+    order = sorted(range(len(rank)), key=lambda i: -rank[i])  # stable
+    return [hits, misses, hot, taken], rank, order
+
+
+def assert_policy(cache, host, keys, tids, counts, host_slots, size, plan, ordered):
+    """The kernels' plan, ranks, order and cache call inputs are ``policy``'s."""
+    part = (counts > 0) & (host_slots >= 0)
+    cache_slots = torch.where(part, cache.find(keys, tids.long()), -1)
+    assert torch.equal(plan[0], cache_slots)
+    totals, rank, order = policy(counts.tolist(), host_slots.tolist(), cache_slots.tolist(),
+                                 cache.capacity(), size)
+    assert plan[1].tolist() == totals and plan[2].tolist() == rank
+    assert plan[3].tolist() == order
+    order = torch.tensor(order, dtype=torch.int64)
+    scores = torch.where(host_slots[order] >= 0,
+                         host.scores_at(host_slots[order].clamp(min=0)), 0)
+    buckets = torch.bitwise_and(hash_keys(keys[order], tids[order].long()),
+                                cache.num_buckets - 1)
+    buckets[totals[3]:] = KNO_BUCKET
+    assert torch.equal(ordered[0], keys[order]) and torch.equal(ordered[1], tids[order])
+    assert torch.equal(ordered[2], scores) and torch.equal(ordered[3], buckets.int())
+
+
 def promote(kernels, emulated, host, cache, keys, tids, counts, host_slots):
     """A padded batch's promotion run by ``kernels`` (within ``emulated_cuda(emulated)``):
     the plan (with its stable sort of the ranks), the order, the cache's padded
@@ -120,17 +165,23 @@ CASES = [  # (num_tables, n, unique, host capacity, cache capacity, cached fract
 def test_the_cpu_promotion_equals_the_cuda_kernels(case, seed):
     num_tables, n, unique, host_capacity, cache_capacity, cached = case
     cpu = cpu_kernels.load()
-    emulated = EmulatedCudaKernels()
-    results, tables = [], []
+    emulated = SimtCudaKernels()
+    results, tables, policies = [], [], []
     for kernels in (cpu, emulated):
         host, cache, keys, tids = make_tiers(seed, num_tables, host_capacity, cache_capacity,
                                              cached)
         bkeys, btids, counts = make_batch(seed, keys, tids, n, unique)
         host_slots = host_slots_of(host, bkeys, btids, counts)
+        size = cache.size()
         with emulated_cuda(emulated):
             results.append(promote(kernels, emulated, host, cache, bkeys, btids, counts,
                                    host_slots))
         tables.append((host, cache))
+        policies.append((bkeys, btids, counts, host_slots, size))
+    host, cache = make_tiers(seed, num_tables, host_capacity, cache_capacity, cached)[:2]
+    for (bkeys, btids, counts, host_slots, size), result in zip(policies, results):
+        assert_policy(cache, host, bkeys, btids, counts, host_slots, size, result[0],
+                      result[2])
     (plan, order, ordered, cached, refs), want = results
     assert_equal(plan, want[0])
     assert torch.equal(order, want[1])
@@ -160,7 +211,7 @@ def test_a_victim_goes_back_before_its_slot_takes_a_new_row():
     victim_rows = cache.values.clone()
     cache.values.add_(1.0)  # trained in the cache: differs from the host store's copy
     victim_rows += 1.0
-    emulated = EmulatedCudaKernels()
+    emulated = SimtCudaKernels()
     with emulated_cuda(emulated):
         plan, order, ordered, cached, refs = promote(
             cpu_kernels.load(), emulated, host, cache, misses, torch.zeros(8, dtype=torch.int16),
