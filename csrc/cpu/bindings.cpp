@@ -140,28 +140,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The lookups and the backward take the keywords of a step counted on the device
   // (verbs.h): init (an InitRows), error (the error word), schedule (a DeviceSchedule).
   m.def("pooled_forward", &c::pooled_forward, "pooled lookup (sum/mean)", py::arg("tiers"),
-        py::arg("transient"), py::arg("row_slot"), py::arg("inverse"), py::arg("offsets"),
+        py::arg("transient"), py::arg("row_ref"), py::arg("inverse"), py::arg("offsets"),
         py::arg("weights"), py::arg("feature_col"), py::arg("batch"), py::arg("dim"),
         py::arg("mean"), py::arg("out"), py::arg("init") = py::none(),
         py::arg("error") = py::none());
   m.def("sequence_forward", &c::sequence_forward, "sequence lookup", py::arg("tiers"),
-        py::arg("transient"), py::arg("row_slot"), py::arg("inverse"), py::arg("dim"),
+        py::arg("transient"), py::arg("row_ref"), py::arg("inverse"), py::arg("dim"),
         py::arg("out"), py::arg("init") = py::none(), py::arg("error") = py::none());
   m.def("sum_gradients", &c::sum_gradients, "each unique row's summed gradient",
         py::arg("starts"), py::arg("rank"), py::arg("offsets"), py::arg("weights"),
         py::arg("feature_col"), py::arg("batch"), py::arg("mean"), py::arg("grad"),
         py::arg("sums"), py::arg("error") = py::none());
   m.def("update_rows", &c::update_rows, "optimizer update of rows from summed gradients",
-        py::arg("tiers"), py::arg("row_slot"), py::arg("sums"), OPTIMIZER_ARGS,
+        py::arg("tiers"), py::arg("row_ref"), py::arg("sums"), OPTIMIZER_ARGS,
         py::arg("error") = py::none(), py::arg("schedule") = py::none());
   m.def("sum_and_update_rows", &c::sum_and_update_rows,
         "each unique row's summed gradient applied where finite; returns the rows that were not",
-        py::arg("tiers"), py::arg("row_slot"), py::arg("starts"), py::arg("rank"),
+        py::arg("tiers"), py::arg("row_ref"), py::arg("starts"), py::arg("rank"),
         py::arg("offsets"), py::arg("weights"), py::arg("feature_col"), py::arg("batch"),
         py::arg("mean"), py::arg("grad"), py::arg("dim"), OPTIMIZER_ARGS,
         py::arg("error") = py::none(), py::arg("schedule") = py::none());
   m.def("per_sample_weight_grad", &c::per_sample_weight_grad, "gradient of weights",
-        py::arg("tiers"), py::arg("transient"), py::arg("row_slot"), py::arg("inverse"),
+        py::arg("tiers"), py::arg("transient"), py::arg("row_ref"), py::arg("inverse"),
         py::arg("offsets"), py::arg("feature_col"), py::arg("batch"), py::arg("dim"),
         py::arg("grad"), py::arg("out"), py::arg("init") = py::none(),
         py::arg("error") = py::none());

@@ -456,12 +456,12 @@ void pool_bags(const Bags& bags, int64_t num_features, const int64_t* inv, const
 // `init`: negative references read their initializer's row (ComputedRows). A
 // batch the input check refused (`error` set) pools to zeros, its offsets unread.
 void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
-                    const at::Tensor& row_slot, const at::Tensor& inverse,
+                    const at::Tensor& row_ref, const at::Tensor& inverse,
                     const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                     const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
                     at::Tensor& out, const c10::optional<InitRowsArg>& init,
                     const c10::optional<at::Tensor>& error) {
-  const RowSource src = row_source(tiers, transient, row_slot, dim);
+  const RowSource src = row_source(tiers, transient, row_ref, dim);
   const Bags bags = bags_of(offsets, feature_col, batch);
   check_tensor(inverse, at::kLong, "inverse");
   check_tensor(out, at::kFloat, "out");
@@ -479,7 +479,7 @@ void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tran
   const int64_t* inv = inverse.data_ptr<int64_t>();
   const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
   const bool stream = out.nbytes() >= kStreamMinBytes;
-  with_rows(src, init, row_slot.numel(), [&](const auto& make_rows) {
+  with_rows(src, init, row_ref.numel(), [&](const auto& make_rows) {
     pool_bags(bags, feature_col.numel(), inv, w, dim, mean, o, out_width, stream, make_rows);
   });
 }
@@ -488,10 +488,10 @@ void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tran
 // Streaming stores from kStreamMinBytes of output, as in pooled_forward. `init`
 // and `error` as in pooled_forward (a refused batch's out (N, dim) is zeros).
 void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
-                      const at::Tensor& row_slot, const at::Tensor& inverse, int64_t dim,
+                      const at::Tensor& row_ref, const at::Tensor& inverse, int64_t dim,
                       at::Tensor& out, const c10::optional<InitRowsArg>& init,
                       const c10::optional<at::Tensor>& error) {
-  const RowSource src = row_source(tiers, transient, row_slot, dim);
+  const RowSource src = row_source(tiers, transient, row_ref, dim);
   check_tensor(inverse, at::kLong, "inverse");
   check_tensor(out, at::kFloat, "out");
   const int64_t* inv = inverse.data_ptr<int64_t>();
@@ -503,7 +503,7 @@ void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tr
     return;
   }
   const bool stream = out.nbytes() >= kStreamMinBytes;
-  with_rows(src, init, row_slot.numel(), [&](const auto& make_rows) {
+  with_rows(src, init, row_ref.numel(), [&](const auto& make_rows) {
 #pragma omp parallel if (n >= kParallelMinWork)
     {
       const auto rows = make_rows();
@@ -713,7 +713,7 @@ int64_t sum_gradients(const at::Tensor& starts, const at::Tensor& rank,
 // (sum_gradients). Rows not stored (transient) are skipped. `schedule`: the
 // scalars from device memory (update_params); a refused batch (`error` set)
 // updates nothing and leaves the schedule's step as it is.
-void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
+void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_ref,
                  const at::Tensor& sums, int64_t kind, double lr, double eps, double beta1,
                  double beta2, double weight_decay, double step_size,
                  double bias_correction2_sqrt, double decay_scale,
@@ -724,10 +724,10 @@ void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slo
   if (refused(error)) return;
   const int64_t dim = sums.size(1);
   const at::Tensor no_transient = at::empty({0, dim}, tiers[0].options());
-  const RowSource src = row_source(tiers, no_transient, row_slot, dim);
-  const int64_t num_unique = row_slot.numel();
+  const RowSource src = row_source(tiers, no_transient, row_ref, dim);
+  const int64_t num_unique = row_ref.numel();
   TORCH_CHECK(sums.size(0) >= num_unique, "sums must have a row per unique row");
-  const int64_t* slot = row_slot.data_ptr<int64_t>();
+  const int64_t* slot = row_ref.data_ptr<int64_t>();
   const int64_t state_floats = optimizer_state_dim(static_cast<int>(kind), dim);
   TORCH_CHECK(src.width >= dim + state_floats, "value rows too narrow for the optimizer state");
   const OptimizerParams p = update_params(kind, lr, eps, beta1, beta2, weight_decay, step_size,
@@ -752,7 +752,7 @@ void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slo
 // `error` and `schedule` as in update_rows (the step advances even when some rows
 // are not finite, as the host's count does). Returns how many rows had a
 // non-finite sum (0 for a refused batch).
-int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
+int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_ref,
                             const at::Tensor& starts, const at::Tensor& rank,
                             const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                             const at::Tensor& feature_col, int64_t batch, bool mean,
@@ -764,10 +764,10 @@ int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tens
   if (refused(error)) return 0;  // its offsets are not read, the step not counted
   const GradRuns runs(starts, rank, offsets, weights, feature_col, batch, mean, grad, dim);
   const at::Tensor no_transient = at::empty({0, dim}, tiers[0].options());
-  const RowSource src = row_source(tiers, no_transient, row_slot, dim);
+  const RowSource src = row_source(tiers, no_transient, row_ref, dim);
   const int64_t num_unique = runs.num_unique;
-  TORCH_CHECK(row_slot.numel() == num_unique, "one row_slot per unique row");
-  const int64_t* slot = row_slot.data_ptr<int64_t>();
+  TORCH_CHECK(row_ref.numel() == num_unique, "one row_ref per unique row");
+  const int64_t* slot = row_ref.data_ptr<int64_t>();
   const int64_t state_floats = optimizer_state_dim(static_cast<int>(kind), dim);
   TORCH_CHECK(src.width >= dim + state_floats, "value rows too narrow for the optimizer state");
   const OptimizerParams p = update_params(kind, lr, eps, beta1, beta2, weight_decay, step_size,
@@ -798,13 +798,13 @@ int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tens
 // Runs before the optimizer so it sees the rows the forward used. `init` as in
 // pooled_forward; a refused batch (`error` set) writes nothing.
 void per_sample_weight_grad(const std::vector<at::Tensor>& tiers,
-                            const at::Tensor& transient, const at::Tensor& row_slot,
+                            const at::Tensor& transient, const at::Tensor& row_ref,
                             const at::Tensor& inverse, const at::Tensor& offsets,
                             const at::Tensor& feature_col, int64_t batch, int64_t dim,
                             const at::Tensor& grad, at::Tensor& out,
                             const c10::optional<InitRowsArg>& init,
                             const c10::optional<at::Tensor>& error) {
-  const RowSource src = row_source(tiers, transient, row_slot, dim);
+  const RowSource src = row_source(tiers, transient, row_ref, dim);
   const Bags bags = bags_of(offsets, feature_col, batch);
   check_tensor(inverse, at::kLong, "inverse");
   check_tensor(grad, at::kFloat, "grad");
@@ -814,7 +814,7 @@ void per_sample_weight_grad(const std::vector<at::Tensor>& tiers,
   const float* g = grad.data_ptr<float>();
   const int64_t grad_width = grad.size(1);
   float* o = out.data_ptr<float>();
-  with_rows(src, init, row_slot.numel(), [&](const auto& make_rows) {
+  with_rows(src, init, row_ref.numel(), [&](const auto& make_rows) {
 #pragma omp parallel if (bags.num_bags >= kParallelMinWork / 16)
     {
       const auto rows = make_rows();

@@ -6,7 +6,7 @@
 // `meta` is the table's tensor list [keys, scores, tids, digests, occupied, pinned]
 // (csrc/dynamicemb/hash_primitives.h), `bc` its bucket capacity. `tiers` is
 // [device values, host values], both (*, width) float rows [embedding | optimizer
-// state]; the host tensor may be empty. `row_slot` (U,) holds each unique row's
+// state]; the host tensor may be empty. `row_ref` (U,) holds each unique row's
 // reference (csrc/dynamicemb/row_ref.h).
 #pragma once
 
@@ -168,14 +168,14 @@ void init_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& keys,
                double lower, double upper, double value, int64_t seed);
 // Pooled lookup (sum or mean per bag) into out (batch, *) at each feature's column.
 void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
-                    const at::Tensor& row_slot, const at::Tensor& inverse,
+                    const at::Tensor& row_ref, const at::Tensor& inverse,
                     const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                     const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
                     at::Tensor& out, const c10::optional<InitRowsArg>& init,
                     const c10::optional<at::Tensor>& error);
 // Sequence lookup: out (N, dim) row j = row of lookup j.
 void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
-                      const at::Tensor& row_slot, const at::Tensor& inverse, int64_t dim,
+                      const at::Tensor& row_ref, const at::Tensor& inverse, int64_t dim,
                       at::Tensor& out, const c10::optional<InitRowsArg>& init,
                       const c10::optional<at::Tensor>& error);
 // The backward, checked per batch, in two passes: each unique row's gradient
@@ -186,7 +186,7 @@ int64_t sum_gradients(const at::Tensor& starts, const at::Tensor& rank,
                       const at::Tensor& feature_col, int64_t batch, bool mean,
                       const at::Tensor& grad, at::Tensor& sums,
                       const c10::optional<at::Tensor>& error);
-void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
+void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_ref,
                  const at::Tensor& sums, int64_t kind, double lr, double eps, double beta1,
                  double beta2, double weight_decay, double step_size,
                  double bias_correction2_sqrt, double decay_scale,
@@ -194,7 +194,7 @@ void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slo
                  const c10::optional<ScheduleArg>& schedule);
 // The backward, checked per row, in one pass: each unique row's gradient summed
 // and, when finite, applied to its stored row; returns how many rows were not.
-int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_slot,
+int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_ref,
                             const at::Tensor& starts, const at::Tensor& rank,
                             const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                             const at::Tensor& feature_col, int64_t batch, bool mean,
@@ -205,7 +205,7 @@ int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tens
                             const c10::optional<ScheduleArg>& schedule);
 // Gradient of per-sample weights (SUM pooling): out (N,).
 void per_sample_weight_grad(const std::vector<at::Tensor>& tiers,
-                            const at::Tensor& transient, const at::Tensor& row_slot,
+                            const at::Tensor& transient, const at::Tensor& row_ref,
                             const at::Tensor& inverse, const at::Tensor& offsets,
                             const at::Tensor& feature_col, int64_t batch, int64_t dim,
                             const at::Tensor& grad, at::Tensor& out,

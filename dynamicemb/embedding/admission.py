@@ -138,7 +138,7 @@ class HashCounter(Counter):
 
     def erase_where(self, keys, table_ids, mask):
         # the mask as a status whose erased value is 1
-        self.table.padded_erase(keys, table_ids, mask.to(torch.int8), InsertStatus.INSERTED)
+        self.table.erase_where(keys, table_ids, mask.to(torch.int8), InsertStatus.INSERTED)
 
     def memory_usage(self) -> int:
         return sum(self.table.memory_bytes().values())

@@ -27,7 +27,7 @@ from dynamicemb.table import MAX_TABLES, PendingInsert, ScoredHashTable
 from dynamicemb.table.device_counts import DeviceCounters, capturing
 from dynamicemb.types import DynamicEmbScoreStrategy
 
-__all__ = ["Lookup", "TableGroup", "group_key"]
+__all__ = ["GroupLookup", "TableGroup", "group_key"]
 
 
 def group_key(options: DynamicEmbTableOptions, optimizer: DynamicEmbOptimizerArgs) -> tuple:
@@ -102,7 +102,7 @@ def device_budget_rows(options: List[DynamicEmbTableOptions], row_bytes: int,
     return rows
 
 
-class Lookup(NamedTuple):
+class GroupLookup(NamedTuple):
     """One group's lookup of a batch, from its first phase to its backward.
 
     Built by field name. ``begin_lookup`` fills the dedup and, in training, the
@@ -249,7 +249,7 @@ class TableGroup:
     # ------------------------------------------------------------- lookup
     def begin_lookup(self, keys: torch.Tensor, tids: torch.Tensor, insert: bool,
                      frequencies: Optional[torch.Tensor], error: torch.Tensor,
-                     part: Optional[BatchPart] = None) -> Lookup:
+                     part: Optional[BatchPart] = None) -> GroupLookup:
         """Phase one of a lookup: dedup, admission decision, hash-table slots decided,
         every size and count left on the device (arrays of the N lookups, padded).
 
@@ -271,7 +271,7 @@ class TableGroup:
             if self.storage.external is not None:  # absent rows may be below: each read
                 unique = self.ops.padded_dedup(keys=keys, table_ids=tids, error=error,
                                                part=part)  # once, as a transient row
-                return Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
+                return GroupLookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
                               counts=unique.counts,
                               row_ref=self.storage.resolve(unique.keys, unique.table_ids))
             return self._lookup_each(keys, tids, part)
@@ -280,13 +280,13 @@ class TableGroup:
             keys, tids, frequencies, error=error, part=part,
             admit=None if self.admission is None else self._admit,
             table_scores=self.custom_scores if customized else None)
-        return Lookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
+        return GroupLookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
                       counts=unique.counts, starts=unique.starts, rank=unique.rank,
                       insert=pending, admitted=pending.padded.admitted,
                       init=self._computed_rows(unique, pending.padded.admitted))
 
     def _lookup_each(self, keys: torch.Tensor, tids: torch.Tensor,
-                     part: Optional[BatchPart]) -> Lookup:
+                     part: Optional[BatchPart]) -> GroupLookup:
         """An eval lookup without dedup: each lookup is its own row reference (a probe
         a lookup costs less than the dedup it would save; a refused batch reads
         zeros in the forward)."""
@@ -294,7 +294,7 @@ class TableGroup:
         inverse = torch.arange(n, dtype=torch.int64, device=self.device)
         if part is not None:
             inverse = torch.where(part.groups == part.group, inverse, -1)
-        return Lookup(keys=keys, tids=tids, inverse=inverse, counts=self._one.expand(n),
+        return GroupLookup(keys=keys, tids=tids, inverse=inverse, counts=self._one.expand(n),
                       row_ref=self.storage.resolve(keys, tids),
                       init=InitRows(keys, tids, self.init.spec(False, self.device)))
 
@@ -316,11 +316,11 @@ class TableGroup:
                            unique.table_ids)
         return InitRows(unique.keys, tids, self.init.spec(True, self.device, others=args))
 
-    def abort_lookup(self, lookup: Lookup) -> None:
+    def abort_lookup(self, lookup: GroupLookup) -> None:
         if lookup.insert is not None:
             lookup.insert.abort()
 
-    def finish_lookup(self, lookup: Lookup) -> Lookup:
+    def finish_lookup(self, lookup: GroupLookup) -> GroupLookup:
         """Phase two: commit the insert (storage initializes new rows and places rows
         in their tiers), count admissions. Rows of keys without a slot are computed
         where they are read (``InitRows``); an eval lookup over an external tier reads
@@ -352,7 +352,7 @@ class TableGroup:
         self.storage.fill_from_below(keys[missing], tids[missing], rows)
         return rows
 
-    def refresh(self, lookup: Lookup) -> Lookup:
+    def refresh(self, lookup: GroupLookup) -> GroupLookup:
         """The lookup with its row references found again if rows moved since (growth,
         promotion, eviction); a row that left the table reads its initializer's row
         and gets no update in backward."""
@@ -363,10 +363,10 @@ class TableGroup:
         return lookup._replace(row_ref=refs, generation=self.storage.generation)
 
     # ------------------------------------------------------------ kernels
-    def _sources(self, lookup: Lookup):
+    def _sources(self, lookup: GroupLookup):
         return self.storage.sources(lookup.transient, lookup.init)
 
-    def forward(self, lookup: Lookup, offsets: Optional[torch.Tensor],
+    def forward(self, lookup: GroupLookup, offsets: Optional[torch.Tensor],
                 weights: Optional[torch.Tensor], feature_col: torch.Tensor, batch: int,
                 mean: bool, out: torch.Tensor, error: Optional[torch.Tensor] = None) -> None:
         """Writes this group's part of ``out``: pooled bags into its features' columns
@@ -392,7 +392,7 @@ class TableGroup:
             return grad
         return grad.clamp(-opt.max_gradient, opt.max_gradient)
 
-    def weight_grad(self, lookup: Lookup, grad: torch.Tensor, offsets: torch.Tensor,
+    def weight_grad(self, lookup: GroupLookup, grad: torch.Tensor, offsets: torch.Tensor,
                     feature_col: torch.Tensor, batch: int, out: torch.Tensor,
                     error: Optional[torch.Tensor] = None) -> None:
         """out[j] = <row of lookup j, gradient of its bag> for this group's lookups
@@ -402,7 +402,7 @@ class TableGroup:
             inverse=lookup.inverse, offsets=offsets, feature_col=feature_col, batch=batch,
             dim=self.dim, grad=grad, out=out, error=error)
 
-    def backward(self, lookup: Lookup, grad: torch.Tensor, lr: float,
+    def backward(self, lookup: GroupLookup, grad: torch.Tensor, lr: float,
                  offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
                  feature_col: torch.Tensor, batch: int, mean: bool,
                  error: torch.Tensor, sums: Optional[torch.Tensor] = None) -> int:
@@ -468,7 +468,7 @@ class TableGroup:
             feature_col=torch.zeros(1, dtype=torch.int64, device=self.device), batch=n,
             dim=self.dim, mean=False, grad=grads, update=update)
 
-    def sum_gradients(self, lookup: Lookup, grad: torch.Tensor,
+    def sum_gradients(self, lookup: GroupLookup, grad: torch.Tensor,
                       offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
                       feature_col: torch.Tensor, batch: int, mean: bool,
                       out: torch.Tensor) -> int:

@@ -12,7 +12,7 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
-from dynamicemb.embedding.group import Lookup
+from dynamicemb.embedding.group import GroupLookup
 from dynamicemb.embedding.input_errors import CheckedBatch
 from dynamicemb.ops import for_device
 from dynamicemb.ops.interface import BatchPart
@@ -30,7 +30,7 @@ class _Batch(NamedTuple):
     weights: Optional[torch.Tensor]  # (N,) float32
     batch_size: int
     num_indices: int  # N
-    lookups: List[Lookup]
+    lookups: List[GroupLookup]
     error: Optional[torch.Tensor] = None  # the check's word, where checked on the device
     check: Optional[CheckedBatch] = None
 
@@ -52,7 +52,7 @@ class _Prefetched(NamedTuple):
     indices: torch.Tensor
     offsets: torch.Tensor
     training: bool
-    lookups: List[Lookup]
+    lookups: List[GroupLookup]
     check: Optional[CheckedBatch] = None  # its check on the device, if any
 
 
@@ -133,7 +133,7 @@ class StepPipeline:
         self._errors.checked(check, word)
         return indices, offsets, weights, num_bags // self._num_features
 
-    def _take_prefetched(self, indices, offsets) -> List[Lookup]:
+    def _take_prefetched(self, indices, offsets) -> List[GroupLookup]:
         head = self._prefetched[0]
         same = (head.indices is indices and head.offsets is offsets) or (  # no read: no sync
             torch.equal(head.indices, indices) and torch.equal(head.offsets, offsets))
@@ -152,7 +152,7 @@ class StepPipeline:
                                  check_values=self._check_data)
 
     def _lookup(self, indices, offsets, batch_size, insert: bool,
-                frequencies: Optional[torch.Tensor], error: torch.Tensor) -> List[Lookup]:
+                frequencies: Optional[torch.Tensor], error: torch.Tensor) -> List[GroupLookup]:
         """Every group's lookup of its part of the whole batch, atomically: if one
         group fails (a full table in ERROR mode, a failing external store), the
         groups before it are rolled back and no table changes. ``error``: the

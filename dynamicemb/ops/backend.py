@@ -161,7 +161,7 @@ class Backend(abc.ABC):
         the table's clock and step, read on the device), 0 without ``time``."""
 
     @abc.abstractmethod
-    def padded_erase(self, *, memory: TableMemory, keys: torch.Tensor,
+    def erase_where(self, *, memory: TableMemory, keys: torch.Tensor,
                      table_ids: torch.Tensor, status: torch.Tensor, which: int,
                      erased: torch.Tensor, size: torch.Tensor) -> None:
         """Erases ``keys[i]`` where ``status[i] == which`` (distinct keys); ``erased``

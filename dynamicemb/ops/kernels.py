@@ -136,7 +136,7 @@ class KernelBackend(Backend):
                                           ttl=int(ttl))
         return Upserted(*outs, hits=None, inserted=None, evicted=None, failed=None, growths=0)
 
-    def padded_erase(self, *, memory, keys, table_ids, status, which, erased, size):
+    def erase_where(self, *, memory, keys, table_ids, status, which, erased, size):
         self.kernels.erase_where(memory.meta, memory.bucket_capacity, keys, table_ids, status,
                                  which, erased, size)
 

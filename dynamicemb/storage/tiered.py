@@ -318,10 +318,10 @@ class TieredStorage:
         elif admitted is not None:  # lookups the host store's totals do not count
             self._count_where("lookups", tids, (counts > 0) & ~admitted)
         if self.device_tier is not None:
-            self.device_tier.padded_erase(upserted.ev_keys, upserted.ev_tids, result.status,
+            self.device_tier.erase_where(upserted.ev_keys, upserted.ev_tids, result.status,
                                           InsertStatus.EVICTED_AND_INSERTED)
             if self.host.ttl is not None:  # a cached copy of an expired row is dead
-                self.device_tier.padded_erase(keys, tids, result.status, InsertStatus.INSERTED)
+                self.device_tier.erase_where(keys, tids, result.status, InsertStatus.INSERTED)
             if not self.promote:
                 return self._place(keys, tids, host_slots, result.status, several)
             return self._promote(keys, tids, counts, host_slots, several)

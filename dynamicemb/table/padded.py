@@ -287,14 +287,14 @@ class PaddedCalls:
         self._after_padded()
         return upserted
 
-    def padded_erase(self, keys: torch.Tensor, table_ids: torch.Tensor, status: torch.Tensor,
+    def erase_where(self, keys: torch.Tensor, table_ids: torch.Tensor, status: torch.Tensor,
                      which: InsertStatus) -> None:
         """Erases ``keys[i]`` wherever ``status[i] == which`` (e.g. the victims of
         another table's call, by its status: distinct keys), with every count on
         the device."""
         self._check_idle()
         self._padded = True
-        self._ops.padded_erase(memory=self._memory, keys=keys, table_ids=table_ids,
+        self._ops.erase_where(memory=self._memory, keys=keys, table_ids=table_ids,
                                status=status, which=int(which),
                                erased=self._outcome_totals.tensor[_ERASED],
                                size=self._stored.on_device())

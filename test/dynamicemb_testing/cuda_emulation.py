@@ -116,7 +116,7 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
 
     def _rows(self, args: list) -> dict:
         """The row arguments of the CPU's lookups from DEMB_ROW_PARAMS at ``args[0:10]``:
-        tiers, transient, row_slot, dim and init (the computed rows' InitRows)."""
+        tiers, transient, row_ref, dim and init (the computed rows' InitRows)."""
         width, dim = int(args[2]), int(args[4])
         device, host, transient = (self._t(args[i]) for i in (0, 1, 3))
         empty = torch.empty(0, width, dtype=torch.float32)
@@ -126,7 +126,7 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
             init = (self._t(args[6]), self._t(args[7]), (self._t(args[8]), self._t(args[9])))
         return {"tiers": [empty if device is None else device, empty if host is None else host],
                 "transient": torch.empty(0, dim) if transient is None else transient,
-                "row_slot": row_ref, "dim": dim, "init": init}
+                "row_ref": row_ref, "dim": dim, "init": init}
 
     @staticmethod
     def _refused(error) -> bool:

@@ -65,9 +65,9 @@ class EmbeddingKernels(KernelLauncher):
             _ptr(values), np.int64(width), _ptr(slots), _ptr(status), _ptr(keys), _ptr(tids),
             _i64(n), _i64(dim), _ptr(spec.ints), _ptr(spec.floats), np.float32(state_value)])
 
-    def pooled_forward(self, tiers, transient, row_slot, inverse, offsets, weights,
+    def pooled_forward(self, tiers, transient, row_ref, inverse, offsets, weights,
                        feature_col, batch, dim, mean, out, init=None, error=None) -> None:
-        rows = _row_args(tiers, transient, row_slot, dim, init)
+        rows = _row_args(tiers, transient, row_ref, dim, init)
         num_bags = offsets.numel() - 1
         if num_bags != feature_col.numel() * batch:
             raise ValueError("offsets must have num_features * batch + 1 entries")
@@ -76,14 +76,14 @@ class EmbeddingKernels(KernelLauncher):
             _i64(num_bags), np.bool_(mean), _ptr(out), np.int64(out.size(1)),
             _error_arg(error)])
 
-    def sequence_forward(self, tiers, transient, row_slot, inverse, dim, out, init=None,
+    def sequence_forward(self, tiers, transient, row_ref, inverse, dim, out, init=None,
                          error=None) -> None:
-        rows = _row_args(tiers, transient, row_slot, dim, init)
+        rows = _row_args(tiers, transient, row_ref, dim, init)
         n = inverse.numel()
         self._launch("demb_sequence_forward", out.device, n * dim,
                      rows + [_ptr(inverse), _i64(n), _ptr(out), _error_arg(error)])
 
-    def fused_backward(self, tiers, row_slot, starts, rank, offsets, weights, feature_col,
+    def fused_backward(self, tiers, row_ref, starts, rank, offsets, weights, feature_col,
                        batch, dim, mean, grad, kind, lr, eps, beta1, beta2, weight_decay,
                        step_size, bias_correction2_sqrt, decay_scale, error=None,
                        schedule=None) -> None:
@@ -91,8 +91,8 @@ class EmbeddingKernels(KernelLauncher):
         _expect(starts, torch.int64, "starts")
         _expect(rank, torch.int64, "rank")
         device_rows, host_rows = tiers
-        _row_args(tiers, device_rows[:0], row_slot, dim)  # checks only
-        num_unique = row_slot.numel()
+        _row_args(tiers, device_rows[:0], row_ref, dim)  # checks only
+        num_unique = row_ref.numel()
         if starts.numel() != num_unique + 1:
             raise ValueError("starts must have one entry per unique row + 1")
         pooled = offsets.numel() > 0
@@ -123,7 +123,7 @@ class EmbeddingKernels(KernelLauncher):
         warps = _warps_per_update_block(dim)
         self._launch("demb_fused_update", dev, 32 * num_unique, [
             _ptr(device_rows), _ptr(host_rows), np.int64(device_rows.size(1)), _i64(dim),
-            _ptr(row_slot), _i64(num_unique), _ptr(starts), _ptr(pos), _ptr(scale),
+            _ptr(row_ref), _i64(num_unique), _ptr(starts), _ptr(pos), _ptr(scale),
             _ptr(grad), _ptr(first_piece), _ptr(partial), np.int32(kind), np.float32(lr), np.float32(eps), np.float32(beta1),
             np.float32(beta2), np.float32(weight_decay), np.float32(1.0 - beta1),
             np.float32(1.0 - beta2), np.float32(step_size),
@@ -160,10 +160,10 @@ class EmbeddingKernels(KernelLauncher):
             _i64(bound), _ptr(pos), _ptr(scale), _ptr(grad), _i64(dim), _ptr(partial)])
         return first_piece, partial
 
-    def per_sample_weight_grad(self, tiers, transient, row_slot, inverse, offsets,
+    def per_sample_weight_grad(self, tiers, transient, row_ref, inverse, offsets,
                                feature_col, batch, dim, grad, out, init=None,
                                error=None) -> None:
-        rows = _row_args(tiers, transient, row_slot, dim, init)
+        rows = _row_args(tiers, transient, row_ref, dim, init)
         num_bags = offsets.numel() - 1
         self._launch("demb_per_sample_weight_grad", out.device, 32 * num_bags, rows + [
             _ptr(inverse), _ptr(offsets), _ptr(feature_col), _i64(batch), _i64(num_bags),
