@@ -142,12 +142,17 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         self.launches[name] += 1
         self.configs.append((name, threads, block, shared_mem))
         self.argument_types.setdefault(name, set()).add(tuple(type(x) for x in args))
-        run = getattr(self, "run_" + name[len("demb_"):])
         context = self.guard.paused() if self.guard is not None else contextlib.nullcontext()
+        with context:
+            self._execute(name, args, launched, threads, block, shared_mem)
+
+    def _execute(self, name: str, args: list, launched: Dict[int, torch.Tensor], threads: int,
+                 block: int, shared_mem: int) -> None:
+        """Runs one launch (``launched``: its pointers' tensors): here the kernel's CPU
+        verb (``run_<kernel>``)."""
         self._launched = launched
         try:
-            with context:
-                run(args)
+            getattr(self, "run_" + name[len("demb_"):])(args)
         finally:
             self._launched = {}
 

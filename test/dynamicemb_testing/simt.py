@@ -30,7 +30,6 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-from dynamicemb.ops import cuda as cuda_backend
 from dynamicemb.ops.cuda import cuda_source_root
 from dynamicemb.ops.cuda.launch import _grid
 from dynamicemb_testing.cuda_emulation import EmulatedCudaKernels
@@ -234,27 +233,9 @@ class SimtCudaKernels(EmulatedCudaKernels):
         self._lib = lib if lib is not None else library()
         self._seed = 0
 
-    def _launch(self, name: str, device: torch.device, threads: int, args: list,
-                shared_mem: int = 0, block: int = cuda_backend._BLOCK) -> None:
-        launched = self.tensors_of(args)
-        for ptr in launched:
-            del self._tensors[ptr]
-        if threads <= 0:
-            return
-        self.launches[name] += 1
-        self.configs.append((name, threads, block, shared_mem))
-        self.argument_types.setdefault(name, set()).add(tuple(type(x) for x in args))
+    def _execute(self, name: str, args: list, launched: Dict[int, torch.Tensor], threads: int,
+                 block: int, shared_mem: int) -> None:
+        """Runs the kernel itself (the tensors of ``launched`` live until it has run)."""
         self._seed += 1
-        context = self.guard.paused() if self.guard is not None else _null()
-        with context:
-            launch(self._lib, name, _grid(threads, block)[0], block, shared_mem,
-                   args, ORDERS[self.order], self._seed)
-        del launched  # the tensors live until the launch has run
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+        launch(self._lib, name, _grid(threads, block)[0], block, shared_mem, args,
+               ORDERS[self.order], self._seed)
