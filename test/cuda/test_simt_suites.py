@@ -3,10 +3,9 @@
 - The step's guards (``DEMB_CUDA_EMULATION=simt``: every ``emulated_cuda()`` runs the
   real kernels): no sync and the launch budgets of a steady step, the graph stand-in,
   input errors, host memory, launch configuration, the padded and promotion kernels
-  against the CPU's. Left out there: the comparisons with the CPU backend that train a
-  hot row (more lookups than a piece holds), whose two-level gradient sum differs from
-  the CPU's rank-order sum by rounding on a GPU too (docs/ARCHITECTURE.md, "fused
-  backward"); they run on the CPU verbs' emulation.
+  against the CPU's (where a hot row's two-level gradient sum differs from the CPU's
+  rank-order sum by rounding, on a GPU too, ``test_step_syncs.py`` compares to that
+  rounding).
 - The address sanitizer (with the undefined-behaviour sanitizer, fatal there): the
   suites that run the kernels (exactness for every cache size, the table twins, the
   runtime's tests) pass in a process that preloads libasan, and an out-of-bounds read
@@ -38,8 +37,7 @@ def test_the_step_guards_pass_on_the_kernels_source():
          "test/cuda/test_step_syncs.py", "test/cuda/test_cuda_graph.py",
          "test/cuda/test_input_errors.py", "test/cuda/test_host_memory.py",
          "test/cuda/test_launch_config.py", "test/table/test_cpu_padded_kernels.py",
-         "test/storage/test_cpu_promotion_kernels.py",
-         "-k", "not trains_as_the_cpu_backend and not ttl_or_customized"],
+         "test/storage/test_cpu_promotion_kernels.py"],
         cwd=ROOT, env=script_env(DEMB_CUDA_EMULATION="simt"), capture_output=True, text=True,
         timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -11,6 +11,7 @@ one anywhere fails them, with its site in the message.
 """
 
 import contextlib
+import os
 from collections import Counter
 
 import pytest
@@ -30,6 +31,11 @@ BATCH, BAG = 256, 4  # 1,024 lookups
 # The kernels take the optimizer's scalars as float32 where the CPU's take float64:
 # Adam may differ in the last bit (as on a GPU; test_module_twins.py).
 TOL = dict(rtol=1e-5, atol=1e-6)
+if os.environ.get("DEMB_CUDA_EMULATION") == "simt":
+    # The kernels' own source (test_simt_suites.py): a hot row's gradient is summed in
+    # pieces of PIECE_ENTRIES lookups, then the pieces, where the CPU sums in rank
+    # order; the sums differ by rounding (a GPU's too). Rows of fewer lookups match.
+    TOL = dict(rtol=2e-3, atol=2e-4)
 # A table that may still grow (``init_capacity`` below ``max_capacity``) grows ahead
 # of its steps by an upper bound of its size, which the host learns from two copies
 # (its size and outcome totals) that the step starts for it and a later call reads
