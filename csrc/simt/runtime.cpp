@@ -66,7 +66,7 @@ simt_switch:
 .globl simt_fiber_start
 .type simt_fiber_start,@function
 simt_fiber_start:
-  call simt_fiber_main
+  call simt_fiber_main@PLT
   ud2
 .size simt_fiber_start, .-simt_fiber_start
 )");
