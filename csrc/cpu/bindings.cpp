@@ -114,17 +114,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("meta"), py::arg("bc"), py::arg("keys"), py::arg("tids"), py::arg("status"),
         py::arg("which"), py::arg("erased"), py::arg("size"));
   m.def(
-      "init_new_rows",
-      [](at::Tensor& values, const at::Tensor& slots, const at::Tensor& status,
+      "init_rows",
+      [](at::Tensor& values, const at::Tensor& slots, const c10::optional<at::Tensor>& status,
          const at::Tensor& keys, const at::Tensor& tids, int64_t dim, const py::object& spec,
          double state_value) {
-        c::init_new_rows(values, slots, status, keys, tids, dim,
-                         spec.attr("ints").cast<at::Tensor>(),
-                         spec.attr("floats").cast<at::Tensor>(), state_value);
+        c::init_rows(values, slots, status, keys, tids, dim, spec.attr("ints").cast<at::Tensor>(),
+                     spec.attr("floats").cast<at::Tensor>(), state_value);
       },
-      "full initial rows of the keys an inserting call stored", py::arg("values"),
-      py::arg("slots"), py::arg("status"), py::arg("keys"), py::arg("tids"), py::arg("dim"),
-      py::arg("spec"), py::arg("state_value"));
+      "initial rows of keys (with a status: of the keys an inserting call stored)",
+      py::arg("values"), py::arg("slots"), py::arg("status"), py::arg("keys"), py::arg("tids"),
+      py::arg("dim"), py::arg("spec"), py::arg("state_value"));
   m.def("check_offsets", &c::check_offsets,
         "0, or the first problem of an offsets tensor (with error: recorded there, None)",
         py::arg("offsets"), py::arg("num_indices"), py::arg("error") = py::none());
@@ -136,7 +135,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dedup", &c::dedup, "unique (table, key) pairs in first-occurrence order",
         py::arg("keys"), py::arg("tids"), py::arg("frequencies"),
         py::arg("group") = false);
-  m.def("init_rows", &c::init_rows, "initialize rows per (table, key, column)");
   // The lookups and the backward take the keywords of a step counted on the device
   // (verbs.h): init (an InitRows), error (the error word), schedule (a DeviceSchedule).
   m.def("pooled_forward", &c::pooled_forward, "pooled lookup (sum/mean)", py::arg("tiers"),

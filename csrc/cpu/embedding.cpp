@@ -338,47 +338,24 @@ UniqueTuple padded_dedup(const at::Tensor& keys, const at::Tensor& tids,
   return dedup_lookups(keys, tids, frequencies, group, true, refused, part);
 }
 
-// out[rows[i], 0:dim] = initializer(table, keys[i], column) for every i.
-void init_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& keys,
-               int64_t table, int64_t dim, int64_t mode, double mean, double std_dev,
-               double lower, double upper, double value, int64_t seed) {
-  check_tensor(out, at::kFloat, "out");
-  check_tensor(rows, at::kLong, "rows");
-  check_tensor(keys, at::kLong, "keys");
-  TORCH_CHECK(out.dim() == 2 && out.size(1) >= dim, "out must be [R, >= dim]");
-  const InitParams p{static_cast<int32_t>(mode), static_cast<float>(mean),
-                     static_cast<float>(std_dev), static_cast<float>(lower),
-                     static_cast<float>(upper), static_cast<float>(value),
-                     static_cast<uint64_t>(seed)};
-  float* o = out.data_ptr<float>();
-  const int64_t width = out.size(1);
-  const int64_t* r = rows.data_ptr<int64_t>();
-  const int64_t* k = keys.data_ptr<int64_t>();
-  const int64_t m = rows.numel();
-#pragma omp parallel for schedule(static) if (m * dim >= kParallelMinWork)
-  for (int64_t i = 0; i < m; ++i) {
-    float* row = o + r[i] * width;
-    for (int64_t c = 0; c < dim; ++c) row[c] = init_element(p, table, k[i], static_cast<int>(c));
-  }
-}
-
-// The full rows [initializer (dim) | state_value] of the keys an inserting call
-// just stored (status kInserted or kEvictedAndInserted), at values[slots[i]], as
-// demb_init_new_rows (PackedInits::new_row_element); the others are left
-// alone. spec: init_ints (T, 3) int64 and init_floats (T, 5) float32 (InitSpec).
-void init_new_rows(at::Tensor& values, const at::Tensor& slots, const at::Tensor& status,
-                   const at::Tensor& keys, const at::Tensor& tids, int64_t dim,
-                   const at::Tensor& init_ints, const at::Tensor& init_floats,
-                   double state_value) {
+// The initial rows [initializer (dim) | state_value] of keys[i] of table tids[i] at
+// values[slots[i]], as demb_init_rows (PackedInits::new_row_element): every key's,
+// or with a status only those an inserting call just stored (kInserted,
+// kEvictedAndInserted), the others left alone. spec: init_ints (T, 3) int64 and
+// init_floats (T, 5) float32 (InitSpec).
+void init_rows(at::Tensor& values, const at::Tensor& slots,
+               const c10::optional<at::Tensor>& status, const at::Tensor& keys,
+               const at::Tensor& tids, int64_t dim, const at::Tensor& init_ints,
+               const at::Tensor& init_floats, double state_value) {
   check_tensor(values, at::kFloat, "values");
   check_tensor(slots, at::kLong, "slots");
-  check_tensor(status, at::kChar, "status");
+  if (status) check_tensor(*status, at::kChar, "status");
   check_tensor(keys, at::kLong, "keys");
   check_tensor(tids, at::kShort, "table_ids");
   check_tensor(init_ints, at::kLong, "init ints");
   check_tensor(init_floats, at::kFloat, "init floats");
   const int64_t n = slots.numel();
-  TORCH_CHECK(status.numel() == n && keys.numel() == n && tids.numel() == n &&
+  TORCH_CHECK((!status || status->numel() == n) && keys.numel() == n && tids.numel() == n &&
                   values.dim() == 2,
               "slots, status and keys need one length; values [C, width]");
   TORCH_CHECK(init_ints.dim() == 2 && init_ints.size(1) == 3 && init_floats.dim() == 2 &&
@@ -388,7 +365,7 @@ void init_new_rows(at::Tensor& values, const at::Tensor& slots, const at::Tensor
   TORCH_CHECK(0 <= dim && dim <= width, "dim must be in [0, ", width, "], got ", dim);
   float* v = values.data_ptr<float>();
   const int64_t* s = slots.data_ptr<int64_t>();
-  const int8_t* st = status.data_ptr<int8_t>();
+  const int8_t* st = status ? status->data_ptr<int8_t>() : nullptr;
   const int64_t* k = keys.data_ptr<int64_t>();
   const int16_t* t = tids.data_ptr<int16_t>();
   const int64_t* ints = init_ints.data_ptr<int64_t>();
@@ -396,7 +373,7 @@ void init_new_rows(at::Tensor& values, const at::Tensor& slots, const at::Tensor
   const float state = static_cast<float>(state_value);
 #pragma omp parallel for schedule(static) if (n * width >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) {
-    if (st[i] != kInserted && st[i] != kEvictedAndInserted) continue;
+    if (st != nullptr && st[i] != kInserted && st[i] != kEvictedAndInserted) continue;
     const PackedInits inits{ints, floats};
     float* row = v + s[i] * width;
     for (int64_t c = 0; c < width; ++c) {

@@ -156,16 +156,12 @@ padded_dedup(const at::Tensor& keys, const at::Tensor& tids,
              const c10::optional<at::Tensor>& error, const c10::optional<at::Tensor>& time,
              const c10::optional<at::Tensor>& part_groups, int64_t part_group);
 // values[slots[i]] = the full initial row [initializer (dim) | state_value] of each
-// key whose status is kInserted or kEvictedAndInserted; init_ints (T, 3) and
-// init_floats (T, 5) are an InitSpec's.
-void init_new_rows(at::Tensor& values, const at::Tensor& slots, const at::Tensor& status,
-                   const at::Tensor& keys, const at::Tensor& tids, int64_t dim,
-                   const at::Tensor& init_ints, const at::Tensor& init_floats,
-                   double state_value);
-// out[rows[i], 0:dim] = the initializer's value of (table, keys[i], column).
-void init_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& keys,
-               int64_t table, int64_t dim, int64_t mode, double mean, double std_dev,
-               double lower, double upper, double value, int64_t seed);
+// key (with a status: each whose status is kInserted or kEvictedAndInserted);
+// init_ints (T, 3) and init_floats (T, 5) are an InitSpec's.
+void init_rows(at::Tensor& values, const at::Tensor& slots,
+               const c10::optional<at::Tensor>& status, const at::Tensor& keys,
+               const at::Tensor& tids, int64_t dim, const at::Tensor& init_ints,
+               const at::Tensor& init_floats, double state_value);
 // Pooled lookup (sum or mean per bag) into out (batch, *) at each feature's column.
 void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
                     const at::Tensor& row_ref, const at::Tensor& inverse,

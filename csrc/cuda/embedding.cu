@@ -78,33 +78,20 @@ extern "C" __global__ void demb_check_offsets(const int64_t* offsets, int64_t nu
   if (code) atomicMax(error, 4 - code);
 }
 
-// out[rows[i], c] = the initializer's value of (table, keys[i], c), c < dim.
-extern "C" __global__ void demb_init_rows(float* out, int64_t out_width, const int64_t* rows,
-                                          const int64_t* keys, int64_t m, int64_t table,
-                                          int64_t dim, int mode, float mean, float std_dev,
-                                          float lower, float upper, float value,
-                                          uint64_t seed) {
-  const int64_t e = global_thread();
-  if (e >= m * dim) return;
-  const int64_t i = e / dim;
-  const int c = static_cast<int>(e - i * dim);
-  const InitParams p{mode, mean, std_dev, lower, upper, value, seed};
-  out[rows[i] * out_width + c] = init_element(p, table, keys[i], c);
-}
-
-// The full rows of the keys an inserting call just stored, one warp per key (lanes
-// over the columns): for each i < n whose status is kInserted or
-// kEvictedAndInserted, values[slots[i], c] = its table's initializer's value for
-// c < dim and state_value for the optimizer state after it (c < width). Keys of
-// other statuses (hits, failures, padding) are left alone, so the host needs no
-// count of the new keys; a steady step's warps (hits) return after one read.
-extern "C" __global__ void demb_init_new_rows(float* values, int64_t width, const int64_t* slots,
-                                              const int8_t* status, const int64_t* keys,
-                                              const int16_t* tids, int64_t n, int64_t dim,
-                                              const int64_t* init_ints, const float* init_floats,
-                                              float state_value) {
+// The initial rows of keys, one warp per key (lanes over the columns):
+// values[slots[i], c] = key i's table's initializer's value for c < dim and
+// state_value for the optimizer state after it (c < width), for every i < n, or
+// with a status (null: none) for each i whose status is kInserted or
+// kEvictedAndInserted, the others left alone: the host needs no count of the new
+// keys, and a steady step's warps (hits) return after one read.
+extern "C" __global__ void demb_init_rows(float* values, int64_t width, const int64_t* slots,
+                                          const int8_t* status, const int64_t* keys,
+                                          const int16_t* tids, int64_t n, int64_t dim,
+                                          const int64_t* init_ints, const float* init_floats,
+                                          float state_value) {
   const int64_t i = global_warp();
-  if (i >= n || (status[i] != kInserted && status[i] != kEvictedAndInserted)) return;
+  if (i >= n) return;
+  if (status != nullptr && status[i] != kInserted && status[i] != kEvictedAndInserted) return;
   float* row = values + slots[i] * width;
   const PackedInits inits{init_ints, init_floats};
   for (int64_t c = lane_id(); c < width; c += kWarp) {

@@ -6,6 +6,7 @@
 #include "simt/runtime.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <csetjmp>
@@ -338,8 +339,46 @@ bool run_block() {
   }
 }
 
-int ubsan_reports = 0;
-std::string ubsan_message;
+// Reports of the undefined-behaviour sanitizer (written to stderr) go, during a
+// launch, to a file of this runtime's: what a launch added there fails it. (The
+// file takes stderr's place, fd 2, for the launch: every copy of this runtime in a
+// process, one per library, sees its own launches' reports; the sanitizer's report
+// hook would be bound to the first copy loaded.)
+class UbsanReports {
+ public:
+  // Starts a launch's reports; false when the file cannot be made, or under the
+  // address sanitizer (a report ends the process there: it stays on stderr).
+  bool start() {
+    if (SIMT_ASAN) return false;
+    if (file_ == nullptr) file_ = std::tmpfile();
+    if (file_ == nullptr) return false;
+    before_ = lseek(fileno(file_), 0, SEEK_END);
+    std::fflush(stderr);
+    saved_ = dup(2);
+    if (before_ < 0 || saved_ < 0 || dup2(fileno(file_), 2) < 0) {
+      if (saved_ >= 0) close(saved_);
+      return false;
+    }
+    return true;
+  }
+  // Ends them (stderr is stderr again); the text the launch added, or "".
+  std::string finish() {
+    std::fflush(stderr);
+    dup2(saved_, 2);
+    close(saved_);
+    const off_t after = lseek(fileno(file_), 0, SEEK_END);
+    if (after <= before_) return std::string();
+    std::string text(static_cast<size_t>(after - before_), '\0');
+    if (pread(fileno(file_), &text[0], text.size(), before_) < 0) text = "(unreadable report)";
+    return text;
+  }
+
+ private:
+  FILE* file_ = nullptr;
+  off_t before_ = 0;
+  int saved_ = -1;
+};
+UbsanReports ubsan;
 
 struct Grid;
 bool run_blocks(Grid& grid, void* shared, size_t shared_capacity);
@@ -434,7 +473,7 @@ int run(const LaunchConfig& config, void (*body)(void*), void* ctx, void* shared
   allocate_stacks(grid.threads);
   grid.lanes = &lane_pool;
   g = &grid;
-  ubsan_reports = 0;
+  const bool reporting = ubsan.start();
   bool ok = true;
   catch_faults();
   if (sigsetjmp(fault_jump, 1) != 0) {
@@ -451,8 +490,9 @@ int run(const LaunchConfig& config, void (*body)(void*), void* ctx, void* shared
   if (shared != nullptr) ASAN_UNPOISON_MEMORY_REGION(shared, shared_capacity);
 #endif
   g = nullptr;
-  if (ubsan_reports) {
-    grid.error = "undefined behaviour: " + ubsan_message;
+  const std::string report = reporting ? ubsan.finish() : std::string();
+  if (!report.empty()) {
+    grid.error = "undefined behaviour: " + report.substr(0, 1500);
     ok = false;
   }
   if (!ok) return fail(error, error_size, "%s", grid.error.c_str());
@@ -487,7 +527,7 @@ bool run_blocks(Grid& grid, void* shared, size_t shared_capacity) {
                                 shared_capacity - config.shared_bytes);
 #endif
     }
-    ok = run_block() && ubsan_reports == 0;
+    ok = run_block();
     if (!ok) break;
   }
   return ok;
@@ -496,21 +536,3 @@ bool run_blocks(Grid& grid, void* shared, size_t shared_capacity) {
 }  // namespace
 
 }  // namespace simt
-
-// The undefined-behaviour sanitizer's hook, called at each report (when the build
-// has the sanitizer): the launch in flight fails with the report's message.
-extern "C" __attribute__((weak)) void __ubsan_get_current_report_data(
-    const char** kind, const char** message, const char** file, unsigned* line,
-    unsigned* col, char** address);
-
-extern "C" void __ubsan_on_report() {
-  ++simt::ubsan_reports;
-  if (__ubsan_get_current_report_data != nullptr) {
-    const char *kind = "", *message = "", *file = "";
-    unsigned line = 0, col = 0;
-    char* address = nullptr;
-    __ubsan_get_current_report_data(&kind, &message, &file, &line, &col, &address);
-    simt::ubsan_message = std::string(kind) + " at " + file + ":" + std::to_string(line) +
-                          ": " + message;
-  }
-}

@@ -103,32 +103,18 @@ class RowInitializer:
              tids: torch.Tensor, train: bool) -> None:
         """out[rows, :dim] = each key's initial embedding (its logical table's
         training or eval initializer)."""
-        if len(self.tables) == 1:
-            parts = [(rows, keys)]
-        else:  # each table's keys: a stable sort by table, cut at sizes read in one sync
-            sizes = torch.zeros(len(self.tables), dtype=torch.int64, device=tids.device).index_add_(
-                0, tids.long(), torch.ones(tids.numel(), dtype=torch.int64, device=tids.device))
-            order = torch.sort(tids, stable=True).indices
-            parts = [(rows[mine], keys[mine]) for mine in torch.split(order, sizes.tolist())]
-        for init, (r, k) in zip(self.tables, parts):
-            if r.numel() == 0:
-                continue
-            use = init.train if train else init.eval
-            lower, upper = use.bounds(init.max_capacity)
-            self.ops.init_rows(out=out, rows=r.contiguous(), keys=k.contiguous(),
-                               stream=init.stream, dim=self.dim, mode=use.mode,
-                               mean=use.mean, std_dev=use.std_dev, lower=lower,
-                               upper=upper, value=use.value, seed=use.seed)
+        self.ops.init_rows(values=out, slots=rows.contiguous(), status=None,
+                           keys=keys.contiguous(), table_ids=tids.to(torch.int16).contiguous(),
+                           dim=self.dim, spec=self.spec(train, out.device))
 
     def stored(self, values: torch.Tensor, slots: torch.Tensor, status: torch.Tensor,
                keys: torch.Tensor, tids: torch.Tensor) -> None:
         """values[slots] = the full initial value rows (embedding and optimizer state)
         of the keys whose status (``InsertStatus``) says they were just inserted, in
         one launch with no count of them."""
-        self.ops.init_new_rows(values=values, slots=slots, status=status, keys=keys,
-                               table_ids=tids, dim=self.dim,
-                               spec=self.spec(True, values.device),
-                               state_value=self.initial_state)
+        self.ops.init_rows(values=values, slots=slots, status=status, keys=keys,
+                           table_ids=tids, dim=self.dim, spec=self.spec(True, values.device),
+                           state_value=self.initial_state)
 
     def transient(self, keys: torch.Tensor, tids: torch.Tensor, train: bool) -> torch.Tensor:
         """(len(keys), dim) initial rows that are not stored."""

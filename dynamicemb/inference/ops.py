@@ -14,8 +14,7 @@ from typing import List, Optional
 import torch
 
 from dynamicemb.ops import for_device
-from dynamicemb.ops.interface import Backend, RowSources, TableMemory, init_mode_code
-from dynamicemb.options import DynamicEmbInitializerMode
+from dynamicemb.ops.interface import Backend, InitSpec, RowSources, TableMemory
 
 __all__ = ["POOLING_CODES", "frozen_lookup"]
 
@@ -164,15 +163,8 @@ def _row_refs(ops, ids, tids, index, row_of_slot, rows, init_ints, init_floats,
 
 def _init_rows(ops, out, at, keys, tids, init_ints, init_floats):
     """out[at] = each key's eval-initializer row (its table's stream and mode)."""
-    ints, floats = init_ints.tolist(), init_floats.tolist()
-    for table, ((stream, mode, seed), (mean, std, lower, upper, value)) in enumerate(
-            zip(ints, floats)):
-        mine = (tids == table).nonzero().squeeze(1) if len(ints) > 1 else None
-        rows, k = (at, keys) if mine is None else (at[mine], keys[mine])
-        if rows.numel():
-            ops.init_rows(out=out, rows=rows.contiguous(), keys=k.contiguous(), stream=stream,
-                          dim=out.shape[1], mode=_MODES[mode], mean=mean, std_dev=std,
-                          lower=lower, upper=upper, value=value, seed=seed)
+    ops.init_rows(values=out, slots=at, status=None, keys=keys.contiguous(),
+                  table_ids=tids.to(torch.int16).contiguous(), dim=out.shape[1],
+                  spec=InitSpec(init_ints, init_floats.to(torch.float32)))
 
 
-_MODES = {init_mode_code(mode): mode for mode in DynamicEmbInitializerMode}

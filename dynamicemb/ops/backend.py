@@ -197,12 +197,13 @@ class Backend(abc.ABC):
         else -1)."""
 
     @abc.abstractmethod
-    def init_new_rows(self, *, values: torch.Tensor, slots: torch.Tensor,
-                      status: torch.Tensor, keys: torch.Tensor, table_ids: torch.Tensor,
-                      dim: int, spec: InitSpec, state_value: float) -> None:
-        """values[slots[i]] = the full initial row (initializer, then ``state_value``
-        for the optimizer state) of each key whose ``status`` is INSERTED or
-        EVICTED_AND_INSERTED."""
+    def init_rows(self, *, values: torch.Tensor, slots: torch.Tensor,
+                  status: Optional[torch.Tensor], keys: torch.Tensor, table_ids: torch.Tensor,
+                  dim: int, spec: InitSpec, state_value: float = 0.0) -> None:
+        """values[slots[i]] = the initial row of keys[i] (table ``table_ids[i]``'s
+        initializer in ``spec`` for the first ``dim`` columns, then ``state_value`` for
+        the optimizer state): of every key, or with ``status`` of each key whose
+        status is INSERTED or EVICTED_AND_INSERTED. The one initializer verb."""
 
     @abc.abstractmethod
     def undo_upsert(self, *, memory: TableMemory, upserted: Upserted) -> None:
@@ -241,13 +242,6 @@ class Backend(abc.ABC):
         the first or last is wrong; 3 if they decrease. With ``error`` ((1,) int64
         word): the problem goes into the word
         (``error_code`` reads it) and None is returned, nothing read on the host."""
-
-    @abc.abstractmethod
-    def init_rows(self, *, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
-                  stream: int, dim: int, mode: DynamicEmbInitializerMode, mean: float,
-                  std_dev: float, lower: float, upper: float, value: float,
-                  seed: int) -> None:
-        """out[rows[i], :dim] = the initial row of keys[i] in table ``stream``."""
 
     # The embedding verbs take the module's error word (``check_offsets``) where the
     # backend counts on the device: a batch whose word is set reads no offsets,

@@ -21,7 +21,6 @@ from dynamicemb.ops.interface import (
     ScoreRule,
     TableMemory,
     Upserted,
-    init_mode_code,
     optimizer_code,
 )
 
@@ -155,9 +154,8 @@ class KernelBackend(Backend):
                                   order, host_slots, cached.slots, cached.status,
                                   cached.ev_keys, cached.ev_tids, refs)
 
-    def init_new_rows(self, *, values, slots, status, keys, table_ids, dim, spec, state_value):
-        self.kernels.init_new_rows(values, slots, status, keys, table_ids, dim, spec,
-                                   state_value)
+    def init_rows(self, *, values, slots, status, keys, table_ids, dim, spec, state_value=0.0):
+        self.kernels.init_rows(values, slots, status, keys, table_ids, dim, spec, state_value)
 
     def _pass_outputs(self, n: int, device: torch.device) -> dict:
         """Per-key outputs of inserting passes over n keys, and their counts."""
@@ -282,11 +280,6 @@ class KernelBackend(Backend):
     # ------------------------------------------------------------- embedding
     def check_offsets(self, *, offsets, num_indices, error=None):
         return self.kernels.check_offsets(offsets, num_indices, **self._counted(error=error))
-
-    def init_rows(self, *, out, rows, keys, stream, dim, mode, mean, std_dev, lower, upper,
-                  value, seed):
-        self.kernels.init_rows(out, rows, keys, stream, dim, init_mode_code(mode), mean,
-                               std_dev, lower, upper, value, seed)
 
     def _counted(self, init=None, error=None, schedule=None) -> dict:
         """The keyword arguments of a step counted on the device (computed init rows,

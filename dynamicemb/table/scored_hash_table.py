@@ -588,7 +588,7 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         the unique pairs: ``Deduplicated``); the clock and the step advance in device
         memory, where the call reads its time; the commit's ``InsertResult`` has the
         per-key ``status`` instead of masks and numbers, and leaves the rows of new
-        keys to the caller (``Backend.init_new_rows``); the call's counts go to the
+        keys to the caller (``Backend.init_rows``); the call's counts go to the
         device totals (``outcome_totals``), which ``stats`` take when read.
 
         Args:

@@ -50,7 +50,7 @@ GROWABLE_COPIES = 2
 # initialization (by status: whether there are new rows is not read), the lookup,
 # the backward (4).
 STEP_KERNELS = {"demb_check_offsets", "demb_dedup_insert", "demb_dedup_first",
-                "demb_dedup_number", "demb_upsert", "demb_init_new_rows", "demb_pooled_forward",
+                "demb_dedup_number", "demb_upsert", "demb_init_rows", "demb_pooled_forward",
                 "demb_place_grads", "demb_piece_counts", "demb_piece_sums", "demb_fused_update"}
 # aten ops that launch a kernel on a step, the test's own loss (5) included: the
 # dedup's fill, scans and sorts, the rank's arange and scatter, the copy of the
@@ -75,9 +75,9 @@ CACHE_LAUNCH_BUDGET = 30
 # cache's insert, the rows moved); a placement tier finds the keys it holds and hashes
 # the new ones instead of the plan and the order. Their budgets are the CUDA step's.
 CPU_CALLS = {
-    "all-rows": {"check_offsets", "padded_dedup_upsert", "init_new_rows", "pooled_forward",
+    "all-rows": {"check_offsets", "padded_dedup_upsert", "init_rows", "pooled_forward",
                  "sum_and_update_rows"},
-    "host-rows": {"check_offsets", "padded_dedup_upsert", "init_new_rows", "pooled_forward",
+    "host-rows": {"check_offsets", "padded_dedup_upsert", "init_rows", "pooled_forward",
                   "sum_and_update_rows"},
 }
 CPU_CALLS["cache"] = CPU_CALLS["all-rows"] | {"erase_where", "promotion_plan",

@@ -309,18 +309,10 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
     def run_check_offsets(self, a):
         self._cpu.check_offsets(self._t(a[0]), int(a[2]), error=self._t(a[3]))
 
-    def run_init_new_rows(self, a):
-        spec = records.InitSpec(self._t(a[8]), self._t(a[9]))
-        self._cpu.init_new_rows(self._t(a[0]), *(self._t(a[i]) for i in range(2, 6)),
-                                int(a[7]), spec, float(a[10]))
-
     def run_init_rows(self, a):
-        out, rows, keys = self._t(a[0]), self._t(a[2]), self._t(a[3])
-        m = int(a[4])
-        seed = int(np.array(a[13], dtype=np.uint64).view(np.int64))
-        self._cpu.init_rows(out, rows[:m], keys[:m], int(a[5]), int(a[6]), int(a[7]),
-                            float(a[8]), float(a[9]), float(a[10]), float(a[11]),
-                            float(a[12]), seed)
+        spec = records.InitSpec(self._t(a[8]), self._t(a[9]))
+        self._cpu.init_rows(self._t(a[0]), *(self._t(a[i]) for i in range(2, 6)), int(a[7]),
+                            spec, float(a[10]))
 
     def run_pooled_forward(self, a):
         r = _ROW_ARGS

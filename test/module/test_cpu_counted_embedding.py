@@ -107,12 +107,9 @@ def transient_rows(b: Batch):
     ``init_rows`` (the unpadded step's way), references -(u + 1) for them."""
     u = b.row_ref.numel()
     transient = torch.zeros(u, b.dim)
-    ints, floats = b.init.spec
-    for t, ((stream, mode, seed), (mean, std, lower, upper, value)) in enumerate(
-            zip(ints.tolist(), floats.tolist())):
-        mine = (b.init.table_ids.long() == t).nonzero().squeeze(1)
-        _cpu().init_rows(transient, mine, b.init.keys[mine].contiguous(), stream, b.dim,
-                         mode, mean, std, lower, upper, value, seed)
+    _cpu().init_rows(transient, torch.arange(u), None, b.init.keys.contiguous(),
+                     b.init.table_ids.to(torch.int16).contiguous(), b.dim,
+                     InitSpec(*b.init.spec), 0.0)
     refs = torch.where(b.row_ref < 0, -(torch.arange(u) + 1), b.row_ref)
     return transient, refs
 

@@ -1,7 +1,7 @@
 """The CPU extension's padded-step verbs against the CUDA kernels (as emulated).
 
 ``padded_dedup_upsert``, ``padded_dedup``, ``padded_upsert``, ``erase_where`` and
-``init_new_rows`` of the CPU extension must return what ``CudaKernels`` returns for the
+``init_rows`` of the CPU extension must return what ``CudaKernels`` returns for the
 same arguments, bit for bit (padding past the unique count included), and leave twin
 tables, clocks and counters in the same state: on random batches with duplicates,
 sizes 0 and 1, full buckets with and without eviction, every score rule (the given
@@ -285,7 +285,7 @@ INIT_SPECS = [  # (stream, mode, seed), (mean, std_dev, lower, upper, value)
 
 
 @pytest.mark.parametrize("dim,width", [(4, 4), (3, 9)])
-def test_init_new_rows_matches_cuda(dim, width):
+def test_init_rows_matches_cuda(dim, width):
     """Rows of new keys (inserted, evicted and inserted) get [initializer | state];
     hits, failures and padding keep their rows."""
     rng = random.Random(dim)
@@ -299,17 +299,24 @@ def test_init_new_rows_matches_cuda(dim, width):
                           dtype=torch.int8)
     before = torch.randn(400, width, generator=torch.Generator().manual_seed(1))
     got, want = before.clone(), before.clone()
-    cpu_kernels.load().init_new_rows(got, slots, status, keys, tids, dim, spec, 0.125)
+    cpu_kernels.load().init_rows(got, slots, status, keys, tids, dim, spec, 0.125)
     with emulated_cuda() as kernels:
-        kernels.init_new_rows(want, slots, status, keys, tids, dim, spec, 0.125)
+        kernels.init_rows(want, slots, status, keys, tids, dim, spec, 0.125)
     assert_same(got, want, "values")
     new = (status == INSERTED) | (status == EVICTED)
     untouched = torch.ones(400, dtype=torch.bool)
     untouched[slots[new]] = False
     assert torch.equal(got[untouched], before[untouched])
     assert (got[slots[new], dim:] == 0.125).all()
+    every, every_cuda = before.clone(), before.clone()  # no status: every key's row
+    cpu_kernels.load().init_rows(every, slots, None, keys, tids, dim, spec, 0.5)
+    with emulated_cuda() as kernels:
+        kernels.init_rows(every_cuda, slots, None, keys, tids, dim, spec, 0.5)
+    assert_same(every, every_cuda, "values of every key")
+    assert torch.equal(every[slots, :dim][new], got[slots[new], :dim])
+    assert (every[slots, dim:] == 0.5).all()
     empty = torch.empty(0, dtype=torch.int64)
-    cpu_kernels.load().init_new_rows(got, empty, empty.to(torch.int8), empty,
+    cpu_kernels.load().init_rows(got, empty, empty.to(torch.int8), empty,
                                      empty.to(torch.int16), dim, spec, 0.0)
 
 

@@ -34,34 +34,22 @@ class EmbeddingKernels(KernelLauncher):
             return None
         return offsets_problem(int(word))  # a bad batch raises before any change: a sync
 
-    def init_rows(self, out, rows, keys, table, dim, mode, mean, std_dev, lower, upper,
-                  value, seed) -> None:
-        _expect(out, torch.float32, "out")
-        _expect(rows, torch.int64, "rows")
-        _expect(keys, torch.int64, "keys")
-        if out.dim() != 2 or out.size(1) < dim:
-            raise ValueError("out must be [R, >= dim]")
-        m = rows.numel()
-        self._launch("demb_init_rows", out.device, m * dim, [
-            _ptr(out), np.int64(out.size(1)), _ptr(rows), _ptr(keys), _i64(m), _i64(table),
-            _i64(dim), np.int32(mode), np.float32(mean), np.float32(std_dev),
-            np.float32(lower), np.float32(upper), np.float32(value),
-            np.uint64(int(seed) & 0xFFFFFFFFFFFFFFFF)])
-
-    def init_new_rows(self, values, slots, status, keys, tids, dim, spec,
-                      state_value) -> None:
-        """The full initial rows of the keys whose status is INSERTED or
-        EVICTED_AND_INSERTED (one warp per key; no count needed)."""
+    def init_rows(self, values, slots, status, keys, tids, dim, spec, state_value) -> None:
+        """The initial rows of keys (with a status: of those whose status is INSERTED
+        or EVICTED_AND_INSERTED; one warp per key, no count needed)."""
         _expect(values, torch.float32, "values")
         _expect(slots, torch.int64, "slots")
-        _expect(status, torch.int8, "status")
+        if status is not None:
+            _expect(status, torch.int8, "status")
         _expect_batch(keys, tids)
         _expect_init_spec(spec)
         n = slots.numel()
-        if status.numel() != n or keys.numel() != n or values.dim() != 2:
+        if (status is not None and status.numel() != n) or keys.numel() != n or values.dim() != 2:
             raise ValueError("slots, status and keys need one length; values [C, width]")
         width = values.size(1)
-        self._launch("demb_init_new_rows", values.device, 32 * n, [  # a warp per key
+        if not 0 <= dim <= width:
+            raise ValueError(f"dim must be in [0, {width}], got {dim}")
+        self._launch("demb_init_rows", values.device, 32 * n, [  # a warp per key
             _ptr(values), np.int64(width), _ptr(slots), _ptr(status), _ptr(keys), _ptr(tids),
             _i64(n), _i64(dim), _ptr(spec.ints), _ptr(spec.floats), np.float32(state_value)])
 

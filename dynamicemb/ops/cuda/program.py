@@ -16,7 +16,7 @@ _KERNELS = {
     **dict.fromkeys(("demb_cache_probe", "demb_cache_rank", "demb_promotion_order",
                      "demb_promote_rows"), "cache.cu"),
     **dict.fromkeys(("demb_dedup_insert", "demb_dedup_first", "demb_dedup_number"), "dedup.cu"),
-    **dict.fromkeys(("demb_check_offsets", "demb_init_rows", "demb_init_new_rows",
+    **dict.fromkeys(("demb_check_offsets", "demb_init_rows",
                      "demb_pooled_forward", "demb_sequence_forward",
                      "demb_place_grads", "demb_piece_counts", "demb_piece_sums",
                      "demb_fused_update",
