@@ -22,7 +22,7 @@ from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions
 from dynamicemb.ops.cuda import cuda_source_root
 from dynamicemb.options import DynamicEmbOptimType
 from dynamicemb_testing.cuda_emulation import EmulatedCudaKernels, emulated_cuda
-from dynamicemb_testing.simt import KernelFault, SimtCudaKernels, build, flags, launch, load
+from dynamicemb_testing.simt import KernelFault, SimtCudaKernels, build, build_flags, launch, load
 
 _TOY = r"""
 extern "C" __global__ void t_shfl(const int* in, int* out, int delta) {
@@ -149,7 +149,7 @@ def test_mistyped_arguments_and_undefined_behaviour_fail_the_launch(toy):
         run(toy, "t_shift", 1, 32, [p(out), 3])
     run(toy, "t_shift", 1, 32, [p(out), np.int32(3)])
     assert (out == 8).all()
-    if "-fsanitize=address" in flags():  # there a report ends the process (flags())
+    if "-fsanitize=address" in build_flags():  # a report ends the process there
         return
     with pytest.raises(KernelFault, match="undefined behaviour.*shift"):
         run(toy, "t_shift", 1, 32, [p(out), np.int32(40)])

@@ -35,7 +35,7 @@ from dynamicemb.ops.cuda.launch import _grid
 from dynamicemb_testing.cuda_emulation import EmulatedCudaKernels
 from dynamicemb_testing.scripts import ROOT
 
-__all__ = ["KernelFault", "ORDERS", "SimtCudaKernels", "build", "flags", "library"]
+__all__ = ["KernelFault", "ORDERS", "SimtCudaKernels", "build", "build_flags", "library"]
 
 ORDERS = {"forward": 0, "reverse": 1, "shuffled": 2}
 _FLAGS = ("-std=c++17", "-O2", "-g", "-fPIC", "-fno-omit-frame-pointer",
@@ -105,7 +105,7 @@ def build(out_dir: str, flags=None, cuda_root: Optional[str] = None,
     Raises:
         RuntimeError: a compiler error, with its output.
     """
-    flags = globals()["flags"]() if flags is None else flags
+    flags = build_flags() if flags is None else flags
     cuda_root = cuda_root or cuda_source_root()
     sources = _kernel_sources(cuda_root) if sources is None else sources
     os.makedirs(out_dir, exist_ok=True)
@@ -145,7 +145,7 @@ def build(out_dir: str, flags=None, cuda_root: Optional[str] = None,
     return target
 
 
-def flags() -> tuple:
+def build_flags() -> tuple:
     """The build's flags: ``_FLAGS``, plus the address sanitizer when
     ``DEMB_SIMT_SANITIZE=address`` (the process must then preload libasan:
     ``test/cuda/test_simt_sanitizers.py`` runs suites that way)."""
@@ -160,7 +160,7 @@ def flags() -> tuple:
 
 def library(flags=None) -> ctypes.CDLL:
     """The built kernels of ``csrc/cuda`` (built once per digest of the sources)."""
-    flags = globals()["flags"]() if flags is None else flags
+    flags = build_flags() if flags is None else flags
     cuda_root = cuda_source_root()
     digest = _digest(cuda_root, flags)
     with _lock:
