@@ -7,7 +7,8 @@ launch function per kernel (``simt_launch_<kernel>``, generated here from the fi
 ``extern "C" __global__`` names), links them with the runtime into one shared
 library, and caches it under ``build/simt/<digest>`` by the digest of every source,
 the flags and the compiler, so a suite builds it once. The undefined-behaviour
-sanitizer is always on: a report fails the launch that made it (the runtime's hook).
+sanitizer is always on: a report fails the launch that made it (the runtime reads the
+reports a launch wrote to stderr).
 
 ``SimtCudaKernels`` is ``EmulatedCudaKernels`` whose launches run the real kernels
 with the arguments CuPy would be given (each numpy scalar's bytes and kind, checked
@@ -148,12 +149,12 @@ def build(out_dir: str, flags=None, cuda_root: Optional[str] = None,
 def build_flags() -> tuple:
     """The build's flags: ``_FLAGS``, plus the address sanitizer when
     ``DEMB_SIMT_SANITIZE=address`` (the process must then preload libasan:
-    ``test/cuda/test_simt_sanitizers.py`` runs suites that way)."""
+    ``test/cuda/test_simt_suites.py`` runs suites that way)."""
     sanitize = os.environ.get("DEMB_SIMT_SANITIZE", "")
     if sanitize not in ("", "address"):
         raise ValueError(f"DEMB_SIMT_SANITIZE must be 'address' or empty, got {sanitize!r}")
-    # under the address sanitizer, UBSan's reports go to libasan's own hook (not the
-    # runtime's): each ends the process instead of failing its launch
+    # under the address sanitizer a UBSan report ends the process (the runtime leaves
+    # stderr alone there, so the report is seen)
     return _FLAGS + (("-fsanitize=address", "-fno-sanitize-recover=undefined")
                      if sanitize else ())
 
