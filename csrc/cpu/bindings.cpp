@@ -63,25 +63,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_runs", &cpu_runs, "whether this CPU runs code built for -march=<level>");
   m.def("hash_keys", &c::hash_keys, "64-bit hash of (table id, key)");
   m.def("find", &c::find, "slot of each key, -1 if absent");
-  m.def("upsert", &c::upsert, "one inserting pass; returns deferred positions",
-        py::arg("meta"), py::arg("bc"), py::arg("keys"), py::arg("tids"), py::arg("given"),
-        py::arg("rule"), py::arg("now"), py::arg("evicts"), py::arg("can_grow"),
-        py::arg("one_table"), py::arg("pending"), py::arg("slots"), py::arg("status"),
-        py::arg("prev_scores"), py::arg("ev_keys"), py::arg("ev_tids"), py::arg("ev_scores"),
-        py::arg("outcomes"), py::arg("table_scores") = py::none(), py::arg("ttl") = 0);
-  m.def("dedup_upsert", &c::dedup_upsert,
-        "dedup overlapped with a first inserting pass over the unique keys");
-  // The padded step's verbs take the CUDA backend's arguments (dynamicemb/ops/cuda):
+  // The step's verbs take the CUDA backend's arguments (dynamicemb/ops/cuda):
   // a BatchPart or an InitSpec as the Python object.
   m.def(
-      "padded_dedup_upsert",
+      "dedup_upsert",
       [](const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
          const at::Tensor& tids, const c10::optional<at::Tensor>& frequencies, int64_t rule,
          at::Tensor& time, int64_t now_index, bool evicts, bool one_table,
          const c10::optional<at::Tensor>& error, at::Tensor& outcomes, at::Tensor& size,
          const py::object& part, const c10::optional<at::Tensor>& table_scores, int64_t ttl) {
         const auto fields = part_fields(part);
-        return c::padded_dedup_upsert(meta, bc, keys, tids, frequencies, rule, time, now_index,
+        return c::dedup_upsert(meta, bc, keys, tids, frequencies, rule, time, now_index,
                                       evicts, one_table, error, outcomes, size, fields.first,
                                       fields.second, table_scores, ttl);
       },
@@ -92,22 +84,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("size"), py::arg("part") = py::none(), py::arg("table_scores") = py::none(),
       py::arg("ttl") = 0);
   m.def(
-      "padded_dedup",
+      "dedup",
       [](const at::Tensor& keys, const at::Tensor& tids, const c10::optional<at::Tensor>& error,
          const py::object& part, const c10::optional<at::Tensor>& frequencies, bool group,
          const c10::optional<at::Tensor>& time) {
         const auto fields = part_fields(part);
-        return c::padded_dedup(keys, tids, frequencies, group, error, time, fields.first,
+        return c::dedup(keys, tids, frequencies, group, error, time, fields.first,
                                fields.second);
       },
-      "dedup padded to n (grouped when asked; a table's time advanced)", py::arg("keys"),
+      "unique (table, key) pairs, padded to n (grouped when asked; a table's time "
+      "advanced)", py::arg("keys"),
       py::arg("tids"), py::arg("error"), py::arg("part") = py::none(),
       py::arg("frequencies") = py::none(), py::arg("group") = false,
       py::arg("time") = py::none());
-  m.def("padded_upsert", &c::padded_upsert,
-        "one inserting pass over unique keys with their buckets given", py::arg("meta"),
-        py::arg("bc"), py::arg("keys"), py::arg("tids"), py::arg("scores"), py::arg("rule"),
-        py::arg("evicts"), py::arg("one_table"), py::arg("buckets"), py::arg("outcomes"),
+  m.def("upsert", &c::upsert, "one inserting pass (buckets: kNoBucket skips a key)",
+        py::arg("meta"), py::arg("bc"), py::arg("keys"), py::arg("tids"), py::arg("scores"),
+        py::arg("rule"), py::arg("evicts"), py::arg("one_table"), py::arg("buckets"),
+        py::arg("outcomes"),
         py::arg("size"), py::arg("time") = py::none(), py::arg("now_index") = 0,
         py::arg("ttl") = 0);
   m.def("erase_where", &c::erase_where, "erase the keys of a status; count them",
@@ -127,14 +120,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_offsets", &c::check_offsets,
         "0, or the first problem of an offsets tensor (with error: recorded there, None)",
         py::arg("offsets"), py::arg("num_indices"), py::arg("error") = py::none());
-  m.def("unpin", &c::unpin, "clear the pinned bit of slots");
   m.def("undo_upsert", &c::undo_upsert, "revert an inserting call");
   m.def("grow", &c::grow, "rehash into twice the buckets");
   m.def("erase", &c::erase, "erase keys");
   m.def("expire", &c::expire, "TTL sweep: empty slots last accessed before a time");
-  m.def("dedup", &c::dedup, "unique (table, key) pairs in first-occurrence order",
-        py::arg("keys"), py::arg("tids"), py::arg("frequencies"),
-        py::arg("group") = false);
   // The lookups and the backward take the keywords of a step counted on the device
   // (verbs.h): init (an InitRows), error (the error word), schedule (a DeviceSchedule).
   m.def("pooled_forward", &c::pooled_forward, "pooled lookup (sum/mean)", py::arg("tiers"),

@@ -1,9 +1,8 @@
 // CPU dedup of (table id, key) pairs: an open-addressing set over one batch,
-// shared by the `dedup` and `padded_dedup` ops (embedding.cpp) and the fused
-// `dedup_upsert` and `padded_dedup_upsert` ops (hash_table.cpp), which hand each
-// new pair to an inserting thread as soon as it is found. The padded ops give
-// their unique arrays n entries, as the CUDA kernels do (csrc/cuda/dedup.cu): the
-// entries past the unique count are padding.
+// shared by the `dedup` op (embedding.cpp) and the fused `dedup_upsert` op
+// (hash_table.cpp), which hands each new pair to an inserting thread as soon as it
+// is found. Both give their unique arrays n entries, as the CUDA kernels do
+// (csrc/cuda/dedup.cu): the entries past the unique count are padding.
 #pragma once
 
 #include <algorithm>

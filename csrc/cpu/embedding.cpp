@@ -252,11 +252,10 @@ namespace {
 using UniqueTuple =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// `dedup` and `padded_dedup`: the unique arrays have n entries, narrowed to the U
-// pairs unless `padded` (then the rest is padding, pad_unique, and with `group`
-// starts has n + 1 entries). A `refused` batch (padded only) has no pair.
+// `dedup`: the unique arrays have n entries, the rest past the U pairs padding
+// (pad_unique; with `group` starts has n + 1 entries). A `refused` batch has no pair.
 UniqueTuple dedup_lookups(const at::Tensor& keys, const at::Tensor& tids,
-                          const c10::optional<at::Tensor>& frequencies, bool group, bool padded,
+                          const c10::optional<at::Tensor>& frequencies, bool group,
                           bool refused, const BatchPart& part) {
   const int64_t n = keys.numel();
   const int64_t* freq = nullptr;
@@ -282,12 +281,8 @@ UniqueTuple dedup_lookups(const at::Tensor& keys, const at::Tensor& tids,
   const int64_t u = DedupSet(n).run(keys.data_ptr<int64_t>(), tids.data_ptr<int16_t>(), freq,
                                     n, out, n + 1, [](int64_t) {}, part);
   if (group) group_by_unique(inverse.data_ptr<int64_t>(), n, u, starts_at, rank_at);
-  if (padded) {
-    pad_unique(out, u, n, starts_at);
-    return {ukeys, utids, inverse, counts, group ? starts.narrow(0, 0, n + 1) : starts, rank};
-  }
-  return {ukeys.narrow(0, 0, u), utids.narrow(0, 0, u), inverse, counts.narrow(0, 0, u),
-          group ? starts.narrow(0, 0, u + 1) : starts, rank};
+  pad_unique(out, u, n, starts_at);
+  return {ukeys, utids, inverse, counts, group ? starts.narrow(0, 0, n + 1) : starts, rank};
 }
 
 void check_lookups(const at::Tensor& keys, const at::Tensor& tids) {
@@ -300,25 +295,15 @@ void check_lookups(const at::Tensor& keys, const at::Tensor& tids) {
 
 }  // namespace
 
-// Unique (table, key) pairs in first-occurrence order. counts[u] sums the
-// frequencies of u's lookups (1 each when none are given). With `group`, also the
-// lookups grouped by unique index (group_by_unique), which the fused backward
-// walks; without, starts and rank are empty.
-// Returns (unique_keys (U,), unique_tids (U,) int16, inverse (N,), counts (U,),
-// starts (U + 1,), rank (N,)).
-UniqueTuple dedup(const at::Tensor& keys, const at::Tensor& tids,
-                  const c10::optional<at::Tensor>& frequencies, bool group) {
-  check_lookups(keys, tids);
-  return dedup_lookups(keys, tids, frequencies, group, false, false, BatchPart{});
-}
-
-// `dedup` padded to the N lookups, as DedupKernels.padded_dedup: (unique_keys (N,),
-// unique_tids (N,), inverse (N,), counts (N,), starts (N + 1,), rank (N,)), starts
-// and rank empty unless `group`; entries past the U pairs key 0, table 0, count 0
-// (starts: the lookup count). A batch the error word refuses has no pair (inverse
+// Unique (table, key) pairs in first-occurrence order, padded to the N lookups, as
+// DedupKernels.dedup: (unique_keys (N,), unique_tids (N,), inverse (N,), counts
+// (N,), starts (N + 1,), rank (N,)); counts[u] sums the frequencies of u's lookups
+// (1 each when none are given); with `group`, the lookups grouped by unique index
+// (group_by_unique), which the fused backward walks, else starts and rank empty.
+// Entries past the U pairs: key 0, table 0, count 0 (starts: the lookup count). A batch the error word refuses has no pair (inverse
 // -1); lookups of other groups than part's get inverse -1. `time` (2,) int64 (a
 // table's clock and step; None: none) advances by one unless the batch is refused.
-UniqueTuple padded_dedup(const at::Tensor& keys, const at::Tensor& tids,
+UniqueTuple dedup(const at::Tensor& keys, const at::Tensor& tids,
                          const c10::optional<at::Tensor>& frequencies, bool group,
                          const c10::optional<at::Tensor>& error,
                          const c10::optional<at::Tensor>& time,
@@ -335,7 +320,7 @@ UniqueTuple padded_dedup(const at::Tensor& keys, const at::Tensor& tids,
       ++clock_and_step[1];
     }
   }
-  return dedup_lookups(keys, tids, frequencies, group, true, refused, part);
+  return dedup_lookups(keys, tids, frequencies, group, refused, part);
 }
 
 // The initial rows [initializer (dim) | state_value] of keys[i] of table tids[i] at

@@ -32,9 +32,8 @@ namespace cpu {
 namespace {
 
 // Outcomes counted per call: kHit, kInserted, kEvictedAndInserted, kFailed, then
-// (a padded call's, or one with a ttl) the expired hits, at kExpiredOutcome.
-constexpr int kNumOutcomes = 4;
-constexpr int kNumCounted = kNumOutcomes + 1;
+// the expired hits, at kExpiredOutcome.
+constexpr int kNumCounted = kExpiredOutcome + 1;
 using Counted = std::array<int64_t, kNumCounted>;
 
 }  // namespace
@@ -129,7 +128,6 @@ constexpr int kAhead = 16;
 
 template <class Rule, class Feed>
 void upsert_owned(const CpuTableView& v, const UpsertArgs& a, const Rule& rule, const Feed& feed,
-                  std::vector<uint8_t>& blocked, std::vector<int64_t>& deferred,
                   int64_t* outcomes) {  // (kNumCounted,) +=
   int64_t m = INT64_MAX / 2;  // number of keys, known once the feed says so
   int hints[2 * kAhead];
@@ -156,36 +154,25 @@ void upsert_owned(const CpuTableView& v, const UpsertArgs& a, const Rule& rule, 
       const uint64_t given = given_score(a.given, a.table_scores, i, a.tids[i]);
       const int8_t st = upsert_one(v, DigestProbe{}, rule, a.opt, a.out, i, a.keys[i],
                                    a.tids[i], given, home_of(v, feed.hash(p)),
-                                   hints[p % (2 * kAhead)], blocked.data());
-      if (st == kDeferred) {
-        deferred.push_back(i);
-      } else {
-        ++outcomes[st == kExpiredHit ? kExpiredOutcome : st];
-      }
+                                   hints[p % (2 * kAhead)]);
+      ++outcomes[st == kExpiredHit ? kExpiredOutcome : st];
     }
   }
-  // Unpin this pass's slots except in buckets blocked for growth, whose pins the
-  // next pass needs (the caller unpins everything after a call that grew).
-  for (int64_t p = 0; p < m; ++p) {
+  for (int64_t p = 0; p < m; ++p) {  // the pass's pins go
     const int64_t s = a.out.slots[feed.at(p)];
-    const int8_t st = a.out.status[feed.at(p)];
-    if (st == kDeferred || s < 0) continue;
+    if (s < 0) continue;
     const int64_t b = v.bucket_of_slot(s);
-    if (!blocked[b]) clear_bit(v.pinned_of(b), static_cast<int>(s - b * v.bc));
+    clear_bit(v.pinned_of(b), static_cast<int>(s - b * v.bc));
   }
 }
 
-// Each thread hashes the pending keys as it partitions them: no separate pass.
-// pending (npending,): the pass's positions, nullptr: [0, npending). buckets
-// (nullptr: none) gives the positions' buckets: kNoBucket marks padding (slot -1,
-// kFailed, counted nowhere), the rest are not read (each key's hash decides).
+// Each thread hashes the keys [0, n) as it partitions them: no separate pass.
+// buckets (nullptr: none) marks keys to skip (kNoBucket: slot -1, kFailed, counted
+// nowhere); its other entries are not read (each key's hash decides).
 template <class Rule>
-std::vector<int64_t> upsert_all(const CpuTableView& v, const UpsertArgs& a, const Rule& rule,
-                                const int64_t* pending, int64_t npending,
-                                const int32_t* buckets, int64_t* outcomes) {  // += (kNumCounted,)
-  std::vector<uint8_t> blocked(v.num_buckets, 0);
-  const int threads = npending >= kParallelMinKeys ? omp_get_max_threads() : 1;
-  std::vector<std::vector<int64_t>> deferred(threads);
+void upsert_all(const CpuTableView& v, const UpsertArgs& a, const Rule& rule, int64_t n,
+                const int32_t* buckets, int64_t* outcomes) {  // += (kNumCounted,)
+  const int threads = n >= kParallelMinKeys ? omp_get_max_threads() : 1;
   std::vector<Counted> counted(threads);
 #pragma omp parallel num_threads(threads)
   {
@@ -193,14 +180,14 @@ std::vector<int64_t> upsert_all(const CpuTableView& v, const UpsertArgs& a, cons
     const int nt = omp_get_num_threads();
     std::vector<int64_t> mine;  // this thread's keys, in input order, and their hashes
     std::vector<uint64_t> hash;
-    mine.reserve(npending / nt + 16);
-    hash.reserve(npending / nt + 16);
-    for (int64_t p = 0; p < npending; ++p) {
-      const int64_t i = pending != nullptr ? pending[p] : p;
+    mine.reserve(n / nt + 16);
+    hash.reserve(n / nt + 16);
+    for (int64_t i = 0; i < n; ++i) {
       if (buckets != nullptr && buckets[i] == kNoBucket) {
         if (t == 0) {
           a.out.slots[i] = -1;
           a.out.status[i] = kFailed;
+          if (a.out.prev_scores) a.out.prev_scores[i] = kNoPrevScore;
         }
         continue;
       }
@@ -212,15 +199,11 @@ std::vector<int64_t> upsert_all(const CpuTableView& v, const UpsertArgs& a, cons
     }
     counted[t].fill(0);
     const ListFeed feed{mine.data(), hash.data(), static_cast<int64_t>(mine.size())};
-    upsert_owned(v, a, rule, feed, blocked, deferred[t], counted[t].data());
+    upsert_owned(v, a, rule, feed, counted[t].data());
   }
   for (const auto& c : counted) {
     for (int o = 0; o < kNumCounted; ++o) outcomes[o] += c[o];
   }
-  std::vector<int64_t> merged;
-  for (auto& d : deferred) merged.insert(merged.end(), d.begin(), d.end());
-  std::sort(merged.begin(), merged.end());
-  return merged;
 }
 
 // Calls f(score rule object) for the rule code: 0 clock (score = now), 1 count
@@ -245,7 +228,7 @@ T* optional_ptr(const at::Tensor& t) {
 
 // The per-key outputs of an inserting pass (each with room for n keys) and
 // the pass's options; keys, table ids and given scores are set by the caller.
-UpsertArgs pass_args(int64_t n, bool evicts, bool can_grow, bool one_table, at::Tensor& slots,
+UpsertArgs pass_args(int64_t n, bool evicts, bool one_table, at::Tensor& slots,
                      at::Tensor& status, const c10::optional<at::Tensor>& prev_scores,
                      at::Tensor& ev_keys, at::Tensor& ev_tids, at::Tensor& ev_scores) {
   check_tensor(slots, at::kLong, "slots");
@@ -261,7 +244,7 @@ UpsertArgs pass_args(int64_t n, bool evicts, bool can_grow, bool one_table, at::
   a.tids = nullptr;
   a.given = nullptr;
   a.table_scores = nullptr;
-  a.opt = PassOptions{evicts, can_grow, one_table, 0};
+  a.opt = PassOptions{evicts, one_table, 0};
   a.out.slots = slots.data_ptr<int64_t>();
   a.out.status = status.data_ptr<int8_t>();
   a.out.prev_scores = nullptr;
@@ -277,28 +260,24 @@ UpsertArgs pass_args(int64_t n, bool evicts, bool can_grow, bool one_table, at::
   return a;
 }
 
-// The table's size in memory ((1,) int64), which a padded call advances.
+// The table's size in memory ((1,) int64), which an inserting call advances.
 int64_t* size_of(at::Tensor& size) {
   check_tensor(size, at::kLong, "size");
   TORCH_CHECK(size.numel() == 1, "size must hold one count");
   return size.data_ptr<int64_t>();
 }
 
-// A call's outcome counts in memory: (4,), or (5,) with the expired hits (a padded
-// call's, and any call with a ttl).
-int64_t* outcomes_of(at::Tensor& outcomes, bool with_expired) {
+// A call's outcome counts in memory: (5,) hits, inserted, evicted, failed, expired.
+void check_outcomes(const at::Tensor& outcomes) {
   check_tensor(outcomes, at::kLong, "outcomes");
-  const int64_t want = with_expired ? kNumCounted : kNumOutcomes;
-  TORCH_CHECK(outcomes.numel() == want || (!with_expired && outcomes.numel() == kNumCounted),
-              "outcomes must hold ", want, " counts (hits, inserted, evicted, failed",
-              with_expired ? ", expired hits)" : ")");
-  return outcomes.data_ptr<int64_t>();
+  TORCH_CHECK(outcomes.numel() == kNumCounted,
+              "outcomes must hold 5 counts (hits, inserted, evicted, failed, expired hits)");
 }
 
-// Adds what a call counted to its outcomes (the expired hits where they have room).
+// Adds what a call counted to its outcomes.
 void add_outcomes(at::Tensor& outcomes, const Counted& counted) {
   int64_t* out = outcomes.data_ptr<int64_t>();
-  for (int o = 0; o < outcomes.numel(); ++o) out[o] += counted[o];
+  for (int o = 0; o < kNumCounted; ++o) out[o] += counted[o];
 }
 
 // The per-table scores of a call (CUSTOMIZED, read by table id): (T,) int64.
@@ -310,53 +289,8 @@ const uint64_t* table_scores_of(const c10::optional<at::Tensor>& table_scores) {
   return reinterpret_cast<const uint64_t*>(table_scores->data_ptr<int64_t>());
 }
 
-at::Tensor tensor_of(const std::vector<int64_t>& values, const at::TensorOptions& options) {
-  auto out = at::empty({static_cast<int64_t>(values.size())}, options);
-  std::copy(values.begin(), values.end(), out.data_ptr<int64_t>());
-  return out;
-}
 
 }  // namespace
-
-// Inserting pass over keys[pending]. Fills slots/status (and the optional
-// outputs) at the pending positions; returns the deferred positions (sorted).
-// outcomes (int64 [4]) += how many keys of the pass were hits, inserted, evicted
-// and inserted, failed (deferred keys are counted by the pass that settles them),
-// and [4] (outcomes of 5) its expired hits. rule: 0 clock (score = now), 1 count
-// (LFU, adds given), 2 given (CUSTOMIZED: per key, or table_scores (T,) by table
-// id), 3 count then clock (LRU_LFU: adds given, stamps now). ttl (0: none): a hit
-// on a row last accessed before now - ttl is an insert (outcomes of 5 needed).
-at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
-                  const at::Tensor& tids, const c10::optional<at::Tensor>& given, int64_t rule, int64_t now,
-                  bool evicts, bool can_grow, bool one_table, const at::Tensor& pending,
-                  at::Tensor& slots, at::Tensor& status,
-                  const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys,
-                  at::Tensor& ev_tids, at::Tensor& ev_scores, at::Tensor& outcomes,
-                  const c10::optional<at::Tensor>& table_scores, int64_t ttl) {
-  check_batch(keys, tids);
-  TORCH_CHECK(ttl >= 0, "ttl must be >= 0 (0: none), got ", ttl);
-  outcomes_of(outcomes, ttl != 0);
-  check_tensor(pending, at::kLong, "pending");
-  const CpuTableView v = view_of(meta, bc);
-  UpsertArgs a = pass_args(keys.numel(), evicts, can_grow, one_table, slots, status, prev_scores,
-                           ev_keys, ev_tids, ev_scores);
-  a.keys = keys.data_ptr<int64_t>();
-  a.tids = tids.data_ptr<int16_t>();
-  a.given = given.has_value() ? optional_ptr<const uint64_t>(*given) : nullptr;
-  a.table_scores = table_scores_of(table_scores);
-  a.opt.expired_before = expired_before(static_cast<uint64_t>(now), static_cast<uint64_t>(ttl));
-  TORCH_CHECK(rule == 0 || a.given != nullptr || (rule == 2 && a.table_scores != nullptr),
-              "the count and given-score rules need scores");
-  const int64_t* p = pending.data_ptr<int64_t>();
-  const int64_t np = pending.numel();
-  std::vector<int64_t> deferred;
-  Counted counted{};
-  with_rule(rule, static_cast<uint64_t>(now), [&](const auto& score) {
-    deferred = upsert_all(v, a, score, p, np, nullptr, counted.data());
-  });
-  add_outcomes(outcomes, counted);
-  return tensor_of(deferred, keys.options());
-}
 
 namespace {
 
@@ -373,13 +307,11 @@ template <class Rule>
 int64_t dedup_and_upsert(const CpuTableView& v, const UpsertArgs& a, const Rule& rule,
                          const int64_t* keys, const int16_t* tids, const int64_t* freq,
                          int64_t n, const BatchPart& part, DedupOut out, int64_t* starts,
-                         int64_t* rank, std::vector<int64_t>& deferred, int64_t* counted) {
+                         int64_t* rank, int64_t* counted) {
   // Everything that allocates happens here: nothing in the parallel region throws.
   std::unique_ptr<uint64_t[]> uhash(new uint64_t[n + 1]);  // written before it is read
   out.hash = uhash.get();
   DedupSet set(n);
-  std::vector<uint8_t> blocked(v.num_buckets, 0);
-  deferred.reserve(n);
   std::atomic<int64_t> published{0};
   const StreamFeed feed{uhash.get(), &published};
   const int64_t every = a.given == nullptr ? kPublishEvery : n + 1;
@@ -396,7 +328,7 @@ int64_t dedup_and_upsert(const CpuTableView& v, const UpsertArgs& a, const Rule&
       if (starts != nullptr) group_by_unique(out.inverse, n, unique, starts, rank);
     }
     if (alone || omp_get_thread_num() == 1) {
-      upsert_owned(v, a, rule, feed, blocked, deferred, counted);
+      upsert_owned(v, a, rule, feed, counted);
     }
   }
   return unique;
@@ -417,54 +349,11 @@ void check_dedup_batch(const at::Tensor& keys, const at::Tensor& tids,
 
 }  // namespace
 
-// `dedup` and a first inserting pass over its unique keys in one call, with the
-// clock rule (score = now), overlapped (dedup_and_upsert); the lookups are
-// grouped as by `dedup` with group = true. The pass outputs (slots .. ev_scores)
-// need room for N keys; entries [0, U) are written, as by `upsert` over unique
-// keys with pending = all of them.
-// Returns (unique_keys (U,), unique_tids (U,) int16, inverse (N,), counts (U,),
-// starts (U + 1,), rank (N,), deferred unique indices (sorted)).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-dedup_upsert(
-    const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
-    const at::Tensor& tids, const c10::optional<at::Tensor>& frequencies, int64_t now,
-    bool evicts, bool can_grow, bool one_table, at::Tensor& slots, at::Tensor& status,
-    const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys, at::Tensor& ev_tids,
-    at::Tensor& ev_scores, at::Tensor& outcomes) {
-  const int64_t* freq;
-  check_dedup_batch(keys, tids, frequencies, &freq);
-  const int64_t n = keys.numel();
-  outcomes_of(outcomes, false);
-  const CpuTableView v = view_of(meta, bc);
-  auto ukeys = at::empty({n}, keys.options());
-  auto utids = at::empty({n}, tids.options());
-  auto counts = at::empty({n}, keys.options());
-  auto inverse = at::empty({n}, keys.options());
-  auto starts = at::empty({n + 2}, keys.options());
-  auto rank = at::empty({n}, keys.options());
-  UpsertArgs a = pass_args(n, evicts, can_grow, one_table, slots, status, prev_scores, ev_keys,
-                           ev_tids, ev_scores);
-  a.keys = ukeys.data_ptr<int64_t>();
-  a.tids = utids.data_ptr<int16_t>();
-  const DedupOut out{ukeys.data_ptr<int64_t>(), utids.data_ptr<int16_t>(), nullptr,
-                     counts.data_ptr<int64_t>(), inverse.data_ptr<int64_t>()};
-  std::vector<int64_t> deferred;
-  Counted counted{};
-  const int64_t unique = dedup_and_upsert(
-      v, a, ClockScore{static_cast<uint64_t>(now)}, keys.data_ptr<int64_t>(),
-      tids.data_ptr<int16_t>(), freq, n, BatchPart{}, out, starts.data_ptr<int64_t>(),
-      rank.data_ptr<int64_t>(), deferred, counted.data());
-  add_outcomes(outcomes, counted);
-  return {ukeys.narrow(0, 0, unique), utids.narrow(0, 0, unique), inverse,
-          counts.narrow(0, 0, unique), starts.narrow(0, 0, unique + 1), rank,
-          tensor_of(deferred, keys.options())};
-}
-
-// `dedup_upsert` padded to the N lookups, as HashTableKernels.padded_dedup_upsert:
-// the unique arrays and the pass outputs have N entries, those past the U pairs
-// padding (key 0, table 0, count 0, slot -1, kFailed, counted nowhere; starts past
-// U hold the lookup count). No key is deferred: a full bucket evicts (`evicts`) or
-// fails its key, whether the table may grow or not. Unless the error word refuses
+// `dedup` and an inserting pass over its unique keys, overlapped
+// (dedup_and_upsert), as HashTableKernels.dedup_upsert: the unique arrays and the
+// pass outputs have N entries, those past the U pairs padding (key 0, table 0,
+// count 0, slot -1, kFailed, counted nowhere; starts past U hold the lookup
+// count). A full bucket evicts (`evicts`) or fails its key. Unless the error word refuses
 // the batch (then nothing changes: no pair, inverse -1), `time` (2,) (the table's
 // clock and step) advances by one and the pass runs at time[now_index] with
 // `rule`: a count rule scores by the dedup's counts, the given rule by
@@ -475,7 +364,7 @@ dedup_upsert(
 // of other groups are left out.
 // Returns (unique_keys, unique_tids, inverse, counts, starts (N + 1,), rank, slots,
 // status, prev_scores, ev_keys, ev_tids, ev_scores).
-PaddedDedupUpserted padded_dedup_upsert(
+DedupUpserted dedup_upsert(
     const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
     const at::Tensor& tids, const c10::optional<at::Tensor>& frequencies, int64_t rule,
     at::Tensor& time, int64_t now_index, bool evicts, bool one_table,
@@ -490,11 +379,12 @@ PaddedDedupUpserted padded_dedup_upsert(
               "time holds a clock and a step; now_index picks one");
   TORCH_CHECK(0 <= rule && rule <= 3, "unknown score rule ", rule);
   TORCH_CHECK(ttl >= 0, "ttl must be >= 0 (0: none), got ", ttl);
-  outcomes_of(outcomes, true);
+  check_outcomes(outcomes);
   int64_t* table_size = size_of(size);
   const uint64_t* per_table = table_scores_of(table_scores);
   TORCH_CHECK(rule != 2 || per_table != nullptr,
-              "the given-score rule of a padded call reads each table's score: table_scores");
+              "the given-score rule of a deduplicating call reads each table's score: "
+              "table_scores");
   const CpuTableView v = view_of(meta, bc);
   const BatchPart part = batch_part(part_groups, part_group, n);
   const bool refused = is_refused(error);
@@ -511,7 +401,7 @@ PaddedDedupUpserted padded_dedup_upsert(
   auto ev_keys = at::empty({n}, i64);
   auto ev_tids = at::empty({n}, tids.options());
   auto ev_scores = at::empty({n}, i64);
-  UpsertArgs a = pass_args(n, evicts, false, one_table, slots, status, prev, ev_keys, ev_tids,
+  UpsertArgs a = pass_args(n, evicts, one_table, slots, status, prev, ev_keys, ev_tids,
                            ev_scores);
   const DedupOut out{ukeys.data_ptr<int64_t>(), utids.data_ptr<int16_t>(), nullptr,
                      counts.data_ptr<int64_t>(), inverse.data_ptr<int64_t>()};
@@ -529,12 +419,11 @@ PaddedDedupUpserted padded_dedup_upsert(
     a.table_scores = rule == 2 ? per_table : nullptr;
     const uint64_t now = static_cast<uint64_t>(clock_and_step[now_index]);
     a.opt.expired_before = expired_before(now, static_cast<uint64_t>(ttl));
-    std::vector<int64_t> deferred;  // none: the pass defers no key
     Counted counted{};
     with_rule(rule, now, [&](const auto& score) {
       unique = dedup_and_upsert(v, a, score, keys.data_ptr<int64_t>(), tids.data_ptr<int16_t>(),
                                 freq, n, part, out, starts.data_ptr<int64_t>(),
-                                rank.data_ptr<int64_t>(), deferred, counted.data());
+                                rank.data_ptr<int64_t>(), counted.data());
     });
     add_outcomes(outcomes, counted);
     *table_size += counted[kInserted];
@@ -542,24 +431,24 @@ PaddedDedupUpserted padded_dedup_upsert(
   }
   std::fill(a.out.slots + unique, a.out.slots + n, -1);
   std::fill(a.out.status + unique, a.out.status + n, int8_t{kFailed});
+  std::fill(a.out.prev_scores + unique, a.out.prev_scores + n, kNoPrevScore);
   return {ukeys, utids, inverse, counts, starts.narrow(0, 0, n + 1), rank, slots, status, prev,
           ev_keys, ev_tids, ev_scores};
 }
 
-// One inserting pass over unique keys (n,) whose buckets (n,) int32 are given, as
-// HashTableKernels.padded_upsert: a position of bucket kNoBucket is padding (slot
-// -1, kFailed, counted nowhere). No key is deferred; the call's time (the clock
-// rule's score) is time[now_index] (time (2,) int64, a table's clock and step), 0
-// without `time`; with ttl (0: none) a hit on a row expired at that time is an
-// insert. outcomes (5,) += the outcome counts, size (1,) += the inserts into empty
-// slots. Returns (slots, status, prev_scores,
-// ev_keys, ev_tids, ev_scores), (n,) each.
-PassResult padded_upsert(const std::vector<at::Tensor>& meta, int64_t bc,
-                         const at::Tensor& keys, const at::Tensor& tids,
-                         const c10::optional<at::Tensor>& scores, int64_t rule, bool evicts,
-                         bool one_table, const at::Tensor& buckets, at::Tensor& outcomes,
-                         at::Tensor& size, const c10::optional<at::Tensor>& time,
-                         int64_t now_index, int64_t ttl) {
+// One inserting pass over keys (n,), as HashTableKernels.upsert: the keys of one
+// bucket in input order (a repeated key hits its first occurrence's slot). With
+// buckets (n,) int32, a key of bucket kNoBucket is skipped (slot -1, kFailed,
+// counted nowhere). The call's time (the clock rule's score) is time[now_index]
+// (time (2,) int64, a table's clock and step), 0 without `time`; with ttl (0:
+// none) a hit on a row expired at that time is an insert. outcomes (5,) += the
+// outcome counts, size (1,) += the inserts into empty slots. Returns (slots,
+// status, prev_scores, ev_keys, ev_tids, ev_scores), (n,) each.
+PassResult upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+                  const at::Tensor& tids, const c10::optional<at::Tensor>& scores, int64_t rule,
+                  bool evicts, bool one_table, const c10::optional<at::Tensor>& buckets,
+                  at::Tensor& outcomes, at::Tensor& size, const c10::optional<at::Tensor>& time,
+                  int64_t now_index, int64_t ttl) {
   check_batch(keys, tids);
   TORCH_CHECK(ttl >= 0, "ttl must be >= 0 (0: none), got ", ttl);
   int64_t now = 0;
@@ -570,10 +459,14 @@ PassResult padded_upsert(const std::vector<at::Tensor>& meta, int64_t bc,
     now = time->data_ptr<int64_t>()[now_index];
   }
   const int64_t n = keys.numel();
-  check_tensor(buckets, at::kInt, "buckets");
-  TORCH_CHECK(buckets.numel() == n, "buckets are given for every key of a pass: (", n,
-              ",) int32");
-  outcomes_of(outcomes, true);
+  const int32_t* skip = nullptr;
+  if (buckets.has_value()) {
+    check_tensor(*buckets, at::kInt, "buckets");
+    TORCH_CHECK(buckets->numel() == n, "buckets are given for every key of a pass: (", n,
+                ",) int32");
+    skip = buckets->data_ptr<int32_t>();
+  }
+  check_outcomes(outcomes);
   int64_t* table_size = size_of(size);
   const CpuTableView v = view_of(meta, bc);
   const auto i64 = keys.options();
@@ -583,7 +476,7 @@ PassResult padded_upsert(const std::vector<at::Tensor>& meta, int64_t bc,
   auto ev_keys = at::empty({n}, i64);
   auto ev_tids = at::empty({n}, tids.options());
   auto ev_scores = at::empty({n}, i64);
-  UpsertArgs a = pass_args(n, evicts, false, one_table, slots, status, prev, ev_keys, ev_tids,
+  UpsertArgs a = pass_args(n, evicts, one_table, slots, status, prev, ev_keys, ev_tids,
                            ev_scores);
   a.keys = keys.data_ptr<int64_t>();
   a.tids = tids.data_ptr<int16_t>();
@@ -596,31 +489,11 @@ PassResult padded_upsert(const std::vector<at::Tensor>& meta, int64_t bc,
   a.opt.expired_before = expired_before(static_cast<uint64_t>(now), static_cast<uint64_t>(ttl));
   Counted counted{};
   with_rule(rule, static_cast<uint64_t>(now), [&](const auto& score) {
-    upsert_all(v, a, score, nullptr, n, buckets.data_ptr<int32_t>(), counted.data());
+    upsert_all(v, a, score, n, skip, counted.data());
   });
   add_outcomes(outcomes, counted);
   *table_size += counted[kInserted];
   return {slots, status, prev, ev_keys, ev_tids, ev_scores};
-}
-
-// Clears the pinned bit of every slot >= 0 in `slots`. Buckets are split
-// across threads as in upsert, so plain stores suffice.
-void unpin(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& slots) {
-  check_tensor(slots, at::kLong, "slots");
-  const CpuTableView v = view_of(meta, bc);
-  const int64_t* s = slots.data_ptr<int64_t>();
-  const int64_t n = slots.numel();
-  const int threads = n >= kParallelMinKeys ? omp_get_max_threads() : 1;
-#pragma omp parallel num_threads(threads)
-  {
-    const int me = omp_get_thread_num();
-    const int nt = omp_get_num_threads();
-    for (int64_t i = 0; i < n; ++i) {
-      if (s[i] < 0) continue;
-      const int64_t b = v.bucket_of_slot(s[i]);
-      if (v.owner_of(b, nt) == me) clear_bit(v.pinned_of(b), static_cast<int>(s[i] - b * v.bc));
-    }
-  }
 }
 
 // Reverts an inserting call whose positions were processed (ERROR mode), newest

@@ -25,57 +25,36 @@ at::Tensor hash_keys(const at::Tensor& keys, const at::Tensor& tids);
 // Slot of each key, -1 where absent. Read-only.
 at::Tensor find(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
                 const at::Tensor& tids, bool single_table);
-// One inserting pass over keys[pending]; returns the deferred positions (sorted).
-// table_scores (T,): the given rule's scores by table id, instead of `given`; ttl
-// (0: none): hits on rows expired at `now` are inserts, counted at outcomes[4].
-at::Tensor upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
-                  const at::Tensor& tids, const c10::optional<at::Tensor>& given, int64_t rule,
-                  int64_t now, bool evicts, bool can_grow, bool one_table,
-                  const at::Tensor& pending, at::Tensor& slots, at::Tensor& status,
-                  const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys,
-                  at::Tensor& ev_tids, at::Tensor& ev_scores, at::Tensor& outcomes,
-                  const c10::optional<at::Tensor>& table_scores, int64_t ttl);
-// dedup overlapped with a first inserting pass over the unique keys. Returns
-// (unique_keys, unique_tids, inverse, counts, starts, rank, deferred).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-dedup_upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
-             const at::Tensor& tids, const c10::optional<at::Tensor>& frequencies, int64_t now,
-             bool evicts, bool can_grow, bool one_table, at::Tensor& slots, at::Tensor& status,
-             const c10::optional<at::Tensor>& prev_scores, at::Tensor& ev_keys,
-             at::Tensor& ev_tids, at::Tensor& ev_scores, at::Tensor& outcomes);
-// What a padded inserting pass returns, (n,) each: (slots, status, prev_scores,
+// What an inserting pass returns, (n,) each: (slots, status, prev_scores,
 // ev_keys, ev_tids, ev_scores).
 using PassResult =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-// What padded_dedup_upsert returns: the dedup's (unique_keys, unique_tids, inverse,
+// What dedup_upsert returns: the dedup's (unique_keys, unique_tids, inverse,
 // counts, starts, rank), then the PassResult.
-using PaddedDedupUpserted =
+using DedupUpserted =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-// dedup_upsert padded to the n keys, as the CUDA backend's: nothing is read on
-// the host but the error word. part_groups (None: every key) and part_group are a
+// dedup padded to the n keys, then an inserting pass over the unique keys, as the
+// CUDA backend's: nothing is read on the host but the error word. part_groups (None: every key) and part_group are a
 // BatchPart's fields; table_scores (T,) the given rule's scores by table id; ttl
 // (0: none) the rows' lifetime. outcomes (5,): hits, inserted, evicted, failed,
 // expired hits.
-PaddedDedupUpserted padded_dedup_upsert(
+DedupUpserted dedup_upsert(
     const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
     const at::Tensor& tids, const c10::optional<at::Tensor>& frequencies, int64_t rule,
     at::Tensor& time, int64_t now_index, bool evicts, bool one_table,
     const c10::optional<at::Tensor>& error, at::Tensor& outcomes, at::Tensor& size,
     const c10::optional<at::Tensor>& part_groups, int64_t part_group,
     const c10::optional<at::Tensor>& table_scores, int64_t ttl);
-// One inserting pass over unique keys with their buckets given (kNoBucket: padding)
-// into a table that cannot grow; outcomes (5,) and size (1,) advance. time (None:
-// the call's time is 0) and now_index: the call's time is time[now_index]; ttl (0:
-// none): a hit on a row expired at that time is an insert (outcomes[4]).
-PassResult padded_upsert(const std::vector<at::Tensor>& meta, int64_t bc,
-                         const at::Tensor& keys, const at::Tensor& tids,
-                         const c10::optional<at::Tensor>& scores, int64_t rule, bool evicts,
-                         bool one_table, const at::Tensor& buckets, at::Tensor& outcomes,
-                         at::Tensor& size, const c10::optional<at::Tensor>& time,
-                         int64_t now_index, int64_t ttl);
-// Clears the pinned bit of every slot >= 0 of slots (n,).
-void unpin(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& slots);
+// One inserting pass over keys (n,) (buckets (n,) int32, optional: kNoBucket skips
+// a key); outcomes (5,) and size (1,) advance. time (None: the call's time is 0)
+// and now_index: the call's time is time[now_index]; ttl (0: none): a hit on a row
+// expired at that time is an insert (outcomes[4]).
+PassResult upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& keys,
+                  const at::Tensor& tids, const c10::optional<at::Tensor>& scores, int64_t rule,
+                  bool evicts, bool one_table, const c10::optional<at::Tensor>& buckets,
+                  at::Tensor& outcomes, at::Tensor& size, const c10::optional<at::Tensor>& time,
+                  int64_t now_index, int64_t ttl);
 // Reverts an inserting call from what its passes wrote (each (n,)), newest first.
 void undo_upsert(const std::vector<at::Tensor>& meta, int64_t bc, const at::Tensor& slots,
                  const at::Tensor& status, const at::Tensor& prev_scores,
@@ -142,16 +121,12 @@ using ScheduleArg = std::tuple<at::Tensor, at::Tensor, bool, double, double, dou
 // `error`, the problem recorded in the word and None returned.
 c10::optional<int64_t> check_offsets(const at::Tensor& offsets, int64_t num_indices,
                                      const c10::optional<at::Tensor>& error);
-// Unique (table, key) pairs in first-occurrence order. Returns (unique_keys,
-// unique_tids, inverse, counts, starts, rank); starts and rank empty unless group.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup(
-    const at::Tensor& keys, const at::Tensor& tids,
-    const c10::optional<at::Tensor>& frequencies, bool group);
-// dedup padded to the n keys: (unique_keys, unique_tids, inverse, counts, starts,
-// rank), (n,) each but starts (n + 1,), both empty unless `group`; a refused batch
+// Unique (table, key) pairs in first-occurrence order, padded to the n keys:
+// (unique_keys, unique_tids, inverse, counts, starts, rank), (n,) each but starts
+// (n + 1,), both empty unless `group`; a refused batch
 // (error word) has no pair; time (2,) (None: none) advances by one unless refused.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-padded_dedup(const at::Tensor& keys, const at::Tensor& tids,
+dedup(const at::Tensor& keys, const at::Tensor& tids,
              const c10::optional<at::Tensor>& frequencies, bool group,
              const c10::optional<at::Tensor>& error, const c10::optional<at::Tensor>& time,
              const c10::optional<at::Tensor>& part_groups, int64_t part_group);

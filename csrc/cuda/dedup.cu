@@ -61,11 +61,11 @@ extern "C" __global__ void demb_dedup_first(const int32_t* set, const int64_t* w
 // in a table of num_buckets (what an inserting pass over the unique pairs sorts
 // by). Integer atomics: the counts are exact whatever the order.
 //
-// padded: the unique arrays have n entries, and those past the unique count
+// The unique arrays have n entries, and those past the unique count
 // (number[n - 1], which stays on the device) are padding: key 0, table 0, bucket
 // kNoBucket (an inserting pass marks them failed and counts nothing). error
 // (null: none): a batch refused by the module's input check (*error != 0) has no
-// unique pair: every position pads (padded) and every inverse is -1, so nothing
+// unique pair: every position pads and every inverse is -1, so nothing
 // after the dedup reads or changes a row for it. A position left out by the
 // insert (first -1: another group's lookup) gets inverse -1. time (null: none):
 // the table's clock and step (2,), advanced by one for the call unless it is
@@ -76,7 +76,7 @@ extern "C" __global__ void demb_dedup_number(const int64_t* keys, const int16_t*
                                              int16_t* unique_tids, int64_t* inverse,
                                              unsigned long long* occurrences,
                                              int64_t num_buckets, int32_t* unique_buckets,
-                                             bool padded, const int64_t* error,
+                                             const int64_t* error,
                                              int64_t* time) {
   const int64_t i = global_thread();
   const bool refused = error != nullptr && *error != 0;
@@ -85,7 +85,7 @@ extern "C" __global__ void demb_dedup_number(const int64_t* keys, const int16_t*
     ++time[1];
   }
   if (i >= n) return;
-  if (padded && i >= (refused ? 0 : number[n - 1])) {
+  if (i >= (refused ? 0 : number[n - 1])) {
     unique_keys[i] = 0;
     unique_tids[i] = 0;
     if (unique_buckets != nullptr) unique_buckets[i] = kNoBucket;

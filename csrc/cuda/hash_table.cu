@@ -10,7 +10,7 @@
 // warp walks each bucket's run. A bucket is then only ever touched by one warp,
 // so no slot needs a lock or an atomic, and the result is the one the CPU loop
 // gives (it also walks each bucket's keys in input order): same slots, same
-// victims, same deferrals. The warp probes 128 digests per load, and chooses
+// victims. The warp probes 128 digests per load, and chooses
 // victims by a warp reduction. While a warp walks its bucket, the bucket's
 // occupied and pinned bits live in every lane's registers (each lane applies
 // the same updates) and each slot is written by its owner lane (owner_lane), so
@@ -41,7 +41,7 @@ struct BucketBits {
 template <class Rule>
 __device__ int8_t upsert_key(const TableView& v, const PassOutputs& o, const Rule& rule,
                              BucketBits& bits, int64_t i, int64_t key, int16_t tid,
-                             uint64_t given, uint64_t h, int hint, bool evicts, bool can_grow,
+                             uint64_t given, uint64_t h, int hint, bool evicts,
                              bool one_table, uint64_t expired_before) {
   const int64_t base = bucket_of(h, v.num_buckets) * v.bc;
   const uint8_t digest = digest_of(h);
@@ -71,15 +71,12 @@ __device__ int8_t upsert_key(const TableView& v, const PassOutputs& o, const Rul
   int8_t outcome = kInserted;
   j = first_clear_bit_from(bits.occupied, v.bc, start_offset(h, v.bc));
   if (j < 0) {
-    if (can_grow) {
-      if (lane == 0) o.status[i] = kDeferred;
-      return kDeferred;
-    }
     j = evicts ? choose_victim_warp(v, base / v.bc, bits.pinned) : -1;
     if (j < 0) {
       if (lane == 0) {
         o.slots[i] = -1;
         o.status[i] = kFailed;
+        if (o.prev_scores) o.prev_scores[i] = kNoPrevScore;
       }
       return kFailed;
     }
@@ -114,7 +111,6 @@ struct PassInputs {
   const uint64_t* table_scores;
   const int64_t* order;
   bool evicts;
-  bool can_grow;
   bool one_table;
   uint64_t expired_before;  // expired_before(now, ttl): 0, nothing expires
 };
@@ -124,17 +120,14 @@ struct PassInputs {
 // settles the 32 in order with the key's fields broadcast by shuffles. A key
 // whose own hash is not of bucket b (stale buckets given by the caller) fails
 // (slot -1, kFailed) and touches no slot: the warp owns bucket b only. At the
-// end the bucket's bits are stored, this pass's pins cleared unless the bucket
-// is blocked (the next pass needs them). outcomes (4,) += the run's settled keys by
-// status and outcomes[kExpiredOutcome] += its expired hits (only a pass with a ttl
-// has any: its outcomes have room), deferred[0] += its deferred keys (when deferred
-// is given). Returns the run's inserts into empty slots (the same in every lane).
+// end the bucket's bits are stored, this pass's pins cleared. outcomes (5,) += the
+// run's keys by status, and outcomes[kExpiredOutcome] += its expired hits.
+// Returns the run's inserts into empty slots (the same in every lane).
 template <class Rule>
 __device__ unsigned long long upsert_run(const TableView& v, const PassOutputs& o,
                                          const Rule& rule, const PassInputs& in, int64_t b,
                                          int64_t q0, int64_t q1,
-                                         unsigned long long* outcomes,
-                                         unsigned long long* deferred) {
+                                         unsigned long long* outcomes) {
   const int64_t* keys = in.keys;
   const int16_t* tids = in.tids;
   const int64_t* order = in.order;
@@ -145,7 +138,6 @@ __device__ unsigned long long upsert_run(const TableView& v, const PassOutputs& 
     bits.pinned[w] = v.pinned_of(b)[w];
     bits.pinned_here[w] = 0;
   }
-  bool blocked = false;
   unsigned long long counted[kExpiredHit + 1] = {0, 0, 0, 0, 0, 0};
   for (int64_t chunk = q0; chunk < q1; chunk += kWarp) {
     __syncwarp();  // the chunk's probes read slots other lanes wrote
@@ -159,44 +151,38 @@ __device__ unsigned long long upsert_run(const TableView& v, const PassOutputs& 
       my_tid = tids[my_i];
       my_given = given_score(in.given, in.table_scores, my_i, static_cast<int16_t>(my_tid));
       my_h = hash_key(my_key, static_cast<int16_t>(my_tid));
-      if (!blocked) {
-        my_hint = find_one(v, ThreadProbe{}, home_of(v, my_h), my_key,
-                           static_cast<int16_t>(my_tid), in.one_table);
-      }
+      my_hint = find_one(v, ThreadProbe{}, home_of(v, my_h), my_key,
+                         static_cast<int16_t>(my_tid), in.one_table);
     }
     const int in_chunk = q1 - chunk < kWarp ? static_cast<int>(q1 - chunk) : kWarp;
     for (int t = 0; t < in_chunk; ++t) {
       const int64_t i = __shfl_sync(kFullMask, my_i, t);
       const uint64_t h = __shfl_sync(kFullMask, my_h, t);
-      int8_t status = kDeferred;
+      int8_t status = kFailed;
       if (bucket_of(h, v.num_buckets) != b) {  // not this warp's bucket: fails untouched
-        status = kFailed;
         if (lane_id() == 0) {
           o.slots[i] = -1;
           o.status[i] = kFailed;
+          if (o.prev_scores) o.prev_scores[i] = kNoPrevScore;
         }
-      } else if (blocked) {
-        if (lane_id() == 0) o.status[i] = kDeferred;
       } else {
         status = upsert_key(v, o, rule, bits, i, __shfl_sync(kFullMask, my_key, t),
                             static_cast<int16_t>(__shfl_sync(kFullMask, my_tid, t)),
                             __shfl_sync(kFullMask, my_given, t), h,
-                            __shfl_sync(kFullMask, my_hint, t), in.evicts, in.can_grow,
-                            in.one_table, in.expired_before);
-        blocked = status == kDeferred;
+                            __shfl_sync(kFullMask, my_hint, t), in.evicts, in.one_table,
+                            in.expired_before);
       }
       ++counted[status];
     }
   }
   if (lane_id() == 0) {
-    for (int s = 0; s < kDeferred; ++s) {
+    for (int s = 0; s <= kFailed; ++s) {
       if (counted[s]) atomicAdd(outcomes + s, counted[s]);
     }
-    if (deferred != nullptr && counted[kDeferred]) atomicAdd(deferred, counted[kDeferred]);
     if (counted[kExpiredHit]) atomicAdd(outcomes + kExpiredOutcome, counted[kExpiredHit]);
     for (int w = 0; w < bits.words; ++w) {
       v.occupied_of(b)[w] = bits.occupied[w];
-      v.pinned_of(b)[w] = blocked ? bits.pinned[w] : bits.pinned[w] & ~bits.pinned_here[w];
+      v.pinned_of(b)[w] = bits.pinned[w] & ~bits.pinned_here[w];
     }
   }
   return counted[kInserted];
@@ -216,15 +202,12 @@ extern "C" __global__ void demb_hash_keys(const int64_t* keys, const int16_t* ti
   if (i < n) out[i] = static_cast<int64_t>(hash_key(keys[i], tids[i]));
 }
 
-// buckets[p] = bucket of keys[pending[p]] (of keys[p] when pending is null); pending (m,),
-// buckets (m,) int32.
-extern "C" __global__ void demb_buckets_of(const int64_t* keys, const int16_t* tids,
-                                           const int64_t* pending, int64_t m,
+// buckets[i] = bucket of (keys[i], tids[i]) in a table of num_buckets; (n,) int32.
+extern "C" __global__ void demb_buckets_of(const int64_t* keys, const int16_t* tids, int64_t n,
                                            int64_t num_buckets, int32_t* buckets) {
-  const int64_t p = global_thread();
-  if (p >= m) return;
-  const int64_t i = pending == nullptr ? p : pending[p];  // null: every key
-  buckets[p] = static_cast<int32_t>(bucket_of(hash_key(keys[i], tids[i]), num_buckets));
+  const int64_t i = global_thread();
+  if (i >= n) return;
+  buckets[i] = static_cast<int32_t>(bucket_of(hash_key(keys[i], tids[i]), num_buckets));
 }
 
 // slots[i] = slot of (keys[i], tids[i]) or -1. One thread per key.
@@ -252,28 +235,25 @@ __device__ int64_t run_end(const int32_t* sorted_buckets, int64_t m, int64_t q0,
 // many runs there are). A position of bucket kNoBucket (padding, dedup.cu) gets
 // slot -1 and status kFailed from its own lane and is counted nowhere.
 // rule: 0 clock (score = now), 1 count (adds given), 2 given, 3 count then clock
-// (LRU_LFU). outcomes (4,) += the pass's keys by InsertStatus (hit, inserted, evicted,
-// failed); deferred[0] += its deferred keys (null: not counted, as when the table
-// cannot grow and no key is deferred). now_at (null: none): the call's time is
-// *now_at (the table's clock or step in device memory) instead of now. size (null:
-// none): the table's size in device memory, += the inserts into empty slots.
-// table_scores (null: none): the given rule's scores by table id, for a null
-// `given`. ttl (0: none): a hit on a row last accessed before now - ttl is an
-// insert (upsert_one), counted at outcomes[4] (then (5,)).
+// (LRU_LFU). outcomes (5,) += the pass's keys by InsertStatus (hit, inserted,
+// evicted, failed), then its expired hits. now_at (null: time 0): the call's time,
+// the table's clock or step in device memory. size: the table's size in device
+// memory, += the inserts into empty slots. table_scores (null: none): the given
+// rule's scores by table id, for a null `given`. ttl (0: none): a hit on a row
+// last accessed before now - ttl is an insert (upsert_one).
 extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
                                        const int16_t* tids, const uint64_t* given, int rule,
-                                       uint64_t now, bool evicts, bool can_grow, bool one_table,
+                                       bool evicts, bool one_table,
                                        const int32_t* sorted_buckets, const int64_t* order,
                                        int64_t m, int64_t* slots, int8_t* status,
                                        uint64_t* prev_scores, int64_t* ev_keys,
                                        int16_t* ev_tids, uint64_t* ev_scores,
-                                       unsigned long long* outcomes,
-                                       unsigned long long* deferred, const int64_t* now_at,
+                                       unsigned long long* outcomes, const int64_t* now_at,
                                        unsigned long long* size, const uint64_t* table_scores,
                                        uint64_t ttl) {
   const int64_t first = global_warp() * kWarp;  // the same for the warp's lanes
   if (first >= m) return;
-  if (now_at != nullptr) now = static_cast<uint64_t>(*now_at);
+  const uint64_t now = now_at != nullptr ? static_cast<uint64_t>(*now_at) : 0;
   const int64_t q = first + lane_id();
   bool starts = false;
   if (q < m) {
@@ -281,6 +261,7 @@ extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
     if (b == kNoBucket) {  // a padding position: no slot, and no count
       slots[order[q]] = -1;
       status[order[q]] = kFailed;
+      if (prev_scores) prev_scores[order[q]] = kNoPrevScore;
     } else {
       starts = q == 0 || sorted_buckets[q - 1] != b;
     }
@@ -288,9 +269,8 @@ extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
   unsigned runs = __ballot_sync(kFullMask, starts);
   const TableView v = DEMB_TABLE_VIEW;
   const PassOutputs o{slots, status, prev_scores, ev_keys, ev_tids, ev_scores};
-  const PassInputs in{keys,  tids,     given,     table_scores,
-                      order, evicts,   can_grow,  one_table,
-                      expired_before(now, ttl)};
+  const PassInputs in{keys,   tids,      given, table_scores,
+                      order,  evicts,    one_table, expired_before(now, ttl)};
   unsigned long long inserted = 0;
   while (runs) {
     const int64_t q0 = first + __ffs(runs) - 1;
@@ -299,30 +279,20 @@ extern "C" __global__ void demb_upsert(DEMB_TABLE_PARAMS, const int64_t* keys,
     const int64_t q1 = run_end(sorted_buckets, m, q0, b);
     switch (rule) {
       case 0:
-        inserted += upsert_run(v, o, ClockScore{now}, in, b, q0, q1, outcomes, deferred);
+        inserted += upsert_run(v, o, ClockScore{now}, in, b, q0, q1, outcomes);
         break;
       case 1:
-        inserted += upsert_run(v, o, CountScore{}, in, b, q0, q1, outcomes, deferred);
+        inserted += upsert_run(v, o, CountScore{}, in, b, q0, q1, outcomes);
         break;
       case 3:
-        inserted += upsert_run(v, o, CountThenClockScore{now}, in, b, q0, q1, outcomes, deferred);
+        inserted += upsert_run(v, o, CountThenClockScore{now}, in, b, q0, q1, outcomes);
         break;
       default:
-        inserted += upsert_run(v, o, GivenScore{}, in, b, q0, q1, outcomes, deferred);
+        inserted += upsert_run(v, o, GivenScore{}, in, b, q0, q1, outcomes);
         break;
     }
   }
-  if (size != nullptr && inserted && lane_id() == 0) atomicAdd(size, inserted);
-}
-
-// Clears the pinned bit of every slot >= 0 of slots (n,).
-extern "C" __global__ void demb_unpin(DEMB_TABLE_PARAMS, const int64_t* slots, int64_t n) {
-  const int64_t i = global_thread();
-  if (i >= n || slots[i] < 0) return;
-  const int64_t b = slots[i] / bc;
-  const int j = static_cast<int>(slots[i] - b * bc);
-  atomicAnd(reinterpret_cast<unsigned long long*>(pinned + b * words_per_bucket(bc) + (j >> 6)),
-            ~(1ull << (j & 63)));
+  if (inserted && lane_id() == 0) atomicAdd(size, inserted);
 }
 
 // Reverts an inserting call: a thread per key, given only the oldest key of each

@@ -227,14 +227,13 @@ enum InsertStatus : int8_t {
   kInserted = 1,
   kEvictedAndInserted = 2,
   kFailed = 3,
-  kDeferred = 4,
 };
 
 // What upsert_one returns for a hit on an expired row, whose status it writes as
 // kInserted (the row is new): the passes count these apart from inserts into empty
-// slots (a padded call's outcomes, at kExpiredOutcome).
+// slots (at kExpiredOutcome of a call's outcomes).
 constexpr int8_t kExpiredHit = 5;
-// A padded call's outcome counts: hits, inserted, evicted and inserted, failed,
+// An inserting call's outcome counts: hits, inserted, evicted and inserted, failed,
 // then expired hits.
 constexpr int kExpiredOutcome = 4;
 

@@ -15,8 +15,6 @@
 //     pass's keys stably by bucket and gives each bucket's run to one warp, with
 //     its own warp-cooperative upsert (the GPU's bulk algorithm) that gives the
 //     same result, key by key.
-//   - blocked bucket (full earlier in this pass, the table may grow): kDeferred,
-//     nothing changes; the key comes back in the pass after growth.
 //   - hit (key present): kHit; score = rule.on_hit(old, given), the old score
 //     recorded in prev_scores (when recorded); the slot is pinned.
 //   - hit on an expired row (rule.time_of(old) below the pass's expired_before,
@@ -26,15 +24,15 @@
 //   - insert: the first empty slot at or after the key's start offset, wrapping
 //     around the bucket; kInserted; key, table id, digest written, score =
 //     rule.on_insert(given), kNoPrevScore in prev_scores; occupied and pinned.
-//   - full bucket, table may grow: the bucket is blocked, kDeferred.
-//   - full bucket, rule evicts, some slot unpinned: the unpinned slot with the
+//   - full bucket, the pass evicts, some slot unpinned: the unpinned slot with the
 //     minimum score, ties to the lowest offset, is the victim; its key, table id
 //     and score are reported in ev_*; it is taken as an insert would be:
 //     kEvictedAndInserted.
-//   - otherwise kFailed, slot -1, nothing changes.
+//   - otherwise kFailed, slot -1 (kNoPrevScore in prev_scores), nothing changes.
 // Pinning keeps a slot returned for an earlier key of the call from being taken by
-// a later one; the loop unpins at the end of the pass (except in blocked buckets,
-// whose pins the pass after growth needs). Value rows are not touched here.
+// a later one; the loop unpins at the end of the pass. A pass over a table that
+// may grow does not evict: its caller grows and runs the call again. Value rows
+// are not touched here.
 #pragma once
 
 #include "dynamicemb/hash_primitives.h"
@@ -139,8 +137,7 @@ DEMB_HD int find_one(const TableView& v, const Probe& probe, const KeyHome& home
 
 // How an inserting pass treats table ids and a full bucket.
 struct PassOptions {
-  bool evicts;     // the rule evicts (every strategy but NO_EVICTION)
-  bool can_grow;   // capacity < max_capacity: a full bucket defers its keys
+  bool evicts;     // a full bucket evicts (the rule evicts, the table cannot grow)
   bool one_table;  // every table id is 0: the key decides alone
   uint64_t expired_before;  // a hit on a row last accessed before this is an insert
                             // (expired_before(now, ttl); 0: nothing expires)
@@ -169,17 +166,12 @@ struct PassRecord {
 // One key of an inserting pass (see the contract above); the caller owns the
 // key's bucket. `hint` is an offset that held the key a moment ago (or -1):
 // checked, never trusted, since an earlier key of the pass may have changed the
-// bucket since. `blocked` (num_buckets,) flags the buckets found full this pass
-// while the table may grow. Returns the key's status (also written to out).
+// bucket since. Returns the key's status (also written to out), or kExpiredHit.
 template <class Probe, class Rule>
 DEMB_HD_INLINED int8_t upsert_one(const TableView& v, const Probe& probe, const Rule& rule,
                           const PassOptions& opt, const PassOutputs& out, int64_t i,
                           int64_t key, int16_t tid, uint64_t given, const KeyHome& home,
-                          int hint, uint8_t* blocked) {
-  if (blocked[home.bucket]) {
-    out.status[i] = kDeferred;
-    return kDeferred;
-  }
+                          int hint) {
   const int64_t base = home.base;
   int j = hint;
   if (j < 0 || v.digests[base + j] != home.digest ||
@@ -202,15 +194,11 @@ DEMB_HD_INLINED int8_t upsert_one(const TableView& v, const Probe& probe, const 
   int8_t outcome = kInserted;
   j = first_clear_bit_from(occupied, v.bc, home.start);
   if (j < 0) {
-    if (opt.can_grow) {
-      blocked[home.bucket] = 1;
-      out.status[i] = kDeferred;
-      return kDeferred;
-    }
     j = opt.evicts ? choose_victim(v.scores + base, pinned, v.bc) : -1;
     if (j < 0) {
       out.slots[i] = -1;
       out.status[i] = kFailed;
+      if (out.prev_scores) out.prev_scores[i] = kNoPrevScore;
       return kFailed;
     }
     out.ev_keys[i] = v.keys[base + j];

@@ -44,7 +44,7 @@ class Counter(abc.ABC):
     def add_where(self, keys: torch.Tensor, table_ids: torch.Tensor,
                   frequencies: torch.Tensor, mask: torch.Tensor) -> None:
         """``add`` of the unique keys where ``mask`` (n,) bool, nothing read on the host
-        (a padded step: ``table_ids`` int16 from its dedup)."""
+        (a step: ``table_ids`` int16 from its dedup)."""
 
     @abc.abstractmethod
     def erase_where(self, keys: torch.Tensor, table_ids: torch.Tensor,
@@ -118,7 +118,7 @@ class HashCounter(Counter):
     def add_where(self, keys, table_ids, frequencies, mask):
         table = self.table
         # an inserting call of the table's own (its clock ticks) when any key is added
-        upserted = table.padded_upsert(
+        upserted = table.upsert_where(
             keys, table_ids, frequencies if self.lowest_first else None,
             table.buckets_where(keys, table_ids, mask), tick=mask.any().to(torch.int64))
         # count += frequency (a new key: = frequency, over the row of the key it
@@ -201,7 +201,7 @@ class Admission:
 
     def count_on_device(self, keys: torch.Tensor, tids: torch.Tensor, counts: torch.Tensor,
                         admitted: torch.Tensor, status: torch.Tensor) -> None:
-        """``count`` after a padded insert, nothing read on the host: forgets the
+        """``count`` after a step's insert, nothing read on the host: forgets the
         counters of keys it stored (``status`` (N,) INSERTED or EVICTED_AND_INSERTED)
         and adds this batch's occurrences of keys still waiting (``admitted`` False,
         ``counts`` (N,) > 0: not padding)."""

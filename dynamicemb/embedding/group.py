@@ -116,7 +116,7 @@ class GroupLookup(NamedTuple):
         the lookup does not train; row_ref: (U,) where each unique row lives
         (``dynamicemb.storage``; -(t + 1) for row t of ``transient``, [T, dim]);
         generation: the storage's when looked up; insert: the prepared insert until
-        it is committed; admitted: (U,) bool (padded: (N,), the keys the insert
+        it is committed; admitted: (N,) bool (the keys the insert
         took), None without admission.
 
         The arrays have N entries (the batch's lookup count) where the unique rows
@@ -251,7 +251,7 @@ class TableGroup:
                      frequencies: Optional[torch.Tensor], error: torch.Tensor,
                      part: Optional[BatchPart] = None) -> GroupLookup:
         """Phase one of a lookup: dedup, admission decision, hash-table slots decided,
-        every size and count left on the device (arrays of the N lookups, padded).
+        every size and count left on the device (arrays of the N lookups).
 
         Nothing observable changes until ``finish_lookup``; ``abort_lookup`` undoes
         the prepared insert, so a module can make a batch over several groups atomic.
@@ -269,8 +269,8 @@ class TableGroup:
         """
         if not (insert and self.training):  # eval: rows found, none inserted
             if self.storage.external is not None:  # absent rows may be below: each read
-                unique = self.ops.padded_dedup(keys=keys, table_ids=tids, error=error,
-                                               part=part)  # once, as a transient row
+                unique = self.ops.dedup(keys=keys, table_ids=tids, error=error,
+                                        part=part)  # once, as a transient row
                 return GroupLookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
                               counts=unique.counts,
                               row_ref=self.storage.resolve(unique.keys, unique.table_ids))
@@ -282,8 +282,8 @@ class TableGroup:
             table_scores=self.custom_scores if customized else None)
         return GroupLookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
                       counts=unique.counts, starts=unique.starts, rank=unique.rank,
-                      insert=pending, admitted=pending.padded.admitted,
-                      init=self._computed_rows(unique, pending.padded.admitted))
+                      insert=pending, admitted=pending.admitted,
+                      init=self._computed_rows(unique, pending.admitted))
 
     def _lookup_each(self, keys: torch.Tensor, tids: torch.Tensor,
                      part: Optional[BatchPart]) -> GroupLookup:
@@ -299,13 +299,13 @@ class TableGroup:
                       init=InitRows(keys, tids, self.init.spec(False, self.device)))
 
     def _admit(self, unique, stored: torch.Tensor) -> torch.Tensor:
-        """The admission of a padded lookup's unique keys (``stored``: in the host
+        """The admission of a training lookup's unique keys (``stored``: in the host
         store; a key an external tier holds is stored too)."""
         stored = self.storage.or_below(unique.keys, unique.table_ids, stored, unique.counts > 0)
         return self.admission.admitted(stored, unique.keys, unique.table_ids, unique.counts)
 
     def _computed_rows(self, unique, admitted: Optional[torch.Tensor]) -> InitRows:
-        """The initializers of a padded training lookup's rows without a slot: the
+        """The initializers of a training lookup's rows without a slot: the
         tables' (a failed insert), and for keys not admitted the admission's
         initializer where it has one (table id T + t of the spec)."""
         args = None if self.admission is None else self.admission.initializer_args

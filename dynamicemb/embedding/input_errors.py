@@ -1,4 +1,4 @@
-"""A module's input check on the padded step: found by a kernel, raised by the host.
+"""A module's input check on the training step: found by a kernel, raised by the host.
 
 A training step that keeps its counts on the device cannot read whether a batch's
 offsets are well formed before going on: on a GPU that read would wait for the

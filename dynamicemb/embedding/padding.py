@@ -51,9 +51,9 @@ def pad_lookups(indices: torch.Tensor, offsets: torch.Tensor,
     extra = num_lookups - n
     weights = (torch.ones(n, dtype=torch.float32, device=indices.device)
                if per_sample_weights is None else per_sample_weights.to(torch.float32))
-    padded_ids = torch.cat([indices, torch.full((extra,), int(padding_id),
-                                                dtype=indices.dtype, device=indices.device)])
-    padded_weights = torch.cat([weights, weights.new_zeros(extra)])
-    padded_offsets = offsets.clone()
-    padded_offsets[-1] = num_lookups  # the last bag takes the padding
-    return padded_ids, padded_offsets, padded_weights
+    fixed_ids = torch.cat([indices, torch.full((extra,), int(padding_id),
+                                               dtype=indices.dtype, device=indices.device)])
+    fixed_weights = torch.cat([weights, weights.new_zeros(extra)])
+    fixed_offsets = offsets.clone()
+    fixed_offsets[-1] = num_lookups  # the last bag takes the padding
+    return fixed_ids, fixed_offsets, fixed_weights

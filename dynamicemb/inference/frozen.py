@@ -57,16 +57,26 @@ def build_index(keys: torch.Tensor, tids: torch.Tensor, num_tables: int,
     memory = ops.new_table(num_buckets=buckets, max_num_buckets=buckets * 16,
                            bucket_capacity=_BUCKET_CAPACITY, value_dim=0,
                            value_dtype=torch.float32, device=keys.device)
-    row_of_slot = torch.full((memory.capacity + 1,), -1, dtype=torch.int64, device=keys.device)
-    if n:
+    done = None
+    while n:  # a pass; a full bucket undoes it and doubles the index
+        outcomes = torch.zeros(5, dtype=torch.int64, device=keys.device)
+        size = torch.zeros(1, dtype=torch.int64, device=keys.device)
         done = ops.upsert(memory=memory, keys=keys, table_ids=tids, scores=None,
-                          rule=ScoreRule.CLOCK, now=1, evicts=False, one_table=num_tables == 1)
-        if done.hits:
+                          rule=ScoreRule.CLOCK, evicts=False, one_table=num_tables == 1,
+                          outcomes=outcomes, size=size)
+        hits, _, _, failed, _ = outcomes.tolist()
+        if hits:
             twice = done.status.eq(0).nonzero()[0, 0]
             raise ValueError(f"table {names[int(tids[twice])]!r} has key {int(keys[twice])} "
                              f"more than once")
-        if done.failed:  # 16 doublings past a 3/4 load: never for distinct keys
-            raise RuntimeError(f"{done.failed} keys found no slot in the frozen index")
+        if not failed:
+            break
+        if not memory.can_grow:  # 16 doublings past a 3/4 load: never for distinct keys
+            raise RuntimeError(f"{failed} keys found no slot in the frozen index")
+        ops.undo_upsert(memory=memory, upserted=done)
+        ops.grow(memory=memory)
+    row_of_slot = torch.full((memory.capacity + 1,), -1, dtype=torch.int64, device=keys.device)
+    if done is not None:
         row_of_slot[done.slots] = torch.arange(n, dtype=torch.int64, device=keys.device)
     keys_scores = memory.meta[0].as_strided((memory.capacity, 2), (2, 1))
     keys_scores[:, 1] = 0  # scores are not served

@@ -77,32 +77,37 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def upsert(self, *, memory: TableMemory, keys: torch.Tensor, table_ids: torch.Tensor,
-               scores: Optional[torch.Tensor], rule: ScoreRule, now: int, evicts: bool,
-               one_table: bool) -> Upserted:
-        """Finds or inserts every key (the inserting procedure of docs/ARCHITECTURE.md,
-        steps 4-6): keys in input order per bucket, growing ``memory`` for full
-        buckets while it may. Returns final slots; no slot stays pinned."""
+               scores: Optional[torch.Tensor], rule: ScoreRule, evicts: bool, one_table: bool,
+               outcomes: torch.Tensor, size: torch.Tensor,
+               buckets: Optional[torch.Tensor] = None, time: Optional[torch.Tensor] = None,
+               now_index: int = 0, ttl: int = 0) -> Upserted:
+        """One inserting pass (the procedure of docs/ARCHITECTURE.md, steps 4-6): the
+        keys of one bucket in input order (a repeated key hits its first
+        occurrence's slot); a full bucket evicts where ``evicts``, else fails its
+        key (a table that may grow does not evict: its caller grows and runs the
+        call again). Every count stays on the device: ``outcomes`` (5,) += the
+        pass's InsertStatus counts and its hits on rows expired under ``ttl`` (0:
+        none), which are inserts; ``size`` (1,) += its inserts into empty slots.
+
+        Args:
+            scores: (n,) int64, the given or counted scores (None: the clock rule).
+            buckets: (n,) int32, each key's bucket (``buckets_where``;
+                ``KNO_BUCKET``: skipped, slot -1, FAILED, counted nowhere); None:
+                every key's by its hash.
+            time: (2,) int64, the table's clock and step, read on the device: the
+                call's time (the clock rule's score) is ``time[now_index]``; None: 0.
+        """
 
     @abc.abstractmethod
     def dedup_upsert(self, *, memory: TableMemory, keys: torch.Tensor,
-                     table_ids: torch.Tensor, frequencies: Optional[torch.Tensor], now: int,
-                     evicts: bool, one_table: bool) -> Tuple[Deduplicated, Upserted]:
-        """``dedup(group=True)`` then ``upsert`` of the unique keys with the clock rule,
-        which a backend may overlap."""
-
-    @abc.abstractmethod
-    def padded_dedup_upsert(self, *, memory: TableMemory, keys: torch.Tensor,
-                            table_ids: torch.Tensor, frequencies: Optional[torch.Tensor],
-                            rule: ScoreRule, time: torch.Tensor, now_index: int,
-                            evicts: bool, one_table: bool, error: Optional[torch.Tensor],
-                            outcomes: torch.Tensor, size: torch.Tensor,
-                            part: Optional["BatchPart"] = None,
-                            table_scores: Optional[torch.Tensor] = None,
-                            ttl: int = 0) -> Tuple[Deduplicated, Upserted]:
-        """``dedup_upsert`` with every size, count and clock left on the device: the
-        dedup is padded to the N keys, and the pass defers no key (a full bucket
-        evicts where ``evicts``, else fails its key, whether the table may grow or
-        not: the caller grows between calls).
+                     table_ids: torch.Tensor, frequencies: Optional[torch.Tensor],
+                     rule: ScoreRule, time: torch.Tensor, now_index: int, evicts: bool,
+                     one_table: bool, error: Optional[torch.Tensor], outcomes: torch.Tensor,
+                     size: torch.Tensor, part: Optional["BatchPart"] = None,
+                     table_scores: Optional[torch.Tensor] = None,
+                     ttl: int = 0) -> Tuple[Deduplicated, Upserted]:
+        """``dedup(group=True)`` then ``upsert`` of its unique keys, which a backend
+        may overlap; nothing is read on the host.
 
         Args:
             rule: CLOCK, a count rule whose scores are the dedup's counts, or GIVEN
@@ -111,54 +116,29 @@ class Backend(abc.ABC):
                 ``time[now_index]`` is the call's time (its scores).
             error: (1,) int64 or None: a batch whose word is set has no unique key
                 and changes nothing (not even ``time``).
-            outcomes: (5,) int64 totals the call adds its hits, inserts into empty
-                slots, evicting inserts, failures and expired hits to
-                (``Upserted``'s four counts are None).
-            size: (1,) int64, the table's size, advanced by the inserts into
-                empty slots.
+            outcomes, size, ttl: as ``upsert``'s.
             part: only the keys of one group of the batch (``BatchPart``).
             table_scores: (T,) int64, each logical table's score (GIVEN), read by
                 the kernel by table id.
-            ttl: the rows' lifetime in ticks of the call's time (0: none): a hit
-                on a row whose last access is below ``time[now_index] - ttl``
-                takes the row as a new key's: status INSERTED (its row is then
-                initialized as a new one), its previous score in ``prev_scores``
-                (a new key's is -1), counted in ``outcomes[4]``, not ``[1]``.
         """
 
     @abc.abstractmethod
-    def padded_dedup(self, *, keys: torch.Tensor, table_ids: torch.Tensor,
-                     error: Optional[torch.Tensor],
-                     part: Optional["BatchPart"] = None,
-                     frequencies: Optional[torch.Tensor] = None, group: bool = False,
-                     time: Optional[torch.Tensor] = None) -> Deduplicated:
-        """``dedup`` padded to the N keys, the unique count left on the device;
-        ``error``: a batch whose word is set has no unique key; ``part``: only the
-        keys of one group.
+    def dedup(self, *, keys: torch.Tensor, table_ids: torch.Tensor,
+              error: Optional[torch.Tensor], part: Optional["BatchPart"] = None,
+              frequencies: Optional[torch.Tensor] = None, group: bool = False,
+              time: Optional[torch.Tensor] = None) -> Deduplicated:
+        """The unique (table id, key) pairs of a batch (``Deduplicated``, padded to
+        the N keys), the unique count left on the device; ``error``: a batch whose
+        word is set has no unique key; ``part``: only the keys of one group.
 
         Args:
             frequencies (Tensor, optional): (N,) int64, summed into the counts.
             group: the lookups grouped by unique key too (``starts`` (N + 1,): past
                 the U keys, the lookup count; ``rank`` (N,)); else both None.
             time (Tensor, optional): (2,) int64, a table's clock and step, advanced
-                by one unless ``error`` refuses the batch (as by
-                ``padded_dedup_upsert``, for a pass that follows).
+                by one unless ``error`` refuses the batch (as by ``dedup_upsert``,
+                for a pass that follows).
         """
-
-    @abc.abstractmethod
-    def padded_upsert(self, *, memory: TableMemory, keys: torch.Tensor,
-                      table_ids: torch.Tensor, scores: Optional[torch.Tensor],
-                      buckets: torch.Tensor, rule: ScoreRule, evicts: bool, one_table: bool,
-                      outcomes: torch.Tensor, size: torch.Tensor,
-                      time: Optional[torch.Tensor] = None, now_index: int = 0,
-                      ttl: int = 0) -> Upserted:
-        """One inserting pass over unique keys with their buckets given ((n,) int32;
-        ``KNO_BUCKET``: skipped, slot -1, FAILED, counted nowhere), deferring no key
-        (as ``padded_dedup_upsert``), every count on the device: ``outcomes`` (5,) +=
-        the pass's InsertStatus counts (``[4]``: hits on rows expired under ``ttl``,
-        0: none, which are inserts), ``size`` (1,) += its inserts into empty slots.
-        The call's time (the clock rule's score) is ``time[now_index]`` ((2,) int64,
-        the table's clock and step, read on the device), 0 without ``time``."""
 
     @abc.abstractmethod
     def erase_where(self, *, memory: TableMemory, keys: torch.Tensor,
@@ -172,7 +152,7 @@ class Backend(abc.ABC):
                        table_ids: torch.Tensor, counts: torch.Tensor,
                        host_slots: torch.Tensor, one_table: bool,
                        cache_size: torch.Tensor) -> "PromotionPlan":
-        """Which of a padded batch's unique keys (``counts`` 0: padding; ``host_slots``
+        """Which of a step batch's unique keys (``counts`` 0: padding; ``host_slots``
         -1: not stored) a cache takes, on the device: ``TieredStorage``'s policy
         (hits first; every miss when they fit in ``cache``'s free slots, else the
         misses seen more than once, hottest first, as many as fit beside the hits)
@@ -228,11 +208,6 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def occupied_slots(self, *, memory: TableMemory, start: int, end: int) -> torch.Tensor:
         """Occupied slots of [start, end), ascending."""
-
-    @abc.abstractmethod
-    def dedup(self, *, keys: torch.Tensor, table_ids: torch.Tensor,
-              frequencies: Optional[torch.Tensor], group: bool) -> Deduplicated:
-        """Unique pairs in first-occurrence order; ``starts``/``rank`` when ``group``."""
 
     # ------------------------------------------------------------- embedding
     @abc.abstractmethod

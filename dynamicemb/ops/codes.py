@@ -34,7 +34,6 @@ class InsertStatus(IntEnum):
     INSERTED = 1
     EVICTED_AND_INSERTED = 2
     FAILED = 3
-    DEFERRED = 4  # inside a verb only: the bucket was full and the table may grow
 
 
 class ScoreRule(IntEnum):
@@ -129,5 +128,5 @@ def metadata_bytes_per_slot(bucket_capacity: int) -> float:
     return 8 + 8 + 2 + 1 + 2 * 8 * words / bucket_capacity
 
 
-#: The bucket of a key a padded inserting pass skips (``kNoBucket``, hash_primitives.h).
+#: The bucket of a key an inserting pass skips (``kNoBucket``, hash_primitives.h).
 KNO_BUCKET = 0x7FFFFFFF

@@ -2,72 +2,30 @@
 
 Both backends compile the same set of functions (``csrc/cpu/verbs.h`` for the CPU
 extension, ``csrc/cuda`` for CuPy), each with the same positional arguments. This
-class turns them into the typed verbs of ``dynamicemb.ops.interface``: it builds the
-per-key output arrays, runs the inserting passes of an upsert with the growth
-between them, and reads the kernels' outcome counts. Only ``cpu.py`` and
-``cuda/`` instantiate it, each with its kernels and its allocator.
+class turns them into the typed verbs of ``dynamicemb.ops.interface`` (and moves the
+rows in growth). Only ``cpu.py`` and ``cuda/`` instantiate it, each with its kernels
+and its allocator.
 """
 
-from typing import Any, NamedTuple, Optional
+from typing import Any
 
 import torch
 
 from dynamicemb.ops.interface import (
     Backend,
     Deduplicated,
-    InsertStatus,
     OptimizerUpdate,
     PromotionPlan,
-    ScoreRule,
-    TableMemory,
     Upserted,
     optimizer_code,
 )
 
-__all__ = ["DeferredCount", "GROW_CHUNK_BYTES", "KernelBackend"]
+__all__ = ["GROW_CHUNK_BYTES", "KernelBackend"]
 
 #: The most value bytes growth gathers at once (its temporary beyond the two tables).
 GROW_CHUNK_BYTES = 64 << 20
 
 _NO_ARGUMENTS: dict = {}  # never written
-
-
-class DeferredCount(NamedTuple):
-    """What an inserting pass returns when only the device knows how many keys it
-    deferred (the CUDA kernels, while the table may grow): the count is read
-    together with the call's outcome counts, in one sync.
-
-    Attributes:
-        count: (1,) int64 on the device, the pass's deferred keys.
-        pending: (m,) the positions the pass was given; None: every key.
-        status: (n,) int8 per-key statuses (deferred keys hold DEFERRED); when
-            ``pending`` is None, exactly the pass's keys'.
-    """
-
-    count: torch.Tensor
-    pending: Optional[torch.Tensor]
-    status: torch.Tensor
-
-    def positions(self) -> torch.Tensor:
-        """The deferred positions (compacted: a sync, only when some were deferred)."""
-        if self.pending is None:  # the pass was given every key
-            return (self.status == InsertStatus.DEFERRED).nonzero().squeeze(1)
-        return self.pending[self.status[self.pending] == InsertStatus.DEFERRED]
-
-    def none(self) -> torch.Tensor:
-        """No position: what is left when the pass deferred nothing."""
-        return torch.empty(0, dtype=torch.int64, device=self.status.device)
-
-
-# What an inserting pass writes per key.
-_PER_KEY_OUTPUTS = {
-    "slots": torch.int64,
-    "status": torch.int8,
-    "prev_scores": torch.int64,
-    "ev_keys": torch.int64,
-    "ev_tids": torch.int16,
-    "ev_scores": torch.int64,
-}
 
 
 class KernelBackend(Backend):
@@ -87,53 +45,25 @@ class KernelBackend(Backend):
     def find(self, *, memory, keys, table_ids, one_table):
         return self.kernels.find(memory.meta, memory.bucket_capacity, keys, table_ids, one_table)
 
-    def upsert(self, *, memory, keys, table_ids, scores, rule, now, evicts, one_table):
-        n = keys.numel()
-        out = self._pass_outputs(n, keys.device)
-        everything = torch.arange(n, dtype=torch.int64, device=keys.device)
-        return self._passes(memory, keys, table_ids, scores, int(rule), now, evicts, one_table,
-                            out, everything, passes=0)
+    def upsert(self, *, memory, keys, table_ids, scores, rule, evicts, one_table, outcomes,
+               size, buckets=None, time=None, now_index=0, ttl=0):
+        return Upserted(*self.kernels.upsert(
+            memory.meta, memory.bucket_capacity, keys, table_ids, scores, int(rule), evicts,
+            one_table, buckets, outcomes, size, time=time, now_index=now_index, ttl=int(ttl)))
 
-    def dedup_upsert(self, *, memory, keys, table_ids, frequencies, now, evicts, one_table):
-        out = self._pass_outputs(keys.numel(), keys.device)
-        *unique, deferred = self.kernels.dedup_upsert(
-            memory.meta, memory.bucket_capacity, keys, table_ids, frequencies, now, evicts,
-            memory.can_grow, one_table, out["slots"], out["status"], out["prev_scores"],
-            out["ev_keys"], out["ev_tids"], out["ev_scores"], out["outcomes"],
-        )
-        unique = Deduplicated(*unique)
-        num_unique = unique.keys.numel()
-        for name in _PER_KEY_OUTPUTS:
-            out[name] = out[name][:num_unique]
-        upserted = self._passes(memory, unique.keys, unique.table_ids, None, int(ScoreRule.CLOCK),
-                                now, evicts, one_table, out, deferred, passes=1)
-        return unique, upserted
+    def dedup_upsert(self, *, memory, keys, table_ids, frequencies, rule, time, now_index,
+                     evicts, one_table, error, outcomes, size, part=None, table_scores=None,
+                     ttl=0):
+        *unique, slots, status, prev, ev_keys, ev_tids, ev_scores = self.kernels.dedup_upsert(
+            memory.meta, memory.bucket_capacity, keys, table_ids, frequencies, int(rule), time,
+            now_index, evicts, one_table, error, outcomes, size, part, table_scores, int(ttl))
+        return Deduplicated(*unique), Upserted(slots, status, prev, ev_keys, ev_tids, ev_scores)
 
-    def padded_dedup_upsert(self, *, memory, keys, table_ids, frequencies, rule, time,
-                            now_index, evicts, one_table, error, outcomes, size, part=None,
-                            table_scores=None, ttl=0):
-        *unique, slots, status, prev, ev_keys, ev_tids, ev_scores = (
-            self.kernels.padded_dedup_upsert(memory.meta, memory.bucket_capacity, keys,
-                                             table_ids, frequencies, int(rule), time,
-                                             now_index, evicts, one_table, error, outcomes,
-                                             size, part, table_scores, int(ttl)))
-        return Deduplicated(*unique), Upserted(slots, status, prev, ev_keys, ev_tids, ev_scores,
-                                               hits=None, inserted=None, evicted=None,
-                                               failed=None, growths=0)
-
-    def padded_dedup(self, *, keys, table_ids, error, part=None, frequencies=None,
-                     group=False, time=None):
-        unique = Deduplicated(*self.kernels.padded_dedup(
+    def dedup(self, *, keys, table_ids, error, part=None, frequencies=None, group=False,
+              time=None):
+        unique = Deduplicated(*self.kernels.dedup(
             keys, table_ids, error, part, frequencies=frequencies, group=group, time=time))
         return unique if group else unique._replace(starts=None, rank=None)
-
-    def padded_upsert(self, *, memory, keys, table_ids, scores, buckets, rule, evicts,
-                      one_table, outcomes, size, time=None, now_index=0, ttl=0):
-        outs = self.kernels.padded_upsert(memory.meta, memory.bucket_capacity, keys, table_ids,
-                                          scores, int(rule), evicts, one_table, buckets,
-                                          outcomes, size, time=time, now_index=now_index,
-                                          ttl=int(ttl))
-        return Upserted(*outs, hits=None, inserted=None, evicted=None, failed=None, growths=0)
 
     def erase_where(self, *, memory, keys, table_ids, status, which, erased, size):
         self.kernels.erase_where(memory.meta, memory.bucket_capacity, keys, table_ids, status,
@@ -156,83 +86,6 @@ class KernelBackend(Backend):
 
     def init_rows(self, *, values, slots, status, keys, table_ids, dim, spec, state_value=0.0):
         self.kernels.init_rows(values, slots, status, keys, table_ids, dim, spec, state_value)
-
-    def _pass_outputs(self, n: int, device: torch.device) -> dict:
-        """Per-key outputs of inserting passes over n keys, and their counts."""
-        # Not filled: a pass writes every key it is given, and a call's first pass is
-        # given every key (what a failure undoes is read only after a pass ran).
-        out = {name: torch.empty(n, dtype=dtype, device=device)
-               for name, dtype in _PER_KEY_OUTPUTS.items()}
-        # keys that were hits, inserted, evicted and inserted, failed: counted on the
-        # device, read on the host once per call
-        out["outcomes"] = torch.zeros(4, dtype=torch.int64, device=device)
-        return out
-
-    def _passes(self, memory: TableMemory, keys, tids, given, rule: int, now: int,
-                evicts: bool, one_table: bool, out: dict, pending: torch.Tensor,
-                passes: int) -> Upserted:
-        """Inserting passes over keys[pending] until no key is deferred; the table
-        grows for deferred keys between passes (also after ``passes`` already run).
-        Slots decided before a growth are moved with their keys.
-
-        If a growth fails (out of memory), the keys earlier passes settled are undone
-        and their pins released before the error goes on: the table holds what it
-        held before the call (it may stay grown)."""
-        growths = 0
-        bc = memory.bucket_capacity
-        counts = None  # the outcome counts, once read
-        deferred = pending  # positions, or a DeferredCount (``pending`` is the caller's)
-        try:
-            while True:
-                if isinstance(deferred, DeferredCount):  # one sync for both counts
-                    *counts, num_deferred = torch.cat([out["outcomes"], deferred.count]).tolist()
-                    deferred = deferred.none() if num_deferred == 0 else deferred.positions()
-                pending = deferred
-                if not pending.numel():
-                    break
-                counts = None  # another pass adds to them
-                if passes:  # the previous pass deferred keys to grow for
-                    self._grow_between_passes(memory, keys, tids, out)
-                    growths += 1
-                deferred = self.kernels.upsert(
-                    memory.meta, bc, keys, tids, given, rule, now, evicts, memory.can_grow,
-                    one_table, pending, out["slots"], out["status"], out["prev_scores"],
-                    out["ev_keys"], out["ev_tids"], out["ev_scores"], out["outcomes"],
-                )
-                passes += 1  # after the pass: one refused before it wrote undoes nothing
-        except BaseException:
-            if passes:
-                self._undo_settled(memory, out)
-            raise
-        if passes > 1:  # a single pass unpins its own slots in the kernel
-            self.kernels.unpin(memory.meta, bc, out["slots"])
-        if counts is None:
-            counts = out["outcomes"].tolist()  # the call's one sync
-        hits, inserted, evicted, failed = counts
-        return Upserted(out["slots"], out["status"], out["prev_scores"], out["ev_keys"],
-                        out["ev_tids"], out["ev_scores"], hits=hits, inserted=inserted,
-                        evicted=evicted, failed=failed, growths=growths)
-
-    def _grow_between_passes(self, memory: TableMemory, keys, tids, out: dict) -> None:
-        """Doubles the table for deferred keys; the settled keys' slots follow their
-        keys (a slot keeps its offset in the bucket). The new slots are computed
-        before the table changes, so a failure leaves slots and table consistent."""
-        bc = memory.bucket_capacity
-        done = out["status"] <= InsertStatus.EVICTED_AND_INSERTED
-        hashes = self.kernels.hash_keys(keys[done], tids[done])
-        bucket = torch.bitwise_and(hashes, 2 * memory.num_buckets - 1)
-        moved = bucket * bc + out["slots"][done] % bc
-        self.grow(memory=memory)
-        out["slots"][done] = moved
-
-    def _undo_settled(self, memory: TableMemory, out: dict) -> None:
-        """Reverts the keys the passes so far settled, and releases their pins."""
-        settled = out["status"] <= InsertStatus.EVICTED_AND_INSERTED
-        slots = torch.where(settled, out["slots"], -1)
-        self.kernels.undo_upsert(memory.meta, memory.bucket_capacity, slots, out["status"],
-                                 out["prev_scores"], out["ev_keys"], out["ev_tids"],
-                                 out["ev_scores"])
-        self.kernels.unpin(memory.meta, memory.bucket_capacity, slots)
 
     def undo_upsert(self, *, memory, upserted):
         self.kernels.undo_upsert(memory.meta, memory.bucket_capacity, upserted.slots,
@@ -272,10 +125,6 @@ class KernelBackend(Backend):
 
     def occupied_slots(self, *, memory, start, end):
         return self.kernels.occupied_slots(memory.meta, memory.bucket_capacity, start, end)
-
-    def dedup(self, *, keys, table_ids, frequencies, group):
-        unique = Deduplicated(*self.kernels.dedup(keys, table_ids, frequencies, group))
-        return unique if group else unique._replace(starts=None, rank=None)
 
     # ------------------------------------------------------------- embedding
     def check_offsets(self, *, offsets, num_indices, error=None):

@@ -84,16 +84,15 @@ class TableMemory:
 
 
 class Upserted(NamedTuple):
-    """What an inserting verb decided, per key, in final slots (after any growth).
+    """What an inserting pass decided, per key.
 
     Shape:
         slots: (n,) int64, -1 where the insert failed; status: (n,) int8
-        ``InsertStatus``; prev_scores: (n,) the score a hit replaced (for undo);
-        ev_keys, ev_tids, ev_scores: (n,) the entry a key evicted, where
-        status is EVICTED_AND_INSERTED. hits, inserted, evicted, failed count the
-        statuses; growths counts the doublings the verb did for full buckets. A
-        padded verb (``Backend.padded_dedup_upsert``) adds them to totals in device
-        memory instead: the four ints are then None.
+        ``InsertStatus``; prev_scores: (n,) the score a hit replaced (for undo; a
+        new key's -1, a hit on an expired row's its old score); ev_keys, ev_tids,
+        ev_scores: (n,) the entry a key evicted, where status is
+        EVICTED_AND_INSERTED. The pass's counts are in device memory (the
+        caller's ``outcomes``).
     """
 
     slots: torch.Tensor
@@ -102,29 +101,22 @@ class Upserted(NamedTuple):
     ev_keys: torch.Tensor
     ev_tids: torch.Tensor
     ev_scores: torch.Tensor
-    hits: Optional[int]
-    inserted: Optional[int]
-    evicted: Optional[int]
-    failed: Optional[int]
-    growths: int
 
 
 class Deduplicated(NamedTuple):
     """The unique (table id, key) pairs of a batch, in first-occurrence order.
 
     Shape:
-        keys: (U,) int64; table_ids: (U,) int16; inverse: (N,) int64, the unique
-        index of each of the batch's N keys; counts: (U,) int64, the summed
-        frequencies of each pair's keys (1 per key when none are given);
-        starts: (U + 1,) int64 and rank: (N,) int64, the batch's keys grouped by
-        pair (a stable sort by ``inverse``): the keys of pair u have ranks
-        ``starts[u]`` to ``starts[u + 1] - 1``, in input order (what a fused
-        backward walks); None when grouping was not asked for.
-
-        Padded (``Backend.padded_dedup_upsert``): keys, table_ids and counts have N
-        entries, the first U the unique pairs and the rest padding (key 0, table 0,
-        count 0, no lookup; an inserting pass gives them slot -1 and counts
-        nothing), starts N + 1; U stays on the device.
+        keys: (N,) int64, table_ids: (N,) int16 and counts: (N,) int64: the first
+        U entries the unique pairs, the rest padding (key 0, table 0, count 0, no
+        lookup; an inserting pass gives them slot -1 and counts nothing), U
+        staying on the device; counts sums the frequencies of each pair's keys (1
+        per key when none are given); inverse: (N,) int64, the unique index of
+        each key (-1: left out); starts: (N + 1,) int64 and rank: (N,) int64, the
+        batch's keys grouped by pair (a stable sort by ``inverse``): the keys of
+        pair u have ranks ``starts[u]`` to ``starts[u + 1] - 1``, in input order
+        (what a fused backward walks; past U, the lookup count); None when
+        grouping was not asked for.
     """
 
     keys: torch.Tensor
@@ -195,7 +187,7 @@ class RowSources(NamedTuple):
 
 
 class BatchPart(NamedTuple):
-    """The keys of a batch a padded call takes: those of one group of a module (the
+    """The keys of a batch a step's call takes: those of one group of a module (the
     module's groups share one batch, each with its own table).
 
     Attributes:
@@ -208,7 +200,7 @@ class BatchPart(NamedTuple):
 
 
 class PromotionPlan(NamedTuple):
-    """A padded batch's promotion into a cache, on the device (``Backend.promotion_plan``).
+    """A step batch's promotion into a cache, on the device (``Backend.promotion_plan``).
 
     Shape:
         cache_slots: (n,) int64, each unique key's cache slot before the promotion

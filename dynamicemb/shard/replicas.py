@@ -488,10 +488,10 @@ def _gather(t: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
     sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(pg))]
     dist.all_gather(sizes, size, group=pg)
     most = max(int(s) for s in sizes)
-    padded = torch.zeros(most, dtype=t.dtype)
-    padded[:t.numel()] = t
-    parts = [torch.zeros_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=pg)
+    widest = torch.zeros(most, dtype=t.dtype)  # every rank sends the longest length
+    widest[:t.numel()] = t
+    parts = [torch.zeros_like(widest) for _ in sizes]
+    dist.all_gather(parts, widest, group=pg)
     return torch.cat([p[:int(s)] for p, s in zip(parts, sizes)])
 
 

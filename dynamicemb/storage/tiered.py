@@ -240,14 +240,14 @@ class TieredStorage:
                       part=None, admit=None, table_scores: Optional[torch.Tensor] = None
                       ) -> Tuple[Deduplicated, PendingInsert]:
         """Phase one of a batch with repeated keys: its dedup and the host store's
-        padded insert of the unique keys (``ScoredHashTable.prepare_dedup_find_or_insert
-        (padded=True)``, whose ``error``, ``part``, ``admit`` and ``table_scores``
-        these are); ``commit`` follows. The dedup is returned on ``device``."""
+        insert of the unique keys (``ScoredHashTable.prepare_dedup_find_or_insert``,
+        whose ``error``, ``part``, ``admit`` and ``table_scores`` these are);
+        ``commit`` follows. The dedup is returned on ``device``."""
         frequencies = None if frequencies is None else self._on_host(frequencies)
         table_scores = None if table_scores is None else self._on_host(table_scores)
         unique, pending = self.host.prepare_dedup_find_or_insert(
             self._on_host(keys), self._on_host(tids), frequencies, checked=True,
-            padded=True, error=error, part=part, admit=admit, table_scores=table_scores)
+            error=error, part=part, admit=admit, table_scores=table_scores)
         self._stage_below(pending, unique.keys, unique.table_ids)
         if self._two_devices:
             unique = Deduplicated(*(None if t is None else t.to(self.device) for t in unique))
@@ -299,9 +299,9 @@ class TieredStorage:
 
         Returns:
             (N,) row references (``row_ref.h``): -1 where a key's insert failed (a
-            padded lookup reads its initializer's row there).
+            lookup reads its initializer's row there).
         """
-        upserted, admitted = pending.upserted, pending.padded.admitted
+        upserted, admitted = pending.upserted, pending.admitted
         result = pending.commit()
         host_slots = result.slots
         if self.initialize is not None:  # (else the rows of new keys stay zero)
@@ -330,14 +330,14 @@ class TieredStorage:
         return self._host_refs(host_slots)
 
     def _place(self, keys, tids, host_slots, status, several: bool) -> torch.Tensor:
-        """``place``'s placement tier for a padded batch, on the device: the keys it
+        """``place``'s placement tier for a step's batch, on the device: the keys it
         holds are found there (a hit of its call), and the host store's new keys land
         in it while it has room (an insert, the row copied in); the others are read
         in host memory."""
         tier, ops = self.device_tier, for_device(self.device)
         new = (status - InsertStatus.INSERTED).view(torch.uint8) < 2  # INSERTED or EVICTED_...
         taken = (host_slots >= 0) & ((tier.find(keys, tids, checked=True) >= 0) | new)
-        placed = tier.padded_upsert(keys, tids, None, tier.buckets_where(keys, tids, taken))
+        placed = tier.upsert_where(keys, tids, None, tier.buckets_where(keys, tids, taken))
         refs = torch.empty_like(host_slots)
         ops.promote_rows(host=self.host.memory, cache=tier.memory,
                          order=torch.arange(keys.numel(), device=self.device),
@@ -363,7 +363,7 @@ class TieredStorage:
         ckeys, ctids, scores, buckets = ops.promotion_order(
             order=order, keys=keys, table_ids=tids, host_slots=host_slots,
             host=self.host.memory, plan=plan, cache=tier.memory)
-        cached = tier.padded_upsert(ckeys, ctids, scores, buckets)
+        cached = tier.upsert_where(ckeys, ctids, scores, buckets)
         refs = torch.empty_like(host_slots)
         ops.promote_rows(host=self.host.memory, cache=tier.memory, order=order,
                          host_slots=host_slots, cached=cached, refs=refs)
@@ -559,13 +559,13 @@ class TieredStorage:
     def metrics(self) -> List[TierMetrics]:
         """Per logical table, the traffic between the tiers so far (read from the
         device: a host sync on a GPU, so read it when needed, not every batch)."""
-        self._settle_padded_outcomes()
+        self._settle_step_outcomes()
         rows = self._metric_counts.tolist()
         rows[0] = [a + b for a, b in zip(rows[0], self._host_metric_counts)]
         return [TierMetrics(*row) for row in rows]
 
-    def _settle_padded_outcomes(self) -> None:
-        """A one-table group's padded steps as metrics, from the tables' totals of
+    def _settle_step_outcomes(self) -> None:
+        """A one-table group's steps as metrics, from the tables' totals of
         them (``commit``): every unique key is a lookup and, once stored, a
         hit of the one tier, a miss of host rows, or a cache hit or miss by the
         cache's call; its evictions are written back, its inserts read in."""

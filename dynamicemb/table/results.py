@@ -5,9 +5,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from dynamicemb.ops.interface import Deduplicated, Entries
+from dynamicemb.ops.interface import Deduplicated, Entries, InsertStatus
 
-__all__ = ["Deduplicated", "Entries", "Expired", "InsertResult", "TableStats"]
+__all__ = ["Deduplicated", "Entries", "Expired", "InsertResult", "TableStats", "inserted_mask"]
 
 
 @dataclass
@@ -22,41 +22,57 @@ class TableStats:
     expired: int = 0  # rows past their ttl: found expired by a lookup, or swept
 
 
+def inserted_mask(status: torch.Tensor) -> torch.Tensor:
+    """(n,) bool: status INSERTED or EVICTED_AND_INSERTED (1 or 2): status - 1 seen
+    as uint8 is below 2 (HIT wraps to 255), two ops where compares take three."""
+    return (status - InsertStatus.INSERTED).view(torch.uint8) < 2
+
+
 class InsertResult(NamedTuple):
-    """Outcome of an inserting call.
+    """Outcome of an inserting call, per key.
 
     Shape:
-        slots: (n,) int64, -1 where the insert failed; inserted: (n,) bool, True
-        where the key was new (or its row had expired: ``expired`` marks those,
-        None when nothing expired). ``evicted`` (``Entries``, in input order of the
-        keys that evicted them) is None for ``insert_or_assign``. ``num_inserted``
-        and ``num_failed`` count them (the kernel's own counts); ``num_expired``
-        counts ``expired`` (part of ``num_inserted``). ``inserted_at``:
-        (num_inserted,) int64, the positions where ``inserted`` is True, ascending
-        (None when none is, or when ``inserted`` was changed after the call).
+        slots: (n,) int64, -1 where the insert failed; status: (n,) int8
+        ``InsertStatus``; prev_scores: (n,) int64, the score a hit found (-1: a new
+        key's slot); evicted: the entries the call evicted (``Entries``, in input
+        order of the keys that evicted them), None unless the verb reads them
+        (``find_or_insert``, ``insert_and_evict``).
 
-        A padded call (``prepare_dedup_find_or_insert(padded=True)``) reads nothing
-        on the host: ``inserted``, ``evicted``, ``num_inserted`` and ``num_failed``
-        are None and ``status`` (n,) int8 tells each key's ``InsertStatus`` (padding:
-        FAILED, slot -1); the table's ``outcome_totals`` count it.
+    The masks and counts below are read from ``status`` (the counts on the host:
+    a sync on a GPU). A deduplicating step's call has padding past its unique keys
+    (status FAILED): its caller reads statuses, not these counts.
     """
 
     slots: torch.Tensor
-    inserted: Optional[torch.Tensor]
-    evicted: Optional[Entries]
-    num_inserted: Optional[int]  # inserted.sum()
-    num_failed: Optional[int]  # (slots < 0).sum()
-    num_expired: int = 0
-    expired: Optional[torch.Tensor] = None
-    inserted_at: Optional[torch.Tensor] = None
-    status: Optional[torch.Tensor] = None
+    status: torch.Tensor
+    prev_scores: torch.Tensor
+    evicted: Optional[Entries] = None
+
+    @property
+    def inserted(self) -> torch.Tensor:
+        """(n,) bool: the key was new, or its row had expired (``expired``)."""
+        return inserted_mask(self.status)
+
+    @property
+    def expired(self) -> torch.Tensor:
+        """(n,) bool: the key's row had expired (``ttl``); it now holds a fresh row."""
+        return (self.status == InsertStatus.INSERTED) & (self.prev_scores >= 0)
+
+    @property
+    def num_inserted(self) -> int:
+        return int(self.inserted.sum())
+
+    @property
+    def num_failed(self) -> int:
+        return int((self.status == InsertStatus.FAILED).sum())
+
+    @property
+    def num_expired(self) -> int:
+        return int(self.expired.sum())
 
     def inserted_positions(self) -> torch.Tensor:
-        """(num_inserted,) int64: the positions where ``inserted`` is True, ascending
-        (sized by ``num_inserted``: no sync)."""
-        if self.inserted_at is not None:
-            return self.inserted_at
-        return torch.nonzero_static(self.inserted, size=self.num_inserted).squeeze(1)
+        """The positions where ``inserted`` is True, ascending."""
+        return self.inserted.nonzero().squeeze(1)
 
 
 class Expired(NamedTuple):

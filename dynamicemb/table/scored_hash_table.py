@@ -4,11 +4,10 @@ The contract (geometry, hash, score rules, the inserting procedure) is written
 out in ``docs/ARCHITECTURE.md``, "The scored hash table". This module owns the
 policy (growth for load, the clock, failures, stats); the backend's verbs
 (``dynamicemb.ops``) own the table's memory layout and walk it. The prepared insert
-and its commit are ``table/pending.py``, the padded calls ``table/padded.py``, the
+and its commit are ``table/pending.py``, the inserting calls ``table/inserts.py``, the
 argument checks ``table/checks.py``.
 """
 
-import contextlib
 import logging
 from typing import Callable, Optional, Tuple
 
@@ -16,16 +15,15 @@ import torch
 
 from dynamicemb.ops import for_device, resolve_device
 from dynamicemb.ops.interface import (ALL_BITS, COMPOUND_TIME_MASK, BatchPart, Deduplicated,
-                                      Entries, ScoreRule, TableMemory, num_buckets_for,
-                                      score_rule)
+                                      Entries, InsertStatus, ScoreRule, TableMemory,
+                                      num_buckets_for, score_rule)
 from dynamicemb.options import check_ttl
 from dynamicemb.table.checks import (TableInputs, check_frequencies, check_keys,
                                      table_ids_as_int16)
 from dynamicemb.table.device_counts import DeviceCounters, DeviceTotals
-from dynamicemb.table.padded import DEVICE_TOTALS, PaddedCalls, SizeWatch
+from dynamicemb.table.inserts import DEVICE_TOTALS, InsertCalls, SizeWatch
 from dynamicemb.table.pending import PendingInsert
 from dynamicemb.table.results import Expired, InsertResult, TableStats
-from dynamicemb.table.shared_zeros import SharedZeros
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
 __all__ = ["MAX_TABLES", "ScoredHashTable", "hash_keys"]
@@ -51,7 +49,7 @@ def hash_keys(keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
     return for_device(keys.device).hash_keys(keys=keys.contiguous(), table_ids=tids)
 
 
-class ScoredHashTable(TableInputs, PaddedCalls):
+class ScoredHashTable(TableInputs, InsertCalls):
     """A bucketed hash table from (table id, int64 key) to a slot and a score.
 
     Several logical tables share one physical table. Value rows live in
@@ -129,7 +127,7 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         self.ttl = ttl
         self._compound = self.score_strategy == DynamicEmbScoreStrategy.LRU_LFU
         self.check_mode = DynamicEmbCheckMode(check_mode)
-        # Whether a padded call reads its failed inserts in the call and, while the
+        # Whether a step's call reads its failed inserts in the call and, while the
         # table may grow, grows and runs again (as ERROR mode does): set by a caller
         # that needs every key stored (an external tier's host store: a key without
         # a slot could not take its row back from below).
@@ -139,12 +137,6 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         self.value_dtype = value_dtype
         self.device = resolve_device(device)
         self._stats = TableStats()
-        # what padded calls counted on the device (hits, inserted, evicted, failed,
-        # erased): their kernels add to these totals, which the stats take when read
-        # once any call was padded (made here: a CUDA graph capturing the first
-        # padded call would otherwise zero them at every replay)
-        self._outcome_totals = None
-        self._padded = False  # a padded call ran: reads of the stats sync
         self._ops = for_device(self.device)
         self._rule, self._evicts = score_rule(self.score_strategy)
         self._memory = self._ops.new_table(
@@ -153,30 +145,32 @@ class ScoredHashTable(TableInputs, PaddedCalls):
             bucket_capacity=bucket_capacity, value_dim=value_dim, value_dtype=value_dtype,
             device=self.device, values_in_host_memory=values_in_host_memory)
         # the keys stored, and the clock and the step: set on the host, advanced in
-        # device memory by a padded call's kernels (so that a CUDA graph's replays
-        # advance them)
+        # device memory by the inserting calls' kernels (so that a CUDA graph's
+        # replays advance them)
         self._stored = DeviceCounters([0], self.device)
         self._time = DeviceCounters([0, 0], self.device)
+        # what the calls counted on the device (hits, inserted, evicted, failed,
+        # expired, erased), which the stats take when read (made here: a CUDA graph
+        # capturing the first call would otherwise zero them at every replay)
         self._outcome_totals = DeviceTotals(DEVICE_TOTALS, self.device)
-        self._watch = SizeWatch(self.device)  # what padded calls tell the host, late
+        self._watch = SizeWatch(self.device)  # what the calls tell the host, late
         self._generation = 0
         # a CUDA graph captured a call: its replays use the arrays' addresses, so
         # growth (which replaces them) is refused until ``release_graphs``
         self._captured = False
         self._pending: Optional[PendingInsert] = None
-        self._none_inserted = SharedZeros(torch.bool, self.device)
 
     # ----------------------------------------------------------------- state
     @property
     def stats(self) -> TableStats:
         """Running counts of what the table did (never reset by ``clear``). Reading
-        them reads what padded calls left on the device (one sync)."""
+        them reads what the calls counted on the device (one sync)."""
         self._settle_device_counts()
         return self._stats
 
     @property
     def _size(self) -> int:
-        return self._stored.value(0)  # read from the device after padded calls
+        return self._stored.value(0)  # read from the device after inserting calls
 
     @_size.setter
     def _size(self, value: int) -> None:
@@ -380,8 +374,8 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         Returns:
             ``InsertResult`` with the evicted entries read out.
         """
-        return self._upsert(keys, table_ids, scores, values=None, read_evicted=True,
-                            checked=checked)
+        return self._prepare(keys, table_ids, scores, None, checked=checked, zero_new=True,
+                             read_evicted=True).commit()
 
     def insert_or_assign(
         self,
@@ -407,8 +401,8 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         Returns:
             ``InsertResult`` with ``evicted=None``.
         """
-        return self._upsert(keys, table_ids, scores, values=values, read_evicted=False,
-                            assign=True, exact=exact_scores)
+        return self._prepare(keys, table_ids, scores, values, assign=True,
+                             exact=exact_scores).commit()
 
     def insert_and_evict(
         self,
@@ -420,8 +414,8 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         exact_scores: bool = False,
     ) -> InsertResult:
         """As ``insert_or_assign``, and returns the evicted entries with their rows."""
-        return self._upsert(keys, table_ids, scores, values=values, read_evicted=True,
-                            assign=True, exact=exact_scores)
+        return self._prepare(keys, table_ids, scores, values, assign=True,
+                             exact=exact_scores, read_evicted=True).commit()
 
     def erase(self, keys: torch.Tensor, table_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Removes keys.
@@ -527,19 +521,8 @@ class ScoredHashTable(TableInputs, PaddedCalls):
                 "growth (release_graphs(), an eager step, then capture again), or give the "
                 "table init_capacity == max_capacity so that it never grows")
         self._ops.grow(memory=self._memory)
-        self._grown(1)
-
-    def _grown(self, growths: int) -> None:
-        if growths:
-            self._generation += 1
-            self._stats.growths += growths
-
-    def _grow_for_load(self) -> None:
-        while (
-            self._memory.can_grow  # first: a table that cannot grow needs no size
-            and self._size > self.max_load_factor * self.capacity()
-        ):
-            self._grow()
+        self._generation += 1
+        self._stats.growths += 1
 
     # -------------------------------------------------------- two-phase insert
     def prepare_find_or_insert(
@@ -561,8 +544,8 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         Returns:
             ``PendingInsert``; ``commit()`` returns what ``find_or_insert`` returns.
         """
-        return self._prepare(keys, table_ids, scores, values=None, read_evicted=True, assign=False,
-                             checked=checked)
+        return self._prepare(keys, table_ids, scores, None, checked=checked, zero_new=True,
+                             read_evicted=True)
 
     def prepare_dedup_find_or_insert(
         self,
@@ -571,24 +554,21 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         frequencies: Optional[torch.Tensor] = None,
         *,
         checked: bool = False,
-        padded: bool = False,
         error: Optional[torch.Tensor] = None,
         part: Optional[BatchPart] = None,
         admit: Optional[Callable[[Deduplicated, torch.Tensor], torch.Tensor]] = None,
         table_scores: Optional[torch.Tensor] = None,
     ) -> Tuple[Deduplicated, PendingInsert]:
-        """``prepare_find_or_insert`` of the unique pairs of a batch that may repeat
-        keys, returning the dedup too. With a clock-scored strategy (LRU, STEP,
-        NO_EVICTION) the dedup and the insert overlap: one thread finds the unique
-        pairs while another inserts them. LFU adds each pair's count to its score;
-        CUSTOMIZED gives each pair its table's score (``table_scores``).
+        """The training step's insert: ``prepare_find_or_insert`` of the unique pairs
+        of a batch that may repeat keys, returning the dedup too, with nothing read
+        on the host. The dedup and the insert may overlap (the CPU: one thread finds
+        the unique pairs while another inserts them). LFU adds each pair's count to
+        its score; CUSTOMIZED gives each pair its table's score (``table_scores``).
 
-        ``padded`` (the training step's call): nothing is read on the host. The
-        dedup's arrays and the insert's per-key arrays have N entries (padding past
-        the unique pairs: ``Deduplicated``); the clock and the step advance in device
-        memory, where the call reads its time; the commit's ``InsertResult`` has the
-        per-key ``status`` instead of masks and numbers, and leaves the rows of new
-        keys to the caller (``Backend.init_rows``); the call's counts go to the
+        The dedup's arrays and the insert's per-key arrays have N entries (padding
+        past the unique pairs: ``Deduplicated``); the clock and the step advance in
+        device memory, where the call reads its time; the commit leaves the rows of
+        new keys to the caller (``Backend.init_rows``); the call's counts go to the
         device totals (``outcome_totals``), which ``stats`` take when read.
 
         Args:
@@ -598,20 +578,20 @@ class ScoredHashTable(TableInputs, PaddedCalls):
                 stands for (summed into ``counts``); None means 1 each.
             checked: ``table_ids`` (int16) and ``frequencies`` were built or checked
                 by the caller: not read on the host (see ``find``).
-            padded: see above.
-            error (Tensor, optional): (1,) int64, a padded call's input-check word
+            error (Tensor, optional): (1,) int64, the step's input-check word
                 (``Backend.check_offsets``): when set, the batch has no unique key
                 and the call changes nothing.
-            part (``BatchPart``, optional): a padded call takes only these keys of the
+            part (``BatchPart``, optional): the call takes only these keys of the
                 batch (the others: inverse -1, no lookup).
-            admit (optional): a padded call inserts only the unique keys that
+            admit (optional): the call inserts only the unique keys that
                 ``admit(unique, stored)`` admits, on the device ((N,) bool;
                 ``stored`` (N,) bool: the key is in the table, found before the
                 pass); the others find no slot and are counted nowhere
-                (``PaddedCall.admitted``). The dedup and the pass are then two calls.
+                (``PendingInsert.admitted``). The dedup and the pass are then two
+                calls.
             table_scores (Tensor, optional): (num_tables,) int64 >= 0, CUSTOMIZED only
                 (and then required): the score of each logical table's keys, read
-                by table id (by the kernel, in a padded call).
+                by table id (by the kernel).
 
         Returns:
             (``Deduplicated``, ``PendingInsert`` over ``Deduplicated.keys``).
@@ -626,27 +606,7 @@ class ScoredHashTable(TableInputs, PaddedCalls):
         tids = self._table_ids(table_ids, n, checked)
         if not checked:
             frequencies = check_frequencies(frequencies, n, self.device)
-        if padded:
-            return self._prepare_padded(keys, tids, frequencies, error, part, admit,
-                                        table_scores)
-        if admit is not None:
-            raise ValueError("admit is taken by a padded call only")
-        if self._rule != ScoreRule.CLOCK:  # the scores are known after the dedup
-            unique = self._ops.dedup(keys=keys, table_ids=tids, frequencies=frequencies,
-                                     group=True)
-            scores = (unique.counts if table_scores is None  # LFU: the counts
-                      else table_scores[unique.table_ids.long()])
-            return unique, self._prepare(unique.keys, unique.table_ids, scores,
-                                         values=None, read_evicted=True, assign=False,
-                                         checked=True)
-        self._grow_for_load()
-        clock_before, now = self._tick()
-        with self._undone_on_error(clock_before):
-            unique, upserted = self._ops.dedup_upsert(
-                memory=self._memory, keys=keys, table_ids=tids, frequencies=frequencies,
-                now=now, evicts=self._evicts, one_table=self.num_tables == 1)
-        return unique, self._pending_insert(upserted, clock_before, None, read_evicted=True,
-                                            assign=False, now=now)
+        return self._prepare_step(keys, tids, frequencies, error, part, admit, table_scores)
 
     def _table_scores(self, table_scores: Optional[torch.Tensor],
                       checked: bool) -> Optional[torch.Tensor]:
@@ -674,62 +634,40 @@ class ScoredHashTable(TableInputs, PaddedCalls):
             raise RuntimeError(
                 "the table has a prepared insert: commit() or abort() it before another call")
 
-    def _prepare(self, keys, table_ids, scores, values, read_evicted, assign,
-                 exact: bool = False, checked: bool = False) -> "PendingInsert":
+    def _prepare(self, keys, table_ids, scores, values: Optional[torch.Tensor] = None, *,
+                 assign: bool = False, exact: bool = False, checked: bool = False,
+                 zero_new: bool = False, read_evicted: bool = False) -> PendingInsert:
+        """The table's own inserting verbs: one pass at the next clock tick, its
+        statuses read once (the failures); a full bucket of a table that may grow
+        undoes the call, grows the table and runs it again. ``assign``: the rows
+        of ``values`` go to the keys' slots at the commit."""
         self._check_idle()
         keys = self._keys(keys)
         n = keys.numel()
         tids = self._table_ids(table_ids, n, checked)
         given = self._given_scores(scores, n, exact, checked)
         rows = self._rows(values, n) if assign else None
-
-        self._grow_for_load()
-        clock_before, now = self._tick()
-        with self._undone_on_error(clock_before):
+        while True:
+            evicts = self._before_insert(n, exact=True)
+            time = self._time.on_device()
+            time[:1].add_(1)  # the call's tick (its clock; a STEP score is the step)
+            outcomes = torch.zeros(DEVICE_TOTALS - 1, dtype=torch.int64, device=self.device)
             upserted = self._ops.upsert(
                 memory=self._memory, keys=keys, table_ids=tids, scores=given,
-                rule=ScoreRule.GIVEN if exact else self._rule, now=now, evicts=self._evicts,
-                one_table=self.num_tables == 1)
-        return self._pending_insert(upserted, clock_before, rows, read_evicted, assign, now=now,
-                                    given=None if exact else given)
-
-    @contextlib.contextmanager
-    def _undone_on_error(self, clock_before: int):
-        """Around a backend's inserting verb, which undoes its own passes when it
-        fails (a growth out of memory): the clock goes back too, and a growth that
-        did happen is recorded (slots moved: earlier results are stale)."""
-        buckets = self._memory.num_buckets
-        try:
-            yield
-        except BaseException:
-            self._clock = clock_before
-            self._grown((self._memory.num_buckets // buckets).bit_length() - 1)
-            raise
-
-    def _tick(self) -> Tuple[int, int]:
-        """Advances the clock for an inserting call: (clock before, the call's score)."""
-        clock_before = self._time.value(0)
-        self._time.set(0, clock_before + 1)
-        if self.score_strategy == DynamicEmbScoreStrategy.STEP:
-            return clock_before, self._time.value(1)
-        return clock_before, clock_before + 1
-
-    def _pending_insert(self, upserted, clock_before, rows, read_evicted, assign, now: int,
-                        given: Optional[torch.Tensor] = None) -> "PendingInsert":
-        """The prepared call of a finished upsert; reports failed inserts."""
-        self._grown(upserted.growths)
-        pending = PendingInsert(self, upserted, clock_before, rows, read_evicted, assign,
-                                now=now, given=given)
-        if upserted.failed:
-            self.stats.failed_inserts += upserted.failed
-            self._report_failures(upserted.failed, upserted.slots.numel(), pending)
-        self._pending = pending
+                rule=ScoreRule.GIVEN if exact else self._rule, evicts=evicts,
+                one_table=self.num_tables == 1, outcomes=outcomes,
+                size=self._stored.on_device(), time=time, now_index=self._now_index,
+                ttl=self.ttl or 0)
+            pending = PendingInsert(self, upserted, outcomes=outcomes, rows=rows,
+                                    zero_new=zero_new, read_evicted=read_evicted)
+            self._pending = pending
+            if not self._grown_for_failures(pending, lambda: n):
+                break
+        self._after_insert()
+        failed = pending.num_failed
+        if failed and self.check_mode == DynamicEmbCheckMode.WARNING:
+            logger.warning(self._failure_message(failed, n))
         return pending
-
-    def _upsert(self, keys, table_ids, scores, values, read_evicted, assign=False,
-                exact=False, checked=False) -> InsertResult:
-        return self._prepare(keys, table_ids, scores, values, read_evicted, assign,
-                             exact, checked).commit()
 
     def _failure_message(self, failed: int, n: int) -> str:
         return (
@@ -738,54 +676,28 @@ class ScoredHashTable(TableInputs, PaddedCalls):
             f"with {self.score_strategy.name}"
         )
 
-    def _report_failures(self, failed: int, n: int, pending: "PendingInsert") -> None:
-        message = self._failure_message(failed, n)
-        if self.check_mode == DynamicEmbCheckMode.ERROR:
-            pending.abort()
-            raise RuntimeError(message + "; the call was undone")
-        if self.check_mode == DynamicEmbCheckMode.WARNING:
-            logger.warning(message)
-
     # ------------------------------------ what a PendingInsert asks of its table
-    @property
-    def compound_scores(self) -> bool:
-        """Whether scores hold a count above the time (LRU_LFU, see ``time_of``)."""
-        return self._compound
-
-    def no_new_keys(self, n: int) -> torch.Tensor:
-        """(n,) bool zeros, shared between calls (read, never written)."""
-        return self._none_inserted.take(n)
-
-    def record_commit(self, pending: PendingInsert, num_inserted: Optional[int],
-                      num_evicted: Optional[int]) -> None:
-        """Ends ``pending`` (the table takes other calls again) and counts what it
-        stored: size, stats, generation. None and None: a padded call, whose counts
-        stay on the device."""
+    def record_commit(self, pending: PendingInsert) -> None:
+        """Ends ``pending`` (the table takes other calls again): a slot returned
+        earlier may hold another key if the call evicted (where it read its counts)
+        or may have (a rule that evicts), or gave an expired row a fresh one."""
         self._pending = None
-        if num_inserted is None:  # every count stays on the device
-            # whether a key was evicted, or an expired row given to a new key, is not read
+        if pending.outcomes is None:  # a step's call: its counts stay on the device
             self._generation += self._evicts or self.ttl is not None
             return
-        self._settle_device_counts()  # then the host's stats are current
-        self._size += num_inserted - num_evicted
-        self._stats.inserts += num_inserted
-        self._stats.evictions += num_evicted
-        self._generation += num_evicted > 0
-
-    def record_expired_hits(self, num: int) -> None:
-        """Counts a call's hits on expired rows (their slots now hold fresh rows)."""
-        self.stats.expired += num
-        self._generation += 1  # the slot now holds another row of the key
+        _, inserted, evicted, failed, expired = pending.counts()
+        self._stats.inserts += inserted + evicted
+        self._stats.evictions += evicted
+        self._stats.failed_inserts += failed
+        self._stats.expired += expired
+        self._generation += evicted > 0 or expired > 0
 
     def undo_insert(self, pending: PendingInsert) -> None:
-        """Ends ``pending`` and undoes it: contents, scores and clock as before it
-        (growth stays)."""
+        """Ends ``pending`` and undoes it: contents, scores, time and counts as
+        before it (growth stays)."""
         self._pending = None
         self._ops.undo_upsert(memory=self._memory, upserted=pending.upserted)
-        if pending.padded is None:
-            self._clock = pending.clock_before
-            return
-        self._undo_padded(pending)
+        self._undo_counts(pending)
 
     def __repr__(self) -> str:
         return (

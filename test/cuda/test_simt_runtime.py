@@ -264,7 +264,7 @@ def test_keys_given_a_stale_bucket_fail_and_leave_the_table_whole():
         real = torch.bitwise_and(hash_keys(keys, tids.long()), 3).int()
         outcomes = torch.zeros(5, dtype=torch.int64)
         size = torch.zeros(1, dtype=torch.int64)
-        slots, status = table._ops.kernels.padded_upsert(
+        slots, status = table._ops.kernels.upsert(
             table._memory.meta, 16, keys, tids, None, 0, False, False,
             torch.zeros(24, dtype=torch.int32), outcomes, size)[:2]
         home = real == 0

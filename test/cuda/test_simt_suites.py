@@ -36,7 +36,7 @@ def test_the_step_guards_pass_on_the_kernels_source():
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
          "test/cuda/test_step_syncs.py", "test/cuda/test_cuda_graph.py",
          "test/cuda/test_input_errors.py", "test/cuda/test_host_memory.py",
-         "test/cuda/test_launch_config.py", "test/table/test_cpu_padded_kernels.py",
+         "test/cuda/test_launch_config.py", "test/table/test_cpu_step_kernels.py",
          "test/storage/test_cpu_promotion_kernels.py"],
         cwd=ROOT, env=script_env(DEMB_CUDA_EMULATION="simt"), capture_output=True, text=True,
         timeout=900)

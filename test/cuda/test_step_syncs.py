@@ -75,15 +75,15 @@ CACHE_LAUNCH_BUDGET = 30
 # cache's insert, the rows moved); a placement tier finds the keys it holds and hashes
 # the new ones instead of the plan and the order. Their budgets are the CUDA step's.
 CPU_CALLS = {
-    "all-rows": {"check_offsets", "padded_dedup_upsert", "init_rows", "pooled_forward",
+    "all-rows": {"check_offsets", "dedup_upsert", "init_rows", "pooled_forward",
                  "sum_and_update_rows"},
-    "host-rows": {"check_offsets", "padded_dedup_upsert", "init_rows", "pooled_forward",
+    "host-rows": {"check_offsets", "dedup_upsert", "init_rows", "pooled_forward",
                   "sum_and_update_rows"},
 }
 CPU_CALLS["cache"] = CPU_CALLS["all-rows"] | {"erase_where", "promotion_plan",
-                                               "promotion_order", "padded_upsert", "promote_rows"}
+                                               "promotion_order", "upsert", "promote_rows"}
 CPU_CALLS["placed"] = CPU_CALLS["all-rows"] | {"erase_where", "find", "hash_keys",
-                                                "padded_upsert", "promote_rows"}
+                                                "upsert", "promote_rows"}
 CPU_BUDGET = {"all-rows": STEP_LAUNCH_BUDGET, "host-rows": STEP_LAUNCH_BUDGET,
               "cache": CACHE_LAUNCH_BUDGET, "placed": CACHE_LAUNCH_BUDGET}
 # Reads of a batch's values the CPU step makes because they cost it nothing
@@ -263,7 +263,7 @@ def test_check_modes_sync_only_for_error(backend):
     step makes no sync. ERROR reads the call's failures before it returns, to undo it
     and raise: one sync, the user's choice."""
     for mode, want in ((DynamicEmbCheckMode.WARNING, Counter()),
-                       (DynamicEmbCheckMode.ERROR, Counter({"num_failed": 1}))):
+                       (DynamicEmbCheckMode.ERROR, Counter({"counts": 1}))):
         with _backend(backend) as kernels:
             module = _module(check_mode=mode)
             ids, offsets = _batches(3000, 1, seed=8)[0]
@@ -344,14 +344,14 @@ def test_the_cpu_step_reads_only_the_batch_checks():
 
 def test_a_sync_put_back_fails_the_cpu_guard(monkeypatch):
     """The CPU step's guard is not blind: an insert that reads a count is caught."""
-    real = KernelBackend.padded_dedup_upsert
+    real = KernelBackend.dedup_upsert
 
-    def padded_dedup_upsert(self, **kwargs):
+    def dedup_upsert(self, **kwargs):
         unique, upserted = real(self, **kwargs)
         int(upserted.status.sum())  # what a careless edit would add
         return unique, upserted
 
-    monkeypatch.setattr(KernelBackend, "padded_dedup_upsert", padded_dedup_upsert)
+    monkeypatch.setattr(KernelBackend, "dedup_upsert", dedup_upsert)
     with counted_cpu() as kernels:
         module = _module()
         ids, offsets = _batches(100, 1, seed=7)[0]
@@ -375,7 +375,7 @@ def test_a_sync_put_back_fails_the_guard(monkeypatch):
         ids, offsets = _batches(100, 1, seed=7)[0]
         _step(module, ids, offsets)
         guard = _guarded_step(module, kernels, ids, offsets)
-    assert _sites(guard) == Counter({"padded_dedup_upsert": 1}), guard.report()
+    assert _sites(guard) == Counter({"dedup_upsert": 1}), guard.report()
 
 
 def test_guard_sees_every_kind_of_sync():
@@ -567,9 +567,9 @@ def test_a_prefetch_pipeline_makes_no_sync(layout):
 
 # The one layout whose step syncs: an external tier's store is reached from the host,
 # so its step reads what the insert evicted and found new (``PendingInsert``'s counts
-# of a padded call), stages and restores rows (``ExternalTier``), and an eval step
+# of the step's call), stages and restores rows (``ExternalTier``), and an eval step
 # reads the rows below of keys the host store lacks. Every sync is at that seam.
-EXTERNAL_SEAM = {"evicted", "num_failed", "num_new", "_stage_below", "_restore_below", "stage",
+EXTERNAL_SEAM = {"evicted", "counts", "num_failed", "num_new", "_stage_below", "_restore_below", "stage",
                  "restore", "_pack_keys", "_pack_values", "_rows_below", "fill_from_below",
                  "get", "put", "delete"}
 
@@ -577,7 +577,7 @@ EXTERNAL_SEAM = {"evicted", "num_failed", "num_new", "_stage_below", "_restore_b
 @pytest.mark.parametrize("backend", ["cuda-emulated", "cpu"])
 @pytest.mark.parametrize("cache", [False, True], ids=["host", "cache"])
 def test_an_external_tier_syncs_only_at_its_seam(tmp_path, backend, cache):
-    """A host store of 1,024 rows over RocksDB (and a cache of 256): the padded step,
+    """A host store of 1,024 rows over RocksDB (and a cache of 256): the step,
     whose only host reads are the store's calls and what they need."""
     pytest.importorskip("rocksdict", reason="the external tier is tested against the real rocksdict")
     from dynamicemb.storage.external import RocksDBStorage

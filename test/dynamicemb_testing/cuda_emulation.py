@@ -161,11 +161,8 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         self._t(a[3]).copy_(self._cpu.hash_keys(self._t(a[0]), self._t(a[1])))
 
     def run_buckets_of(self, a):
-        keys, tids, pending = self._t(a[0]), self._t(a[1]), self._t(a[2])
-        if pending is not None:  # a null pointer: every key
-            keys, tids = keys[pending], tids[pending]
-        hashes = self._cpu.hash_keys(keys, tids)
-        self._t(a[5]).copy_(torch.bitwise_and(hashes, int(a[4]) - 1))
+        hashes = self._cpu.hash_keys(self._t(a[0]), self._t(a[1]))
+        self._t(a[4]).copy_(torch.bitwise_and(hashes, int(a[3]) - 1))
 
     def run_find(self, a):
         t = _TABLE_ARGS
@@ -174,41 +171,25 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         self._t(a[t + 4]).copy_(slots)
 
     def run_upsert(self, a):
-        # The CPU's ``upsert`` (not ``padded_upsert``, which scores at time 0: the
-        # padded dedup's pass reads its time from device memory).
         t = _TABLE_ARGS
-        keys, tids, given = self._t(a[t]), self._t(a[t + 1]), self._t(a[t + 2])
-        rule, now = int(a[t + 3]), int(np.int64(a[t + 4]))
-        now_at = self._t(a[t + 19])
-        if now_at is not None:  # the time in device memory
-            now = int(now_at[0])
-        evicts, can_grow, one_table = bool(a[t + 5]), bool(a[t + 6]), bool(a[t + 7])
-        # The runs are bucket-sorted positions; the CPU walks them in the given order,
-        # so every bucket sees its keys in input order as the warps do.
-        order, m = self._t(a[t + 9]), int(a[t + 10])
-        outs = [self._t(x) for x in a[t + 11:t + 17]]
-        outcomes, deferred_count = self._t(a[t + 17]), self._t(a[t + 18])
-        table_scores, ttl = self._t(a[t + 21]), int(a[t + 22])
-        # padding positions (bucket kNoBucket): slot -1, FAILED, counted nowhere
-        padding = self._t(a[t + 8])[:m] == _NO_BUCKET
-        outs[0][order[:m][padding]] = -1
-        outs[1][order[:m][padding]] = _FAILED
-        counts = torch.zeros(5, dtype=torch.int64)  # and the expired hits
-        deferred = self._cpu.upsert(self._meta(a), int(a[6]), keys, tids, given, rule, now,
-                                    evicts, can_grow, one_table,
-                                    order[:m][~padding].contiguous(), *outs, counts,
-                                    table_scores=table_scores, ttl=ttl)
-        outcomes += counts[:outcomes.numel()]
-        size = self._t(a[t + 20])
-        if size is not None:  # the table's size on the device: its inserts into empty slots
-            size += counts[1]
-        if deferred_count is not None:
-            deferred_count += deferred.numel()
-        elif deferred.numel():
-            raise AssertionError("a pass deferred keys with no counter for them")
-
-    def run_unpin(self, a):
-        self._cpu.unpin(self._meta(a), int(a[6]), self._t(a[_TABLE_ARGS]))
+        m = int(a[t + 8])
+        keys, tids, given = self._t(a[t])[:m], self._t(a[t + 1])[:m], self._t(a[t + 2])
+        given = None if given is None else given[:m]
+        rule, evicts, one_table = int(a[t + 3]), bool(a[t + 4]), bool(a[t + 5])
+        # the buckets in input order (a key of bucket kNoBucket is skipped); the CPU
+        # walks each bucket's keys in input order, as the warps walk their runs
+        order = self._t(a[t + 7])[:m]
+        buckets = torch.empty(m, dtype=torch.int32)
+        buckets[order] = self._t(a[t + 6])[:m]
+        outcomes, now_at, size = self._t(a[t + 15]), self._t(a[t + 16]), self._t(a[t + 17])
+        table_scores, ttl = self._t(a[t + 18]), int(a[t + 19])
+        if table_scores is not None:  # the given rule's scores by table id
+            given = table_scores[tids.long()]
+        time = None if now_at is None else now_at[:1].repeat(2)
+        outs = self._cpu.upsert(self._meta(a), int(a[6]), keys, tids, given, rule, evicts,
+                                one_table, buckets, outcomes, size, time=time, ttl=ttl)
+        for out, got in zip((self._t(x) for x in a[t + 9:t + 15]), outs):
+            out[:m] = got
 
     def run_undo_upsert(self, a):
         t = _TABLE_ARGS
@@ -273,7 +254,7 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         # demb_dedup_first turns into that), -1 for the positions of other groups
         groups = self._t(a[6])
         part = None if groups is None else records.BatchPart(groups, int(a[7]))
-        inverse = self._cpu.padded_dedup(self._t(a[0]), self._t(a[1]), None, part=part)[2]
+        inverse = self._cpu.dedup(self._t(a[0]), self._t(a[1]), None, part=part)[2]
         n, mine = inverse.numel(), inverse >= 0
         first = torch.full((n,), n, dtype=torch.int64).scatter_reduce_(
             0, inverse[mine], torch.arange(n)[mine], "amin")
@@ -287,17 +268,17 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
     def run_dedup_number(self, a):
         keys, tids, first = (self._t(a[i]) for i in range(3))
         ukeys, utids, inverse, occurrences = (self._t(a[i]) for i in range(5, 9))
-        buckets, error, time = self._t(a[10]), self._t(a[12]), self._t(a[13])
+        buckets, error, time = self._t(a[10]), self._t(a[11]), self._t(a[12])
         if time is not None and not self._refused(error):  # the table's clock and step
             time += 1
         if int(a[4]) == 0:  # an empty batch: the launch only ticks
             return
         kept = records.BatchPart((first >= 0).long(), 1)  # first -1: another group's
-        unique_keys, unique_tids, inv, counts, _, _ = self._cpu.padded_dedup(
+        unique_keys, unique_tids, inv, counts, _, _ = self._cpu.dedup(
             keys, tids, error, part=kept)
         inverse.copy_(inv)
-        # the pairs (count > 0), and when padded the rest (key 0, table 0, no bucket)
-        u = int(a[4]) if bool(a[11]) else int((counts > 0).sum())
+        # the pairs (count > 0) and the padding past them (key 0, table 0, no bucket)
+        u = int(a[4])
         ukeys[:u] = unique_keys[:u]
         utids[:u] = unique_tids[:u]
         occurrences[:u] += counts[:u]

@@ -352,21 +352,21 @@ class ReferenceHashTable:
         rows = self._check_values(n, values) if verb != "find_or_insert" else None
         while self.size() > self.max_load_factor * self.capacity() and self.num_buckets < self.max_num_buckets:
             self._grow()  # step 2
-        undo = (self._s.copy(), self.clock) if self.check_mode == "ERROR" else None
+        undo = (self._s.copy(), self.clock)
         self.clock += 1  # step 3 (every inserting call, every strategy)
         hashes = [ref_hash(t, k) for k, t in zip(keys, tids)]
-        landed = [False] * n
-        inserted = [False] * n
-        failed: List[int] = []
-        victims: List[Tuple[int, int, int, int, int, Tuple[float, ...]]] = []
-        pending = list(range(n))
-        while pending:  # steps 4 and 5
-            deferred = self._pass(pending, keys, tids, hashes, scores, landed, inserted, failed, victims)
-            if not deferred:
+        while True:  # steps 4 and 5
+            landed = [False] * n
+            inserted = [False] * n
+            failed: List[int] = []
+            victims: List[Tuple[int, int, int, int, int, Tuple[float, ...]]] = []
+            self._pass(keys, tids, hashes, scores, landed, inserted, failed, victims)
+            self._s.pinned = [False] * self.capacity()  # step 6
+            if not failed or self.num_buckets == self.max_num_buckets:
                 break
+            self._relayout(undo[0])  # undone, then the table grows and the call runs again
             self._grow()
-            pending = deferred
-        self._s.pinned = [False] * self.capacity()  # step 6
+            undo = (self._s.copy(), self.clock - 1)
         self.stats.failed_inserts += len(failed)  # step 7
         if failed and self.check_mode == "ERROR":
             old, clock = undo
@@ -394,16 +394,12 @@ class ReferenceHashTable:
         at = bisect.bisect_left(free, start)
         return free.pop(at if at < len(free) else 0)
 
-    def _pass(self, pending, keys, tids, hashes, scores, landed, inserted, failed, victims) -> List[int]:
-        """Step 4 over ``pending`` (input order); returns the deferred keys."""
+    def _pass(self, keys, tids, hashes, scores, landed, inserted, failed, victims) -> None:
+        """Step 4 over every key, in input order (a full bucket evicts only once the
+        table cannot grow; before, the key fails)."""
         s, bc, nb = self._s, self.bucket_capacity, self.num_buckets
-        blocked = set()
-        deferred = []
-        for i in pending:
+        for i in range(len(keys)):
             b = hashes[i] & (nb - 1)
-            if b in blocked:
-                deferred.append(i)
-                continue
             hit = self._index.get((tids[i], keys[i]))
             if hit is not None:
                 s.scores[hit] = self._score_on_hit(s.scores[hit], i, scores)
@@ -412,12 +408,9 @@ class ReferenceHashTable:
                 continue
             if self._free[b]:
                 slot = b * bc + self._take_free(b, start_offset(hashes[i], bc))
-            elif nb < self.max_num_buckets:
-                blocked.add(b)
-                deferred.append(i)
-                continue
             else:
-                slot = self._victim(b) if self.strategy != "NO_EVICTION" else None
+                evicts = self.strategy != "NO_EVICTION" and nb == self.max_num_buckets
+                slot = self._victim(b) if evicts else None
                 if slot is None:
                     failed.append(i)
                     continue
@@ -428,7 +421,6 @@ class ReferenceHashTable:
             s.pinned[slot] = True
             self._index[(tids[i], keys[i])] = slot
             landed[i] = inserted[i] = True
-        return deferred
 
     def _victim(self, bucket: int) -> Optional[int]:
         """The unpinned slot of a full bucket with the minimum score, ties to the lowest slot."""

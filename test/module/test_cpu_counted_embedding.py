@@ -73,7 +73,10 @@ def make_batch(seed: int, features: int, batch: int, dim: int = 8, width: int = 
     keys = torch.randint(0, max(2, n // 2), (n,), generator=g)
     tids = torch.randint(0, 3, (n,), generator=g).to(torch.int16)
     mine = ours.nonzero().squeeze(1)
-    ukeys, utids, inv, _, starts, rank_own = _cpu().dedup(keys[mine], tids[mine], None, True)
+    ukeys, utids, inv, counts, starts, rank_own = _cpu().dedup(keys[mine], tids[mine], None,
+                                                               group=True)
+    u = int((counts > 0).sum())  # past the unique pairs: padding
+    ukeys, utids, starts = ukeys[:u], utids[:u], starts[:u + 1]
     inverse = torch.full((n,), -1, dtype=torch.int64)
     inverse[mine] = inv
     rank = torch.full((n,), -1, dtype=torch.int64)

@@ -137,7 +137,7 @@ def promote(kernels, emulated, host, cache, keys, tids, counts, host_slots):
     ordered = kernels.promotion_order(order, keys, tids, host_slots, host.memory.meta[0],
                                       plan[1], cache.num_buckets)
     ckeys, ctids, scores, buckets = ordered
-    cached = emulated.padded_upsert(
+    cached = emulated.upsert(
         cache.memory.meta, BC, ckeys, ctids, scores, int(ScoreRule.GIVEN), True, one_table,
         buckets, torch.zeros(5, dtype=torch.int64), size)
     refs = torch.full_like(host_slots, -7)

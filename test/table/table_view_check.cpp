@@ -2,7 +2,7 @@
 // torch: twin tables take the same random calls, one probed by the header's default
 // ScalarProbe and one by the CPU's SIMD DigestProbe (cpu/probe.h); they must stay
 // byte-identical and agree with a map of what the table holds (the per-key contract:
-// hit, insert, evict, defer, fail; erase; undo; growth by move_one). Built and run by
+// hit, insert, evict, fail; erase; undo; growth by move_one). Built and run by
 // test_table_view.py; prints "N checks, M wrong".
 #include <algorithm>
 #include <cstdio>
@@ -80,12 +80,11 @@ Pass upsert_pass(Table& t, const Probe& probe, const std::vector<Pair>& keys, ui
                  const PassOptions& opt) {
   TableView v = t.view();
   Pass pass(keys.size());
-  std::vector<uint8_t> blocked(t.num_buckets, 0);
   for (size_t i = 0; i < keys.size(); ++i) {
     const KeyHome home = home_of(v, hash_key(keys[i].first, keys[i].second));
     const int8_t st = upsert_one(v, probe, ClockScore{now}, opt, pass.out(),
                                  static_cast<int64_t>(i), keys[i].first, keys[i].second, 0,
-                                 home, -1, blocked.data());
+                                 home, -1);
     expect(st == pass.status[i], "upsert_one returns the status it writes");
   }
   return pass;
@@ -123,7 +122,7 @@ void run(int bc, std::mt19937_64& rng) {
     if (op < 6) {  // an inserting pass
       std::vector<Pair> keys(1 + rng() % 24);
       for (auto& k : keys) k = random_pair();
-      const PassOptions opt{rng() % 4 != 0, scalar.num_buckets < 16 && rng() % 3 == 0, false};
+      const PassOptions opt{rng() % 4 != 0, false, 0};
       const Table before = scalar;
       const auto model_before = model;
       Pass a = upsert_pass(scalar, sp, keys, step, opt);
@@ -145,13 +144,11 @@ void run(int bc, std::mt19937_64& rng) {
             model.erase(victim);
           }
           model[keys[i]] = step;
-        } else if (st == kFailed) {
-          expect(!had && !opt.can_grow && a.slots[i] == -1,
-                 "only a full table that may not grow fails");
         } else {
-          expect(st == kDeferred && opt.can_grow, "deferred: the table may grow");
+          expect(st == kFailed && !had && a.slots[i] == -1,
+                 "a key that fails was not held and has no slot");
         }
-        if (st != kDeferred && st != kFailed) {
+        if (st != kFailed) {
           expect(find(scalar, sp, keys[i]) == a.slots[i], "find_one finds the pass's slot");
         }
       }
@@ -168,9 +165,7 @@ void run(int bc, std::mt19937_64& rng) {
                "undo restores occupancy and digests");
         model = model_before;
       } else {
-        bool deferred = false;
-        for (int8_t st : a.status) deferred |= st == kDeferred;
-        if (deferred) {  // grown mid-call, with the pass's pins
+        if (scalar.num_buckets < 16 && rng() % 3 == 0) {  // grown, with the pass's pins
           scalar = grown(scalar);
           simd = grown(simd);
         }

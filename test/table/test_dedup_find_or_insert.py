@@ -1,11 +1,13 @@
-"""``prepare_dedup_find_or_insert`` against its definition: a dedup, then
-``prepare_find_or_insert`` of the unique keys (itself checked against the reference
-model in test_hash_table_model.py).
+"""``prepare_dedup_find_or_insert`` (the step's call) against its definition: a
+dedup, then ``prepare_find_or_insert`` of the unique keys (itself checked against
+the reference model in test_hash_table_model.py).
 
 Two identically built tables take the same batches, one through each path; the
 dedup, every result, the exported contents and the stats must agree, over growth
-mid-call, eviction, failed inserts, several tables and both thread counts. Batches
-have thousands of keys so that the dedup and the insert really run on two threads.
+mid-call (the step's table reads its failures, ``grows_for_failures``, as the
+table's own verbs do), eviction, failed inserts, several tables and both thread
+counts. Batches have thousands of keys so that the dedup and the insert really run
+on two threads.
 """
 
 import copy
@@ -52,13 +54,14 @@ def run_both(batches, device, with_freqs=False, **table_kw):
     kw = dict(bucket_capacity=32, max_load_factor=1.0, value_dim=1, device=device, **table_kw)
     kw["num_tables"] = max(max(b[1]) for b in batches) + 1
     plain, fused = make_table(**kw), make_table(**kw)
-    seen = {"plain": [], "fused": [], "later_passes": 0}
+    fused.grows_for_failures = True  # a full bucket grows and reruns, as in the table's verbs
+    seen = {"plain": [], "fused": [], "fused_calls": 0}
     kernels = fused._ops.kernels  # the device's compiled functions (the CPU or CUDA backend's)
 
-    class CountingKernels:  # counts the fused path's passes after dedup_upsert
+    class CountingKernels:  # counts the fused path's calls (a rerun after growth too)
         def __getattr__(self, name):
-            if name == "upsert":
-                seen["later_passes"] += 1
+            if name == "dedup_upsert":
+                seen["fused_calls"] += 1
             return getattr(kernels, name)
 
     # This table's own copy of its device's backend (the shared one stays as it is),
@@ -68,18 +71,28 @@ def run_both(batches, device, with_freqs=False, **table_kw):
     for keys, tids, freqs in batches:
         k, t = as_keys(keys, device), torch.tensor(tids, dtype=torch.int16, device=device)
         f = torch.tensor(freqs, dtype=torch.int64, device=device) if with_freqs else None
-        for name, table in (("plain", plain), ("fused", fused)):
+        for name, table in (("fused", fused), ("plain", plain)):
             try:
                 if name == "plain":
-                    unique = table._ops.dedup(keys=k, table_ids=t, frequencies=f, group=True)
-                    scores = unique[3] if table.score_strategy.name == "LFU" else None
-                    pending = table.prepare_find_or_insert(unique[0], unique[1], scores)
+                    table.set_step(fused.step)  # a step's call advances the step too
+                    unique = table._ops.dedup(keys=k, table_ids=t, error=None, frequencies=f,
+                                              group=True)
+                    u = int((unique.counts > 0).sum())
+                    scores = unique.counts[:u] if table.score_strategy.name == "LFU" else None
+                    pending = table.prepare_find_or_insert(unique.keys[:u],
+                                                           unique.table_ids[:u], scores)
                 else:
                     unique, pending = table.prepare_dedup_find_or_insert(k, t, f)
-                outcome = py_insert(pending.commit())
+                    u = int((unique.counts > 0).sum())
+                evicted = py_export(pending.evicted())
+                result = pending.commit()
+                outcome = (result.slots[:u].tolist(), result.inserted[:u].tolist(), evicted)
             except RuntimeError as err:  # ERROR mode: the call was undone
                 unique, outcome = None, str(err)
-            dedup = None if unique is None else tuple(x.tolist() for x in unique)
+            dedup = None if unique is None else (
+                unique.keys[:u].tolist(), unique.table_ids[:u].tolist(),
+                unique.inverse.tolist(), unique.counts[:u].tolist(),
+                unique.starts[:u + 1].tolist(), unique.rank.tolist())
             seen[name].append((dedup, outcome, py_export(table.export_batch()),
                                py_stats(table.stats), table.capacity(), table.clock))
     return seen, (batches, with_freqs)
@@ -106,8 +119,8 @@ def assert_twins(seen, inputs):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("strategy", CLOCKED + ["LFU"])
 def test_growth_mid_call_matches_dedup_then_insert(strategy, threads, device):
-    """A small table that grows while batches arrive: keys of full buckets are
-    deferred, the table grows, later passes settle them."""
+    """A small table that grows while batches arrive: a call whose keys found full
+    buckets is undone, the table grows, the call runs again."""
     if device.type != "cpu" and threads != 1:
         pytest.skip("threads is the CPU kernels' OpenMP thread count; other devices run once")
     previous = torch.get_num_threads()
@@ -118,7 +131,7 @@ def test_growth_mid_call_matches_dedup_then_insert(strategy, threads, device):
                                 score_strategy=strategy)
         assert_twins(seen, inputs)
         stats = seen["fused"][-1][3]
-        assert stats["growths"] >= 3 and seen["later_passes"] > 0
+        assert stats["growths"] >= 3 and seen["fused_calls"] > len(batches)
     finally:
         torch.set_num_threads(previous)
 
@@ -151,7 +164,9 @@ def test_small_and_empty_batches(device):
             torch.tensor(tids, dtype=torch.int16, device=device),
             torch.tensor(freqs, dtype=torch.int64, device=device))
         pending.commit()
-        assert tuple(x.tolist() for x in unique[:4]) == py_dedup(keys, tids, freqs)
+        u = int((unique.counts > 0).sum())  # past the unique pairs: padding
+        assert (unique.keys[:u].tolist(), unique.table_ids[:u].tolist(),
+                unique.inverse.tolist(), unique.counts[:u].tolist()) == py_dedup(keys, tids, freqs)
         assert unique.starts.tolist()[-1] == len(keys) and sorted(unique.rank.tolist()) == list(
             range(len(keys)))
     assert table.size() == 3  # (0, 5), (1, 7), (0, 9)
@@ -173,4 +188,4 @@ def test_customized_is_refused_and_bad_frequencies_leave_the_table_alone(device)
     with pytest.raises(RuntimeError, match="prepared insert"):
         table.find(keys)
     pending.abort()
-    assert table.size() == 0 and unique.keys.tolist() == [1, 2]
+    assert table.size() == 0 and unique.keys.tolist() == [1, 2, 0]  # (0: padding)

@@ -1,7 +1,7 @@
 """The real ``ScoredHashTable`` against the reference model, step by step.
 
 A Hypothesis state machine drives random sequences of every verb on both, over geometries
-small enough that full buckets, evictions, growth, deferral and failed inserts are common,
+small enough that full buckets, evictions, growth and reruns after it, and failed inserts are common,
 and compares each output and the whole observable state after every step. Directed
 scenarios below it pin down the contract's corner cases one at a time.
 """
@@ -257,7 +257,7 @@ def test_all_pinned_bucket_fails(device):
     p.assert_same_state()
 
 
-def test_deferred_keys_grow_once_and_keep_offsets(device):
+def test_a_full_bucket_grows_the_table_and_the_call_runs_again(device):
     p = small_pair(device, max_capacity=64)
     full = keys_in_bucket(0, 1, 16)
     p.check("find_or_insert", full)
@@ -266,7 +266,7 @@ def test_deferred_keys_grow_once_and_keep_offsets(device):
     assert [s % 16 for s in out[0][:2]] == [0, 2] and out[1] == [True, True, False, True]
     assert p.real.capacity() == 32 and p.real.stats.growths == 1
     p.assert_same_state()
-    b0 = keys_in_bucket(0, 2, 17, start=10**7)  # fills bucket 0 of 2, so another deferral
+    b0 = keys_in_bucket(0, 2, 17, start=10**7)  # overfills bucket 0 of 2: another growth
     p.check("find_or_insert", b0)
     p.assert_same_state()
     ex = py_export(p.real.export_batch())
@@ -274,7 +274,7 @@ def test_deferred_keys_grow_once_and_keep_offsets(device):
         assert s // 16 == ref_hash(t, k) & (p.real.num_buckets - 1)
 
 
-def test_hit_behind_blocked_bucket_is_deferred(device):
+def test_a_hit_after_a_full_bucket_gets_its_slot_after_growth(device):
     p = small_pair(device, max_capacity=32, score_strategy="LFU")
     full = keys_in_bucket(0, 1, 16)
     p.check("find_or_insert", full)
@@ -339,10 +339,10 @@ def test_hit_pins_its_slot_against_later_keys_of_the_batch(device):
     p.assert_same_state()
 
 
-def test_hit_in_blocked_bucket_is_not_pinned_before_its_turn(device):
-    # A hit behind a blocked bucket is deferred with the new key before it. After the growth
-    # (now at max capacity) the new key comes first and may evict the hit key, which then
-    # comes back as an insert.
+def test_a_rerun_after_growth_pins_a_hit_only_at_its_turn(device):
+    # The call that found bucket 0 full is undone and runs again after the growth (now at
+    # max capacity): the new key comes first and may evict the hit key, which then comes
+    # back as an insert.
     p = small_pair(device, max_capacity=32, score_strategy="CUSTOMIZED")
     b0 = keys_in_bucket(0, 2, 17)  # bucket 0 after the growth as well
     p.check("find_or_insert", b0[:16], scores=[1] + [5] * 15)

@@ -87,7 +87,7 @@ def test_no_eviction_fails_when_full():
     assert r.slots == [-1, 0] and t.stats.failed_inserts == 1
 
 
-def test_deferral_grows_and_keeps_offsets():
+def test_a_full_bucket_grows_and_keys_keep_offsets():
     t = make_ref(max_capacity=64)
     keys0 = keys_in_bucket(0, 1, 16)
     t.find_or_insert(keys0)
@@ -102,8 +102,8 @@ def test_deferral_grows_and_keeps_offsets():
     assert r.inserted == [True, False, False]
 
 
-def test_blocked_bucket_defers_later_hits_too():
-    # a hit behind a blocked bucket is deferred, so its slot is reported after growth
+def test_a_hit_after_a_full_bucket_gets_its_slot_after_growth():
+    # the call that found the bucket full runs again after growth: the hit's slot is the grown table's
     t = make_ref(max_capacity=32, score_strategy="LFU")
     full = keys_in_bucket(0, 1, 16)
     t.find_or_insert(full)

@@ -1,7 +1,7 @@
 """The shared per-key procedures of ``csrc/dynamicemb/table_view.h`` on their own.
 
 ``table_view_check.cpp`` drives twin tables through the same random calls (inserting
-passes that hit, insert, evict, defer and fail; erase; undo; growth by ``move_one``), one
+passes that hit, insert, evict and fail; erase; undo; growth by ``move_one``), one
 probed by the header's default scalar probe and one by the CPU's SIMD probe
 (``csrc/cpu/probe.h``), and checks both against a map of what the table holds and
 against each other, byte for byte. It needs no torch: it also shows that the header

@@ -26,6 +26,6 @@ from dynamicemb.ops.cuda.launch import (_BLOCK, MAX_DIM, PIECE_ENTRIES, _on_kern
 from dynamicemb.ops.cuda.memory import mapped_host_zeros
 from dynamicemb.ops.cuda.program import (_KERNELS, _source_digest, cuda_source_root,
                                          kernel_program)
-from dynamicemb.ops.kernels import DeferredCount, KernelBackend
+from dynamicemb.ops.kernels import KernelBackend
 
 __all__ = ["CudaBackend", "CudaKernels", "cuda_source_root", "mapped_host_zeros"]

@@ -1,4 +1,4 @@
-"""The launches of ``csrc/cuda/cache.cu``: a padded batch's promotion into a cache."""
+"""The launches of ``csrc/cuda/cache.cu``: a step batch's promotion into a cache."""
 
 import numpy as np
 import torch
@@ -13,7 +13,7 @@ class CacheKernels(KernelLauncher):
     """The cache promotion verbs of ``CudaKernels``."""
 
     def promotion_plan(self, meta, bc, keys, tids, counts, host_slots, one_table, cache_size):
-        """(cache_slots, plan, rank, order) of a padded batch's promotion
+        """(cache_slots, plan, rank, order) of a step batch's promotion
         (csrc/cuda/cache.cu; order: the keys by descending rank, a stable sort)."""
         _expect_batch(keys, tids)
         _expect(counts, torch.int64, "counts")

@@ -41,28 +41,23 @@ class DedupKernels(KernelLauncher):
                      [_ptr(table), _ptr(where), _i64(n), _ptr(first), _ptr(is_first)])
         return first, is_first, zeroed[size // 2:]
 
-    def dedup(self, keys, tids, frequencies, group=False):
-        """Unique pairs in first-occurrence order: (keys, tids, inverse, counts,
-        starts, rank); starts and rank are empty unless ``group``."""
-        return self._dedup(keys, tids, frequencies, group)[0]
-
-    def padded_dedup(self, keys, tids, error, part=None, frequencies=None, group=False,
-                     time=None):
-        """``dedup`` padded to the n keys: nothing read on the host (``group``: the
-        lookups grouped too; ``time``: a table's clock and step, advanced by the
-        numbering kernel unless the batch is refused)."""
-        return self._dedup(keys, tids, frequencies, group, padded=True, error=error, time=time,
+    def dedup(self, keys, tids, error, part=None, frequencies=None, group=False, time=None):
+        """Unique pairs in first-occurrence order, padded to the n keys: (keys, tids,
+        inverse, counts, starts, rank), nothing read on the host (``group``: the
+        lookups grouped too, else starts and rank empty; ``time``: a table's clock
+        and step, advanced by the numbering kernel unless the batch is refused)."""
+        return self._dedup(keys, tids, frequencies, group, error=error, time=time,
                            part=part)[0]
 
     def _dedup(self, keys, tids, frequencies, grouped: bool, num_buckets: Optional[int] = None,
-               padded: bool = False, error: Optional[torch.Tensor] = None,
-               time: Optional[torch.Tensor] = None, part=None):
+               error: Optional[torch.Tensor] = None, time: Optional[torch.Tensor] = None,
+               part=None):
         """``dedup``'s tuple, and with ``num_buckets`` each unique pair's bucket in a
-        table of that many buckets ((U,) int32, written by the numbering kernel:
+        table of that many buckets ((N,) int32, written by the numbering kernel:
         an inserting pass needs no launch of its own to find them), else None.
 
-        ``padded``: the unique arrays have N entries (padding past the unique
-        count, which is not read: no sync); ``error``: the module's error word (a
+        The unique arrays have N entries (padding past the unique count, which is
+        not read: no sync); ``error``: the module's error word (a
         refused batch has no unique pair); ``time``: counters the numbering kernel
         advances by one unless the batch is refused (an empty batch too); ``part``
         (``BatchPart``): the keys of other groups are left out (inverse -1)."""
@@ -75,10 +70,7 @@ class DedupKernels(KernelLauncher):
                                                         zeros=2 * n + 1 if grouped else n,
                                                         part=part)
         number = torch.cumsum(is_first, 0)  # pair first seen at i: number[i] - 1
-        if padded:  # the unique count is at most n
-            u = n
-        else:
-            u = int(number[-1]) if n else 0  # the dedup's one sync: the unique count
+        u = n  # the unique count is at most n
         ukeys = torch.empty(u, dtype=torch.int64, device=dev)
         utids = torch.empty(u, dtype=tids.dtype, device=dev)
         inverse = torch.empty(n, dtype=torch.int64, device=dev)
@@ -88,7 +80,7 @@ class DedupKernels(KernelLauncher):
         self._launch("demb_dedup_number", dev, n if time is None else max(n, 1), [
             _ptr(keys), _ptr(tids), _ptr(first), _ptr(number), _i64(n), _ptr(ukeys),
             _ptr(utids), _ptr(inverse), _ptr(occurrences), _i64(num_buckets or 0),
-            _ptr(buckets), np.bool_(padded), _error_arg(error), _ptr(time)])
+            _ptr(buckets), _error_arg(error), _ptr(time)])
         counts = occurrences
         left_out = error is not None or part is not None  # some inverse may be -1
         if frequencies is not None:

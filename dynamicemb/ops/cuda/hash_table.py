@@ -1,14 +1,13 @@
 """The launches of ``csrc/cuda/hash_table.cu``: hashing, find, the inserting pass (with
-its dedup first, or padded), unpin, undo, growth, erase and the TTL sweep."""
+its dedup first, or alone), undo, growth, erase and the TTL sweep."""
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
 
 from dynamicemb.ops.cuda.launch import (_MAX_BUCKET_CAPACITY, _NUM_OUTCOMES, KernelLauncher,
                                         _expect, _expect_batch, _i64, _ptr, _table_args)
-from dynamicemb.ops.kernels import DeferredCount
 
 __all__ = ["HashTableKernels"]
 
@@ -31,29 +30,20 @@ class HashTableKernels(KernelLauncher):
                                               np.bool_(single_table), _ptr(slots)])
         return slots
 
-    def upsert(self, meta, bc, keys, tids, given, rule, now, evicts, can_grow, one_table,
-               pending, slots, status, prev_scores, ev_keys, ev_tids, ev_scores,
-               outcomes, buckets: Optional[torch.Tensor] = None,
-               now_at: Optional[torch.Tensor] = None,
-               size: Optional[torch.Tensor] = None,
-               table_scores: Optional[torch.Tensor] = None, ttl: int = 0) -> torch.Tensor:
-        """One inserting pass over keys[pending] (``pending=None``: every key, without
-        building the positions; ``buckets``: their buckets, when the caller has
-        them; ``now_at``: the time in device memory, instead of ``now``; ``size``:
-        the table's size in device memory, which the pass advances;
+    def _pass(self, meta, bc, keys, tids, given, rule, evicts, one_table, buckets, outcomes,
+              size, now_at: Optional[torch.Tensor], table_scores: Optional[torch.Tensor],
+              ttl: int) -> Tuple[torch.Tensor, ...]:
+        """One inserting pass over keys (n,) with their buckets ((n,) int32; kNoBucket:
+        skipped, slot -1, FAILED, counted nowhere): ``outcomes`` (5,) += its
+        InsertStatus counts and expired hits, ``size`` (1,) += its inserts into
+        empty slots; the call's time is ``now_at`` ((1,) in device memory; None: 0);
         ``table_scores`` (T,): the given rule's scores by table id, instead of
-        ``given``; ``ttl`` (0: none): hits on rows expired at the call's time are
-        inserts, counted at ``outcomes[4]``); returns the deferred positions, or
-        while the table may grow a ``DeferredCount`` (their number stays on the
-        device until the caller reads it with the outcomes)."""
-        _expect_batch(keys, tids)
-        if pending is not None:
-            _expect(pending, torch.int64, "pending")
+        ``given``. Returns (slots, status, prev_scores, ev_keys, ev_tids, ev_scores)."""
         _expect(outcomes, torch.int64, "outcomes")
-        if outcomes.numel() not in (_NUM_OUTCOMES, _NUM_OUTCOMES + 1) or (
-                ttl and outcomes.numel() != _NUM_OUTCOMES + 1):
-            raise ValueError(f"outcomes must hold {_NUM_OUTCOMES} counts, and the expired "
-                             f"hits with a ttl")
+        _expect(size, torch.int64, "size")
+        if outcomes.numel() != _NUM_OUTCOMES + 1 or size.numel() != 1:
+            raise ValueError(f"outcomes must hold {_NUM_OUTCOMES + 1} counts (the expired "
+                             f"hits last), size one")
         if table_scores is not None:
             _expect(table_scores, torch.int64, "table_scores")
         if rule != 0 and given is None and not (rule == 2 and table_scores is not None):
@@ -61,60 +51,32 @@ class HashTableKernels(KernelLauncher):
         if bc > _MAX_BUCKET_CAPACITY:
             raise ValueError(f"the CUDA backend inserts into buckets of at most "
                              f"{_MAX_BUCKET_CAPACITY} slots, got bucket_capacity={bc}")
-        m = keys.numel() if pending is None else pending.numel()
-        if m == 0:
-            return torch.empty(0, dtype=torch.int64, device=keys.device)
-        table = _table_args(meta, bc)
-        if buckets is None:
-            buckets = torch.empty(m, dtype=torch.int32, device=keys.device)
-            self._launch("demb_buckets_of", keys.device, m, [
-                _ptr(keys), _ptr(tids), _ptr(pending), _i64(m), table[5], _ptr(buckets)])
-        elif pending is not None or buckets.shape != (m,) or buckets.dtype != torch.int32:
-            raise ValueError("buckets are given for every key of a pass: (m,) int32, "
-                             "pending=None")
-        sorted_buckets, perm = torch.sort(buckets, stable=True)
-        order = perm if pending is None else pending[perm]
-        # The kernel adds to the caller's outcome counts (on the device: read once by
-        # the caller), and counts deferred keys only while the table may grow (no
-        # key is deferred otherwise).
-        deferred = torch.zeros(1, dtype=torch.int64, device=keys.device) if can_grow else None
-        self._launch("demb_upsert", keys.device, 32 * ((m + 31) // 32), table + [  # a warp per 32
-            _ptr(keys), _ptr(tids), _ptr(given), np.int32(rule), np.uint64(now),
-            np.bool_(evicts), np.bool_(can_grow), np.bool_(one_table), _ptr(sorted_buckets),
-            _ptr(order), _i64(m), _ptr(slots), _ptr(status), _ptr(prev_scores),
-            _ptr(ev_keys), _ptr(ev_tids), _ptr(ev_scores), _ptr(outcomes), _ptr(deferred),
-            _ptr(now_at), _ptr(size), _ptr(table_scores), np.uint64(ttl)])
-        if deferred is None:
-            return torch.empty(0, dtype=torch.int64, device=keys.device)
-        # how many were deferred is read by the caller with the outcome counts
-        return DeferredCount(deferred, pending,
-                             status[:keys.numel()] if pending is None else status)
+        n = keys.numel()
+        outs = tuple(torch.empty(n, dtype=dtype, device=keys.device) for dtype in (
+            torch.int64, torch.int8, torch.int64, torch.int64, torch.int16, torch.int64))
+        if n == 0:
+            return outs
+        sorted_buckets, order = torch.sort(buckets, stable=True)
+        self._launch("demb_upsert", keys.device, 32 * ((n + 31) // 32), _table_args(meta, bc) + [
+            _ptr(keys), _ptr(tids), _ptr(given), np.int32(rule), np.bool_(evicts),
+            np.bool_(one_table), _ptr(sorted_buckets), _ptr(order), _i64(n),
+            *[_ptr(t) for t in outs], _ptr(outcomes), _ptr(now_at), _ptr(size),
+            _ptr(table_scores), np.uint64(ttl)])  # a warp per 32 positions
+        return outs
 
-    def dedup_upsert(self, meta, bc, keys, tids, frequencies, now, evicts, can_grow,
-                     one_table, slots, status, prev_scores, ev_keys, ev_tids, ev_scores,
-                     outcomes):
-        """``dedup`` (grouped) then a first clock-rule pass over the unique keys."""
-        table = _table_args(meta, bc)
-        unique, buckets = self._dedup(keys, tids, frequencies, True, num_buckets=int(table[5]))
-        ukeys, utids, inverse, counts, starts, rank = unique
-        deferred = self.upsert(meta, bc, ukeys, utids, None, 0, now, evicts, can_grow,
-                               one_table, None, slots, status, prev_scores, ev_keys,
-                               ev_tids, ev_scores, outcomes, buckets=buckets)
-        return ukeys, utids, inverse, counts, starts, rank, deferred
-
-    def padded_dedup_upsert(self, meta, bc, keys, tids, frequencies, rule, time, now_index,
-                            evicts, one_table, error, outcomes, size, part=None,
-                            table_scores=None, ttl=0):
-        """``dedup`` (grouped) padded to the n keys, then one inserting pass over them
-        that defers no key (a full bucket evicts where ``evicts``, else fails its
-        key, whether the table may grow or not): nothing is read on the host. The numbering kernel advances ``time`` (the table's clock and
-        step, (2,) int64) unless the batch is refused, and the pass reads its time
-        from ``time[now_index]``; ``rule`` 0 scores by it, a count rule by the
-        dedup's counts, the given rule by ``table_scores`` (T,) (each table's score,
-        read by table id). With a ``ttl`` (0: none), a hit on a row last accessed
-        before that time - ttl is an insert. The pass adds its outcome counts and
-        expired hits to ``outcomes`` (5,) and its inserts into empty slots to
-        ``size`` (1,).
+    def dedup_upsert(self, meta, bc, keys, tids, frequencies, rule, time, now_index,
+                     evicts, one_table, error, outcomes, size, part=None, table_scores=None,
+                     ttl=0):
+        """``dedup`` (grouped, padded to the n keys), then one inserting pass over
+        its unique keys (a full bucket evicts where ``evicts``, else fails its key):
+        nothing is read on the host. The numbering kernel advances ``time`` (the
+        table's clock and step, (2,) int64) unless the batch is refused, and the
+        pass reads its time from ``time[now_index]``; ``rule`` 0 scores by it, a
+        count rule by the dedup's counts, the given rule by ``table_scores`` (T,)
+        (each table's score, read by table id). With a ``ttl`` (0: none), a hit on
+        a row last accessed before that time - ttl is an insert. The pass adds its
+        outcome counts and expired hits to ``outcomes`` (5,) and its inserts into
+        empty slots to ``size`` (1,).
 
         Returns:
             (ukeys, utids, inverse, counts, starts, rank, slots, status, prev_scores,
@@ -123,51 +85,48 @@ class HashTableKernels(KernelLauncher):
         """
         table = _table_args(meta, bc)
         _expect(time, torch.int64, "time")
-        _expect(outcomes, torch.int64, "outcomes")
         if time.numel() != 2 or now_index not in (0, 1):
             raise ValueError("time holds a clock and a step; now_index picks one")
-        if outcomes.numel() != _NUM_OUTCOMES + 1:
-            raise ValueError(f"outcomes must hold {_NUM_OUTCOMES + 1} counts (the expired "
-                             f"hits last)")
         if rule == 2 and table_scores is None:
-            raise ValueError("the given-score rule of a padded call reads each table's "
-                             "score: table_scores")
-        n = keys.numel()
+            raise ValueError("the given-score rule of a deduplicating call reads each "
+                             "table's score: table_scores")
         unique, buckets = self._dedup(keys, tids, frequencies, True, num_buckets=int(table[5]),
-                                      padded=True, error=error, time=time, part=part)
+                                      error=error, time=time, part=part)
         ukeys, utids, inverse, counts, starts, rank = unique
-        outs = [torch.empty(n, dtype=dtype, device=keys.device) for dtype in (
-            torch.int64, torch.int8, torch.int64, torch.int64, torch.int16, torch.int64)]
         given = counts if rule in (1, 3) else None
-        self.upsert(meta, bc, ukeys, utids, given, rule, 0, evicts, False, one_table, None,
-                    *outs, outcomes, buckets=buckets, now_at=time[now_index:now_index + 1],
-                    size=size, table_scores=table_scores if rule == 2 else None, ttl=ttl)
+        outs = self._pass(meta, bc, ukeys, utids, given, rule, evicts, one_table, buckets,
+                          outcomes, size, time[now_index:now_index + 1],
+                          table_scores if rule == 2 else None, ttl)
         return (ukeys, utids, inverse, counts, starts, rank, *outs)
 
-    def padded_upsert(self, meta, bc, keys, tids, scores, rule, evicts, one_table, buckets,
-                      outcomes, size, time=None, now_index=0, ttl=0):
-        """One inserting pass over unique keys with their buckets given (kNoBucket:
-        skipped, slot -1, FAILED, counted nowhere), deferring no key; ``outcomes``
-        (5,) and ``size`` (1,) advance on the device; the pass's time is
-        ``time[now_index]`` (read on the device), 0 without ``time``; ``ttl`` (0:
-        none): a hit on a row expired at that time is an insert (``outcomes[4]``). Returns
-        (slots, status, prev_scores, ev_keys, ev_tids, ev_scores), (n,) each."""
-        _expect(buckets, torch.int32, "buckets")
-        _expect(outcomes, torch.int64, "outcomes")
-        if outcomes.numel() != _NUM_OUTCOMES + 1:
-            raise ValueError(f"outcomes must hold {_NUM_OUTCOMES + 1} counts")
+    def upsert(self, meta, bc, keys, tids, scores, rule, evicts, one_table, buckets,
+               outcomes, size, time=None, now_index=0, ttl=0):
+        """One inserting pass over keys (n,), those of one bucket in input order (a
+        repeated key hits its first occurrence's slot); ``buckets`` ((n,) int32, or
+        None: by hash) may skip keys (kNoBucket: slot -1, FAILED, counted nowhere);
+        ``outcomes`` (5,) and ``size`` (1,) advance on the device; the pass's time
+        is ``time[now_index]`` (read on the device), 0 without ``time``; ``ttl`` (0:
+        none): a hit on a row expired at that time is an insert (``outcomes[4]``).
+        Returns (slots, status, prev_scores, ev_keys, ev_tids, ev_scores), (n,) each."""
+        _expect_batch(keys, tids)
+        n = keys.numel()
+        table = _table_args(meta, bc)
+        if buckets is None:
+            buckets = torch.empty(n, dtype=torch.int32, device=keys.device)
+            self._launch("demb_buckets_of", keys.device, n, [
+                _ptr(keys), _ptr(tids), _i64(n), table[5], _ptr(buckets)])
+        else:
+            _expect(buckets, torch.int32, "buckets")
+            if buckets.shape != (n,):
+                raise ValueError("buckets are given for every key of a pass: (n,) int32")
         now_at = None
         if time is not None:
             _expect(time, torch.int64, "time")
             if time.numel() != 2 or now_index not in (0, 1):
                 raise ValueError("time holds a clock and a step; now_index picks one")
             now_at = time[now_index:now_index + 1]
-        n = keys.numel()
-        outs = [torch.empty(n, dtype=dtype, device=keys.device) for dtype in (
-            torch.int64, torch.int8, torch.int64, torch.int64, torch.int16, torch.int64)]
-        self.upsert(meta, bc, keys, tids, scores, rule, 0, evicts, False, one_table, None,
-                    *outs, outcomes, buckets=buckets, now_at=now_at, size=size, ttl=ttl)
-        return tuple(outs)
+        return self._pass(meta, bc, keys, tids, scores, rule, evicts, one_table, buckets,
+                          outcomes, size, now_at, None, ttl)
 
     def erase_where(self, meta, bc, keys, tids, status, which, erased, size) -> None:
         """Erases keys[i] where status[i] == which; erased (1,) += and size (1,) -= the
@@ -180,11 +139,6 @@ class HashTableKernels(KernelLauncher):
             _ptr(keys), _ptr(tids), _ptr(status), np.int32(which), _i64(keys.numel()),
             _ptr(erased), _ptr(size)])
 
-
-    def unpin(self, meta, bc, slots) -> None:
-        _expect(slots, torch.int64, "slots")
-        self._launch("demb_unpin", slots.device, slots.numel(),
-                     _table_args(meta, bc) + [_ptr(slots), _i64(slots.numel())])
 
     def undo_upsert(self, meta, bc, slots, status, prev_scores, ev_keys, ev_tids,
                     ev_scores) -> None:

@@ -10,7 +10,7 @@ __all__ = ["cuda_source_root", "kernel_program"]
 # Each kernel and the file of csrc/cuda that defines it.
 _KERNELS = {
     **dict.fromkeys(("demb_hash_keys", "demb_buckets_of", "demb_find", "demb_upsert",
-                     "demb_unpin", "demb_undo_upsert", "demb_grow", "demb_erase",
+                     "demb_undo_upsert", "demb_grow", "demb_erase",
                      "demb_erase_where", "demb_expire"),
                     "hash_table.cu"),
     **dict.fromkeys(("demb_cache_probe", "demb_cache_rank", "demb_promotion_order",

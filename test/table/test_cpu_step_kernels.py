@@ -1,6 +1,6 @@
-"""The CPU extension's padded-step verbs against the CUDA kernels (as emulated).
+"""The CPU extension's step verbs against the CUDA kernels (as emulated).
 
-``padded_dedup_upsert``, ``padded_dedup``, ``padded_upsert``, ``erase_where`` and
+``dedup_upsert``, ``dedup``, ``upsert``, ``erase_where`` and
 ``init_rows`` of the CPU extension must return what ``CudaKernels`` returns for the
 same arguments, bit for bit (padding past the unique count included), and leave twin
 tables, clocks and counters in the same state: on random batches with duplicates,
@@ -9,9 +9,9 @@ rule by table scores), a ttl, a refused batch (error word set) and a ``BatchPart
 Entries a kernel leaves unwritten (``prev_scores`` of evictions and failures, the
 victims' fields but for evictions) are compared where they are defined.
 
-A padded call with a ttl or CUSTOMIZED scores must also decide what the host-counted
-call (``prepare_dedup_find_or_insert`` without ``padded``) decides: same slots, new
-keys, table bytes and stats (``test_padded_table_matches_old_path``).
+A step's call with a ttl or CUSTOMIZED scores must also decide what the table's own
+verb decides over the deduplicated keys (``prepare_find_or_insert``): same slots, new
+keys, table bytes and stats (``test_step_call_matches_the_table_verb``).
 """
 
 import random
@@ -25,7 +25,7 @@ from dynamicemb.ops.records import BatchPart, InitSpec
 from dynamicemb_testing.cuda_emulation import emulated_cuda
 
 HIT, INSERTED, EVICTED, FAILED = 0, 1, 2, 3
-EXPIRED = 4  # where the padded verbs count hits on expired rows
+EXPIRED = 4  # where the inserting verbs count hits on expired rows
 NO_BUCKET = 0x7FFFFFFF
 RULES = [0, 1, 2, 3]  # clock, count, given, count then clock
 
@@ -135,7 +135,7 @@ def assert_same_dedup_upsert(got, want, what: str) -> None:
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("evicts", [True, False], ids=["evicts", "no-eviction"])
 @pytest.mark.parametrize("seed,ttl", [(0, 0), (1, 0), (0, 2), (1, 3)])
-def test_padded_dedup_upsert_matches_cuda(rule, evicts, seed, ttl):
+def test_dedup_upsert_matches_cuda(rule, evicts, seed, ttl):
     """Calls in sequence (the table fills, then evicts or fails), of sizes 0, 1 and
     more, with frequencies or not, an error word clear or set, a part or none, and
     a ttl or none (the clock rules then find expired rows)."""
@@ -154,7 +154,7 @@ def test_padded_dedup_upsert_matches_cuda(rule, evicts, seed, ttl):
             part = maybe_part(rng, n, with_part=call % 3 == 1)
             args = dedup_upsert_args(keys, tids, frequencies, rule, call % 2, evicts,
                                      one_table, error, part, ttl)
-            got, want = run_both(twins, kernels, "padded_dedup_upsert", args)
+            got, want = run_both(twins, kernels, "dedup_upsert", args)
             what = f"call {call} (n={n}, refused={refused}, part={part is not None})"
             assert_same_dedup_upsert(got, want, what)
             twins.check(what)
@@ -167,7 +167,7 @@ def test_padded_dedup_upsert_matches_cuda(rule, evicts, seed, ttl):
         assert outcomes[EXPIRED] > 0, "some hit found its row expired"
 
 
-def test_padded_dedup_upsert_threads():
+def test_dedup_upsert_threads():
     """A batch large enough for the overlapped dedup and pass (two threads)."""
     rng = random.Random(7)
     twins = Twins(num_buckets=64, bc=128)
@@ -178,14 +178,14 @@ def test_padded_dedup_upsert_threads():
             part = maybe_part(rng, n, with_part=rule == 1)
             args = dedup_upsert_args(keys, tids, frequencies, rule, 0, True, False,
                                      torch.zeros(1, dtype=torch.int64), part, ttl=rule)
-            got, want = run_both(twins, kernels, "padded_dedup_upsert", args)
+            got, want = run_both(twins, kernels, "dedup_upsert", args)
             assert_same_dedup_upsert(got, want, f"rule {rule}")
             twins.check(f"rule {rule}")
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["plain", "grouped-timed"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_padded_dedup_matches_cuda(seed, grouped):
+def test_dedup_matches_cuda(seed, grouped):
     """Plain, or (an admission's dedup) grouped, with frequencies, advancing a
     table's time unless the batch is refused."""
     rng = random.Random(seed)
@@ -200,9 +200,9 @@ def test_padded_dedup_matches_cuda(seed, grouped):
                 freq = torch.tensor([rng.randrange(1, 5) for _ in range(n)], dtype=torch.int64)
                 kw = dict(frequencies=freq, group=True)
             times = [torch.tensor([5, 9]) for _ in range(2)]
-            got = cpu_kernels.load().padded_dedup(keys, tids, error, part,
+            got = cpu_kernels.load().dedup(keys, tids, error, part,
                                                   time=times[0] if grouped else None, **kw)
-            want = kernels.padded_dedup(keys, tids, error, part,
+            want = kernels.dedup(keys, tids, error, part,
                                         time=times[1] if grouped else None, **kw)
             assert len(got) == len(want) == 6
             for i, name in enumerate(("ukeys", "utids", "inverse", "counts", "starts", "rank")):
@@ -225,7 +225,7 @@ def unique_batch(rng: random.Random, n: int, pool: int, num_buckets: int):
 
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("evicts", [True, False], ids=["evicts", "no-eviction"])
-def test_padded_upsert_matches_cuda(rule, evicts):
+def test_upsert_matches_cuda(rule, evicts):
     rng = random.Random(f"{rule}{evicts}")
     twins = Twins(num_buckets=4, bc=16)
     with emulated_cuda() as kernels:
@@ -243,7 +243,7 @@ def test_padded_upsert_matches_cuda(rule, evicts):
             def make(memory, state):
                 return (memory.meta, memory.bucket_capacity, keys, tids, scores, rule, evicts,
                         one_table, buckets, state["outcomes"], state["size"], time, call % 2)
-            got, want = run_both(twins, kernels, "padded_upsert", make)
+            got, want = run_both(twins, kernels, "upsert", make)
             assert len(got) == len(want) == 6
             assert_same_pass(got, want, f"call {call}")
             assert (got[0][buckets == NO_BUCKET] == -1).all()
@@ -253,7 +253,7 @@ def test_padded_upsert_matches_cuda(rule, evicts):
 
 @pytest.mark.parametrize("which", [HIT, INSERTED, EVICTED, FAILED])
 def test_erase_where_matches_cuda(which):
-    """Erases the keys of one status of a padded call (victims: from a second table,
+    """Erases the keys of one status of a step's call (victims: from a second table,
     as the host store's victims leave the cache)."""
     rng = random.Random(which)
     twins = Twins(num_buckets=4, bc=16)
@@ -261,7 +261,7 @@ def test_erase_where_matches_cuda(which):
         for call, n in enumerate([40, 0, 1, 120, 80]):
             keys, tids = batch(rng, n, pool=150, tables=2)
             args = dedup_upsert_args(keys, tids, None, 0, 0, True, False, None, None)
-            result, _ = run_both(twins, kernels, "padded_dedup_upsert", args)
+            result, _ = run_both(twins, kernels, "dedup_upsert", args)
             status = result[7]
             erase_keys, erase_tids = ((result[9], result[10]) if which == EVICTED
                                       else (result[0], result[1]))
@@ -328,7 +328,7 @@ def test_bad_arguments_raise():
 
     def call(time=torch.zeros(2, dtype=torch.int64), now_index=0, rule=0, part=None,
              error=None, table_scores=None, ttl=0, counts=outcomes):
-        kernels.padded_dedup_upsert(memory.meta, 16, keys, tids, None, rule, time, now_index,
+        kernels.dedup_upsert(memory.meta, 16, keys, tids, None, rule, time, now_index,
                                     True, False, error, counts, size, part, table_scores, ttl)
 
     with pytest.raises(RuntimeError, match="time holds a clock and a step"):
@@ -350,40 +350,42 @@ def test_bad_arguments_raise():
     with pytest.raises(RuntimeError, match="outcomes must hold 5"):
         call(counts=torch.zeros(4, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="buckets"):
-        kernels.padded_upsert(memory.meta, 16, keys, tids, None, 0, True, False,
+        kernels.upsert(memory.meta, 16, keys, tids, None, 0, True, False,
                               torch.zeros(4, dtype=torch.int32), outcomes, size)
     with pytest.raises(RuntimeError, match="need scores"):
-        kernels.padded_upsert(memory.meta, 16, keys, tids, None, 1, True, False,
+        kernels.upsert(memory.meta, 16, keys, tids, None, 1, True, False,
                               torch.zeros(5, dtype=torch.int32), outcomes, size)
     assert int(outcomes.sum()) == 0 and int(size) == 0, "a refused call changed counts"
 
 
-# ------------------------------------------------- a padded call against the old path
+# ----------------------------------------- a step's call against the table's own verb
 def _tables(strategy, ttl):
     from dynamicemb.table import ScoredHashTable
     return [ScoredHashTable(num_tables=3, capacity=64, bucket_capacity=16,
                             score_strategy=strategy, ttl=ttl) for _ in range(2)]
 
 
-PADDED_CASES = {  # strategy, ttl
+STEP_CASES = {  # strategy, ttl
     "lru-ttl": ("LRU", 2), "step-ttl": ("STEP", 3), "lru_lfu-ttl": ("LRU_LFU", 2),
     "no_eviction-ttl": ("NO_EVICTION", 2), "customized": ("CUSTOMIZED", None),
 }
 
 
-@pytest.mark.parametrize("case", list(PADDED_CASES))
-def test_padded_table_matches_old_path(case):
-    """``prepare_dedup_find_or_insert(padded=True)`` with a ttl (hits on expired rows
-    are inserts the kernel finds at the time it keeps on the device) or CUSTOMIZED
-    scores (each table's score read by table id) decides what the host-counted call
-    decides: slots, new keys (expired hits included), scores, table bytes, size and
-    stats; ``find`` then misses the same expired rows without the host's time."""
+@pytest.mark.parametrize("case", list(STEP_CASES))
+def test_step_call_matches_the_table_verb(case):
+    """``prepare_dedup_find_or_insert()`` with a ttl (hits on expired rows are
+    inserts the kernel finds at the time it keeps on the device) or CUSTOMIZED
+    scores (each table's score read by table id) decides what the table's own
+    ``prepare_find_or_insert`` of the deduplicated keys decides: slots, new keys
+    (expired hits included), scores, table bytes, size and stats; ``find`` then
+    misses the same expired rows."""
     from dynamicemb.types import DynamicEmbScoreStrategy as S
-    name, ttl = PADDED_CASES[case]
+    name, ttl = STEP_CASES[case]
     strategy = S[name]
-    old, padded = _tables(strategy, ttl)
+    verb, step = _tables(strategy, ttl)
     rng = random.Random(case)
     customized = strategy == S.CUSTOMIZED
+    counted = strategy in (S.LFU, S.LRU_LFU)
     for call in range(14):
         n = rng.choice([1, 20, 60, 90])
         keys, tids = batch(rng, n, pool=40 + 20 * (call % 3), tables=3)
@@ -391,32 +393,34 @@ def test_padded_table_matches_old_path(case):
         scores = (torch.tensor([rng.randrange(0, 50) for _ in range(3)], dtype=torch.int64)
                   if customized else None)
         if strategy == S.STEP:
-            old.set_step(call + 1)  # the padded call advances its step on the device
-        unique, pending = old.prepare_dedup_find_or_insert(keys, tids, freq,
-                                                           table_scores=scores)
-        want = pending.commit()
-        got_unique, got_pending = padded.prepare_dedup_find_or_insert(
-            keys, tids, freq, padded=True, error=torch.zeros(1, dtype=torch.int64),
+            verb.set_step(call + 1)  # the step's call advances its step on the device
+        unique = verb._ops.dedup(keys=keys, table_ids=tids, error=None, frequencies=freq)
+        u = int((unique.counts > 0).sum())
+        ukeys, utids = unique.keys[:u], unique.table_ids[:u]
+        given = (scores[utids.long()] if customized
+                 else unique.counts[:u] if counted else None)
+        want = verb.prepare_find_or_insert(ukeys, utids, given).commit()
+        got_unique, got_pending = step.prepare_dedup_find_or_insert(
+            keys, tids, freq, error=torch.zeros(1, dtype=torch.int64),
             table_scores=scores)
         got = got_pending.commit()
-        u, what = unique.keys.numel(), f"call {call}"
-        assert_same(got_unique.keys[:u], unique.keys, f"{what} keys")
+        what = f"call {call}"
+        assert_same(got_unique.keys[:u], ukeys, f"{what} keys")
         assert_same(got.slots[:u], want.slots, f"{what} slots")
-        new = (got.status[:u] == INSERTED) | (got.status[:u] == EVICTED)
-        assert_same(new, want.inserted, f"{what} new keys")
-        assert_same_tables(padded.memory, old.memory, what)
-        assert padded.size() == old.size() and padded.now == old.now, what
+        assert_same(got.inserted[:u], want.inserted, f"{what} new keys")
+        assert_same_tables(step.memory, verb.memory, what)
+        assert step.size() == verb.size() and step.now == verb.now, what
         probe = torch.arange(-12, 60)
         for t in range(3):
             ids = torch.full_like(probe, t, dtype=torch.int16)
-            assert_same(padded.find(probe, ids), old.find(probe, ids), f"{what} find")
-    assert padded.stats == old.stats
+            assert_same(step.find(probe, ids), verb.find(probe, ids), f"{what} find")
+    assert step.stats == verb.stats
     if ttl is not None:
-        assert old.stats.expired > 0, "some rows expired on a hit"
+        assert verb.stats.expired > 0, "some rows expired on a hit"
 
 
-def test_padded_abort_restores_expired_rows():
-    """Aborting a padded call whose hits found expired rows gives them back their
+def test_abort_restores_expired_rows():
+    """Aborting a step's call whose hits found expired rows gives them back their
     old scores (the key stays), and takes back the clock, size and totals."""
     from dynamicemb.table import ScoredHashTable
     from dynamicemb.types import DynamicEmbScoreStrategy as S
@@ -427,11 +431,11 @@ def test_padded_abort_restores_expired_rows():
     first = batch(rng, 30, pool=40, tables=2)
     for keys, tids in (first, batch(rng, 10, pool=200, tables=2),
                        batch(rng, 10, pool=200, tables=2)):
-        table.prepare_dedup_find_or_insert(keys, tids, padded=True, error=word)[1].commit()
+        table.prepare_dedup_find_or_insert(keys, tids, error=word)[1].commit()
     before = [t.clone() for t in table.memory.meta]
     totals = table.outcome_totals().tensor.clone()
     clock, size = table.clock, table.size()
-    _, pending = table.prepare_dedup_find_or_insert(*first, padded=True, error=word)
+    _, pending = table.prepare_dedup_find_or_insert(*first, error=word)
     expired = table.outcome_totals().tensor[4] - totals[4]
     assert int(expired) > 0, "the call found expired rows"
     pending.abort()
