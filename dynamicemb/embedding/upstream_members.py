@@ -13,6 +13,7 @@ from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from dynamicemb.storage.layouts import Cache, Placement
 from dynamicemb.ops.interface import COMPOUND_COUNT_SHIFT, COMPOUND_TIME_MASK
 from dynamicemb.types import DynamicEmbScoreStrategy
 
@@ -144,8 +145,7 @@ class UpstreamMembers:
         batch_size, table_id)`` and ``size(table_id)``; a ``HybridStorage`` when a table
         keeps rows in device and host memory without a cache (a placement tier), else
         a ``DynamicEmbStorage`` (upstream's classes of those layouts)."""
-        split = any(g.storage.device_tier is not None and not g.storage.promote
-                    for g in self._groups)
+        split = any(isinstance(g.storage.layout, Placement) for g in self._groups)
         return (HybridStorage if split else DynamicEmbStorage)(self)
 
     @property
@@ -154,8 +154,7 @@ class UpstreamMembers:
         None when none is cached (upstream's ``cache``, for its statistics hooks).
         One view per module: its reads count from the previous one."""
         cached = [n for n in self.table_names
-                  if self._location(n)[0].storage.device_tier is not None
-                  and self._location(n)[0].storage.promote]
+                  if isinstance(self._location(n)[0].storage.layout, Cache)]
         if not cached:
             return None
         view = self.__dict__.get("_upstream_cache_view")

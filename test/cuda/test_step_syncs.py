@@ -569,9 +569,9 @@ def test_a_prefetch_pipeline_makes_no_sync(layout):
 # so its step reads what the insert evicted and found new (``PendingInsert``'s counts
 # of the step's call), stages and restores rows (``ExternalTier``), and an eval step
 # reads the rows below of keys the host store lacks. Every sync is at that seam.
-EXTERNAL_SEAM = {"evicted", "counts", "num_failed", "num_new", "_stage_below", "_restore_below", "stage",
-                 "restore", "_pack_keys", "_pack_values", "_rows_below", "fill_from_below",
-                 "get", "put", "delete"}
+EXTERNAL_SEAM = {"evicted", "counts", "num_failed", "num_new", "_stage_below", "overlay",
+                 "_restore_below", "stage", "restore", "_pack_keys", "_pack_values",
+                 "_rows_below", "fill_from_below", "get", "put", "delete"}
 
 
 @pytest.mark.parametrize("backend", ["cuda-emulated", "cpu"])

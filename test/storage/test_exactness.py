@@ -19,6 +19,7 @@ from dynamicemb import (
     DynamicEmbScoreStrategy,
     DynamicEmbTableOptions,
 )
+from dynamicemb.storage.layouts import HostOnly
 from dynamicemb_testing.devices import EMULATED, SIMT, backend_device, devices
 
 DIM = 8
@@ -250,8 +251,8 @@ def test_a_device_budget_below_one_bucket_is_refused_by_name(caching):
                        r"smallest bucket \(16 rows\): give them at least 512 B together, 0 for "
                        r"a host-only table"):
         make_module(cpu, sgd, lru, "sum", caching=caching, device_rows=7)
-    assert make_module(cpu, sgd, lru, "sum", caching=caching, device_rows=0)._groups[0] \
-        .storage.host_only
+    assert isinstance(make_module(cpu, sgd, lru, "sum", caching=caching, device_rows=0)
+                      ._groups[0].storage.layout, HostOnly)
     tier = make_module(cpu, sgd, lru, "sum", caching=caching, device_rows=8)._groups[0] \
         .storage.device_tier
     assert tier is not None and tier.capacity() == 16
