@@ -268,7 +268,7 @@ class TableGroup:
                 get inverse -1); None: every lookup is this group's.
         """
         if not (insert and self.training):  # eval: rows found, none inserted
-            if self.storage.external is not None:  # absent rows may be below: each read
+            if self.storage.external.holds_rows:  # absent rows may be below: each read
                 unique = self.ops.dedup(keys=keys, table_ids=tids, error=error,
                                         part=part)  # once, as a transient row
                 return GroupLookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,

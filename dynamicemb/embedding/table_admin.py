@@ -65,7 +65,7 @@ class TableAdmin:
                                 "device, batch_size); pass device, or use iter_keys_values(name, "
                                 "chunk_slots)")
             group, local = self._location(table_name)
-            if group.storage.external is not None:  # every tier's rows
+            if group.storage.external.holds_rows:  # every tier's rows
                 return self._cat_rows(list(self.iter_keys_values(table_name,
                                                                  min_score=min_score)))
             return self._rows_of(group, local, group.storage.export(min_score=min_score))
@@ -329,6 +329,6 @@ class TableAdmin:
         waiting for a sweep)."""
         group, local = self._location(table_name)
         if (len(group.table_indices) == 1 and group.table.ttl is None
-                and group.storage.external is None):
+                and not group.storage.external.holds_rows):
             return group.table.size()
         return sum(int(rows.keys.numel()) for rows in self.iter_keys_values(table_name))

@@ -44,7 +44,26 @@ from dynamicemb.table import (Deduplicated, Entries, InsertResult, PendingInsert
                               ScoredHashTable, expired_hits)
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
-__all__ = ["TierMetrics", "TieredStorage"]
+__all__ = ["NothingBelow", "TierMetrics", "TieredStorage"]
+
+
+class NothingBelow:
+    """The tier below the host store when there is none (an ``ExternalTier``'s null
+    case): no row lives below, nothing goes down, and its upkeep does nothing."""
+
+    holds_rows = False
+
+    def over(self) -> str:
+        return ""
+
+    def flush(self) -> None:
+        pass
+
+    def export_chunks(self, chunk: int, min_score: Optional[int] = None) -> Iterator[Entries]:
+        return iter(())
+
+    def clear_table(self, tid: int, only_table: bool) -> None:
+        pass
 
 
 
@@ -61,7 +80,7 @@ class TieredStorage:
         initialize: ``initialize(values, slots, status, keys, tids)`` writes the
             initial rows of the keys whose status says the host store just inserted
             them (``commit``); None: they stay zero.
-        external: the ``ExternalTier`` below the host store, or None.
+        external: the ``ExternalTier`` below the host store (None: ``NothingBelow``).
     """
 
     def __init__(self, host: ScoredHashTable, layout: Layout, counts: TierCounts,
@@ -72,8 +91,9 @@ class TieredStorage:
         self.counts = counts
         self.crossing = crossing
         self.device = crossing.device
-        self.external = external
-        host.grows_for_failures = external is not None  # every key must find its slot
+        self.external = NothingBelow() if external is None else external
+        # a key without a slot could not take its row back from below
+        host.grows_for_failures = self.external.holds_rows
         self._staged = None  # the external tier's part of the prepared insert
         self.initialize = initialize
 
@@ -126,8 +146,7 @@ class TieredStorage:
         return made((Cache if caching else Placement)(host, counts, crossing, tier))
 
     def describe(self) -> str:
-        below = "" if self.external is None else f", over {self.external.describe()}"
-        return self._describe_memory() + below
+        return self._describe_memory() + self.external.over()
 
     def _describe_memory(self) -> str:
         row_bytes = self.host.value_dim * self.host.values.element_size()
@@ -183,7 +202,7 @@ class TieredStorage:
         """With an external tier: the insert's victims (current rows: a device-tier
         copy wins) go down and the rows of its new keys come up now; a failing store
         aborts ``pending`` and raises."""
-        if self.external is None:
+        if not self.external.holds_rows:  # (reading the victims would sync)
             return
         try:
             victims = pending.evicted()
@@ -207,7 +226,7 @@ class TieredStorage:
         return came_back
 
     def commit(self, pending: PendingInsert, keys: torch.Tensor, tids: torch.Tensor,
-                      counts: torch.Tensor) -> torch.Tensor:
+               counts: torch.Tensor) -> torch.Tensor:
         """Phase two of the insert (``prepare_dedup``), every count on
         the device: commits, initializes the rows of new keys (by status: a hit on
         an expired row is one), drops the host store's victims and expired rows
@@ -274,8 +293,7 @@ class TieredStorage:
         for tier in self.layout.tables()[1:]:
             rows = tier.export_batch()
             self._write_back(rows.keys, rows.table_ids, rows.values)
-        if self.external is not None:
-            self.external.flush()
+        self.external.flush()
 
     def reset_cache_states(self) -> None:
         """Flushes, then empties the device tier (a cold cache)."""
@@ -297,7 +315,8 @@ class TieredStorage:
         ``exact_scores``: store ``scores`` as given whatever the strategy. With an
         external tier, in chunks of a quarter of the host store (its victims go down)."""
         chunk = max(self.host.bucket_capacity, self.host.max_capacity() // 4)
-        if self.external is not None and keys.numel() > chunk:
+        below = self.external.holds_rows
+        if below and keys.numel() > chunk:
             for at in range(0, keys.numel(), chunk):
                 part = slice(at, at + chunk)
                 self.import_rows(keys[part], tids[part], rows[part],
@@ -305,11 +324,11 @@ class TieredStorage:
             return
         scores = None if scores is None else self._on_host(scores)
         keys, tids = self._on_host(keys), self._on_host(tids)
-        if self.external is not None:
+        if below:
             scores, exact_scores = self._imported_scores(keys, tids, scores, exact_scores)
         result = self.host.insert_and_evict(keys, self._on_host(rows), tids, scores,
                                             exact_scores=exact_scores)
-        if self.external is not None:
+        if below:
             self._import_below(keys, tids, result)
         self.layout.drop(keys, tids)  # stale copies
         self.layout.drop(result.evicted.keys, result.evicted.table_ids)
@@ -351,15 +370,14 @@ class TieredStorage:
         while start < self.host.capacity():
             yield self.export(start, chunk_slots, min_score)
             start += chunk_slots
-        if self.external is not None:
-            yield from self.external.export_chunks(chunk_slots, min_score)
+        yield from self.external.export_chunks(chunk_slots, min_score)
 
     def or_below(self, keys: torch.Tensor, tids: torch.Tensor, stored: torch.Tensor,
                  asked: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``stored`` (n,) bool (the host store holds the key), or with an external
         tier also where the store holds it, among the keys ``asked`` (default all):
         the store is asked from the host."""
-        if self.external is None:
+        if not self.external.holds_rows:
             return stored
         absent = ~stored if asked is None else asked & ~stored
         absent = absent.nonzero().squeeze(1)
@@ -375,7 +393,7 @@ class TieredStorage:
                         rows: torch.Tensor) -> None:
         """rows[i] = the first ``rows.shape[1]`` floats of key i's row in the external
         tier, where it holds one (reading keys the host store does not hold)."""
-        if self.external is None or keys.numel() == 0:
+        if not self.external.holds_rows or keys.numel() == 0:
             return
         found, below = self.external.get(self._on_host(keys), self._on_host(tids))
         at = found.nonzero().squeeze(1).to(rows.device)
@@ -384,8 +402,7 @@ class TieredStorage:
     def clear_table(self, tid: int, chunk_slots: int = 1 << 20) -> None:
         """Removes every row of local table ``tid`` from every tier (a group of one
         table is emptied at once; otherwise its keys are erased chunk by chunk)."""
-        if self.external is not None:
-            self.external.clear_table(tid, only_table=self.host.num_tables == 1)
+        self.external.clear_table(tid, only_table=self.host.num_tables == 1)
         if self.host.num_tables == 1:
             for table in self.layout.tables():
                 table.clear()

@@ -47,13 +47,17 @@ class Staged(NamedTuple):
 
 
 class ExternalTier:
-    """A ``KVStore`` under a host store.
+    """A ``KVStore`` under a host store (``NothingBelow`` is the storage's tier below
+    when there is none).
 
     Args:
         store: the open store.
         host: the host store it backs.
         label: the tables it holds, for messages.
     """
+
+    #: rows live below: reads and writes go to the store
+    holds_rows = True
 
     def __init__(self, store: KVStore, host: ScoredHashTable, label: str) -> None:
         if store.row_width != host.value_dim:
@@ -206,3 +210,7 @@ class ExternalTier:
 
     def describe(self) -> str:
         return f"external store {self.store.name}"
+
+    def over(self) -> str:
+        """What a storage's description adds for this tier below it."""
+        return f", over {self.describe()}"
