@@ -99,8 +99,8 @@ class PendingInsert:
                                  & (self.upserted.prev_scores >= 0))
             counts = torch.zeros(6, dtype=torch.int64, device=status.device)
             counts.index_add_(0, status, torch.ones_like(status))  # no size read: no sync
-            counts[InsertStatus.INSERTED] -= expired.sum()
             counts[4] = expired.sum()
+            counts[InsertStatus.INSERTED] -= counts[4]
             self._counts = counts[:5].tolist()
         return self._counts
 
@@ -123,13 +123,22 @@ class PendingInsert:
         """The entries this call evicts, with their rows, read before ``commit`` (which
         overwrites them); in input order of the keys that evict them."""
         upserted = self.upserted
-        positions = self.taken(upserted.status == InsertStatus.EVICTED_AND_INSERTED)
-        positions = positions.nonzero().squeeze(1)
+        positions = self._positions(
+            self.taken(upserted.status == InsertStatus.EVICTED_AND_INSERTED),
+            InsertStatus.EVICTED_AND_INSERTED)
         slots = upserted.slots[positions]
         return Entries(keys=upserted.ev_keys[positions],
                        table_ids=upserted.ev_tids[positions].long(),
                        scores=upserted.ev_scores[positions], slots=slots,
                        values=self.table.memory.values[slots])
+
+    def _positions(self, mask: torch.Tensor, *counted: int) -> torch.Tensor:
+        """The positions of ``mask``; sized by the ``counted`` entries of ``counts()``
+        where the call read them already (no second sync on a GPU)."""
+        if self._counts is None:
+            return mask.nonzero().squeeze(1)
+        size = sum(self._counts[c] for c in counted)
+        return torch.nonzero_static(mask, size=size).squeeze(1)
 
     def _finish(self) -> None:
         if self._done:
@@ -146,7 +155,9 @@ class PendingInsert:
         if self.rows is not None:
             self._assign_rows(upserted.slots, self.rows)
         elif self.zero_new and table.value_dim:
-            values.index_fill_(0, upserted.slots[self.new_keys().nonzero().squeeze(1)], 0)
+            new = self._positions(self.new_keys(), InsertStatus.INSERTED,
+                                  InsertStatus.EVICTED_AND_INSERTED, 4)
+            values.index_fill_(0, upserted.slots[new], 0)
         return InsertResult(slots=upserted.slots, status=upserted.status,
                             prev_scores=upserted.prev_scores, evicted=evicted)
 
