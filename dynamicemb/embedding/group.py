@@ -23,7 +23,7 @@ from dynamicemb.options import (DynamicEmbOptimizerArgs, DynamicEmbOptimType, Dy
 from dynamicemb.storage import TieredStorage
 from dynamicemb.storage.external import ExternalStorageError, namespace_of, open_store
 from dynamicemb.storage.external.tier import ExternalTier
-from dynamicemb.table import MAX_TABLES, PendingInsert, ScoredHashTable
+from dynamicemb.table import MAX_TABLES, ScoredHashTable
 from dynamicemb.table.device_counts import DeviceCounters, capturing
 from dynamicemb.types import DynamicEmbScoreStrategy
 
@@ -105,8 +105,9 @@ def device_budget_rows(options: List[DynamicEmbTableOptions], row_bytes: int,
 class GroupLookup(NamedTuple):
     """One group's lookup of a batch, from its first phase to its backward.
 
-    Built by field name. ``begin_lookup`` fills the dedup and, in training, the
-    prepared ``insert``; ``finish_lookup`` the row references and transient rows.
+    Built by field name. ``begin_lookup`` fills the dedup (its storage keeps a
+    training lookup's prepared insert); ``finish_lookup`` the row references and
+    transient rows.
 
     Shape:
         keys, tids: (U,) unique (key, local table id) pairs; inverse: (N,) unique
@@ -115,9 +116,8 @@ class GroupLookup(NamedTuple):
         by unique row for the backward (rank -1: another group's lookup), None when
         the lookup does not train; row_ref: (U,) where each unique row lives
         (``dynamicemb.storage``; -(t + 1) for row t of ``transient``, [T, dim]);
-        generation: the storage's when looked up; insert: the prepared insert until
-        it is committed; admitted: (N,) bool (the keys the insert
-        took), None without admission.
+        generation: the storage's when looked up; admitted: (N,) bool (the keys
+        the insert took), None without admission.
 
         The arrays have N entries (the batch's lookup count) where the unique rows
         are U: the unique rows, then padding (no lookup, reference -1); ``init``
@@ -136,7 +136,6 @@ class GroupLookup(NamedTuple):
     row_ref: Optional[torch.Tensor] = None
     transient: Optional[torch.Tensor] = None
     generation: Optional[tuple] = None
-    insert: Optional[PendingInsert] = None
     admitted: Optional[torch.Tensor] = None
     init: Optional[InitRows] = None
 
@@ -197,7 +196,7 @@ class TableGroup:
         )
         self.storage = TieredStorage.build(
             self.table, first.caching, device_rows, device=device,
-            initialize=self.init.stored,
+            new_rows=self.init.new_rows(device),
             external=external_tier(first, self.table, table_names))
         if first.admit_strategy is not None and 2 * len(table_indices) > MAX_TABLES + 1:
             raise ValueError(  # keys not admitted read spec rows T + t (int16 table ids)
@@ -216,6 +215,16 @@ class TableGroup:
         self._lr_written: Optional[float] = None
         self._no_transient = torch.empty(0, self.dim, dtype=torch.float32, device=device)
         self._one = torch.ones(1, dtype=torch.int64, device=device)  # an eval lookup's count
+
+    @property
+    def train_steps(self) -> int:
+        """Training steps so far (the table's step: the STEP strategy scores a
+        batch's keys with ``train_steps + 1``)."""
+        return self.table.step
+
+    @train_steps.setter
+    def train_steps(self, steps: int) -> None:
+        self.table.set_step(steps)
 
     @property
     def adam_step(self) -> int:
@@ -269,21 +278,24 @@ class TableGroup:
         """
         if not (insert and self.training):  # eval: rows found, none inserted
             if self.storage.external.holds_rows:  # absent rows may be below: each read
-                unique = self.ops.dedup(keys=keys, table_ids=tids, error=error,
-                                        part=part)  # once, as a transient row
-                return GroupLookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
-                              counts=unique.counts,
-                              row_ref=self.storage.resolve(unique.keys, unique.table_ids))
+                unique, refs = self.storage.resolve_unique(keys, tids, error, part)  # once
+                return GroupLookup(keys=unique.keys, tids=unique.table_ids,
+                                   inverse=unique.inverse, counts=unique.counts, row_ref=refs)
             return self._lookup_each(keys, tids, part)
-        customized = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED
-        unique, pending = self.storage.prepare_dedup(
-            keys, tids, frequencies, error=error, part=part,
-            admit=None if self.admission is None else self._admit,
-            table_scores=self.custom_scores if customized else None)
+        scores = (self.custom_scores
+                  if self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED else None)
+        admitted = None
+        if self.admission is None:
+            unique = self.storage.prepare_dedup(keys, tids, frequencies, error=error,
+                                                part=part, table_scores=scores)
+        else:  # dedup -> stored here or below -> admission decides -> the insert
+            unique = self.storage.dedup(keys, tids, frequencies, error=error, part=part)
+            admitted = (unique.counts > 0) & self.admission.admitted(
+                self.storage.stored(unique), unique.keys, unique.table_ids, unique.counts)
+            self.storage.prepare_insert(unique, admitted, error=error, table_scores=scores)
         return GroupLookup(keys=unique.keys, tids=unique.table_ids, inverse=unique.inverse,
-                      counts=unique.counts, starts=unique.starts, rank=unique.rank,
-                      insert=pending, admitted=pending.admitted,
-                      init=self._computed_rows(unique, pending.admitted))
+                           counts=unique.counts, starts=unique.starts, rank=unique.rank,
+                           admitted=admitted, init=self._computed_rows(unique, admitted))
 
     def _lookup_each(self, keys: torch.Tensor, tids: torch.Tensor,
                      part: Optional[BatchPart]) -> GroupLookup:
@@ -298,12 +310,6 @@ class TableGroup:
                       row_ref=self.storage.resolve(keys, tids),
                       init=InitRows(keys, tids, self.init.spec(False, self.device)))
 
-    def _admit(self, unique, stored: torch.Tensor) -> torch.Tensor:
-        """The admission of a training lookup's unique keys (``stored``: in the host
-        store; a key an external tier holds is stored too)."""
-        stored = self.storage.or_below(unique.keys, unique.table_ids, stored, unique.counts > 0)
-        return self.admission.admitted(stored, unique.keys, unique.table_ids, unique.counts)
-
     def _computed_rows(self, unique, admitted: Optional[torch.Tensor]) -> InitRows:
         """The initializers of a training lookup's rows without a slot: the
         tables' (a failed insert), and for keys not admitted the admission's
@@ -317,27 +323,26 @@ class TableGroup:
         return InitRows(unique.keys, tids, self.init.spec(True, self.device, others=args))
 
     def abort_lookup(self, lookup: GroupLookup) -> None:
-        if lookup.insert is not None:
-            lookup.insert.abort()
+        """Undoes ``begin_lookup``'s prepared insert (a training lookup's)."""
+        if lookup.row_ref is None:
+            self.storage.abort()
 
     def finish_lookup(self, lookup: GroupLookup) -> GroupLookup:
         """Phase two: commit the insert (storage initializes new rows and places rows
         in their tiers), count admissions. Rows of keys without a slot are computed
         where they are read (``InitRows``); an eval lookup over an external tier reads
         the rows below of keys the host store lacks as transient rows."""
-        keys, tids = lookup.keys, lookup.tids
+        keys, tids, refs = lookup.keys, lookup.tids, lookup.row_ref
         if lookup.init is None:  # eval over an external tier
-            transient = self._rows_below(keys, tids, lookup.row_ref)
+            transient = self._rows_below(keys, tids, refs)
             return lookup._replace(transient=transient, generation=self.storage.generation)
-        refs = lookup.row_ref
-        if lookup.insert is not None:
-            status = lookup.insert.upserted.status
-            refs = self.storage.commit(lookup.insert, keys, tids, lookup.counts)
+        if refs is None:  # training: the prepared insert
+            refs, status = self.storage.commit(keys, tids, lookup.counts)
             if lookup.admitted is not None:
                 self.admission.count_on_device(keys, tids, lookup.counts, lookup.admitted,
                                                status)
         return lookup._replace(row_ref=refs, transient=self._no_transient,
-                               generation=self.storage.generation, insert=None)
+                               generation=self.storage.generation)
 
     def _rows_below(self, keys, tids, refs) -> torch.Tensor:
         """Transient rows for unique keys without a row in memory (refs < 0; their

@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from dynamicemb.ops.interface import Backend, InitSpec, init_mode_code
+from dynamicemb.ops.interface import Backend, InitSpec, NewRows, init_mode_code
 from dynamicemb.options import (
     DynamicEmbInitializerArgs,
     DynamicEmbOptimizerArgs,
@@ -107,14 +107,9 @@ class RowInitializer:
                            keys=keys.contiguous(), table_ids=tids.to(torch.int16).contiguous(),
                            dim=self.dim, spec=self.spec(train, out.device))
 
-    def stored(self, values: torch.Tensor, slots: torch.Tensor, status: torch.Tensor,
-               keys: torch.Tensor, tids: torch.Tensor) -> None:
-        """values[slots] = the full initial value rows (embedding and optimizer state)
-        of the keys whose status (``InsertStatus``) says they were just inserted, in
-        one launch with no count of them."""
-        self.ops.init_rows(values=values, slots=slots, status=status, keys=keys,
-                           table_ids=tids, dim=self.dim, spec=self.spec(True, values.device),
-                           state_value=self.initial_state)
+    def new_rows(self, device: torch.device) -> NewRows:
+        """What a stored row starts as (embedding and optimizer state), on ``device``."""
+        return NewRows(self.spec(True, device), self.dim, self.initial_state)
 
     def transient(self, keys: torch.Tensor, tids: torch.Tensor, train: bool) -> torch.Tensor:
         """(len(keys), dim) initial rows that are not stored."""

@@ -23,6 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from dynamicemb.ops import for_device
 from dynamicemb.ops.interface import offsets_problem
 from dynamicemb.table.device_counts import CountsCopy, capturing
 
@@ -72,15 +73,19 @@ class InputErrors:
         self._copy = CountsCopy(1, device)  # the word, on its way to the host
         self._pending: Optional[_Pending] = None
 
-    def checked(self, batch: CheckedBatch, word: Optional[torch.Tensor] = None) -> None:
-        """After the check kernel of ``batch`` was enqueued into ``word`` (default the
-        module's; a prefetch has its own, so that a refused prefetch refuses no
-        step around it): the word starts for the host (with ``at_once``, the
-        error is raised now). The batch checked before must have been read
+    def check(self, batch: CheckedBatch, offsets: torch.Tensor, num_indices: int,
+              word: Optional[torch.Tensor] = None) -> None:
+        """Enqueues the check of ``batch``'s ``offsets`` into ``word`` (default the
+        module's; a prefetch has its own, so that a refused prefetch refuses no step
+        around it); the word starts for the host (with ``at_once``, the error is
+        raised now). The batch checked before must have been read
         (``raise_if_refused``): one is pending at a time."""
+        word = self.word if word is None else word
+        for_device(word.device).check_offsets(offsets=offsets, num_indices=num_indices,
+                                              error=word)
+        batch.offsets, batch.num_indices = offsets, num_indices
         if capturing():  # a graph's replays are checked by reading the word itself; the
             return  # batch checked before the capture stays pending
-        word = self.word if word is None else word
         self._copy.start(word)
         self._pending = _Pending(batch, word)
         if self.at_once:

@@ -233,7 +233,7 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
     def train_steps(self) -> int:
         """Training forwards so far: the STEP strategy scores a batch's keys with
         ``train_steps + 1``."""
-        return self._groups[0].table.step
+        return self._groups[0].train_steps
 
     def check_errors(self) -> None:
         """Raises the ``ValueError`` of a batch whose offsets a kernel refused (on a
@@ -248,8 +248,8 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
         if int(steps) < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         self._changed()
-        for g in self._groups:  # every group's table steps with the module
-            g.table.set_step(int(steps))
+        for g in self._groups:  # every group steps with the module
+            g.train_steps = int(steps)
 
 
     def prefetch(
@@ -292,9 +292,7 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
         tables may grow again (a table a graph captured refuses to grow, since growth
         replaces the arrays the replays use). Capture again after the growth."""
         for g in self._groups:
-            for table in (g.storage.host, g.storage.device_tier):
-                if table is not None:
-                    table.release_graphs()
+            g.storage.release_graphs()
 
     def reset_cache_states(self) -> None:
         """Flushes, then empties every device cache (the next batches start cold)."""

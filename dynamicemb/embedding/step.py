@@ -14,7 +14,6 @@ import torch
 
 from dynamicemb.embedding.group import GroupLookup
 from dynamicemb.embedding.input_errors import CheckedBatch
-from dynamicemb.ops import for_device
 from dynamicemb.ops.interface import BatchPart
 from dynamicemb.options import DynamicEmbPoolingMode
 from dynamicemb.table.checks import check_batch_types, check_frequencies
@@ -127,10 +126,7 @@ class StepPipeline:
                 raise ValueError("per_sample_weights must be finite, got NaN or inf")
         indices = indices.to(device=self.device, dtype=torch.int64).contiguous()
         # last: a batch refused at once has changed nothing
-        for_device(self.device).check_offsets(
-            offsets=offsets, num_indices=n, error=self._errors.word if word is None else word)
-        check.offsets, check.num_indices = offsets, n
-        self._errors.checked(check, word)
+        self._errors.check(check, offsets, n, word)
         return indices, offsets, weights, num_bags // self._num_features
 
     def _take_prefetched(self, indices, offsets) -> List[GroupLookup]:

@@ -17,7 +17,7 @@ from dynamicemb.ops.codes import (ALL_BITS, COMPOUND_COUNT_SHIFT, COMPOUND_TIME_
                                   offsets_problem, optimizer_code, optimizer_state_dim,
                                   score_rule)
 from dynamicemb.ops.records import (BatchPart, Deduplicated, DeviceSchedule, Entries, InitRows,
-                                    InitSpec, OptimizerUpdate, PromotionPlan, RowSources,
+                                    InitSpec, NewRows, OptimizerUpdate, PromotionPlan, RowSources,
                                     TableMemory, Upserted)
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "InitSpec",
     "InsertStatus",
     "KNO_BUCKET",
+    "NewRows",
     "OptimizerUpdate",
     "PromotionPlan",
     "RowSources",

@@ -16,6 +16,7 @@ __all__ = [
     "Entries",
     "InitRows",
     "InitSpec",
+    "NewRows",
     "OptimizerUpdate",
     "PromotionPlan",
     "RowSources",
@@ -152,6 +153,15 @@ class InitSpec(NamedTuple):
 
     ints: torch.Tensor
     floats: torch.Tensor
+
+
+class NewRows(NamedTuple):
+    """What a key's stored row starts as: ``spec``'s initializer in its first ``dim``
+    columns, ``state`` in each optimizer-state column after them."""
+
+    spec: InitSpec
+    dim: int
+    state: float
 
 
 class InitRows(NamedTuple):

@@ -31,13 +31,14 @@ them here and nowhere else (``to`` is a no-op where both are on one device); row
 references and everything ``place``/``resolve`` return are on ``device``.
 """
 
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from dynamicemb.ops import resolve_device
-from dynamicemb.ops.interface import InsertStatus, RowSources
+from dynamicemb.ops import for_device, resolve_device
+from dynamicemb.ops.interface import InsertStatus, NewRows, RowSources
 from dynamicemb.kvstore.store import ExternalStorageError
+from dynamicemb.storage.external.tier import Staged
 from dynamicemb.storage.layouts import Cache, Crossing, HostOnly, Layout, OneTier, Placement
 from dynamicemb.storage.metrics import TierCounts, TierMetrics
 from dynamicemb.table import (Deduplicated, Entries, InsertResult, PendingInsert,
@@ -66,6 +67,13 @@ class NothingBelow:
         pass
 
 
+class _Prepared(NamedTuple):
+    """A batch's insert between its two phases: the host store's, and what its first
+    phase fetched from the tier below (None without one)."""
+
+    pending: PendingInsert
+    staged: Optional[Staged]
+
 
 class TieredStorage:
     """The rows of one physical group (``build`` makes one).
@@ -77,14 +85,13 @@ class TieredStorage:
         counts: the group's traffic counts.
         crossing: the host store's device and the device tier's (the references'
             and the batches').
-        initialize: ``initialize(values, slots, status, keys, tids)`` writes the
-            initial rows of the keys whose status says the host store just inserted
-            them (``commit``); None: they stay zero.
+        new_rows: what the row of a key the host store inserts starts as
+            (``commit``); None: zeros.
         external: the ``ExternalTier`` below the host store (None: ``NothingBelow``).
     """
 
     def __init__(self, host: ScoredHashTable, layout: Layout, counts: TierCounts,
-                 crossing: Crossing, initialize: Optional[Callable] = None,
+                 crossing: Crossing, new_rows: Optional[NewRows] = None,
                  external=None) -> None:
         self.host = host
         self.layout = layout
@@ -94,8 +101,9 @@ class TieredStorage:
         self.external = NothingBelow() if external is None else external
         # a key without a slot could not take its row back from below
         host.grows_for_failures = self.external.holds_rows
-        self._staged = None  # the external tier's part of the prepared insert
-        self.initialize = initialize
+        self.new_rows = new_rows
+        self.ops = for_device(host.device)
+        self._prepared: Optional[_Prepared] = None  # the batch's insert until its commit
 
     @property
     def device_tier(self) -> Optional[ScoredHashTable]:
@@ -112,7 +120,7 @@ class TieredStorage:
     @classmethod
     def build(cls, host: ScoredHashTable, caching: bool, device_rows: Optional[int],
               device: Optional[torch.device] = None,
-              initialize: Optional[Callable] = None, external=None) -> "TieredStorage":
+              new_rows: Optional[NewRows] = None, external=None) -> "TieredStorage":
         """The layout for a device budget of ``device_rows`` rows (None: unlimited),
         with the device tier on ``device`` (default: the host store's), over an
         ``external`` tier or none."""
@@ -121,7 +129,7 @@ class TieredStorage:
         counts = TierCounts(host.num_tables, crossing.device)
 
         def made(layout: Layout) -> "TieredStorage":
-            return cls(host, layout, counts, crossing, initialize, external)
+            return cls(host, layout, counts, crossing, new_rows, external)
         if not cls.host_store_off_device(caching, device_rows, host.max_capacity()):
             return made(OneTier(host, counts, crossing))
         if device_rows < 16:  # smaller than one bucket: no device tier at all
@@ -180,73 +188,128 @@ class TieredStorage:
                                                checked=True))
         return self.layout.resolve(keys, tids, refs)
 
+    def resolve_unique(self, keys: torch.Tensor, tids: torch.Tensor,
+                       error: Optional[torch.Tensor], part=None
+                       ) -> Tuple[Deduplicated, torch.Tensor]:
+        """A batch's unique pairs (``Backend.dedup``, whose ``error`` and ``part``
+        these are) and their read-only references (``resolve``)."""
+        unique = self.ops.dedup(keys=keys, table_ids=tids, error=error, part=part)
+        return unique, self.resolve(unique.keys, unique.table_ids)
+
     # ----------------------------------------------------------- training
+    # A batch's insert is prepared (``prepare_dedup``; or ``dedup``, ``stored`` and
+    # ``prepare_insert`` around a choice of keys), kept here, then committed
+    # (``commit``) or undone (``abort``).
+
     def prepare_dedup(self, keys, tids, frequencies, error: Optional[torch.Tensor] = None,
-                      part=None, admit=None, table_scores: Optional[torch.Tensor] = None
-                      ) -> Tuple[Deduplicated, PendingInsert]:
+                      part=None, table_scores: Optional[torch.Tensor] = None) -> Deduplicated:
         """Phase one of a batch with repeated keys: its dedup and the host store's
         insert of the unique keys (``ScoredHashTable.prepare_dedup_find_or_insert``,
-        whose ``error``, ``part``, ``admit`` and ``table_scores`` these are);
-        ``commit`` follows. The dedup is returned on ``device``."""
-        frequencies = None if frequencies is None else self._on_host(frequencies)
-        table_scores = None if table_scores is None else self._on_host(table_scores)
+        whose ``error``, ``part`` and ``table_scores`` these are), kept until
+        ``commit`` or ``abort``. Returns the dedup on ``device``."""
         unique, pending = self.host.prepare_dedup_find_or_insert(
-            self._on_host(keys), self._on_host(tids), frequencies, checked=True,
-            error=error, part=part, admit=admit, table_scores=table_scores)
-        self._stage_below(pending, unique.keys, unique.table_ids)
-        if self.crossing.two:
-            unique = Deduplicated(*(None if t is None else t.to(self.device) for t in unique))
-        return unique, pending
+            self._on_host(keys), self._on_host(tids), self._maybe_on_host(frequencies),
+            checked=True, error=error, part=part,
+            table_scores=self._maybe_on_host(table_scores))
+        self._keep(pending, unique)
+        return self._dedup_on_device(unique)
 
-    def _stage_below(self, pending: PendingInsert, keys, tids) -> None:
-        """With an external tier: the insert's victims (current rows: a device-tier
-        copy wins) go down and the rows of its new keys come up now; a failing store
-        aborts ``pending`` and raises."""
-        if not self.external.holds_rows:  # (reading the victims would sync)
-            return
-        try:
-            victims = pending.evicted()
-            self.layout.overlay(victims)
-            self._staged = self.external.stage(pending, keys, tids, victims)
-        except BaseException:
-            self._staged = None
-            pending.abort()
-            raise
+    def dedup(self, keys, tids, frequencies, error: Optional[torch.Tensor] = None,
+              part=None) -> Deduplicated:
+        """``prepare_dedup``'s first half (``ScoredHashTable.dedup_batch``): the dedup,
+        on ``device``; ``prepare_insert`` follows."""
+        unique = self.host.dedup_batch(self._on_host(keys), self._on_host(tids),
+                                       self._maybe_on_host(frequencies), checked=True,
+                                       error=error, part=part)
+        return self._dedup_on_device(unique)
 
-    def _restore_below(self, pending: PendingInsert, slots, keys, tids) -> Optional[torch.Tensor]:
-        """After ``pending`` committed: the rows its first phase found below take their
-        host slots (``ExternalTier.restore``); returns their positions among ``keys``
-        (None without an external tier's part in ``pending``)."""
-        staged, self._staged = self._staged, None
-        if staged is None or staged.pending is not pending:
-            return None
-        came_back = self.external.restore(slots, staged, self._on_host(keys), self._on_host(tids))
-        self._count_below("external_reads", tids, staged.at)
-        self._count_below("external_writes", staged.written, None)
-        return came_back
+    def stored(self, unique: Deduplicated) -> torch.Tensor:
+        """(N,) bool: the keys of ``dedup``'s ``unique`` that a tier stores, here or
+        below (padding: False), at the time of the insert that follows."""
+        keys, tids = self._on_host(unique.keys), self._on_host(unique.table_ids)
+        real = self._on_host(unique.counts) > 0
+        stored = real & (self.host.find(keys, tids, checked=True) >= 0)
+        return self._on_device(self.or_below(keys, tids, stored, real))
 
-    def commit(self, pending: PendingInsert, keys: torch.Tensor, tids: torch.Tensor,
-               counts: torch.Tensor) -> torch.Tensor:
-        """Phase two of the insert (``prepare_dedup``), every count on
-        the device: commits, initializes the rows of new keys (by status: a hit on
-        an expired row is one), drops the host store's victims and expired rows
-        from a cache and promotes the batch into it (``_promote``).
+    def prepare_insert(self, unique: Deduplicated, admitted: torch.Tensor,
+                       error: Optional[torch.Tensor] = None,
+                       table_scores: Optional[torch.Tensor] = None) -> None:
+        """``prepare_dedup``'s second half: the host store's insert of the keys of
+        ``dedup``'s ``unique`` that ``admitted`` (N,) bool takes, kept until
+        ``commit`` or ``abort``."""
+        unique = Deduplicated(*(self._maybe_on_host(t) for t in unique))
+        pending = self.host.prepare_insert(unique, self._on_host(admitted), error=error,
+                                           table_scores=self._maybe_on_host(table_scores))
+        self._keep(pending, unique)
+
+    def _maybe_on_host(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else self._on_host(t)
+
+    def _dedup_on_device(self, unique: Deduplicated) -> Deduplicated:
+        if not self.crossing.two:
+            return unique
+        return Deduplicated(*(None if t is None else t.to(self.device) for t in unique))
+
+    def _keep(self, pending: PendingInsert, unique: Deduplicated) -> None:
+        """Keeps the prepared insert of ``unique`` (on the host store's device); with
+        an external tier, its victims (current rows: a device-tier copy wins) go
+        down and the rows of its new keys come up first: a failing store aborts it
+        and raises."""
+        staged = None
+        if self.external.holds_rows:  # (reading the victims would sync)
+            try:
+                staged = self._stage_below(pending, unique.keys, unique.table_ids)
+            except BaseException:
+                pending.abort()
+                raise
+        self._prepared = _Prepared(pending, staged)
+
+    def _stage_below(self, pending: PendingInsert, keys, tids) -> Staged:
+        victims = pending.evicted()
+        self.layout.overlay(victims)
+        new = pending.new_keys() if pending.num_new else None
+        return self.external.stage(keys, tids, new, pending.num_failed, victims)
+
+    def abort(self) -> None:
+        """Undoes the prepared insert, if one is kept."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            prepared.pending.abort()
+
+    def commit(self, keys: torch.Tensor, tids: torch.Tensor,
+               counts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Phase two of the prepared insert, every count on the device: commits it,
+        writes the rows of new keys (``new_rows``; by status: a hit on an expired row
+        is one), brings back the rows found below, and places the batch in the
+        layout's tiers (``Layout.take``).
 
         Args:
-            pending: from ``prepare_dedup``.
-            keys, tids, counts: (N,) its dedup's unique keys, table ids and counts
-                (padding: count 0).
+            keys, tids, counts: (N,) the prepared dedup's unique keys, table ids and
+                counts (padding: count 0).
 
         Returns:
-            (N,) row references (``row_ref.h``): -1 where a key's insert failed (a
-            lookup reads its initializer's row there).
+            (N,) row references (``row_ref.h``; -1 where a key's insert failed: a
+            lookup computes its initializer's row there) and (N,) the insert's
+            statuses (``InsertStatus``), on ``device``.
+
+        Raises:
+            RuntimeError: no insert is prepared.
         """
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            raise RuntimeError("commit() without a prepared insert (prepare_dedup or "
+                               "prepare_insert)")
+        pending = prepared.pending
         upserted, admitted = pending.upserted, pending.admitted
         result = pending.commit()
         host_slots = result.slots
-        if self.initialize is not None:  # (else the rows of new keys stay zero)
-            self.initialize(self.host.values, host_slots, result.status, keys, tids)
-        self._restore_below(pending, host_slots, keys, tids)  # over the new rows
+        if self.new_rows is not None:  # (else the rows of new keys stay zero)
+            spec, dim, state = self.new_rows
+            self.ops.init_rows(values=self.host.values, slots=host_slots, status=result.status,
+                               keys=keys, table_ids=tids, dim=dim, spec=spec,
+                               state_value=state)
+        if prepared.staged is not None:  # over the new rows
+            self._restore_below(prepared.staged, host_slots, keys, tids)
         several = self.host.num_tables > 1  # then counted per table with masks
         if several:
             self.counts.where("lookups", tids, counts > 0)
@@ -257,8 +320,16 @@ class TieredStorage:
                 self.counts.where("expired", tids, expired_hits(upserted))
         elif admitted is not None:  # lookups the host store's totals do not count
             self.counts.where("lookups", tids, (counts > 0) & ~admitted)
-        return self.layout.take(keys, tids, counts, host_slots, result.status, upserted,
+        refs = self.layout.take(keys, tids, counts, host_slots, result.status, upserted,
                                 several)
+        return refs, self._on_device(result.status)
+
+    def _restore_below(self, staged: Staged, slots, keys, tids) -> None:
+        """After the commit: the rows the first phase found below take their host
+        slots (``ExternalTier.restore``)."""
+        self.external.restore(slots, staged, self._on_host(keys), self._on_host(tids))
+        self._count_below("external_reads", tids, staged.at)
+        self._count_below("external_writes", staged.written, None)
 
     def expire(self) -> torch.Tensor:
         """TTL sweep of every tier: the host store frees its expired rows (one kernel
@@ -294,6 +365,11 @@ class TieredStorage:
             rows = tier.export_batch()
             self._write_back(rows.keys, rows.table_ids, rows.values)
         self.external.flush()
+
+    def release_graphs(self) -> None:
+        """Every tier's table may grow again (``ScoredHashTable.release_graphs``)."""
+        for table in self.layout.tables():
+            table.release_graphs()
 
     def reset_cache_states(self) -> None:
         """Flushes, then empties the device tier (a cold cache)."""

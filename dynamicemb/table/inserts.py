@@ -147,43 +147,45 @@ class InsertCalls:
             logger.warning(self._failure_message(failed, keys) + grows)
 
     def _prepare_step(self, keys, tids, frequencies, error, part,
-                      admit: Optional[Callable] = None,
                       table_scores: Optional[torch.Tensor] = None
                       ) -> Tuple[Deduplicated, PendingInsert]:
-        """A step's call: its kernels advance the clock and the step in device memory
-        (unless ``error`` refuses the batch) and read its time there, and add their
-        outcome counts to the device totals; hits on rows expired at that time
-        (``ttl``) are inserts. Nothing is read on the host, but in ERROR mode (or
-        with ``grows_for_failures``) the call's failed inserts (one sync): then it
-        is undone, and the table grows and runs it again, or raises when it cannot
-        grow. ``admit``: the pass takes only the keys it admits."""
+        """A step's fused call (dedup and pass): its kernels advance the clock and the
+        step in device memory (unless ``error`` refuses the batch) and read its time
+        there, and add their outcome counts to the device totals; hits on rows
+        expired at that time (``ttl``) are inserts. Nothing is read on the host but
+        what ``_rerun_for_failures`` reads."""
+        self._check_step_call()
+        while True:
+            evicts = self._before_insert(keys.numel())
+            unique, upserted = self._ops.dedup_upsert(
+                memory=self._memory, keys=keys, table_ids=tids, frequencies=frequencies,
+                rule=self._rule, time=self._time.on_device(), now_index=self._now_index,
+                evicts=evicts, one_table=self.num_tables == 1, error=error,
+                outcomes=self._outcome_totals.tensor[_OUTCOMES],
+                size=self._stored.on_device(), part=part, table_scores=table_scores,
+                ttl=self.ttl or 0)
+            pending = PendingInsert(self, upserted, error=error, ticked_step=True,
+                                    counts_of_dedup=unique.counts)
+            self._pending = pending
+            if not self._rerun_for_failures(pending, unique):
+                break
+        self._after_insert()
+        return unique, pending
+
+    def _check_step_call(self) -> None:
         self._check_idle()
         if self.check_mode == DynamicEmbCheckMode.ERROR and capturing():
             raise RuntimeError(
                 "safe_check_mode ERROR reads each insert's failures on the host, which a "
                 "CUDA graph cannot capture: capture a table in WARNING or IGNORE mode")
-        while True:
-            evicts = self._before_insert(keys.numel())
-            if admit is not None:
-                unique, pending = self._prepare_admitted(keys, tids, frequencies, error, part,
-                                                         admit, evicts, table_scores)
-            else:
-                unique, upserted = self._ops.dedup_upsert(
-                    memory=self._memory, keys=keys, table_ids=tids, frequencies=frequencies,
-                    rule=self._rule, time=self._time.on_device(), now_index=self._now_index,
-                    evicts=evicts, one_table=self.num_tables == 1, error=error,
-                    outcomes=self._outcome_totals.tensor[_OUTCOMES],
-                    size=self._stored.on_device(), part=part, table_scores=table_scores,
-                    ttl=self.ttl or 0)
-                pending = PendingInsert(self, upserted, error=error, ticked_step=True,
-                                        counts_of_dedup=unique.counts)
-            self._pending = pending
-            if not (self.check_mode == DynamicEmbCheckMode.ERROR or self.grows_for_failures):
-                break
-            if not self._grown_for_failures(pending, lambda: int((unique.counts > 0).sum())):
-                break
-        self._after_insert()
-        return unique, pending
+
+    def _rerun_for_failures(self, pending: PendingInsert, unique: Deduplicated) -> bool:
+        """In ERROR mode or with ``grows_for_failures``, a step's call reads its failed
+        inserts (one sync): then it is undone, and the table grows (True: run it
+        again) or raises when it cannot grow."""
+        if not (self.check_mode == DynamicEmbCheckMode.ERROR or self.grows_for_failures):
+            return False
+        return self._grown_for_failures(pending, lambda: int((unique.counts > 0).sum()))
 
     def _grown_for_failures(self, pending: PendingInsert, num_keys: Callable[[], int]) -> bool:
         """After a call that reads its failures (a sync): with none, or none that
@@ -202,34 +204,43 @@ class InsertCalls:
         self._grow()  # the keys of full buckets get room: the call again
         return True
 
-    def _prepare_admitted(self, keys, tids, frequencies, error, part, admit: Callable,
-                          evicts: bool, table_scores: Optional[torch.Tensor]
-                          ) -> Tuple[Deduplicated, PendingInsert]:
-        """``_prepare_step`` with an admission between the dedup and the pass: the
-        pass is the fused call's (same time, scores and order of keys per bucket)
-        over the admitted keys; the others get bucket ``KNO_BUCKET`` (slot -1,
-        FAILED, counted nowhere). ``evicts``: whether a full bucket may evict;
-        ``table_scores``: CUSTOMIZED scores by table id. The find of stored keys
-        and the pass take rows expired at the call's time (``ttl``) as absent."""
+    def _dedup_step(self, keys, tids, frequencies, error, part) -> Deduplicated:
+        """The dedup of a step whose pass follows apart (``_prepare_admitted``): the
+        clock and the step advance in device memory (unless ``error`` refuses the
+        batch), so that a ``find`` then sees the pass's time."""
+        self._check_step_call()
+        return self._ops.dedup(keys=keys, table_ids=tids, error=error, part=part,
+                               frequencies=frequencies, group=True,
+                               time=self._time.on_device())
+
+    def _prepare_admitted(self, unique: Deduplicated, admitted: torch.Tensor, error,
+                          table_scores: Optional[torch.Tensor]) -> PendingInsert:
+        """The pass of a step whose dedup ran apart (``_dedup_step``), over the
+        ``admitted`` keys: the fused call's pass (same time, scores and order of keys
+        per bucket); the others get bucket ``KNO_BUCKET`` (slot -1, FAILED, counted
+        nowhere). A rerun (``_rerun_for_failures``) ticks the time the undone call
+        took back."""
+        self._check_step_call()
+        admitted = admitted & (unique.counts > 0)  # padding: count 0
         time = self._time.on_device()
-        unique = self._ops.dedup(keys=keys, table_ids=tids, error=error, part=part,
-                                 frequencies=frequencies, group=True, time=time)
-        one_table = self.num_tables == 1
-        real = unique.counts > 0  # padding: count 0
-        # stored: in the table at the call's time (a row expired then is absent)
-        stored = real & (self.find(unique.keys, unique.table_ids, checked=True) >= 0)
-        admitted = real & admit(unique, stored)
-        upserted = self._ops.upsert(
-            memory=self._memory, keys=unique.keys, table_ids=unique.table_ids,
-            scores=self._pass_scores(unique, table_scores),
-            buckets=self.buckets_where(unique.keys, unique.table_ids, admitted),
-            rule=self._rule, evicts=evicts, one_table=one_table,
-            outcomes=self._outcome_totals.tensor[_OUTCOMES], size=self._stored.on_device(),
-            time=time, now_index=self._now_index, ttl=self.ttl or 0)
-        pending = PendingInsert(self, upserted, error=error, ticked_step=True,
-                                counts_of_dedup=unique.counts, admitted=admitted)
-        self._pending = pending
-        return unique, pending
+        while True:
+            evicts = self._before_insert(unique.keys.numel())  # (may grow: buckets after)
+            upserted = self._ops.upsert(
+                memory=self._memory, keys=unique.keys, table_ids=unique.table_ids,
+                scores=self._pass_scores(unique, table_scores),
+                buckets=self.buckets_where(unique.keys, unique.table_ids, admitted),
+                rule=self._rule, evicts=evicts,
+                one_table=self.num_tables == 1,
+                outcomes=self._outcome_totals.tensor[_OUTCOMES], size=self._stored.on_device(),
+                time=time, now_index=self._now_index, ttl=self.ttl or 0)
+            pending = PendingInsert(self, upserted, error=error, ticked_step=True,
+                                    counts_of_dedup=unique.counts, admitted=admitted)
+            self._pending = pending
+            if not self._rerun_for_failures(pending, unique):
+                break
+            time.add_(1 if error is None else (error == 0).to(torch.int64))
+        self._after_insert()
+        return pending
 
     def _pass_scores(self, unique: Deduplicated,
                      table_scores: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -556,7 +556,6 @@ class ScoredHashTable(TableInputs, InsertCalls):
         checked: bool = False,
         error: Optional[torch.Tensor] = None,
         part: Optional[BatchPart] = None,
-        admit: Optional[Callable[[Deduplicated, torch.Tensor], torch.Tensor]] = None,
         table_scores: Optional[torch.Tensor] = None,
     ) -> Tuple[Deduplicated, PendingInsert]:
         """The training step's insert: ``prepare_find_or_insert`` of the unique pairs
@@ -564,6 +563,8 @@ class ScoredHashTable(TableInputs, InsertCalls):
         on the host. The dedup and the insert may overlap (the CPU: one thread finds
         the unique pairs while another inserts them). LFU adds each pair's count to
         its score; CUSTOMIZED gives each pair its table's score (``table_scores``).
+        ``dedup_batch`` then ``prepare_insert`` is the same call with a choice of
+        keys between its two halves (an admission).
 
         The dedup's arrays and the insert's per-key arrays have N entries (padding
         past the unique pairs: ``Deduplicated``); the clock and the step advance in
@@ -583,12 +584,6 @@ class ScoredHashTable(TableInputs, InsertCalls):
                 and the call changes nothing.
             part (``BatchPart``, optional): the call takes only these keys of the
                 batch (the others: inverse -1, no lookup).
-            admit (optional): the call inserts only the unique keys that
-                ``admit(unique, stored)`` admits, on the device ((N,) bool;
-                ``stored`` (N,) bool: the key is in the table, found before the
-                pass); the others find no slot and are counted nowhere
-                (``PendingInsert.admitted``). The dedup and the pass are then two
-                calls.
             table_scores (Tensor, optional): (num_tables,) int64 >= 0, CUSTOMIZED only
                 (and then required): the score of each logical table's keys, read
                 by table id (by the kernel).
@@ -601,12 +596,38 @@ class ScoredHashTable(TableInputs, InsertCalls):
         """
         self._check_idle()
         table_scores = self._table_scores(table_scores, checked)
+        keys, tids, frequencies = self._step_inputs(keys, table_ids, frequencies, checked)
+        return self._prepare_step(keys, tids, frequencies, error, part, table_scores)
+
+    def dedup_batch(self, keys: torch.Tensor, table_ids: Optional[torch.Tensor] = None,
+                    frequencies: Optional[torch.Tensor] = None, *, checked: bool = False,
+                    error: Optional[torch.Tensor] = None,
+                    part: Optional[BatchPart] = None) -> Deduplicated:
+        """The first half of ``prepare_dedup_find_or_insert`` (same arguments): the
+        batch's unique pairs, its lookups grouped by pair; the clock and the step
+        advance in device memory, so that ``find`` answers at the time of the
+        ``prepare_insert`` that follows."""
+        keys, tids, frequencies = self._step_inputs(keys, table_ids, frequencies, checked)
+        return self._dedup_step(keys, tids, frequencies, error, part)
+
+    def prepare_insert(self, unique: Deduplicated, admitted: torch.Tensor, *,
+                       error: Optional[torch.Tensor] = None,
+                       table_scores: Optional[torch.Tensor] = None) -> PendingInsert:
+        """The second half of ``prepare_dedup_find_or_insert``: the insert of the keys
+        of ``dedup_batch``'s ``unique`` that ``admitted`` (N,) bool takes; the others
+        find no slot and are counted nowhere (``PendingInsert.admitted``). ``error``
+        and ``table_scores`` as given to ``dedup_batch`` and
+        ``prepare_dedup_find_or_insert``."""
+        table_scores = self._table_scores(table_scores, checked=True)
+        return self._prepare_admitted(unique, admitted, error, table_scores)
+
+    def _step_inputs(self, keys, table_ids, frequencies, checked: bool):
         keys = self._keys(keys)
         n = keys.numel()
         tids = self._table_ids(table_ids, n, checked)
         if not checked:
             frequencies = check_frequencies(frequencies, n, self.device)
-        return self._prepare_step(keys, tids, frequencies, error, part, admit, table_scores)
+        return keys, tids, frequencies
 
     def _table_scores(self, table_scores: Optional[torch.Tensor],
                       checked: bool) -> Optional[torch.Tensor]:

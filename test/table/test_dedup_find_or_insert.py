@@ -17,6 +17,7 @@ import random
 import pytest
 import torch
 
+from dynamicemb.ops.interface import InsertStatus
 from dynamicemb_testing.table_testing import as_keys, make_table, py_export, py_insert, py_stats
 
 CLOCKED = ["LRU", "STEP", "NO_EVICTION"]
@@ -53,9 +54,10 @@ def run_both(batches, device, with_freqs=False, **table_kw):
     each saw."""
     kw = dict(bucket_capacity=32, max_load_factor=1.0, value_dim=1, device=device, **table_kw)
     kw["num_tables"] = max(max(b[1]) for b in batches) + 1
-    plain, fused = make_table(**kw), make_table(**kw)
+    plain, fused, halves = make_table(**kw), make_table(**kw), make_table(**kw)
     fused.grows_for_failures = True  # a full bucket grows and reruns, as in the table's verbs
-    seen = {"plain": [], "fused": [], "fused_calls": 0}
+    halves.grows_for_failures = True
+    seen = {"plain": [], "fused": [], "halves": [], "fused_calls": 0}
     kernels = fused._ops.kernels  # the device's compiled functions (the CPU or CUDA backend's)
 
     class CountingKernels:  # counts the fused path's calls (a rerun after growth too)
@@ -71,7 +73,7 @@ def run_both(batches, device, with_freqs=False, **table_kw):
     for keys, tids, freqs in batches:
         k, t = as_keys(keys, device), torch.tensor(tids, dtype=torch.int16, device=device)
         f = torch.tensor(freqs, dtype=torch.int64, device=device) if with_freqs else None
-        for name, table in (("fused", fused), ("plain", plain)):
+        for name, table in (("fused", fused), ("plain", plain), ("halves", halves)):
             try:
                 if name == "plain":
                     table.set_step(fused.step)  # a step's call advances the step too
@@ -81,6 +83,11 @@ def run_both(batches, device, with_freqs=False, **table_kw):
                     scores = unique.counts[:u] if table.score_strategy.name == "LFU" else None
                     pending = table.prepare_find_or_insert(unique.keys[:u],
                                                            unique.table_ids[:u], scores)
+                elif name == "halves":  # every key admitted: the fused call in two
+                    unique = table.dedup_batch(k, t, f)
+                    pending = table.prepare_insert(unique, torch.ones_like(unique.keys,
+                                                                           dtype=torch.bool))
+                    u = int((unique.counts > 0).sum())
                 else:
                     unique, pending = table.prepare_dedup_find_or_insert(k, t, f)
                     u = int((unique.counts > 0).sum())
@@ -100,6 +107,7 @@ def run_both(batches, device, with_freqs=False, **table_kw):
 
 def assert_twins(seen, inputs):
     assert seen["fused"] == seen["plain"]
+    assert seen["halves"] == seen["fused"]
     batches, with_freqs = inputs
     for (keys, tids, freqs), (dedup, *_rest) in zip(batches, seen["fused"]):
         if dedup is not None:
@@ -170,6 +178,27 @@ def test_small_and_empty_batches(device):
         assert unique.starts.tolist()[-1] == len(keys) and sorted(unique.rank.tolist()) == list(
             range(len(keys)))
     assert table.size() == 3  # (0, 5), (1, 7), (0, 9)
+
+
+def test_keys_not_admitted_find_no_slot_and_an_abort_takes_the_call_back(device):
+    """``dedup_batch`` then ``prepare_insert``: the keys left out get slot -1 (FAILED)
+    and are counted nowhere; ``abort`` takes back the call's tick and inserts."""
+    table = make_table(capacity=64, num_tables=2, value_dim=1, device=device)
+    keys = torch.tensor([5, 6, 5, 7, 8], dtype=torch.int64, device=device)
+    tids = torch.tensor([0, 0, 0, 1, 1], dtype=torch.int16, device=device)
+    unique = table.dedup_batch(keys, tids)
+    assert table.clock == 1  # the call's time, ticked by its first half
+    admitted = torch.tensor([True, False, True, False, True], device=device)  # (5, 7; padding)
+    pending = table.prepare_insert(unique, admitted)
+    pending.abort()
+    assert (table.size(), table.clock) == (0, 0)
+    unique = table.dedup_batch(keys, tids)
+    result = table.prepare_insert(unique, admitted).commit()
+    assert unique.keys[:4].tolist() == [5, 6, 7, 8]
+    assert [s >= 0 for s in result.slots[:4].tolist()] == [True, False, True, False]
+    assert result.status[1] == InsertStatus.FAILED and table.stats.failed_inserts == 0
+    assert (table.size(), table.stats.inserts, table.clock) == (2, 2, 1)
+    assert (table.find(as_keys([5, 6], device)) >= 0).tolist() == [True, False]
 
 
 def test_customized_is_refused_and_bad_frequencies_leave_the_table_alone(device):

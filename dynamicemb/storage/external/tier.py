@@ -23,7 +23,7 @@ import torch
 from dynamicemb.ops.interface import Entries
 from dynamicemb.kvstore.store import ExternalStorageError, KVStore
 from dynamicemb.kvstore.store import brief_error as _brief
-from dynamicemb.table import PendingInsert, ScoredHashTable
+from dynamicemb.table import ScoredHashTable
 from dynamicemb.types import DynamicEmbScoreStrategy
 
 __all__ = ["ExternalTier", "Staged"]
@@ -39,7 +39,6 @@ class Staged(NamedTuple):
         scores: (r,) their stored scores; rows: (r, width) their rows.
     """
 
-    pending: PendingInsert
     at: torch.Tensor
     scores: torch.Tensor
     rows: torch.Tensor
@@ -80,20 +79,22 @@ class ExternalTier:
                 f"{type(e).__name__}: {_brief(e)}") from e
 
     # ------------------------------------------------------------- a step
-    def stage(self, pending: PendingInsert, keys: torch.Tensor, tids: torch.Tensor,
-              victims: Entries) -> Staged:
-        """Phase one, before the host store commits: writes ``victims`` (the rows the
-        insert evicts, current values) below and reads the rows of the keys new to
-        the host store. Raises ``ExternalStorageError``; the caller aborts ``pending``.
+    def stage(self, keys: torch.Tensor, tids: torch.Tensor, new: Optional[torch.Tensor],
+              failed: int, victims: Entries) -> Staged:
+        """Phase one, before the host store commits its prepared insert of ``keys``:
+        writes ``victims`` (the rows the insert evicts, current values) below and
+        reads the rows of the keys new to the host store. Raises
+        ``ExternalStorageError``; the caller aborts the insert.
 
         Args:
-            pending: the host store's prepared insert of ``keys``.
             keys, tids: (n,) the prepared keys, on the host store's device.
+            new: (n,) bool, the keys new to the host store (None: none is).
+            failed: how many of them found no slot (a batch must fit: refused).
             victims: entries the insert evicts from the host store.
         """
-        if pending.num_failed:
+        if failed:
             raise ExternalStorageError(
-                f"tables {self.label}: {pending.num_failed} of {keys.numel()} keys found no "
+                f"tables {self.label}: {failed} of {keys.numel()} keys found no "
                 f"slot in the host store of {self.host.max_capacity()} rows in front of "
                 f"{self.store.name}: a batch must fit in the host budget (raise "
                 f"local_host_for_values or bucket_capacity)")
@@ -102,13 +103,12 @@ class ExternalTier:
             self._call("write evicted rows", self.store.put, victims.keys.cpu(),
                        victims.table_ids.cpu(), victims.values.cpu(), victims.scores.cpu())
         empty = torch.empty(0, dtype=torch.int64)
-        new_at = pending.new_keys().nonzero().squeeze(1) if pending.num_new else empty
+        new_at = empty if new is None else new.nonzero().squeeze(1)
         if new_at.numel() == 0:
-            return Staged(pending, empty, empty, torch.empty(0, self.store.row_width),
-                          victims.table_ids)
+            return Staged(empty, empty, torch.empty(0, self.store.row_width), victims.table_ids)
         found, rows = self._call("read rows", self.store.get, keys[new_at].cpu(),
                                  tids[new_at].cpu())
-        return Staged(pending, new_at[found.to(new_at.device)], rows.scores, rows.rows,
+        return Staged(new_at[found.to(new_at.device)], rows.scores, rows.rows,
                       victims.table_ids)
 
     def restore(self, slots: torch.Tensor, staged: Staged, keys: torch.Tensor,
