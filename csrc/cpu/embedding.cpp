@@ -5,8 +5,8 @@
 // threading, row prefetches and streaming stores.
 //
 // Rows of a lookup are addressed by unique index u through row_ref[u] (see
-// dynamicemb/row_ref.h): a slot of the device tier, a slot of the host store, or
-// a transient row. `tiers` is [device values, host values], both [*, width] with
+// dynamicemb/row_ref.h): a slot of the device tier, a slot of the host store, a
+// transient row, or (negative) a row its table's initializer computes. `tiers` is [device values, host values], both [*, width] with
 // rows [embedding | optimizer state]; the host tensor may be empty.
 #include <omp.h>
 
@@ -157,10 +157,10 @@ bool refused(const c10::optional<at::Tensor>& error) {
 
 // The lookups' reader of unique rows, one per thread, chosen once per call so that
 // the loops carry no branch for the rows they do not have. StoredRows reads each
-// referenced row. ComputedRows (a step counted on the device, which has no
-// transient rows) computes the row of a negative reference, a key whose insert
-// failed, from its table's initializer into the thread's scratch row, as the CUDA
-// kernels' RowReader does; a caller uses a row before it asks for the next.
+// referenced row (a call whose references are never negative). ComputedRows
+// computes the row of a negative reference (a key without a stored row) from its
+// table's initializer into the thread's scratch row, as the CUDA kernels'
+// RowReader does; a caller uses a row before it asks for the next.
 struct StoredRows {
   RowSource src;
   const float* row(int64_t u) const { return src.row(u); }
@@ -672,7 +672,7 @@ int64_t sum_gradients(const at::Tensor& starts, const at::Tensor& rank,
 
 // The checked-batch backward's second pass: the optimizer's update of every stored
 // unique row (device tier or host store) from its summed gradient, row u of `sums`
-// (sum_gradients). Rows not stored (transient) are skipped. `schedule`: the
+// (sum_gradients). Rows not stored (transient or computed) are skipped. `schedule`: the
 // scalars from device memory (update_params); a refused batch (`error` set)
 // updates nothing and leaves the schedule's step as it is.
 void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_ref,
@@ -697,9 +697,9 @@ void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_ref
   const float* acc = sums.data_ptr<float>();
 #pragma omp parallel for schedule(dynamic, 64) if (num_unique * dim >= kParallelMinWork)
   for (int64_t u = 0; u < num_unique; ++u) {
-    if (is_transient_ref(slot[u])) continue;
+    if (!is_stored_ref(slot[u])) continue;
     const int64_t up = u + 2;
-    if (up < num_unique && !is_transient_ref(slot[up])) {
+    if (up < num_unique && is_stored_ref(slot[up])) {
       prefetch_row(src.stored_row(up), dim + state_floats, 1);
     }
     optimizer_update(src.stored_row(u), acc + u * dim, static_cast<int>(dim), p);
@@ -710,7 +710,7 @@ void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_ref
 // (sum_gradients' order) in a thread-local row, then, when every value of the sum
 // is finite, the optimizer's update of the stored row (update_rows'), so its
 // results are those of the two passes bit for bit. A row whose sum holds NaN or
-// inf keeps its value and state; transient rows are summed (checked), not updated.
+// inf keeps its value and state; rows not stored are summed (checked), not updated.
 // `error` and `schedule` as in update_rows (the step advances even when some rows
 // are not finite, as the host's count does). Returns how many rows had a
 // non-finite sum (0 for a refused batch).
@@ -741,13 +741,13 @@ int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tens
 #pragma omp for schedule(dynamic, 64)
     for (int64_t u = 0; u < num_unique; ++u) {
       const int64_t up = u + 2;  // a row ahead, with write intent, while this one sums
-      if (up < num_unique && !is_transient_ref(slot[up])) {
+      if (up < num_unique && is_stored_ref(slot[up])) {
         prefetch_row(src.stored_row(up), dim + state_floats, 1);
       }
       const bool finite = runs.sum(
           u, acc.data(), [&](int64_t e) DEMB_PREFETCH_HOOK { runs.prefetch_ahead(e); });
       non_finite += !finite;
-      if (finite && !is_transient_ref(slot[u])) {
+      if (finite && is_stored_ref(slot[u])) {
         optimizer_update(src.stored_row(u), acc.data(), static_cast<int>(dim), p);
       }
     }

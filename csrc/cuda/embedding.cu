@@ -15,8 +15,8 @@ using namespace dynamicemb::cuda;
 
 // Row arguments of the lookup kernels: the two tiers' values (one width), the
 // batch's transient rows (dim wide), the row reference of each unique row, and
-// for a step counted on the device (which has no transient rows) the unique
-// keys, their table ids and the tables' initializers (init_ints (T, 3): stream,
+// for a call whose references may be negative the unique keys, their table ids
+// and the tables' initializers (init_ints (T, 3): stream,
 // mode, seed; init_floats (T, 5): mean, std_dev, lower, upper, value), else null.
 #define DEMB_ROW_PARAMS                                                                   \
   const float *device_rows, const float *host_rows, int64_t width, const float *transient, \
@@ -28,9 +28,9 @@ using namespace dynamicemb::cuda;
         init_ints, init_floats                                                        \
   }
 
-// Reads element c of unique row u. A negative reference names a transient row,
-// or, when the initializers are given, a key that found no slot: its row is its
-// table's initializer's, computed here (initializers are functions of the key).
+// Reads element c of unique row u. A negative reference (given the initializers
+// whenever one may occur) is a key without a stored row: its row is its table's
+// initializer's, computed here (initializers are functions of the key).
 struct RowReader {
   const float* device_rows;
   const float* host_rows;
@@ -271,7 +271,7 @@ extern "C" __global__ void demb_fused_update(float* device_rows, float* host_row
   const int64_t u = global_warp();
   if (u >= num_unique) return;
   const int64_t begin = starts[u], end = starts[u + 1];
-  if (begin == end || is_transient_ref(row_ref[u])) return;
+  if (begin == end || !is_stored_ref(row_ref[u])) return;
   float* acc = shared_acc + (threadIdx.x / kWarp) * dim;
   const int64_t p0 = first_piece ? first_piece[u] : 0, p1 = first_piece ? first_piece[u + 1] : 0;
   for (int64_t c = lane_id(); c < dim; c += kWarp) {

@@ -16,7 +16,8 @@ import torch
 from dynamicemb.embedding.admission import Admission
 from dynamicemb.embedding.initialization import RowInitializer
 from dynamicemb.ops import for_device
-from dynamicemb.ops.interface import (BatchPart, DeviceSchedule, InitRows, OptimizerUpdate,
+from dynamicemb.ops.interface import (HOST_ROW_BIT, TRANSIENT_ROW_BIT, BatchPart,
+                                      DeviceSchedule, InitRows, OptimizerUpdate,
                                       RowSources, num_buckets_for, optimizer_state_dim)
 from dynamicemb.options import (DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbTableOptions,
                                 DynamicEmbWeightDecayMode)
@@ -115,7 +116,8 @@ class GroupLookup(NamedTuple):
         occurrences in the batch; starts (U + 1,) and rank (N,): the lookups grouped
         by unique row for the backward (rank -1: another group's lookup), None when
         the lookup does not train; row_ref: (U,) where each unique row lives
-        (``dynamicemb.storage``; -(t + 1) for row t of ``transient``, [T, dim]);
+        (``dynamicemb.storage``; ``TRANSIENT_ROW_BIT`` + t for row t of
+        ``transient``, [T, dim]; negative: computed from ``init``);
         generation: the storage's when looked up; admitted: (N,) bool (the keys
         the insert took), None without admission.
 
@@ -171,7 +173,7 @@ class TableGroup:
             raise ValueError(
                 f"tables {table_names} have dim {self.dim}; the kernels for {device} take "
                 f"at most {self.ops.max_dim}")
-        self.init = RowInitializer(self.ops, table_names, options, self.dim, optimizer,
+        self.init = RowInitializer(table_names, options, self.dim, optimizer,
                                    self.state_dim)
         row_bytes = (self.dim + self.state_dim) * 4
         host_rows = host_budget_rows(options, row_bytes, table_names)
@@ -280,7 +282,9 @@ class TableGroup:
             if self.storage.external.holds_rows:  # absent rows may be below: each read
                 unique, refs = self.storage.resolve_unique(keys, tids, error, part)  # once
                 return GroupLookup(keys=unique.keys, tids=unique.table_ids,
-                                   inverse=unique.inverse, counts=unique.counts, row_ref=refs)
+                                   inverse=unique.inverse, counts=unique.counts, row_ref=refs,
+                                   init=InitRows(unique.keys, unique.table_ids,
+                                                 self.init.spec(False, self.device)))
             return self._lookup_each(keys, tids, part)
         scores = (self.custom_scores
                   if self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED else None)
@@ -333,38 +337,56 @@ class TableGroup:
         where they are read (``InitRows``); an eval lookup over an external tier reads
         the rows below of keys the host store lacks as transient rows."""
         keys, tids, refs = lookup.keys, lookup.tids, lookup.row_ref
-        if lookup.init is None:  # eval over an external tier
-            transient = self._rows_below(keys, tids, refs)
-            return lookup._replace(transient=transient, generation=self.storage.generation)
         if refs is None:  # training: the prepared insert
             refs, status = self.storage.commit(keys, tids, lookup.counts)
             if lookup.admitted is not None:
                 self.admission.count_on_device(keys, tids, lookup.counts, lookup.admitted,
                                                status)
-        return lookup._replace(row_ref=refs, transient=self._no_transient,
+            return lookup._replace(row_ref=refs, transient=self._no_transient,
+                                   generation=self.storage.generation)
+        return lookup._replace(transient=self._rows_below(keys, tids, refs),
                                generation=self.storage.generation)
 
     def _rows_below(self, keys, tids, refs) -> torch.Tensor:
-        """Transient rows for unique keys without a row in memory (refs < 0; their
-        references become -(t + 1) for transient row t): the external tier's row
-        where it holds one, else the initializer's (an eval lookup; read from the
-        host)."""
-        if refs.numel() == 0 or int(refs.min()) >= 0:  # every row in memory
+        """The transient rows of the unique keys without a row in memory (refs < 0)
+        that the external tier holds (their references become ``TRANSIENT_ROW_BIT``
+        + t for transient row t; the others stay computed rows), read from the host;
+        none without an external tier."""
+        if not self.storage.external.holds_rows or refs.numel() == 0 or int(refs.min()) >= 0:
             return self._no_transient
         missing = (refs < 0).nonzero().squeeze(1)
-        refs[missing] = -(torch.arange(missing.numel(), dtype=torch.int64, device=self.device) + 1)
-        rows = self.init.transient(keys[missing], tids[missing], False)
-        self.storage.fill_from_below(keys[missing], tids[missing], rows)
+        found, rows = self.storage.rows_below(keys[missing], tids[missing], self.dim)
+        refs[missing[found]] = TRANSIENT_ROW_BIT + torch.arange(
+            found.numel(), dtype=torch.int64, device=self.device)
         return rows
+
+    def read_rows(self, keys: torch.Tensor, tids: torch.Tensor, train: bool) -> torch.Tensor:
+        """(n, dim) the rows of ``keys`` (local table ids ``tids`` int16) as a lookup
+        reads them, changing nothing: a stored row from the tier holding it (the
+        external tier's too), else its table's training (``train``) or eval
+        initializer's row."""
+        refs = self.storage.resolve(keys, tids)
+        transient = self._rows_below(keys, tids, refs)
+        n = keys.numel()
+        out = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
+        if n:
+            init = InitRows(keys, tids, self.init.spec(train, self.device))
+            self.ops.sequence_forward(sources=self.storage.sources(transient, init),
+                                      row_ref=refs, inverse=torch.arange(
+                                          n, dtype=torch.int64, device=self.device),
+                                      dim=self.dim, out=out)
+        return out
 
     def refresh(self, lookup: GroupLookup) -> GroupLookup:
         """The lookup with its row references found again if rows moved since (growth,
         promotion, eviction); a row that left the table reads its initializer's row
         and gets no update in backward."""
-        if lookup.generation == self.storage.generation or lookup.init is None:
+        if lookup.generation == self.storage.generation:
             return lookup
         found = self.storage.resolve(lookup.keys, lookup.tids)
-        refs = torch.where(lookup.row_ref >= 0, found, lookup.row_ref)
+        refs = lookup.row_ref
+        stored = (refs >= 0) & ((refs < TRANSIENT_ROW_BIT) | (refs >= HOST_ROW_BIT))
+        refs = torch.where(stored, found, refs)
         return lookup._replace(row_ref=refs, generation=self.storage.generation)
 
     # ------------------------------------------------------------ kernels

@@ -5,12 +5,11 @@ size or device; see ``docs/ARCHITECTURE.md``, "Initializers are functions".
 """
 
 import zlib
-from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from dynamicemb.ops.interface import Backend, InitSpec, NewRows, init_mode_code
+from dynamicemb.ops.interface import InitSpec, NewRows, init_mode_code
 from dynamicemb.options import (
     DynamicEmbInitializerArgs,
     DynamicEmbOptimizerArgs,
@@ -46,36 +45,19 @@ def init_spec(names: Sequence[str], options: Sequence[DynamicEmbTableOptions],
             torch.tensor(floats, dtype=torch.float64))
 
 
-@dataclass
-class _TableInit:
-    """One logical table's initializers."""
-
-    stream: int
-    train: DynamicEmbInitializerArgs
-    eval: DynamicEmbInitializerArgs
-    max_capacity: int
-
-
 class RowInitializer:
     """The initial rows of a group's logical tables (embedding and optimizer state).
 
     Args:
-        ops: the group's backend.
         table_names, options: the group's tables, in local table id order.
         dim: the embedding width.
         optimizer: the group's optimizer (its initial state); None: no state.
     """
 
-    def __init__(self, ops: Backend, table_names: List[str],
+    def __init__(self, table_names: List[str],
                  options: List[DynamicEmbTableOptions], dim: int,
                  optimizer: DynamicEmbOptimizerArgs, state_dim: int) -> None:
-        self.ops = ops
         self.dim = dim
-        self.tables = [
-            _TableInit(init_stream(name), o.initializer_args, o.eval_initializer_args,
-                       o.max_capacity)
-            for name, o in zip(table_names, options)
-        ]
         adagrad = optimizer.optimizer in (DynamicEmbOptimType.EXACT_ADAGRAD,
                                           DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD)
         self.state_dim = state_dim
@@ -89,7 +71,7 @@ class RowInitializer:
         """The tables' training (or eval) initializers packed for the kernels, on
         ``device`` (built once). ``others``: T more rows follow, table t's with
         ``others`` (the rows of table id T + t: keys that admission has not
-        admitted yet read ``transient(..., args=others)``'s rows there)."""
+        admitted yet read rows computed with ``others``)."""
         key = (train, device, None if others is None else repr(others))  # not hashable
         if key not in self._specs:
             ints, floats = init_spec(self._names, self._options, train)
@@ -99,22 +81,6 @@ class RowInitializer:
             self._specs[key] = InitSpec(ints.to(device), floats.to(device, torch.float32))
         return self._specs[key]
 
-    def fill(self, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
-             tids: torch.Tensor, train: bool) -> None:
-        """out[rows, :dim] = each key's initial embedding (its logical table's
-        training or eval initializer)."""
-        self.ops.init_rows(values=out, slots=rows.contiguous(), status=None,
-                           keys=keys.contiguous(), table_ids=tids.to(torch.int16).contiguous(),
-                           dim=self.dim, spec=self.spec(train, out.device))
-
     def new_rows(self, device: torch.device) -> NewRows:
         """What a stored row starts as (embedding and optimizer state), on ``device``."""
         return NewRows(self.spec(True, device), self.dim, self.initial_state)
-
-    def transient(self, keys: torch.Tensor, tids: torch.Tensor, train: bool) -> torch.Tensor:
-        """(len(keys), dim) initial rows that are not stored."""
-        out = torch.empty(keys.numel(), self.dim, dtype=torch.float32, device=keys.device)
-        if keys.numel():
-            rows = torch.arange(keys.numel(), dtype=torch.int64, device=keys.device)
-            self.fill(out, rows, keys, tids, train)
-        return out

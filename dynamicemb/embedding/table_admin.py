@@ -92,18 +92,10 @@ class TableAdmin:
         Returns:
             (n, dim) float32 on the module's device.
         """
-        group, keys, tids, refs = self._resolve(table_name, keys)
-        n = keys.numel()
-        missing = (refs < 0).nonzero().squeeze(1)
-        transient = group.init.transient(keys[missing], tids[missing], train=train)
-        group.storage.fill_from_below(keys[missing], tids[missing], transient)
-        refs[missing] = -(torch.arange(missing.numel(), dtype=torch.int64, device=self.device) + 1)
-        out = torch.empty(n, group.dim, dtype=torch.float32, device=self.device)
-        if n:
-            group.ops.sequence_forward(sources=group.storage.sources(transient), row_ref=refs,
-                                       inverse=torch.arange(n, dtype=torch.int64, device=self.device),
-                                       dim=group.dim, out=out)
-        return out
+        group, local = self._location(table_name)
+        keys = keys.to(self.device, torch.int64).contiguous()
+        tids = torch.full((keys.numel(),), local, dtype=torch.int16, device=self.device)
+        return group.read_rows(keys, tids, train)
 
     def _resolve(self, table_name: str, keys: torch.Tensor):
         """(group, keys, table ids, read-only references) of keys of one table."""

@@ -14,7 +14,8 @@ from typing import List, Optional
 import torch
 
 from dynamicemb.ops import for_device
-from dynamicemb.ops.interface import Backend, InitSpec, RowSources, TableMemory
+from dynamicemb.ops.interface import (TRANSIENT_ROW_BIT, Backend, InitRows, InitSpec, RowSources,
+                                      TableMemory)
 
 __all__ = ["POOLING_CODES", "frozen_lookup"]
 
@@ -104,12 +105,14 @@ def _lookup(ops: Backend, ids, offsets, weights, index, row_of_slot, rows, featu
         raise ValueError(f"per_sample_weights must have shape ({ids.numel()},) like ids, "
                          f"got {tuple(weights.shape)}")
     tids = _lookup_tables(offsets, feature_tids, batch, ids.numel(), init_ints.shape[0])
-    refs, transient = _row_refs(ops, ids, tids, index, row_of_slot, rows, init_ints,
-                                init_floats, bucket_capacity)
+    refs, transient = _row_refs(ops, ids, tids, index, row_of_slot, rows, bucket_capacity,
+                                init_ints.shape[0])
     inverse = torch.arange(ids.numel(), dtype=torch.int64, device=ids.device)
     stored = rows if rows.dtype == torch.float32 else rows.new_empty((0, rows.shape[1]),
                                                                      dtype=torch.float32)
-    sources = RowSources(stored, stored.new_empty((0, rows.shape[1])), transient)
+    init = InitRows(ids.contiguous(), tids.contiguous(),
+                    InitSpec(init_ints, init_floats.to(torch.float32)))
+    sources = RowSources(stored, stored.new_empty((0, rows.shape[1])), transient, init)
     dim = rows.shape[1]
     if pooling == _NONE:
         out = torch.empty(ids.numel(), dim, dtype=torch.float32, device=ids.device)
@@ -134,37 +137,21 @@ def _lookup_tables(offsets, feature_tids, batch, n, num_tables):
     return torch.repeat_interleave(feature_tids, bounds[1:] - bounds[:-1], output_size=n)
 
 
-def _row_refs(ops, ids, tids, index, row_of_slot, rows, init_ints, init_floats,
-              bucket_capacity):
+def _row_refs(ops, ids, tids, index, row_of_slot, rows, bucket_capacity, num_tables):
     """Row references of the lookups (``row_ref.h``) and the transient rows they name:
     float32 rows are read in place, 16-bit rows are widened into transient rows, and
-    unseen ids get their table's eval-initializer row."""
+    unseen ids (reference -1) read their table's eval-initializer row, computed
+    where it is read."""
     num_buckets = index[4].shape[0]
     memory = TableMemory([index[0][:, 0], index[0][:, 1], *index[1:]], rows, num_buckets,
                          num_buckets, bucket_capacity)
-    slots = ops.find(memory=memory, keys=ids, table_ids=tids,
-                     one_table=init_ints.shape[0] == 1)
+    slots = ops.find(memory=memory, keys=ids, table_ids=tids, one_table=num_tables == 1)
     refs = row_of_slot[slots]  # slot -1 reads the sentinel -1: one gather, no mask
-    missing = (refs < 0).nonzero().squeeze(1)
-    widen = rows.dtype != torch.float32
-    held = (refs >= 0).nonzero().squeeze(1) if widen else None
-    count = missing.numel() + (held.numel() if widen else 0)
-    transient = torch.empty(count, rows.shape[1], dtype=torch.float32, device=ids.device)
-    if widen and held.numel():
-        transient[:held.numel()] = rows[refs[held]]
-        refs[held] = -(torch.arange(held.numel(), device=ids.device) + 1)
-    if missing.numel():
-        first = count - missing.numel()
-        at = torch.arange(first, count, dtype=torch.int64, device=ids.device)
-        _init_rows(ops, transient, at, ids[missing], tids[missing], init_ints, init_floats)
-        refs[missing] = -(at + 1)
+    if rows.dtype == torch.float32:
+        return refs, rows.new_empty((0, rows.shape[1]))
+    held = (refs >= 0).nonzero().squeeze(1)
+    transient = rows[refs[held]].float()
+    refs[held] = TRANSIENT_ROW_BIT + torch.arange(held.numel(), device=ids.device)
     return refs, transient
-
-
-def _init_rows(ops, out, at, keys, tids, init_ints, init_floats):
-    """out[at] = each key's eval-initializer row (its table's stream and mode)."""
-    ops.init_rows(values=out, slots=at, status=None, keys=keys.contiguous(),
-                  table_ids=tids.to(torch.int16).contiguous(), dim=out.shape[1],
-                  spec=InitSpec(init_ints, init_floats.to(torch.float32)))
 
 

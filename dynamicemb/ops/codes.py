@@ -14,6 +14,7 @@ __all__ = [
     "COMPOUND_COUNT_SHIFT",
     "COMPOUND_TIME_MASK",
     "HOST_ROW_BIT",
+    "TRANSIENT_ROW_BIT",
     "InsertStatus",
     "KNO_BUCKET",
     "ScoreRule",
@@ -52,9 +53,11 @@ COMPOUND_TIME_MASK = (1 << COMPOUND_COUNT_SHIFT) - 1
 ALL_BITS = -1  # the time mask of clock and step scores: the whole score
 
 
-#: Row references >= HOST_ROW_BIT name host-store slots; < 0 name transient rows
-#: (``csrc/dynamicemb/row_ref.h``).
+#: Row references (``csrc/dynamicemb/row_ref.h``): >= HOST_ROW_BIT name host-store
+#: slots, from TRANSIENT_ROW_BIT below it a batch's transient rows, below that
+#: device-tier slots; a negative reference is a row its table's initializer computes.
 HOST_ROW_BIT = 1 << 62
+TRANSIENT_ROW_BIT = 1 << 61
 
 _RULES = {
     DynamicEmbScoreStrategy.LRU: (ScoreRule.CLOCK, True),

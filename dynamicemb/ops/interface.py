@@ -12,7 +12,8 @@ verbs' results) and ``backend`` (the ``Backend`` class).
 
 from dynamicemb.ops.backend import Backend
 from dynamicemb.ops.codes import (ALL_BITS, COMPOUND_COUNT_SHIFT, COMPOUND_TIME_MASK,
-                                  HOST_ROW_BIT, KNO_BUCKET, InsertStatus, ScoreRule,
+                                  HOST_ROW_BIT, KNO_BUCKET, TRANSIENT_ROW_BIT,
+                                  InsertStatus, ScoreRule,
                                   init_mode_code, metadata_bytes_per_slot, num_buckets_for,
                                   offsets_problem, optimizer_code, optimizer_state_dim,
                                   score_rule)
@@ -30,6 +31,7 @@ __all__ = [
     "DeviceSchedule",
     "Entries",
     "HOST_ROW_BIT",
+    "TRANSIENT_ROW_BIT",
     "InitRows",
     "InitSpec",
     "InsertStatus",

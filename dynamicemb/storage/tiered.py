@@ -22,7 +22,8 @@ rows the host store evicts and give them back when their keys return: the host
 store is then the index of the rows in memory, the external store of the rest.
  Kernels
 address rows by reference (``csrc/dynamicemb/row_ref.h``): a device slot, a host
-slot tagged with ``HOST_ROW_BIT``, or a transient row. A batch that does not fit
+slot tagged with ``HOST_ROW_BIT``, a transient row (``TRANSIENT_ROW_BIT``) or,
+negative, a row computed from the key's initializer. A batch that does not fit
 in the cache is served from the host store for the rest.
 
 Each tier has its own device: the host store lives where its ``ScoredHashTable``
@@ -465,15 +466,14 @@ class TieredStorage:
         stored[absent] = found.to(stored.device)
         return stored
 
-    def fill_from_below(self, keys: torch.Tensor, tids: torch.Tensor,
-                        rows: torch.Tensor) -> None:
-        """rows[i] = the first ``rows.shape[1]`` floats of key i's row in the external
-        tier, where it holds one (reading keys the host store does not hold)."""
-        if not self.external.holds_rows or keys.numel() == 0:
-            return
+    def rows_below(self, keys: torch.Tensor, tids: torch.Tensor,
+                   width: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The positions among ``keys`` (keys the host store does not hold) whose row
+        the external tier holds, and the first ``width`` floats of those rows, on
+        ``device`` (read from the host)."""
         found, below = self.external.get(self._on_host(keys), self._on_host(tids))
-        at = found.nonzero().squeeze(1).to(rows.device)
-        rows[at] = below.rows[:, :rows.shape[1]].to(rows.device, rows.dtype)
+        at = found.nonzero().squeeze(1).to(self.device)
+        return at, below.rows[:, :width].to(self.device, torch.float32).contiguous()
 
     def clear_table(self, tid: int, chunk_slots: int = 1 << 20) -> None:
         """Removes every row of local table ``tid`` from every tier (a group of one

@@ -571,7 +571,7 @@ def test_a_prefetch_pipeline_makes_no_sync(layout):
 # reads the rows below of keys the host store lacks. Every sync is at that seam.
 EXTERNAL_SEAM = {"evicted", "counts", "num_failed", "num_new", "_stage_below", "overlay",
                  "_restore_below", "stage", "restore", "_pack_keys", "_pack_values",
-                 "_rows_below", "fill_from_below", "get", "put", "delete"}
+                 "_rows_below", "rows_below", "get", "put", "delete"}
 
 
 @pytest.mark.parametrize("backend", ["cuda-emulated", "cpu"])

@@ -25,6 +25,7 @@ from dynamicemb.options import DynamicEmbOptimType
 from dynamicemb_testing.cuda_emulation import emulated_cuda
 
 HOST_ROW_BIT = 1 << 62
+TRANSIENT_ROW_BIT = 1 << 61
 SEEDS = [0, 1, 2]
 # (features, batch): no bag, one bag, several
 SHAPES = [(1, 0), (1, 1), (3, 17), (4, 64)]
@@ -107,13 +108,13 @@ def make_batch(seed: int, features: int, batch: int, dim: int = 8, width: int = 
 
 def transient_rows(b: Batch):
     """(transient (U, dim), row_ref): the rows ``init`` computes, made beforehand by
-    ``init_rows`` (the unpadded step's way), references -(u + 1) for them."""
+    ``init_rows``, referenced as transient rows (``TRANSIENT_ROW_BIT`` + u)."""
     u = b.row_ref.numel()
     transient = torch.zeros(u, b.dim)
     _cpu().init_rows(transient, torch.arange(u), None, b.init.keys.contiguous(),
                      b.init.table_ids.to(torch.int16).contiguous(), b.dim,
                      InitSpec(*b.init.spec), 0.0)
-    refs = torch.where(b.row_ref < 0, -(torch.arange(u) + 1), b.row_ref)
+    refs = torch.where(b.row_ref < 0, TRANSIENT_ROW_BIT + torch.arange(u), b.row_ref)
     return transient, refs
 
 
