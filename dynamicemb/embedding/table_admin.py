@@ -13,7 +13,6 @@ import torch
 
 from dynamicemb.embedding.group import TableGroup
 from dynamicemb.embedding.records import ExportedCounters, ExportedRows, TableClocks
-from dynamicemb.ops.codes import HOST_ROW_BIT
 from dynamicemb.options import DynamicEmbOptimizerArgs, DynamicEmbOptimType
 from dynamicemb.types import DynamicEmbScoreStrategy
 
@@ -119,17 +118,8 @@ class TableAdmin:
 
         Args and device: as ``read_rows``'s; returns (n, state_dim) float32.
         """
-        group, keys, _, refs = self._resolve(table_name, keys)
-        sources = group.storage.sources(torch.empty(0, group.dim, device=self.device))
-        out = torch.full((keys.numel(), group.state_dim), float(group.init.initial_state),
-                         dtype=torch.float32, device=self.device)
-        on_host = refs >= HOST_ROW_BIT
-        first = (refs >= 0) & ~on_host  # the first source: device tier, or the one tier
-        for mask, rows, offset in ((first, sources.device, 0), (on_host, sources.host, HOST_ROW_BIT)):
-            if bool(mask.any()):
-                at = (refs[mask] - offset).to(rows.device)
-                out[mask] = rows[at, group.dim:].float().to(self.device)
-        return out
+        group, _, _, refs = self._resolve(table_name, keys)
+        return group.storage.columns_of(refs, group.dim, float(group.init.initial_state))
 
     def iter_keys_values(self, table_name: str, chunk_slots: int = 1 << 16, *,
                          min_score: Optional[int] = None) -> Iterator[ExportedRows]:

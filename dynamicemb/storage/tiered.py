@@ -37,7 +37,7 @@ from typing import Iterator, List, NamedTuple, Optional, Tuple
 import torch
 
 from dynamicemb.ops import for_device, resolve_device
-from dynamicemb.ops.interface import InsertStatus, NewRows, RowSources
+from dynamicemb.ops.interface import HOST_ROW_BIT, InsertStatus, NewRows, RowSources
 from dynamicemb.kvstore.store import ExternalStorageError
 from dynamicemb.storage.external.tier import Staged
 from dynamicemb.storage.layouts import Cache, Crossing, HostOnly, Layout, OneTier, Placement
@@ -196,6 +196,21 @@ class TieredStorage:
         these are) and their read-only references (``resolve``)."""
         unique = self.ops.dedup(keys=keys, table_ids=tids, error=error, part=part)
         return unique, self.resolve(unique.keys, unique.table_ids)
+
+    def columns_of(self, refs: torch.Tensor, start: int, fill: float) -> torch.Tensor:
+        """(n, width - start) float32 on ``device``: columns ``start:`` of the stored
+        rows ``refs`` (``resolve``'s) name, ``fill`` where a reference names none."""
+        sources = self.sources(torch.empty(0, 0, device=self.device))
+        out = torch.full((refs.numel(), self.host.value_dim - start), fill,
+                         dtype=torch.float32, device=self.device)
+        on_host = refs >= HOST_ROW_BIT
+        first = (refs >= 0) & ~on_host  # the first source: device tier, or the one tier
+        for mask, rows, offset in ((first, sources.device, 0),
+                                   (on_host, sources.host, HOST_ROW_BIT)):
+            if bool(mask.any()):
+                at = (refs[mask] - offset).to(rows.device)
+                out[mask] = rows[at, start:].float().to(self.device)
+        return out
 
     # ----------------------------------------------------------- training
     # A batch's insert is prepared (``prepare_dedup``; or ``dedup``, ``stored`` and

@@ -256,3 +256,41 @@ def test_a_device_budget_below_one_bucket_is_refused_by_name(caching):
     tier = make_module(cpu, sgd, lru, "sum", caching=caching, device_rows=8)._groups[0] \
         .storage.device_tier
     assert tier is not None and tier.capacity() == 16
+
+
+@pytest.mark.parametrize("layout", ["one-tier", "cache-10%", "placed-10%", "host-only"])
+def test_reads_of_rows_and_states_find_each_row_in_its_tier(layout, device):
+    """``read_rows`` and ``read_optimizer_states`` after training: the exported
+    (current) row and state of every stored key, wherever the layout keeps it, and for
+    absent keys the initializer's row (training or eval) and the initial state."""
+    data = power_law_batches(seed=5)
+    caching, rows = (False, None) if layout == "one-tier" else layouts(touched_keys(data))[layout]
+    serving = DynamicEmbInitializerArgs(mode="uniform", lower=-0.5, upper=0.5, seed=3)
+    module = make_module(device, DynamicEmbOptimType.EXACT_ADAGRAD, DynamicEmbScoreStrategy.LRU,
+                         "sum", caching=caching, device_rows=rows,
+                         eval_initializer_args=serving)
+    train(module, data, prefetch=False)
+    fresh = make_module(device, DynamicEmbOptimType.EXACT_ADAGRAD, DynamicEmbScoreStrategy.LRU,
+                        "sum", eval_initializer_args=serving)
+    for name in module.table_names:
+        stored = module.export_keys_values(name)
+        absent = torch.arange(10**9, 10**9 + 5, dtype=torch.int64)
+        keys = torch.cat([stored.keys.cpu(), absent])
+        n = stored.keys.numel()
+        got_rows = module.read_rows(name, keys).cpu()
+        got_states = module.read_optimizer_states(name, keys).cpu()
+        assert torch.equal(got_rows[:n], stored.embeddings.cpu())
+        assert torch.equal(got_states[:n], stored.optimizer_states.cpu())
+        assert torch.equal(got_states[n:], torch.zeros(5, got_states.shape[1]))
+        # an absent key's row: what a training lookup would store, or an eval one read
+        assert torch.equal(got_rows[n:], fresh.read_rows(name, absent).cpu())
+        eval_rows = module.read_rows(name, absent, train=False).cpu()
+        fresh.eval()
+        each = torch.arange(6, dtype=torch.int64)  # a bag per id, in the table's feature
+        offsets = (torch.cat([each, torch.full((5,), 5)]) if name == "a"
+                   else torch.cat([torch.zeros(5, dtype=torch.int64), each]))
+        out = fresh(absent, offsets)
+        fresh.train()
+        assert eval_rows.abs().sum() > 0 and not torch.equal(eval_rows, got_rows[n:])
+        cols = slice(0, DIM) if name == "a" else slice(DIM, 2 * DIM)
+        assert torch.equal(eval_rows, out[:, cols].cpu())

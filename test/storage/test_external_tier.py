@@ -73,6 +73,12 @@ def test_rows_split_with_rocksdb_train_identically(tmp_path, optimizer, strategy
     probe = batches(seed=4, steps=1)[0]
     with torch.no_grad():
         assert torch.equal(module(*probe), reference(*probe))
+    # reads change nothing and find every row, below too (unseen keys: initializers)
+    keys = torch.cat([snapshot(reference)["a"][0], torch.arange(10**9, 10**9 + 3)])
+    for train_rows in (True, False):
+        assert torch.equal(module.read_rows("a", keys, train=train_rows),
+                           reference.read_rows("a", keys, train=train_rows))
+    assert below(module)[1] == reads
 
 
 @pytest.mark.parametrize("strategy", [LRU, LFU], ids=["lru", "lfu"])
