@@ -94,9 +94,25 @@ def table_ids_as_int16(table_ids: torch.Tensor, n: int, num_tables: int) -> torc
 
 class TableInputs:
     """The argument checks of ``ScoredHashTable``'s verbs (on its device, number of
-    tables, score strategy and value rows); a bad argument raises before any change."""
+    tables, score strategy and value rows); a bad argument raises before any change.
 
-    def _table_ids(self, table_ids: Optional[torch.Tensor], n: int,
+    Args:
+        device: the table's device; num_tables: its logical tables.
+        score_strategy: its strategy; rule: its ``ScoreRule``.
+        value_dim, value_dtype: its value rows.
+    """
+
+    def __init__(self, device: torch.device, num_tables: int,
+                 score_strategy: DynamicEmbScoreStrategy, rule: ScoreRule, value_dim: int,
+                 value_dtype: torch.dtype) -> None:
+        self.device = device
+        self.num_tables = num_tables
+        self.score_strategy = score_strategy
+        self.rule = rule
+        self.value_dim = value_dim
+        self.value_dtype = value_dtype
+
+    def table_ids(self, table_ids: Optional[torch.Tensor], n: int,
                    checked: bool = False) -> torch.Tensor:
         """The ids as the kernels take them. ``checked``: the caller built them in range
         (the storage and the module do), so they are not read on the host: on a GPU
@@ -104,27 +120,27 @@ class TableInputs:
         if table_ids is None:
             return torch.zeros(n, dtype=torch.int16, device=self.device)
         if checked and table_ids.shape == (n,):
-            return self._here(table_ids, "table_ids").to(torch.int16).contiguous()
+            return self.here(table_ids, "table_ids").to(torch.int16).contiguous()
         tids = table_ids_as_int16(table_ids, n, self.num_tables)
-        return self._here(tids, "table_ids")
+        return self.here(tids, "table_ids")
 
-    def _keys(self, keys: torch.Tensor) -> torch.Tensor:
+    def keys(self, keys: torch.Tensor) -> torch.Tensor:
         check_keys(keys)
-        return self._here(keys, "keys").contiguous()
+        return self.here(keys, "keys").contiguous()
 
-    def _here(self, t: torch.Tensor, name: str) -> torch.Tensor:
+    def here(self, t: torch.Tensor, name: str) -> torch.Tensor:
         """``t`` if it is on the table's device (kernels take raw pointers: a tensor
         elsewhere would be read as this device's memory)."""
         if t.device != self.device:
             raise ValueError(f"{name} are on {t.device}, the table on {self.device}")
         return t
 
-    def _given_scores(self, scores: Optional[torch.Tensor], n: int,
+    def given_scores(self, scores: Optional[torch.Tensor], n: int,
                       exact: bool = False, checked: bool = False) -> Optional[torch.Tensor]:
         """CUSTOMIZED: the scores (required). LFU: occurrence counts to add (default 1).
         ``exact``: the scores to store, whatever the strategy (required)."""
         customized = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED or exact
-        lfu = self._rule in (ScoreRule.COUNT, ScoreRule.COUNT_THEN_CLOCK) and not exact
+        lfu = self.rule in (ScoreRule.COUNT, ScoreRule.COUNT_THEN_CLOCK) and not exact
         if scores is None:
             if exact:
                 raise ValueError("exact_scores=True needs scores for every key")
@@ -140,12 +156,12 @@ class TableInputs:
             raise TypeError(f"scores must be an int64 tensor, got {getattr(scores, 'dtype', type(scores))}")
         if scores.shape != (n,):
             raise ValueError(f"scores must have shape ({n},), got {tuple(scores.shape)}")
-        self._here(scores, "scores")
+        self.here(scores, "scores")
         if n > 0 and not checked and int(scores.min()) < (1 if lfu else 0):
             raise ValueError("LFU counts must be >= 1" if lfu else "scores must be >= 0")
         return scores.contiguous()
 
-    def _rows(self, values: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    def rows(self, values: Optional[torch.Tensor], n: int) -> torch.Tensor:
         if values is None:
             if self.value_dim == 0:
                 return torch.empty(n, 0, dtype=self.value_dtype, device=self.device)

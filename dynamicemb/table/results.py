@@ -5,9 +5,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from dynamicemb.ops.interface import Deduplicated, Entries, InsertStatus
+from dynamicemb.ops.interface import Deduplicated, Entries, InsertStatus, Upserted
 
-__all__ = ["Deduplicated", "Entries", "Expired", "InsertResult", "TableStats", "inserted_mask"]
+__all__ = ["Deduplicated", "Entries", "Expired", "InsertResult", "TableStats", "expired_hits",
+           "inserted_mask"]
 
 
 @dataclass
@@ -86,3 +87,9 @@ class Expired(NamedTuple):
     table_ids: torch.Tensor
     scores: torch.Tensor
     slots: torch.Tensor
+
+
+def expired_hits(upserted: Upserted) -> torch.Tensor:
+    """(n,) bool: the keys of a pass that hit a row expired at its time (status
+    INSERTED with a previous score: a new key's is -1)."""
+    return (upserted.status == InsertStatus.INSERTED) & (upserted.prev_scores >= 0)

@@ -4,7 +4,7 @@ The contract (geometry, hash, score rules, the inserting procedure) is written
 out in ``docs/ARCHITECTURE.md``, "The scored hash table". This module owns the
 policy (growth for load, the clock, failures, stats); the backend's verbs
 (``dynamicemb.ops``) own the table's memory layout and walk it. The prepared insert
-and its commit are ``table/pending.py``, the inserting calls ``table/inserts.py``, the
+and its commit are ``table/pending.py``, the growth policy ``table/growth.py``, the
 argument checks ``table/checks.py``.
 """
 
@@ -14,16 +14,17 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from dynamicemb.ops import for_device, resolve_device
-from dynamicemb.ops.interface import (ALL_BITS, COMPOUND_TIME_MASK, BatchPart, Deduplicated,
-                                      Entries, InsertStatus, ScoreRule, TableMemory,
-                                      num_buckets_for, score_rule)
+from dynamicemb.ops.interface import (ALL_BITS, COMPOUND_TIME_MASK, KNO_BUCKET, BatchPart,
+                                      Deduplicated, Entries, InsertStatus, ScoreRule,
+                                      TableMemory, Upserted, num_buckets_for, score_rule)
 from dynamicemb.options import check_ttl
 from dynamicemb.table.checks import (TableInputs, check_frequencies, check_keys,
                                      table_ids_as_int16)
-from dynamicemb.table.device_counts import DeviceCounters, DeviceTotals
-from dynamicemb.table.inserts import DEVICE_TOTALS, InsertCalls, SizeWatch
+from dynamicemb.table.device_counts import DeviceCounters, DeviceTotals, capturing
+from dynamicemb.table.growth import DEVICE_TOTALS, ERASED, OUTCOMES, GrowthWatch
 from dynamicemb.table.pending import PendingInsert
-from dynamicemb.table.results import Expired, InsertResult, TableStats
+from dynamicemb.table.time import TableTime
+from dynamicemb.table.results import Expired, InsertResult, TableStats, expired_hits
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
 __all__ = ["MAX_TABLES", "ScoredHashTable", "hash_keys"]
@@ -35,26 +36,19 @@ MAX_TABLES = 32767
 
 
 def hash_keys(keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
-    """The table's 64-bit hash of (table id, key), bit-cast to int64.
-
-    Args:
-        keys (Tensor): (n,) int64.
-        table_ids (Tensor): (n,) int16/int32/int64, in [0, MAX_TABLES).
-
-    Returns:
-        (n,) int64 hashes (the uint64 bits).
-    """
+    """(n,) int64: the table's 64-bit hash (bit-cast) of (n,) int64 ``keys`` in
+    tables ``table_ids`` (n,) int16/int32/int64 in [0, MAX_TABLES)."""
     check_keys(keys)
     tids = table_ids_as_int16(table_ids, keys.numel(), MAX_TABLES)
     return for_device(keys.device).hash_keys(keys=keys.contiguous(), table_ids=tids)
 
 
-class ScoredHashTable(TableInputs, InsertCalls):
+class ScoredHashTable:
     """A bucketed hash table from (table id, int64 key) to a slot and a score.
 
-    Several logical tables share one physical table. Value rows live in
-    ``values`` (``[capacity, value_dim]``), indexed by slot. Semantics in detail:
-    ``docs/ARCHITECTURE.md``, "The scored hash table".
+    Several logical tables share one physical table; value rows live in ``values``
+    (``[capacity, value_dim]``) by slot. ``docs/ARCHITECTURE.md``, "The scored hash
+    table".
 
     Args:
         num_tables: logical tables sharing this one (1 to 32767).
@@ -69,16 +63,12 @@ class ScoredHashTable(TableInputs, InsertCalls):
         value_dtype: dtype of the value rows.
         check_mode: what a failed insert does (see ``DynamicEmbCheckMode``).
         device: where the tensors live (CPU or CUDA).
-        values_in_host_memory: keep the value rows in host memory that the device's
-            kernels read and write in place (on CUDA: pinned and mapped into the
-            GPU's address space; the index stays on the GPU). Lets a table's rows
-            exceed the GPU's memory. The same as the default on CPU.
-        ttl: row lifetime in ticks of the table's time (``now``; None: no expiry).
-            A row whose last access is more than ``ttl`` ticks before a call's time
-            is absent to that call: ``find`` misses it, an inserting call gives it a
-            fresh row (reported as inserted and in ``expired``), ``export_batch``
-            skips it; ``expire()`` frees such rows. Needs LRU, STEP, NO_EVICTION or
-            LRU_LFU scores.
+        values_in_host_memory: value rows in host memory that the device's kernels
+            use in place (CUDA: pinned and mapped; the index stays on the GPU).
+        ttl: row lifetime in ticks of ``now`` (None: none). A row last accessed more
+            than ``ttl`` ticks before a call's time is absent to it (an insert gives
+            it a fresh row, counted in ``expired``); ``expire()`` frees such rows.
+            Needs LRU, STEP, NO_EVICTION or LRU_LFU scores.
 
     Example::
 
@@ -125,7 +115,6 @@ class ScoredHashTable(TableInputs, InsertCalls):
         self.score_strategy = DynamicEmbScoreStrategy(score_strategy)
         check_ttl(ttl, self.score_strategy)
         self.ttl = ttl
-        self._compound = self.score_strategy == DynamicEmbScoreStrategy.LRU_LFU
         self.check_mode = DynamicEmbCheckMode(check_mode)
         # Whether a step's call reads its failed inserts in the call and, while the
         # table may grow, grows and runs again (as ERROR mode does): set by a caller
@@ -139,6 +128,8 @@ class ScoredHashTable(TableInputs, InsertCalls):
         self._stats = TableStats()
         self._ops = for_device(self.device)
         self._rule, self._evicts = score_rule(self.score_strategy)
+        self._inputs = TableInputs(self.device, num_tables, self.score_strategy, self._rule,
+                                   value_dim, value_dtype)
         self._memory = self._ops.new_table(
             num_buckets=num_buckets_for(capacity, bucket_capacity),
             max_num_buckets=num_buckets_for(max_capacity, bucket_capacity),
@@ -148,16 +139,15 @@ class ScoredHashTable(TableInputs, InsertCalls):
         # device memory by the inserting calls' kernels (so that a CUDA graph's
         # replays advance them)
         self._stored = DeviceCounters([0], self.device)
-        self._time = DeviceCounters([0, 0], self.device)
+        self._time = TableTime(self.score_strategy, ttl, self.device)
         # what the calls counted on the device (hits, inserted, evicted, failed,
         # expired, erased), which the stats take when read (made here: a CUDA graph
         # capturing the first call would otherwise zero them at every replay)
         self._outcome_totals = DeviceTotals(DEVICE_TOTALS, self.device)
-        self._watch = SizeWatch(self.device)  # what the calls tell the host, late
+        self._watch = GrowthWatch(self._memory, self._stored, self._outcome_totals,
+                                  self.check_mode, self._evicts, self.max_load_factor,
+                                  self._ops.free_host_reads, self._grow, self._failure_message)
         self._generation = 0
-        # a CUDA graph captured a call: its replays use the arrays' addresses, so
-        # growth (which replaces them) is refused until ``release_graphs``
-        self._captured = False
         self._pending: Optional[PendingInsert] = None
 
     # ----------------------------------------------------------------- state
@@ -175,22 +165,6 @@ class ScoredHashTable(TableInputs, InsertCalls):
     @_size.setter
     def _size(self, value: int) -> None:
         self._stored.set(0, value)
-
-    @property
-    def _clock(self) -> int:
-        return self._time.value(0)
-
-    @_clock.setter
-    def _clock(self, value: int) -> None:
-        self._time.set(0, value)
-
-    @property
-    def _step(self) -> int:
-        return self._time.value(1)
-
-    @_step.setter
-    def _step(self, value: int) -> None:
-        self._time.set(1, value)
 
     @property
     def memory(self) -> TableMemory:
@@ -211,7 +185,7 @@ class ScoredHashTable(TableInputs, InsertCalls):
     @property
     def clock(self) -> int:
         """The logical clock: advanced by one at the start of every inserting call."""
-        return self._clock
+        return self._time.clock
 
     @property
     def generation(self) -> int:
@@ -222,7 +196,7 @@ class ScoredHashTable(TableInputs, InsertCalls):
     @property
     def step(self) -> int:
         """The score of the ``STEP`` strategy (see ``set_step``)."""
-        return self._step
+        return self._time.step
 
     @property
     def num_buckets(self) -> int:
@@ -244,27 +218,15 @@ class ScoredHashTable(TableInputs, InsertCalls):
         return self._size / self.capacity()
 
     def scores_at(self, slots: torch.Tensor) -> torch.Tensor:
-        """Scores of occupied slots (e.g. returned by ``find``).
-
-        Args:
-            slots (Tensor): (n,) int64 slots, each holding a key.
-
-        Returns:
-            (n,) int64 scores.
-        """
+        """(n,) int64 scores of (n,) int64 occupied slots (e.g. ``find``'s)."""
         self._check_idle()
         return self._memory.scores[slots]
 
     def set_scores_at(self, slots: torch.Tensor, scores: torch.Tensor) -> None:
-        """Overwrites the scores of occupied slots (restoring rows that come back from
-        a tier below).
-
-        Args:
-            slots (Tensor): (n,) int64 slots, each holding a key.
-            scores (Tensor): (n,) int64.
-        """
+        """Overwrites the (n,) int64 scores of (n,) int64 occupied slots (rows that
+        come back from a tier below)."""
         self._check_idle()
-        self._memory.scores[slots] = self._here(scores, "scores").to(torch.int64)
+        self._memory.scores[slots] = self._inputs.here(scores, "scores").to(torch.int64)
 
     def memory_bytes(self) -> dict:
         """Bytes held: ``metadata`` (keys, scores, ids, digests, bits) and ``values``."""
@@ -276,43 +238,31 @@ class ScoredHashTable(TableInputs, InsertCalls):
     def now(self) -> int:
         """The table's time, which scores record and ``ttl`` counts: the step with
         STEP scores, else the clock (the latest inserting call's)."""
-        return self._step if self.score_strategy == DynamicEmbScoreStrategy.STEP else self._clock
+        return self._time.now
 
     @property
     def next_time(self) -> int:
         """The time the next inserting call will record (``now`` after its tick)."""
-        return self._step if self.score_strategy == DynamicEmbScoreStrategy.STEP else self._clock + 1
+        return self._time.next_time
 
     def time_of(self, scores: torch.Tensor) -> torch.Tensor:
-        """Last-access times of scores: the score itself, or LRU_LFU's low 32 bits.
-
-        Args:
-            scores (Tensor): (n,) int64.
-
-        Returns:
-            (n,) int64.
-        """
-        return scores & COMPOUND_TIME_MASK if self._compound else scores
+        """(n,) int64 last-access times of (n,) scores: the score itself, or
+        LRU_LFU's low 32 bits."""
+        return self._time.time_of(scores)
 
     def expired_before(self, time: int) -> int:
         """Rows whose last access is below this have expired at ``time`` (0: none)."""
-        return 0 if self.ttl is None else max(0, int(time) - self.ttl)
+        return self._time.expired_before(time)
 
     def set_step(self, step: int) -> None:
         """Sets the score that the ``STEP`` strategy gives to the keys it touches."""
-        if int(step) < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        self._step = int(step)
+        self._time.set_step(step)
 
     def set_clock(self, clock: int) -> None:
         """Sets the logical clock (restoring a checkpoint): the next inserting call
         scores LRU keys ``clock + 1``."""
-        if int(clock) < 0:
-            raise ValueError(f"clock must be >= 0, got {clock}")
-        if self._compound and int(clock) >= COMPOUND_TIME_MASK:
-            raise ValueError(f"LRU_LFU scores hold a clock below 2^32 - 1, got {clock}")
         self._check_idle()
-        self._clock = int(clock)
+        self._time.set_clock(clock)
 
     def clear(self) -> None:
         """Empties every slot. The clock, the step and ``stats`` stay."""
@@ -339,15 +289,14 @@ class ScoredHashTable(TableInputs, InsertCalls):
             (n,) int64 slots, -1 where the key is absent.
         """
         self._check_idle()
-        keys = self._keys(keys)
-        tids = self._table_ids(table_ids, keys.numel(), checked)
+        keys = self._inputs.keys(keys)
+        tids = self._inputs.table_ids(table_ids, keys.numel(), checked)
         slots = self._ops.find(memory=self._memory, keys=keys, table_ids=tids,
                                one_table=self.num_tables == 1)
         if self.ttl is None:  # nothing expires: no need of the time (on the device)
             return slots
         if at_time is None:  # ``now``, read where the kernels keep it: no sync
-            index = 1 if self.score_strategy == DynamicEmbScoreStrategy.STEP else 0
-            before = (self._time.on_device()[index] - self.ttl).clamp_(min=0)
+            before = self._time.expired_before_now()
         else:
             before = self.expired_before(at_time)
         found = slots.clamp(min=0)
@@ -418,18 +367,11 @@ class ScoredHashTable(TableInputs, InsertCalls):
                              exact=exact_scores, read_evicted=True).commit()
 
     def erase(self, keys: torch.Tensor, table_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Removes keys.
-
-        Args:
-            keys (Tensor): (n,) int64.
-            table_ids (Tensor, optional): (n,) int32/int64; None means table 0.
-
-        Returns:
-            (n,) bool, True where the key was present (first occurrence only).
-        """
+        """Removes (n,) int64 keys (``table_ids`` as ``find``'s); returns (n,) bool,
+        True where the key was present (its first occurrence only)."""
         self._check_idle()
-        keys = self._keys(keys)
-        tids = self._table_ids(table_ids, keys.numel())
+        keys = self._inputs.keys(keys)
+        tids = self._inputs.table_ids(table_ids, keys.numel())
         erased = self._ops.erase(memory=self._memory, keys=keys, table_ids=tids)
         count = int(erased.sum())
         self._generation += count > 0
@@ -474,15 +416,9 @@ class ScoredHashTable(TableInputs, InsertCalls):
         )
 
     def expire(self) -> Expired:
-        """TTL sweep: frees every row whose last access is more than ``ttl`` ticks
-        before ``now`` (one kernel pass over the slots).
-
-        Returns:
-            ``Expired``: the freed keys, table ids, scores and slots, in slot order.
-
-        Raises:
-            ValueError: the table has no ``ttl``.
-        """
+        """TTL sweep (one kernel pass): frees every row last accessed more than
+        ``ttl`` ticks before ``now``; returns them (``Expired``, slot order). Raises
+        ``ValueError`` without a ``ttl``."""
         self._check_idle()
         if self.ttl is None:
             raise ValueError("expire() needs a table built with a ttl")
@@ -492,7 +428,7 @@ class ScoredHashTable(TableInputs, InsertCalls):
             slots = torch.empty(0, dtype=torch.int64, device=self.device)
         else:
             mask = self._ops.expire(memory=memory, before=before,
-                                    time_mask=COMPOUND_TIME_MASK if self._compound else ALL_BITS)
+                                    time_mask=COMPOUND_TIME_MASK if self._time.compound else ALL_BITS)
             slots = mask.nonzero().squeeze(1)
         n = slots.numel()
         self._size -= n
@@ -505,7 +441,7 @@ class ScoredHashTable(TableInputs, InsertCalls):
     def release_graphs(self) -> None:
         """Declares that no CUDA graph captured over this table replays any more: it
         may grow again (capture anew after growth)."""
-        self._captured = False
+        self._watch.captured = False
 
     def _grow(self) -> None:
         """Doubles the buckets; every entry keeps its offset in the bucket.
@@ -514,7 +450,7 @@ class ScoredHashTable(TableInputs, InsertCalls):
             RuntimeError: a CUDA graph captured a call of this table (growth would
                 free the arrays its replays use) and ``release_graphs`` was not called.
         """
-        if self._captured:
+        if self._watch.captured:
             raise RuntimeError(
                 "this table must grow, but a CUDA graph captured it and its replays use "
                 "the table's arrays, which growth replaces (and frees): re-capture after "
@@ -558,19 +494,12 @@ class ScoredHashTable(TableInputs, InsertCalls):
         part: Optional[BatchPart] = None,
         table_scores: Optional[torch.Tensor] = None,
     ) -> Tuple[Deduplicated, PendingInsert]:
-        """The training step's insert: ``prepare_find_or_insert`` of the unique pairs
-        of a batch that may repeat keys, returning the dedup too, with nothing read
-        on the host. The dedup and the insert may overlap (the CPU: one thread finds
-        the unique pairs while another inserts them). LFU adds each pair's count to
-        its score; CUSTOMIZED gives each pair its table's score (``table_scores``).
-        ``dedup_batch`` then ``prepare_insert`` is the same call with a choice of
-        keys between its two halves (an admission).
-
-        The dedup's arrays and the insert's per-key arrays have N entries (padding
-        past the unique pairs: ``Deduplicated``); the clock and the step advance in
-        device memory, where the call reads its time; the commit leaves the rows of
-        new keys to the caller (``Backend.init_rows``); the call's counts go to the
-        device totals (``outcome_totals``), which ``stats`` take when read.
+        """The training step's insert: the dedup of a batch that may repeat keys and
+        ``prepare_find_or_insert`` of its unique pairs, nothing read on the host (the
+        clock and step advance in device memory, the counts go to ``outcome_totals``;
+        the rows of new keys are the caller's). LFU adds each pair's count to its
+        score. Arrays have N entries, padded past the unique pairs. ``dedup_batch``
+        then ``prepare_insert`` is the same call with a choice of keys between.
 
         Args:
             keys (Tensor): (N,) int64.
@@ -579,14 +508,11 @@ class ScoredHashTable(TableInputs, InsertCalls):
                 stands for (summed into ``counts``); None means 1 each.
             checked: ``table_ids`` (int16) and ``frequencies`` were built or checked
                 by the caller: not read on the host (see ``find``).
-            error (Tensor, optional): (1,) int64, the step's input-check word
-                (``Backend.check_offsets``): when set, the batch has no unique key
-                and the call changes nothing.
-            part (``BatchPart``, optional): the call takes only these keys of the
-                batch (the others: inverse -1, no lookup).
-            table_scores (Tensor, optional): (num_tables,) int64 >= 0, CUSTOMIZED only
-                (and then required): the score of each logical table's keys, read
-                by table id (by the kernel).
+            error (Tensor, optional): (1,) int64, the step's input-check word: when
+                set, the call changes nothing.
+            part (``BatchPart``, optional): the call takes only these keys.
+            table_scores (Tensor, optional): (num_tables,) int64 >= 0, each logical
+                table's score (CUSTOMIZED only, and then required).
 
         Returns:
             (``Deduplicated``, ``PendingInsert`` over ``Deduplicated.keys``).
@@ -622,9 +548,9 @@ class ScoredHashTable(TableInputs, InsertCalls):
         return self._prepare_admitted(unique, admitted, error, table_scores)
 
     def _step_inputs(self, keys, table_ids, frequencies, checked: bool):
-        keys = self._keys(keys)
+        keys = self._inputs.keys(keys)
         n = keys.numel()
-        tids = self._table_ids(table_ids, n, checked)
+        tids = self._inputs.table_ids(table_ids, n, checked)
         if not checked:
             frequencies = check_frequencies(frequencies, n, self.device)
         return keys, tids, frequencies
@@ -645,7 +571,7 @@ class ScoredHashTable(TableInputs, InsertCalls):
         if (not isinstance(table_scores, torch.Tensor) or table_scores.dtype != torch.int64
                 or table_scores.shape != (self.num_tables,)):
             raise ValueError(f"table_scores must be a ({self.num_tables},) int64 tensor")
-        self._here(table_scores, "table_scores")
+        self._inputs.here(table_scores, "table_scores")
         if not checked and int(table_scores.min()) < 0:
             raise ValueError("scores must be >= 0")
         return table_scores.contiguous()
@@ -663,13 +589,13 @@ class ScoredHashTable(TableInputs, InsertCalls):
         undoes the call, grows the table and runs it again. ``assign``: the rows
         of ``values`` go to the keys' slots at the commit."""
         self._check_idle()
-        keys = self._keys(keys)
+        keys = self._inputs.keys(keys)
         n = keys.numel()
-        tids = self._table_ids(table_ids, n, checked)
-        given = self._given_scores(scores, n, exact, checked)
-        rows = self._rows(values, n) if assign else None
+        tids = self._inputs.table_ids(table_ids, n, checked)
+        given = self._inputs.given_scores(scores, n, exact, checked)
+        rows = self._inputs.rows(values, n) if assign else None
         while True:
-            evicts = self._before_insert(n, exact=True)
+            evicts = self._watch.before_insert(n, exact=True)
             time = self._time.on_device()
             time[:1].add_(1)  # the call's tick (its clock; a STEP score is the step)
             outcomes = torch.zeros(DEVICE_TOTALS - 1, dtype=torch.int64, device=self.device)
@@ -677,14 +603,14 @@ class ScoredHashTable(TableInputs, InsertCalls):
                 memory=self._memory, keys=keys, table_ids=tids, scores=given,
                 rule=ScoreRule.GIVEN if exact else self._rule, evicts=evicts,
                 one_table=self.num_tables == 1, outcomes=outcomes,
-                size=self._stored.on_device(), time=time, now_index=self._now_index,
+                size=self._stored.on_device(), time=time, now_index=self._time.index,
                 ttl=self.ttl or 0)
             pending = PendingInsert(self, upserted, outcomes=outcomes, rows=rows,
                                     zero_new=zero_new, read_evicted=read_evicted)
             self._pending = pending
             if not self._grown_for_failures(pending, lambda: n):
                 break
-        self._after_insert()
+        self._watch.after_insert()
         failed = pending.num_failed
         if failed and self.check_mode == DynamicEmbCheckMode.WARNING:
             logger.warning(self._failure_message(failed, n))
@@ -696,6 +622,199 @@ class ScoredHashTable(TableInputs, InsertCalls):
             f"by this call, or the table is full at max_capacity={self.max_capacity()} "
             f"with {self.score_strategy.name}"
         )
+
+    # --------------------------------------------------- the step's calls
+    def outcome_totals(self) -> DeviceTotals:
+        """What inserting calls counted (hits, inserted, evicted, failed, expired,
+        erased), in device memory."""
+        return self._outcome_totals
+
+    def size_on_device(self) -> torch.Tensor:
+        """(1,) int64: the number of keys stored, in device memory, for kernels that
+        read it in a step (the host's count is written there first)."""
+        return self._stored.on_device()
+
+    def _settle_device_counts(self) -> None:
+        """Adds what inserting calls counted on the device to the stats."""
+        _, inserted, evicted, failed, expired, erased = self._outcome_totals.take("table")
+        self._stats.inserts += inserted + evicted
+        self._stats.evictions += evicted
+        self._stats.failed_inserts += failed
+        self._stats.expired += expired
+        self._stats.erases += erased
+
+    def _prepare_step(self, keys, tids, frequencies, error, part,
+                      table_scores: Optional[torch.Tensor] = None
+                      ) -> Tuple[Deduplicated, PendingInsert]:
+        """A step's fused call (dedup and pass): its kernels advance the clock and the
+        step in device memory (unless ``error`` refuses the batch) and read its time
+        there, and add their outcome counts to the device totals; hits on rows
+        expired at that time (``ttl``) are inserts. Nothing is read on the host but
+        what ``_rerun_for_failures`` reads."""
+        self._check_step_call()
+        while True:
+            evicts = self._watch.before_insert(keys.numel())
+            unique, upserted = self._ops.dedup_upsert(
+                memory=self._memory, keys=keys, table_ids=tids, frequencies=frequencies,
+                rule=self._rule, time=self._time.on_device(), now_index=self._time.index,
+                evicts=evicts, one_table=self.num_tables == 1, error=error,
+                outcomes=self._outcome_totals.tensor[OUTCOMES],
+                size=self._stored.on_device(), part=part, table_scores=table_scores,
+                ttl=self.ttl or 0)
+            pending = PendingInsert(self, upserted, error=error, ticked_step=True,
+                                    counts_of_dedup=unique.counts)
+            self._pending = pending
+            if not self._rerun_for_failures(pending, unique):
+                break
+        self._watch.after_insert()
+        return unique, pending
+
+    def _check_step_call(self) -> None:
+        self._check_idle()
+        if self.check_mode == DynamicEmbCheckMode.ERROR and capturing():
+            raise RuntimeError(
+                "safe_check_mode ERROR reads each insert's failures on the host, which a "
+                "CUDA graph cannot capture: capture a table in WARNING or IGNORE mode")
+
+    def _rerun_for_failures(self, pending: PendingInsert, unique: Deduplicated) -> bool:
+        """In ERROR mode or with ``grows_for_failures``, a step's call reads its failed
+        inserts (one sync): then it is undone, and the table grows (True: run it
+        again) or raises when it cannot grow."""
+        if not (self.check_mode == DynamicEmbCheckMode.ERROR or self.grows_for_failures):
+            return False
+        return self._grown_for_failures(pending, lambda: int((unique.counts > 0).sum()))
+
+    def _grown_for_failures(self, pending: PendingInsert, num_keys: Callable[[], int]) -> bool:
+        """After a call that reads its failures (a sync): with none, or none that
+        growth could answer outside ERROR mode, False (the call stands); else the
+        call is undone and the table grows (True: run it again), or ERROR mode
+        raises (naming ``num_keys()``) when it cannot grow."""
+        failed = pending.num_failed
+        if not failed or not (self.check_mode == DynamicEmbCheckMode.ERROR
+                              or self._memory.can_grow):
+            return False
+        pending.abort()
+        if not self._memory.can_grow:
+            self._stats.failed_inserts += failed  # (what the abort took back)
+            raise RuntimeError(self._failure_message(failed, num_keys())
+                               + "; the call was undone")
+        self._grow()  # the keys of full buckets get room: the call again
+        return True
+
+    def _dedup_step(self, keys, tids, frequencies, error, part) -> Deduplicated:
+        """The dedup of a step whose pass follows apart (``_prepare_admitted``): the
+        clock and the step advance in device memory (unless ``error`` refuses the
+        batch), so that a ``find`` then sees the pass's time."""
+        self._check_step_call()
+        return self._ops.dedup(keys=keys, table_ids=tids, error=error, part=part,
+                               frequencies=frequencies, group=True,
+                               time=self._time.on_device())
+
+    def _prepare_admitted(self, unique: Deduplicated, admitted: torch.Tensor, error,
+                          table_scores: Optional[torch.Tensor]) -> PendingInsert:
+        """The pass of a step whose dedup ran apart (``_dedup_step``), over the
+        ``admitted`` keys: the fused call's pass (same time, scores and order of keys
+        per bucket); the others get bucket ``KNO_BUCKET`` (slot -1, FAILED, counted
+        nowhere). A rerun (``_rerun_for_failures``) ticks the time the undone call
+        took back."""
+        self._check_step_call()
+        admitted = admitted & (unique.counts > 0)  # padding: count 0
+        time = self._time.on_device()
+        while True:
+            evicts = self._watch.before_insert(unique.keys.numel())  # (may grow: buckets after)
+            upserted = self._ops.upsert(
+                memory=self._memory, keys=unique.keys, table_ids=unique.table_ids,
+                scores=self._pass_scores(unique, table_scores),
+                buckets=self.buckets_where(unique.keys, unique.table_ids, admitted),
+                rule=self._rule, evicts=evicts,
+                one_table=self.num_tables == 1,
+                outcomes=self._outcome_totals.tensor[OUTCOMES], size=self._stored.on_device(),
+                time=time, now_index=self._time.index, ttl=self.ttl or 0)
+            pending = PendingInsert(self, upserted, error=error, ticked_step=True,
+                                    counts_of_dedup=unique.counts, admitted=admitted)
+            self._pending = pending
+            if not self._rerun_for_failures(pending, unique):
+                break
+            time.add_(1 if error is None else (error == 0).to(torch.int64))
+        self._watch.after_insert()
+        return pending
+
+    def _pass_scores(self, unique: Deduplicated,
+                     table_scores: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The scores a pass over ``unique`` gives: none (the clock rule), the
+        counts (a count rule) or CUSTOMIZED's by table id (gathered on the device)."""
+        if self._rule == ScoreRule.CLOCK:
+            return None
+        if self._rule == ScoreRule.GIVEN:
+            return table_scores.index_select(0, unique.table_ids.long())
+        return unique.counts
+
+    def buckets_where(self, keys: torch.Tensor, table_ids: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+        """(n,) int32: each key's bucket where ``mask`` (n,) bool, else ``KNO_BUCKET``
+        (what ``upsert_where`` skips); ``table_ids`` int16."""
+        home = torch.bitwise_and(self._ops.hash_keys(keys=keys, table_ids=table_ids),
+                                 self._memory.num_buckets - 1)
+        return torch.where(mask, home, KNO_BUCKET).to(torch.int32)
+
+    def upsert_where(self, keys: torch.Tensor, table_ids: torch.Tensor,
+                     scores: Optional[torch.Tensor], buckets: torch.Tensor,
+                     tick: Optional[torch.Tensor] = None) -> Upserted:
+        """One inserting pass over unique ``keys`` (int16 ``table_ids``) into the
+        ``buckets`` (n,) int32 the caller computed (``buckets_where``; ``kNoBucket``:
+        skipped, slot -1, counted nowhere), every count on the device. Scores by the
+        table's rule (``scores``: CUSTOMIZED's, or a count rule's counts) at time 0,
+        or after the clock advanced by ``tick`` ((1,) int64, 0 or 1)."""
+        if (self._memory.can_grow or self.ttl is not None
+                or self.check_mode == DynamicEmbCheckMode.ERROR):
+            raise ValueError("upsert_where needs a table without a ttl that cannot grow "
+                             "(its buckets are given) and does not raise failed inserts")
+        self._check_idle()
+        given = self._inputs.given_scores(scores, keys.numel(), checked=True)
+        time = None
+        if tick is not None:
+            time = self._time.on_device()
+            time[:1].add_(tick)
+        evicts = self._watch.before_insert(keys.numel())
+        upserted = self._ops.upsert(
+            memory=self._memory, keys=keys, table_ids=table_ids, scores=given, buckets=buckets,
+            rule=self._rule, evicts=evicts, one_table=self.num_tables == 1,
+            outcomes=self._outcome_totals.tensor[OUTCOMES], size=self._stored.on_device(),
+            time=time, now_index=self._time.index)
+        self._generation += 1  # whether it evicted or moved a key is not read
+        self._watch.after_insert()
+        return upserted
+
+    def erase_where(self, keys: torch.Tensor, table_ids: torch.Tensor, status: torch.Tensor,
+                     which: InsertStatus) -> None:
+        """Erases ``keys[i]`` wherever ``status[i] == which`` (e.g. the victims of
+        another table's call, by its status: distinct keys), with every count on
+        the device."""
+        self._check_idle()
+        self._ops.erase_where(memory=self._memory, keys=keys, table_ids=table_ids,
+                               status=status, which=int(which),
+                               erased=self._outcome_totals.tensor[ERASED],
+                               size=self._stored.on_device())
+        self._generation += 1
+
+    def _undo_counts(self, pending: PendingInsert) -> None:
+        """Takes back what an inserting call advanced on the device (the time, the
+        totals and the size; a refused batch advanced nothing); its slots are
+        undone already."""
+        upserted = pending.upserted
+        status = upserted.status
+        done = 1 if pending.error is None else (pending.error == 0).to(torch.int64)
+        time = self._time.on_device()
+        (time if pending.ticked_step else time[:1]).sub_(done)
+        if pending.outcomes is not None:  # its own counts: only the size to take back
+            self._stored.on_device().sub_(pending.outcomes[InsertStatus.INSERTED])
+            return
+        added = [pending.taken(status == s).sum() for s in range(4)]
+        expired = pending.taken(expired_hits(upserted)).sum()
+        added[InsertStatus.INSERTED] = added[InsertStatus.INSERTED] - expired
+        added = torch.stack(added + [expired])
+        self._outcome_totals.tensor[OUTCOMES].sub_(added)  # (a view: the totals themselves)
+        self._stored.on_device().sub_(added[InsertStatus.INSERTED])
 
     # ------------------------------------ what a PendingInsert asks of its table
     def record_commit(self, pending: PendingInsert) -> None:
