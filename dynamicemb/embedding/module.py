@@ -7,40 +7,34 @@ is no separate ``step()``.
 """
 
 import logging
-from collections import deque
-from typing import Deque, Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from dynamicemb.embedding.buffers import OutputBuffers, Scratch
 from dynamicemb.embedding.fused_params import check_tbe_keywords, output_dtype_of
 from dynamicemb.embedding.group import TableGroup, group_key
-from dynamicemb.embedding.input_errors import InputErrors
 from dynamicemb.embedding.records import ExportedCounters, ExportedRows, TableClocks
 from dynamicemb.embedding.state import load_tables_state, tables_state
-from dynamicemb.embedding.step import StepPipeline, _Batch, _LookupFunction, _Prefetched
-from dynamicemb.embedding.streams import StreamOrder
-from dynamicemb.embedding.table_admin import TableAdmin
-from dynamicemb.embedding.upstream_members import UpstreamMembers
-from dynamicemb.ops import for_device, resolve_device
+from dynamicemb.embedding.step import Step
+from dynamicemb.embedding import upstream_members as upstream
+from dynamicemb.ops import resolve_device
 from dynamicemb.optimizer import DynamicEmbFusedOptimizer
 from dynamicemb.storage import TierMetrics
-from dynamicemb.table.shared_zeros import SharedZeros
 from dynamicemb.options import (
     DynamicEmbOptimizerArgs,
     DynamicEmbOptimType,
     DynamicEmbPoolingMode,
     DynamicEmbTableOptions,
 )
-from dynamicemb.types import DynamicEmbGradientCheck
+from dynamicemb.types import DynamicEmbGradientCheck, DynamicEmbScoreStrategy
 
 __all__ = ["BatchedDynamicEmbeddingTables", "ExportedCounters", "ExportedRows", "TableClocks"]
 
 logger = logging.getLogger(__name__)
 
 
-class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, nn.Module):
+class BatchedDynamicEmbeddingTables(nn.Module):
     """Dynamic embedding tables (hash-table backed, raw int64 ids) batched in one module.
 
     Rows are created the first time a training forward sees an id (subject to
@@ -79,9 +73,9 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
     Every argument after ``feature_table_map`` is keyword-only (upstream's positional
     order differs).
 
-    The per-table calls (export, import, clocks, admission counters, size) are
-    ``TableAdmin``'s (``table_admin.py``); the step behind ``forward`` and
-    ``prefetch`` is ``StepPipeline``'s (``step.py``).
+    The step behind ``forward`` and ``prefetch`` is a ``Step`` it owns (``step.py``);
+    the members upstream's module has (``tables``, ``cache``, ``incremental_dump``,
+    ``get_score``) are views and functions of ``upstream_members.py``.
 
     Shape:
         forward(indices (N,), offsets (F * B + 1,), per_sample_weights (N,)) ->
@@ -158,18 +152,9 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
         self.device = resolve_device(device if device is not None else "cpu")
         self._build_groups(module_optimizer)
         self._version = 0  # see content_version
-        self._prefetched: Deque[_Prefetched] = deque()
-        self._outputs = OutputBuffers()
-        self._grad_sums = Scratch()  # the backward's per-row gradient sums (CPU)
-        self._stream_order = StreamOrder(self.device)
-        self._zero_tids = SharedZeros(torch.int16, self.device)  # a one-table module's
-        # Checks of a batch's values (finite weights and gradients) where they cost no
-        # host sync: on the CPU; on a GPU a step does not wait for them.
-        self._check_data = for_device(self.device).free_host_reads
-        # The step checks its offsets into this word, read by the host at the next
-        # call; where reading it costs nothing (the CPU), in the call itself.
-        self._errors = InputErrors(self.device,
-                                   at_once=sync_checks or for_device(self.device).free_host_reads)
+        self._step = Step(self._groups, self.feature_table_map, self._table_location,
+                          self.feature_dims, self.pooling_mode, self.device, self.optimizer,
+                          self.gradient_check, sync_checks, self._changed)
 
     def _build_groups(self, module_optimizer: DynamicEmbOptimizerArgs) -> None:
         by_key: Dict[tuple, List[int]] = {}
@@ -185,20 +170,6 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
                 self._table_location[t] = (len(self._groups), local)
             names = [self.table_names[t] for t in tables]
             self._groups.append(TableGroup(tables, names, options, opt, self.device))
-        num_features = len(self.feature_table_map)
-        group_of = [self._table_location[t][0] for t in self.feature_table_map]
-        # On the rows' device: they index per-lookup tensors and go to the kernels.
-        self._feature_group = torch.tensor(group_of, dtype=torch.int64, device=self.device)
-        self._feature_local_tid = torch.tensor(
-            [self._table_location[t][1] for t in self.feature_table_map], dtype=torch.int16,
-            device=self.device)
-        cols = torch.tensor([0] + self.feature_dims, dtype=torch.int64,
-                            device=self.device).cumsum(0)[:-1]
-        self._feature_col = [
-            torch.where(self._feature_group == g, cols, torch.full_like(cols, -1))
-            for g in range(len(self._groups))
-        ]
-        self._num_features = num_features
         # One empty placeholder parameter per table: autograd reaches our backward
         # through it, the fused optimizer's param groups hold them, and TorchRec
         # registers them as "<table>.weight".
@@ -241,7 +212,7 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
         sync). The next call raises it anyway; call this after replaying a CUDA
         graph of the step, where no module code runs (docs/ARCHITECTURE.md, "CUDA
         graphs")."""
-        self._errors.raise_if_refused(wait_for_device=True)
+        self._step.errors.raise_if_refused(wait_for_device=True)
 
     def set_train_steps(self, steps: int) -> None:
         """Restores ``train_steps`` (e.g. from a checkpoint)."""
@@ -270,17 +241,7 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
         On CUDA, a prefetch on another stream than the last forward or backward
         first waits for what that stream has enqueued, and the next forward or
         backward on the training stream waits for the prefetch (``StreamOrder``)."""
-        self._stream_order.before_use()
-        self._raise_refused()
-        # a prefetched batch checks into a word of its own
-        error = torch.zeros(1, dtype=torch.int64, device=self.device)
-        check = self._check_on_device()
-        indices, offsets, _, batch_size = self._validate(indices, offsets, per_sample_weights,
-                                                         check, word=error)
-        frequencies = self._validate_frequencies(frequencies, indices.numel())
-        lookups = self._lookup(indices, offsets, batch_size, self.training, frequencies, error)
-        self._prefetched.append(_Prefetched(indices, offsets, self.training, lookups, check))
-        self._stream_order.used()
+        self._step.prefetch(indices, offsets, per_sample_weights, frequencies, self.training)
 
     def flush(self) -> None:
         """Writes every device-tier row back to the host store."""
@@ -343,6 +304,335 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
         g, local = self._table_location[self.table_names.index(table_name)]
         return self._groups[g], local
 
+    # ------------------------------------------------------------ per table
+    def set_score(self, scores: Dict[str, int]) -> None:
+        """Score given to the keys each named table touches from now on (CUSTOMIZED)."""
+        for name, score in scores.items():
+            group, local = self._location(name)
+            if group.score_strategy != DynamicEmbScoreStrategy.CUSTOMIZED:
+                raise ValueError(f"table {name!r} does not use the CUSTOMIZED score strategy")
+            if int(score) < 0:
+                raise ValueError(f"scores must be >= 0, got {score}")
+            group.custom_scores[local] = int(score)
+
+    def export_keys_values(
+        self, table_name: str, device: Optional[torch.device] = None,
+        batch_size: Optional[int] = None, *, min_score: Optional[int] = None,
+    ) -> Union[ExportedRows, Tuple[torch.Tensor, torch.Tensor]]:
+        """Every stored row of one table, or only those scoring at least ``min_score``.
+
+        Called with a ``device`` (upstream's form, ``keys, embeddings =
+        export_keys_values(name, device, batch_size=65536)``), it returns the keys and
+        embeddings on ``device``, read ``batch_size`` host-store slots at a time.
+        Without one it returns ``ExportedRows`` (keys, embeddings, optimizer states and
+        scores, where the rows live); for large tables iterate with
+        ``iter_keys_values``.
+
+        Args:
+            table_name: the table.
+            device: where upstream's ``(keys, embeddings)`` are returned.
+            batch_size: slots read at a time in upstream's form (default 65536).
+            min_score: only rows scoring at least this.
+
+        Returns:
+            ``ExportedRows``, or ``(keys, embeddings)`` when ``device`` is given.
+
+        Shape:
+            keys: (n,) int64; embeddings: (n, dim) float32.
+        """
+        if device is None:
+            if batch_size is not None:
+                raise TypeError("batch_size belongs to upstream's form export_keys_values(name, "
+                                "device, batch_size); pass device, or use iter_keys_values(name, "
+                                "chunk_slots)")
+            group, local = self._location(table_name)
+            if group.storage.external.holds_rows:  # every tier's rows
+                return self._cat_rows(list(self.iter_keys_values(table_name,
+                                                                 min_score=min_score)))
+            return self._rows_of(group, local, group.storage.export(min_score=min_score))
+        batch_size = 65536 if batch_size is None else int(batch_size)
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        device = torch.device(device)
+        # the host store has at least one bucket: there is at least one chunk
+        chunks = list(self.iter_keys_values(table_name, batch_size, min_score=min_score))
+        return (torch.cat([c.keys for c in chunks]).to(device),
+                torch.cat([c.embeddings for c in chunks]).to(device))
+
+    def read_rows(self, table_name: str, keys: torch.Tensor, train: bool = True) -> torch.Tensor:
+        """The current embeddings of ``keys`` in one table, read without changing
+        anything (no insert, score, clock or promotion): a stored row from the tier
+        holding it (the external tier's too), else the row a training insert would
+        store (the table's initializer), or with ``train=False`` what an eval lookup
+        reads (the eval initializer's row).
+
+        Args:
+            keys (Tensor): (n,) int64.
+            train: an absent key's row is the training initializer's (else the eval's).
+
+        Returns:
+            (n, dim) float32 on the module's device.
+        """
+        group, local = self._location(table_name)
+        keys = keys.to(self.device, torch.int64).contiguous()
+        tids = torch.full((keys.numel(),), local, dtype=torch.int16, device=self.device)
+        return group.read_rows(keys, tids, train)
+
+    def _resolve(self, table_name: str, keys: torch.Tensor):
+        """(group, keys, table ids, read-only references) of keys of one table."""
+        group, local = self._location(table_name)
+        keys = keys.to(self.device, torch.int64).contiguous()
+        tids = torch.full((keys.numel(),), local, dtype=torch.int16, device=self.device)
+        return group, keys, tids, group.storage.resolve(keys, tids)
+
+    def holds(self, table_name: str, keys: torch.Tensor) -> torch.Tensor:
+        """(n,) bool on the module's device: whether a tier stores each of ``keys`` in
+        one table (the external tier asked from the host), read without changing
+        anything."""
+        group, keys, tids, refs = self._resolve(table_name, keys)
+        return group.storage.or_below(keys, tids, refs >= 0)
+
+    def read_optimizer_states(self, table_name: str, keys: torch.Tensor) -> torch.Tensor:
+        """The optimizer states of ``keys`` in one table, read without changing
+        anything (as ``read_rows``): a stored row's from the tier holding it, else
+        the optimizer's initial state (what an insert stores; also for a row only
+        the external tier holds).
+
+        Args and device: as ``read_rows``'s; returns (n, state_dim) float32.
+        """
+        group, _, _, refs = self._resolve(table_name, keys)
+        return group.storage.columns_of(refs, group.dim, float(group.init.initial_state))
+
+    def iter_keys_values(self, table_name: str, chunk_slots: int = 1 << 16, *,
+                         min_score: Optional[int] = None) -> Iterator[ExportedRows]:
+        """The stored rows of one table, ``chunk_slots`` host-store slots at a time, then
+        the external tier's rows (if any) ``chunk_slots`` rows at a time
+        (each chunk holds at most that many rows: bounded memory for any table size).
+        The table must not change while the iterator is used."""
+        if chunk_slots <= 0:
+            raise ValueError(f"chunk_slots must be positive, got {chunk_slots}")
+        group, local = self._location(table_name)
+        for rows in group.storage.export_chunks(chunk_slots, min_score):
+            yield self._rows_of(group, local, rows)
+
+    @staticmethod
+    def _cat_rows(chunks: List[ExportedRows]) -> ExportedRows:
+        return ExportedRows(*(torch.cat([getattr(c, f) for c in chunks])
+                              for f in ExportedRows._fields))
+
+    @staticmethod
+    def _rows_of(group: TableGroup, local: int, exported) -> ExportedRows:
+        mine = exported.table_ids == local
+        values = exported.values[mine]
+        return ExportedRows(
+            keys=exported.keys[mine],
+            embeddings=values[:, :group.dim],
+            optimizer_states=values[:, group.dim:],
+            scores=exported.scores[mine],
+        )
+
+    def import_keys_values(
+        self,
+        table_name: str,
+        keys: torch.Tensor,
+        embeddings: torch.Tensor,
+        optimizer_states: Optional[torch.Tensor] = None,
+        scores: Optional[torch.Tensor] = None,
+    ) -> None:
+        """Writes rows into one table (inserting or overwriting), e.g. to copy weights in.
+
+        Args:
+            keys (Tensor): (n,) int64.
+            embeddings (Tensor): (n, dim) float32.
+            optimizer_states (Tensor, optional): (n, state_dim); default: the
+                optimizer's initial state.
+            scores (Tensor, optional): (n,) int64 >= 0 stored exactly, whatever the
+                score strategy (restoring ``export_keys_values``); default: the score
+                the strategy gives an inserting call (CUSTOMIZED: ``set_score``'s).
+        """
+        group, local = self._location(table_name)
+        self._changed()
+        n = keys.numel()
+        if embeddings.shape != (n, group.dim):
+            raise ValueError(f"embeddings must have shape ({n}, {group.dim}), got {tuple(embeddings.shape)}")
+        keys = keys.to(self.device)
+        rows = torch.zeros(n, group.dim + group.state_dim, dtype=torch.float32, device=self.device)
+        rows[:, :group.dim] = embeddings
+        if optimizer_states is not None:
+            if optimizer_states.shape != (n, group.state_dim):
+                raise ValueError(
+                    f"optimizer_states must have shape ({n}, {group.state_dim}), "
+                    f"got {tuple(optimizer_states.shape)}")
+            rows[:, group.dim:] = optimizer_states
+        elif group.optimizer.optimizer in (DynamicEmbOptimType.EXACT_ADAGRAD,
+                                           DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD):
+            rows[:, group.dim:] = group.optimizer.initial_accumulator_value
+        tids = torch.full((n,), local, dtype=torch.int64, device=self.device)
+        if scores is not None:
+            if scores.shape != (n,):
+                raise ValueError(f"scores must have shape ({n},), got {tuple(scores.shape)}")
+            group.storage.import_rows(keys, tids, rows, scores.to(self.device, torch.int64),
+                                      exact_scores=True)
+            return
+        if group.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
+            scores = group.custom_scores[tids]
+        group.storage.import_rows(keys, tids, rows, scores)
+
+    def clear_table(self, table_name: str) -> None:
+        """Removes every row and admission counter of one table (both tiers); other
+        tables, clocks and steps are unchanged. A load that replaces a table's
+        contents starts here."""
+        group, local = self._location(table_name)
+        self._changed()
+        group.storage.clear_table(local)
+        if group.admission is not None:
+            group.admission.clear_table(local)
+
+    def optimizer_args(self, table_name: str) -> DynamicEmbOptimizerArgs:
+        """The optimizer settings of one table (its own or the module's)."""
+        return self._location(table_name)[0].optimizer
+
+    def step_rows(self, table_name: str, values: torch.Tensor, grads: torch.Tensor) -> None:
+        """One step of a table's optimizer (its kernel, at the current learning rate),
+        in place, on rows a caller holds: what a backward does to a stored row
+        (stale replicas' write-back copies). Not for ADAM (its step counts calls).
+
+        Args:
+            values (Tensor): (n, dim + optimizer_state_dim) float32, rows
+                ``[embedding | state]``, on the module's device.
+            grads (Tensor): (n, dim) float32, each row's summed gradient.
+        """
+        group, _ = self._location(table_name)
+        g = self._groups.index(group)
+        group.step_rows(values, grads, self.optimizer.param_groups[g]["lr"])
+
+    def optimizer_state_dim(self, table_name: str) -> int:
+        """Floats of optimizer state stored after the embedding in each row."""
+        return self._location(table_name)[0].state_dim
+
+    def table_clocks(self, table_name: str) -> TableClocks:
+        """The optimizer step and score clocks of the table's physical group."""
+        group, _ = self._location(table_name)
+        admission = 0 if group.admission is None else group.admission.counter.clock
+        return TableClocks(group.adam_step, group.table.clock, admission)
+
+    def set_table_clocks(self, table_name: str, clocks: TableClocks) -> None:
+        """Restores ``table_clocks`` (every table of the group shares them)."""
+        group, _ = self._location(table_name)
+        if min(clocks) < 0:
+            raise ValueError(f"clocks must be >= 0, got {clocks}")
+        self._changed()
+        group.adam_step = int(clocks.optimizer_step)
+        group.table.set_clock(clocks.score_clock)
+        if group.admission is not None:
+            group.admission.counter.set_clock(clocks.admission_clock)
+
+    def next_score(self, table_name: str) -> int:
+        """The score the next training batch gives the keys it touches (LRU, LRU_LFU,
+        STEP: rows scoring at least this were touched after this call; CUSTOMIZED: the
+        score ``set_score`` registered)."""
+        group, local = self._location(table_name)
+        if group.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
+            return int(group.custom_scores[local])
+        if group.score_strategy == DynamicEmbScoreStrategy.STEP:
+            return self.train_steps + 1
+        if group.score_strategy in (DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.LRU_LFU):
+            return group.table.clock + 1  # LRU_LFU: min_score reads the time part
+        raise ValueError(
+            f"table {table_name!r} uses {group.score_strategy.name} scores, which do not "
+            f"order rows by time; next_score needs LRU, LRU_LFU, STEP or CUSTOMIZED")
+
+    def expire(self) -> Dict[str, int]:
+        """TTL sweep: frees, in every tier, the rows of tables with a ``ttl`` that
+        were not looked up for more than ``ttl`` ticks (one kernel pass per group).
+        Each rank sweeps its own rows: no collective.
+
+        Returns:
+            Rows freed per table name (tables with a ttl only); the running totals,
+            with rows found expired by lookups, are ``cache_metrics()[name].expired``.
+        """
+        freed: Dict[str, int] = {}
+        for group in self._groups:
+            if group.table.ttl is None:
+                continue
+            counts = group.storage.expire().tolist()
+            for local, index in enumerate(group.table_indices):
+                freed[self.table_names[index]] = counts[local]
+        return freed
+
+    def export_admission_counters(self, table_name: str) -> ExportedCounters:
+        """The admission counters of one table (empty without admission)."""
+        group, local = self._location(table_name)
+        if group.admission is None:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return ExportedCounters(empty, empty.double(), empty)
+        entries = group.admission.export(local)
+        return ExportedCounters(entries.keys, entries.values[:, 0], entries.scores)
+
+    def import_admission_counters(self, table_name: str, keys: torch.Tensor,
+                                  counts: torch.Tensor, scores: torch.Tensor) -> None:
+        """Writes admission counters of one table with their saved scores.
+
+        Args:
+            keys (Tensor): (m,) int64.
+            counts (Tensor): (m,) float64 occurrences counted.
+            scores (Tensor): (m,) int64 >= 0.
+        """
+        group, local = self._location(table_name)
+        if group.admission is None:
+            raise ValueError(f"table {table_name!r} has no admission strategy")
+        m = keys.numel()
+        if counts.shape != (m,) or scores.shape != (m,):
+            raise ValueError(f"counts and scores must have shape ({m},)")
+        self._changed()
+        group.admission.restore(local, keys.to(self.device), counts.to(self.device),
+                                scores.to(self.device, torch.int64))
+
+    def table_size(self, table_name: str) -> int:
+        """Rows stored for one table (with a ``ttl``: alive rows, not those expired and
+        waiting for a sweep)."""
+        group, local = self._location(table_name)
+        if (len(group.table_indices) == 1 and group.table.ttl is None
+                and not group.storage.external.holds_rows):
+            return group.table.size()
+        return sum(int(rows.keys.numel()) for rows in self.iter_keys_values(table_name))
+
+    # ------------------------------------------------------- upstream's members
+    @property
+    def tables(self) -> "upstream.StorageView":
+        """Upstream's storage, as far as its tests read it: ``export_keys_values(device,
+        batch_size, table_id)`` and ``size(table_id)`` (``upstream.storage_view``)."""
+        return upstream.storage_view(self)
+
+    @property
+    def cache(self) -> Optional["upstream.CacheView"]:
+        """Upstream's cache statistics of the cached tables, or None
+        (``upstream.cache_view``)."""
+        return upstream.cache_view(self)
+
+    def set_record_cache_metrics(self, record: bool) -> None:
+        """Upstream's switch of cache statistics: accepted; they are always counted
+        here (``cache_metrics()``)."""
+        if not isinstance(record, bool):
+            raise ValueError(f"record must be a bool, got {type(record).__name__}")
+
+    @property
+    def _admission_counter(self):
+        """Upstream's one admission ``Counter`` per module (``upstream.admission_counter``)."""
+        return upstream.admission_counter(self._groups)
+
+    def get_score(self) -> Dict[str, int]:
+        """Upstream's per-table scores: ``next_score`` of each table.
+
+        Raises:
+            ValueError: a table's scores do not order rows by time (LFU, NO_EVICTION).
+        """
+        return {name: self.next_score(name) for name in self.table_names}
+
+    def incremental_dump(self, named_thresholds=None, pg=None):
+        """Upstream's module-level incremental dump (``upstream.incremental_dump``)."""
+        return upstream.incremental_dump(self, named_thresholds, pg)
+
     # ------------------------------------------------------------- forward
     # torch.compile breaks the graph here: a lookup drives hash-table kernels that
     # change state (inserts, scores) and a fused backward, which Dynamo cannot trace.
@@ -378,23 +668,6 @@ class BatchedDynamicEmbeddingTables(UpstreamMembers, TableAdmin, StepPipeline, n
                 another device than the rows, are accepted (copied). The backward
                 raises ``ValueError`` on a NaN/inf gradient and updates no row.
         """
-        self._raise_refused()
-        training = self.training
-        check = self._check_on_device()
-        indices, offsets, weights, batch_size = self._validate(indices, offsets, per_sample_weights,
-                                                               check)
-        frequencies = self._validate_frequencies(frequencies, indices.numel())
-        self._stream_order.before_use()
-        error = self._errors.word
-        if self._prefetched:
-            lookups = self._take_prefetched(indices, offsets)
-        else:
-            lookups = self._lookup(indices, offsets, batch_size, training, frequencies, error)
-        batch = _Batch(offsets, None if weights is None else weights.detach(), batch_size,
-                       indices.numel(), lookups, error, check)
-        if training and torch.is_grad_enabled() and any(g.training for g in self._groups):
-            out = _LookupFunction.apply(self._table_params[0], weights, self, batch)
-        else:
-            out = self._compute_output(batch)
-        self._stream_order.used()
+        out = self._step.forward(indices, offsets, per_sample_weights, frequencies,
+                                 self.training, self._table_params[0])
         return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)

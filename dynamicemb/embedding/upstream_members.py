@@ -1,10 +1,10 @@
 """Members of upstream dynamicemb's ``BatchedDynamicEmbeddingTablesV2`` that its tests
 and tools read, honoured over this package's module (``docs/MIGRATING.md``).
 
-``BatchedDynamicEmbeddingTables`` inherits ``UpstreamMembers``: ``tables`` (a view
-with upstream's storage export), ``cache`` and ``set_record_cache_metrics`` (the
-cache statistics upstream's tools hook), ``get_score`` and ``incremental_dump`` (the
-module-level forms) and ``_admission_counter``. Upstream's storage and cache
+``BatchedDynamicEmbeddingTables``'s members of those names call these: ``tables`` (a
+view with upstream's storage export), ``cache`` (the cache statistics upstream's
+tools hook), ``incremental_dump`` (the module-level form) and
+``_admission_counter``. Upstream's storage and cache
 internals (tiers, slots, score arguments) are not reproduced.
 """
 
@@ -17,8 +17,8 @@ from dynamicemb.storage.layouts import Cache, Placement
 from dynamicemb.ops.interface import COMPOUND_COUNT_SHIFT, COMPOUND_TIME_MASK
 from dynamicemb.types import DynamicEmbScoreStrategy
 
-__all__ = ["CacheView", "DynamicEmbStorage", "HybridStorage", "StorageView", "UpstreamMembers",
-           "upstream_scores"]
+__all__ = ["CacheView", "DynamicEmbStorage", "HybridStorage", "StorageView", "admission_counter",
+           "cache_view", "incremental_dump", "storage_view", "upstream_scores"]
 
 #: Rows per chunk of upstream's exports (its ``BATCH_SIZE_PER_DUMP``).
 BATCH_SIZE_PER_DUMP = 65536
@@ -136,104 +136,83 @@ class CacheView:
         return torch.tensor(delta, dtype=torch.int64)
 
 
-class UpstreamMembers:
-    """Upstream's module members, on ``BatchedDynamicEmbeddingTables``."""
+def storage_view(module) -> StorageView:
+    """``module.tables``: a ``HybridStorage`` when a table keeps rows in device and host
+    memory without a cache (a placement tier), else a ``DynamicEmbStorage``
+    (upstream's classes of those layouts)."""
+    split = any(isinstance(g.storage.layout, Placement) for g in module._groups)
+    return (HybridStorage if split else DynamicEmbStorage)(module)
 
-    @property
-    def tables(self) -> StorageView:
-        """Upstream's storage, as far as its tests read it: ``export_keys_values(device,
-        batch_size, table_id)`` and ``size(table_id)``; a ``HybridStorage`` when a table
-        keeps rows in device and host memory without a cache (a placement tier), else
-        a ``DynamicEmbStorage`` (upstream's classes of those layouts)."""
-        split = any(isinstance(g.storage.layout, Placement) for g in self._groups)
-        return (HybridStorage if split else DynamicEmbStorage)(self)
 
-    @property
-    def cache(self) -> Optional[CacheView]:
-        """The cache statistics of the module's cached tables (``caching=True``), or
-        None when none is cached (upstream's ``cache``, for its statistics hooks).
-        One view per module: its reads count from the previous one."""
-        cached = [n for n in self.table_names
-                  if isinstance(self._location(n)[0].storage.layout, Cache)]
-        if not cached:
-            return None
-        view = self.__dict__.get("_upstream_cache_view")
-        if view is None:
-            view = self.__dict__["_upstream_cache_view"] = CacheView(self, cached)
-        return view
+def cache_view(module) -> Optional[CacheView]:
+    """``module.cache``: the cache statistics of its cached tables (``caching=True``),
+    None when none is cached; one view per module (its reads count from the
+    previous one)."""
+    cached = [n for n in module.table_names
+              if isinstance(module._location(n)[0].storage.layout, Cache)]
+    if not cached:
+        return None
+    view = module.__dict__.get("_upstream_cache_view")
+    if view is None:
+        view = module.__dict__["_upstream_cache_view"] = CacheView(module, cached)
+    return view
 
-    def set_record_cache_metrics(self, record: bool) -> None:
-        """Upstream's switch of cache statistics: accepted; they are always counted
-        here (``cache_metrics()``)."""
-        if not isinstance(record, bool):
-            raise ValueError(f"record must be a bool, got {type(record).__name__}")
 
-    @property
-    def _admission_counter(self):
-        """The admission ``Counter`` of the module's tables (upstream's one counter per
-        module), or None without admission.
+def admission_counter(groups):
+    """The one admission ``Counter`` of ``groups``, or None without admission.
 
-        Raises:
-            AttributeError: the tables are in groups with counters of their own
-                (``group.admission.counter`` per table group).
-        """
-        counters = {id(g.admission.counter): g.admission.counter
-                    for g in self._groups if g.admission is not None}
-        if len(counters) > 1:
-            raise AttributeError(
-                "this module's tables count admissions in several counters (one per table "
-                "group), not in upstream's one _admission_counter: use "
-                "export_admission_counters(table_name)")
-        return next(iter(counters.values()), None)
+    Raises:
+        AttributeError: the tables are in groups with counters of their own.
+    """
+    counters = {id(g.admission.counter): g.admission.counter
+                for g in groups if g.admission is not None}
+    if len(counters) > 1:
+        raise AttributeError(
+            "this module's tables count admissions in several counters (one per table "
+            "group), not in upstream's one _admission_counter: use "
+            "export_admission_counters(table_name)")
+    return next(iter(counters.values()), None)
 
-    def get_score(self) -> Dict[str, int]:
-        """Upstream's per-table scores: the score the next training batch gives the
-        rows it touches (``next_score``), or the score ``set_score`` registered
-        (CUSTOMIZED).
 
-        Raises:
-            ValueError: a table's scores do not order rows by time (LFU, NO_EVICTION).
-        """
-        return {name: self.next_score(name) for name in self.table_names}
+def incremental_dump(module, named_thresholds: Union[int, Mapping[str, int], None] = None,
+                     pg: Optional[dist.ProcessGroup] = None
+                     ) -> Tuple[Dict[str, Tuple[torch.Tensor, torch.Tensor]], Dict[str, int]]:
+    """Upstream's module-level incremental dump: each named table's rows scoring at
+    least its threshold (the last access for LRU / STEP / the compound, the
+    registered score for CUSTOMIZED), and the thresholds to pass next time
+    (``get_score()``).
 
-    def incremental_dump(self, named_thresholds: Union[int, Mapping[str, int], None] = None,
-                         pg: Optional[dist.ProcessGroup] = None
-                         ) -> Tuple[Dict[str, Tuple[torch.Tensor, torch.Tensor]], Dict[str, int]]:
-        """Upstream's module-level incremental dump: each named table's rows scoring at
-        least its threshold (the last access for LRU / STEP / the compound, the
-        registered score for CUSTOMIZED), and the thresholds to pass next time
-        (``get_score()``).
+    Args:
+        named_thresholds: ``{table: threshold}`` (e.g. ``get_score()``; tables not
+            named are skipped), one threshold for every table, or None (0: every row).
+        pg: with a process group, the rows of every rank of it are gathered (a
+            collective); without, this module's rows.
 
-        Args:
-            named_thresholds: ``{table: threshold}`` (e.g. ``get_score()``; tables not
-                named are skipped), one threshold for every table, or None (0: every row).
-            pg: with a process group, the rows of every rank of it are gathered (a
-                collective); without, this module's rows.
+    Returns:
+        ``(rows, next_thresholds)``: ``rows[table] = (keys (n,) int64, embeddings
+        (n, dim) float32)`` on the CPU.
 
-        Returns:
-            ``(rows, next_thresholds)``: ``rows[table] = (keys (n,) int64, embeddings
-            (n, dim) float32)`` on the CPU.
-
-        Raises:
-            ValueError: an unknown table, or one whose scores do not order rows by time
-                (LFU, NO_EVICTION); nothing is dumped.
-        """
-        if named_thresholds is None or not isinstance(named_thresholds, Mapping):
-            named_thresholds = {n: int(named_thresholds or 0) for n in self.table_names}
-        unknown = sorted(set(named_thresholds) - set(self.table_names))
-        if unknown:
-            raise ValueError(f"no tables {unknown} in this module (tables {self.table_names})")
-        next_scores = {n: self.next_score(n) for n in named_thresholds}
-        self.flush()
-        rows: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
-        for name, threshold in named_thresholds.items():
-            chunks = list(self.iter_keys_values(name, min_score=int(threshold)))
-            rows[name] = (torch.cat([c.keys for c in chunks]).cpu(),
-                          torch.cat([c.embeddings for c in chunks]).cpu())
-        if pg is not None:
-            gathered = [None] * dist.get_world_size(pg)  # every rank's, in rank order
-            dist.all_gather_object(gathered, (rows, next_scores), group=pg)
-            rows = {n: (torch.cat([g[0][n][0] for g in gathered]),
-                        torch.cat([g[0][n][1] for g in gathered])) for n in rows}
-            next_scores = {n: min(g[1][n] for g in gathered) for n in next_scores}
-        return rows, next_scores
+    Raises:
+        ValueError: an unknown table, or one whose scores do not order rows by time
+            (LFU, NO_EVICTION); nothing is dumped.
+    """
+    names = module.table_names
+    if named_thresholds is None or not isinstance(named_thresholds, Mapping):
+        named_thresholds = {n: int(named_thresholds or 0) for n in names}
+    unknown = sorted(set(named_thresholds) - set(names))
+    if unknown:
+        raise ValueError(f"no tables {unknown} in this module (tables {names})")
+    next_scores = {n: module.next_score(n) for n in named_thresholds}
+    module.flush()
+    rows: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, threshold in named_thresholds.items():
+        chunks = list(module.iter_keys_values(name, min_score=int(threshold)))
+        rows[name] = (torch.cat([c.keys for c in chunks]).cpu(),
+                      torch.cat([c.embeddings for c in chunks]).cpu())
+    if pg is not None:
+        gathered = [None] * dist.get_world_size(pg)  # every rank's, in rank order
+        dist.all_gather_object(gathered, (rows, next_scores), group=pg)
+        rows = {n: (torch.cat([g[0][n][0] for g in gathered]),
+                    torch.cat([g[0][n][1] for g in gathered])) for n in rows}
+        next_scores = {n: min(g[1][n] for g in gathered) for n in next_scores}
+    return rows, next_scores

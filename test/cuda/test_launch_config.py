@@ -96,7 +96,7 @@ def test_each_use_waits_for_the_stream_that_last_used_the_tables():
         [DynamicEmbTableOptions(dim=4, max_capacity=64, local_hbm_for_values=4 * 4 * 16,
                                 caching=True)], learning_rate=0.1)
     streams = StreamRecorder()
-    module._stream_order = StreamOrder(module.device, streams)
+    module._step.stream_order = StreamOrder(module.device, streams)
     batches = [(torch.tensor([1, 2, 3, 4]) + 10 * i, torch.tensor([0, 2, 4])) for i in range(3)]
     streams.current = "prefetch"
     module.prefetch(*batches[0])

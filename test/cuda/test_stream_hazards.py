@@ -33,10 +33,10 @@ def test_a_prefetched_lookup_is_recorded_on_the_stream_that_reads_it():
             [DynamicEmbTableOptions(dim=4, max_capacity=256, caching=True,
                                     local_hbm_for_values=4 * 4 * 64)], learning_rate=0.1)
         streams = StreamRecorder("prefetch")
-        module._stream_order = StreamOrder(module.device, streams)
+        module._step.stream_order = StreamOrder(module.device, streams)
         ids, offsets = torch.tensor([1, 5, 5, 9, 1]), torch.tensor([0, 2, 5])
         module.prefetch(ids, offsets)
-        made = list(tensors_in(module._prefetched[0].lookups))
+        made = list(tensors_in(module._step.prefetched[0].lookups))
         assert len(made) > 5 and not streams.records
         streams.current = "train"
         module(ids, offsets).sum().backward()
