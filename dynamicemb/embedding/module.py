@@ -123,7 +123,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         )
         self.output_dtype = output_dtype_of(output_dtype)
         try:
-            self.gradient_check = DynamicEmbGradientCheck(gradient_check)
+            gradient_check = DynamicEmbGradientCheck(gradient_check)
         except ValueError:
             raise ValueError(f"gradient_check must be one of "
                              f"{[c.value for c in DynamicEmbGradientCheck]}, got {gradient_check!r}"
@@ -144,17 +144,17 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         if not self.feature_table_map or not all(
                 0 <= t < num_tables for t in self.feature_table_map):
             raise ValueError(f"feature_table_map entries must be in [0, {num_tables})")
-        self.pooling_mode = DynamicEmbPoolingMode(pooling_mode)
+        pooling = DynamicEmbPoolingMode(pooling_mode)
         self.dims = [o.dim for o in self.table_options]
         self.feature_dims = [self.dims[t] for t in self.feature_table_map]
-        if self.pooling_mode == DynamicEmbPoolingMode.NONE and len(set(self.feature_dims)) > 1:
+        if pooling == DynamicEmbPoolingMode.NONE and len(set(self.feature_dims)) > 1:
             raise ValueError(f"pooling NONE needs one dim for all tables, got {sorted(set(self.dims))}")
         self.device = resolve_device(device if device is not None else "cpu")
         self._build_groups(module_optimizer)
         self._version = 0  # see content_version
         self._step = Step(self._groups, self.feature_table_map, self._table_location,
-                          self.feature_dims, self.pooling_mode, self.device, self.optimizer,
-                          self.gradient_check, sync_checks, self._changed)
+                          self.feature_dims, pooling, self.device, self.optimizer,
+                          gradient_check, sync_checks, self._changed)
 
     def _build_groups(self, module_optimizer: DynamicEmbOptimizerArgs) -> None:
         by_key: Dict[tuple, List[int]] = {}
@@ -199,6 +199,20 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         for g, group in enumerate(self._groups):
             group.device_lr(self.optimizer.param_groups[g]["lr"])
 
+
+    @property
+    def pooling_mode(self) -> DynamicEmbPoolingMode:
+        """SUM, MEAN or NONE; settable (the same rows read another way)."""
+        return self._step.pooling
+
+    @pooling_mode.setter
+    def pooling_mode(self, mode: DynamicEmbPoolingMode) -> None:
+        self._step.pooling = DynamicEmbPoolingMode(mode)
+
+    @property
+    def gradient_check(self) -> DynamicEmbGradientCheck:
+        """What a NaN/inf gradient does on the CPU (the constructor's argument)."""
+        return self._step.gradient_check
 
     @property
     def train_steps(self) -> int:
