@@ -13,6 +13,8 @@
 using namespace dynamicemb;
 using namespace dynamicemb::cuda;
 
+static_assert(kSquareLanes == kWarp, "row-wise Adagrad sums a row's squares a lane per sum");
+
 // Row arguments of the lookup kernels: the two tiers' values (one width), the
 // batch's transient rows (dim wide), the row reference of each unique row, and
 // for a call whose references may be negative the unique keys, their table ids
@@ -282,9 +284,8 @@ extern "C" __global__ void demb_fused_update(float* device_rows, float* host_row
     } else {
       a = entry_sum(pos, scale, grad, begin, end, c);
     }
-    acc[c] = a;
+    acc[c] = a;  // read by this lane only (its columns)
   }
-  __syncwarp();
   OptimizerParams p =
       optimizer_params(kind, lr, eps, beta1, beta2, weight_decay, one_minus_beta1,
                        one_minus_beta2, step_size, bias_correction2_sqrt, decay_scale);
@@ -294,8 +295,21 @@ extern "C" __global__ void demb_fused_update(float* device_rows, float* host_row
   float* row = stored_row_of(row_ref[u], device_rows, host_rows, width);
   float* state = row + dim;
   const int d = static_cast<int>(dim);
-  if (kind == kRowwiseAdagrad) {  // one sum over the row: one lane, in column order
-    if (lane_id() == 0) rowwise_adagrad_row(row, state, acc, d, p);
+  if (kind == kRowwiseAdagrad) {  // rowwise_square_sum's order: a sum per lane, folded
+    float squares = 0.f;
+    for (int c = lane_id(); c < d; c += kWarp) {
+      const float gi = rowwise_gradient(row, acc, c, p);
+      squares += gi * gi;
+    }
+    for (int half = kWarp / 2; half > 0; half /= 2) {
+      squares += __shfl_xor_sync(kFullMask, squares, half);  // lane j < half: + lane j + half
+    }
+    squares = __shfl_sync(kFullMask, squares, 0);  // lane 0 folded in the shared order
+    float sum = state[0];
+    __syncwarp();  // every lane read the accumulator before lane 0 writes it
+    const float scale = rowwise_scale(&sum, squares, d, p);
+    if (lane_id() == 0) state[0] = sum;
+    for (int c = lane_id(); c < d; c += kWarp) rowwise_step(row, acc, c, scale, p);
     return;
   }
   for (int c = lane_id(); c < d; c += kWarp) {  // element-wise rules, a column per lane

@@ -109,21 +109,52 @@ DEMB_HD void adagrad_row(float* __restrict__ w, float* __restrict__ sum,
   }
 }
 
+// Row-wise Adagrad's sum of a row's squared gradients, in the one order every
+// backend keeps: kSquareLanes running sums (sum j: columns j, j + 32, ... in
+// order), then folded in halves (sum j += sum j + 16, then + 8, ..., + 1), as a
+// warp's lanes and shuffles compute it; a CPU vectorizes the lanes.
+constexpr int kSquareLanes = 32;
+
+DEMB_HD float rowwise_gradient(const float* __restrict__ w, const float* __restrict__ g,
+                               int i, const OptimizerParams& p) {
+  return g[i] + p.weight_decay * w[i];
+}
+
+DEMB_HD float rowwise_square_sum(const float* __restrict__ w, const float* __restrict__ g,
+                                 int dim, const OptimizerParams& p) {
+  float lanes[kSquareLanes] = {};
+  for (int base = 0; base < dim; base += kSquareLanes) {
+    const int n = dim - base < kSquareLanes ? dim - base : kSquareLanes;
+    for (int j = 0; j < n; ++j) {
+      const float gi = rowwise_gradient(w, g, base + j, p);
+      lanes[j] += gi * gi;
+    }
+  }
+  for (int half = kSquareLanes / 2; half > 0; half /= 2) {
+    for (int j = 0; j < half; ++j) lanes[j] += lanes[j + half];
+  }
+  return lanes[0];
+}
+
+// The accumulator after a row's squares were summed, and the step it gives.
+DEMB_HD float rowwise_scale(float* __restrict__ sum, float squares, int dim,
+                            const OptimizerParams& p) {
+  sum[0] += squares / static_cast<float>(dim);
+  return p.lr / (sqrtf(sum[0]) + p.eps);
+}
+
+DEMB_HD void rowwise_step(float* __restrict__ w, const float* __restrict__ g, int i,
+                          float scale, const OptimizerParams& p) {
+  const float gi = rowwise_gradient(w, g, i, p);
+  w[i] *= p.decay_scale;
+  w[i] -= scale * gi;
+}
+
 DEMB_HD void rowwise_adagrad_row(float* __restrict__ w, float* __restrict__ sum,
                                  const float* __restrict__ g, int dim,
                                  const OptimizerParams& p) {
-  float sq = 0.f;
-  for (int i = 0; i < dim; ++i) {
-    const float gi = g[i] + p.weight_decay * w[i];
-    sq += gi * gi;
-  }
-  sum[0] += sq / static_cast<float>(dim);
-  const float scale = p.lr / (sqrtf(sum[0]) + p.eps);
-  for (int i = 0; i < dim; ++i) {
-    const float gi = g[i] + p.weight_decay * w[i];
-    w[i] *= p.decay_scale;
-    w[i] -= scale * gi;
-  }
+  const float scale = rowwise_scale(sum, rowwise_square_sum(w, g, dim, p), dim, p);
+  for (int i = 0; i < dim; ++i) rowwise_step(w, g, i, scale, p);
 }
 
 DEMB_HD void adam_row(float* __restrict__ w, float* __restrict__ m, float* __restrict__ v,

@@ -215,10 +215,12 @@ def test_the_real_kernels_train_like_the_cpu_backend():
 
 
 def test_a_removed_syncwarp_is_caught(tmp_path):
-    """Without the __syncwarp before the row-wise update, lane 0 reads accumulators
-    other lanes have not written yet: the rows differ (the verbs' emulation passes)."""
-    lib = broken(tmp_path, "embedding.cu", "  __syncwarp();\n  OptimizerParams p =",
-                 "  OptimizerParams p =")
+    """Without the __syncwarp of the row-wise update, lane 0 writes the row's
+    accumulator before the other lanes read it: they scale their columns by the new
+    one and the rows differ (the verbs' emulation passes)."""
+    lib = broken(tmp_path, "embedding.cu",
+                 "    __syncwarp();  // every lane read the accumulator before lane 0 writes it\n",
+                 "")
     want = trained(None, ROWWISE)
     assert same(trained(EmulatedCudaKernels(), ROWWISE), want)
     assert not same(trained(SimtCudaKernels("forward", lib=lib), ROWWISE), want)
