@@ -1,5 +1,6 @@
 """Checks of user-given tensors, written once for the table and the module layer."""
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -92,25 +93,23 @@ def table_ids_as_int16(table_ids: torch.Tensor, n: int, num_tables: int) -> torc
     return table_ids.to(torch.int16).contiguous()
 
 
+@dataclass(frozen=True)
 class TableInputs:
     """The argument checks of ``ScoredHashTable``'s verbs (on its device, number of
     tables, score strategy and value rows); a bad argument raises before any change.
 
-    Args:
+    Attributes:
         device: the table's device; num_tables: its logical tables.
         score_strategy: its strategy; rule: its ``ScoreRule``.
         value_dim, value_dtype: its value rows.
     """
 
-    def __init__(self, device: torch.device, num_tables: int,
-                 score_strategy: DynamicEmbScoreStrategy, rule: ScoreRule, value_dim: int,
-                 value_dtype: torch.dtype) -> None:
-        self.device = device
-        self.num_tables = num_tables
-        self.score_strategy = score_strategy
-        self.rule = rule
-        self.value_dim = value_dim
-        self.value_dtype = value_dtype
+    device: torch.device
+    num_tables: int
+    score_strategy: DynamicEmbScoreStrategy
+    rule: ScoreRule
+    value_dim: int
+    value_dtype: torch.dtype
 
     def table_ids(self, table_ids: Optional[torch.Tensor], n: int,
                    checked: bool = False) -> torch.Tensor:
