@@ -1,5 +1,5 @@
 // CUDA kernels of a batch's promotion into a device cache, with every count on the
-// device (dynamicemb/storage/tiered.py, TieredStorage._promote): loops over
+// device (dynamicemb/storage/layouts.py, Cache.take): loops over
 // the per-key procedures of csrc/dynamicemb/cache_policy.h, which states the
 // policy, one thread per key (one warp per row for the copies). The CPU's loops
 // over the same procedures are csrc/cpu/cache.cpp.

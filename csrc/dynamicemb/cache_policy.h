@@ -13,10 +13,10 @@
 //            each key's rank (promotion_rank);
 //   order:   the keys by descending rank become the cache call's keys, table ids,
 //            scores and buckets (order_one);
-//   promote: after the cache's padded insert, victims' rows go back to the host
+//   promote: after the cache's insert, victims' rows go back to the host
 //            store, new keys' rows come in, every key gets its reference (promote_one).
 //
-// The policy (both backends loop over these procedures; TieredStorage._promote calls them):
+// The policy (both backends loop over these procedures; storage/layouts.py Cache.take calls them):
 // the batch's hits come first, so they are pinned before any miss picks a victim;
 // then every miss, in batch order, when the misses fit in the cache's free slots;
 // else only the misses seen more than once, hottest first, at most as many as the
