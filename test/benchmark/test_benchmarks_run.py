@@ -198,6 +198,15 @@ def test_input_checks_benchmark():
     assert low - 1e-9 <= ratio <= high + 1e-9, (step_ms, check_ms, ratio)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_train_step_timer(optimizer):
+    done = run("time_train_step.py", "--optimizer", optimizer, "--batch", "64", "--dim", "8",
+               "--ids", "1000", "--steps", "3")
+    ms = float(re.search(rf"{optimizer} train step, batch 64, dim 8: median ([\d.]+) ms of 3",
+                         done.stdout).group(1))
+    assert positive_finite(ms)
+
+
 def test_external_storage_benchmark():
     """Store overhead and training over RocksDB (and Redis where installed), tiny."""
     done = run("benchmark_external_storage.py", "--part", "stores", "train", "--batch", "256",
