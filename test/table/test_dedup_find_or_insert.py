@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dynamicemb.ops.interface import InsertStatus
-from dynamicemb_testing.table_testing import as_keys, make_table, py_export, py_insert, py_stats
+from dynamicemb_testing.table_testing import as_keys, make_table, py_export, py_stats
 
 CLOCKED = ["LRU", "STEP", "NO_EVICTION"]
 
