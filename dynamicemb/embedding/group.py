@@ -9,19 +9,20 @@ caller of the embedding kernels.
 """
 
 from dataclasses import astuple
-from typing import List, NamedTuple, Optional
+from typing import Iterator, List, NamedTuple, Optional
 
 import torch
 
 from dynamicemb.embedding.admission import Admission
 from dynamicemb.embedding.initialization import RowInitializer
+from dynamicemb.embedding.records import ExportedRows, TableClocks
 from dynamicemb.ops import for_device
 from dynamicemb.ops.interface import (HOST_ROW_BIT, TRANSIENT_ROW_BIT, BatchPart,
                                       DeviceSchedule, InitRows, OptimizerUpdate,
                                       RowSources, num_buckets_for, optimizer_state_dim)
 from dynamicemb.options import (DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbTableOptions,
                                 DynamicEmbWeightDecayMode)
-from dynamicemb.storage import TieredStorage
+from dynamicemb.storage import TieredStorage, TierMetrics
 from dynamicemb.storage.external import ExternalStorageError, namespace_of, open_store
 from dynamicemb.storage.external.tier import ExternalTier
 from dynamicemb.table import MAX_TABLES, ScoredHashTable
@@ -104,11 +105,8 @@ def device_budget_rows(options: List[DynamicEmbTableOptions], row_bytes: int,
 
 
 class GroupLookup(NamedTuple):
-    """One group's lookup of a batch, from its first phase to its backward.
-
-    Built by field name. ``begin_lookup`` fills the dedup (its storage keeps a
-    training lookup's prepared insert); ``finish_lookup`` the row references and
-    transient rows.
+    """One group's lookup of a batch, from ``begin_lookup`` (the dedup) through
+    ``finish_lookup`` (row references, transient rows) to its backward.
 
     Shape:
         keys, tids: (U,) unique (key, local table id) pairs; inverse: (N,) unique
@@ -119,14 +117,8 @@ class GroupLookup(NamedTuple):
         (``dynamicemb.storage``; ``TRANSIENT_ROW_BIT`` + t for row t of
         ``transient``, [T, dim]; negative: computed from ``init``);
         generation: the storage's when looked up; admitted: (N,) bool (the keys
-        the insert took), None without admission.
-
-        The arrays have N entries (the batch's lookup count) where the unique rows
-        are U: the unique rows, then padding (no lookup, reference -1); ``init``
-        gives the kernels the initializers that compute the rows of negative
-        references (keys whose insert failed or that were not admitted), so it has no
-        transient rows (an eval lookup over an external tier has transient rows
-        instead, read from below).
+        the insert took), None without admission. U-sized arrays have N entries:
+        the unique rows, then padding (no lookup, reference -1).
     """
 
     keys: torch.Tensor
@@ -261,11 +253,8 @@ class TableGroup:
     def begin_lookup(self, keys: torch.Tensor, tids: torch.Tensor, insert: bool,
                      frequencies: Optional[torch.Tensor], error: torch.Tensor,
                      part: Optional[BatchPart] = None) -> GroupLookup:
-        """Phase one of a lookup: dedup, admission decision, hash-table slots decided,
-        every size and count left on the device (arrays of the N lookups).
-
-        Nothing observable changes until ``finish_lookup``; ``abort_lookup`` undoes
-        the prepared insert, so a module can make a batch over several groups atomic.
+        """Phase one: dedup, admission, slots decided, counts left on the device.
+        Nothing observable changes until ``finish_lookup``; ``abort_lookup`` undoes it.
 
         Args:
             keys (Tensor): (N,) int64 ids of the batch's lookups.
@@ -303,9 +292,7 @@ class TableGroup:
 
     def _lookup_each(self, keys: torch.Tensor, tids: torch.Tensor,
                      part: Optional[BatchPart]) -> GroupLookup:
-        """An eval lookup without dedup: each lookup is its own row reference (a probe
-        a lookup costs less than the dedup it would save; a refused batch reads
-        zeros in the forward)."""
+        """An eval lookup without dedup: a probe per lookup costs less than a dedup."""
         n = keys.numel()
         inverse = torch.arange(n, dtype=torch.int64, device=self.device)
         if part is not None:
@@ -315,9 +302,8 @@ class TableGroup:
                       init=InitRows(keys, tids, self.init.spec(False, self.device)))
 
     def _computed_rows(self, unique, admitted: Optional[torch.Tensor]) -> InitRows:
-        """The initializers of a training lookup's rows without a slot: the
-        tables' (a failed insert), and for keys not admitted the admission's
-        initializer where it has one (table id T + t of the spec)."""
+        """Initializers of rows without a slot: the tables' (failed inserts); for keys
+        not admitted the admission's where it has one (spec table id T + t)."""
         args = None if self.admission is None else self.admission.initializer_args
         if args is None:
             return InitRows(unique.keys, unique.table_ids, self.init.spec(True, self.device))
@@ -332,10 +318,8 @@ class TableGroup:
             self.storage.abort()
 
     def finish_lookup(self, lookup: GroupLookup) -> GroupLookup:
-        """Phase two: commit the insert (storage initializes new rows and places rows
-        in their tiers), count admissions. Rows of keys without a slot are computed
-        where they are read (``InitRows``); an eval lookup over an external tier reads
-        the rows below of keys the host store lacks as transient rows."""
+        """Phase two: commit the insert, count admissions; an eval lookup over an
+        external tier reads the rows below as transient rows."""
         keys, tids, refs = lookup.keys, lookup.tids, lookup.row_ref
         if refs is None:  # training: the prepared insert
             refs, status = self.storage.commit(keys, tids, lookup.counts)
@@ -348,10 +332,8 @@ class TableGroup:
                                generation=self.storage.generation)
 
     def _rows_below(self, keys, tids, refs) -> torch.Tensor:
-        """The transient rows of the unique keys without a row in memory (refs < 0)
-        that the external tier holds (their references become ``TRANSIENT_ROW_BIT``
-        + t for transient row t; the others stay computed rows), read from the host;
-        none without an external tier."""
+        """Rows below of keys without a row in memory (refs < 0, rewritten to
+        ``TRANSIENT_ROW_BIT`` + t for transient row t)."""
         if not self.storage.external.holds_rows or refs.numel() == 0 or int(refs.min()) >= 0:
             return self._no_transient
         missing = (refs < 0).nonzero().squeeze(1)
@@ -359,23 +341,6 @@ class TableGroup:
         refs[missing[found]] = TRANSIENT_ROW_BIT + torch.arange(
             found.numel(), dtype=torch.int64, device=self.device)
         return rows
-
-    def read_rows(self, keys: torch.Tensor, tids: torch.Tensor, train: bool) -> torch.Tensor:
-        """(n, dim) the rows of ``keys`` (local table ids ``tids`` int16) as a lookup
-        reads them, changing nothing: a stored row from the tier holding it (the
-        external tier's too), else its table's training (``train``) or eval
-        initializer's row."""
-        refs = self.storage.resolve(keys, tids)
-        transient = self._rows_below(keys, tids, refs)
-        n = keys.numel()
-        out = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
-        if n:
-            init = InitRows(keys, tids, self.init.spec(train, self.device))
-            self.ops.sequence_forward(sources=self.storage.sources(transient, init),
-                                      row_ref=refs, inverse=torch.arange(
-                                          n, dtype=torch.int64, device=self.device),
-                                      dim=self.dim, out=out)
-        return out
 
     def refresh(self, lookup: GroupLookup) -> GroupLookup:
         """The lookup with its row references found again if rows moved since (growth,
@@ -388,6 +353,142 @@ class TableGroup:
         stored = (refs >= 0) & ((refs < TRANSIENT_ROW_BIT) | (refs >= HOST_ROW_BIT))
         refs = torch.where(stored, found, refs)
         return lookup._replace(row_ref=refs, generation=self.storage.generation)
+
+    # ----------------------------------------------------------- per table
+    # The module's per-table calls, for local table id ``local``; keys (n,) int64.
+    def _tids(self, local: int, keys: torch.Tensor) -> torch.Tensor:
+        return torch.full((keys.numel(),), local, dtype=torch.int16, device=self.device)
+
+    def read_rows(self, local: int, keys: torch.Tensor, train: bool) -> torch.Tensor:
+        """(n, dim) the rows of ``keys`` as a lookup reads them, changing nothing: a
+        stored row from the tier holding it (the external tier's too), else the
+        training (``train``) or eval initializer's row."""
+        tids = self._tids(local, keys)
+        refs = self.storage.resolve(keys, tids)
+        transient = self._rows_below(keys, tids, refs)
+        n = keys.numel()
+        out = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
+        if n:
+            init = InitRows(keys, tids, self.init.spec(train, self.device))
+            self.ops.sequence_forward(sources=self.storage.sources(transient, init),
+                                      row_ref=refs, inverse=torch.arange(
+                                          n, dtype=torch.int64, device=self.device),
+                                      dim=self.dim, out=out)
+        return out
+
+    def holds(self, local: int, keys: torch.Tensor) -> torch.Tensor:
+        """(n,) bool: whether a tier (the external one too) stores each key."""
+        tids = self._tids(local, keys)
+        return self.storage.or_below(keys, tids, self.storage.resolve(keys, tids) >= 0)
+
+    def optimizer_states(self, local: int, keys: torch.Tensor) -> torch.Tensor:
+        """(n, state_dim): stored rows' states, else the optimizer's initial state."""
+        refs = self.storage.resolve(keys, self._tids(local, keys))
+        return self.storage.columns_of(refs, self.dim, float(self.init.initial_state))
+
+    def export(self, local: int, min_score: Optional[int]) -> ExportedRows:
+        """Every stored row of one table scoring at least ``min_score``."""
+        if self.storage.external.holds_rows:  # every tier's rows, chunk by chunk
+            chunks = list(self.export_chunks(local, 1 << 16, min_score))
+            return ExportedRows(*(torch.cat([getattr(c, f) for c in chunks])
+                                  for f in ExportedRows._fields))
+        return self._rows_of(local, self.storage.export(min_score=min_score))
+
+    def export_chunks(self, local: int, chunk_slots: int,
+                      min_score: Optional[int]) -> Iterator[ExportedRows]:
+        """``export`` in chunks of at most ``chunk_slots`` rows."""
+        for rows in self.storage.export_chunks(chunk_slots, min_score):
+            yield self._rows_of(local, rows)
+
+    def _rows_of(self, local: int, exported) -> ExportedRows:
+        mine = exported.table_ids == local
+        values = exported.values[mine]
+        return ExportedRows(keys=exported.keys[mine], embeddings=values[:, :self.dim],
+                            optimizer_states=values[:, self.dim:],
+                            scores=exported.scores[mine])
+
+    def import_rows(self, local: int, keys: torch.Tensor, embeddings: torch.Tensor,
+                    optimizer_states: Optional[torch.Tensor],
+                    scores: Optional[torch.Tensor]) -> None:
+        """Inserts or overwrites rows (shapes checked by the caller); states default
+        to the optimizer's initial state; ``scores`` are stored exactly, else the
+        strategy scores the insert."""
+        n = keys.numel()
+        rows = torch.zeros(n, self.dim + self.state_dim, dtype=torch.float32,
+                           device=self.device)
+        rows[:, :self.dim] = embeddings
+        if optimizer_states is not None:
+            rows[:, self.dim:] = optimizer_states
+        else:
+            rows[:, self.dim:] = float(self.init.initial_state)
+        tids = torch.full((n,), local, dtype=torch.int64, device=self.device)
+        if scores is not None:
+            self.storage.import_rows(keys, tids, rows, scores.to(self.device, torch.int64),
+                                     exact_scores=True)
+        else:
+            custom = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED
+            self.storage.import_rows(keys, tids, rows, self.custom_scores[tids] if custom else None)
+
+    def clear_table(self, local: int) -> None:
+        """Removes every row and admission counter of one table, in every tier."""
+        self.storage.clear_table(local)
+        if self.admission is not None:
+            self.admission.clear_table(local)
+
+    def clocks(self) -> TableClocks:
+        """The group's optimizer step and score and admission clocks."""
+        admission = 0 if self.admission is None else self.admission.counter.clock
+        return TableClocks(self.adam_step, self.table.clock, admission)
+
+    def set_clocks(self, clocks: TableClocks) -> None:
+        self.adam_step = int(clocks.optimizer_step)
+        self.table.set_clock(clocks.score_clock)
+        if self.admission is not None:
+            self.admission.counter.set_clock(clocks.admission_clock)
+
+    def next_score(self, local: int) -> Optional[int]:
+        """The score the next training batch gives a table's keys; None for scores
+        that do not order rows by time (LFU, NO_EVICTION)."""
+        strategy = self.score_strategy
+        if strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
+            return int(self.custom_scores[local])
+        if strategy == DynamicEmbScoreStrategy.STEP:
+            return self.train_steps + 1
+        if strategy in (DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.LRU_LFU):
+            return self.table.clock + 1  # LRU_LFU: min_score reads the time part
+        return None
+
+    def expire(self) -> Optional[List[int]]:
+        """TTL sweep in every tier: rows freed per local table; None without a ttl."""
+        return None if self.table.ttl is None else self.storage.expire().tolist()
+
+    def size(self, local: int) -> int:
+        """Rows stored for one table (with a ttl: alive rows only)."""
+        if (len(self.table_indices) == 1 and self.table.ttl is None
+                and not self.storage.external.holds_rows):
+            return self.table.size()
+        return sum(int(rows.keys.numel()) for rows in self.export_chunks(local, 1 << 16, None))
+
+    def describe(self) -> str:
+        """The group's memory layout, in words."""
+        return self.storage.describe()
+
+    def metrics(self, local: int) -> TierMetrics:
+        return self.storage.metrics[local]
+
+    @property
+    def layout(self):
+        """The storage layout object (``dynamicemb.storage.layouts``)."""
+        return self.storage.layout
+
+    def flush(self) -> None:
+        self.storage.flush()
+
+    def release_graphs(self) -> None:
+        self.storage.release_graphs()
+
+    def reset_cache_states(self) -> None:
+        self.storage.reset_cache_states()
 
     # ------------------------------------------------------------ kernels
     def _sources(self, lookup: GroupLookup):

@@ -73,10 +73,6 @@ class BatchedDynamicEmbeddingTables(nn.Module):
     Every argument after ``feature_table_map`` is keyword-only (upstream's positional
     order differs).
 
-    The step behind ``forward`` and ``prefetch`` is a ``Step`` it owns (``step.py``);
-    the members upstream's module has (``tables``, ``cache``, ``incremental_dump``,
-    ``get_score``) are views and functions of ``upstream_members.py``.
-
     Shape:
         forward(indices (N,), offsets (F * B + 1,), per_sample_weights (N,)) ->
         (B, sum of feature dims) for SUM/MEAN, (N, dim) for NONE.
@@ -184,7 +180,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         )
         for g in self._groups:
             logger.info("dynamic tables %s: %s", [self.table_names[t] for t in g.table_indices],
-                        g.storage.describe())
+                        g.describe())
 
     # -------------------------------------------------------------- public
     def named_parameters_by_table(self):
@@ -221,11 +217,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         return self._groups[0].train_steps
 
     def check_errors(self) -> None:
-        """Raises the ``ValueError`` of a batch whose offsets a kernel refused (on a
-        GPU step that keeps its counts on the device), waiting for the device (a
-        sync). The next call raises it anyway; call this after replaying a CUDA
-        graph of the step, where no module code runs (docs/ARCHITECTURE.md, "CUDA
-        graphs")."""
+        """Raises the ``ValueError`` of a batch whose offsets a GPU kernel refused,
+        waiting for the device (a sync): for use after replaying a CUDA graph of the
+        step, where no module code runs (otherwise the next call raises it)."""
         self._step.errors.raise_if_refused(wait_for_device=True)
 
     def set_train_steps(self, steps: int) -> None:
@@ -245,45 +239,41 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         *,
         frequencies: Optional[torch.Tensor] = None,
     ) -> None:
-        """Looks up a coming batch now: dedup, hash-table work, rows fetched into the
-        device tier (inserting in training). ``forward`` consumes prefetched batches in
-        order and must be given the same ``indices``/``offsets``. Results are identical
-        to not prefetching (see ``docs/ARCHITECTURE.md`` for the one exception). On a
-        GPU step that keeps its counts on the device, bad offsets are raised at the
-        next call, as ``forward``'s, and the prefetch changes nothing.
-
-        On CUDA, a prefetch on another stream than the last forward or backward
-        first waits for what that stream has enqueued, and the next forward or
-        backward on the training stream waits for the prefetch (``StreamOrder``)."""
+        """Looks up a coming batch now (dedup, hash-table work, rows fetched into the
+        device tier, inserting in training). ``forward`` consumes prefetched batches in
+        order and must be given the same ``indices``/``offsets``; results equal not
+        prefetching (docs/ARCHITECTURE.md names the one exception). On CUDA a prefetch
+        on a side stream is ordered after the last step's work and before the next."""
         self._step.prefetch(indices, offsets, per_sample_weights, frequencies, self.training)
 
     def flush(self) -> None:
         """Writes every device-tier row back to the host store."""
         for g in self._groups:
-            g.storage.flush()
+            g.flush()
 
     def release_graphs(self) -> None:
         """Declares that no CUDA graph captured over this module replays any more: its
         tables may grow again (a table a graph captured refuses to grow, since growth
         replaces the arrays the replays use). Capture again after the growth."""
         for g in self._groups:
-            g.storage.release_graphs()
+            g.release_graphs()
 
     def reset_cache_states(self) -> None:
         """Flushes, then empties every device cache (the next batches start cold)."""
         for g in self._groups:
-            g.storage.reset_cache_states()
+            g.reset_cache_states()
 
     def cache_metrics(self) -> Dict[str, TierMetrics]:
         """Per table: lookups, hits, misses, evictions, host rows read and written, rows
         expired (``ttl``: swept, or found expired by a lookup)."""
-        return {name: self._location(name)[0].storage.metrics[self._location(name)[1]]
-                for name in self.table_names}
+        return {name: group.metrics(local)
+                for name, (group, local) in zip(self.table_names, map(self._location,
+                                                                      self.table_names))}
 
     def print_cache_metrics(self) -> None:
         """Prints ``cache_metrics()`` and each group's memory layout."""
         for g in self._groups:
-            print(f"{[self.table_names[t] for t in g.table_indices]}: {g.storage.describe()}")
+            print(f"{[self.table_names[t] for t in g.table_indices]}: {g.describe()}")
         for name, metrics in self.cache_metrics().items():
             print(f"  {name}: {metrics}")
 
@@ -333,18 +323,12 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self, table_name: str, device: Optional[torch.device] = None,
         batch_size: Optional[int] = None, *, min_score: Optional[int] = None,
     ) -> Union[ExportedRows, Tuple[torch.Tensor, torch.Tensor]]:
-        """Every stored row of one table, or only those scoring at least ``min_score``.
-
-        Called with a ``device`` (upstream's form, ``keys, embeddings =
-        export_keys_values(name, device, batch_size=65536)``), it returns the keys and
-        embeddings on ``device``, read ``batch_size`` host-store slots at a time.
-        Without one it returns ``ExportedRows`` (keys, embeddings, optimizer states and
-        scores, where the rows live); for large tables iterate with
-        ``iter_keys_values``.
+        """Every stored row of one table, or only those scoring at least ``min_score``
+        (for large tables iterate with ``iter_keys_values``).
 
         Args:
             table_name: the table.
-            device: where upstream's ``(keys, embeddings)`` are returned.
+            device: upstream's form: return ``(keys, embeddings)`` on ``device``.
             batch_size: slots read at a time in upstream's form (default 65536).
             min_score: only rows scoring at least this.
 
@@ -360,10 +344,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                                 "device, batch_size); pass device, or use iter_keys_values(name, "
                                 "chunk_slots)")
             group, local = self._location(table_name)
-            if group.storage.external.holds_rows:  # every tier's rows
-                return self._cat_rows(list(self.iter_keys_values(table_name,
-                                                                 min_score=min_score)))
-            return self._rows_of(group, local, group.storage.export(min_score=min_score))
+            return group.export(local, min_score)
         batch_size = 65536 if batch_size is None else int(batch_size)
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -374,11 +355,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 torch.cat([c.embeddings for c in chunks]).to(device))
 
     def read_rows(self, table_name: str, keys: torch.Tensor, train: bool = True) -> torch.Tensor:
-        """The current embeddings of ``keys`` in one table, read without changing
-        anything (no insert, score, clock or promotion): a stored row from the tier
-        holding it (the external tier's too), else the row a training insert would
-        store (the table's initializer), or with ``train=False`` what an eval lookup
-        reads (the eval initializer's row).
+        """The current embeddings of ``keys`` in one table, changing nothing: a stored
+        row from the tier holding it, else the initializer's row a training insert
+        (``train``) or an eval lookup would read.
 
         Args:
             keys (Tensor): (n,) int64.
@@ -388,62 +367,36 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             (n, dim) float32 on the module's device.
         """
         group, local = self._location(table_name)
-        keys = keys.to(self.device, torch.int64).contiguous()
-        tids = torch.full((keys.numel(),), local, dtype=torch.int16, device=self.device)
-        return group.read_rows(keys, tids, train)
+        return group.read_rows(local, self._keys(keys), train)
 
-    def _resolve(self, table_name: str, keys: torch.Tensor):
-        """(group, keys, table ids, read-only references) of keys of one table."""
-        group, local = self._location(table_name)
-        keys = keys.to(self.device, torch.int64).contiguous()
-        tids = torch.full((keys.numel(),), local, dtype=torch.int16, device=self.device)
-        return group, keys, tids, group.storage.resolve(keys, tids)
+    def _keys(self, keys: torch.Tensor) -> torch.Tensor:
+        return keys.to(self.device, torch.int64).contiguous()
 
     def holds(self, table_name: str, keys: torch.Tensor) -> torch.Tensor:
         """(n,) bool on the module's device: whether a tier stores each of ``keys`` in
         one table (the external tier asked from the host), read without changing
         anything."""
-        group, keys, tids, refs = self._resolve(table_name, keys)
-        return group.storage.or_below(keys, tids, refs >= 0)
+        group, local = self._location(table_name)
+        return group.holds(local, self._keys(keys))
 
     def read_optimizer_states(self, table_name: str, keys: torch.Tensor) -> torch.Tensor:
-        """The optimizer states of ``keys`` in one table, read without changing
-        anything (as ``read_rows``): a stored row's from the tier holding it, else
-        the optimizer's initial state (what an insert stores; also for a row only
-        the external tier holds).
+        """The optimizer states of ``keys`` in one table, changing nothing: a stored
+        row's, else the optimizer's initial state (also for rows only below).
 
         Args and device: as ``read_rows``'s; returns (n, state_dim) float32.
         """
-        group, _, _, refs = self._resolve(table_name, keys)
-        return group.storage.columns_of(refs, group.dim, float(group.init.initial_state))
+        group, local = self._location(table_name)
+        return group.optimizer_states(local, self._keys(keys))
 
     def iter_keys_values(self, table_name: str, chunk_slots: int = 1 << 16, *,
                          min_score: Optional[int] = None) -> Iterator[ExportedRows]:
-        """The stored rows of one table, ``chunk_slots`` host-store slots at a time, then
-        the external tier's rows (if any) ``chunk_slots`` rows at a time
-        (each chunk holds at most that many rows: bounded memory for any table size).
-        The table must not change while the iterator is used."""
+        """The stored rows of one table in chunks of at most ``chunk_slots`` rows (the
+        host store's slots, then the external tier's rows). The table must not change
+        while the iterator is used."""
         if chunk_slots <= 0:
             raise ValueError(f"chunk_slots must be positive, got {chunk_slots}")
         group, local = self._location(table_name)
-        for rows in group.storage.export_chunks(chunk_slots, min_score):
-            yield self._rows_of(group, local, rows)
-
-    @staticmethod
-    def _cat_rows(chunks: List[ExportedRows]) -> ExportedRows:
-        return ExportedRows(*(torch.cat([getattr(c, f) for c in chunks])
-                              for f in ExportedRows._fields))
-
-    @staticmethod
-    def _rows_of(group: TableGroup, local: int, exported) -> ExportedRows:
-        mine = exported.table_ids == local
-        values = exported.values[mine]
-        return ExportedRows(
-            keys=exported.keys[mine],
-            embeddings=values[:, :group.dim],
-            optimizer_states=values[:, group.dim:],
-            scores=exported.scores[mine],
-        )
+        yield from group.export_chunks(local, chunk_slots, min_score)
 
     def import_keys_values(
         self,
@@ -469,28 +422,12 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         n = keys.numel()
         if embeddings.shape != (n, group.dim):
             raise ValueError(f"embeddings must have shape ({n}, {group.dim}), got {tuple(embeddings.shape)}")
-        keys = keys.to(self.device)
-        rows = torch.zeros(n, group.dim + group.state_dim, dtype=torch.float32, device=self.device)
-        rows[:, :group.dim] = embeddings
-        if optimizer_states is not None:
-            if optimizer_states.shape != (n, group.state_dim):
-                raise ValueError(
-                    f"optimizer_states must have shape ({n}, {group.state_dim}), "
-                    f"got {tuple(optimizer_states.shape)}")
-            rows[:, group.dim:] = optimizer_states
-        elif group.optimizer.optimizer in (DynamicEmbOptimType.EXACT_ADAGRAD,
-                                           DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD):
-            rows[:, group.dim:] = group.optimizer.initial_accumulator_value
-        tids = torch.full((n,), local, dtype=torch.int64, device=self.device)
-        if scores is not None:
-            if scores.shape != (n,):
-                raise ValueError(f"scores must have shape ({n},), got {tuple(scores.shape)}")
-            group.storage.import_rows(keys, tids, rows, scores.to(self.device, torch.int64),
-                                      exact_scores=True)
-            return
-        if group.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
-            scores = group.custom_scores[tids]
-        group.storage.import_rows(keys, tids, rows, scores)
+        if optimizer_states is not None and optimizer_states.shape != (n, group.state_dim):
+            raise ValueError(f"optimizer_states must have shape ({n}, {group.state_dim}), "
+                             f"got {tuple(optimizer_states.shape)}")
+        if scores is not None and scores.shape != (n,):
+            raise ValueError(f"scores must have shape ({n},), got {tuple(scores.shape)}")
+        group.import_rows(local, keys.to(self.device), embeddings, optimizer_states, scores)
 
     def clear_table(self, table_name: str) -> None:
         """Removes every row and admission counter of one table (both tiers); other
@@ -498,18 +435,15 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         contents starts here."""
         group, local = self._location(table_name)
         self._changed()
-        group.storage.clear_table(local)
-        if group.admission is not None:
-            group.admission.clear_table(local)
+        group.clear_table(local)
 
     def optimizer_args(self, table_name: str) -> DynamicEmbOptimizerArgs:
         """The optimizer settings of one table (its own or the module's)."""
         return self._location(table_name)[0].optimizer
 
     def step_rows(self, table_name: str, values: torch.Tensor, grads: torch.Tensor) -> None:
-        """One step of a table's optimizer (its kernel, at the current learning rate),
-        in place, on rows a caller holds: what a backward does to a stored row
-        (stale replicas' write-back copies). Not for ADAM (its step counts calls).
+        """One step of a table's optimizer kernel at the current learning rate, in
+        place, on rows a caller holds (stale replicas' copies). Not for ADAM.
 
         Args:
             values (Tensor): (n, dim + optimizer_state_dim) float32, rows
@@ -526,9 +460,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
 
     def table_clocks(self, table_name: str) -> TableClocks:
         """The optimizer step and score clocks of the table's physical group."""
-        group, _ = self._location(table_name)
-        admission = 0 if group.admission is None else group.admission.counter.clock
-        return TableClocks(group.adam_step, group.table.clock, admission)
+        return self._location(table_name)[0].clocks()
 
     def set_table_clocks(self, table_name: str, clocks: TableClocks) -> None:
         """Restores ``table_clocks`` (every table of the group shares them)."""
@@ -536,22 +468,16 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         if min(clocks) < 0:
             raise ValueError(f"clocks must be >= 0, got {clocks}")
         self._changed()
-        group.adam_step = int(clocks.optimizer_step)
-        group.table.set_clock(clocks.score_clock)
-        if group.admission is not None:
-            group.admission.counter.set_clock(clocks.admission_clock)
+        group.set_clocks(clocks)
 
     def next_score(self, table_name: str) -> int:
         """The score the next training batch gives the keys it touches (LRU, LRU_LFU,
         STEP: rows scoring at least this were touched after this call; CUSTOMIZED: the
         score ``set_score`` registered)."""
         group, local = self._location(table_name)
-        if group.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED:
-            return int(group.custom_scores[local])
-        if group.score_strategy == DynamicEmbScoreStrategy.STEP:
-            return self.train_steps + 1
-        if group.score_strategy in (DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.LRU_LFU):
-            return group.table.clock + 1  # LRU_LFU: min_score reads the time part
+        score = group.next_score(local)
+        if score is not None:
+            return score
         raise ValueError(
             f"table {table_name!r} uses {group.score_strategy.name} scores, which do not "
             f"order rows by time; next_score needs LRU, LRU_LFU, STEP or CUSTOMIZED")
@@ -567,9 +493,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         """
         freed: Dict[str, int] = {}
         for group in self._groups:
-            if group.table.ttl is None:
+            counts = group.expire()
+            if counts is None:
                 continue
-            counts = group.storage.expire().tolist()
             for local, index in enumerate(group.table_indices):
                 freed[self.table_names[index]] = counts[local]
         return freed
@@ -606,10 +532,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         """Rows stored for one table (with a ``ttl``: alive rows, not those expired and
         waiting for a sweep)."""
         group, local = self._location(table_name)
-        if (len(group.table_indices) == 1 and group.table.ttl is None
-                and not group.storage.external.holds_rows):
-            return group.table.size()
-        return sum(int(rows.keys.numel()) for rows in self.iter_keys_values(table_name))
+        return group.size(local)
 
     # ------------------------------------------------------- upstream's members
     @property

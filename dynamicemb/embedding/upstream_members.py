@@ -140,7 +140,7 @@ def storage_view(module) -> StorageView:
     """``module.tables``: a ``HybridStorage`` when a table keeps rows in device and host
     memory without a cache (a placement tier), else a ``DynamicEmbStorage``
     (upstream's classes of those layouts)."""
-    split = any(isinstance(g.storage.layout, Placement) for g in module._groups)
+    split = any(isinstance(g.layout, Placement) for g in module._groups)
     return (HybridStorage if split else DynamicEmbStorage)(module)
 
 
@@ -149,7 +149,7 @@ def cache_view(module) -> Optional[CacheView]:
     None when none is cached; one view per module (its reads count from the
     previous one)."""
     cached = [n for n in module.table_names
-              if isinstance(module._location(n)[0].storage.layout, Cache)]
+              if isinstance(module._location(n)[0].layout, Cache)]
     if not cached:
         return None
     view = module.__dict__.get("_upstream_cache_view")
