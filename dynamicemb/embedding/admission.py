@@ -1,10 +1,6 @@
-"""Frequency admission: a key gets a stored row once it was seen ``threshold`` times.
-
-Until then its lookups get transient rows (``FrequencyAdmissionStrategy``). The
-counts live in a ``Counter``: a small ``ScoredHashTable`` of their own, bounded,
-forgetting the least recently seen counts (``counter_capacity``, LRU) or the lowest
-counts (a ``KVCounter``, upstream's rule).
-"""
+"""Frequency admission: a key gets a stored row once seen ``threshold`` times (until then
+its lookups get transient rows). Counts live in a bounded ``Counter`` that forgets the least
+recently seen (LRU, ``counter_capacity``) or the lowest (``KVCounter``) counts first."""
 
 import abc
 from typing import List, Optional
@@ -20,11 +16,8 @@ __all__ = ["Admission", "Counter", "HashCounter"]
 
 
 class Counter(abc.ABC):
-    """Occurrence counts of keys, per logical table (upstream dynamicemb's ``Counter``
-    interface, plus what checkpoints and atomic batches need).
-
-    Shapes: ``keys`` (n,) int64, ``table_ids`` (n,) int16/int32/int64 local table ids.
-    """
+    """Occurrence counts of keys per logical table (upstream's ``Counter``). Shapes: ``keys``
+    (n,) int64, ``table_ids`` (n,) int16/int32/int64 local table ids."""
 
     @abc.abstractmethod
     def counts(self, keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
@@ -43,14 +36,13 @@ class Counter(abc.ABC):
     @abc.abstractmethod
     def add_where(self, keys: torch.Tensor, table_ids: torch.Tensor,
                   frequencies: torch.Tensor, mask: torch.Tensor) -> None:
-        """``add`` of the unique keys where ``mask`` (n,) bool, nothing read on the host
-        (a step: ``table_ids`` int16 from its dedup)."""
+        """``add`` of the unique keys where ``mask`` (n,) bool; no host read (``table_ids``
+        int16, from a step's dedup)."""
 
     @abc.abstractmethod
     def erase_where(self, keys: torch.Tensor, table_ids: torch.Tensor,
                     mask: torch.Tensor) -> None:
-        """``erase`` of the unique keys where ``mask`` (n,) bool, nothing read on the
-        host."""
+        """``erase`` of the unique keys where ``mask`` (n,) bool; no host read."""
 
     @abc.abstractmethod
     def memory_usage(self) -> int:
@@ -71,17 +63,9 @@ class Counter(abc.ABC):
 
 
 class HashCounter(Counter):
-    """A ``Counter`` in a ``ScoredHashTable`` whose full buckets forget the least
-    recently counted key (LRU scores) or the lowest count (LFU scores: a key's score
-    is its count, as in upstream's ``KVCounter``).
-
-    Args:
-        capacity: slots (fixed: the table does not grow).
-        bucket_capacity: slots per bucket.
-        lowest_first: forget the lowest count (else the least recently counted).
-        num_tables: logical tables counted.
-        device: where the counts live.
-    """
+    """A ``Counter`` in a ``ScoredHashTable`` of ``capacity`` slots (fixed) for
+    ``num_tables`` logical tables. A full bucket forgets the lowest count (``lowest_first``:
+    LFU, score = count, as upstream's ``KVCounter``), else the least recently counted key."""
 
     def __init__(self, capacity: int, bucket_capacity: int, lowest_first: bool,
                  num_tables: int, device: torch.device) -> None:
@@ -163,16 +147,9 @@ class HashCounter(Counter):
 
 
 class Admission:
-    """The occurrence counters of one group's keys that are not stored yet.
-
-    Args:
-        strategy: threshold, LRU counter capacity, initializer of rejected keys.
-        counters: each logical table's ``KVCounter`` (the group's counter table holds
-            the sum of their capacities, lowest counts forgotten first, as upstream's
-            multi-table counter), or all None for the strategy's LRU counter of
-            ``counter_capacity`` slots.
-        device: where the counters live (the group's device).
-    """
+    """The occurrence counters of one group's keys not stored yet: with ``counters`` (each
+    logical table's ``KVCounter``), one LFU counter of their summed capacity (as upstream's
+    multi-table counter); with all None, ``strategy``'s LRU counter of ``counter_capacity``."""
 
     def __init__(self, strategy: FrequencyAdmissionStrategy,
                  counters: List[Optional[KVCounter]], device: torch.device) -> None:
@@ -187,43 +164,31 @@ class Admission:
 
     def admitted(self, stored: torch.Tensor, keys: torch.Tensor, tids: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:
-        """Mask of unique keys that may be stored (read-only, nothing read on the
-        host): those already ``stored`` (a bool mask), and new ones whose counted
-        occurrences, with this batch's, reach the threshold.
-
-        Args:
-            stored (Tensor): (n,) bool.
-            keys (Tensor): (n,) int64 and tids (Tensor): (n,) int16, from a dedup.
-            counts (Tensor): (n,) int64 this batch's occurrences.
-        """
+        """(n,) bool mask of unique keys that may be stored: those ``stored`` ((n,) bool) and
+        new ones whose counted occurrences plus this batch's ``counts`` ((n,) int64) reach the
+        threshold. ``keys`` (n,) int64 and ``tids`` (n,) int16 are from a dedup. Read-only;
+        no host read."""
         seen = self.counter.counts(keys, tids)
         return stored | (seen + counts.double() >= self.threshold)
 
     def count_on_device(self, keys: torch.Tensor, tids: torch.Tensor, counts: torch.Tensor,
                         admitted: torch.Tensor, status: torch.Tensor) -> None:
-        """``count`` after a step's insert, nothing read on the host: forgets the
-        counters of keys it stored (``status`` (N,) INSERTED or EVICTED_AND_INSERTED)
-        and adds this batch's occurrences of keys still waiting (``admitted`` False,
-        ``counts`` (N,) > 0: not padding)."""
+        """After a step's insert, no host read: forgets the counters of keys it stored
+        (``status`` (N,) INSERTED or EVICTED_AND_INSERTED) and adds ``counts`` (N,) of keys
+        still waiting (``admitted`` False, ``counts`` > 0: not padding)."""
         stored_now = (status - InsertStatus.INSERTED).view(torch.uint8) < 2
         self.counter.erase_where(keys, tids, stored_now)
         self.counter.add_where(keys, tids, counts, (counts > 0) & ~admitted)
 
     # ---------------------------------------------------------- checkpoints
     def export(self, tid: int) -> Entries:
-        """The counters of local table ``tid``: keys, scores and ``values`` (m, 1)
-        float64 counts."""
+        """Counters of local table ``tid``: keys, scores, ``values`` (m, 1) float64 counts."""
         return self.counter.export(tid)
 
     def restore(self, tid: int, keys: torch.Tensor, counts: torch.Tensor,
                 scores: torch.Tensor) -> None:
-        """Writes counters of local table ``tid`` with their saved scores.
-
-        Args:
-            keys (Tensor): (m,) int64.
-            counts (Tensor): (m,) float64 occurrences counted.
-            scores (Tensor): (m,) int64 the counters' scores.
-        """
+        """Writes counters of local table ``tid``: ``keys`` (m,) int64, ``counts`` (m,)
+        float64, ``scores`` (m,) int64 (``export``'s)."""
         self.counter.restore(tid, keys, counts, scores)
 
     def clear_table(self, tid: int) -> None:

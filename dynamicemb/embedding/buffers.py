@@ -1,11 +1,7 @@
-"""Recycled output buffers.
+"""Recycled CPU buffers: a fresh large CPU tensor costs thousands of page faults.
 
-A fresh 32 MB CPU tensor costs ~8,000 page faults every time it is allocated (the
-allocator hands large blocks back to the OS), which at 65,536 x 128 outputs was a
-quarter of a training step. ``OutputBuffers`` hands out a view of a buffer it keeps,
-and reuses the buffer only when nothing else holds its storage any more: no user
-reference, no view, no tensor saved by autograd. Without the storage use count
-(a private torch API) it allocates fresh each time.
+``OutputBuffers`` reuses a buffer only when nothing else holds its storage (no reference,
+view or autograd save); without torch's private storage use count it allocates fresh.
 """
 
 from typing import Dict, List, Tuple
@@ -20,13 +16,8 @@ def _storage_refs(t: torch.Tensor) -> int:
 
 
 class OutputBuffers:
-    """A ring of a few buffers per recent (shape, dtype): ``out = module(x)`` keeps the
-    previous output alive while the next is computed, so one buffer is not enough.
-
-    Args:
-        shapes: how many distinct (shape, dtype) to keep buffers for.
-        per_shape: buffers per (shape, dtype).
-    """
+    """A ring of ``per_shape`` buffers for each of the ``shapes`` latest (shape, dtype):
+    ``out = module(x)`` keeps the previous output alive while the next is computed."""
 
     def __init__(self, shapes: int = 2, per_shape: int = 3) -> None:
         self._shapes = shapes
@@ -52,14 +43,9 @@ class OutputBuffers:
 
 
 class Scratch:
-    """Working memory that a call needs only while it runs (the backward's summed
-    gradients), kept between calls: one flat float32 buffer, grown by half again
-    when a call needs more, handed out as views. A fresh buffer of the backward's
-    size (U x dim floats, 13 MB at 65,536 lookups of dim 128) would cost thousands
-    of page faults on every step.
-
-    Not for tensors that outlive the call: the next call overwrites them.
-    """
+    """Working memory a call needs only while it runs (the backward's summed gradients),
+    kept between calls as one flat float32 buffer handed out as views. Not for tensors that
+    outlive the call: the next call overwrites them."""
 
     _ALIGN = 16  # floats: each view starts on a 64-byte line
 

@@ -1,13 +1,6 @@
-"""FBGEMM's and upstream's table keywords: each is honoured or refused, never dropped.
-
-``BatchedDynamicEmbeddingTables`` takes the keywords of FBGEMM's
-``SplitTableBatchedEmbeddingBagsCodegen`` and of upstream dynamicemb's
-``BatchedDynamicEmbeddingTablesV2``; TorchRec passes a sharder's fused params to the
-dynamic kernel as the same keywords (``module_kwargs``). The optimizer ones go to
-``DynamicEmbOptimizerArgs``; the others are checked here against what dynamic tables
-do. A keyword whose feature dynamic tables do not have is accepted only at the value
-that leaves the feature off; an unknown keyword is a ``TypeError``.
-"""
+"""FBGEMM's and upstream's table keywords (and TorchRec fused params): each is honoured or
+refused, never dropped. A keyword for a feature dynamic tables lack is accepted only at the
+value that leaves it off; an unknown keyword is a ``TypeError``."""
 
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -20,8 +13,7 @@ __all__ = ["OPTIMIZER_KEYWORDS", "check_tbe_keywords", "module_kwargs", "output_
 #: Keywords that make up ``DynamicEmbOptimizerArgs``.
 OPTIMIZER_KEYWORDS = tuple(DynamicEmbOptimizerArgs.__dataclass_fields__)
 
-#: Keywords accepted with any value: dynamic tables already do what they ask, or
-#: (``enforce_hbm``) upstream's tables take and ignore it as these do.
+#: Keywords accepted with any value: dynamic tables already do what they ask.
 _ALWAYS_HONOURED = {
     "stochastic_rounding": "rows are float32, so there is nothing to round",
     "bounds_check_mode": "ids are raw keys, so no id is out of bounds",
@@ -99,8 +91,7 @@ def _equal(value: Any, accepted: tuple) -> bool:
 
 
 def check_tbe_keywords(kwargs: Mapping[str, Any]) -> None:
-    """Checks keywords of FBGEMM's or upstream's table module that are not
-    ``BatchedDynamicEmbeddingTables`` parameters of their own.
+    """Checks FBGEMM's or upstream's table keywords that are not module parameters.
 
     Raises:
         ValueError: a keyword asks for a feature dynamic tables do not have (named,
@@ -133,18 +124,9 @@ def check_tbe_keywords(kwargs: Mapping[str, Any]) -> None:
 
 def module_kwargs(fused_params: Optional[Mapping[str, Any]],
                   skip: Tuple[str, ...] = ()) -> Dict[str, Any]:
-    """A dynamic group's TorchRec fused params as ``BatchedDynamicEmbeddingTables``
-    keywords, every one validated (``DynamicEmbOptimizerArgs``, ``output_dtype_of``,
-    ``check_tbe_keywords``).
-
-    TorchRec's own ``__register*`` flags (registration of modules for inference,
-    which its fused kernel also removes before FBGEMM) and the keys in ``skip`` are
-    left out. ``betas`` (from ``torch.optim`` optimizers applied in backward) becomes
-    ``beta1``/``beta2``; ``lr`` becomes ``learning_rate``.
-
-    Args:
-        fused_params: the group's fused params (None: none).
-        skip: keys consumed by the caller (e.g. the per-table options' key).
+    """A dynamic group's TorchRec fused params as validated ``BatchedDynamicEmbeddingTables``
+    keywords: TorchRec's ``__register*`` flags and the caller's ``skip`` keys dropped,
+    ``betas`` -> ``beta1``/``beta2``, ``lr`` -> ``learning_rate``.
 
     Raises:
         ValueError, TypeError: a param that dynamic tables cannot honour, named.

@@ -1,8 +1,5 @@
-"""New rows: each element a function of (seed, table, key, column), never a stream.
-
-A key therefore starts with the same row whatever the batch, thread count, cache
-size or device; see ``docs/ARCHITECTURE.md``, "Initializers are functions".
-"""
+"""New rows: each element a function of (seed, table, key, column), never a stream, so a key
+starts with the same row whatever the batch, thread count, cache size or device."""
 
 import zlib
 from typing import List, Optional, Sequence, Tuple
@@ -21,9 +18,8 @@ __all__ = ["RowInitializer", "init_spec", "init_stream"]
 
 
 def init_stream(table_name: str) -> int:
-    """A table's stable identity in the initializer's random stream: the CRC-32 of its
-    name. A key therefore starts with the same row in every module that names the
-    table alike (sharded or not, whatever its position)."""
+    """A table's identity in the initializer's random stream: the CRC-32 of its name, so a
+    key starts with the same row in every module that names the table alike."""
     return zlib.crc32(table_name.encode("utf-8"))
 
 
@@ -46,13 +42,8 @@ def init_spec(names: Sequence[str], options: Sequence[DynamicEmbTableOptions],
 
 
 class RowInitializer:
-    """The initial rows of a group's logical tables (embedding and optimizer state).
-
-    Args:
-        table_names, options: the group's tables, in local table id order.
-        dim: the embedding width.
-        optimizer: the group's optimizer (its initial state); None: no state.
-    """
+    """The initial rows (embedding and optimizer state) of a group's logical tables, given
+    in local table id order."""
 
     def __init__(self, table_names: List[str],
                  options: List[DynamicEmbTableOptions], dim: int,
@@ -68,10 +59,9 @@ class RowInitializer:
 
     def spec(self, train: bool, device: torch.device,
              others: Optional[DynamicEmbInitializerArgs] = None) -> InitSpec:
-        """The tables' training (or eval) initializers packed for the kernels, on
-        ``device`` (built once). ``others``: T more rows follow, table t's with
-        ``others`` (the rows of table id T + t: keys that admission has not
-        admitted yet read rows computed with ``others``)."""
+        """The tables' training (or eval) initializers packed for the kernels on ``device``
+        (built once). ``others``: T more rows follow, table t's with ``others`` (table id
+        T + t: rows of keys that admission has not admitted yet)."""
         key = (train, device, None if others is None else repr(others))  # not hashable
         if key not in self._specs:
             ints, floats = init_spec(self._names, self._options, train)

@@ -1,22 +1,12 @@
 """A module's input check on the training step: found by a kernel, raised by the host.
 
-A training step that keeps its counts on the device cannot read whether a batch's
-offsets are well formed before going on: on a GPU that read would wait for the
-device. So the check is a kernel that writes the batch's
-problem into an error word in device memory; every later kernel of the step reads
-the word, so a refused batch reads no offsets, pools to zeros and changes no row.
-The word goes to pinned host memory by an asynchronous copy, and the host reads it
-at the module's next call, once an event recorded after the copy has completed
-(by then it almost always has: the check is the first kernel of a step, so the
-host does not wait for the step that is still running). Then the error is raised
-with its message and the word is cleared (the step's counters advance in device
-memory, and not for a refused batch: nothing needs putting back). ``at_once``
-waits for the copy in the call itself: a host sync per step, and the error before
-the call returns.
-
-Under a CUDA graph's replays no module code runs: the word stays set once a batch
-is refused, so every later replay changes nothing either, until the host reads it
-(``raise_if_refused(wait_for_device=True)``, the module's ``check_errors``).
+The check kernel writes a batch's offsets problem into an error word in device memory;
+every later kernel of the step reads it, so a refused batch reads no offsets, pools to
+zeros and changes no row. The word is copied asynchronously to pinned host memory and read
+at the module's next call (``at_once``: in the call itself, a host sync per step), which
+raises the error and clears the word. Under CUDA graph replays the word stays set, so every
+later replay changes nothing, until ``raise_if_refused(wait_for_device=True)`` (the module's
+``check_errors``) reads it.
 """
 
 from typing import NamedTuple, Optional
@@ -39,13 +29,8 @@ def offsets_message(problem: int, offsets: torch.Tensor, num_indices: int) -> st
 
 
 class CheckedBatch:
-    """A batch whose check is on its way to the host.
-
-    Attributes:
-        offsets, num_indices: the batch's offsets and number of ids (for the message).
-        refused: set once the host has read that the check failed: the batch's
-            backward then does nothing.
-    """
+    """A batch whose check is on its way to the host; ``refused`` is set once the host has
+    read that the check failed (the batch's backward then does nothing)."""
 
     def __init__(self) -> None:
         self.offsets: Optional[torch.Tensor] = None
@@ -59,13 +44,8 @@ class _Pending(NamedTuple):
 
 
 class InputErrors:
-    """The error word of one module and the batch it was last written for.
-
-    Args:
-        device: the module's device.
-        at_once: raise in the call that gets a bad batch (on a GPU a sync per step; the
-            CPU reads the word for free and always raises at once).
-    """
+    """The error word of one module and the batch it was last written for. ``at_once``:
+    raise in the call that gets a bad batch (on a GPU a sync per step)."""
 
     def __init__(self, device: torch.device, at_once: bool = False) -> None:
         self.word = torch.zeros(1, dtype=torch.int64, device=device)
@@ -75,11 +55,10 @@ class InputErrors:
 
     def check(self, batch: CheckedBatch, offsets: torch.Tensor, num_indices: int,
               word: Optional[torch.Tensor] = None) -> None:
-        """Enqueues the check of ``batch``'s ``offsets`` into ``word`` (default the
-        module's; a prefetch has its own, so that a refused prefetch refuses no step
-        around it); the word starts for the host (with ``at_once``, the error is
-        raised now). The batch checked before must have been read
-        (``raise_if_refused``): one is pending at a time."""
+        """Enqueues the check of ``batch``'s ``offsets`` into ``word`` (default the module's;
+        a prefetch has its own, so that its refusal refuses no step around it) and starts the
+        word's copy to the host (``at_once``: raises now). One batch is pending at a time:
+        the previous one must have been read (``raise_if_refused``)."""
         word = self.word if word is None else word
         for_device(word.device).check_offsets(offsets=offsets, num_indices=num_indices,
                                               error=word)
@@ -92,10 +71,9 @@ class InputErrors:
             self.raise_if_refused()
 
     def raise_if_refused(self, wait_for_device: bool = False) -> None:
-        """Raises ``ValueError`` if the batch checked last was refused; then the word
-        is cleared. Waits only for the copy of that batch's word (see the module
-        docstring); ``wait_for_device``: reads the word itself (a sync), whatever
-        ran since (a CUDA graph's replays)."""
+        """Raises ``ValueError`` if the batch checked last was refused, clearing the word.
+        Waits only for that word's copy; ``wait_for_device``: reads the word itself (a sync),
+        covering whatever ran since (a CUDA graph's replays)."""
         if capturing() and not wait_for_device:  # no waiting inside a capture: the next
             return  # call checks the pending batch
         pending, self._pending = self._pending, None

@@ -1,11 +1,5 @@
-"""A batch padded to a fixed number of lookups, for a step captured in a CUDA graph.
-
-A CUDA graph replays a step with the shapes it was captured with, so every batch it
-trains on has the same number of lookups. ``pad_lookups`` appends the missing ones to
-the batch's last bag with one id the data never uses and per-sample weight 0: they
-add nothing to any output, and their row's gradient is 0 (the one row of that id is
-stored, and under Adam its moments decay; no other row sees them).
-"""
+"""A batch padded to a fixed number of lookups, for a step captured in a CUDA graph (which
+replays with the shapes it was captured with)."""
 
 from typing import Optional, Tuple
 
@@ -18,14 +12,16 @@ def pad_lookups(indices: torch.Tensor, offsets: torch.Tensor,
                 per_sample_weights: Optional[torch.Tensor], num_lookups: int,
                 padding_id: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The batch with ``num_lookups`` lookups: the missing ones are ``padding_id`` with
-    weight 0 at the end of the last bag (SUM pooling, the only pooling with weights).
+    weight 0 at the end of the last bag (SUM pooling, the only pooling with weights), adding
+    nothing to any output.
 
     Args:
         indices (Tensor): (N,) ids, N <= ``num_lookups``.
         offsets (Tensor): (F * B + 1,) bag boundaries, the last one N.
         per_sample_weights (Tensor, optional): (N,) weights; default 1 each.
         num_lookups: the fixed lookup count.
-        padding_id: an id no batch uses (its one row trains on zero gradients).
+        padding_id: an id no batch uses (its one row is stored and trains on zero
+            gradients; under Adam its moments decay; no other row sees the padding).
 
     Returns:
         (indices (num_lookups,), offsets with the last entry ``num_lookups``,

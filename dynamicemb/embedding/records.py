@@ -1,7 +1,5 @@
-"""Records the module's per-table calls return: ``ExportedRows``
-(``export_keys_values``), ``ExportedCounters`` (``export_admission_counters``) and
-``TableClocks`` (``table_clocks``). Kept apart from the module so that what reads
-and writes them (``state.py``, checkpoints) imports no module code."""
+"""Records the module's per-table calls return, apart from the module so that their readers
+(``state.py``, checkpoints) import no module code."""
 
 from typing import NamedTuple
 
@@ -39,13 +37,12 @@ class ExportedCounters(NamedTuple):
 
 class TableClocks(NamedTuple):
     """The counters training depends on besides the rows, per physical group (tables
-    sharing a group share them; see ``BatchedDynamicEmbeddingTables.table_clocks``).
+    sharing a group share them).
 
     Attributes:
         optimizer_step: backward passes the group's optimizer applied (Adam's bias
             correction; 0 for the other optimizers).
-        score_clock: the host store's clock (the LRU score of the latest inserting
-            call).
+        score_clock: the host store's clock (the LRU score of the latest inserting call).
         admission_clock: the admission counters' clock (0 without admission).
     """
 

@@ -1,12 +1,5 @@
-"""A ``BatchedDynamicEmbeddingTables``'s contents as ``state_dict`` extra state.
-
-``get_extra_state`` returns, per table, its keys, embeddings, optimizer states,
-scores, admission counters and clocks as tensors (plus the module's
-``train_steps`` and each table's shape as plain ints and strings), so that
-``torch.save(module.state_dict())`` and ``torch.load(..., weights_only=True)``
-carry everything a resume needs. ``set_extra_state`` checks the whole state
-against the module before it changes any table.
-"""
+"""A ``BatchedDynamicEmbeddingTables``'s contents as ``state_dict`` extra state: everything a
+resume needs, as tensors and plain data (``torch.load(..., weights_only=True)`` reads it)."""
 
 from typing import Any, Dict, List, Tuple
 
@@ -40,8 +33,7 @@ def table_header(module, name: str) -> Dict[str, Any]:
 
 
 def _export_rows(module, name: str) -> Dict[str, torch.Tensor]:
-    """Every row of a table in tensors allocated once at their final size: one copy
-    of the rows, plus one export chunk at a time."""
+    """Every row of a table, in tensors allocated once at their final size."""
     header = table_header(module, name)
     n = module.table_size(name)
     out = {"keys": torch.empty(n, dtype=torch.int64),

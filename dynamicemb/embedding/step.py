@@ -1,12 +1,5 @@
-"""The training step of ``BatchedDynamicEmbeddingTables``: a batch's checks, its
-lookup in every group, the forward's output, and the backward with the fused
-optimizer (``_LookupFunction``, the autograd node).
-
-``Step`` owns what a batch needs between its calls (the feature maps, the
-prefetched lookups, the error word, the output buffers, the stream order);
-``BatchedDynamicEmbeddingTables`` owns one and calls it from ``forward`` and
-``prefetch``.
-"""
+"""The training step of ``BatchedDynamicEmbeddingTables``: a batch's checks, its lookup in
+every group, the output, and the backward with the fused optimizer (``_LookupFunction``)."""
 
 from collections import deque
 from typing import Callable, Deque, List, NamedTuple, Optional, Sequence
@@ -40,14 +33,12 @@ class _Batch(NamedTuple):
 
 
 def _all_finite(t: torch.Tensor) -> bool:
-    """Whether a float32 tensor holds no NaN/inf: one float64 sum (NaN and inf
-    propagate through it; float32 values cannot overflow a float64 sum), 4x cheaper
-    than ``isfinite(t).all()`` on a 1M-float gradient (0.8 against 3.5 ms, 1 thread)."""
+    """Whether a float32 tensor holds no NaN/inf: NaN/inf propagate through a float64 sum,
+    which float32 values cannot overflow (cheaper than ``isfinite(t).all()``)."""
     return bool(torch.isfinite(t.sum(dtype=torch.float64)))
 
 
 def _check_has_data(t: torch.Tensor, name: str) -> None:
-    """Raises for a tensor without data (the meta device): it cannot be moved to the rows."""
     if t.device.type == "meta":
         raise ValueError(f"{name} are on the meta device, which holds no data")
 
@@ -61,11 +52,8 @@ class _Prefetched(NamedTuple):
 
 
 class _LookupFunction(torch.autograd.Function):
-    """Autograd node whose backward runs the fused optimizer.
-
-    The placeholder parameter makes autograd reach this node; the only gradient
-    returned is that of ``per_sample_weights`` when they require one.
-    """
+    """Autograd node whose backward runs the fused optimizer. The placeholder parameter
+    makes autograd reach it; it returns only ``per_sample_weights``' gradient."""
 
     @staticmethod
     def forward(ctx, placeholder, weights, step, batch):  # noqa: D102
@@ -83,19 +71,9 @@ class _LookupFunction(torch.autograd.Function):
 
 
 class Step:
-    """The step of a module's batches: checks, each group's lookup, the output, and
-    the backward with the fused optimizer.
-
-    Args:
-        groups: the module's table groups.
-        feature_table_map: each feature's table; table_location: each table's
-            (group index, local table id); feature_dims: each feature's dim.
-        pooling: the module's pooling.
-        device: where rows live (each batch is moved there).
-        optimizer: the module's fused optimizer (its learning rates).
-        gradient_check: what a NaN/inf gradient does (``DynamicEmbGradientCheck``).
-        sync_checks: raise bad offsets in the call that gets them (a GPU sync).
-        changed: called when a call changes rows (the module's content version).
+    """A module's batches between calls: checks, prefetched lookups, output, fused backward.
+    ``table_location``: each table's (group index, local table id); ``sync_checks``: raise
+    bad offsets in the call that gets them (a GPU sync); ``changed``: called when rows change.
     """
 
     def __init__(self, groups: List[TableGroup], feature_table_map: Sequence[int],
@@ -129,8 +107,7 @@ class Step:
 
     def forward(self, indices, offsets, weights, frequencies, training: bool,
                 placeholder: torch.Tensor) -> torch.Tensor:
-        """The module's ``forward`` (float32 output); ``placeholder``: the parameter
-        through which autograd reaches the backward."""
+        """The module's ``forward`` (float32 output)."""
         self._raise_refused()
         check = CheckedBatch()
         indices, offsets, weights, batch_size = self._validate(indices, offsets, weights, check)
@@ -165,8 +142,8 @@ class Step:
         self.stream_order.used()
 
     def _raise_refused(self) -> None:
-        """Raises the error of a batch an earlier call's kernel refused (bad offsets); a
-        refused prefetched batch leaves the queue (it changed nothing)."""
+        """Raises the error of a batch an earlier call's kernel refused; a refused
+        prefetched batch leaves the queue (it changed nothing)."""
         try:
             self.errors.raise_if_refused()
         except ValueError:
@@ -176,9 +153,8 @@ class Step:
 
     def _validate(self, indices, offsets, weights, check: CheckedBatch,
                   word: Optional[torch.Tensor] = None):
-        """The batch on the module's device, checked: its types and shapes at once,
-        its offsets by a kernel into the error word (``InputErrors``; ``word``: a
-        prefetch's own), read at once where reads are free."""
+        """The batch on the module's device: types and shapes checked at once, offsets by
+        a kernel into the error word (``word``: a prefetch's own)."""
         pooling = self.pooling
         check_batch_types(indices, offsets, weights, "" if pooling == DynamicEmbPoolingMode.SUM
                           else f"this module uses {pooling.name}")
@@ -225,10 +201,8 @@ class Step:
 
     def _lookup(self, indices, offsets, batch_size, insert: bool,
                 frequencies: Optional[torch.Tensor], error: torch.Tensor) -> List[GroupLookup]:
-        """Every group's lookup of its part of the whole batch, atomically: if one
-        group fails (a full table in ERROR mode, a failing external store), the
-        groups before it are rolled back and no table changes. ``error``: the
-        batch's check word."""
+        """Every group's lookup of its part of the batch, atomically: if one group fails
+        (a full table in ERROR mode, a failing external store), no table changes."""
         pending = []
         try:
             for group, tids, part in self._split_by_group(indices, offsets, batch_size):
@@ -252,9 +226,7 @@ class Step:
             self.num_features + 1, dtype=torch.int64, device=self.device)
         # each lookup's feature: how many features end at or before it (a search, not
         # a repeat: offsets a kernel has yet to refuse still give features in range).
-        # The bounds are made contiguous first: over the strided view, torch 2.13's
-        # CPU searchsorted gave wrong features now and then (test_exactness caught it
-        # in about one run in four, never with a contiguous copy).
+        # Contiguous bounds: torch 2.13's CPU searchsorted over the strided view erred.
         feature = torch.searchsorted(bounds[1:].contiguous(), torch.arange(n, device=self.device),
                                      right=True).clamp_(max=self.num_features - 1)
         tids = self.feature_local_tid[feature]
@@ -316,14 +288,9 @@ class Step:
         return grad_weights
 
     def _summed_gradients(self, batch: _Batch, grads: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Every group's rows' summed gradients (the first pass of their backward,
-        ``gradient_check='batch'``), checked before any group updates: a NaN/inf in
-        the gradient (or a weight) reaches the sum of each row that reads it, so no
-        pass of its own over the gradient is needed. Values the step does not read are not checked.
-
-        Raises:
-            ValueError: some row's summed gradient holds NaN or inf; no table changed.
-        """
+        """Every group's summed row gradients (``gradient_check='batch'``), checked before
+        any group updates: a NaN/inf in the gradient or a weight reaches the sum of each row
+        reading it. Raises ``ValueError`` (no table changed) if any sum is not finite."""
         pooled = self.pooling != DynamicEmbPoolingMode.NONE
         shapes = [(found.starts.numel() - 1 if group.training else 0, group.dim)
                   for group, found in zip(self.groups, batch.lookups)]

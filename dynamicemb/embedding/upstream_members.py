@@ -1,12 +1,6 @@
-"""Members of upstream dynamicemb's ``BatchedDynamicEmbeddingTablesV2`` that its tests
-and tools read, honoured over this package's module (``docs/MIGRATING.md``).
-
-``BatchedDynamicEmbeddingTables``'s members of those names call these: ``tables`` (a
-view with upstream's storage export), ``cache`` (the cache statistics upstream's
-tools hook), ``incremental_dump`` (the module-level form) and
-``_admission_counter``. Upstream's storage and cache
-internals (tiers, slots, score arguments) are not reproduced.
-"""
+"""Members of upstream's ``BatchedDynamicEmbeddingTablesV2`` that its tests and tools read
+(``tables``, ``cache``, ``incremental_dump``, ``_admission_counter``), over this package's
+module (``docs/MIGRATING.md``); upstream's storage and cache internals are not reproduced."""
 
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
@@ -25,28 +19,15 @@ BATCH_SIZE_PER_DUMP = 65536
 
 
 def upstream_scores(scores: torch.Tensor, strategy: DynamicEmbScoreStrategy) -> torch.Tensor:
-    """Scores in upstream's layout: one word per row, except the compound
-    ``(TIMESTAMP, LFU)`` (``LRU_LFU``, one word here: count above clock), which
-    upstream exports as two columns ``[timestamp, frequency]``.
-
-    Args:
-        scores (Tensor): (n,) int64, as this package stores them.
-        strategy: the table's score strategy.
-
-    Returns:
-        (n,) int64, or (n, 2) int64 for ``LRU_LFU``.
-    """
+    """``scores`` (n,) int64 in upstream's layout: unchanged, except ``LRU_LFU`` (one word
+    here, count above clock) as upstream's (n, 2) int64 ``[timestamp, frequency]``."""
     if strategy != DynamicEmbScoreStrategy.LRU_LFU:
         return scores
     return torch.stack([scores & COMPOUND_TIME_MASK, scores >> COMPOUND_COUNT_SHIFT], dim=1)
 
 
 class StorageView:
-    """``module.tables``: upstream's storage export over this module's tables.
-
-    Args:
-        module: the ``BatchedDynamicEmbeddingTables``.
-    """
+    """``module.tables``: upstream's storage export over ``module``'s tables."""
 
     def __init__(self, module) -> None:
         self._module = module
@@ -55,17 +36,13 @@ class StorageView:
                            batch_size: int = BATCH_SIZE_PER_DUMP, table_id: int = 0
                            ) -> Iterator[Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                torch.Tensor]]:
-        """Upstream's chunked export of one table (device caches flushed first).
-
-        Args:
-            device: where the tensors go (default: the module's device).
-            batch_size: rows per chunk at most.
-            table_id: the table's index in ``module.table_names``.
+        """Upstream's chunked export of table ``table_id`` (its index in
+        ``module.table_names``), at most ``batch_size`` rows per chunk, on ``device``
+        (default the module's); device caches are flushed first.
 
         Yields:
-            ``(keys (n,) int64, embeddings (n, dim) float32, optimizer_states (n,
-            state_dim) float32, scores)``, scores in upstream's layout
-            (``upstream_scores``).
+            ``(keys (n,) int64, embeddings (n, dim) float32, optimizer_states (n, state_dim)
+            float32, scores)``, scores in upstream's layout (``upstream_scores``).
 
         Raises:
             ValueError: ``table_id`` out of range or ``batch_size`` < 1.
@@ -94,30 +71,18 @@ class StorageView:
 
 
 class DynamicEmbStorage(StorageView):
-    """``module.tables`` of a module whose rows each live in one store: every row in
-    device memory, in host memory only, or in the store under a device cache
-    (``caching=True``), as upstream's ``DynamicEmbStorage`` (its module's storage in
-    those layouts)."""
+    """``module.tables`` when each row lives in one store (device, host, or a store under a
+    device cache), as upstream's ``DynamicEmbStorage``."""
 
 
 class HybridStorage(StorageView):
-    """``module.tables`` of a module with an uncached table whose device budget
-    (``local_hbm_for_values`` / ``global_hbm_for_values``) is smaller than its rows:
-    rows beyond the budget live in host memory, with no promotion, as upstream's
-    ``HybridStorage`` (device + host without a cache)."""
+    """``module.tables`` when an uncached table's device budget is smaller than its rows
+    (the rest in host memory, no promotion), as upstream's ``HybridStorage``."""
 
 
 class CacheView:
-    """``module.cache``: the cache statistics upstream's tools read.
-
-    ``cache_metrics`` is upstream's ``[unique keys, hits]`` (int64) of the module's
-    cached tables since the previous read (a hook reading it after each forward
-    gets each batch's counts).
-
-    Args:
-        module: the ``BatchedDynamicEmbeddingTables``.
-        tables: its cached tables.
-    """
+    """``module.cache``: ``cache_metrics`` is upstream's ``[unique keys, hits]`` (int64) of
+    the cached ``tables`` since the previous read."""
 
     def __init__(self, module, tables: List[str]) -> None:
         self._module, self._tables = module, tables
@@ -137,17 +102,15 @@ class CacheView:
 
 
 def storage_view(module) -> StorageView:
-    """``module.tables``: a ``HybridStorage`` when a table keeps rows in device and host
-    memory without a cache (a placement tier), else a ``DynamicEmbStorage``
-    (upstream's classes of those layouts)."""
+    """``module.tables``: a ``HybridStorage`` when a table splits rows between device and
+    host memory without a cache, else a ``DynamicEmbStorage``."""
     split = any(isinstance(g.layout, Placement) for g in module._groups)
     return (HybridStorage if split else DynamicEmbStorage)(module)
 
 
 def cache_view(module) -> Optional[CacheView]:
-    """``module.cache``: the cache statistics of its cached tables (``caching=True``),
-    None when none is cached; one view per module (its reads count from the
-    previous one)."""
+    """``module.cache``: one ``CacheView`` per module of its cached tables, None when none
+    is cached."""
     cached = [n for n in module.table_names
               if isinstance(module._location(n)[0].layout, Cache)]
     if not cached:
@@ -177,16 +140,14 @@ def admission_counter(groups):
 def incremental_dump(module, named_thresholds: Union[int, Mapping[str, int], None] = None,
                      pg: Optional[dist.ProcessGroup] = None
                      ) -> Tuple[Dict[str, Tuple[torch.Tensor, torch.Tensor]], Dict[str, int]]:
-    """Upstream's module-level incremental dump: each named table's rows scoring at
-    least its threshold (the last access for LRU / STEP / the compound, the
-    registered score for CUSTOMIZED), and the thresholds to pass next time
-    (``get_score()``).
+    """Upstream's module-level incremental dump: each named table's rows scoring at least
+    its threshold (the last access for LRU / STEP / the compound, the registered score for
+    CUSTOMIZED), and the thresholds to pass next time (``get_score()``).
 
     Args:
-        named_thresholds: ``{table: threshold}`` (e.g. ``get_score()``; tables not
-            named are skipped), one threshold for every table, or None (0: every row).
-        pg: with a process group, the rows of every rank of it are gathered (a
-            collective); without, this module's rows.
+        named_thresholds: ``{table: threshold}`` (tables not named are skipped), one
+            threshold for every table, or None (0: every row).
+        pg: with a process group, gathers the rows of every rank of it (a collective).
 
     Returns:
         ``(rows, next_thresholds)``: ``rows[table] = (keys (n,) int64, embeddings
