@@ -1,10 +1,5 @@
-"""The backend seam: ``for_device(device)`` is the one way to reach compiled code.
-
-The contract every backend meets (verbs, results, shared codes) is
-``dynamicemb.ops.interface``; ``cpu.py`` implements it over the compiled extension
-(``dynamicemb._C_<level>``, the copy ``cpu_kernels.py`` picks), ``cuda/`` over the kernels of ``csrc/cuda`` compiled at run time
-by CuPy. A new backend is one module here and one folder under ``csrc/``.
-"""
+"""The backend seam: ``for_device(device)`` is the one way to reach compiled code. The
+contract is ``dynamicemb.ops.interface``; ``cpu.py`` and ``cuda/`` implement it."""
 
 from functools import lru_cache
 
@@ -47,9 +42,8 @@ def for_device(device) -> Backend:
     """The backend for tensors on ``device``.
 
     Raises:
-        RuntimeError: when no backend exists for the device, or CUDA is asked for
-            where PyTorch sees no GPU.
-        ImportError: for CUDA without CuPy (the message says what to install).
+        RuntimeError: no backend for the device, or CUDA where PyTorch sees no GPU.
+        ImportError: CUDA without CuPy (the message says what to install).
     """
     device = torch.device(device)
     if device.type == "cpu":

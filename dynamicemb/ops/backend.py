@@ -1,10 +1,4 @@
-"""``Backend``: the verbs every kernel backend offers over tensors of one device type.
-
-A backend (``dynamicemb.ops.cpu``, ``dynamicemb.ops.cuda``) implements it; everything
-above it (table, storage, module) calls these verbs by keyword and reads their
-NamedTuple results (``dynamicemb.ops.records``), with the codes of
-``dynamicemb.ops.codes``.
-"""
+"""``Backend``: the verbs every kernel backend offers over tensors of one device type."""
 
 import abc
 from typing import Optional, Sequence, Tuple
@@ -39,16 +33,14 @@ class Backend(abc.ABC):
 
     def host_zeros(self, shape: Sequence[int], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor:
-        """Zeroed host memory that this backend's kernels and torch ops on ``device``
-        read and write in place: a host store's value rows under a device budget.
-        Where the device is the host (the CPU), the same as ``zeros``."""
+        """Zeroed host memory that this backend's kernels and torch ops on ``device`` read
+        and write in place (a host store's rows); on the CPU, ``zeros``."""
         return self.zeros(shape, dtype, device)
 
     def new_table(self, *, num_buckets: int, max_num_buckets: int, bucket_capacity: int,
                   value_dim: int, value_dtype: torch.dtype, device: torch.device,
                   values_in_host_memory: bool = False) -> TableMemory:
-        """An empty table's memory; its value rows in host memory when
-        ``values_in_host_memory`` (``host_zeros``), the index on ``device``."""
+        """An empty table; value rows in host memory when ``values_in_host_memory``."""
         slots = num_buckets * bucket_capacity
         words = (bucket_capacity + 63) // 64
         keys_and_scores = self.zeros((slots, 2), torch.int64, device)
@@ -81,21 +73,19 @@ class Backend(abc.ABC):
                outcomes: torch.Tensor, size: torch.Tensor,
                buckets: Optional[torch.Tensor] = None, time: Optional[torch.Tensor] = None,
                now_index: int = 0, ttl: int = 0) -> Upserted:
-        """One inserting pass (the procedure of docs/ARCHITECTURE.md, steps 4-6): the
-        keys of one bucket in input order (a repeated key hits its first
-        occurrence's slot); a full bucket evicts where ``evicts``, else fails its
-        key (a table that may grow does not evict: its caller grows and runs the
-        call again). Every count stays on the device: ``outcomes`` (5,) += the
-        pass's InsertStatus counts and its hits on rows expired under ``ttl`` (0:
-        none), which are inserts; ``size`` (1,) += its inserts into empty slots.
+        """One inserting pass (docs/ARCHITECTURE.md, steps 4-6): a bucket's keys in input
+        order (a repeated key hits its first occurrence's slot); a full bucket evicts
+        where ``evicts``, else fails the key. Every count stays on the device.
 
         Args:
             scores: (n,) int64, the given or counted scores (None: the clock rule).
-            buckets: (n,) int32, each key's bucket (``buckets_where``;
-                ``KNO_BUCKET``: skipped, slot -1, FAILED, counted nowhere); None:
-                every key's by its hash.
-            time: (2,) int64, the table's clock and step, read on the device: the
-                call's time (the clock rule's score) is ``time[now_index]``; None: 0.
+            outcomes: (5,) int64, += the InsertStatus counts, then the hits on rows
+                expired under ``ttl`` (0: none), which are inserts.
+            size: (1,) int64, += the inserts into empty slots.
+            buckets: (n,) int32, each key's bucket (``buckets_where``; ``KNO_BUCKET``:
+                skipped, slot -1, FAILED, counted nowhere); None: by hash.
+            time: (2,) int64 clock and step, read on the device: the call's time is
+                ``time[now_index]``; None: 0.
         """
 
     @abc.abstractmethod
@@ -106,20 +96,19 @@ class Backend(abc.ABC):
                      size: torch.Tensor, part: Optional["BatchPart"] = None,
                      table_scores: Optional[torch.Tensor] = None,
                      ttl: int = 0) -> Tuple[Deduplicated, Upserted]:
-        """``dedup(group=True)`` then ``upsert`` of its unique keys, which a backend
-        may overlap; nothing is read on the host.
+        """``dedup(group=True)`` then ``upsert`` of its unique keys (a backend may overlap
+        them); nothing is read on the host.
 
         Args:
-            rule: CLOCK, a count rule whose scores are the dedup's counts, or GIVEN
-                (CUSTOMIZED), whose scores are ``table_scores``'.
-            time: (2,) int64, the table's clock and step: advanced by one, then
-                ``time[now_index]`` is the call's time (its scores).
-            error: (1,) int64 or None: a batch whose word is set has no unique key
-                and changes nothing (not even ``time``).
+            rule: CLOCK; a count rule (scores: the dedup's counts); or GIVEN
+                (CUSTOMIZED: scores ``table_scores``, read by table id).
+            time: (2,) int64 clock and step: advanced by one, then ``time[now_index]``
+                is the call's time.
+            error: (1,) int64 or None: a batch whose word is set has no unique key and
+                changes nothing (not even ``time``).
             outcomes, size, ttl: as ``upsert``'s.
-            part: only the keys of one group of the batch (``BatchPart``).
-            table_scores: (T,) int64, each logical table's score (GIVEN), read by
-                the kernel by table id.
+            part: only the keys of one group (``BatchPart``).
+            table_scores: (T,) int64, each logical table's score (GIVEN).
         """
 
     @abc.abstractmethod
@@ -127,17 +116,15 @@ class Backend(abc.ABC):
               error: Optional[torch.Tensor], part: Optional["BatchPart"] = None,
               frequencies: Optional[torch.Tensor] = None, group: bool = False,
               time: Optional[torch.Tensor] = None) -> Deduplicated:
-        """The unique (table id, key) pairs of a batch (``Deduplicated``, padded to
-        the N keys), the unique count left on the device; ``error``: a batch whose
-        word is set has no unique key; ``part``: only the keys of one group.
+        """The unique (table id, key) pairs of a batch (``Deduplicated``, padded to N), the
+        unique count left on the device; ``error`` and ``part`` as ``dedup_upsert``'s.
 
         Args:
             frequencies (Tensor, optional): (N,) int64, summed into the counts.
-            group: the lookups grouped by unique key too (``starts`` (N + 1,): past
-                the U keys, the lookup count; ``rank`` (N,)); else both None.
-            time (Tensor, optional): (2,) int64, a table's clock and step, advanced
-                by one unless ``error`` refuses the batch (as by ``dedup_upsert``,
-                for a pass that follows).
+            group: also group the lookups by unique key (``starts`` (N + 1,), past U the
+                lookup count; ``rank`` (N,)); else both None.
+            time (Tensor, optional): (2,) int64 clock and step, advanced by one unless
+                ``error`` refuses the batch.
         """
 
     @abc.abstractmethod
@@ -152,38 +139,33 @@ class Backend(abc.ABC):
                        table_ids: torch.Tensor, counts: torch.Tensor,
                        host_slots: torch.Tensor, one_table: bool,
                        cache_size: torch.Tensor) -> "PromotionPlan":
-        """Which of a step batch's unique keys (``counts`` 0: padding; ``host_slots``
-        -1: not stored) a cache takes, on the device: ``TieredStorage``'s policy
-        (hits first; every miss when they fit in ``cache``'s free slots, else the
-        misses seen more than once, hottest first, as many as fit beside the hits)
-       ."""
+        """Which of a step batch's unique keys a cache takes, on the device (``counts`` 0:
+        padding; ``host_slots`` -1: not stored): hits first; every miss if all fit in the
+        free slots, else the misses seen more than once, hottest first, as many as fit."""
 
     @abc.abstractmethod
     def promotion_order(self, *, order: torch.Tensor, keys: torch.Tensor,
                         table_ids: torch.Tensor, host_slots: torch.Tensor,
                         host: TableMemory, plan: "PromotionPlan",
                         cache: TableMemory) -> Tuple[torch.Tensor, ...]:
-        """The cache call's (keys, table ids, scores, buckets) in ``order`` (the
-        keys by descending ``plan.rank``): the host store's scores, and
-        ``KNO_BUCKET`` past the keys the plan takes."""
+        """The cache call's (keys, table ids, scores, buckets) in ``order`` (descending
+        ``plan.rank``): the host store's scores; ``KNO_BUCKET`` past the keys the plan takes."""
 
     @abc.abstractmethod
     def promote_rows(self, *, host: TableMemory, cache: TableMemory, order: torch.Tensor,
                      host_slots: torch.Tensor, cached: Upserted,
                      refs: torch.Tensor) -> None:
-        """After the cache call ``cached`` (in ``order``): victims' rows written back to
-        the host store, new keys' rows copied in from it, and refs (n,) = each unique
-        key's row reference (its cache slot, else its host slot with HOST_ROW_BIT,
-        else -1)."""
+        """After the cache call ``cached`` (in ``order``): victims written back to the host
+        store, new keys' rows copied in, and refs (n,) = each unique key's reference (cache
+        slot, else host slot | HOST_ROW_BIT, else -1)."""
 
     @abc.abstractmethod
     def init_rows(self, *, values: torch.Tensor, slots: torch.Tensor,
                   status: Optional[torch.Tensor], keys: torch.Tensor, table_ids: torch.Tensor,
                   dim: int, spec: InitSpec, state_value: float = 0.0) -> None:
-        """values[slots[i]] = the initial row of keys[i] (table ``table_ids[i]``'s
-        initializer in ``spec`` for the first ``dim`` columns, then ``state_value`` for
-        the optimizer state): of every key, or with ``status`` of each key whose
-        status is INSERTED or EVICTED_AND_INSERTED. The one initializer verb."""
+        """values[slots[i]] = the initial row of keys[i]: table ``table_ids[i]``'s initializer
+        in ``spec`` for the first ``dim`` columns, ``state_value`` after; with ``status``,
+        only for keys INSERTED or EVICTED_AND_INSERTED."""
 
     @abc.abstractmethod
     def undo_upsert(self, *, memory: TableMemory, upserted: Upserted) -> None:
@@ -191,8 +173,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def grow(self, *, memory: TableMemory) -> None:
-        """Doubles the buckets of ``memory`` in place; every entry keeps its offset in
-        its bucket and its row."""
+        """Doubles the buckets in place; every entry keeps its offset in its bucket and its row."""
 
     @abc.abstractmethod
     def erase(self, *, memory: TableMemory, keys: torch.Tensor,
@@ -213,10 +194,9 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def check_offsets(self, *, offsets: torch.Tensor, num_indices: int,
                       error: Optional[torch.Tensor] = None) -> Optional[int]:
-        """0 if ``offsets`` go from 0 to ``num_indices`` without decreasing; 1 or 2 if
-        the first or last is wrong; 3 if they decrease. With ``error`` ((1,) int64
-        word): the problem goes into the word
-        (``error_code`` reads it) and None is returned, nothing read on the host."""
+        """0 if ``offsets`` go from 0 to ``num_indices`` without decreasing; 1 or 2 if the
+        first or last is wrong; 3 if they decrease. With ``error`` ((1,) int64 word): the
+        problem goes into the word (``offsets_problem``), None is returned, no host read."""
 
     # The embedding verbs take the module's error word (``check_offsets``) where the
     # backend counts on the device: a batch whose word is set reads no offsets,
@@ -245,19 +225,16 @@ class Backend(abc.ABC):
                        error: Optional[torch.Tensor] = None,
                        schedule: Optional[DeviceSchedule] = None,
                        sums: Optional[torch.Tensor] = None) -> int:
-        """Sums each stored row's gradient and applies the optimizer to it in place
-        (``offsets`` None: sequence lookups). Rows with no lookup (padding) and rows
-        not stored are skipped. ``schedule``: the
-        learning rate and step count are read from device memory, not from
-        ``update``. ``sums`` (where ``free_host_reads``): (>= U, dim) float32, the
-        rows' gradients as ``sum_gradients`` wrote them for this batch; the update
-        reads them instead of summing ``grad`` again.
+        """Sums each stored row's gradient and applies the optimizer in place (``offsets``
+        None: sequence lookups); padding and rows not stored are skipped. ``schedule``:
+        lr and step count read from device memory, not ``update``. ``sums`` (where
+        ``free_host_reads``): (>= U, dim) float32 from ``sum_gradients`` for this batch,
+        read instead of summing ``grad`` again.
 
         Returns:
-            Where ``free_host_reads``: how many unique rows' summed gradients (of
-            those not given in ``sums``) held NaN or inf; those rows and their
-            optimizer state are left unchanged. Elsewhere 0: gradient values are
-            not checked (a check would wait for the device).
+            Where ``free_host_reads``: how many unique rows' sums (of those not in
+            ``sums``) held NaN or inf; those rows and their state are left unchanged.
+            Elsewhere 0 (values unchecked: a check would wait for the device).
         """
 
     def sum_gradients(self, *, starts: torch.Tensor, rank: torch.Tensor,
@@ -266,19 +243,16 @@ class Backend(abc.ABC):
                       grad: torch.Tensor, out: torch.Tensor,
                       error: Optional[torch.Tensor] = None) -> int:
         """The backward's first half, where ``free_host_reads``: out[u] = the summed
-        gradient of unique row u (U = starts.numel() - 1; the grouping of
-        ``fused_backward``), for every unique row.
+        gradient of unique row u (U = starts.numel() - 1, grouped as ``fused_backward``).
 
         Args:
             out (Tensor): (>= U, dim) float32, written.
-            error (Tensor): the module's (1,) int64 error word, or None; set: the
-                batch was refused, nothing is written and 0 is returned.
+            error (Tensor): the module's (1,) int64 error word, or None; set: nothing is
+                written and 0 returned.
 
         Returns:
-            How many rows' sums hold NaN or inf. A non-finite value of ``grad`` (or
-            of a weight) reaches the sum of every row that reads it, so a caller
-            that updates nothing when this is non-zero refuses the batch without a
-            pass of its own over ``grad``.
+            How many rows' sums hold NaN or inf. A non-finite ``grad`` or weight reaches
+            every row that reads it, so a caller can refuse the batch on this alone.
 
         Raises:
             NotImplementedError: on a backend whose count would wait for the device.

@@ -1,7 +1,4 @@
-"""The codes the kernels share with Python: statuses, score rules, optimizer and
-initializer codes, row-reference bits and table sizes. They mirror the shared headers
-of ``csrc/dynamicemb`` (named beside each) and are defined nowhere else in Python.
-"""
+"""The codes the kernels share with Python, mirroring the headers of ``csrc/dynamicemb``."""
 
 from enum import IntEnum
 from typing import Tuple
@@ -101,9 +98,8 @@ def init_mode_code(mode: DynamicEmbInitializerMode) -> int:
 
 
 def offsets_problem(word: int) -> int:
-    """The offsets problem code of ``Backend.check_offsets`` held by an error word
-    (the kernel keeps max(4 - code) over the problems, so the smallest code wins;
-    a word of 0 holds none)."""
+    """The ``check_offsets`` problem code held by an error word (0: none; the kernel keeps
+    max(4 - code), so the smallest code wins)."""
     return 4 - int(word) if word else 0
 
 
@@ -118,8 +114,7 @@ def optimizer_state_dim(optimizer: DynamicEmbOptimType, dim: int) -> int:
 
 
 def num_buckets_for(capacity: int, bucket_capacity: int) -> int:
-    """The buckets of a table of ``capacity`` slots: the smallest power of two that
-    holds them (at least one)."""
+    """Buckets for ``capacity`` slots: the smallest power of two that holds them."""
     buckets = max(1, -(-capacity // bucket_capacity))
     return 1 << (buckets - 1).bit_length()
 

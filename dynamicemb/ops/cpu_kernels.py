@@ -1,15 +1,7 @@
-"""Which copy of the CPU kernels this process runs.
-
-``setup.py`` compiles the sources of ``csrc/cpu`` once per x86-64 instruction-set level
-(``dynamicemb._C_x86_64_v4``: AVX-512; ``_C_x86_64_v3``: AVX2 and FMA;
-``_C_baseline``: SSE2, every x86-64 CPU), or once for the target named by
-``DYNAMICEMB_CPU_ARCH`` at build time (``_C_local``). ``load()`` imports the best copy
-this CPU runs, asking the baseline copy, which any x86-64 CPU runs, what the CPU
-supports before importing a copy that might not run. The environment variable
-``DYNAMICEMB_CPU_KERNELS=<copy>`` picks one by name (an error if it is not built or
-this CPU cannot run it). The choice is logged once at debug level on the
-``dynamicemb`` logger.
-"""
+"""Which copy of the CPU kernels this process runs: ``setup.py`` builds ``csrc/cpu`` per
+x86-64 level (``_C_x86_64_v4``: AVX-512; ``_C_x86_64_v3``: AVX2, FMA; ``_C_baseline``:
+SSE2) or once as ``_C_local`` (``DYNAMICEMB_CPU_ARCH``); ``DYNAMICEMB_CPU_KERNELS``
+picks one by name."""
 
 import importlib
 import importlib.util
@@ -38,12 +30,8 @@ def built() -> List[str]:
 
 
 def runnable() -> List[str]:
-    """The built copies this CPU runs, in order of preference.
-
-    ``local`` was built for the machine that built it and is trusted; ``baseline`` runs
-    everywhere its platform does; a level copy runs where the baseline copy's
-    ``cpu_runs`` says this CPU and its operating system support that level.
-    """
+    """The built copies this CPU runs, in order of preference: ``local`` and ``baseline``
+    always, a level copy where the baseline copy's ``cpu_runs`` accepts the level."""
     present = built()
     if "baseline" not in present:
         return [c for c in present if c == "local"]
@@ -74,8 +62,7 @@ def load_copy(copy: str) -> ModuleType:
 
 @lru_cache(maxsize=1)
 def load() -> ModuleType:
-    """The process's CPU kernels: ``DYNAMICEMB_CPU_KERNELS`` if set, else the best
-    runnable copy.
+    """The process's CPU kernels: ``DYNAMICEMB_CPU_KERNELS`` if set, else the best runnable copy.
 
     Raises:
         ImportError: no copy is built (the message says how to build), or the one

@@ -1,15 +1,6 @@
-"""CPU tensors backed by transparent huge pages where the OS offers them.
-
-A hash table's arrays are read at random: with 4 KiB pages every probe of a 16 MB
-key array or a 1 GB value table also misses the TLB (a page walk per access, which
-prefetches cannot hide). On Linux, ``madvise(MADV_HUGEPAGE)`` on a fresh, untouched
-allocation, aligned to 2 MiB (one huge page of padding), asks for 2 MiB pages when THP
-is in ``madvise`` or ``always`` mode; the memory is then zeroed, which faults it in as
-huge pages. Elsewhere, or when the kernel says no, the tensor is an ordinary one.
-Measured in ``docs/ARCHITECTURE.md`` ("Memory").
-
-``DYNAMICEMB_HUGE_PAGES=0`` turns the request off.
-"""
+"""CPU tensors on transparent huge pages (Linux ``MADV_HUGEPAGE`` on fresh 2 MiB-aligned
+memory) where the OS grants them: a hash table's random probes then miss the TLB far
+less. ``DYNAMICEMB_HUGE_PAGES=0`` turns the request off."""
 
 import ctypes
 import os
@@ -53,19 +44,8 @@ def _wanted(nbytes: int, device: torch.device) -> bool:
 
 def empty(shape: Union[int, Sequence[int]], dtype: torch.dtype,
           device: Optional[torch.device] = None) -> torch.Tensor:
-    """``torch.empty(shape, dtype=dtype, device=device)``, on huge pages where possible.
-
-    The pages are advised before anything touches them; whoever writes the tensor
-    first faults them in (as huge pages where the kernel grants them).
-
-    Args:
-        shape: the tensor's shape.
-        dtype: its dtype.
-        device: its device (default CPU); only CPU tensors are advised.
-
-    Returns:
-        A contiguous, uninitialized tensor.
-    """
+    """``torch.empty(shape, dtype=dtype, device=device)``, contiguous and uninitialized, on
+    huge pages where possible (CPU tensors only): its first writer faults them in."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     count = 1
@@ -87,6 +67,5 @@ def empty(shape: Union[int, Sequence[int]], dtype: torch.dtype,
 
 def zeros(shape: Union[int, Sequence[int]], dtype: torch.dtype,
           device: Optional[torch.device] = None) -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype, device=device)``, on huge pages where possible
-    (see ``empty``; zeroing faults every page in)."""
+    """``torch.zeros``, on huge pages where possible (see ``empty``)."""
     return empty(shape, dtype, device).zero_()

@@ -1,14 +1,6 @@
-"""The backend contract: what every kernel backend offers, and every code it shares.
-
-A backend (``dynamicemb.ops.cpu``, ``dynamicemb.ops.cuda``) implements ``Backend``
-over tensors of one device type. Everything above it (table, storage, module) calls
-these verbs by keyword and reads their NamedTuple results; nothing above it knows
-kernel signatures, status codes or row-reference bits.
-
-The contract lives in three modules, re-exported here: ``codes`` (the codes shared
-with the headers of ``csrc/dynamicemb``), ``records`` (the table's memory and the
-verbs' results) and ``backend`` (the ``Backend`` class).
-"""
+"""The backend contract, re-exported from ``codes`` (shared with ``csrc/dynamicemb``),
+``records`` (memory and results) and ``backend`` (``Backend``). Nothing above a
+backend knows kernel signatures, status codes or row-reference bits."""
 
 from dynamicemb.ops.backend import Backend
 from dynamicemb.ops.codes import (ALL_BITS, COMPOUND_COUNT_SHIFT, COMPOUND_TIME_MASK,

@@ -1,11 +1,4 @@
-"""``KernelBackend``: the ``Backend`` verbs over one device's compiled kernel functions.
-
-Both backends compile the same set of functions (``csrc/cpu/verbs.h`` for the CPU
-extension, ``csrc/cuda`` for CuPy), each with the same positional arguments. This
-class turns them into the typed verbs of ``dynamicemb.ops.interface`` (and moves the
-rows in growth). Only ``cpu.py`` and ``cuda/`` instantiate it, each with its kernels
-and its allocator.
-"""
+"""``KernelBackend``: the ``Backend`` verbs over one device's compiled kernel functions."""
 
 from typing import Any
 
@@ -29,11 +22,7 @@ _NO_ARGUMENTS: dict = {}  # never written
 
 
 class KernelBackend(Backend):
-    """The verbs over ``kernels`` (an object with the compiled functions).
-
-    Args:
-        kernels: the CPU extension module or ``CudaKernels``.
-    """
+    """The verbs over ``kernels`` (the CPU extension module or ``CudaKernels``)."""
 
     def __init__(self, kernels: Any) -> None:
         self.kernels = kernels
@@ -93,10 +82,8 @@ class KernelBackend(Backend):
                                  upserted.ev_tids, upserted.ev_scores)
 
     def grow(self, *, memory):
-        """Doubles the table. At its peak it holds the old table, the new one (twice
-        the size), the new slot of every old slot (8 bytes each) and one chunk of moved
-        rows (at most ``GROW_CHUNK_BYTES``); the old table is freed when the caller lets
-        go of it. A failure (out of memory) leaves ``memory`` as it was."""
+        """Doubles the table. Peak memory: both tables, 8 bytes per old slot and one chunk of
+        rows (at most ``GROW_CHUNK_BYTES``). Out of memory leaves ``memory`` as it was."""
         new = self.new_table(num_buckets=2 * memory.num_buckets,
                              max_num_buckets=memory.max_num_buckets,
                              bucket_capacity=memory.bucket_capacity,
@@ -114,8 +101,7 @@ class KernelBackend(Backend):
         memory.meta, memory.values, memory.num_buckets = new.meta, new.values, new.num_buckets
 
     def _retire(self, tensors) -> None:
-        """Arrays let go of while kernels may still read them: the CUDA backend keeps
-        their memory until the current stream's work is done; a CPU loop has run."""
+        """Arrays that kernels may still read (CUDA keeps them until the stream's work is done)."""
 
     def erase(self, *, memory, keys, table_ids):
         return self.kernels.erase(memory.meta, memory.bucket_capacity, keys, table_ids)
@@ -131,9 +117,7 @@ class KernelBackend(Backend):
         return self.kernels.check_offsets(offsets, num_indices, **self._counted(error=error))
 
     def _counted(self, init=None, error=None, schedule=None) -> dict:
-        """The keyword arguments of a step counted on the device (computed init rows,
-        the error word, the device schedule) that are given; a backend that reads
-        its counts takes none."""
+        """The given keyword arguments of a step counted on the device."""
         if init is None and error is None and schedule is None:
             return _NO_ARGUMENTS  # the common case, first: this runs on every launch
         return {name: value for name, value in (("init", init), ("error", error),

@@ -1,6 +1,4 @@
-"""The records that cross the backend seam: a table's memory, the results of the
-verbs (NamedTuples) and the packed arguments of the embedding kernels.
-"""
+"""What crosses the backend seam: a table's memory, the verbs' results, kernel arguments."""
 
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional
@@ -27,20 +25,16 @@ __all__ = [
 
 @dataclass
 class TableMemory:
-    """The tensors of one hash table (layout: ``csrc/dynamicemb/hash_primitives.h``).
-
-    A backend's ``grow`` replaces them; callers hold the ``TableMemory``, not its
-    tensors, across calls that may grow.
+    """The tensors of one hash table (``csrc/dynamicemb/hash_primitives.h``); ``grow``
+    replaces them: hold the ``TableMemory``, not its tensors, across calls.
 
     Attributes:
-        meta: [keys, scores, tids, digests, occupied, pinned]; keys and scores are
-            the two columns of one (capacity, 2) int64 array.
+        meta: [keys, scores, tids, digests, occupied, pinned]; keys and scores are the
+            two columns of one (capacity, 2) int64 array.
         values: (capacity, value_dim) value rows, indexed by slot.
-        num_buckets: a power of two.
-        max_num_buckets: the most buckets growth may reach.
+        num_buckets: a power of two; max_num_buckets: the most growth may reach.
         bucket_capacity: slots per bucket, a multiple of 16.
-        values_in_host_memory: ``values`` is host memory the backend's kernels read
-            and write in place (``Backend.host_zeros``); growth keeps it there.
+        values_in_host_memory: ``values`` is host memory the kernels use in place.
     """
 
     meta: List[torch.Tensor]
@@ -85,15 +79,13 @@ class TableMemory:
 
 
 class Upserted(NamedTuple):
-    """What an inserting pass decided, per key.
+    """What an inserting pass decided, per key (its counts: the caller's ``outcomes``).
 
     Shape:
         slots: (n,) int64, -1 where the insert failed; status: (n,) int8
-        ``InsertStatus``; prev_scores: (n,) the score a hit replaced (for undo; a
-        new key's -1, a hit on an expired row's its old score); ev_keys, ev_tids,
-        ev_scores: (n,) the entry a key evicted, where status is
-        EVICTED_AND_INSERTED. The pass's counts are in device memory (the
-        caller's ``outcomes``).
+        ``InsertStatus``; prev_scores: (n,) the score a hit replaced (new key: -1; a
+        hit on an expired row: its old score); ev_keys, ev_tids, ev_scores: (n,) the
+        evicted entry, where status is EVICTED_AND_INSERTED.
     """
 
     slots: torch.Tensor
@@ -108,16 +100,13 @@ class Deduplicated(NamedTuple):
     """The unique (table id, key) pairs of a batch, in first-occurrence order.
 
     Shape:
-        keys: (N,) int64, table_ids: (N,) int16 and counts: (N,) int64: the first
-        U entries the unique pairs, the rest padding (key 0, table 0, count 0, no
-        lookup; an inserting pass gives them slot -1 and counts nothing), U
-        staying on the device; counts sums the frequencies of each pair's keys (1
-        per key when none are given); inverse: (N,) int64, the unique index of
-        each key (-1: left out); starts: (N + 1,) int64 and rank: (N,) int64, the
-        batch's keys grouped by pair (a stable sort by ``inverse``): the keys of
-        pair u have ranks ``starts[u]`` to ``starts[u + 1] - 1``, in input order
-        (what a fused backward walks; past U, the lookup count); None when
-        grouping was not asked for.
+        keys: (N,) int64, table_ids: (N,) int16, counts: (N,) int64 (summed
+        frequencies, default 1 per key): the first U entries are the pairs (U stays on
+        the device), the rest padding (key 0, table 0, count 0: a pass gives it slot -1
+        and counts nothing). inverse: (N,) int64, each key's unique index (-1: left
+        out). starts: (N + 1,) int64, rank: (N,) int64: the keys grouped by pair
+        (stable), pair u's ranks ``starts[u]`` to ``starts[u + 1] - 1``; None unless
+        grouping was asked.
     """
 
     keys: torch.Tensor
@@ -129,8 +118,8 @@ class Deduplicated(NamedTuple):
 
 
 class Entries(NamedTuple):
-    """Stored entries with their rows: what an inserting call evicted (in input order
-    of the keys that evicted them) or what an export read (in slot order).
+    """Stored entries with their rows: an insert's victims (in input order of the keys
+    that evicted them) or an export (in slot order).
 
     Shape:
         keys, table_ids, scores, slots: (m,) int64; values: (m, value_dim).
@@ -165,14 +154,13 @@ class NewRows(NamedTuple):
 
 
 class InitRows(NamedTuple):
-    """Rows that kernels compute where they read them: on a backend that counts on
-    the device, a unique key without a stored row (a negative row reference: its
-    insert failed) reads its table's initializer's row, so a step needs no count of
-    such keys and no transient rows.
+    """Rows the kernels compute where they read them: on a backend that counts on the
+    device, a unique key without a stored row (a negative reference) reads its table's
+    initializer's row.
 
     Shape:
-        keys: (U,) int64 and table_ids: (U,) int16, the unique keys the references
-        belong to; spec: their tables' initializers.
+        keys: (U,) int64, table_ids: (U,) int16: the keys the references belong to;
+        spec: their tables' initializers.
     """
 
     keys: torch.Tensor
@@ -184,10 +172,9 @@ class RowSources(NamedTuple):
     """Where the rows a lookup references live (``row_ref.h``).
 
     Shape:
-        device: (C, width) the device tier's values; host: (H, width) the host
-        store's values (empty when one tier holds everything); transient: (T, dim)
-        this batch's transient rows; init: rows computed from the initializers
-        instead (``InitRows``; then there are no transient rows), or None.
+        device: (C, width) the device tier's values; host: (H, width) the host store's
+        (empty with one tier); transient: (T, dim) the batch's transient rows; init:
+        rows computed from the initializers instead (``InitRows``), or None.
     """
 
     device: torch.Tensor
@@ -197,12 +184,11 @@ class RowSources(NamedTuple):
 
 
 class BatchPart(NamedTuple):
-    """The keys of a batch a step's call takes: those of one group of a module (the
-    module's groups share one batch, each with its own table).
+    """The keys of a batch that one of a module's groups takes (the groups share a batch).
 
     Attributes:
-        groups: (N,) int64, the group of each key of the batch.
-        group: the call's group; the other keys are left out (inverse -1, no lookup).
+        groups: (N,) int64, each key's group.
+        group: the call's group; other keys are left out (inverse -1, no lookup).
     """
 
     groups: torch.Tensor
@@ -213,11 +199,10 @@ class PromotionPlan(NamedTuple):
     """A step batch's promotion into a cache, on the device (``Backend.promotion_plan``).
 
     Shape:
-        cache_slots: (n,) int64, each unique key's cache slot before the promotion
-        (-1: not there); plan: (4,) int64, the hits, misses and hot misses counted
-        and the number of keys the cache call takes; rank: (n,) int64, the
-        promotion order (larger first, ties in batch order); order: (n,) int64,
-        the positions sorted by it (the cache call's keys come in that order).
+        cache_slots: (n,) int64, each unique key's cache slot before (-1: absent);
+        plan: (4,) int64, hits, misses, hot misses and the keys the cache call takes;
+        rank: (n,) int64, promotion order (larger first, ties in batch order); order:
+        (n,) int64, the positions sorted by rank (the cache call's order).
     """
 
     cache_slots: torch.Tensor
@@ -227,18 +212,13 @@ class PromotionPlan(NamedTuple):
 
 
 class DeviceSchedule(NamedTuple):
-    """The scalars of an update that change from step to step, in device memory, so
-    that a step can be replayed (a CUDA graph) and still follow them: the kernel
-    computes Adam's step size and bias correction and the decoupled decay's scale
-    from them, in double as the host does (``OptimizerUpdate``).
+    """An update's per-step scalars in device memory, so that a replayed CUDA graph follows
+    them (the kernel derives Adam's step size, bias correction and decay scale in double).
 
     Attributes:
-        lr: (1,) float64, the learning rate.
-        step: (1,) int64, the optimizer's step count; the backward advances it
-            first when ``advance`` (Adam), unless its batch was refused.
-        advance: whether the backward counts itself in ``step``.
-        beta1, beta2: Adam's betas, exactly.
-        decoupled_decay: the decoupled weight decay (0.0: none).
+        lr: (1,) float64. step: (1,) int64, the optimizer's step count, advanced first
+            when ``advance`` (Adam) unless the batch was refused.
+        beta1, beta2: Adam's betas, exactly. decoupled_decay: 0.0 for none.
     """
 
     lr: torch.Tensor
@@ -252,10 +232,9 @@ class DeviceSchedule(NamedTuple):
 class OptimizerUpdate(NamedTuple):
     """One backward's optimizer settings (``optimizer_params``, optimizer_primitives.h).
 
-    ``step_size`` and ``bias_correction2_sqrt`` are Adam's for this step (lr and 1.0
-    for the others). Weight decay is L2 through ``weight_decay`` (added to the
-    gradient) or decoupled through ``decay_scale`` (``1 - lr * weight_decay``, the
-    row is scaled by it before the update); the unused form is 0.0 or 1.0.
+    ``step_size`` and ``bias_correction2_sqrt``: Adam's for this step (else lr and 1.0).
+    Weight decay is L2 through ``weight_decay`` or decoupled through ``decay_scale``
+    (``1 - lr * weight_decay``, applied to the row first); the unused one is 0.0 or 1.0.
     """
 
     optimizer: DynamicEmbOptimType

@@ -1,11 +1,6 @@
 """The stream API the layers above use: ``torch.cuda``'s streams on a GPU, none on a CPU.
-
-One object with the three things the module does with streams (the current one,
-``record_stream`` on a tensor, whether a graph capture is running); each stream it
-returns has ``wait_stream``. Tests hand an object of the same shape to the users
-(``StreamOrder``, ``DeviceCounters``, ``DeviceTotals``, the CUDA backend's growth)
-to check the order of their streams on a CPU.
-"""
+Tests pass an object of the same shape (these three methods; streams that have
+``wait_stream``) to check the order of streams on a CPU."""
 
 from typing import Optional
 
@@ -21,8 +16,7 @@ class CudaStreams:
         return torch.cuda.current_stream(device)
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
-        """The caching allocator reuses ``tensor``'s memory, once it is freed, only after
-        the work ``stream`` has enqueued by then (CPU tensors: nothing to record)."""
+        """``tensor``'s memory is not reused before ``stream``'s work enqueued by then."""
         if tensor.is_cuda:
             tensor.record_stream(stream)
 

@@ -1,14 +1,6 @@
-"""Where a group's rows live beside the host store, as objects: each layout answers
-the few questions the step and the upkeep ask (``TieredStorage``).
-
-- ``OneTier``: no budget: the host store is the device's table, references are its
-  slots.
-- ``HostOnly``: no device memory: references are host slots (``HOST_ROW_BIT``).
-- ``Cache``: a device table that every row a batch uses is promoted into
-  (``cache_policy.h``); victims are written back.
-- ``Placement``: a device table that new rows land in while it has room; the
-  others are read where they are.
-"""
+"""Where a group's rows live beside the host store: ``OneTier``, ``HostOnly`` (no device
+memory), ``Cache`` (every row a batch uses is promoted) and ``Placement`` (new rows land
+in the device tier while it has room)."""
 
 import abc
 from typing import List, Optional
@@ -24,8 +16,7 @@ __all__ = ["Cache", "Crossing", "HostOnly", "Layout", "OneTier", "Placement"]
 
 
 class Crossing:
-    """The host store's device and the device tier's: tensors cross between them
-    here (a no-op where both are one device)."""
+    """The host store's device and the device tier's; tensors cross between them here."""
 
     def __init__(self, host: torch.device, device: torch.device) -> None:
         self.host, self.device = host, device
@@ -39,14 +30,8 @@ class Crossing:
 
 
 class Layout:
-    """The host store as the one tier (``OneTier`` is this class): its slots are the
-    references, and there is no copy anywhere to keep current.
-
-    Args:
-        host: the host store (the index of record).
-        counts: the group's ``TierCounts``.
-        crossing: the two devices.
-    """
+    """The host store as the one tier (``OneTier``): its slots are the references.
+    ``counts``: the group's ``TierCounts``; ``crossing``: the two devices."""
 
     #: the device tier (a ``ScoredHashTable`` of copies), or None
     tier: Optional[ScoredHashTable] = None
@@ -66,33 +51,28 @@ class Layout:
         return RowSources(self.host.values, self._empty, transient, init)
 
     def refs(self, host_slots: torch.Tensor, all_stored: bool = False) -> torch.Tensor:
-        """References (on the device) of host slots (-1: not stored; ``all_stored``:
-        the caller knows none is -1)."""
+        """Device references of host slots (-1: not stored; ``all_stored``: none is -1)."""
         return self.crossing.to_device(host_slots)
 
     def resolve(self, keys: torch.Tensor, tids: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
-        """``refs`` (of the host store's rows) with the device tier's rows where it
-        holds a live copy."""
+        """``refs`` with the device tier's rows where it holds a live copy."""
         return refs
 
     def take(self, keys, tids, counts, host_slots, status, upserted: Upserted,
              several: bool) -> torch.Tensor:
-        """After the host store's insert of a batch's unique keys (``status``): the
-        rows it evicted or found expired leave the device tier, the batch's rows
-        reach it as the layout does; returns the references. ``several``: counted per
-        table (else the host store's totals count, ``settle``)."""
+        """After the host store's insert of a batch's unique keys: its victims and expired
+        rows leave the device tier, the batch's rows reach it; returns the references.
+        ``several``: counted per table (else ``settle`` counts from the totals)."""
         if several:
             self.counts.where("hits", tids, host_slots >= 0)
         return self.refs(host_slots)
 
     def settle(self, stored: int) -> None:
-        """A one-table group's ``stored`` keys of the steps since the last read (the
-        host store's totals) as hits or misses, with the device tier's own counts."""
+        """A one-table group's ``stored`` keys since the last read as hits or misses."""
         self.counts.add("hits", stored)
 
     def overlay(self, entries: Entries) -> None:
-        """``entries`` (on the host store's device) with the device tier's rows where
-        it holds a copy (the current rows)."""
+        """``entries`` (on the host store's device) with the device tier's current rows."""
 
     def drop(self, keys: torch.Tensor, tids: torch.Tensor) -> None:
         """Erases the device tier's copies of keys (never written back)."""
@@ -134,8 +114,7 @@ class HostOnly(Layout):
 
 
 class _DeviceTier(HostOnly, abc.ABC):
-    """A device table of copies of host rows (``tier``), referenced by device slot;
-    the others by host reference."""
+    """A device table of copies of host rows (``tier``), referenced by device slot."""
 
     kind = ""
 
@@ -166,7 +145,7 @@ class _DeviceTier(HostOnly, abc.ABC):
 
     @abc.abstractmethod
     def _take(self, keys, tids, counts, host_slots, status, several) -> torch.Tensor:
-        """The batch's rows in the tier, as the layout places them: the references."""
+        """Places the batch's rows in the tier; returns the references."""
 
     def settle(self, stored: int) -> None:
         hits, inserted, evicted, *_ = self.tier.outcome_totals().take("metrics")
@@ -195,16 +174,14 @@ class _DeviceTier(HostOnly, abc.ABC):
 
 
 class Cache(_DeviceTier):
-    """Every row a batch uses is promoted into the device tier (``cache_policy.h``,
-    CUSTOMIZED scores mirroring the host's); victims go back to the host store."""
+    """Every row a batch uses is promoted into the device tier (``cache_policy.h``, CUSTOMIZED
+    scores mirroring the host's); victims go back to the host store."""
 
     kind = "cache"
 
     def _take(self, keys, tids, counts, host_slots, status, several):
-        """The promotion of a batch, on the device: the plan (which keys the cache
-        takes, in which order), one cache call over the keys sorted by it, then
-        victims written back and new rows copied in by one kernel, which also writes
-        the references."""
+        """The promotion, on the device: the plan, one cache call over the keys in its order,
+        then one kernel that writes victims back, copies new rows in and writes references."""
         tier, ops = self.tier, for_device(self.crossing.device)
         plan = ops.promotion_plan(cache=tier.memory, keys=keys, table_ids=tids, counts=counts,
                                   host_slots=host_slots, one_table=self.host.num_tables == 1,
@@ -232,15 +209,12 @@ class Cache(_DeviceTier):
 
 
 class Placement(_DeviceTier):
-    """New rows land in the device tier while it has room and stay; the others are
-    read where they are, in host memory, without promotion."""
+    """New rows land in the device tier while it has room; the others are read in host memory."""
 
     kind = "placement tier (no promotion)"
 
     def _take(self, keys, tids, counts, host_slots, status, several):
-        """The keys the tier holds are found there (a hit of its call), and the host
-        store's new keys land in it while it has room (an insert, the row copied in);
-        the others are read in host memory."""
+        """Hits are found in the tier; the host store's new keys land in it while it has room."""
         tier, ops = self.tier, for_device(self.crossing.device)
         new = (status - InsertStatus.INSERTED).view(torch.uint8) < 2  # INSERTED or EVICTED_...
         taken = (host_slots >= 0) & ((tier.find(keys, tids, checked=True) >= 0) | new)

@@ -1,5 +1,4 @@
-"""A group's traffic between its tiers: ``TierMetrics`` per logical table, and the
-one place that counts them (``TierCounts``)."""
+"""A group's traffic between its tiers: ``TierMetrics`` per table, counted by ``TierCounts``."""
 
 from dataclasses import dataclass, fields
 from typing import List
@@ -14,17 +13,15 @@ class TierMetrics:
     """Counts of one table's traffic between the tiers (unique keys per batch).
 
     Attributes:
-        lookups: keys looked up.
-        hits: keys whose row was in the device tier.
-        misses: keys whose row was not (read from the host store, or new).
+        lookups: keys looked up; hits, misses: those whose row was, or was not, in the
+            device tier.
         evictions: rows the device tier pushed out (written back to the host store).
         host_evictions: rows the full host store evicted (gone from the table).
-        host_reads: rows copied from the host store into the device tier.
-        host_writes: rows written back from the device tier to the host store.
-        expired: rows past the table's ``ttl``: swept by ``expire()``, or found
-            expired by a training lookup (which then got a fresh row).
-        external_reads: rows that came back from the external tier.
-        external_writes: rows the host store evicted down to the external tier.
+        host_reads, host_writes: rows copied from the host store into the device tier,
+            and written back.
+        expired: rows past ``ttl``: swept, or found expired by a training lookup.
+        external_reads, external_writes: rows that came back from the external tier,
+            and that the host store evicted down to it.
     """
 
     lookups: int = 0
@@ -51,14 +48,8 @@ _FIELDS = tuple(f.name for f in fields(TierMetrics))
 
 
 class TierCounts:
-    """``TierMetrics``' fields per logical table: what the host knows is counted on
-    the host, what only the device knows on the device (reading it every batch would
-    be a sync); ``read`` adds them up when someone asks.
-
-    Args:
-        num_tables: the group's logical tables.
-        device: where the device's counts live (the tensors counted are moved there).
-    """
+    """``TierMetrics``' fields per logical table: counted on the host what the host knows,
+    on the device what only the device knows (no per-batch sync); ``read`` adds them up."""
 
     def __init__(self, num_tables: int, device: torch.device) -> None:
         self.device = device
@@ -72,7 +63,7 @@ class TierCounts:
         self._on_host[_FIELDS.index(field)] += count
 
     def where(self, field: str, tids: torch.Tensor, mask: torch.Tensor) -> None:
-        """Counts the keys of ``mask`` for their tables (no compaction, no sync)."""
+        """Counts the keys of ``mask`` for their tables (no sync)."""
         self._on_device[:, _FIELDS.index(field)].index_add_(
             0, tids.to(self.device).long(), mask.to(self.device).to(torch.int64))
 

@@ -1,36 +1,8 @@
-"""Where a group's rows live: a host store and, optionally, a device tier.
-
-The **host store** is a ``ScoredHashTable`` with the table's own strategy and
-capacity. It is the index of record: every key and score of the table, and a
-row for every key (stale while the key is in the device tier). It receives the
-same inserting calls a single-tier table would, so scores, growth and
-evictions do not depend on the device tier at all: that is what makes training
-with any cache size bit-identical.
-
-The **device tier** holds rows in accelerator memory:
-
-- a *cache* (``caching=True``): every row a batch uses is promoted into it
-  (CUSTOMIZED scores mirroring the host's, so LRU/LFU eviction follows the
-  table's policy); evicted rows are written back to the host store;
-- a *placement tier* (``caching=False`` with a byte budget): a new row lands in
-  it while it has room and stays; other rows are used where they are, in host
-  memory, without promotion.
-
-With no budget the host store itself is the device tier (one tier). Below the
-host store an **external tier** (``dynamicemb.storage.external``) may take the
-rows the host store evicts and give them back when their keys return: the host
-store is then the index of the rows in memory, the external store of the rest.
- Kernels
-address rows by reference (``csrc/dynamicemb/row_ref.h``): a device slot, a host
-slot tagged with ``HOST_ROW_BIT``, a transient row (``TRANSIENT_ROW_BIT``) or,
-negative, a row computed from the key's initializer. A batch that does not fit
-in the cache is served from the host store for the rest.
-
-Each tier has its own device: the host store lives where its ``ScoredHashTable``
-was made, the device tier on ``device``. Keys, references and rows cross between
-them here and nowhere else (``to`` is a no-op where both are on one device); row
-references and everything ``place``/``resolve`` return are on ``device``.
-"""
+"""Where a group's rows live: a host store and, optionally, a device tier (a cache or a
+placement tier) and an external tier below (docs/ARCHITECTURE.md, "Storage tiers").
+The host store is the index of record and takes the same calls as a single tier
+would, so training is bit-identical whatever the cache size. Tensors cross between
+the tiers' devices only here; references are on ``device``."""
 
 from typing import Iterator, List, NamedTuple, Optional, Tuple
 
@@ -50,8 +22,7 @@ __all__ = ["NothingBelow", "TierMetrics", "TieredStorage"]
 
 
 class NothingBelow:
-    """The tier below the host store when there is none (an ``ExternalTier``'s null
-    case): no row lives below, nothing goes down, and its upkeep does nothing."""
+    """The tier below the host store when there is none: no rows, no upkeep."""
 
     holds_rows = False
 
@@ -69,8 +40,7 @@ class NothingBelow:
 
 
 class _Prepared(NamedTuple):
-    """A batch's insert between its two phases: the host store's, and what its first
-    phase fetched from the tier below (None without one)."""
+    """A batch's insert between its phases, and what phase one fetched from below."""
 
     pending: PendingInsert
     staged: Optional[Staged]
@@ -81,13 +51,10 @@ class TieredStorage:
 
     Args:
         host: the host store (index of record).
-        layout: where rows live beside it (``dynamicemb.storage.layouts``), made
-            over ``host``, ``counts`` and ``crossing``.
-        counts: the group's traffic counts.
-        crossing: the host store's device and the device tier's (the references'
-            and the batches').
-        new_rows: what the row of a key the host store inserts starts as
-            (``commit``); None: zeros.
+        layout: where rows live beside it (``dynamicemb.storage.layouts``).
+        counts, crossing: the group's traffic counts, and the host store's and device
+            tier's devices.
+        new_rows: what a new key's row starts as (``commit``); None: zeros.
         external: the ``ExternalTier`` below the host store (None: ``NothingBelow``).
     """
 
@@ -113,18 +80,16 @@ class TieredStorage:
 
     @staticmethod
     def host_store_off_device(caching: bool, device_rows: Optional[int], host_rows: int) -> bool:
-        """Whether ``build`` leaves rows to the host store alone for a device budget
-        of ``device_rows`` (None: unlimited) over a host store of up to ``host_rows``:
-        then its value rows belong in host memory (``values_in_host_memory``)."""
+        """Whether ``build`` leaves rows to the host store alone for a budget of ``device_rows``
+        (None: unlimited) over up to ``host_rows``: then its rows belong in host memory."""
         return device_rows is not None and (caching or device_rows < host_rows)
 
     @classmethod
     def build(cls, host: ScoredHashTable, caching: bool, device_rows: Optional[int],
               device: Optional[torch.device] = None,
               new_rows: Optional[NewRows] = None, external=None) -> "TieredStorage":
-        """The layout for a device budget of ``device_rows`` rows (None: unlimited),
-        with the device tier on ``device`` (default: the host store's), over an
-        ``external`` tier or none."""
+        """The layout for a device budget of ``device_rows`` rows (None: unlimited), the device
+        tier on ``device`` (default: the host store's), over an ``external`` tier or none."""
         crossing = Crossing(host.device, host.device if device is None
                             else resolve_device(device))
         counts = TierCounts(host.num_tables, crossing.device)
@@ -135,8 +100,7 @@ class TieredStorage:
             return made(OneTier(host, counts, crossing))
         if device_rows < 16:  # smaller than one bucket: no device tier at all
             return made(HostOnly(host, counts, crossing))
-        # a cache never holds more rows than the table can: a budget beyond that
-        # (a typo, or a global budget split over few rows) allocates no more
+        # a cache never holds more rows than the table can
         device_rows = min(device_rows, host.max_capacity())
         bucket = min(host.bucket_capacity, 16 * (device_rows // 16))
         buckets = 1 << ((device_rows // bucket).bit_length() - 1)  # round down: stay in budget
@@ -165,15 +129,13 @@ class TieredStorage:
 
     # ---------------------------------------------------------------- access
     def sources(self, transient: torch.Tensor, init=None) -> RowSources:
-        """The row arrays the kernels read references from, with a batch's transient
-        rows (or ``InitRows``: rows computed from the initializers instead)."""
+        """The row arrays kernels read references from, with a batch's transient rows
+        (``init``: ``InitRows``, rows computed from the initializers instead)."""
         return self.layout.sources(transient, init)
 
     @property
     def generation(self) -> Tuple[int, int, int]:
-        """Changes when a reference handed out earlier may be stale: a slot was reused
-        (growth, eviction, erase, clear) or a row moved between tiers (a promotion
-        into a free slot changes where a key's current row is)."""
+        """Changes when a reference handed out earlier may be stale (slot reused, row moved)."""
         return (self.host.generation, self.layout.generation, self.layout.moves)
 
     def _on_host(self, t: torch.Tensor) -> torch.Tensor:
@@ -183,8 +145,7 @@ class TieredStorage:
         return self.crossing.to_device(t)
 
     def resolve(self, keys: torch.Tensor, tids: torch.Tensor) -> torch.Tensor:
-        """Read-only references of keys (-1 where absent): the device tier's row
-        where it holds one, else the host store's."""
+        """Read-only references of keys (-1: absent), the device tier's row first."""
         refs = self.layout.refs(self.host.find(self._on_host(keys), self._on_host(tids),
                                                checked=True))
         return self.layout.resolve(keys, tids, refs)
@@ -192,14 +153,13 @@ class TieredStorage:
     def resolve_unique(self, keys: torch.Tensor, tids: torch.Tensor,
                        error: Optional[torch.Tensor], part=None
                        ) -> Tuple[Deduplicated, torch.Tensor]:
-        """A batch's unique pairs (``Backend.dedup``, whose ``error`` and ``part``
-        these are) and their read-only references (``resolve``)."""
+        """A batch's unique pairs (``Backend.dedup``) and their ``resolve`` references."""
         unique = self.ops.dedup(keys=keys, table_ids=tids, error=error, part=part)
         return unique, self.resolve(unique.keys, unique.table_ids)
 
     def columns_of(self, refs: torch.Tensor, start: int, fill: float) -> torch.Tensor:
-        """(n, width - start) float32 on ``device``: columns ``start:`` of the stored
-        rows ``refs`` (``resolve``'s) name, ``fill`` where a reference names none."""
+        """(n, width - start) float32 on ``device``: columns ``start:`` of the rows ``refs``
+        name, ``fill`` where a reference names none."""
         sources = self.sources(torch.empty(0, 0, device=self.device))
         out = torch.full((refs.numel(), self.host.value_dim - start), fill,
                          dtype=torch.float32, device=self.device)
@@ -219,10 +179,9 @@ class TieredStorage:
 
     def prepare_dedup(self, keys, tids, frequencies, error: Optional[torch.Tensor] = None,
                       part=None, table_scores: Optional[torch.Tensor] = None) -> Deduplicated:
-        """Phase one of a batch with repeated keys: its dedup and the host store's
-        insert of the unique keys (``ScoredHashTable.prepare_dedup_find_or_insert``,
-        whose ``error``, ``part`` and ``table_scores`` these are), kept until
-        ``commit`` or ``abort``. Returns the dedup on ``device``."""
+        """Phase one: the dedup and the host store's insert of its unique keys (kept until
+        ``commit`` or ``abort``, ``ScoredHashTable.prepare_dedup_find_or_insert``); returns
+        the dedup on ``device``."""
         unique, pending = self.host.prepare_dedup_find_or_insert(
             self._on_host(keys), self._on_host(tids), self._maybe_on_host(frequencies),
             checked=True, error=error, part=part,
@@ -232,16 +191,15 @@ class TieredStorage:
 
     def dedup(self, keys, tids, frequencies, error: Optional[torch.Tensor] = None,
               part=None) -> Deduplicated:
-        """``prepare_dedup``'s first half (``ScoredHashTable.dedup_batch``): the dedup,
-        on ``device``; ``prepare_insert`` follows."""
+        """``prepare_dedup``'s first half (``ScoredHashTable.dedup_batch``), on ``device``."""
         unique = self.host.dedup_batch(self._on_host(keys), self._on_host(tids),
                                        self._maybe_on_host(frequencies), checked=True,
                                        error=error, part=part)
         return self._dedup_on_device(unique)
 
     def stored(self, unique: Deduplicated) -> torch.Tensor:
-        """(N,) bool: the keys of ``dedup``'s ``unique`` that a tier stores, here or
-        below (padding: False), at the time of the insert that follows."""
+        """(N,) bool: the keys of ``dedup``'s ``unique`` that a tier stores, here or below
+        (padding: False), at the time of the insert that follows."""
         keys, tids = self._on_host(unique.keys), self._on_host(unique.table_ids)
         real = self._on_host(unique.counts) > 0
         stored = real & (self.host.find(keys, tids, checked=True) >= 0)
@@ -250,9 +208,7 @@ class TieredStorage:
     def prepare_insert(self, unique: Deduplicated, admitted: torch.Tensor,
                        error: Optional[torch.Tensor] = None,
                        table_scores: Optional[torch.Tensor] = None) -> None:
-        """``prepare_dedup``'s second half: the host store's insert of the keys of
-        ``dedup``'s ``unique`` that ``admitted`` (N,) bool takes, kept until
-        ``commit`` or ``abort``."""
+        """``prepare_dedup``'s second half (``ScoredHashTable.prepare_insert``), kept."""
         unique = Deduplicated(*(self._maybe_on_host(t) for t in unique))
         pending = self.host.prepare_insert(unique, self._on_host(admitted), error=error,
                                            table_scores=self._maybe_on_host(table_scores))
@@ -267,10 +223,8 @@ class TieredStorage:
         return Deduplicated(*(None if t is None else t.to(self.device) for t in unique))
 
     def _keep(self, pending: PendingInsert, unique: Deduplicated) -> None:
-        """Keeps the prepared insert of ``unique`` (on the host store's device); with
-        an external tier, its victims (current rows: a device-tier copy wins) go
-        down and the rows of its new keys come up first: a failing store aborts it
-        and raises."""
+        """Keeps the prepared insert; with an external tier, its victims go down and its new
+        keys' rows come up first (a failing store aborts it and raises)."""
         staged = None
         if self.external.holds_rows:  # (reading the victims would sync)
             try:
@@ -294,19 +248,17 @@ class TieredStorage:
 
     def commit(self, keys: torch.Tensor, tids: torch.Tensor,
                counts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Phase two of the prepared insert, every count on the device: commits it,
-        writes the rows of new keys (``new_rows``; by status: a hit on an expired row
-        is one), brings back the rows found below, and places the batch in the
-        layout's tiers (``Layout.take``).
+        """Phase two, counted on the device: commits the prepared insert, writes new keys'
+        rows (``new_rows``; a hit on an expired row is one), restores the rows found below
+        and places the batch in the layout's tiers (``Layout.take``).
 
         Args:
             keys, tids, counts: (N,) the prepared dedup's unique keys, table ids and
                 counts (padding: count 0).
 
         Returns:
-            (N,) row references (``row_ref.h``; -1 where a key's insert failed: a
-            lookup computes its initializer's row there) and (N,) the insert's
-            statuses (``InsertStatus``), on ``device``.
+            (N,) row references (``row_ref.h``; -1: the insert failed, a lookup computes
+            the initializer's row) and (N,) ``InsertStatus``, on ``device``.
 
         Raises:
             RuntimeError: no insert is prepared.
@@ -341,15 +293,13 @@ class TieredStorage:
         return refs, self._on_device(result.status)
 
     def _restore_below(self, staged: Staged, slots, keys, tids) -> None:
-        """After the commit: the rows the first phase found below take their host
-        slots (``ExternalTier.restore``)."""
+        """After the commit: the rows found below take their host slots."""
         self.external.restore(slots, staged, self._on_host(keys), self._on_host(tids))
         self._count_below("external_reads", tids, staged.at)
         self._count_below("external_writes", staged.written, None)
 
     def expire(self) -> torch.Tensor:
-        """TTL sweep of every tier: the host store frees its expired rows (one kernel
-        pass) and the device tier drops its copies of them.
+        """TTL sweep: the host store frees its expired rows; the device tier drops its copies.
 
         Returns:
             (num_tables,) int64: rows freed per local table.
@@ -359,8 +309,6 @@ class TieredStorage:
         return torch.bincount(gone.table_ids.cpu(), minlength=self.host.num_tables)
 
     def _drop_expired(self, keys: torch.Tensor, tids: torch.Tensor) -> None:
-        """Counts rows the host store found expired and erases their device-tier
-        copies (never written back: the row is dead)."""
         self.counts.each("expired", tids)
         self.layout.drop(keys, tids)
 
@@ -375,8 +323,7 @@ class TieredStorage:
 
     # ------------------------------------------------------------ upkeep
     def flush(self) -> None:
-        """Writes every device-tier row back to the host store (and makes the external
-        tier's writes durable)."""
+        """Writes every device-tier row back to the host store; makes the external tier durable."""
         for tier in self.layout.tables()[1:]:
             rows = tier.export_batch()
             self._write_back(rows.keys, rows.table_ids, rows.values)
@@ -395,17 +342,15 @@ class TieredStorage:
 
     def export(self, start: int = 0, count: Optional[int] = None,
                min_score: Optional[int] = None) -> Entries:
-        """Stored rows of host slots ``[start, start + count)`` (default: all) scoring
-        at least ``min_score``, current values (device-tier copies win), on the host
-        store's device; ``slots`` are host slots."""
+        """Rows of host slots ``[start, start + count)`` (default: all) scoring at least
+        ``min_score``, device-tier copies winning, on the host store's device."""
         rows = self.host.export_batch(start, count, min_score)
         self.layout.overlay(rows)
         return rows
 
     def import_rows(self, keys, tids, rows, scores, exact_scores: bool = False) -> None:
-        """Writes rows into the host store; stale device-tier copies are dropped.
-        ``exact_scores``: store ``scores`` as given whatever the strategy. With an
-        external tier, in chunks of a quarter of the host store (its victims go down)."""
+        """Writes rows into the host store (``exact_scores``: ``scores`` as given) and drops
+        stale device-tier copies; over an external tier, a quarter of the host store at a time."""
         chunk = max(self.host.bucket_capacity, self.host.max_capacity() // 4)
         below = self.external.holds_rows
         if below and keys.numel() > chunk:
@@ -426,8 +371,7 @@ class TieredStorage:
         self.layout.drop(result.evicted.keys, result.evicted.table_ids)
 
     def _imported_scores(self, keys, tids, scores, exact_scores):
-        """LFU counts given to ``import_rows`` add to the count of a row below, as
-        they would to a row in the host store."""
+        """LFU counts add to the count of a row below, as to one in the host store."""
         if exact_scores or self.host.score_strategy != DynamicEmbScoreStrategy.LFU:
             return scores, exact_scores
         absent = (self.host.find(keys, tids) < 0).nonzero().squeeze(1)
@@ -439,8 +383,7 @@ class TieredStorage:
         return scores, True
 
     def _import_below(self, keys, tids, result: InsertResult) -> None:
-        """After ``import_rows``: victims (current rows) go down; rows of imported keys
-        below are stale and deleted. Keys that found no host slot fail the import."""
+        """After ``import_rows``: victims go down, imported keys' rows below are deleted."""
         evicted = result.evicted
         if result.num_failed:
             raise ExternalStorageError(
@@ -455,9 +398,8 @@ class TieredStorage:
 
     def export_chunks(self, chunk_slots: int = 1 << 16,
                       min_score: Optional[int] = None) -> Iterator[Entries]:
-        """Every row of every tier scoring at least ``min_score``, at most
-        ``chunk_slots`` rows per item: the host store's slots (as ``export``), then
-        the external tier's rows (``slots`` -1)."""
+        """Every row of every tier scoring at least ``min_score``, at most ``chunk_slots`` per
+        item: the host store's (as ``export``), then the external tier's (``slots`` -1)."""
         start = 0
         while start < self.host.capacity():
             yield self.export(start, chunk_slots, min_score)
@@ -466,9 +408,8 @@ class TieredStorage:
 
     def or_below(self, keys: torch.Tensor, tids: torch.Tensor, stored: torch.Tensor,
                  asked: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``stored`` (n,) bool (the host store holds the key), or with an external
-        tier also where the store holds it, among the keys ``asked`` (default all):
-        the store is asked from the host."""
+        """``stored`` (n,) bool, or also where the external tier holds the key, among the keys
+        ``asked`` (default all); the store is asked from the host."""
         if not self.external.holds_rows:
             return stored
         absent = ~stored if asked is None else asked & ~stored
@@ -483,16 +424,14 @@ class TieredStorage:
 
     def rows_below(self, keys: torch.Tensor, tids: torch.Tensor,
                    width: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The positions among ``keys`` (keys the host store does not hold) whose row
-        the external tier holds, and the first ``width`` floats of those rows, on
-        ``device`` (read from the host)."""
+        """Positions among ``keys`` (absent from the host store) whose row the external tier
+        holds, and those rows' first ``width`` floats, on ``device``."""
         found, below = self.external.get(self._on_host(keys), self._on_host(tids))
         at = found.nonzero().squeeze(1).to(self.device)
         return at, below.rows[:, :width].to(self.device, torch.float32).contiguous()
 
     def clear_table(self, tid: int, chunk_slots: int = 1 << 20) -> None:
-        """Removes every row of local table ``tid`` from every tier (a group of one
-        table is emptied at once; otherwise its keys are erased chunk by chunk)."""
+        """Removes every row of local table ``tid`` from every tier."""
         self.external.clear_table(tid, only_table=self.host.num_tables == 1)
         if self.host.num_tables == 1:
             for table in self.layout.tables():
@@ -509,15 +448,12 @@ class TieredStorage:
 
     @property
     def metrics(self) -> List[TierMetrics]:
-        """Per logical table, the traffic between the tiers so far (read from the
-        device: a host sync on a GPU, so read it when needed, not every batch)."""
+        """Per logical table, the traffic between the tiers so far (a sync on a GPU)."""
         self._settle_step_outcomes()
         return self.counts.read()
 
     def _settle_step_outcomes(self) -> None:
-        """A one-table group's steps as metrics, from the tables' totals of them
-        (``commit``): every unique key is a lookup and, once stored, a hit or a miss
-        as the layout says; the host store's evictions and expired rows."""
+        """A one-table group's step totals (``commit``) as metrics."""
         if self.host.num_tables > 1:
             return
         hits, inserted, evicted, failed, expired, _ = self.host.outcome_totals().take("metrics")
@@ -528,7 +464,6 @@ class TieredStorage:
         self.layout.settle(lookups - failed)
 
     def _count_below(self, field: str, tids: torch.Tensor, at: Optional[torch.Tensor]) -> None:
-        """Counts the keys ``tids[at]`` (all of ``tids`` when ``at`` is None)."""
         if at is not None:
             tids = tids[at.to(tids.device)]
         self.counts.each(field, tids)

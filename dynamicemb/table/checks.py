@@ -23,9 +23,8 @@ def check_keys(keys: torch.Tensor) -> None:
 
 
 def check_batch_types(indices, offsets, weights, weights_allowed: str = "") -> None:
-    """Raises unless ``indices`` and ``offsets`` are 1-D int32/int64 tensors and
-    ``weights`` is None or a floating-point tensor; ``weights_allowed``, when not
-    empty, says why weights are refused (e.g. the module's pooling)."""
+    """Raises unless ``indices`` and ``offsets`` are 1-D int32/int64 and ``weights`` is None
+    or floating point; a non-empty ``weights_allowed`` says why weights are refused."""
     for name, t in (("indices", indices), ("offsets", offsets)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -44,18 +43,9 @@ def check_batch_types(indices, offsets, weights, weights_allowed: str = "") -> N
 def check_frequencies(frequencies: Optional[torch.Tensor], n: int, device: torch.device,
                       like: str = "keys", int32: bool = False,
                       check_values: bool = True) -> Optional[torch.Tensor]:
-    """``frequencies`` as a contiguous int64 tensor on ``device``, or None.
-
-    Args:
-        frequencies: (n,) int64 (or int32 where ``int32``) >= 1, the occurrences
-            each key stands for.
-        n: the number of keys.
-        device: where the result goes.
-        like: what the shape must match, for the message.
-        int32: accept int32 too (the module takes TorchRec's id dtypes; the table
-            takes int64 only).
-        check_values: check that every count is >= 1 (reads them on the host: the
-            module's GPU step does not).
+    """``frequencies`` ((n,) int64, or int32 where ``int32``; each >= 1) as a contiguous
+    int64 tensor on ``device``, or None. ``like`` names the shape for the message;
+    ``check_values`` reads the counts on the host (a GPU step does not).
 
     Raises:
         TypeError, ValueError: on a wrong dtype, shape or a count below 1.
@@ -95,14 +85,7 @@ def table_ids_as_int16(table_ids: torch.Tensor, n: int, num_tables: int) -> torc
 
 @dataclass(frozen=True)
 class TableInputs:
-    """The argument checks of ``ScoredHashTable``'s verbs (on its device, number of
-    tables, score strategy and value rows); a bad argument raises before any change.
-
-    Attributes:
-        device: the table's device; num_tables: its logical tables.
-        score_strategy: its strategy; rule: its ``ScoreRule``.
-        value_dim, value_dtype: its value rows.
-    """
+    """The argument checks of ``ScoredHashTable``'s verbs (raising before any change)."""
 
     device: torch.device
     num_tables: int
@@ -113,9 +96,8 @@ class TableInputs:
 
     def table_ids(self, table_ids: Optional[torch.Tensor], n: int,
                    checked: bool = False) -> torch.Tensor:
-        """The ids as the kernels take them. ``checked``: the caller built them in range
-        (the storage and the module do), so they are not read on the host: on a GPU
-        the range check is a sync."""
+        """The kernels' int16 ids; ``checked``: built in range by the caller, not read on the
+        host (a GPU sync)."""
         if table_ids is None:
             return torch.zeros(n, dtype=torch.int16, device=self.device)
         if checked and table_ids.shape == (n,):
@@ -128,16 +110,15 @@ class TableInputs:
         return self.here(keys, "keys").contiguous()
 
     def here(self, t: torch.Tensor, name: str) -> torch.Tensor:
-        """``t`` if it is on the table's device (kernels take raw pointers: a tensor
-        elsewhere would be read as this device's memory)."""
+        """``t``, if on the table's device (kernels take raw pointers)."""
         if t.device != self.device:
             raise ValueError(f"{name} are on {t.device}, the table on {self.device}")
         return t
 
     def given_scores(self, scores: Optional[torch.Tensor], n: int,
                       exact: bool = False, checked: bool = False) -> Optional[torch.Tensor]:
-        """CUSTOMIZED: the scores (required). LFU: occurrence counts to add (default 1).
-        ``exact``: the scores to store, whatever the strategy (required)."""
+        """CUSTOMIZED: the scores (required). LFU: counts to add (default 1). ``exact``: the
+        scores to store, whatever the strategy (required)."""
         customized = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED or exact
         lfu = self.rule in (ScoreRule.COUNT, ScoreRule.COUNT_THEN_CLOCK) and not exact
         if scores is None:

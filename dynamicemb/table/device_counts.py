@@ -1,10 +1,5 @@
-"""Values that kernels change in device memory and the host reads only when asked.
-
-A training step that must not wait for the device (and that a CUDA graph may
-replay with no Python running) keeps its running counts and its counters in device
-memory. The host reads them when someone asks (a sync), and cannot tell whether a
-replay changed them since: once kernels hold them, every read goes to the device.
-"""
+"""Values that kernels change in device memory and the host reads only when asked (a
+sync), so that a step need not wait for the device and a CUDA graph can replay it."""
 
 from typing import Any, Dict, List, Optional
 
@@ -21,15 +16,8 @@ def capturing() -> bool:
 
 
 class _Advancers:
-    """The streams whose kernels were handed a device value since the host last read
-    it: a host read or write on another stream first waits for each of them (reading
-    waits only for the current stream; a prefetch on a side stream may still be
-    advancing the value).
-
-    Args:
-        device: where the value is.
-        streams: the stream API (``dynamicemb.ops.streams``; None on a CPU).
-    """
+    """The streams whose kernels were handed a device value since the host last read it;
+    a host read or write on another stream first waits for them."""
 
     def __init__(self, device: torch.device, streams: Optional[Any] = None) -> None:
         self._api = streams if streams is not None else streams_for(device)
@@ -44,9 +32,8 @@ class _Advancers:
                 self._streams.append(current)
 
     def settle(self) -> None:
-        """Before the host reads or writes the value on the current stream: that stream
-        waits for the others that advanced it (none while a graph is captured: a
-        capture cannot wait for work outside it, and the host reads nothing then)."""
+        """Before the host reads or writes the value: the current stream waits for the others
+        that advanced it (not while a graph is captured: a capture cannot wait outside it)."""
         if self._api is None or not self._streams or self._api.is_current_stream_capturing():
             return
         current = self._api.current_stream(self._device)
@@ -57,16 +44,8 @@ class _Advancers:
 
 
 class DeviceTotals:
-    """Counts that kernels add to, call after call, in one (width,) int64 tensor.
-
-    Each reader takes what was added since it last took (one sync): the table its
-    size and statistics, the storage its traffic metrics.
-
-    Args:
-        width: how many counts.
-        device: where the kernels run.
-        streams: the stream API (default the device's; given by tests).
-    """
+    """Counts that kernels add to, in one (``width``,) int64 tensor; each reader ``take``s
+    what was added since it last took. ``streams``: the stream API (tests give one)."""
 
     def __init__(self, width: int, device: torch.device, streams: Optional[Any] = None) -> None:
         self._tensor = torch.zeros(width, dtype=torch.int64, device=device)
@@ -89,18 +68,9 @@ class DeviceTotals:
 
 
 class DeviceCounters:
-    """int64 counters that the host sets and kernels advance (a clock, a step count).
-
-    The host's values hold until a kernel is handed the device copy (``on_device``,
-    which first writes the host's values there: one ``fill_`` each, no sync); from
-    then on the device's hold, and ``values`` reads them (a sync) until the host sets
-    them again.
-
-    Args:
-        values: the first values.
-        device: where the kernels run.
-        streams: the stream API (default the device's; given by tests).
-    """
+    """int64 counters (a clock, a step count) that the host sets and kernels advance: the
+    host's values hold until ``on_device`` hands the device copy to kernels (a ``fill_``
+    each, no sync), then the device's (a sync to read) until the host sets them again."""
 
     def __init__(self, values: List[int], device: torch.device,
                  streams: Optional[Any] = None) -> None:
@@ -113,8 +83,7 @@ class DeviceCounters:
         self._state = _HOST
 
     def _read(self) -> None:
-        """The device's values into the host's, when kernels hold them (a sync, after
-        every stream that advanced them)."""
+        """The device's values into the host's, when kernels hold them (a sync)."""
         if self._state == _DEVICE:
             self._advancers.settle()
             self._values = self._tensor.tolist()
@@ -130,24 +99,18 @@ class DeviceCounters:
         return self._values[index]
 
     def held_on_host(self) -> bool:
-        """Whether the host's values hold (set since kernels last had them): reading
-        them then costs nothing."""
+        """Whether the host's values hold (reading them costs nothing)."""
         return self._state == _HOST
 
     def set(self, index: int, value: int) -> None:
-        """Sets one counter on the host (the device copy is written when next needed)."""
+        """Sets one counter on the host (written to the device when next needed)."""
         self._read()
         self._values[index] = value
         self._state = _HOST
 
     def on_device(self) -> torch.Tensor:
-        """The device copy, for kernels that read and advance it.
-
-        Raises:
-            RuntimeError: when the host set the counters since the last step and the
-                stream is being captured into a CUDA graph: the write would be part
-                of the graph and every replay would set them back.
-        """
+        """The device copy, for kernels that read and advance it. RuntimeError if the host set
+        the counters and a CUDA graph is being captured (its replays would set them back)."""
         if self._tensor is None:
             self._tensor = torch.zeros(len(self._values), dtype=torch.int64, device=self._device)
         if self._state == _HOST:
@@ -168,17 +131,9 @@ _HOST, _DEVICE = 0, 1
 
 
 class CountsCopy:
-    """Device counts copied to host memory without waiting, read once they arrived.
-
-    ``start`` enqueues the copies (into pinned memory on a GPU, then an event); a
-    later ``arrived`` returns the values if the event has completed and None while
-    they are on the way: the host never waits. On the CPU the copy is done when
-    ``start`` returns. One copy is on the way at a time.
-
-    Args:
-        width: how many int64 values.
-        device: where the counts are.
-    """
+    """Device counts copied to host memory without waiting: ``start`` enqueues the copy
+    (pinned memory and an event on a GPU; done at once on a CPU), ``arrived`` returns
+    the values once it completed, else None. One copy is on the way at a time."""
 
     def __init__(self, width: int, device: torch.device) -> None:
         self._host = torch.zeros(width, dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -199,8 +154,7 @@ class CountsCopy:
         self.on_the_way = True
 
     def arrived(self) -> Optional[List[int]]:
-        """The values of the copy on the way once it has arrived (then it is no longer
-        on the way); None while it travels or when none was started."""
+        """The copy's values once it arrived (then no longer on the way), else None."""
         if not self.on_the_way or (self._event is not None and not self._event.query()):
             return None
         self.on_the_way = False

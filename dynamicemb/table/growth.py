@@ -1,13 +1,5 @@
-"""When a table grows, decided on the host without waiting for the device.
-
-What decides growth and reports failed inserts reaches the host late: after an
-inserting call its size and outcome totals start for host memory (``CountsCopy``)
-and a later call reads them once they arrived (on the CPU, where reads are free,
-the call itself). The table grows ahead of need, by an upper bound of its size,
-and while it may still grow a full bucket fails its key instead of evicting; a
-call that reads its failures undoes itself, grows and runs again.
-docs/ARCHITECTURE.md, "Growth and failed inserts".
-"""
+"""When a table grows, decided on the host without waiting for the device
+(docs/ARCHITECTURE.md, "Growth and failed inserts")."""
 
 import logging
 from typing import Callable, List
@@ -20,32 +12,18 @@ __all__ = ["DEVICE_TOTALS", "GrowthWatch", "OUTCOMES", "ERASED"]
 
 logger = logging.getLogger("dynamicemb.table.scored_hash_table")  # the table's messages
 
-# The inserting calls' totals in device memory: hits, inserted, evicted, failed
-# (an upsert's InsertStatus counts), hits on expired rows (status INSERTED, counted
-# apart), then keys erased.
+# The inserting calls' totals in device memory: the InsertStatus counts, hits on
+# expired rows (status INSERTED, counted apart), then keys erased.
 DEVICE_TOTALS = 6
 OUTCOMES = slice(0, 5)  # what an inserting call adds to
 ERASED = slice(5, 6)
 
 
 class GrowthWatch:
-    """A table's growth policy: an upper bound of its size and the failed inserts
-    it has learnt of, read from the device when they arrive.
-
-    The bound is the size read plus every key given to inserting calls since the
-    copy was taken, or the host's own count where the host set it since.
-
-    Args:
-        memory: the table's arrays (``can_grow``, ``capacity``).
-        stored: its size, in device memory.
-        totals: its inserting calls' outcome totals, in device memory.
-        check_mode: what a failed insert does.
-        evicts: whether the table's strategy evicts from a full bucket.
-        max_load_factor: the load above which it grows.
-        free_host_reads: the backend reads device memory for free (the CPU).
-        grow: doubles the table.
-        failure_message: ``failure_message(failed, keys)``, for WARNING's log.
-    """
+    """A table's growth policy: an upper bound of its size (the size read plus keys given
+    since the copy, or the host's own count) and the failed inserts it learnt of.
+    ``stored`` and ``totals`` are the table's device counts; ``free_host_reads``: read
+    them at once (the CPU); ``failure_message(failed, keys)`` for WARNING's log."""
 
     def __init__(self, memory: TableMemory, stored: DeviceCounters, totals: DeviceTotals,
                  check_mode: DynamicEmbCheckMode, evicts: bool, max_load_factor: float,
@@ -67,18 +45,14 @@ class GrowthWatch:
 
     @property
     def watched(self) -> bool:
-        """Whether inserting calls need what the watch learns: the table may grow, or
-        failed inserts are reported."""
+        """Whether the table may grow or reports failed inserts."""
         return self.memory.can_grow or self.check_mode != DynamicEmbCheckMode.IGNORE
 
     def before_insert(self, n: int, exact: bool = False) -> bool:
-        """Before an inserting call of ``n`` keys: reads the counts an earlier call
-        copied if they arrived (nothing waits), grows once for failed inserts it
-        learnt of and while the size's bound plus ``n`` exceeds ``max_load_factor``
-        of the capacity (growth reads the device: once per doubling); ``exact`` (the
-        table's own verbs, which read the device anyway): while the size itself
-        exceeds it. Returns whether a full bucket evicts: never while the table may
-        grow (the key fails instead)."""
+        """Before an inserting call of ``n`` keys: takes arrived counts (no wait), grows for
+        failed inserts and while the size's bound plus ``n`` (``exact``: the size itself)
+        exceeds ``max_load_factor`` of the capacity. Returns whether a full bucket evicts:
+        never while the table may grow (the key fails instead)."""
         memory = self.memory
         if not self.watched:
             return self.evicts
@@ -101,8 +75,8 @@ class GrowthWatch:
         return self.evicts and not memory.can_grow
 
     def after_insert(self) -> None:
-        """After an inserting call's kernels: its size and totals start for the host
-        (unless a copy is on the way still); on the CPU they are read at once."""
+        """After an inserting call's kernels: its size and totals start for the host (unless
+        a copy is on the way); on the CPU they are read at once."""
         if not self.watched or capturing() or self.copy.on_the_way:
             return
         self.copy.start(self.stored.on_device(), self.totals.tensor[OUTCOMES])
@@ -111,8 +85,7 @@ class GrowthWatch:
             self.read()
 
     def read(self) -> None:
-        """Takes the copied counts if they arrived: the size's bound, and the failed
-        inserts since the last copy (logged in WARNING mode)."""
+        """Takes the copied counts if they arrived (failed inserts logged in WARNING mode)."""
         arrived = self.copy.arrived()
         if arrived is None:
             return

@@ -1,8 +1,4 @@
-"""The two-phase insert (``ScoredHashTable.prepare_find_or_insert``): the prepared
-call, and its commit (the value rows and the call's result) or abort.
-
-A ``PendingInsert`` reaches its table only through ``InsertingTable``, the table's
-small interface for it."""
+"""The two-phase insert: a prepared call (``PendingInsert``) and its commit or abort."""
 
 from typing import List, Optional, Protocol
 
@@ -15,8 +11,7 @@ __all__ = ["InsertingTable", "PendingInsert"]
 
 
 class InsertingTable(Protocol):
-    """What a ``PendingInsert`` asks of its table (``ScoredHashTable``): its memory,
-    and the bookkeeping of a commit or an abort, which the table owns."""
+    """What a ``PendingInsert`` asks of its ``ScoredHashTable``."""
 
     device: torch.device
     value_dim: int
@@ -30,27 +25,17 @@ class InsertingTable(Protocol):
 
 
 class PendingInsert:
-    """A prepared inserting call: keys, scores and slots are decided, value rows not
-    yet. ``commit()`` finishes it, ``abort()`` undoes it; until then every other verb
-    of its table raises.
+    """A prepared inserting call: keys, scores and slots decided, value rows not yet.
+    ``commit()`` finishes it, ``abort()`` undoes it; until then its table's other verbs
+    raise. Its table is reached only through ``InsertingTable``.
 
     Args:
-        table: the ``ScoredHashTable`` it belongs to (``InsertingTable``).
-        upserted: what the pass decided.
-        error: the step's input-check word (a refused batch changed nothing), or
-            None.
-        ticked_step: the call advanced the table's step with its clock (a
-            deduplicating call's kernels do; ``abort`` takes both back).
+        ticked_step: the call advanced the step with the clock (``abort`` takes both back).
         counts_of_dedup: (n,) a dedup's counts (0: padding, not in the pass), or None.
         admitted: (n,) bool, the keys an admission let into the pass, or None.
-        outcomes: (5,) int64 in device memory, the call's own counts (hits,
-            inserted, evicted, failed, expired hits: the table's verbs), or None
-            (a step's call, which adds to the table's running totals).
-        rows: the rows to write at the keys' slots (``insert_or_assign``; the last
-            of a repeated key wins), else None.
-        zero_new: zero the rows of new keys (``find_or_insert``); False: the caller
-            writes them (``Backend.init_rows``).
-        read_evicted: the result carries the evicted entries with their rows.
+        outcomes: (5,) int64 on the device, the call's own counts, or None (a step's
+            call adds to the table's running totals).
+        rows: rows to write at the keys' slots (a repeated key's last wins), or None.
     """
 
     def __init__(self, table: InsertingTable, upserted: Upserted, *,
@@ -78,16 +63,14 @@ class PendingInsert:
         return self.upserted.slots
 
     def taken(self, mask: torch.Tensor) -> torch.Tensor:
-        """``mask`` over the keys the pass took: not a dedup's padding (count 0) nor
-        a key the admission left out."""
+        """``mask`` over the keys the pass took (not padding, not left out by admission)."""
         if self.counts_of_dedup is not None:
             mask = mask & (self.counts_of_dedup > 0)
         return mask if self.admitted is None else mask & self.admitted
 
     def counts(self) -> List[int]:
-        """How many keys the pass took were hits, inserted (into empty slots),
-        evicted and inserted, failed, and hits on expired rows: read on the host
-        (one sync on a GPU, the first time: only a caller that must know asks)."""
+        """Hits, inserted (into empty slots), evicted and inserted, failed, and hits on
+        expired rows, among the keys the pass took: read on the host once (a GPU sync)."""
         if self._counts is None and self.outcomes is not None:
             self._counts = self.outcomes.tolist()
         elif self._counts is None:
@@ -120,8 +103,7 @@ class PendingInsert:
         return self.taken(inserted_mask(self.upserted.status))
 
     def evicted(self) -> Entries:
-        """The entries this call evicts, with their rows, read before ``commit`` (which
-        overwrites them); in input order of the keys that evict them."""
+        """The entries this call evicts, with rows (read before ``commit`` overwrites them)."""
         upserted = self.upserted
         positions = self._positions(
             self.taken(upserted.status == InsertStatus.EVICTED_AND_INSERTED),
@@ -133,8 +115,7 @@ class PendingInsert:
                        values=self.table.memory.values[slots])
 
     def _positions(self, mask: torch.Tensor, *counted: int) -> torch.Tensor:
-        """The positions of ``mask``; sized by the ``counted`` entries of ``counts()``
-        where the call read them already (no second sync on a GPU)."""
+        """The positions of ``mask``, sized by ``counts()`` where read (no second sync)."""
         if self._counts is None:
             return mask.nonzero().squeeze(1)
         size = sum(self._counts[c] for c in counted)
@@ -167,7 +148,7 @@ class PendingInsert:
         self.table.undo_insert(self)
 
     def _assign_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """values[slots[i]] = rows[i] for landed keys; the last of duplicates wins."""
+        """values[slots[i]] = rows[i] where the key landed; the last duplicate wins."""
         positions = (slots >= 0).nonzero().squeeze(1)
         if positions.numel() == 0 or self.table.value_dim == 0:
             return

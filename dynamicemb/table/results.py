@@ -24,8 +24,7 @@ class TableStats:
 
 
 def inserted_mask(status: torch.Tensor) -> torch.Tensor:
-    """(n,) bool: status INSERTED or EVICTED_AND_INSERTED (1 or 2): status - 1 seen
-    as uint8 is below 2 (HIT wraps to 255), two ops where compares take three."""
+    """(n,) bool: status INSERTED or EVICTED_AND_INSERTED (status - 1 as uint8 < 2: two ops)."""
     return (status - InsertStatus.INSERTED).view(torch.uint8) < 2
 
 
@@ -35,13 +34,10 @@ class InsertResult(NamedTuple):
     Shape:
         slots: (n,) int64, -1 where the insert failed; status: (n,) int8
         ``InsertStatus``; prev_scores: (n,) int64, the score a hit found (-1: a new
-        key's slot); evicted: the entries the call evicted (``Entries``, in input
-        order of the keys that evicted them), None unless the verb reads them
-        (``find_or_insert``, ``insert_and_evict``).
+        key); evicted: the evicted ``Entries``, None unless the verb reads them.
 
-    The masks and counts below are read from ``status`` (the counts on the host:
-    a sync on a GPU). A deduplicating step's call has padding past its unique keys
-    (status FAILED): its caller reads statuses, not these counts.
+    The counts below are read on the host (a GPU sync). A deduplicating step's call
+    has padding past its unique keys (status FAILED): read statuses, not counts.
     """
 
     slots: torch.Tensor
@@ -90,6 +86,5 @@ class Expired(NamedTuple):
 
 
 def expired_hits(upserted: Upserted) -> torch.Tensor:
-    """(n,) bool: the keys of a pass that hit a row expired at its time (status
-    INSERTED with a previous score: a new key's is -1)."""
+    """(n,) bool: a pass's hits on rows expired at its time (INSERTED, prev score >= 0)."""
     return (upserted.status == InsertStatus.INSERTED) & (upserted.prev_scores >= 0)

@@ -1,12 +1,5 @@
-"""``ScoredHashTable``: (table id, int64 key) -> slot, with a score per slot.
-
-The contract (geometry, hash, score rules, the inserting procedure) is written
-out in ``docs/ARCHITECTURE.md``, "The scored hash table". This module owns the
-policy (growth for load, the clock, failures, stats); the backend's verbs
-(``dynamicemb.ops``) own the table's memory layout and walk it. The prepared insert
-and its commit are ``table/pending.py``, the growth policy ``table/growth.py``, the
-argument checks ``table/checks.py``.
-"""
+"""``ScoredHashTable``: the policy (growth, clock, failures, stats) over the backend's verbs.
+The contract is docs/ARCHITECTURE.md, "The scored hash table"."""
 
 import logging
 from typing import Callable, Optional, Tuple
@@ -36,8 +29,8 @@ MAX_TABLES = 32767
 
 
 def hash_keys(keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
-    """(n,) int64: the table's 64-bit hash (bit-cast) of (n,) int64 ``keys`` in
-    tables ``table_ids`` (n,) int16/int32/int64 in [0, MAX_TABLES)."""
+    """(n,) int64: the table's 64-bit hash (bit-cast) of (n,) int64 ``keys`` in tables
+    ``table_ids`` (n,) int16/int32/int64 in [0, MAX_TABLES)."""
     check_keys(keys)
     tids = table_ids_as_int16(table_ids, keys.numel(), MAX_TABLES)
     return for_device(keys.device).hash_keys(keys=keys.contiguous(), table_ids=tids)
@@ -47,8 +40,7 @@ class ScoredHashTable:
     """A bucketed hash table from (table id, int64 key) to a slot and a score.
 
     Several logical tables share one physical table; value rows live in ``values``
-    (``[capacity, value_dim]``) by slot. ``docs/ARCHITECTURE.md``, "The scored hash
-    table".
+    (``[capacity, value_dim]``) by slot.
 
     Args:
         num_tables: logical tables sharing this one (1 to 32767).
@@ -59,16 +51,14 @@ class ScoredHashTable:
             fraction of capacity (up to ``max_capacity``), in (0, 1].
         max_capacity: the most slots growth may reach (default ``capacity``),
             rounded up like ``capacity``.
-        value_dim: width of a value row (0: keys only).
-        value_dtype: dtype of the value rows.
+        value_dim, value_dtype: a value row's width (0: keys only) and dtype.
         check_mode: what a failed insert does (see ``DynamicEmbCheckMode``).
         device: where the tensors live (CPU or CUDA).
         values_in_host_memory: value rows in host memory that the device's kernels
             use in place (CUDA: pinned and mapped; the index stays on the GPU).
-        ttl: row lifetime in ticks of ``now`` (None: none). A row last accessed more
+        ttl: row lifetime in ticks of ``now`` (None: none); a row last accessed more
             than ``ttl`` ticks before a call's time is absent to it (an insert gives
-            it a fresh row, counted in ``expired``); ``expire()`` frees such rows.
-            Needs LRU, STEP, NO_EVICTION or LRU_LFU scores.
+            it a fresh row). Needs LRU, STEP, NO_EVICTION or LRU_LFU scores.
 
     Example::
 
@@ -116,10 +106,8 @@ class ScoredHashTable:
         check_ttl(ttl, self.score_strategy)
         self.ttl = ttl
         self.check_mode = DynamicEmbCheckMode(check_mode)
-        # Whether a step's call reads its failed inserts in the call and, while the
-        # table may grow, grows and runs again (as ERROR mode does): set by a caller
-        # that needs every key stored (an external tier's host store: a key without
-        # a slot could not take its row back from below).
+        # A step's call reads its failed inserts, grows and reruns (as ERROR mode does):
+        # set where every key must be stored (an external tier's host store).
         self.grows_for_failures = False
         self.max_load_factor = float(max_load_factor)
         self.value_dim = value_dim
@@ -135,14 +123,10 @@ class ScoredHashTable:
             max_num_buckets=num_buckets_for(max_capacity, bucket_capacity),
             bucket_capacity=bucket_capacity, value_dim=value_dim, value_dtype=value_dtype,
             device=self.device, values_in_host_memory=values_in_host_memory)
-        # the keys stored, and the clock and the step: set on the host, advanced in
-        # device memory by the inserting calls' kernels (so that a CUDA graph's
-        # replays advance them)
+        # set on the host, advanced on the device by the kernels (and a graph's replays)
         self._stored = DeviceCounters([0], self.device)
         self._time = TableTime(self.score_strategy, ttl, self.device)
-        # what the calls counted on the device (hits, inserted, evicted, failed,
-        # expired, erased), which the stats take when read (made here: a CUDA graph
-        # capturing the first call would otherwise zero them at every replay)
+        # made here: a CUDA graph capturing the first call would zero them at each replay
         self._outcome_totals = DeviceTotals(DEVICE_TOTALS, self.device)
         self._watch = GrowthWatch(self._memory, self._stored, self._outcome_totals,
                                   self.check_mode, self._evicts, self.max_load_factor,
@@ -153,8 +137,7 @@ class ScoredHashTable:
     # ----------------------------------------------------------------- state
     @property
     def stats(self) -> TableStats:
-        """Running counts of what the table did (never reset by ``clear``). Reading
-        them reads what the calls counted on the device (one sync)."""
+        """Running counts (never reset by ``clear``); reading them is a sync."""
         self._settle_device_counts()
         return self._stats
 
@@ -168,8 +151,7 @@ class ScoredHashTable:
 
     @property
     def memory(self) -> TableMemory:
-        """The table's arrays, for the storage's kernels (a call that grows the table
-        replaces them: hold the table, not this)."""
+        """The table's arrays, for the storage's kernels (growth replaces them: hold the table)."""
         return self._memory
 
     @property
@@ -189,8 +171,7 @@ class ScoredHashTable:
 
     @property
     def generation(self) -> int:
-        """Changes whenever a slot returned earlier may now hold another key or none:
-        on growth, eviction, erase and clear. Equal generations: slots still valid."""
+        """Changes when a slot returned earlier may hold another key or none."""
         return self._generation
 
     @property
@@ -223,8 +204,7 @@ class ScoredHashTable:
         return self._memory.scores[slots]
 
     def set_scores_at(self, slots: torch.Tensor, scores: torch.Tensor) -> None:
-        """Overwrites the (n,) int64 scores of (n,) int64 occupied slots (rows that
-        come back from a tier below)."""
+        """Overwrites the (n,) int64 scores of (n,) int64 occupied slots."""
         self._check_idle()
         self._memory.scores[slots] = self._inputs.here(scores, "scores").to(torch.int64)
 
@@ -236,8 +216,7 @@ class ScoredHashTable:
 
     @property
     def now(self) -> int:
-        """The table's time, which scores record and ``ttl`` counts: the step with
-        STEP scores, else the clock (the latest inserting call's)."""
+        """The time scores record and ``ttl`` counts: the step with STEP scores, else the clock."""
         return self._time.now
 
     @property
@@ -246,8 +225,7 @@ class ScoredHashTable:
         return self._time.next_time
 
     def time_of(self, scores: torch.Tensor) -> torch.Tensor:
-        """(n,) int64 last-access times of (n,) scores: the score itself, or
-        LRU_LFU's low 32 bits."""
+        """(n,) int64 last-access times of scores: the score, or LRU_LFU's low 32 bits."""
         return self._time.time_of(scores)
 
     def expired_before(self, time: int) -> int:
@@ -259,8 +237,7 @@ class ScoredHashTable:
         self._time.set_step(step)
 
     def set_clock(self, clock: int) -> None:
-        """Sets the logical clock (restoring a checkpoint): the next inserting call
-        scores LRU keys ``clock + 1``."""
+        """Sets the clock (restoring a checkpoint): the next call scores LRU keys ``clock + 1``."""
         self._check_idle()
         self._time.set_clock(clock)
 
@@ -280,10 +257,10 @@ class ScoredHashTable:
         Args:
             keys (Tensor): (n,) int64.
             table_ids (Tensor, optional): (n,) int32/int64; None means table 0.
-            checked: ``table_ids`` are int16 and in range, built by the caller
-                (skips the range check, a host sync on a GPU).
+            checked: ``table_ids`` are int16 and in range, built by the caller (skips the
+                range check, a host sync on a GPU).
             at_time: with a ``ttl``, rows expired at this time are absent (default
-                ``now``; ``next_time`` asks what the next inserting call will see).
+                ``now``; ``next_time``: what the next inserting call will see).
 
         Returns:
             (n,) int64 slots, -1 where the key is absent.
@@ -318,7 +295,7 @@ class ScoredHashTable:
             table_ids (Tensor, optional): (n,) int32/int64; None means table 0.
             scores (Tensor, optional): (n,) int64 >= 0, only with CUSTOMIZED.
             checked: ``table_ids`` (int16) and ``scores`` were built in range by the
-                caller: not read on the host (see ``find``).
+                caller: not read on the host.
 
         Returns:
             ``InsertResult`` with the evicted entries read out.
@@ -344,8 +321,7 @@ class ScoredHashTable:
             scores (Tensor, optional): (n,) int64 >= 0, only with CUSTOMIZED (LFU:
                 counts added), unless ``exact_scores``.
             exact_scores: store ``scores`` as given whatever the strategy (restoring
-                saved rows: an LRU key keeps its saved clock value, an LFU key its
-                count). The call still advances the clock (see ``set_clock``).
+                saved rows); the call still advances the clock.
 
         Returns:
             ``InsertResult`` with ``evicted=None``.
@@ -383,15 +359,13 @@ class ScoredHashTable:
         self, start: int = 0, count: Optional[int] = None, min_score: Optional[int] = None,
         *, include_expired: bool = False,
     ) -> Entries:
-        """Occupied slots of ``[start, start + count)`` whose score is >= ``min_score``;
-        rows expired at ``now`` (``ttl``) are skipped.
+        """Occupied slots of ``[start, start + count)``, rows expired at ``now`` left out.
 
         Args:
             start: first slot.
-            count: number of slots to scan (default: to the end).
-            min_score: keep only entries scoring at least this (default: all); with
-                LRU_LFU, whose time at least this (``time_of``: upstream's incremental
-                dump thresholds on the timestamp too).
+            count: slots to scan (default: to the end).
+            min_score: keep only entries scoring at least this (default: all); LRU_LFU
+                compares the score's time (``time_of``).
             include_expired: also rows expired but not swept yet (to erase them).
 
         Returns:
@@ -416,9 +390,14 @@ class ScoredHashTable:
         )
 
     def expire(self) -> Expired:
-        """TTL sweep (one kernel pass): frees every row last accessed more than
-        ``ttl`` ticks before ``now``; returns them (``Expired``, slot order). Raises
-        ``ValueError`` without a ``ttl``."""
+        """TTL sweep: frees every row last accessed more than ``ttl`` ticks before ``now``.
+
+        Returns:
+            ``Expired``, in slot order.
+
+        Raises:
+            ValueError: the table has no ``ttl``.
+        """
         self._check_idle()
         if self.ttl is None:
             raise ValueError("expire() needs a table built with a ttl")
@@ -439,17 +418,10 @@ class ScoredHashTable:
 
     # ----------------------------------------------------------------- growth
     def release_graphs(self) -> None:
-        """Declares that no CUDA graph captured over this table replays any more: it
-        may grow again (capture anew after growth)."""
+        """No CUDA graph captured over this table replays any more: it may grow again."""
         self._watch.captured = False
 
     def _grow(self) -> None:
-        """Doubles the buckets; every entry keeps its offset in the bucket.
-
-        Raises:
-            RuntimeError: a CUDA graph captured a call of this table (growth would
-                free the arrays its replays use) and ``release_graphs`` was not called.
-        """
         if self._watch.captured:
             raise RuntimeError(
                 "this table must grow, but a CUDA graph captured it and its replays use "
@@ -469,13 +441,10 @@ class ScoredHashTable:
         *,
         checked: bool = False,
     ) -> "PendingInsert":
-        """First phase of ``find_or_insert``: keys, scores and slots are decided, value
-        rows are not touched yet. Lets a caller make several tables' inserts atomic:
-        ``commit()`` every pending insert, or ``abort()`` them all (newest first).
-
-        Until the returned insert is committed or aborted, every other verb of this
-        table raises ``RuntimeError``. Failed inserts are reported here (ERROR mode
-        undoes and raises).
+        """First phase of ``find_or_insert``: keys, scores and slots decided, value rows not
+        yet, so a caller can make several tables' inserts atomic (``commit()`` all, or
+        ``abort()`` all, newest first). Until then the table's other verbs raise
+        ``RuntimeError``. ERROR mode undoes and raises here.
 
         Returns:
             ``PendingInsert``; ``commit()`` returns what ``find_or_insert`` returns.
@@ -494,28 +463,26 @@ class ScoredHashTable:
         part: Optional[BatchPart] = None,
         table_scores: Optional[torch.Tensor] = None,
     ) -> Tuple[Deduplicated, PendingInsert]:
-        """The training step's insert: the dedup of a batch that may repeat keys and
-        ``prepare_find_or_insert`` of its unique pairs, nothing read on the host (the
-        clock and step advance in device memory, the counts go to ``outcome_totals``;
-        the rows of new keys are the caller's). LFU adds each pair's count to its
-        score. Arrays have N entries, padded past the unique pairs. ``dedup_batch``
-        then ``prepare_insert`` is the same call with a choice of keys between.
+        """The training step's insert: dedup of a batch, then ``prepare_find_or_insert`` of
+        its unique pairs, nothing read on the host (clock and step advance on the device,
+        counts go to ``outcome_totals``, new keys' rows are the caller's). LFU adds each
+        pair's count to its score.
 
         Args:
             keys (Tensor): (N,) int64.
             table_ids (Tensor, optional): (N,) int16/int32/int64; None means table 0.
-            frequencies (Tensor, optional): (N,) int64 >= 1, occurrences each key
-                stands for (summed into ``counts``); None means 1 each.
-            checked: ``table_ids`` (int16) and ``frequencies`` were built or checked
-                by the caller: not read on the host (see ``find``).
-            error (Tensor, optional): (1,) int64, the step's input-check word: when
-                set, the call changes nothing.
+            frequencies (Tensor, optional): (N,) int64 >= 1, occurrences each key stands
+                for (summed into ``counts``); None means 1 each.
+            checked: ``table_ids`` (int16) and ``frequencies`` were built or checked by
+                the caller: not read on the host.
+            error (Tensor, optional): (1,) int64, the step's input-check word: when set,
+                the call changes nothing.
             part (``BatchPart``, optional): the call takes only these keys.
             table_scores (Tensor, optional): (num_tables,) int64 >= 0, each logical
                 table's score (CUSTOMIZED only, and then required).
 
         Returns:
-            (``Deduplicated``, ``PendingInsert`` over ``Deduplicated.keys``).
+            (``Deduplicated``, ``PendingInsert`` over its keys), padded to N entries.
 
         Raises:
             ValueError: ``table_scores`` missing with CUSTOMIZED or given without it.
@@ -529,21 +496,18 @@ class ScoredHashTable:
                     frequencies: Optional[torch.Tensor] = None, *, checked: bool = False,
                     error: Optional[torch.Tensor] = None,
                     part: Optional[BatchPart] = None) -> Deduplicated:
-        """The first half of ``prepare_dedup_find_or_insert`` (same arguments): the
-        batch's unique pairs, its lookups grouped by pair; the clock and the step
-        advance in device memory, so that ``find`` answers at the time of the
-        ``prepare_insert`` that follows."""
+        """The first half of ``prepare_dedup_find_or_insert`` (same arguments): the grouped
+        dedup. Clock and step advance on the device, so ``find`` answers at the time of
+        the ``prepare_insert`` to come."""
         keys, tids, frequencies = self._step_inputs(keys, table_ids, frequencies, checked)
         return self._dedup_step(keys, tids, frequencies, error, part)
 
     def prepare_insert(self, unique: Deduplicated, admitted: torch.Tensor, *,
                        error: Optional[torch.Tensor] = None,
                        table_scores: Optional[torch.Tensor] = None) -> PendingInsert:
-        """The second half of ``prepare_dedup_find_or_insert``: the insert of the keys
-        of ``dedup_batch``'s ``unique`` that ``admitted`` (N,) bool takes; the others
-        find no slot and are counted nowhere (``PendingInsert.admitted``). ``error``
-        and ``table_scores`` as given to ``dedup_batch`` and
-        ``prepare_dedup_find_or_insert``."""
+        """The second half of ``prepare_dedup_find_or_insert``: the insert of the keys of
+        ``dedup_batch``'s ``unique`` that ``admitted`` (N,) bool takes; the others find no
+        slot and are counted nowhere. ``error`` and ``table_scores`` as there."""
         table_scores = self._table_scores(table_scores, checked=True)
         return self._prepare_admitted(unique, admitted, error, table_scores)
 
@@ -557,8 +521,6 @@ class ScoredHashTable:
 
     def _table_scores(self, table_scores: Optional[torch.Tensor],
                       checked: bool) -> Optional[torch.Tensor]:
-        """CUSTOMIZED: the (num_tables,) int64 scores of a deduplicating call
-        (required; values read only unless ``checked``); otherwise none."""
         customized = self.score_strategy == DynamicEmbScoreStrategy.CUSTOMIZED
         if table_scores is None:
             if customized:
@@ -584,10 +546,7 @@ class ScoredHashTable:
     def _prepare(self, keys, table_ids, scores, values: Optional[torch.Tensor] = None, *,
                  assign: bool = False, exact: bool = False, checked: bool = False,
                  zero_new: bool = False, read_evicted: bool = False) -> PendingInsert:
-        """The table's own inserting verbs: one pass at the next clock tick, its
-        statuses read once (the failures); a full bucket of a table that may grow
-        undoes the call, grows the table and runs it again. ``assign``: the rows
-        of ``values`` go to the keys' slots at the commit."""
+        """The table's own inserting verbs: one pass at the next tick, rerun after growth."""
         self._check_idle()
         keys = self._inputs.keys(keys)
         n = keys.numel()
@@ -625,17 +584,14 @@ class ScoredHashTable:
 
     # --------------------------------------------------- the step's calls
     def outcome_totals(self) -> DeviceTotals:
-        """What inserting calls counted (hits, inserted, evicted, failed, expired,
-        erased), in device memory."""
+        """Inserting calls' counts (hits, inserted, evicted, failed, expired, erased)."""
         return self._outcome_totals
 
     def size_on_device(self) -> torch.Tensor:
-        """(1,) int64: the number of keys stored, in device memory, for kernels that
-        read it in a step (the host's count is written there first)."""
+        """(1,) int64: the number of keys stored, in device memory."""
         return self._stored.on_device()
 
     def _settle_device_counts(self) -> None:
-        """Adds what inserting calls counted on the device to the stats."""
         _, inserted, evicted, failed, expired, erased = self._outcome_totals.take("table")
         self._stats.inserts += inserted + evicted
         self._stats.evictions += evicted
@@ -646,11 +602,7 @@ class ScoredHashTable:
     def _prepare_step(self, keys, tids, frequencies, error, part,
                       table_scores: Optional[torch.Tensor] = None
                       ) -> Tuple[Deduplicated, PendingInsert]:
-        """A step's fused call (dedup and pass): its kernels advance the clock and the
-        step in device memory (unless ``error`` refuses the batch) and read its time
-        there, and add their outcome counts to the device totals; hits on rows
-        expired at that time (``ttl``) are inserts. Nothing is read on the host but
-        what ``_rerun_for_failures`` reads."""
+        """A step's fused dedup and pass, counted on the device."""
         self._check_step_call()
         while True:
             evicts = self._watch.before_insert(keys.numel())
@@ -677,18 +629,12 @@ class ScoredHashTable:
                 "CUDA graph cannot capture: capture a table in WARNING or IGNORE mode")
 
     def _rerun_for_failures(self, pending: PendingInsert, unique: Deduplicated) -> bool:
-        """In ERROR mode or with ``grows_for_failures``, a step's call reads its failed
-        inserts (one sync): then it is undone, and the table grows (True: run it
-        again) or raises when it cannot grow."""
         if not (self.check_mode == DynamicEmbCheckMode.ERROR or self.grows_for_failures):
             return False
         return self._grown_for_failures(pending, lambda: int((unique.counts > 0).sum()))
 
     def _grown_for_failures(self, pending: PendingInsert, num_keys: Callable[[], int]) -> bool:
-        """After a call that reads its failures (a sync): with none, or none that
-        growth could answer outside ERROR mode, False (the call stands); else the
-        call is undone and the table grows (True: run it again), or ERROR mode
-        raises (naming ``num_keys()``) when it cannot grow."""
+        """After a call that read its failures: True if undone and grown (run it again)."""
         failed = pending.num_failed
         if not failed or not (self.check_mode == DynamicEmbCheckMode.ERROR
                               or self._memory.can_grow):
@@ -702,9 +648,6 @@ class ScoredHashTable:
         return True
 
     def _dedup_step(self, keys, tids, frequencies, error, part) -> Deduplicated:
-        """The dedup of a step whose pass follows apart (``_prepare_admitted``): the
-        clock and the step advance in device memory (unless ``error`` refuses the
-        batch), so that a ``find`` then sees the pass's time."""
         self._check_step_call()
         return self._ops.dedup(keys=keys, table_ids=tids, error=error, part=part,
                                frequencies=frequencies, group=True,
@@ -712,11 +655,8 @@ class ScoredHashTable:
 
     def _prepare_admitted(self, unique: Deduplicated, admitted: torch.Tensor, error,
                           table_scores: Optional[torch.Tensor]) -> PendingInsert:
-        """The pass of a step whose dedup ran apart (``_dedup_step``), over the
-        ``admitted`` keys: the fused call's pass (same time, scores and order of keys
-        per bucket); the others get bucket ``KNO_BUCKET`` (slot -1, FAILED, counted
-        nowhere). A rerun (``_rerun_for_failures``) ticks the time the undone call
-        took back."""
+        """The pass after ``_dedup_step`` over the ``admitted`` keys, as the fused call's (the
+        others get ``KNO_BUCKET``); a rerun ticks again the time its undo took back."""
         self._check_step_call()
         admitted = admitted & (unique.counts > 0)  # padding: count 0
         time = self._time.on_device()
@@ -741,8 +681,6 @@ class ScoredHashTable:
 
     def _pass_scores(self, unique: Deduplicated,
                      table_scores: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The scores a pass over ``unique`` gives: none (the clock rule), the
-        counts (a count rule) or CUSTOMIZED's by table id (gathered on the device)."""
         if self._rule == ScoreRule.CLOCK:
             return None
         if self._rule == ScoreRule.GIVEN:
@@ -751,8 +689,8 @@ class ScoredHashTable:
 
     def buckets_where(self, keys: torch.Tensor, table_ids: torch.Tensor,
                       mask: torch.Tensor) -> torch.Tensor:
-        """(n,) int32: each key's bucket where ``mask`` (n,) bool, else ``KNO_BUCKET``
-        (what ``upsert_where`` skips); ``table_ids`` int16."""
+        """(n,) int32: each key's bucket where ``mask`` (n,) bool, else ``KNO_BUCKET`` (what
+        ``upsert_where`` skips); ``table_ids`` int16."""
         home = torch.bitwise_and(self._ops.hash_keys(keys=keys, table_ids=table_ids),
                                  self._memory.num_buckets - 1)
         return torch.where(mask, home, KNO_BUCKET).to(torch.int32)
@@ -760,11 +698,10 @@ class ScoredHashTable:
     def upsert_where(self, keys: torch.Tensor, table_ids: torch.Tensor,
                      scores: Optional[torch.Tensor], buckets: torch.Tensor,
                      tick: Optional[torch.Tensor] = None) -> Upserted:
-        """One inserting pass over unique ``keys`` (int16 ``table_ids``) into the
-        ``buckets`` (n,) int32 the caller computed (``buckets_where``; ``kNoBucket``:
-        skipped, slot -1, counted nowhere), every count on the device. Scores by the
-        table's rule (``scores``: CUSTOMIZED's, or a count rule's counts) at time 0,
-        or after the clock advanced by ``tick`` ((1,) int64, 0 or 1)."""
+        """One inserting pass over unique ``keys`` (int16 ``table_ids``) into ``buckets``
+        (``buckets_where``), counted on the device; scores by the table's rule (``scores``:
+        CUSTOMIZED's, or counts) at time 0, or after the clock advanced by ``tick`` ((1,)
+        int64, 0 or 1)."""
         if (self._memory.can_grow or self.ttl is not None
                 or self.check_mode == DynamicEmbCheckMode.ERROR):
             raise ValueError("upsert_where needs a table without a ttl that cannot grow "
@@ -787,9 +724,7 @@ class ScoredHashTable:
 
     def erase_where(self, keys: torch.Tensor, table_ids: torch.Tensor, status: torch.Tensor,
                      which: InsertStatus) -> None:
-        """Erases ``keys[i]`` wherever ``status[i] == which`` (e.g. the victims of
-        another table's call, by its status: distinct keys), with every count on
-        the device."""
+        """Erases ``keys[i]`` where ``status[i] == which`` (distinct keys); counts on the device."""
         self._check_idle()
         self._ops.erase_where(memory=self._memory, keys=keys, table_ids=table_ids,
                                status=status, which=int(which),
@@ -798,9 +733,7 @@ class ScoredHashTable:
         self._generation += 1
 
     def _undo_counts(self, pending: PendingInsert) -> None:
-        """Takes back what an inserting call advanced on the device (the time, the
-        totals and the size; a refused batch advanced nothing); its slots are
-        undone already."""
+        """Takes back what an undone call advanced on the device (time, totals, size)."""
         upserted = pending.upserted
         status = upserted.status
         done = 1 if pending.error is None else (pending.error == 0).to(torch.int64)
@@ -818,9 +751,7 @@ class ScoredHashTable:
 
     # ------------------------------------ what a PendingInsert asks of its table
     def record_commit(self, pending: PendingInsert) -> None:
-        """Ends ``pending`` (the table takes other calls again): a slot returned
-        earlier may hold another key if the call evicted (where it read its counts)
-        or may have (a rule that evicts), or gave an expired row a fresh one."""
+        """Ends ``pending``; bumps ``generation`` if a slot may have changed key."""
         self._pending = None
         if pending.outcomes is None:  # a step's call: its counts stay on the device
             self._generation += self._evicts or self.ttl is not None
@@ -833,8 +764,7 @@ class ScoredHashTable:
         self._generation += evicted > 0 or expired > 0
 
     def undo_insert(self, pending: PendingInsert) -> None:
-        """Ends ``pending`` and undoes it: contents, scores, time and counts as
-        before it (growth stays)."""
+        """Ends ``pending`` and undoes it (growth stays)."""
         self._pending = None
         self._ops.undo_upsert(memory=self._memory, upserted=pending.upserted)
         self._undo_counts(pending)

@@ -6,16 +6,8 @@ __all__ = ["SharedZeros"]
 
 
 class SharedZeros:
-    """Zero vectors of one dtype on one device, cut from one buffer that grows by
-    doubling: a batch whose answer is all zeros (no key inserted, every lookup in
-    local table 0) gets one without a fill (on a GPU, a launch a step).
-
-    The vectors share memory: callers read them and never write them.
-
-    Args:
-        dtype: the vectors' dtype.
-        device: where they live.
-    """
+    """Read-only zero vectors, views of one buffer that grows by doubling: an all-zero
+    answer costs no fill (on a GPU, a launch). Callers never write them."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
         self._buffer = torch.zeros(0, dtype=dtype, device=device)

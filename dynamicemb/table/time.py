@@ -1,6 +1,4 @@
-"""A table's time: the clock every inserting call advances and the step the module
-sets, kept in device memory (advanced there by the kernels, so that a CUDA graph's
-replays advance them), which scores record and ``ttl`` counts."""
+"""A table's clock and step, in device memory so that a CUDA graph's replays advance them."""
 
 from typing import Optional
 
@@ -51,8 +49,7 @@ class TableTime:
         return 0 if self.ttl is None else max(0, int(time) - self.ttl)
 
     def expired_before_now(self) -> torch.Tensor:
-        """``expired_before(now)`` as a () tensor read where the kernels keep the
-        time (no sync)."""
+        """``expired_before(now)`` as a () tensor, read on the device (no sync)."""
         return (self.on_device()[self.index] - self.ttl).clamp_(min=0)
 
     def set_step(self, step: int) -> None:

@@ -1,5 +1,4 @@
-"""``CudaKernels`` (every kernel file's launches in one object, with the functions of
-the CPU extension) and ``CudaBackend``, the ``Backend`` verbs over them."""
+"""``CudaKernels`` (the CPU extension's functions over CUDA tensors) and ``CudaBackend``."""
 
 import torch
 
@@ -17,11 +16,7 @@ __all__ = ["CudaBackend", "CudaKernels"]
 
 
 class CudaKernels(HashTableKernels, CacheKernels, DedupKernels, EmbeddingKernels):
-    """The CUDA implementation of the kernel functions of the CPU extension.
-
-    Raises:
-        ImportError: when CuPy is missing or cannot compile for this machine.
-    """
+    """The CPU extension's functions over CUDA tensors; ImportError without CuPy."""
 
     def __init__(self) -> None:
         try:
@@ -39,10 +34,8 @@ class CudaKernels(HashTableKernels, CacheKernels, DedupKernels, EmbeddingKernels
         self.stream_api = CudaStreams()
 
     def retire(self, tensors) -> None:
-        """Tensors let go of while kernels of the current stream may still read them (a
-        grown table's old arrays, read by the growth's copies): their memory is reused
-        only after the work that stream has enqueued by now. Other streams' uses were
-        ordered before the current stream's (``StreamOrder``)."""
+        """Tensors the current stream's kernels may still read (other streams' uses are ordered
+        before it: ``StreamOrder``): their memory is reused only after that stream's work."""
         if self.stream_api is None:
             return
         for t in tensors:
@@ -50,11 +43,7 @@ class CudaKernels(HashTableKernels, CacheKernels, DedupKernels, EmbeddingKernels
 
 
 class CudaBackend(KernelBackend):
-    """Kernels over CUDA tensors.
-
-    Raises:
-        ImportError: when CuPy is missing (the message says what to install).
-    """
+    """Kernels over CUDA tensors; ImportError without CuPy (the message says what to install)."""
 
     #: The widest embedding a group may have (the fused update's shared memory).
     max_dim = MAX_DIM
@@ -70,7 +59,6 @@ class CudaBackend(KernelBackend):
         self.kernels.retire(tensors)
 
     def host_zeros(self, shape, dtype, device):
-        """Zeroed pinned host memory mapped into the GPU's address space (UVA), seen
-        as a CUDA tensor: kernels and torch ops read and write it in place over
-        the bus, and it counts against host memory, not the GPU's."""
+        """Zeroed pinned host memory mapped into the GPU's address space, as a CUDA tensor:
+        kernels and torch ops use it in place over the bus; it counts against host memory."""
         return mapped_host_zeros(tuple(shape), dtype, device)

@@ -13,8 +13,8 @@ class CacheKernels(KernelLauncher):
     """The cache promotion verbs of ``CudaKernels``."""
 
     def promotion_plan(self, meta, bc, keys, tids, counts, host_slots, one_table, cache_size):
-        """(cache_slots, plan, rank, order) of a step batch's promotion
-        (csrc/cuda/cache.cu; order: the keys by descending rank, a stable sort)."""
+        """(cache_slots, plan, rank, order) of a step batch's promotion; order: a stable
+        sort by descending rank."""
         _expect_batch(keys, tids)
         _expect(counts, torch.int64, "counts")
         _expect(host_slots, torch.int64, "host_slots")

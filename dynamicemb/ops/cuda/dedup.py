@@ -16,11 +16,8 @@ class DedupKernels(KernelLauncher):
 
     def _first_positions(self, keys: torch.Tensor, tids: torch.Tensor, zeros: int = 0,
                          part=None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(n,) int64 each: the first position of each position's (table id, key)
-        pair, and whether the position is that first one (1 or 0); and ``zeros``
-        int64 zeros for the caller, from the set's own fill (one launch for both).
-        ``part`` (``BatchPart``, or None): positions of other groups are left out
-        (first -1)."""
+        """(n,) int64 each: the first position of each position's pair (-1: left out by
+        ``part``) and whether it is that first one; plus ``zeros`` zeros for the caller."""
         n = keys.numel()
         if n >= 2 ** 31:
             raise ValueError(f"dedup takes fewer than 2^31 keys, got {n}")
@@ -42,25 +39,15 @@ class DedupKernels(KernelLauncher):
         return first, is_first, zeroed[size // 2:]
 
     def dedup(self, keys, tids, error, part=None, frequencies=None, group=False, time=None):
-        """Unique pairs in first-occurrence order, padded to the n keys: (keys, tids,
-        inverse, counts, starts, rank), nothing read on the host (``group``: the
-        lookups grouped too, else starts and rank empty; ``time``: a table's clock
-        and step, advanced by the numbering kernel unless the batch is refused)."""
+        """``Backend.dedup`` as (keys, tids, inverse, counts, starts, rank); starts and rank
+        empty unless ``group``."""
         return self._dedup(keys, tids, frequencies, group, error=error, time=time,
                            part=part)[0]
 
     def _dedup(self, keys, tids, frequencies, grouped: bool, num_buckets: Optional[int] = None,
                error: Optional[torch.Tensor] = None, time: Optional[torch.Tensor] = None,
                part=None):
-        """``dedup``'s tuple, and with ``num_buckets`` each unique pair's bucket in a
-        table of that many buckets ((N,) int32, written by the numbering kernel:
-        an inserting pass needs no launch of its own to find them), else None.
-
-        The unique arrays have N entries (padding past the unique count, which is
-        not read: no sync); ``error``: the module's error word (a
-        refused batch has no unique pair); ``time``: counters the numbering kernel
-        advances by one unless the batch is refused (an empty batch too); ``part``
-        (``BatchPart``): the keys of other groups are left out (inverse -1)."""
+        """``dedup``'s tuple, and each unique pair's bucket ((N,) int32) given ``num_buckets``."""
         _expect_batch(keys, tids)
         n = keys.numel()
         dev = keys.device
@@ -102,10 +89,8 @@ class DedupKernels(KernelLauncher):
     def _group_by_unique(inverse: torch.Tensor, occurrences: torch.Tensor,
                          starts: torch.Tensor,
                          left_out: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The stable counting sort of ``inverse`` given each unique index's
-        occurrences (U,): starts (U + 1,; given with its first entry 0, filled
-        here), rank (N,). ``left_out``: keys with inverse -1 (another group's) rank
-        -1, after every key of the group in the sort."""
+        """Stable counting sort of ``inverse``: fills ``starts`` (U + 1,; its first entry given
+        as 0) from the occurrences (U,), returns rank (N,); ``left_out``: inverse -1 ranks -1."""
         n = inverse.numel()
         torch.cumsum(occurrences, 0, out=starts[1:])
         key = torch.where(inverse >= 0, inverse, n) if left_out else inverse

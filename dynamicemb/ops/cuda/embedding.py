@@ -1,5 +1,4 @@
-"""The launches of ``csrc/cuda/embedding.cu``: the offsets check, row initializers,
-forward, the fused backward and the per-sample weights' gradient."""
+"""The launches of ``csrc/cuda/embedding.cu``: offsets check, initializers, forward, backward."""
 
 from typing import Optional
 
@@ -19,9 +18,7 @@ class EmbeddingKernels(KernelLauncher):
 
     def check_offsets(self, offsets: torch.Tensor, num_indices: int,
                       error: Optional[torch.Tensor] = None) -> Optional[int]:
-        """0, or the first problem: 1 first entry not 0, 2 last not num_indices,
-        3 decreasing. With ``error`` (the module's word): recorded there, not read
-        (None is returned)."""
+        """``Backend.check_offsets``."""
         if offsets.dtype != torch.int64:
             raise TypeError(f"offsets has dtype {offsets.dtype}, expected torch.int64")
         if offsets.numel() < 1:
@@ -35,8 +32,7 @@ class EmbeddingKernels(KernelLauncher):
         return offsets_problem(int(word))  # a bad batch raises before any change: a sync
 
     def init_rows(self, values, slots, status, keys, tids, dim, spec, state_value) -> None:
-        """The initial rows of keys (with a status: of those whose status is INSERTED
-        or EVICTED_AND_INSERTED; one warp per key, no count needed)."""
+        """``Backend.init_rows`` (one warp per key)."""
         _expect(values, torch.float32, "values")
         _expect(slots, torch.int64, "slots")
         if status is not None:
@@ -104,9 +100,8 @@ class EmbeddingKernels(KernelLauncher):
             _ptr(weights), _ptr(feature_col), _i64(batch), _i64(num_bags), np.bool_(mean),
             np.int64(grad.size(1)), _ptr(pos), _ptr(scale), _ptr(None), _error_arg(error),
             _ptr(schedule.step if advance else None)])
-        # No counter of ranks outside [0, entries) (the kernel skips them): the
-        # group's own dedup makes rank, an internal invariant; reading a count back
-        # would be a sync, and zeroing one a launch.
+        # Ranks outside [0, entries) are skipped, not counted: rank comes from the
+        # group's own dedup, and a count would cost a sync or a launch.
         first_piece, partial = self._piece_sums(starts, pos, scale, grad, dim, entries)
         warps = _warps_per_update_block(dim)
         self._launch("demb_fused_update", dev, 32 * num_unique, [
@@ -124,14 +119,9 @@ class EmbeddingKernels(KernelLauncher):
             shared_mem=warps * int(dim) * 4, block=32 * warps)
 
     def _piece_sums(self, starts, pos, scale, grad, dim, entries: int):
-        """Partial sums of the hot rows' pieces: (first_piece (U + 1,), partial
-        (pieces bound, dim)), or (None, None) when no row can be hot.
-
-        The number of pieces is not read on the host (a sync): a hot row has L >
-        PIECE_ENTRIES entries and ceil(L / PIECE_ENTRIES) < 2 L / PIECE_ENTRIES
-        pieces, so there are fewer than 2 entries / PIECE_ENTRIES in all. The
-        kernel grids over that bound and finds each piece's row itself.
-        """
+        """Partial sums of the hot rows' pieces: (first_piece (U + 1,), partial (bound, dim)),
+        or (None, None) when no row can be hot. A row of L > PIECE_ENTRIES entries has
+        fewer than 2 L / PIECE_ENTRIES pieces, so the grid uses that bound (no sync)."""
         bound = 2 * entries // PIECE_ENTRIES
         if bound == 0:
             return None, None

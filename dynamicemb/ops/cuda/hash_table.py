@@ -1,5 +1,4 @@
-"""The launches of ``csrc/cuda/hash_table.cu``: hashing, find, the inserting pass (with
-its dedup first, or alone), undo, growth, erase and the TTL sweep."""
+"""The launches of ``csrc/cuda/hash_table.cu``: hash, find, insert, undo, grow, erase, expire."""
 
 from typing import Optional, Tuple
 
@@ -33,12 +32,7 @@ class HashTableKernels(KernelLauncher):
     def _pass(self, meta, bc, keys, tids, given, rule, evicts, one_table, buckets, outcomes,
               size, now_at: Optional[torch.Tensor], table_scores: Optional[torch.Tensor],
               ttl: int) -> Tuple[torch.Tensor, ...]:
-        """One inserting pass over keys (n,) with their buckets ((n,) int32; kNoBucket:
-        skipped, slot -1, FAILED, counted nowhere): ``outcomes`` (5,) += its
-        InsertStatus counts and expired hits, ``size`` (1,) += its inserts into
-        empty slots; the call's time is ``now_at`` ((1,) in device memory; None: 0);
-        ``table_scores`` (T,): the given rule's scores by table id, instead of
-        ``given``. Returns (slots, status, prev_scores, ev_keys, ev_tids, ev_scores)."""
+        """``Backend.upsert``'s pass; its time is ``now_at`` (1,) on the device."""
         _expect(outcomes, torch.int64, "outcomes")
         _expect(size, torch.int64, "size")
         if outcomes.numel() != _NUM_OUTCOMES + 1 or size.numel() != 1:
@@ -67,22 +61,7 @@ class HashTableKernels(KernelLauncher):
     def dedup_upsert(self, meta, bc, keys, tids, frequencies, rule, time, now_index,
                      evicts, one_table, error, outcomes, size, part=None, table_scores=None,
                      ttl=0):
-        """``dedup`` (grouped, padded to the n keys), then one inserting pass over
-        its unique keys (a full bucket evicts where ``evicts``, else fails its key):
-        nothing is read on the host. The numbering kernel advances ``time`` (the
-        table's clock and step, (2,) int64) unless the batch is refused, and the
-        pass reads its time from ``time[now_index]``; ``rule`` 0 scores by it, a
-        count rule by the dedup's counts, the given rule by ``table_scores`` (T,)
-        (each table's score, read by table id). With a ``ttl`` (0: none), a hit on
-        a row last accessed before that time - ttl is an insert. The pass adds its
-        outcome counts and expired hits to ``outcomes`` (5,) and its inserts into
-        empty slots to ``size`` (1,).
-
-        Returns:
-            (ukeys, utids, inverse, counts, starts, rank, slots, status, prev_scores,
-            ev_keys, ev_tids, ev_scores): the per-key arrays have n entries; padding
-            gets slot -1 and status FAILED and is counted nowhere.
-        """
+        """``Backend.dedup_upsert``: the dedup's tuple, then the pass's (padding: FAILED)."""
         table = _table_args(meta, bc)
         _expect(time, torch.int64, "time")
         if time.numel() != 2 or now_index not in (0, 1):
@@ -101,13 +80,7 @@ class HashTableKernels(KernelLauncher):
 
     def upsert(self, meta, bc, keys, tids, scores, rule, evicts, one_table, buckets,
                outcomes, size, time=None, now_index=0, ttl=0):
-        """One inserting pass over keys (n,), those of one bucket in input order (a
-        repeated key hits its first occurrence's slot); ``buckets`` ((n,) int32, or
-        None: by hash) may skip keys (kNoBucket: slot -1, FAILED, counted nowhere);
-        ``outcomes`` (5,) and ``size`` (1,) advance on the device; the pass's time
-        is ``time[now_index]`` (read on the device), 0 without ``time``; ``ttl`` (0:
-        none): a hit on a row expired at that time is an insert (``outcomes[4]``).
-        Returns (slots, status, prev_scores, ev_keys, ev_tids, ev_scores), (n,) each."""
+        """``Backend.upsert``: (slots, status, prev_scores, ev_keys, ev_tids, ev_scores)."""
         _expect_batch(keys, tids)
         n = keys.numel()
         table = _table_args(meta, bc)
@@ -129,8 +102,7 @@ class HashTableKernels(KernelLauncher):
                           outcomes, size, now_at, None, ttl)
 
     def erase_where(self, meta, bc, keys, tids, status, which, erased, size) -> None:
-        """Erases keys[i] where status[i] == which; erased (1,) += and size (1,) -= the
-        keys found."""
+        """``Backend.erase_where``."""
         _expect_batch(keys, tids)
         _expect(status, torch.int8, "status")
         _expect(erased, torch.int64, "erased")
@@ -142,9 +114,8 @@ class HashTableKernels(KernelLauncher):
 
     def undo_upsert(self, meta, bc, slots, status, prev_scores, ev_keys, ev_tids,
                     ev_scores) -> None:
-        """Reverts an inserting call, all slots at once: each slot by the oldest key
-        that touched it (a stable sort by slot finds it), whose record holds the
-        slot as it was before the call."""
+        """Reverts an inserting call: each slot by the oldest key that touched it (a stable
+        sort by slot), whose record holds the slot as it was."""
         _expect(slots, torch.int64, "slots")
         by_slot, order = torch.sort(slots, stable=True)
         oldest = torch.ones_like(by_slot, dtype=torch.bool)
@@ -165,7 +136,7 @@ class HashTableKernels(KernelLauncher):
         return moved
 
     def erase(self, meta, bc, keys, tids) -> torch.Tensor:
-        """Erases each key once: a key given twice is erased by its first occurrence."""
+        """Erases each key once (its first occurrence)."""
         _expect_batch(keys, tids)
         _, is_first, _ = self._first_positions(keys, tids)
         positions = is_first.nonzero().squeeze(1)
@@ -178,7 +149,7 @@ class HashTableKernels(KernelLauncher):
         return erased
 
     def expire(self, meta, bc, time_mask, before) -> torch.Tensor:
-        """TTL sweep: empties slots last accessed before ``before``; (capacity,) bool."""
+        """``Backend.expire``."""
         if before < 0:
             raise ValueError(f"before must be >= 0, got {before}")
         expired = torch.empty(meta[2].numel(), dtype=torch.bool, device=meta[2].device)
@@ -187,5 +158,5 @@ class HashTableKernels(KernelLauncher):
         return expired
 
     def occupied_slots(self, meta, bc, start, end) -> torch.Tensor:
-        """Occupied slots of [start, end), ascending (digest 0 marks an empty slot)."""
+        """Occupied slots of [start, end), ascending (digest 0: empty)."""
         return (meta[3][start:end] != 0).nonzero().squeeze(1) + start

@@ -1,7 +1,4 @@
-"""Launching the kernels of ``csrc/cuda``: launch geometry, the argument packing
-shared by every kernel file (``csrc/cuda/common.cuh``'s parameter lists) and
-``KernelLauncher``, which compiles a kernel once per device and launches it on
-PyTorch's current stream."""
+"""Launching ``csrc/cuda``'s kernels: geometry, argument packing and ``KernelLauncher``."""
 
 from typing import Optional, Sequence, Tuple
 
@@ -40,14 +37,11 @@ def _grid(threads: int, block: int = _BLOCK) -> Tuple[int]:
 
 
 def _on_kernel_device(t: torch.Tensor) -> bool:
-    """Whether the kernels can take ``t``'s pointer as device memory (the one test of
-    a tensor's device here; the CPU emulation of ``dynamicemb_testing`` replaces it)."""
+    """Whether kernels take ``t`` as device memory (the CPU emulation replaces this)."""
     return t.is_cuda
 
 
 def _host_readable(t: torch.Tensor) -> bool:
-    """Whether the kernels can read ``t`` in place: device memory or pinned host
-    memory (through the unified address space)."""
     return _on_kernel_device(t) or t.is_pinned()
 
 
@@ -70,8 +64,7 @@ def _expect_batch(keys: torch.Tensor, tids: torch.Tensor) -> None:
 
 
 def _warps_per_update_block(dim: int) -> int:
-    """Warps per block of the fused update: as many as fit their dim-float
-    accumulators in ``_SHARED_LIMIT`` bytes of shared memory, at most 8."""
+    """Warps per fused-update block (at most 8) whose accumulators fit ``_SHARED_LIMIT``."""
     if not 1 <= dim <= MAX_DIM:
         raise ValueError(f"the CUDA backend updates rows of at most {MAX_DIM} floats "
                          f"(dim={dim})")
@@ -79,8 +72,7 @@ def _warps_per_update_block(dim: int) -> int:
 
 
 def _table_args(meta: Sequence[torch.Tensor], bc: int) -> list:
-    """The DEMB_TABLE_PARAMS of csrc/cuda/common.cuh for meta =
-    [keys, scores, tids, digests, occupied, pinned]."""
+    """The DEMB_TABLE_PARAMS of csrc/cuda/common.cuh."""
     if len(meta) != 6:
         raise ValueError(f"meta must hold 6 tensors, got {len(meta)}")
     keys, scores = meta[0], meta[1]
@@ -97,10 +89,8 @@ def _table_args(meta: Sequence[torch.Tensor], bc: int) -> list:
 
 def _row_args(tiers: Sequence[torch.Tensor], transient: torch.Tensor,
               row_ref: torch.Tensor, dim: int, init=None) -> list:
-    """The DEMB_ROW_PARAMS of csrc/cuda/embedding.cu. A host tier must be pinned
-    (or empty): the GPU reads its rows through the unified address space. ``init``
-    (``InitRows``, or None): rows of negative references computed from the
-    initializers instead of read from ``transient``."""
+    """The DEMB_ROW_PARAMS of csrc/cuda/embedding.cu; a host tier must be pinned or
+    empty. ``init`` (``InitRows``): negative references' rows computed, not read."""
     if len(tiers) != 2:
         raise ValueError("tiers must be [device values, host values]")
     device, host = tiers
@@ -133,7 +123,6 @@ def _expect_init_spec(spec) -> None:
 
 
 def _error_arg(error: Optional[torch.Tensor]) -> np.uint64:
-    """The module's error word as a kernel's ``error`` pointer (null: none)."""
     if error is not None:
         _expect(error, torch.int64, "error")
         if error.numel() != 1:
@@ -152,9 +141,8 @@ class _StreamHandle:
 
 
 class KernelLauncher:
-    """Compiles kernels (once per device and source file) and launches them; the
-    kernel files' classes (``HashTableKernels``, ``CacheKernels``, ``DedupKernels``,
-    ``EmbeddingKernels``) launch through it. ``CudaKernels.__init__`` sets its state."""
+    """Compiles kernels (once per device and source file) and launches them on PyTorch's
+    current stream; ``CudaKernels.__init__`` sets its state."""
 
     def _module(self, device: int, source: str):
         key = (device, source)

@@ -1,5 +1,4 @@
-"""The CUDA sources: where they are, which file defines each kernel, and the program
-text NVRTC compiles (with a digest of every header, for CuPy's disk cache)."""
+"""The CUDA sources: where they are, which file defines each kernel, the program text."""
 
 import hashlib
 import os
@@ -36,23 +35,15 @@ def cuda_source_root() -> str:
 
 
 def kernel_program(root: str, digest: str, source: str) -> Tuple[str, Tuple[str, ...]]:
-    """The code string and NVRTC options that ``CudaKernels`` hands CuPy for one file
-    of ``csrc/cuda`` (CuPy adds the target architecture).
-
-    Args:
-        root: ``cuda_source_root()``.
-        digest: ``_source_digest(root)``, carried in the code so that CuPy's disk
-            cache sees a change to any header.
-        source: a file name in ``root/cuda``.
-    """
+    """The code and NVRTC options ``CudaKernels`` hands CuPy for ``source``, a file of
+    ``root/cuda``; the code carries ``digest`` so CuPy's disk cache sees header changes."""
     with open(os.path.join(root, "cuda", source)) as f:
         code = f"// sources {digest}\n" + f.read()
     return code, ("-std=c++17", f"-I{root}")
 
 
 def _source_digest(root: str) -> str:
-    """Hash of every header and source: CuPy's disk cache keys on the code string
-    only, not on files pulled in with ``-I``, so the code string carries this."""
+    """Hash of every source and header: CuPy's disk cache keys on the code string only."""
     digest = hashlib.sha256()
     for folder in ("cuda", "dynamicemb"):
         for name in sorted(os.listdir(os.path.join(root, folder))):

@@ -1,19 +1,7 @@
-"""The third tier: an external store below a group's host store.
-
-With an external tier the host store holds at most its budget of rows. What it
-evicts goes down (``stage`` writes the victims before the host commits), and a key
-the host store inserts is first looked up below: a row found there comes back with
-its score instead of being initialized (``restore``). Each key lives in one tier:
-a row that comes back is deleted below. Training is therefore bit-identical to a
-host store holding every row, whatever the split.
-
-All store traffic of a step happens in its first phase: a failing store aborts the
-host store's prepared insert, so the step is undone and raises
-``ExternalStorageError`` naming the store and the table. Only the deletion of rows
-that came back follows the commit; if it fails, the stale copies are masked by the
-host store (which every lookup asks first), retried with the next step, and never
-exported.
-"""
+"""The third tier: an external store below a group's host store (docs/ARCHITECTURE.md,
+"The external tier"). Each key lives in one tier, so training is bit-identical to a
+host store holding every row. A store failure in a step's first phase aborts the step;
+a failed deletion after the commit is masked by the host store and retried."""
 
 import logging
 from typing import Iterator, NamedTuple, Optional
@@ -35,8 +23,8 @@ class Staged(NamedTuple):
     """What a step's first phase fetched from below, for ``restore``.
 
     Shape:
-        at: (r,) positions, among the prepared keys, of keys found below;
-        scores: (r,) their stored scores; rows: (r, width) their rows.
+        at: (r,) positions among the prepared keys of keys found below; scores: (r,)
+        their stored scores; rows: (r, width).
     """
 
     at: torch.Tensor
@@ -46,14 +34,7 @@ class Staged(NamedTuple):
 
 
 class ExternalTier:
-    """A ``KVStore`` under a host store (``NothingBelow`` is the storage's tier below
-    when there is none).
-
-    Args:
-        store: the open store.
-        host: the host store it backs.
-        label: the tables it holds, for messages.
-    """
+    """A ``KVStore`` under a host store; ``label`` names its tables in messages."""
 
     #: rows live below: reads and writes go to the store
     holds_rows = True
@@ -68,7 +49,7 @@ class ExternalTier:
         self._stale: Optional[tuple] = None  # (keys, tids) to delete below, retried
 
     def _call(self, what: str, verb, *args):
-        """``verb(*args)``, with a store's failure re-raised naming the store and tables."""
+        """``verb(*args)``; a failure re-raised as ``ExternalStorageError`` naming the tables."""
         try:
             return verb(*args)
         except ExternalStorageError as e:
@@ -81,16 +62,13 @@ class ExternalTier:
     # ------------------------------------------------------------- a step
     def stage(self, keys: torch.Tensor, tids: torch.Tensor, new: Optional[torch.Tensor],
               failed: int, victims: Entries) -> Staged:
-        """Phase one, before the host store commits its prepared insert of ``keys``:
-        writes ``victims`` (the rows the insert evicts, current values) below and
-        reads the rows of the keys new to the host store. Raises
-        ``ExternalStorageError``; the caller aborts the insert.
+        """Phase one, before the host store commits its insert of ``keys`` (n,), on its device:
+        writes ``victims`` (current rows) below and reads the rows of the keys ``new`` ((n,)
+        bool, or None) to the host store.
 
-        Args:
-            keys, tids: (n,) the prepared keys, on the host store's device.
-            new: (n,) bool, the keys new to the host store (None: none is).
-            failed: how many of them found no slot (a batch must fit: refused).
-            victims: entries the insert evicts from the host store.
+        Raises:
+            ExternalStorageError: the store failed, or ``failed`` keys found no host slot;
+                the caller aborts the insert.
         """
         if failed:
             raise ExternalStorageError(
@@ -113,19 +91,9 @@ class ExternalTier:
 
     def restore(self, slots: torch.Tensor, staged: Staged, keys: torch.Tensor,
                 tids: torch.Tensor) -> torch.Tensor:
-        """Phase two, after the host store committed and initialized its new rows: the
-        rows found below take their host slots with their scores (LFU adds the stored
-        count to this batch's) and are deleted below.
-
-        Args:
-            slots: (n,) the committed insert's host slots of ``keys``.
-            staged: what ``stage`` fetched for that insert.
-            keys, tids: (n,) the prepared keys.
-
-        Returns:
-            (r,) positions among ``keys`` of those rows, which are not new to the
-            table after all.
-        """
+        """Phase two, after the commit initialized the new rows: the rows ``stage`` found take
+        their host ``slots`` (n,) and scores (LFU adds the stored count), and are deleted
+        below. Returns their (r,) positions among ``keys`` (not new after all)."""
         device = self.host.device
         at = staged.at.to(device)
         if at.numel() == 0:
@@ -174,9 +142,8 @@ class ExternalTier:
             self._call("delete rows", self.store.delete, keys.cpu(), tids.cpu())
 
     def export_chunks(self, chunk: int, min_score: Optional[int] = None) -> Iterator[Entries]:
-        """The rows below, at most ``chunk`` per item, scoring at least ``min_score``,
-        on the host store's device; keys the host store holds are skipped (its row is
-        the current one). ``slots`` are -1."""
+        """The rows below scoring at least ``min_score``, at most ``chunk`` per item, on the
+        host store's device, skipping keys the host store holds; ``slots`` are -1."""
         device = self.host.device
         scan = self._call("scan", self.store.scan, chunk)
         while True:
