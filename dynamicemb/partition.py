@@ -1,21 +1,12 @@
-"""Graph-partitioned placement of ids (HET-GMP's idea): the samples of a training
-sample and the ids they look up form a bipartite graph; a partition of it over the
-ranks that cuts few edges puts each id on the rank whose samples use it most, so
-that, with samples routed to the rank their ids live on (``route_samples``), most
-lookups stay local.
-
-The partitioner is METIS (``pymetis``). Every vertex weighs 1 (one balance
-constraint: pymetis's ``part_graph`` did not honour two), so parts hold about as many
-samples plus ids each. With more
-than one node the partition is hierarchical, as HET-GMP's topology weighting asks
-(an edge cut between nodes costs 1, within a node 0.1): first over the nodes, then
-each node's part over its ranks, so the costly inter-node cut is the one minimized
-first. ``write_placement`` stores the ids' ranks; the tables read them through
-``DynamicEmbTableOptions.placement``.
+"""Graph-partitioned placement of ids (HET-GMP): a METIS (``pymetis``) partition of the
+bipartite sample-id graph puts each id on the rank whose samples use it most, so that with
+samples routed to their ids' ranks (``route_samples``) most lookups stay local. Every vertex
+weighs 1; with several nodes the partition runs over the nodes first, then over each node's
+ranks, so the costly inter-node cut is minimized first.
 
 Example::
 
-    result = partition_ids(sparse, world_size=2, tables=["t_a", "t_b"])
+    result = partition_ids(sparse, ["t_a", "t_b"], PartitionConfig(world_size=2))
     write_placement("placement.npz", 2, result.placements)
 """
 
@@ -42,19 +33,14 @@ class PartitionConfig:
 
     Attributes:
         world_size: ranks to place ids on.
-        ranks_per_node: ranks of one node (the topology); None: all on one node.
-        min_count: ids seen fewer times in the sample are left out (their owner
-            stays the key hash): an id of one sample cuts nothing wherever it is.
+        ranks_per_node: ranks of one node; None: all on one node.
+        min_count: ids seen fewer times in the sample stay on their hash owner.
         max_ids: keep at most this many ids, the most frequent (None: all).
         seed: METIS's random seed.
-        imbalance: METIS's ``ufactor``: a part may weigh (1 + imbalance/1000) x
-            the average.
-        replicas: the ids hot-row replicas will serve (every rank reads them
-            locally), left out of the graph and kept on their hash owner: a
-            fraction in (0, 1) of each table's ids in the sample, or a count per
-            table (>= 1), the most frequent; 0: none. Match the tables'
-            ``DynamicEmbTableOptions.replicas``: a replicated id is local to every
-            sample, so placing it only distorts the cut of the others.
+        imbalance: METIS's ``ufactor``: a part may weigh (1 + imbalance/1000) x the average.
+        replicas: the ids replicas will serve, kept out of the graph on their hash owner: a
+            fraction in (0, 1) of each table's ids in the sample or a count per table (>= 1),
+            the most frequent; 0: none. Match ``DynamicEmbTableOptions.replicas``.
     """
 
     world_size: int
@@ -85,8 +71,7 @@ class PartitionConfig:
                              f"got {self.replicas}")
 
     def replicated_count(self, ids: int) -> int:
-        """How many of a table's ``ids`` distinct ids in the sample are replicated
-        (the table option's rounding: a fraction of the ids, rounded, or the count)."""
+        """Replicated ids among a table's ``ids`` distinct ones (the table option's rounding)."""
         if self.replicas >= 1:
             return min(ids, int(self.replicas))
         return int(round(self.replicas * ids))
@@ -101,17 +86,12 @@ class PartitionResult:
     """A partition of a sample's ids (and samples) over the ranks.
 
     Attributes:
-        placements: ``{table: (ids (n,) int64, ranks (n,) int64)}``, what
-            ``write_placement`` takes.
-        replicated: ``{table: (m,) int64 sorted ids}``, the ids left out for
-            replicas (``PartitionConfig.replicas``; empty without), what
-            ``write_placement``'s ``replicated`` takes.
-        sample_ranks: (S,) int64, the rank of each sample of the graph.
-        stats: sizes, time, and the cut: ``local_fraction`` of the sample's lookups
-            (of placed ids) on their sample's rank, and ``cost`` (HET-GMP's
-            topology-weighted cut per lookup) against ``hash_cost``, the same with
-            ids on their hash owner and samples spread evenly (sample ``i`` on rank
-            ``i % W``), and ``placement_only_*``: ids placed, samples spread so.
+        placements: ``{table: (ids (n,) int64, ranks (n,) int64)}`` for ``write_placement``.
+        replicated: ``{table: (m,) int64 sorted ids}`` left out for replicas.
+        sample_ranks: (S,) int64, the rank of each sample.
+        stats: sizes, times and the cut: ``local_fraction`` (lookups of placed ids on their
+            sample's rank) and ``cost`` (topology-weighted cut per lookup), against ``hash_*``
+            (ids on their hash owner, sample ``i`` on rank ``i % W``) and ``placement_only_*``.
     """
 
     placements: Dict[str, Tuple[np.ndarray, np.ndarray]]
@@ -121,16 +101,9 @@ class PartitionResult:
 
 
 class BipartiteGraph(NamedTuple):
-    """The sample-id graph of ``bipartite_graph``.
-
-    Attributes:
-        xadj, adjncy: METIS's CSR adjacency (int64, both directions, one edge per
-            sample and distinct id); vertices ``[0, S)`` are the samples, ``S + j``
-            the kept ids.
-        vertex_table, vertex_id: (n,) int64, the table index and raw id of each kept
-            id vertex.
-        replicated: per table index, the (m,) int64 sorted ids left out for replicas.
-    """
+    """The sample-id graph of ``bipartite_graph``: METIS's CSR ``xadj``, ``adjncy`` (int64,
+    both directions), (n,) int64 ``vertex_table`` and ``vertex_id`` of each kept id vertex,
+    and ``replicated``: per table index, the (m,) int64 sorted ids left out for replicas."""
 
     xadj: np.ndarray
     adjncy: np.ndarray
@@ -141,18 +114,10 @@ class BipartiteGraph(NamedTuple):
 
 def bipartite_graph(sparse: np.ndarray, column_table: np.ndarray, config: PartitionConfig,
                     empty_id: Optional[int] = None) -> BipartiteGraph:
-    """The sample-id graph: vertices ``[0, S)`` are the samples, ``S + j`` the kept
-    ids (``(table, id)`` pairs: one raw id in two tables is two vertices).
-
-    Args:
-        sparse: (S, F) int64 ids, one per sample and feature.
-        column_table: (F,) int64, the table index of each feature.
-        config: ``replicas``, ``min_count`` and ``max_ids`` choose the kept ids.
-        empty_id: an id meaning "no value" (never kept), or None.
-
-    Returns:
-        The graph, the kept ids' tables and raw ids, and the replicated ids.
-    """
+    """The sample-id graph of (S, F) int64 ``sparse`` ids with (F,) int64 ``column_table`` (table
+    index per feature): vertices ``[0, S)`` are the samples, ``S + j`` the kept ``(table, id)``
+    pairs (by ``config``'s ``replicas``, ``min_count``, ``max_ids``; never ``empty_id``), one
+    edge per sample and distinct id."""
     samples = sparse.shape[0]
     column_table = np.asarray(column_table, np.int64)
     vertex_table, vertex_id, edge_sample, edge_vertex, kept = [], [], [], [], 0
@@ -232,8 +197,7 @@ def _subgraph(xadj: np.ndarray, adjncy: np.ndarray, chosen: np.ndarray) -> Tuple
 
 
 def _hierarchical(xadj: np.ndarray, adjncy: np.ndarray, config: PartitionConfig) -> np.ndarray:
-    """Ranks of the vertices: a partition over the nodes, then each node's over its
-    ranks (rank = node * ranks_per_node + local rank)."""
+    """Each vertex's rank: a partition over the nodes, then each node's over its ranks."""
     node = _metis(xadj, adjncy, config.nodes, config)
     if config.nodes == 1:
         return _metis(xadj, adjncy, config.ranks_per_node, config)
@@ -246,8 +210,7 @@ def _hierarchical(xadj: np.ndarray, adjncy: np.ndarray, config: PartitionConfig)
 
 
 def _cost(sample_rank: np.ndarray, id_rank: np.ndarray, config: PartitionConfig) -> Tuple[float, float]:
-    """(local fraction, topology-weighted cost per lookup) of (sample rank, id rank)
-    pairs, one per lookup."""
+    """(local fraction, topology-weighted cost per lookup) of per-lookup rank pairs."""
     if len(sample_rank) == 0:
         return 1.0, 0.0
     local = sample_rank == id_rank
@@ -258,21 +221,10 @@ def _cost(sample_rank: np.ndarray, id_rank: np.ndarray, config: PartitionConfig)
 
 def partition_ids(sparse: np.ndarray, tables: Sequence[str], config: PartitionConfig,
                   empty_id: Optional[int] = None) -> PartitionResult:
-    """Partitions a sample of training data's ids (and samples) over the ranks.
-
-    Args:
-        sparse: (S, F) int64 ids, one per sample and feature.
-        tables: the table of each feature (F names; features of one table share
-            its ids).
-        config: ranks, topology and which ids to keep.
-        empty_id: an id meaning "no value", never placed.
-
-    Returns:
-        The placements per table, the samples' ranks and statistics.
-
-    Raises:
-        ValueError: ``tables`` does not name one table per feature.
-    """
+    """Partitions a sample of training data's (S, F) int64 ``sparse`` ids (and its samples)
+    over the ranks. ``tables`` names the table of each feature (features of one table share
+    ids); ``empty_id`` is never placed. ``ValueError`` unless ``tables`` has one name per
+    feature."""
     sparse = np.ascontiguousarray(sparse, np.int64)
     if sparse.ndim != 2 or len(tables) != sparse.shape[1]:
         raise ValueError(f"need (samples, features) ids and one table per feature, got ids of "
@@ -315,23 +267,16 @@ def _hash_ranks(ids: np.ndarray, world_size: int) -> np.ndarray:
 
 
 def route_samples(owners: torch.Tensor, world_size: int) -> List[torch.Tensor]:
-    """Splits a global batch over the ranks, each sample preferably to the rank that
-    owns most of its ids, every rank getting the same number (HET-GMP routes samples
-    with the ids' partition). Deterministic: every rank computes the same split.
+    """Splits a global batch over the ranks, the same number each, each sample preferably to
+    the rank owning most of its ids; deterministic, so every rank computes the same split.
 
     Args:
-        owners (Tensor): (S, F) int64, the owner rank of each sample's ids
-            (``owner_rank`` with the tables' placements), or -1 for an id that is
-            local to every rank (a replicated id: it votes for none); S a multiple
-            of the ranks.
-        world_size: the ranks.
+        owners (Tensor): (S, F) int64 owner rank of each sample's ids (``owner_rank`` with the
+            tables' placements), -1 for an id local to every rank (replicated); S a multiple
+            of ``world_size``, else ``ValueError``.
 
     Returns:
-        ``world_size`` (S / W,) int64 tensors of sample indices, one per rank, each
-        in increasing order.
-
-    Raises:
-        ValueError: S not a multiple of ``world_size``.
+        ``world_size`` (S / W,) int64 tensors of sample indices, each increasing.
     """
     samples = owners.shape[0]
     if samples % world_size:

@@ -1,22 +1,8 @@
-"""Which rank stores a key of a row-wise dynamic table: the ``dist_type`` functions.
+"""Which rank stores a key of a row-wise dynamic table (torch only, no TorchRec import).
 
-Each function maps an int64 key to a 64-bit word read as unsigned; the owner of the
-key among ``W`` ranks is that word mod ``W``:
-
-- ``hash`` (the default): splitmix64's finalizer (``splitmix64``);
-- ``roundrobin``: the key itself (upstream's ``key % W``; a negative key counts as
-  ``key + 2**64``, as upstream's uint64 cast reads it);
-- ``hash_roundrobin``: murmur3's 64-bit finalizer (``fmix64``), upstream's.
-
-The input dist, the kernels' ownership checks, checkpoint loading and the DMP state
-dict all ask ``owner_rank`` (or ``placement_word``, which the input dist bucketizes),
-so a key is looked up, trained, saved and restored on the same rank. Torch only: no
-TorchRec import.
-
-A placement file (``write_placement`` / ``load_placement``; the table option
-``DynamicEmbTableOptions.placement``) overrides the ``dist_type`` owner of the ids
-it lists, each placed on a chosen rank (e.g. by a graph partition,
-``dynamicemb.partition``); every other id keeps its ``dist_type`` owner.
+Every router and ownership check asks ``owner_rank``, so a key is looked up, trained, saved
+and restored on the same rank: ``uint64(placement_word(key, dist_type)) % W``, unless a
+placement file (``write_placement``; ``DynamicEmbTableOptions.placement``) places the key.
 """
 
 import hashlib
@@ -47,37 +33,22 @@ def _signed(constant: int) -> int:
 
 
 def splitmix64(keys: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer (Stafford's Mix13) of the raw keys, as int64 bits.
+    """splitmix64's finalizer (Stafford's Mix13): (n,) int64 (or int32) keys -> (n,) int64
+    words (read as unsigned); bijective.
 
-    Bijective on 64 bits. It is deliberately not the table's bucket hash
-    (``dynamicemb.table.hash_keys``): that hash picks buckets from its low bits, so
-    routing with it would leave each rank only 1/W of its buckets usable.
-
-    Args:
-        keys (Tensor): (n,) int64 (or int32, widened), any value.
-
-    Returns:
-        (n,) int64: the mixed 64-bit words (read as unsigned).
+    Not the table's bucket hash (``dynamicemb.table.hash_keys``), whose low bits pick buckets:
+    routing by it would leave each rank only 1/W of its buckets usable.
     """
     return _mix(keys, (30, 27, 31), (0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
 
 def fmix64(keys: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 64-bit finalizer of the raw keys, as int64 bits: upstream's
-    ``hash_roundrobin`` hash (``hash_key`` of its bucketize kernel).
-
-    Args:
-        keys (Tensor): (n,) int64 (or int32, widened), any value.
-
-    Returns:
-        (n,) int64: the mixed 64-bit words (read as unsigned).
-    """
+    """MurmurHash3's 64-bit finalizer, upstream's ``hash_roundrobin`` hash; as ``splitmix64``."""
     return _mix(keys, (33, 33, 33), (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53))
 
 
 def _mix(keys: torch.Tensor, shifts, multipliers) -> torch.Tensor:
-    """The xorshift-multiply finalizer both hashes share: x ^= x >> s0; x *= m0;
-    x ^= x >> s1; x *= m1; x ^= x >> s2 (64-bit wrapping, shifts logical)."""
+    """The xorshift-multiply finalizer both hashes share (64-bit wrapping, logical shifts)."""
     x = keys.to(torch.int64)
     for shift, multiplier in zip(shifts, multipliers):
         x = x ^ _shift_right_logical(x, shift)
@@ -86,15 +57,9 @@ def _mix(keys: torch.Tensor, shifts, multipliers) -> torch.Tensor:
 
 
 def placement_word(keys: torch.Tensor, dist_type: Union[DynamicEmbDistType, str]) -> torch.Tensor:
-    """The 64-bit word whose unsigned value mod ``W`` is each key's owner.
-
-    Args:
-        keys (Tensor): (n,) int64 (or int32, widened).
-        dist_type: a ``DynamicEmbDistType`` or its value.
-
-    Returns:
-        (n,) int64: ``splitmix64(key)``, the key itself, or ``fmix64(key)``.
-    """
+    """(n,) int64 word whose unsigned value mod ``W`` is each (n,) int64 (or int32) key's owner:
+    ``splitmix64(key)`` (``hash``), the key itself (``roundrobin``) or ``fmix64(key)``
+    (``hash_roundrobin``); ``dist_type`` is a ``DynamicEmbDistType`` or its value."""
     dist_type = DynamicEmbDistType(dist_type)
     if dist_type == DynamicEmbDistType.HASH:
         return splitmix64(keys)
@@ -106,24 +71,18 @@ def placement_word(keys: torch.Tensor, dist_type: Union[DynamicEmbDistType, str]
 def owner_rank(keys: torch.Tensor, world_size: int,
                dist_type: Union[DynamicEmbDistType, str] = DynamicEmbDistType.HASH,
                placement: Optional["TablePlacement"] = None) -> torch.Tensor:
-    """The rank that stores each key of a row-wise dynamic table: its rank in
-    ``placement`` if the file places it, else
-    ``uint64(placement_word(key, dist_type)) % world_size``.
+    """The rank that stores each key of a row-wise dynamic table: its rank in ``placement`` if
+    the file places it, else ``uint64(placement_word(key, dist_type)) % world_size``.
 
     Args:
         keys (Tensor): (n,) int64.
         world_size: number of shards (ranks) of the table.
-        dist_type: the table's ``DynamicEmbTableOptions.dist_type`` (default: the
-            options' default, ``hash``).
-        placement: the table's placement (``DynamicEmbTableOptions.placement``), or
-            None.
+        dist_type: the table's ``DynamicEmbTableOptions.dist_type``.
+        placement: the table's ``TablePlacement``, or None.
 
     Returns:
-        (n,) int64 ranks in ``[0, world_size)``.
-
-    Raises:
-        ValueError: ``world_size`` < 1, an unknown ``dist_type``, or a placement made
-            for another world size.
+        (n,) int64 ranks in ``[0, world_size)``. ``ValueError`` on ``world_size`` < 1, an
+        unknown ``dist_type``, or a placement made for another world size.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -146,19 +105,14 @@ PLACEMENT_VERSION = 1
 
 @dataclass(frozen=True)
 class TablePlacement:
-    """One table's placed ids and their ranks (from a placement file).
+    """One table's placed ids and their ranks, from the file at ``path`` (hex ``sha256``).
 
     Attributes:
-        table: the table's name in the file.
         ids: (n,) int64, strictly increasing.
         ranks: (n,) int64 in ``[0, world_size)``, the rank of each id.
-        world_size: the ranks the file places ids over.
-        path: the file it was read from.
-        sha256: the file's SHA-256 (hex).
-        replicated: (m,) int64 strictly increasing: the ids the partition left to
-            hot-row replicas (``partition.py --replicas``; empty if none), which a
-            job may replicate (``refresh_replicas(model, ids)``). They are not
-            placed: their owner is the ``dist_type`` one.
+        replicated: (m,) int64 strictly increasing, the ids the partition left to hot-row
+            replicas (``refresh_replicas(model, ids)``); not placed: their owner is the
+            ``dist_type`` one.
     """
 
     table: str
@@ -170,15 +124,8 @@ class TablePlacement:
     replicated: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
     def lookup(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The placed rank of each key: a binary search in the sorted ids.
-
-        Args:
-            keys (Tensor): (n,) int64.
-
-        Returns:
-            ``(ranks, placed)``: (n,) int64 ranks (meaningful where placed) and (n,)
-            bool, whether the file places the key.
-        """
+        """``(ranks, placed)`` of (n,) int64 keys: (n,) int64 placed ranks (meaningful where placed)
+        and (n,) bool, whether the file places the key."""
         keys = keys.to(torch.int64)
         if self.ids.numel() == 0:
             return torch.zeros_like(keys), torch.zeros(keys.shape, dtype=torch.bool)
@@ -186,12 +133,7 @@ class TablePlacement:
         return self.ranks[at], self.ids[at] == keys
 
     def check(self, table: str, world_size: int) -> None:
-        """Refuses this placement for a table sharded over ``world_size`` ranks
-        unless the file was made for that many.
-
-        Raises:
-            ValueError: naming the file, the table and both world sizes.
-        """
+        """Refuses (``ValueError``) this placement for a table sharded over another world size."""
         if world_size != self.world_size:
             raise ValueError(
                 f"placement file {self.path!r} places ids over {self.world_size} ranks, table "
@@ -209,11 +151,7 @@ class PlacementFile:
     tables: Dict[str, TablePlacement]
 
     def table(self, name: str) -> TablePlacement:
-        """The placement of the table ``name``.
-
-        Raises:
-            ValueError: the file has no entry of that name (naming the ones it has).
-        """
+        """The placement of table ``name``; ``ValueError`` naming the file's tables if absent."""
         if name not in self.tables:
             raise ValueError(f"placement file {self.path!r} has no table {name!r} (it places "
                              f"{sorted(self.tables)}); partition with the model's table names "
@@ -223,21 +161,18 @@ class PlacementFile:
 
 def write_placement(path: str, world_size: int, tables: Mapping[str, Tuple[torch.Tensor, torch.Tensor]],
                     replicated: Optional[Mapping[str, torch.Tensor]] = None) -> None:
-    """Writes a placement file: an ``.npz`` (no pickled objects) holding ``format``,
-    ``version``, ``world_size``, ``tables`` (the names) and, for table ``i``,
-    ``ids_<i>`` (sorted int64 ids), ``ranks_<i>`` (int64 ranks) and, if given,
-    ``replicated_<i>`` (sorted int64 ids).
+    """Writes a placement file: an ``.npz`` without pickled objects holding ``format``,
+    ``version``, ``world_size``, ``tables`` (the names) and, per table ``i``, ``ids_<i>``
+    (sorted int64), ``ranks_<i>`` (int64) and, if given, ``replicated_<i>`` (sorted int64).
 
     Args:
-        path: the file to write (``.npz`` is appended by numpy if missing).
-        world_size: the ranks the ids are placed over.
+        path: the file to write (numpy appends ``.npz`` if missing).
         tables: ``{table name: (ids (n,), ranks (n,))}``, ids unique, any order.
-        replicated: ``{table name: ids (m,)}``, the ids left to hot-row replicas
-            (``PartitionResult.replicated``), unique, any order; tables of ``tables``.
+        replicated: ``{table name: ids (m,)}`` left to hot-row replicas, unique, any order.
 
     Raises:
-        ValueError: repeated ids, ranks outside ``[0, world_size)``, or replicated
-            ids of a table the file does not name.
+        ValueError: repeated ids, ranks outside ``[0, world_size)``, or replicated ids of a
+            table not in ``tables``.
     """
     arrays = {"format": np.array(PLACEMENT_FORMAT), "version": np.array(PLACEMENT_VERSION),
               "world_size": np.array(world_size, np.int64), "tables": np.array(list(tables), dtype=str)}
@@ -282,12 +217,11 @@ _CACHE: Dict[Tuple[str, int, int], PlacementFile] = {}
 
 
 def load_placement(path: Union[str, "os.PathLike[str]"]) -> PlacementFile:
-    """Reads and checks a placement file (``write_placement``'s format, no pickle).
-    Files already read are cached by path, size and modification time.
+    """Reads and checks a placement file, cached by path, size and modification time.
 
     Raises:
-        ValueError: a missing, unreadable or corrupt file, another format or
-            version, unsorted or repeated ids, or ranks out of range (naming the file).
+        ValueError: naming the file: missing, unreadable or corrupt, another format or
+            version, unsorted or repeated ids, or ranks out of range.
     """
     path = os.fspath(path)
     try:
@@ -340,12 +274,9 @@ def _read_placement(path: str) -> PlacementFile:
 
 
 def table_placement(path: Optional[str], table: str, num_shards: int) -> Optional[TablePlacement]:
-    """A sharded table's placement: its entry in the file at ``path``, checked for
-    ``num_shards`` ranks; None without a file or with one shard (nothing to place).
-
-    Raises:
-        ValueError: a bad file, no entry for ``table``, or another world size.
-    """
+    """A sharded table's entry in the placement file at ``path``, checked for ``num_shards``
+    ranks; None without a file or with one shard. ``ValueError``: a bad file, no entry for
+    ``table``, or another world size."""
     if path is None or num_shards == 1:
         return None
     placement = load_placement(path).table(table)

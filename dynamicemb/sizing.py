@@ -1,11 +1,5 @@
 """Sizing helpers with upstream dynamicemb's names and arguments, computed for the
-tables this package builds (float32 rows, power-of-two bucket counts).
-
-A row-wise dynamic table of ``num_embeddings`` rows over ``W`` ranks gets
-``ceil(num_embeddings / W)`` rows of capacity per rank, and its hash table rounds
-that up to whole buckets, a power of two of them: ``get_sharded_table_capacity``
-is that slot count, the rows a rank can hold.
-"""
+tables this package builds (float32 rows, power-of-two bucket counts)."""
 
 from typing import Any
 
@@ -41,21 +35,19 @@ def align_to_table_size(n: int, alignment: int = DEMB_TABLE_ALIGN_SIZE) -> int:
 
 def get_sharded_table_capacity(embedding_config: Any, world_size: int,
                                bucket_capacity: int = DEFAULT_BUCKET_CAPACITY) -> int:
-    """Rows one rank can hold of a table sharded row-wise over ``world_size`` ranks:
-    its share ``ceil(num_embeddings / world_size)`` rounded up to a power of two of
-    buckets of ``bucket_capacity`` slots.
+    """Rows one rank can hold of a table sharded row-wise over ``world_size`` ranks: its share
+    ``ceil(num_embeddings / world_size)`` rounded up to a power of two of buckets.
 
     Args:
         embedding_config: the table's TorchRec config (``num_embeddings`` is read).
         world_size: ranks sharing the table (1 for table-wise).
-        bucket_capacity: the table's ``bucket_capacity`` (a multiple of 16), or
-            upstream's ``MAX_BUCKET_CAPACITY`` (one bucket per rank): the share
-            rounded up to 16 slots, as upstream sizes it (a table here refuses that
-            ``bucket_capacity``; use the sizes for budgets).
+        bucket_capacity: the table's ``bucket_capacity`` (a multiple of 16), or upstream's
+            ``MAX_BUCKET_CAPACITY``: the share rounded up to 16 slots, as upstream sizes it
+            (for budgets only; a table here refuses that ``bucket_capacity``).
 
     Raises:
-        ValueError: ``world_size`` < 1 or ``bucket_capacity`` neither a positive
-            multiple of 16 nor ``MAX_BUCKET_CAPACITY``.
+        ValueError: ``world_size`` < 1 or ``bucket_capacity`` neither a positive multiple of
+            16 nor ``MAX_BUCKET_CAPACITY``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
@@ -71,21 +63,19 @@ def get_sharded_table_capacity(embedding_config: Any, world_size: int,
 
 def get_table_value_bytes(embedding_config: Any, optimizer_type: Any, world_size: int,
                           bucket_capacity: int = DEFAULT_BUCKET_CAPACITY) -> int:
-    """Bytes of the value rows (embedding and optimizer state, float32) of a whole
-    table over ``world_size`` ranks: ``get_sharded_table_capacity`` rows per rank.
-    ``global_hbm_for_values`` set to this keeps every row in device memory.
+    """Bytes of the float32 value rows (embedding and optimizer state) of a whole table over
+    ``world_size`` ranks; ``global_hbm_for_values`` set to this keeps every row in device memory.
 
     Args:
-        embedding_config: the table's TorchRec config (``num_embeddings``,
-            ``embedding_dim``; ``data_type`` must be FP32).
+        embedding_config: the table's TorchRec config (``num_embeddings``, ``embedding_dim``;
+            ``data_type`` must be FP32).
         optimizer_type: ``EmbOptimType`` (ours or FBGEMM's).
         world_size: ranks sharing the table.
-        bucket_capacity: the table's ``bucket_capacity`` (or ``MAX_BUCKET_CAPACITY``,
-            see ``get_sharded_table_capacity``).
+        bucket_capacity: as in ``get_sharded_table_capacity``.
 
     Raises:
-        ValueError: the config's ``data_type`` is not FP32, or an argument of
-            ``get_sharded_table_capacity`` is invalid.
+        ValueError: ``data_type`` is not FP32, or an argument ``get_sharded_table_capacity``
+            refuses.
     """
     data_type = getattr(embedding_config, "data_type", None)
     if data_type is not None and getattr(data_type, "name", data_type) != "FP32":

@@ -1,10 +1,6 @@
-"""HugeCTR plan files <-> TorchRec sharding plans.
-
-``load_plan`` reads and validates a plan file (``PlanFile``); the generators write
-the placements of HugeCTR's notebooks and of NVIDIA's DLRM; ``to_sharding_plan`` /
-``from_sharding_plan`` translate to and from TorchRec (imported on first use, so the
-file tools work without TorchRec); ``python -m dynamicemb.plan`` is the command line.
-"""
+"""HugeCTR plan files <-> TorchRec sharding plans: ``load_plan`` / ``PlanFile``, the
+generators, ``to_sharding_plan`` / ``from_sharding_plan`` (TorchRec is imported on first use,
+so the file tools work without it) and the ``python -m dynamicemb.plan`` command line."""
 
 from dynamicemb.plan.format import LookupPlacement, PlanFile, PlanGroup, load_plan
 from dynamicemb.plan.generators import distributed, dp_and_localized, greedy

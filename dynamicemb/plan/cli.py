@@ -125,8 +125,7 @@ def _names(text: Optional[str], option: str) -> Optional[List[str]]:
 
 
 def _translate(args: argparse.Namespace) -> int:
-    """The TorchRec ShardingPlan of the plan file for an EmbeddingBagCollection built
-    from the flags (TorchRec is imported here only)."""
+    """The TorchRec ShardingPlan of the plan file for an EmbeddingBagCollection from the flags."""
     import torch  # noqa: PLC0415
     from torch import nn  # noqa: PLC0415
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig  # noqa: PLC0415
@@ -232,16 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Runs the command line.
-
-    Args:
-        argv (Optional[Sequence[str]]): the arguments, without the program name; default
-            ``sys.argv[1:]``.
-
-    Returns:
-        int: 0 on success, 2 on a bad file or bad arguments, after one ``error: ...`` line
-        on stderr (argparse's own errors exit 2 as well).
-    """
+    """Runs the command line on ``argv`` (default ``sys.argv[1:]``). Returns 0, or 2 after one
+    ``error: ...`` line on stderr for a bad file or bad arguments (argparse's errors exit 2 too)."""
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

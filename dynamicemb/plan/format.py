@@ -1,13 +1,9 @@
-"""HugeCTR plan files: a typed model, parsing with JSON-path errors, validation and output.
+"""HugeCTR plan files (ETPS): a typed model, parsing with JSON-path errors, validation, output.
 
-A plan file ("embedding table placement strategy", ETPS) is a JSON list with one entry per
-GPU. Each entry is a list of *groups*; group ``k`` is the same group on every GPU, and each
-GPU's copy lists the lookups that GPU holds in it (``local_embedding_list``).
-
-A ``dp`` group replicates its lookups on every GPU. An ``mp`` group ("localized" in older
-files) without a shard count above 1 places each lookup whole on the GPU that lists it
-(table-wise); with ``N > 1`` shards, the ``N`` GPUs listing lookups each hold one row shard
-of every lookup of the group (row-wise).
+A plan is a JSON list with one entry per GPU, each a list of groups; group ``k`` is the same
+group on every GPU, and each GPU's copy lists the lookups it holds. A ``dp`` group
+replicates its lookups; an ``mp`` group ("localized" in older files) places each lookup
+whole on the GPU listing it, or, with ``N > 1`` shards, row-wise over the ``N`` listing GPUs.
 """
 
 import json
@@ -62,19 +58,13 @@ def _show(value: Any, limit: int = 60) -> str:
 
 @dataclass(frozen=True)
 class PlanGroup:
-    """One GPU's copy of one group of a plan file.
+    """One GPU's copy of one group of a plan file (``ValueError`` on a bad field).
 
     Args:
-        strategy (str): ``"mp"`` or ``"dp"``; ``"localized"`` is accepted and stored as
-            ``"mp"``.
-        lookups (Tuple[int, ...]): the ``local_embedding_list``: lookup indices this GPU
-            holds in the group, in file order, none repeated.
-        shard_id (Optional[int]): this GPU's shard of the group, if the file gives one.
-        shard_count (Optional[int]): the group's number of shards, if the file gives one.
-
-    Raises:
-        ValueError: on an unknown strategy, a bad or repeated lookup index, or a shard id
-            outside ``[0, shard_count)``.
+        strategy (str): ``"mp"`` or ``"dp"`` (``"localized"`` is stored as ``"mp"``).
+        lookups (Tuple[int, ...]): distinct lookup indices this GPU holds, in file order.
+        shard_id, shard_count (Optional[int]): this GPU's shard, in ``[0, shard_count)``, and
+            the group's shard count, if the file gives them.
     """
 
     strategy: str
@@ -105,18 +95,13 @@ class PlanGroup:
 
 @dataclass(frozen=True)
 class LookupPlacement:
-    """Where one lookup lives.
+    """Where one lookup lives (``ValueError`` on an unknown kind or ranks that do not fit it).
 
     Args:
         kind (str): ``"data_parallel"``, ``"table_wise"`` or ``"row_wise"``.
-        ranks (Tuple[int, ...]): data parallel: every GPU, ascending; table-wise: the one
-            GPU; row-wise: the GPUs holding shards ``0..N-1``, in shard order (``N >= 2``;
-            one shard is table-wise).
-        group (int): index of the plan group that places the lookup. Informational: it is
-            left out of comparisons and hashing.
-
-    Raises:
-        ValueError: on an unknown kind or ranks that do not fit the kind.
+        ranks (Tuple[int, ...]): every GPU ascending (data parallel); the one GPU (table-wise);
+            the GPUs holding shards ``0..N-1`` in shard order, ``N >= 2`` (row-wise).
+        group (int): the plan group that places it; left out of comparisons and hashing.
     """
 
     kind: str
@@ -144,25 +129,16 @@ class LookupPlacement:
 
 @dataclass(frozen=True)
 class PlanFile:
-    """A whole plan file: for every GPU, its copies of the plan's groups.
+    """A whole plan file: ``gpus[g][k]`` is GPU ``g``'s copy of group ``k``.
 
-    Construction checks the structure: every GPU has the same number of groups, group
-    ``k`` has one strategy on every GPU, and a ``dp`` group lists the same lookups on
-    every GPU and is not sharded. How lookups are placed is checked by
-    :meth:`placements`.
-
-    Args:
-        gpus (Tuple[Tuple[PlanGroup, ...], ...]): ``gpus[g][k]`` is GPU ``g``'s copy of
-            group ``k``.
-
-    Raises:
-        ValueError: naming the GPU and group that break the structure.
+    Construction checks the structure (as many groups on every GPU, one strategy per group, a
+    ``dp`` group unsharded with the same lookups everywhere) and raises ``ValueError`` naming
+    the GPU and group; :meth:`placements` checks how lookups are placed.
 
     Example::
 
         plan = load_plan("plan.json")
-        plan.validate(world_size=8, num_lookups=26)
-        placements = plan.placements()  # {0: LookupPlacement("table_wise", (0,)), ...}
+        placements = plan.validate(world_size=8, num_lookups=26)
         text = PlanFile.from_placements(placements, plan.num_gpus).to_json()
     """
 
@@ -195,11 +171,7 @@ class PlanFile:
         return len(self.gpus[0])
 
     def groups(self, gpu: int) -> Tuple[PlanGroup, ...]:
-        """GPU ``gpu``'s copies of the groups, in file order.
-
-        Raises:
-            ValueError: if ``gpu`` is not in ``[0, num_gpus)``.
-        """
+        """GPU ``gpu``'s copies of the groups, in file order (``ValueError`` if out of range)."""
         if not _is_index(gpu) or gpu >= self.num_gpus:
             raise ValueError(f"GPU {gpu!r} is out of range for a plan of {self.num_gpus} GPUs")
         return self.gpus[gpu]
@@ -221,20 +193,12 @@ class PlanFile:
                                  f"{sorted(first.lookups)} on GPU 0; the same everywhere in a dp group")
 
     def placements(self, num_lookups: Optional[int] = None) -> Dict[int, LookupPlacement]:
-        """Where each lookup lives, checking that the plan places every lookup once.
-
-        Args:
-            num_lookups (Optional[int]): when given, every lookup in ``range(num_lookups)``
-                must be placed and no other.
-
-        Returns:
-            Dict[int, LookupPlacement]: lookup index -> placement, by ascending index.
+        """Lookup index -> placement, ascending; when given ``num_lookups``, exactly
+        ``range(num_lookups)`` must be placed, each once.
 
         Raises:
-            ValueError: naming the GPU, group and lookup: a lookup out of range or placed
-                nowhere (with ``num_lookups``), a lookup placed twice, or a sharded group
-                whose shards are inconsistent (a holder without shard id, a shard id out of
-                range, repeated or missing, or shards listing different lookups).
+            ValueError: naming the GPU, group and lookup: a lookup out of range, placed nowhere or
+                twice, or a sharded group with inconsistent shards.
         """
         if num_lookups is not None and not _is_index(num_lookups):
             raise ValueError(f"num_lookups must be a non-negative integer, got {num_lookups!r}")
@@ -278,17 +242,7 @@ class PlanFile:
 
     def validate(self, world_size: Optional[int] = None,
                  num_lookups: Optional[int] = None) -> Dict[int, LookupPlacement]:
-        """Runs every check: the plan's GPU count against ``world_size`` and :meth:`placements`.
-
-        The structural checks already ran when the plan was built.
-
-        Args:
-            world_size (Optional[int]): when given, the plan must have this many GPUs.
-            num_lookups (Optional[int]): when given, the plan must place exactly lookups
-                ``0..num_lookups-1``.
-
-        Returns:
-            Dict[int, LookupPlacement]: the placements, as :meth:`placements` gives them.
+        """:meth:`placements`, after checking that the plan has ``world_size`` GPUs (when given).
 
         Raises:
             ValueError: on the first failed check.
@@ -298,14 +252,10 @@ class PlanFile:
         return self.placements(num_lookups)
 
     def to_obj(self, spelling: str = "new") -> List[List[Dict[str, Any]]]:
-        """The plan as HugeCTR's JSON structure.
+        """The plan as HugeCTR's JSON structure, with ``global_embedding_list`` on every group.
 
-        Every group gets ``global_embedding_list``; shard keys are written only where the
-        group has them, as ``shard_id``/``shards_count`` (``spelling="new"``) or
-        ``sharding_id``/``num_sharding`` (``spelling="old"``).
-
-        Raises:
-            ValueError: on an unknown spelling.
+        Shard keys, where a group has them, are ``shard_id``/``shards_count`` (``spelling="new"``)
+        or ``sharding_id``/``num_sharding`` (``"old"``); another spelling raises ``ValueError``.
         """
         if spelling not in _SHARD_KEYS:
             raise ValueError(f"unknown spelling {spelling!r}; expected 'new' or 'old'")
@@ -333,24 +283,13 @@ class PlanFile:
 
     @classmethod
     def from_placements(cls, placements: Dict[int, LookupPlacement], num_gpus: int) -> "PlanFile":
-        """A canonical plan that places lookups as ``placements`` says.
+        """A canonical plan whose :meth:`placements` equal ``placements`` (``group`` ignored).
 
-        One ``mp`` group holds the table-wise lookups (each GPU lists its own), one ``dp``
-        group the data-parallel ones, and each distinct row-wise rank tuple gets an ``mp``
-        group of ``len(ranks)`` shards, GPU ``ranks[i]`` holding shard ``i``; GPUs outside
-        the tuple list nothing in it. Groups empty on every GPU are left out.
-
-        Args:
-            placements (Dict[int, LookupPlacement]): lookup index -> placement; the
-                ``group`` fields are ignored.
-            num_gpus (int): number of GPUs of the plan.
-
-        Returns:
-            PlanFile: a plan whose :meth:`placements` equal ``placements``.
-
-        Raises:
-            ValueError: on a bad lookup index, a rank out of range, or a data-parallel
-                placement that does not list every GPU in order.
+        One ``mp`` group holds the table-wise lookups, one ``dp`` group the data-parallel ones, and
+        each distinct row-wise rank tuple gets an ``mp`` group of ``len(ranks)`` shards, GPU
+        ``ranks[i]`` holding shard ``i``. Groups empty on every GPU are left out. Raises
+        ``ValueError`` on a bad lookup index, a rank out of range, or a data-parallel placement that
+        does not list every GPU in order.
         """
         if not _is_index(num_gpus) or num_gpus < 1:
             raise ValueError(f"num_gpus must be a positive integer, got {num_gpus!r}")
@@ -434,26 +373,17 @@ def _shard_ranks(column: Sequence[PlanGroup], k: int, count: int) -> Tuple[int, 
 
 
 def load_plan(source: PlanSource) -> PlanFile:
-    """Reads a HugeCTR plan file in any of its spellings.
+    """Reads a HugeCTR plan file (a path, JSON text starting with ``[`` or ``{``, or the parsed
+    list) and checks its structure; :meth:`PlanFile.validate` checks the placements.
 
-    Accepts shard keys ``shard_id``/``shards_count`` and the older
-    ``sharding_id``/``num_sharding``, strategy ``"localized"`` for ``"mp"``, GPUs listing
-    no lookups in a group, and ``dp`` groups carrying shard 0 of 1. ``global_embedding_list``
-    is optional and checked where present. Unknown keys are ignored.
-
-    Args:
-        source: a path (``str`` or ``os.PathLike``) to a JSON file, JSON text (a ``str``
-            starting with ``[`` or ``{``), or the already parsed list.
-
-    Returns:
-        PlanFile: the plan, structurally checked; call :meth:`PlanFile.validate` or
-        :meth:`PlanFile.placements` for the placement checks.
+    Accepts both shard-key spellings, ``"localized"`` for ``"mp"``, GPUs listing no lookups in a
+    group and ``dp`` groups carrying shard 0 of 1; ``global_embedding_list`` is optional and
+    checked where present; unknown keys are ignored.
 
     Raises:
-        ValueError: on text that is not JSON, or a wrongly shaped element (the message
-            gives its JSON path, ``plan[1][0]["local_embedding_list"][2]: ...``), or a
-            structural error (the message names the GPU and group).
-        OSError: if the file cannot be read.
+        ValueError: text that is not JSON, a wrongly shaped element (the message gives its JSON
+            path, ``plan[1][0]["local_embedding_list"][2]: ...``) or a structural error.
+        OSError: the file cannot be read.
     """
     obj = _read(source)
     if not isinstance(obj, list) or not obj:

@@ -1,7 +1,6 @@
 """Plan generators: HugeCTR's two notebook strategies and DLRM's greedy placement.
 
-Lookup ``i`` is table ``i`` in all of them.
-"""
+Lookup ``i`` is table ``i`` in all of them."""
 
 import math
 from typing import List, Sequence
@@ -29,21 +28,10 @@ def _check_positive(value: int, name: str) -> None:
 def dp_and_localized(table_sizes: Sequence[int], num_gpus: int, dp_threshold: int = 6000) -> PlanFile:
     """Small tables data parallel, the others whole on one GPU each, round-robin.
 
-    HugeCTR's "data parallel + localized" strategy: tables of more than ``dp_threshold``
-    rows go round-robin over the GPUs (the ``i``-th such table to GPU ``i % num_gpus``) in
-    one ``mp`` group; the rest form one ``dp`` group. Both groups are always written, as
-    HugeCTR's generator does, even when one is empty.
-
-    Args:
-        table_sizes (Sequence[int]): rows of each table.
-        num_gpus (int): number of GPUs.
-        dp_threshold (int): the largest table size that is data parallel.
-
-    Returns:
-        PlanFile: groups ``[mp, dp]`` on every GPU.
-
-    Raises:
-        ValueError: on a non-positive size or GPU count, or a negative threshold.
+    HugeCTR's "data parallel + localized" strategy: the ``i``-th table of more than
+    ``dp_threshold`` rows goes to GPU ``i % num_gpus`` in an ``mp`` group; the others form a
+    ``dp`` group. Every GPU gets groups ``[mp, dp]``, even when one is empty. ``ValueError`` on
+    a non-positive size or GPU count, or a negative threshold.
 
     Example::
 
@@ -64,21 +52,9 @@ def dp_and_localized(table_sizes: Sequence[int], num_gpus: int, dp_threshold: in
 
 
 def distributed(table_sizes: Sequence[int], num_gpus: int) -> PlanFile:
-    """Every table row-wise over all GPUs, GPU ``g`` holding shard ``g``.
-
-    HugeCTR's "distributed" strategy: one ``mp`` group listing every table on every GPU,
-    with ``num_gpus`` shards. With one GPU this is one unsharded (table-wise) group.
-
-    Args:
-        table_sizes (Sequence[int]): rows of each table (only their number matters).
-        num_gpus (int): number of GPUs.
-
-    Returns:
-        PlanFile: one group on every GPU.
-
-    Raises:
-        ValueError: on a non-positive size or GPU count.
-    """
+    """Every table row-wise over all GPUs, GPU ``g`` holding shard ``g`` (HugeCTR's
+    "distributed" strategy: one ``mp`` group of ``num_gpus`` shards; with one GPU, unsharded).
+    Only the number of ``table_sizes`` matters. ``ValueError`` on a non-positive size or count."""
     sizes = _check_sizes(table_sizes, "table size")
     _check_positive(num_gpus, "num_gpus")
     tables = tuple(range(len(sizes)))
@@ -88,22 +64,11 @@ def distributed(table_sizes: Sequence[int], num_gpus: int) -> PlanFile:
 def greedy(table_bytes: Sequence[int], num_gpus: int, memory_per_gpu: int) -> PlanFile:
     """Whole tables to GPUs, largest first, each to the GPU with the most free memory.
 
-    The heuristic of NVIDIA's DLRM example: at most ``ceil(T / num_gpus)`` tables per GPU
-    so that the all-to-all stays balanced; each table, largest first, goes to the GPU
-    with the most free memory (ties: the lowest index) among those that may take another
-    table. (DLRM also keeps GPU 0 free for the bottom MLP; this does not.)
-
-    Args:
-        table_bytes (Sequence[int]): bytes of each table.
-        num_gpus (int): number of GPUs.
-        memory_per_gpu (int): bytes each GPU has for tables.
-
-    Returns:
-        PlanFile: one ``mp`` group, every GPU listing its tables in ascending order.
-
-    Raises:
-        ValueError: naming the table (index and bytes) that fits on no GPU, or on a
-            non-positive size, GPU count or memory.
+    NVIDIA DLRM's heuristic on ``table_bytes`` and ``memory_per_gpu`` (bytes): at most
+    ``ceil(T / num_gpus)`` tables per GPU (a balanced all-to-all), ties to the lowest GPU; unlike
+    DLRM, GPU 0 is not kept free for the bottom MLP. One ``mp`` group, each GPU listing its
+    tables in ascending order. ``ValueError`` names a table that fits on no GPU, or a
+    non-positive size, GPU count or memory.
 
     Example::
 

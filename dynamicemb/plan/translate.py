@@ -1,23 +1,11 @@
 """HugeCTR plan files <-> TorchRec ``ShardingPlan``s.
 
-A lookup of a plan file is a TorchRec feature: lookup ``i`` is the ``i``-th name of
-``lookups``, by default the features of the model's embedding collections in
-module order (``named_modules`` order; in each, ``embedding_configs()`` /
-``embedding_bag_configs()`` order, then ``feature_names`` order). A table is placed
-as its lookups are (they must agree). The mapping:
-
-================================  ===============================================
-plan file                          TorchRec
-================================  ===============================================
-``dp``                             ``data_parallel`` (static tables only)
-``mp``, one GPU lists the lookup   ``table_wise`` on that GPU
-``mp``, shards 0..N-1, N = world   ``row_wise`` (by key hash for dynamic tables,
-                                   TorchRec's blocks for static ones)
-================================  ===============================================
-
-Static tables get the ``fused`` compute kernel (FBGEMM's, on CPU and CUDA);
-dynamic tables (``DynamicEmbParameterConstraints(use_dynamicemb=True)`` in
-``constraints``) the ``DynamicEmbParameterSharding`` the planner gives them.
+Lookup ``i`` is the ``i``-th feature of ``model_lookups``; a table is placed as its lookups
+are (they must agree): ``dp`` -> ``data_parallel`` (static tables only); ``mp`` listed by one
+GPU -> ``table_wise`` on it; ``mp`` with shards ``0..N-1``, N = world size -> ``row_wise`` (by
+key hash for dynamic tables, TorchRec's blocks for static ones). Static tables get the
+``fused`` kernel; dynamic ones (``use_dynamicemb=True`` in ``constraints``) the planner's
+``DynamicEmbParameterSharding``.
 """
 
 from dataclasses import dataclass
@@ -83,11 +71,8 @@ def model_lookups(model: nn.Module, lookups: Optional[Sequence[str]] = None) -> 
 
     Args:
         model: a model holding EmbeddingCollection / EmbeddingBagCollection modules.
-        lookups: feature names, lookup ``i`` first (default: every feature in module
-            order); ``"module.fqn:feature"`` picks a feature that several modules have.
-
-    Returns:
-        One ``Lookup`` per plan-file lookup index.
+        lookups: feature names, lookup ``i`` first (``"module.fqn:feature"`` for a feature in
+            several modules); default: every feature, by module, config and feature order.
 
     Raises:
         ValueError: an unknown, ambiguous or repeated feature name.
@@ -164,25 +149,20 @@ def to_sharding_plan(
     local_world_size: Optional[int] = None,
     sharders: Optional[Sequence[ModuleSharder[nn.Module]]] = None,
 ) -> ShardingPlan:
-    """The TorchRec ``ShardingPlan`` of a HugeCTR plan file.
+    """The TorchRec ``ShardingPlan`` of a HugeCTR plan file, one module plan per EC/EBC module.
 
     Args:
         plan: a ``PlanFile``, or anything ``load_plan`` takes (path, JSON, list).
         model: the unsharded model (its tables may be on ``meta``).
-        lookups: feature names of the plan's lookups (see ``model_lookups``).
-        constraints: the dict given to ``DynamicEmbeddingShardingPlanner``; tables with
-            ``DynamicEmbParameterConstraints(use_dynamicemb=True)`` are dynamic.
+        lookups: feature names of the plan's lookups (``model_lookups``).
+        constraints: the planner's constraints; ``use_dynamicemb=True`` tables are dynamic.
         device: the compute device type, ``"cpu"`` or ``"cuda"``.
-        local_world_size: ranks per node (default: TorchRec's ``get_local_size``,
-            ``LOCAL_WORLD_SIZE`` as torchrun sets it); CUDA shards go to device
-            ``rank % local_world_size``.
+        local_world_size: ranks per node (default: TorchRec's ``get_local_size``); CUDA
+            shards go to device ``rank % local_world_size``.
         sharders: the sharders DMP gets (default: TorchRec's for each module type).
 
-    Returns:
-        A ``ShardingPlan`` with one module plan per EC/EBC module.
-
     Raises:
-        ValueError: an invalid plan, or one that cannot be expressed (see module doc).
+        ValueError: an invalid plan, or one the mapping above cannot express.
 
     Example::
 
@@ -241,20 +221,17 @@ def from_sharding_plan(
     lookups: Optional[Sequence[str]] = None,
     world_size: Optional[int] = None,
 ) -> PlanFile:
-    """The HugeCTR plan file of a ``ShardingPlan`` (the reverse of ``to_sharding_plan``).
+    """The HugeCTR plan file of a ``ShardingPlan``; ``to_sharding_plan`` of it gives it back.
 
     Args:
         sharding_plan: a plan of the model's EC/EBC modules.
         model: the model it was made for.
-        lookups: feature names of the plan's lookups (see ``model_lookups``).
+        lookups: feature names of the plan's lookups (``model_lookups``).
         world_size: the number of GPUs (default: one more than the highest rank).
 
-    Returns:
-        A ``PlanFile``; ``to_sharding_plan`` of it gives ``sharding_plan`` back.
-
     Raises:
-        ValueError: a table with no sharding, or one a plan file cannot express
-            (column-wise, grid, row-wise over some ranks only, ...), naming it.
+        ValueError: naming a table with no sharding or one a plan file cannot express
+            (column-wise, grid, row-wise over some ranks only, ...).
     """
     resolved = model_lookups(model, lookups)
     if world_size is None:

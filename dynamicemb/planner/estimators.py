@@ -24,24 +24,19 @@ def dynamic_table_bytes(options: DynamicEmbTableOptions, rows: int,
                         num_shards: int = 1) -> Tuple[int, int]:
     """(device bytes, host bytes) of one rank's share of a dynamic table.
 
+    ``rows`` round up to whole power-of-two buckets; each slot is a float32 value row
+    (embedding and optimizer state) plus its metadata (``metadata_bytes_per_slot``, as
+    ``ScoredHashTable.memory_bytes`` counts). Without ``local_hbm_for_values`` all is on the
+    device. Otherwise the device holds that budget of rows (a cache when ``caching``) with their
+    index, plus every row's index; the host holds the other value rows (every row when
+    ``caching``). A budget holding every row without ``caching`` keeps all on the device. With
+    an external store and ``local_host_for_values`` the host holds at most that budget of rows
+    (and their index); the rest is ``external_table_bytes``.
+
     Args:
-        options: the table's options (tier settings, dim, optimizer override).
         rows: the rank's capacity in rows.
         optimizer: the module's optimizer, unless ``options.optimizer_args`` names one.
-        num_shards: ranks holding the table (``global_hbm_for_values`` is split
-            over them).
-
-    The table's own layout: ``rows`` rounded up to whole power-of-two buckets, each
-    slot a value row (embedding and optimizer state in float32) and its metadata
-    (``metadata_bytes_per_slot``, what ``ScoredHashTable.memory_bytes`` counts). With
-    ``local_hbm_for_values=None`` everything is in device memory; otherwise the
-    device holds that budget of rows (a cache when ``caching``) with their index,
-    and the index of every row (the host store's, which kernels probe on the
-    device), while the host holds the rest of the value rows (every row when
-    ``caching``). A budget that holds every row without ``caching`` keeps the whole
-    table on the device. With an external store and
-    ``local_host_for_values`` the host holds at most that budget of rows (and their
-    index); the rest is ``external_table_bytes``.
+        num_shards: ranks holding the table (``global_hbm_for_values`` is split over them).
     """
     slots, row_bytes = _slots_and_row_bytes(options, rows, optimizer)
     slots -= _external_rows(options, slots, row_bytes)
@@ -83,10 +78,9 @@ def _external_rows(options: DynamicEmbTableOptions, slots: int, row_bytes: int) 
 
 
 class DynamicEmbStorageEstimator(EmbeddingStorageEstimator):
-    """TorchRec's storage estimator, with dynamic tables charged by
-    ``dynamic_table_bytes`` instead of as dense ``rows x dim`` weights. On a CPU
-    topology device bytes are host (DDR) bytes. Rows in an external store are
-    charged to the shard's SSD tier (``external_table_bytes``), the third tier."""
+    """TorchRec's storage estimator, charging dynamic tables ``dynamic_table_bytes`` instead of
+    dense weights; on a CPU topology device bytes are DDR bytes, and external-store rows go to
+    the shard's SSD tier (``external_table_bytes``)."""
 
     def estimate(self, sharding_options: List[ShardingOption], sharder_data_map) -> None:
         super().estimate(sharding_options, sharder_data_map)
@@ -127,12 +121,8 @@ class DynamicEmbStorageEstimator(EmbeddingStorageEstimator):
 
 
 class DynamicEmbPerfConfig(EmbeddingPerfEstimatorConfig):
-    """TorchRec's perf config plus a bandwidth for ``customized_kernel``: a fraction
-    of the device's memory bandwidth (hash probes are less regular than dense reads).
-
-    Args:
-        bandwidth_fraction: share of HBM (CUDA) or DDR (CPU) bandwidth.
-    """
+    """TorchRec's perf config plus a bandwidth for ``customized_kernel``: ``bandwidth_fraction``
+    of HBM (CUDA) or DDR (CPU) bandwidth, as hash probes are less regular than dense reads."""
 
     def __init__(self, bandwidth_fraction: float = 0.5) -> None:
         super().__init__()

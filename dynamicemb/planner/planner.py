@@ -39,8 +39,7 @@ _POSITIONAL = ("topology", "batch_size", "enumerator", "storage_reservation", "p
 
 
 def _planner_arguments(args: tuple, eb_configs, kwargs: Dict[str, Any]):
-    """(eb_configs, keyword arguments) from TorchRec's or upstream's call forms: a
-    first positional argument that is a sequence of table configs is ``eb_configs``."""
+    """(eb_configs, keyword arguments) from TorchRec's or upstream's call form (configs first)."""
     if args and isinstance(args[0], (list, tuple)) and all(
             isinstance(c, BaseEmbeddingConfig) for c in args[0]):
         if eb_configs is not None:
@@ -59,9 +58,8 @@ def _planner_arguments(args: tuple, eb_configs, kwargs: Dict[str, Any]):
 
 def _check_table_params(name: str, sharding: ParameterSharding,
                         sharders: List[ModuleSharder]) -> None:
-    """Refuses, at plan time, the per-table params of a dynamic table's constraint
-    (``cache_params``, ``output_dtype``, ...) that TorchRec would add to its kernel's
-    fused params (``add_params_from_parameter_sharding``) and the kernel cannot honour."""
+    """Refuses at plan time the per-table params of a dynamic table's constraint
+    (``cache_params``, ``output_dtype``, ...) that its kernel cannot honour."""
     for sharder in sharders:
         try:
             module_kwargs(add_params_from_parameter_sharding(dict(sharder.fused_params or {}),
@@ -89,8 +87,7 @@ def _check_configs(eb_configs: Sequence[BaseEmbeddingConfig]) -> Dict[str, BaseE
 
 def _cross_check(given: Mapping[str, BaseEmbeddingConfig],
                  model: Mapping[str, BaseEmbeddingConfig]) -> None:
-    """Raises unless every config in ``eb_configs`` is a table of the model with the
-    same shape and data type."""
+    """Raises unless every ``eb_configs`` entry is a model table of the same shape and dtype."""
     for name, config in given.items():
         if name not in model:
             raise ValueError(f"eb_configs names table {name!r}, which the model does not have "
@@ -103,14 +100,9 @@ def _cross_check(given: Mapping[str, BaseEmbeddingConfig],
 
 
 class DynamicEmbeddingEnumerator(EmbeddingEnumerator):
-    """TorchRec's ``EmbeddingEnumerator`` for models with dynamic tables (upstream's
-    name and arguments): offers ``customized_kernel`` to the tables ``constraints``
-    make dynamic and to no other (TorchRec does not guard it), and by default
-    estimates with ``DynamicEmbPerfConfig`` and ``DynamicEmbStorageEstimator``.
-
-    Args:
-        topology, batch_size, constraints, use_exact_enumerate_order: TorchRec's.
-        estimator: default: the dynamic perf and storage estimators.
+    """TorchRec's ``EmbeddingEnumerator`` for dynamic tables (upstream's name and arguments):
+    offers ``customized_kernel`` to the tables ``constraints`` make dynamic and to no other;
+    ``estimator`` defaults to ``DynamicEmbPerfConfig`` and ``DynamicEmbStorageEstimator``.
 
     Example::
 
@@ -143,30 +135,22 @@ class DynamicEmbeddingEnumerator(EmbeddingEnumerator):
 class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
     """Drop-in for TorchRec's ``EmbeddingShardingPlanner``.
 
-    Tables with ``DynamicEmbParameterConstraints(use_dynamicemb=True, ...)`` are
-    planned with the ``customized_kernel`` (row-wise or table-wise), their hash
-    tables' bytes are counted against the topology (``DynamicEmbStorageEstimator``),
-    and the plan gives them a ``DynamicEmbParameterSharding`` carrying their options.
-    Options' ``dim`` and ``max_capacity`` left ``None`` are filled from the table's
-    config when ``plan`` sees the model (a set value that differs is a ``ValueError``);
-    the constraints given are not modified.
-    Other tables are planned as TorchRec would. A topology too small raises
-    TorchRec's ``PlannerError``. Pass the dynamic sharders
-    (``dynamicemb.shard``) to ``plan``/``collective_plan`` and to DMP.
+    Tables with ``DynamicEmbParameterConstraints(use_dynamicemb=True)`` get the
+    ``customized_kernel`` (row- or table-wise), are charged their hash tables' bytes
+    (``DynamicEmbStorageEstimator``) and get a ``DynamicEmbParameterSharding`` with their
+    options, ``dim`` and ``max_capacity`` filled from the model's configs (the constraints given
+    are not modified). Other tables are planned as TorchRec would; a topology too small raises
+    TorchRec's ``PlannerError``. Give the dynamic sharders to ``plan``/``collective_plan`` and DMP.
 
     Args:
-        eb_configs: optional, upstream's first argument: the model's table configs.
-            Given, ``plan`` checks that the model's tables agree with them (name,
-            ``embedding_dim``, ``num_embeddings``, ``data_type``). It may be passed
-            first, as upstream does (``DynamicEmbeddingShardingPlanner(eb_configs,
-            topology, ...)``), or by keyword.
-        topology, batch_size, constraints: as TorchRec's planner. The default
-            topology is TorchRec's: the default process group's world size, nodes of
-            ``LOCAL_WORLD_SIZE`` ranks (``get_local_size``), CUDA if available.
+        eb_configs: optional, upstream's first argument (positional or keyword): the model's
+            table configs; ``plan`` checks the model's tables against them (name,
+            ``embedding_dim``, ``num_embeddings``, ``data_type``).
+        topology, batch_size, constraints: as TorchRec's planner; the default topology is
+            TorchRec's (the default group's world size, ``LOCAL_WORLD_SIZE`` ranks per node).
         enumerator: a ``DynamicEmbeddingEnumerator`` (the default).
-        storage_reservation, proposer, partitioner, performance_model, stats, debug,
-            and TorchRec's other keywords: as ``EmbeddingShardingPlanner``'s, in its
-            positional order after ``topology``.
+        storage_reservation, proposer, partitioner, performance_model, stats, debug, and
+            TorchRec's other keywords: as ``EmbeddingShardingPlanner``'s, in its order.
 
     Example::
 
@@ -208,14 +192,14 @@ class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
                          constraints=constraints, **kwargs)
 
     def plan(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> ShardingPlan:
-        """TorchRec's plan, with dynamic tables' entries as ``DynamicEmbParameterSharding``
-        (converted before ``collective_plan`` broadcasts it).
+        """TorchRec's plan, dynamic tables' entries made ``DynamicEmbParameterSharding`` before
+        ``collective_plan`` broadcasts it.
 
         Raises:
-            ValueError: a dynamic table's ``dim`` or ``max_capacity`` differs from its
-                config in ``module``; the model's configs differ from ``eb_configs``; a
-                sharder's fused params, or a dynamic table's constraint (``cache_params``,
-                ``output_dtype``, ...), hold one dynamic tables cannot honour.
+            ValueError: a dynamic table's ``dim`` or ``max_capacity`` differs from its config; the
+                model's configs differ from ``eb_configs``; sharder fused params or a dynamic
+                table's constraint (``cache_params``, ``output_dtype``, ...) hold a value dynamic
+                tables cannot honour.
         """
         if self._eb_configs is not None:
             _cross_check(self._eb_configs, table_configs(module))

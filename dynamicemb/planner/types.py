@@ -32,12 +32,10 @@ DYNAMIC_SHARDING_TYPES = (ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.v
 
 
 class DynamicEmbOptionsRef:
-    """A dynamic table's options as a fused-param value.
+    """A dynamic table's options as a hashable fused-param value.
 
-    TorchRec groups a sharding's tables by their fused params, which must therefore
-    be hashable. Every reference compares equal to every other, so all dynamic tables
-    of a sharding land in one kernel, which groups them physically by their options
-    (``BatchedDynamicEmbeddingTables``).
+    Every reference compares equal, so TorchRec (which groups tables by fused params) puts all
+    dynamic tables of a sharding in one kernel, which groups them by their options itself.
     """
 
     __slots__ = ("options",)
@@ -72,9 +70,8 @@ class DynamicEmbParameterSharding(ParameterSharding):
     """``ParameterSharding`` of a dynamic table (``compute_kernel="customized_kernel"``).
 
     Args:
-        dynamicemb_options: the table's options. ``dim`` must equal the table's
-            ``embedding_dim``; ``max_capacity`` is replaced on each rank by its share
-            of the table's ``num_embeddings`` (the global capacity).
+        dynamicemb_options: the table's options; ``dim`` must equal its ``embedding_dim``, and
+            each rank's ``max_capacity`` is its share of ``num_embeddings``.
     """
 
     dynamicemb_options: Optional[DynamicEmbTableOptions] = None
@@ -95,9 +92,8 @@ class DynamicEmbParameterSharding(ParameterSharding):
 def to_dynamic_sharding(
     sharding: ParameterSharding, options: DynamicEmbTableOptions
 ) -> DynamicEmbParameterSharding:
-    """Turns a table's ``ParameterSharding`` (from a planner or the
-    ``torchrec.distributed.sharding_plan`` helpers) into a dynamic one with the same
-    placement.
+    """A dynamic copy of a table's ``ParameterSharding`` (from a planner or the
+    ``torchrec.distributed.sharding_plan`` helpers), with the same placement.
 
     Example::
 
@@ -115,17 +111,12 @@ class DynamicEmbParameterConstraints(ParameterConstraints):
 
     Args:
         use_dynamicemb: plan the table as a dynamic (hash-table) table.
-        dynamicemb_options: its options (default ``DynamicEmbTableOptions()``, as
-            upstream's).
+        dynamicemb_options: its options (default ``DynamicEmbTableOptions()``). ``dim`` and
+            ``max_capacity`` left None are filled from the table's ``embedding_dim`` and
+            ``num_embeddings`` (``resolve_options``); a differing value is a ``ValueError``.
 
-    Dynamic tables may be ``row_wise`` (ids go to the rank
-    ``owner_rank(id, W, dynamicemb_options.dist_type)``)
-    or ``table_wise``; other sharding types are refused. Their ``compute_kernels``
-    are always ``["customized_kernel"]``.
-
-    ``dynamicemb_options.dim`` and ``max_capacity`` may be left ``None``: the planner
-    fills them from the table's ``embedding_dim`` and ``num_embeddings`` (see
-    ``resolve_options``); a value that differs from the config is a ``ValueError``.
+    A dynamic table may be ``row_wise`` (keys routed by ``owner_rank``) or ``table_wise``, with
+    ``compute_kernels`` ``["customized_kernel"]``; anything else is refused.
     """
 
     use_dynamicemb: bool = False
@@ -148,24 +139,17 @@ class DynamicEmbParameterConstraints(ParameterConstraints):
 
 def resolve_options(options: DynamicEmbTableOptions, table: str, embedding_dim: int,
                     num_embeddings: int, data_type: Any = None) -> DynamicEmbTableOptions:
-    """A dynamic table's options with ``dim`` and ``max_capacity`` taken from its
-    TorchRec config where they are ``None``.
-
-    ``max_capacity`` is the table's global capacity, ``num_embeddings``: each rank's
-    kernel gets its share (see ``docs/ARCHITECTURE.md``).
+    """A dynamic table's options with ``dim`` and ``max_capacity`` (the global capacity) taken
+    from its TorchRec config where they are None; ``options`` itself when nothing is missing.
 
     Args:
         options: the options a constraint (or ``to_dynamic_sharding``) gave.
-        table: the table's name, for the message.
-        embedding_dim, num_embeddings, data_type: the table's ``EmbeddingConfig`` /
-            ``EmbeddingBagConfig`` fields (``data_type`` None: not checked).
-
-    Returns:
-        ``options`` itself when nothing is missing, else a filled copy.
+        table: the table's name, for messages.
+        embedding_dim, num_embeddings, data_type: the table's config fields (``data_type``
+            None: not checked).
 
     Raises:
-        ValueError: a set field differs from the config (both values named), or the
-            config's ``data_type`` is not FP32 (dynamic tables store float32 rows).
+        ValueError: a set field differs from the config, or ``data_type`` is not FP32.
     """
     if data_type is not None and getattr(data_type, "name", data_type) != "FP32":
         raise ValueError(
@@ -186,12 +170,8 @@ def resolve_options(options: DynamicEmbTableOptions, table: str, embedding_dim: 
 
 
 def table_options(table: Any) -> DynamicEmbTableOptions:
-    """The dynamicemb options TorchRec handed a ``customized_kernel`` table (a
-    ``ShardedEmbeddingTable``) in its fused params.
-
-    Raises:
-        ValueError: the table has none (naming it and how to plan it).
-    """
+    """The dynamicemb options in a ``customized_kernel`` ``ShardedEmbeddingTable``'s fused
+    params; ``ValueError`` if it has none."""
     ref = (table.fused_params or {}).get(DYNAMICEMB_OPTIONS_KEY)
     if ref is None:
         raise ValueError(
@@ -212,14 +192,9 @@ def table_configs(module: nn.Module) -> Dict[str, Any]:
 
 def dynamic_table_options(constraints: Optional[Mapping[str, ParameterConstraints]],
                           module: nn.Module) -> Dict[str, DynamicEmbTableOptions]:
-    """Options of the tables that ``constraints`` make dynamic, completed from
-    ``module``'s table configs (``resolve_options``). A constraint naming no table of
-    ``module`` keeps its options as given.
-
-    Args:
-        constraints: the planner's constraints, keyed by table name.
-        module: the unsharded model (tables may be on ``meta``).
-    """
+    """Options of the tables ``constraints`` make dynamic, completed from ``module``'s table
+    configs (``resolve_options``; tables may be on ``meta``). A constraint naming no table of
+    ``module`` keeps its options as given."""
     configs = table_configs(module)
     out = {}
     for name, constraint in (constraints or {}).items():

@@ -1,9 +1,6 @@
-"""TorchRec integration: sharders whose sharded modules run dynamic tables.
-
-Dynamic tables are marked in the plan (``DynamicEmbParameterSharding``, made by
-``DynamicEmbeddingShardingPlanner`` or ``to_dynamic_sharding``); every other table
-stays TorchRec's, in the same module.
-"""
+"""TorchRec integration: sharders whose sharded modules run dynamic tables, marked in the
+plan (``DynamicEmbParameterSharding``); every other table stays TorchRec's, in the same
+module."""
 
 from dynamicemb._torchrec import require_torchrec
 

@@ -46,13 +46,8 @@ def get_dynamic_tables(module: nn.Module) -> Dict[str, BatchedDynamicEmbeddingTa
 
 
 def import_dense_rows(module: nn.Module, table_name: str, weight: torch.Tensor) -> int:
-    """Copies a dense table into a sharded dynamic table: key ``i`` gets row ``i``
-    of ``weight``. Call it on every rank with the full table; each rank keeps the
-    keys it owns. Returns the number of rows imported on this rank.
-
-    Args:
-        weight (Tensor): (num_rows, dim) float32, e.g. a TorchRec table's weight.
-    """
+    """Copies a dense (num_rows, dim) ``weight`` into a sharded dynamic table, key ``i`` = row
+    ``i``; call it on every rank with the full table. Returns the rows this rank kept (owns)."""
     imported = 0
     for name, kernel in shard_kernels(module):
         if name != table_name:
@@ -65,18 +60,16 @@ def import_dense_rows(module: nn.Module, table_name: str, weight: torch.Tensor) 
 
 
 def fbgemm_fused_params(params: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-    """A sharder's fused params with this package's optimizer enum replaced by
-    FBGEMM's member of the same name: static tables of the collection are built by
-    FBGEMM, which knows only its own ``EmbOptimType`` (dynamic tables take either)."""
+    """A sharder's fused params with this package's optimizer enum swapped for FBGEMM's
+    member of that name (FBGEMM builds the static tables and knows only its own)."""
     if params is None or not isinstance(params.get("optimizer"), DynamicEmbOptimType):
         return params
     return {**params, "optimizer": FbgemmEmbOptimType[params["optimizer"].name]}
 
 
 class DynamicKernelsMixin:
-    """For a TorchRec sharder: also offers ``customized_kernel`` (dynamic tables) for
-    the sharding types dynamic tables support, and gives static tables FBGEMM's
-    ``EmbOptimType`` when ``fused_params`` name this package's (one enum for both)."""
+    """For a TorchRec sharder: offers ``customized_kernel`` for dynamic sharding types and
+    gives static tables FBGEMM's ``EmbOptimType`` when ``fused_params`` name this package's."""
 
     @property
     def fused_params(self) -> Optional[Dict[str, Any]]:

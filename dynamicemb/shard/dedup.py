@@ -1,10 +1,6 @@
-"""Id dedup before the all-to-all and the id counters (shared by the sharded
-EmbeddingCollection and EmbeddingBagCollection).
-
-A table's ids are made unique over all of its features and samples on the sender;
-the occurrence counts travel with the unique ids (as KJT weights) and reach the
-owner's kernel as ``frequencies``; the inverse index restores the outputs.
-"""
+"""Id dedup before the all-to-all and id counters (sharded EC and EBC): a table's ids are
+made unique over its features and samples on the sender, their occurrence counts travel as
+KJT weights (the owner's ``frequencies``) and the inverse index restores the outputs."""
 
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Tuple, Union
@@ -18,18 +14,14 @@ __all__ = ["IdCounters", "count_sent_ids", "dedup_features", "table_spans"]
 
 @dataclass
 class IdCounters:
-    """Ids of each table since the last ``reset()``: ``before_dedup`` counts every
-    id the module was given; ``sent[table][r]`` the ids sent to rank ``r`` (after
-    dedup when it is on). Row-wise and table-wise dynamic tables are counted.
+    """Ids of each table since the last ``reset()`` (row-wise and table-wise dynamic tables).
 
-    With replicas (``dynamicemb.shard.replicas``): ``replicated`` counts the ids this
-    rank served from replicas instead of sending them; ``replica_slots`` the
-    replicated ids whose counts were all-reduced (one int64 each);
-    ``replica_rows`` the replicated rows their owners sent to every other rank
-    (``dim`` floats each: at staleness 0 the rows in use every step, with
-    staleness > 0 every replicated row at each sync) and ``replica_grads`` the
-    gradient rows every rank sent back to the owners (the rows in use; with
-    staleness > 0 those of a window, at its sync)."""
+    ``before_dedup[table]``: the ids the module was given; ``sent[table][r]``: those sent to
+    rank ``r`` (after dedup when on). With replicas: ``replicated`` ids served from replicas
+    instead of sent, ``replica_slots`` replicated ids whose counts were all-reduced,
+    ``replica_rows`` rows owners sent to every other rank (staleness 0: the rows in use, each
+    step; s > 0: every replicated row, each sync) and ``replica_grads`` gradient rows sent back
+    to the owners."""
 
     world_size: int
     before_dedup: Dict[str, int] = field(default_factory=dict)
@@ -65,16 +57,12 @@ def table_spans(sharding: EmbeddingSharding) -> List[Tuple[str, int]]:
 
 def dedup_features(features: KeyedJaggedTensor,
                    spans: List[Tuple[str, int]]) -> Tuple[KeyedJaggedTensor, torch.Tensor]:
-    """Per table (a span of features), the unique ids of all its features.
-
-    Args:
-        features: the KJT of one sharding (features in the sharding's order).
-        spans: ``table_spans`` of that sharding.
+    """Per table (a span of ``table_spans``), the unique ids of all its features.
 
     Returns:
-        The deduplicated KJT (a table's unique ids sit in the bag of its first
-        feature and sample 0; weights = occurrence counts, float32) and ``reverse``
-        (N,) int64: the position of each original id in the deduplicated values.
+        The deduplicated KJT (a table's unique ids in the bag of its first feature and sample
+        0; weights = float32 occurrence counts) and ``reverse``, (N,) int64 position of each
+        original id in the deduplicated values.
     """
     batch = features.stride()
     per_key = features.length_per_key()
@@ -109,11 +97,8 @@ def count_sent_ids(counters: IdCounters,
     """Adds one batch to ``counters``.
 
     Args:
-        counters: the module's counters.
-        shardings: for each row-wise or table-wise sharding, the ids it sent: a
-            ``(W, F)`` tensor per destination and feature (row-wise, features in the
-            sharding's order) or ``{feature: ids}`` (table-wise: every id of a
-            feature goes to the rank that stores its table).
+        shardings: for each row-wise or table-wise sharding, the ids it sent: a ``(W, F)``
+            tensor per destination and feature (row-wise) or ``{feature: ids}`` (table-wise).
         ids_per_feature: ids given to the module, per feature name.
     """
     world_size = counters.world_size

@@ -1,12 +1,7 @@
-"""Data-parallel EmbeddingCollection sharding that gives sequence outputs on CPU.
-
-TorchRec's data-parallel EC lookup uses FBGEMM's dense table-batched kernel with
-``PoolingMode.NONE``; its CPU implementation ignores the pooling mode and returns
-pooled rows (pytorch/FBGEMM#4586). On CPU the plugin's EC sharder looks those rows
-up itself: one ``embedding`` per feature over a view of the same flat weight, so
-the parameter, its state dict entry, its initialization and DDP's gradient
-all-reduce stay TorchRec's. Other devices keep TorchRec's kernel.
-"""
+"""Data-parallel EmbeddingCollection sharding with correct sequence outputs on CPU, where
+FBGEMM's dense kernel ignores ``PoolingMode.NONE`` (pytorch/FBGEMM#4586): each feature is
+one ``embedding`` over a view of TorchRec's flat weight, so the parameter, state dict,
+initialization and DDP stay TorchRec's. Other devices keep TorchRec's kernel."""
 
 from typing import Optional
 

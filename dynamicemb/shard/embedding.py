@@ -1,10 +1,6 @@
-"""Sharded EmbeddingCollection with dynamic tables, and its sharder.
-
-Dynamic tables (``customized_kernel``) are row-wise or table-wise; every other table
-stays TorchRec's. With ``use_index_dedup`` each table's ids are made unique on the
-sender before the all-to-all (any int64 id; no GPU op needed), and the occurrence
-counts travel with them as the kernel's ``frequencies``.
-"""
+"""Sharded EmbeddingCollection with dynamic tables (row-wise or table-wise; other tables stay
+TorchRec's), and its sharder. With ``use_index_dedup`` each table's ids are made unique on
+the sender before the all-to-all, their counts passed on as the kernel's ``frequencies``."""
 
 from typing import Any, Dict, List, Optional, Type
 
@@ -39,9 +35,8 @@ __all__ = ["DynamicEmbeddingCollectionSharder", "ShardedDynamicEmbeddingCollecti
 class ShardedDynamicEmbeddingCollection(ShardedEmbeddingCollection):
     """``ShardedEmbeddingCollection`` whose ``customized_kernel`` tables are dynamic.
 
-    Besides TorchRec's behaviour: ``id_counters`` counts ids per table and
-    destination; a dense weight loaded into a dynamic table (from a non-meta
-    ``EmbeddingCollection``) is imported as keys ``0..N-1``.
+    ``id_counters`` counts ids per table and destination; a dense weight loaded into a dynamic
+    table (from a non-meta ``EmbeddingCollection``) is imported as keys ``0..N-1``.
     """
 
     def __init__(self, module: EmbeddingCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
@@ -101,8 +96,7 @@ class ShardedDynamicEmbeddingCollection(ShardedEmbeddingCollection):
 
     # ---------------------------------------------------------- replicas
     def _arm_replicas(self, ctx: EmbeddingCollectionContext) -> None:
-        """Hands each replica lookup its batch (from the sharding context) right
-        before TorchRec runs it: the batch never waits in a queue."""
+        """Hands each replica lookup its batch right before TorchRec runs it (never queued)."""
         for lookup, sharding_ctx in zip(self._lookups, ctx.sharding_contexts):
             if isinstance(lookup, DynamicEmbRwReplicaLookup):
                 lookup.arm(getattr(sharding_ctx, REPLICA_ATTR))
@@ -149,12 +143,11 @@ class ShardedDynamicEmbeddingCollection(ShardedEmbeddingCollection):
 
 
 class DynamicEmbeddingCollectionSharder(DynamicKernelsMixin, EmbeddingCollectionSharder):
-    """``EmbeddingCollectionSharder`` that also shards dynamic tables
-    (``DynamicEmbParameterSharding``, row-wise or table-wise).
+    """``EmbeddingCollectionSharder`` that also shards dynamic tables (row-wise or table-wise).
 
     Args:
-        fused_params: TorchRec's (optimizer, learning_rate, ...), shared by static
-            and dynamic tables; dynamic options come from the plan, never from here.
+        fused_params: TorchRec's (optimizer, learning_rate, ...), for static and dynamic
+            tables; dynamic options come from the plan only.
         qcomm_codecs_registry: as TorchRec's.
         use_index_dedup: deduplicate ids per table before the all-to-all.
 

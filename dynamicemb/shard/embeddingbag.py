@@ -1,11 +1,7 @@
-"""Sharded EmbeddingBagCollection with dynamic tables, and its sharder.
-
-Row-wise dynamic tables: with ``use_index_dedup`` (the default) and a row-wise
-sharding whose tables are all dynamic and share one dim, each table's ids are made
-unique on the sender, the owners return the rows and the sender pools them
-(``rw_dedup_sharding``); otherwise each rank pools the ids it owns and TorchRec
-reduce-scatters the partial sums. Table-wise tables pool on the owning rank.
-"""
+"""Sharded EmbeddingBagCollection with dynamic tables, and its sharder. With
+``use_index_dedup``, row-wise shardings whose tables are all dynamic with one dim take the
+dedup path (``rw_dedup_sharding``); other row-wise shardings pool on the owners and
+TorchRec reduce-scatters. Table-wise tables pool on the owning rank."""
 
 from typing import Any, Dict, List, Optional, Type
 
@@ -44,10 +40,8 @@ __all__ = ["DynamicEmbeddingBagCollectionSharder", "ShardedDynamicEmbeddingBagCo
 class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """``ShardedEmbeddingBagCollection`` whose ``customized_kernel`` tables are dynamic.
 
-    Besides TorchRec's behaviour: ``id_counters`` counts ids per row-wise and table-wise table and
-    destination; with ``use_index_dedup`` (a class attribute: TorchRec builds
-    shardings in a classmethod) row-wise shardings of dynamic tables that share one
-    dim send each table's unique ids (``rw_dedup_sharding``).
+    ``id_counters`` counts ids per dynamic table and destination. ``use_index_dedup`` is a
+    class attribute (TorchRec builds shardings in a classmethod).
     """
 
     use_index_dedup = False
@@ -99,8 +93,7 @@ class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     # ---------------------------------------------------------- replicas
     def _arm_replicas(self, ctx: EmbeddingBagCollectionContext) -> None:
-        """Hands each dedup lookup with replicas its batch's part (from the sharding
-        context) right before TorchRec runs it: the batch never waits in a queue."""
+        """Hands each dedup lookup its batch's replicas right before TorchRec runs it."""
         for lookup, sharding_ctx in zip(self._lookups, ctx.sharding_contexts):
             if isinstance(lookup, DynamicEmbRwDedupLookup):
                 lookup.arm(getattr(sharding_ctx, SENT_ATTR).replicas)
@@ -144,13 +137,12 @@ class _DedupShardedDynamicEmbeddingBagCollection(ShardedDynamicEmbeddingBagColle
 
 
 class DynamicEmbeddingBagCollectionSharder(DynamicKernelsMixin, EmbeddingBagCollectionSharder):
-    """``EmbeddingBagCollectionSharder`` that also shards dynamic tables
-    (``DynamicEmbParameterSharding``, row-wise or table-wise).
+    """``EmbeddingBagCollectionSharder`` that also shards dynamic tables (row-wise or table-wise).
 
     Args:
         *args, **kwargs: TorchRec's (``fused_params``, ``qcomm_codecs_registry``, ...).
-        use_index_dedup: deduplicate row-wise dynamic ids per table before the
-            all-to-all (False keeps TorchRec's pool-then-reduce-scatter).
+        use_index_dedup: deduplicate row-wise dynamic ids per table before the all-to-all
+            (False keeps TorchRec's pool-then-reduce-scatter).
     """
 
     def __init__(self, *args: Any, use_index_dedup: bool = True, **kwargs: Any) -> None:

@@ -1,6 +1,5 @@
-"""Row-wise routing of dynamic ids: the input dist that sends each id to the rank its
-table's ``dist_type`` and placement file name (``dynamicemb.placement``), raw, in TorchRec's one
-all-to-all per sharding."""
+"""Row-wise routing of dynamic ids: each raw id goes to its table's ``owner_rank`` (by
+``dist_type`` and placement file) in TorchRec's one all-to-all per sharding."""
 
 from typing import List, NamedTuple, Optional, Sequence
 
@@ -25,20 +24,15 @@ class FeatureRoute(NamedTuple):
 
 
 class DynamicEmbRwSparseFeaturesDist(RwSparseFeaturesDist):
-    """``RwSparseFeaturesDist`` where dynamic features go to
-    ``owner_rank(id, W, dist_type, placement)`` of their table.
+    """``RwSparseFeaturesDist`` where dynamic features go to their table's ``owner_rank``.
 
-    Static features keep TorchRec's block routing and local row ids; dynamic
-    features are bucketized on their ``placement_word`` (block size 0 means
-    ``uint64(word) % W``), or on their placed rank for the ids their table's
-    placement lists, and then their raw ids are put back, so the owner receives the
-    ids as given. Weights (and dedup counts) travel along.
+    Static features keep TorchRec's block routing and local row ids; dynamic ids are bucketized
+    on their ``placement_word`` (block size 0: ``uint64(word) % W``) or their placed rank, then
+    put back raw. Weights (and dedup counts) travel along.
 
     Args:
-        feature_routes: per feature of the sharding, its table's ``FeatureRoute``,
-            or None for a static table.
+        feature_routes: per feature, its table's ``FeatureRoute``, or None for a static table.
         feature_hash_sizes: ``num_embeddings`` per feature (static routing).
-        **kwargs: the remaining ``RwSparseFeaturesDist`` arguments.
     """
 
     def __init__(self, feature_routes: Sequence[Optional[FeatureRoute]],

@@ -44,10 +44,9 @@ _POOLING = {
 class DynamicEmbKeyedOptimizer(FusedOptimizer):
     """The kernel's optimizer as TorchRec sees it (``model.fused_optimizer``).
 
-    It shares the module optimizer's ``param_groups`` (the same dicts), so an ``lr``
-    set through TorchRec takes effect in the next backward. ``step`` and
-    ``zero_grad`` have nothing to do: updates run inside backward. The optimizer
-    state lives in the hash tables' rows, not in ``state``.
+    It shares the module optimizer's ``param_groups``, so an ``lr`` set here takes effect in
+    the next backward; ``step`` and ``zero_grad`` do nothing (updates run inside backward), and
+    the optimizer state lives in the hash tables' rows, not in ``state``.
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], param_groups: List[Dict[str, Any]]) -> None:
@@ -61,11 +60,9 @@ class DynamicEmbKeyedOptimizer(FusedOptimizer):
 
 
 def _rank_options(options: DynamicEmbTableOptions, table: ShardedEmbeddingTable) -> DynamicEmbTableOptions:
-    """A table's options on this rank: ``dim`` and ``max_capacity`` completed from the
-    config (``resolve_options``), capacity = its share of ``num_embeddings``;
-    ``init_capacity`` is per rank (upstream's meaning), capped to that share;
-    ``global_hbm_for_values`` becomes this rank's ``local_hbm_for_values``; uniform
-    bounds default to TorchRec's (±sqrt(1 / num_embeddings))."""
+    """A table's options on this rank: ``resolve_options``, ``max_capacity`` = its share of
+    ``num_embeddings``, ``init_capacity`` (per rank) capped to it, this rank's share of
+    ``global_hbm_for_values``, uniform bounds defaulting to TorchRec's."""
     options = resolve_options(options, table.name, table.embedding_dim, table.num_embeddings,
                               table.data_type)
     num_shards = len(table.global_metadata.shards_metadata) if table.global_metadata else 1
@@ -102,8 +99,7 @@ def _after_prefetch(forward_stream) -> None:
 
 
 class _DynamicEmbKernelMixin(ShardKernel):
-    """What the sequence and pooled kernels share: building the module, the
-    placeholders TorchRec registers as ``<table>.weight``, and the fused optimizer."""
+    """Shared by the sequence and pooled kernels: module, placeholders, optimizer."""
 
     def _build(self, config: GroupedEmbeddingConfig, device: Optional[torch.device],
                pooling: DynamicEmbPoolingMode) -> None:
@@ -144,9 +140,8 @@ class _DynamicEmbKernelMixin(ShardKernel):
         return self._optim
 
     def owns(self, table_name: str, keys: torch.Tensor) -> torch.Tensor:
-        """(n,) bool: which of ``keys`` (n,) int64 this rank stores for the table
-        (``owner_rank`` of its ``dist_type`` and placement for a row-wise table, all
-        otherwise)."""
+        """(n,) bool: which of ``keys`` (n,) int64 this rank stores (``owner_rank`` for a row-wise
+        table, all for a table-wise one)."""
         num_shards = self._num_shards[table_name]
         if num_shards == 1:
             return torch.ones(keys.shape, dtype=torch.bool)
@@ -192,10 +187,8 @@ class _DynamicEmbKernelMixin(ShardKernel):
 
 
 class DynamicEmbEmbedding(_DynamicEmbKernelMixin, BaseBatchedEmbedding[torch.Tensor], FusedOptimizerModule):
-    """Sequence (EmbeddingCollection) kernel of dynamic tables.
-
-    ``features`` carry raw ids; weights, when present, are the occurrence counts of
-    ids deduplicated before the all-to-all (passed on as ``frequencies``).
+    """Sequence (EmbeddingCollection) kernel of dynamic tables; ``features`` weights, when
+    present, are the dedup occurrence counts (passed on as ``frequencies``).
 
     Shape:
         forward(features) -> (number of ids, dim).

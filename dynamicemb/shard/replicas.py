@@ -1,35 +1,10 @@
-"""Hot-row replicas of row-wise dynamic tables (HET-GMP's mirrors), synchronous
-(``replica_staleness`` 0; s > 0 keeps copies instead: ``stale_replicas.py``).
+"""Hot-row replicas of row-wise dynamic tables at ``replica_staleness`` 0 (s > 0:
+``stale_replicas.py``); the protocol is in docs/ARCHITECTURE.md, "Hot-row replicas".
 
-A table with ``DynamicEmbTableOptions.replicas`` > 0 has a set of replicated ids,
-identical on every rank (``refresh_replicas`` chooses them: a collective). Per batch
-of its row-wise sharding (an EmbeddingCollection's, or an EmbeddingBagCollection's
-dedup path, ``rw_dedup_sharding.py``, which pools the rows on the sender):
-
-1. Sender (input dist): the deduplicated ids that are replicated leave the id
-   all-to-all; their occurrence counts are kept per replicated id (``ReplicaBatch``).
-2. Owner (lookup): the counts are summed over ranks (an all-reduce of one int64 per
-   replicated id); each owner appends the replicated ids it owns that some rank
-   looks up to its kernel's input (frequency: the global count), in the same kernel
-   call as the received ids, and sends those rows to every rank (one
-   ``all_to_all_single``: ``(W - 1) x A`` rows in all, ``A`` the replicated ids in
-   use this step).
-3. Sender (output dist): the rows of the ids that crossed come back through the
-   all-to-all; the replicated ones are taken from the owners' rows.
-4. Backward: each rank sends its gradients of the replicated rows to their owners
-   (the exchange's backward, ``(W - 1) x A`` rows); the owner divides them by the
-   world size when TorchRec divides (as the all-to-all's backward does) and sums them
-   in rank order, and the sum reaches the owner row inside the kernel's one
-   backward: each owner's fused optimizer applies it once.
-
-So replicas hold no state between steps (staleness 0): checkpoints, ``state_dict``
-and ``export_keys_values`` see owner rows only. With ids deduplicated before the
-all-to-all the trained rows equal those of training without replicas bit for bit
-(the owner's kernel sums a row's per-source gradients in source order too, each
-divided first); without dedup a rank sums its own occurrences of a hot id first
-(float32 rounding). Collectives run in the same order on every rank: the replicated
-ids, the ids in use and the autograd graph are the same everywhere, whatever the
-batch.
+Replicated ids skip the id all-to-all; their owners send the rows to every rank and get the
+gradients back, summed in rank order inside the owner's one fused backward. Replicas hold no
+state between steps (checkpoints see owner rows only); with dedup, training equals training
+without replicas bit for bit. Collectives run in the same order on every rank.
 """
 
 from dataclasses import dataclass
@@ -70,21 +45,16 @@ class ReplicatedTable(NamedTuple):
 
 @dataclass
 class ReplicaBatch:
-    """One batch of a sharding with replicas (sender and owner sides).
+    """One batch of a sharding with replicas; the lookup sets the last three fields.
 
     Attributes:
-        hot_positions: (h,) positions in the sent (deduplicated) values served by
-            replicas.
+        hot_positions: (h,) positions in the sent (deduplicated) values served by replicas.
         hot_slots: (h,) the replicated-id slot of each.
         cold_positions: (n - h,) positions of the values that cross the all-to-all.
-        local_counts: (S,) int64, occurrences of each replicated id in this rank's
-            batch.
-        active_slots: (A,) sorted slots some rank looks up (set by the lookup;
-            with staleness > 0 every slot).
-        rows: (A, dim) the owners' rows of those slots (set by the lookup; with
-            staleness > 0 this rank's copies).
-        traffic: (counts all-reduced, rows sent by owners, gradient rows sent to
-            owners) for this batch (set by the lookup; ``IdCounters.add_replicas``).
+        local_counts: (S,) int64 occurrences of each replicated id in this rank's batch.
+        active_slots: (A,) sorted slots some rank looks up (every slot at staleness > 0).
+        rows: (A, dim) the owners' rows of those slots (this rank's copies at staleness > 0).
+        traffic: (counts all-reduced, rows sent by owners, gradient rows sent to owners).
     """
 
     hot_positions: torch.Tensor
@@ -99,18 +69,9 @@ class ReplicaBatch:
 class ReplicaSet:
     """The replicated ids of a row-wise sharding's tables, the same on every rank.
 
-    Slots number the replicated ids of all tables, table after table, each table's
-    ids sorted. Empty until ``refresh_replicas`` (or ``set_ids``) fills it.
-
-    Args:
-        tables: the sharding's tables with ``replicas`` > 0.
-        pg: the sharding's process group.
-        staleness: their ``replica_staleness``.
-        feature_names: the sharding's features, in its order.
-
-    Attributes:
-        stale: with staleness > 0, the copies (``stale_replicas.StaleCopies``,
-            attached with the lookup); None otherwise.
+    Slots number the ids of all tables, table after table, each table's ids sorted. Empty until
+    ``refresh_replicas`` (or ``set_ids``) fills it; ``stale`` holds the ``StaleCopies`` at
+    staleness > 0, else None.
     """
 
     def __init__(self, tables: List[ReplicatedTable], pg: dist.ProcessGroup, staleness: int = 0,
@@ -130,11 +91,10 @@ class ReplicaSet:
         return self._ids[table]
 
     def set_ids(self, table: str, ids: torch.Tensor) -> None:
-        """Replaces the replicated ids of ``table`` (call with the same ids on every
-        rank, between steps; ``refresh_replicas`` does).
+        """Replaces ``table``'s replicated ids (the same ids on every rank, between steps).
 
         Raises:
-            ValueError: an unknown table or ids that are not a 1-D integer tensor.
+            ValueError: an unknown table, or ids that are not a 1-D integer tensor.
         """
         if table not in self._ids:
             raise ValueError(f"table {table!r} has no replicas here (tables with replicas: "
@@ -165,13 +125,8 @@ class ReplicaSet:
 
 
 def replica_set_of(sharding) -> Optional[ReplicaSet]:
-    """A ``ReplicaSet`` for a row-wise sharding whose dynamic tables ask for
-    replicas (None when none does).
-
-    Raises:
-        ValueError: its replicated tables differ in ``replica_staleness`` (one
-            sharding syncs them together).
-    """
+    """A ``ReplicaSet`` for a row-wise sharding with replicated dynamic tables, else None;
+    ``ValueError`` if those tables differ in ``replica_staleness``."""
     tables, feature, staleness = [], 0, {}
     for table in sharding.embedding_tables():
         if table.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
@@ -211,12 +166,8 @@ def replicated_tables(sharding) -> List[str]:
 # ------------------------------------------------------------------- sender
 def split_replicated(features: KeyedJaggedTensor, replicas: ReplicaSet
                      ) -> Tuple[ReplicaBatch, KeyedJaggedTensor]:
-    """Takes the replicated ids out of a sharding's (deduplicated) features.
-
-    Returns:
-        The batch's ``ReplicaBatch`` (sender side) and the features without the
-        replicated ids (lengths and weights adjusted), which cross the all-to-all.
-    """
+    """The sender's ``ReplicaBatch`` of a sharding's (deduplicated) features, and the features
+    left to cross the all-to-all (without the replicated ids)."""
     values = features.values()
     n = values.numel()
     hot = torch.zeros(n, dtype=torch.bool)
@@ -256,9 +207,8 @@ def split_replicated(features: KeyedJaggedTensor, replicas: ReplicaSet
 
 
 class DynamicEmbRwReplicaSparseFeaturesDist(DynamicEmbRwSparseFeaturesDist):
-    """``DynamicEmbRwSparseFeaturesDist`` that keeps replicated ids out of the
-    all-to-all; ``take_batch()`` hands the batch's ``ReplicaBatch`` to the sharded
-    module, which puts it in the batch's sharding context."""
+    """Row-wise input dist that keeps replicated ids out of the all-to-all;
+    ``take_batch()`` hands the batch's ``ReplicaBatch`` to the sharded module."""
 
     def __init__(self, replicas: ReplicaSet, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -278,10 +228,7 @@ class DynamicEmbRwReplicaSparseFeaturesDist(DynamicEmbRwSparseFeaturesDist):
 
 # -------------------------------------------------------------------- owner
 class _OwnerRowsToAll(torch.autograd.Function):
-    """Each owner's rows of the active replicated ids to every rank (one
-    ``all_to_all_single``); backward sends each rank's gradients of those rows to
-    their owner (the other way), which divides them by the world size when TorchRec
-    divides (as the all-to-all's backward does) and sums them in rank order."""
+    """Owners' rows of the active replicated ids to every rank; backward returns the gradients."""
 
     @staticmethod
     def forward(ctx, owned, by_owner, sizes, pg):  # noqa: D102
@@ -312,12 +259,8 @@ class _OwnerRowsToAll(torch.autograd.Function):
 
 def append_owned(features: KeyedJaggedTensor, replicas: ReplicaSet, slots: torch.Tensor,
                  counts: torch.Tensor) -> Tuple[KeyedJaggedTensor, torch.Tensor]:
-    """The received features with the replicated ids of ``slots`` appended to the
-    last bag of their table's first feature (frequencies: ``counts``).
-
-    Returns:
-        The features and (k,) the positions of the appended ids in their values.
-    """
+    """Appends the replicated ids of ``slots`` to the last bag of their table's first feature
+    (weights: ``counts``); returns the features and (k,) the appended ids' positions."""
     if slots.numel() == 0:
         return features, torch.empty(0, dtype=torch.int64)
     values = features.values()
@@ -349,14 +292,9 @@ def append_owned(features: KeyedJaggedTensor, replicas: ReplicaSet, slots: torch
 
 def serve_owned(replicas: ReplicaSet, batch: Optional[ReplicaBatch], features: KeyedJaggedTensor,
                 lookup, dim: int) -> torch.Tensor:
-    """Owner side of a batch: looks up the received ids and, in the same kernel call
-    (``lookup``, the grouped lookup's forward), the replicated ids this rank owns that
-    some rank uses; their rows go to every rank (``batch.rows``, in the order of
-    ``batch.active_slots``).
-
-    Returns:
-        (received ids, dim): the rows of the received ids, in their order.
-    """
+    """Owner side of a batch: looks up the received ids and, in the same ``lookup`` call, the
+    replicated ids this rank owns that some rank uses; sets ``batch.rows`` (owners' rows in
+    ``batch.active_slots`` order) on every rank. Returns (received ids, dim) rows, in order."""
     if replicas.stale is not None:  # staleness > 0: copies, no exchange
         return replicas.stale.serve(batch, features)
     if batch is None:
@@ -387,8 +325,7 @@ def serve_owned(replicas: ReplicaSet, batch: Optional[ReplicaBatch], features: K
 
 
 class ReplicaPendingUpdates(PendingUpdates):
-    """The stale replicas' pending gradients of a lookup holding ``_replicas``
-    (checkpoints flush them; nothing at staleness 0)."""
+    """Checkpoint hooks: flush or drop the stale replicas' pending gradients of ``_replicas``."""
 
     _replicas: Optional[ReplicaSet]
 
@@ -433,9 +370,8 @@ class _WithReplicaRows(Awaitable[torch.Tensor]):
 
 
 def with_replica_rows(crossed: torch.Tensor, batch: ReplicaBatch) -> torch.Tensor:
-    """The rows of every sent (deduplicated) value: ``crossed`` (n - h, dim), those the
-    all-to-all returned in the order of the values that crossed, and the owners'
-    rows of the replicated ones."""
+    """The rows of every sent (deduplicated) value: ``crossed`` (n - h, dim), the all-to-all's
+    rows in the order the values crossed, and the owners' rows of the replicated ones."""
     # always index the owners' rows: every rank's graph reaches the exchange
     hot = batch.rows[torch.searchsorted(batch.active_slots, batch.hot_slots)]
     n_crossed = batch.cold_positions.numel()
@@ -446,8 +382,7 @@ def with_replica_rows(crossed: torch.Tensor, batch: ReplicaBatch) -> torch.Tenso
 
 
 class DynamicEmbRwReplicaSequenceEmbeddingDist(RwSequenceEmbeddingDist):
-    """``RwSequenceEmbeddingDist`` whose result also holds the replicated ids' rows,
-    in the order of the values the sender deduplicated."""
+    """Row-wise sequence output dist that also returns the replicated ids' rows, in sent order."""
 
     def forward(self, local_embs: torch.Tensor, sharding_ctx=None) -> Awaitable[torch.Tensor]:
         batch: Optional[ReplicaBatch] = getattr(sharding_ctx, REPLICA_ATTR, None)
@@ -470,14 +405,9 @@ def replica_sets(module: nn.Module) -> List[ReplicaSet]:
 
 
 def replicated_ids(module: nn.Module) -> Dict[str, torch.Tensor]:
-    """The replicated ids of every table with replicas in ``module`` (a
-    ``DistributedModelParallel`` or anything holding sharded collections), the same
-    on every rank: what a sample router can treat as local to every rank (e.g.
-    ``route_samples``, where they vote for no rank). Local: no collective.
-
-    Returns:
-        ``{table name: (n,) int64 sorted ids}`` (empty before ``refresh_replicas``).
-    """
+    """``{table name: (n,) int64 sorted replicated ids}`` of ``module`` (e.g. a
+    ``DistributedModelParallel``), the same on every rank, empty before ``refresh_replicas``;
+    local, no collective. A sample router can treat them as local to every rank."""
     return {t.name: replicas.ids_of(t.name) for replicas in replica_sets(module)
             for t in replicas.tables}
 
@@ -503,9 +433,7 @@ def _top(keys: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _choose(table: ReplicatedTable, stored_here, pg: dist.ProcessGroup) -> torch.Tensor:
-    """A table's replicated ids from its owners' scores (collectives): each owner's
-    top ids (no owner holds more of the global top than that), then the top of all.
-    ``stored_here``: the ``BatchedDynamicEmbeddingTables`` holding this rank's shard."""
+    """A table's replicated ids: the top scores of all owners' local tops (collectives)."""
     rows = stored_here.export_keys_values(table.name)
     keys, scores = rows.keys.cpu(), rows.scores.cpu().to(torch.int64)
     count = table.replicas
@@ -530,30 +458,20 @@ def _broadcast(ids: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
 
 def refresh_replicas(module: nn.Module, ids: Optional[Mapping[str, torch.Tensor]] = None
                      ) -> Dict[str, int]:
-    """Chooses the replicated ids of every table with ``replicas`` > 0 in ``module``
-    (a ``DistributedModelParallel`` or anything holding sharded collections).
+    """Chooses the replicated ids of every table with ``replicas`` > 0 in ``module``.
 
-    A collective: call it on every rank at the same point between steps. Each table
-    gets the ids of highest score over all its owners (``replicas`` of them, or that
-    fraction of its stored rows; ties to the smaller id): with LFU scores the most
-    frequent ids, with LRU the most recently used. ``ids`` replaces that choice for
-    the tables it names with rank 0's ids (e.g. the hottest ids of a data sample).
-    At staleness 0 replicas hold no rows between steps, so a refresh changes what
-    crosses the all-to-all, never the trained rows; with staleness > 0 it first
-    applies the pending gradients (``flush_replicas``), and the next lookup pulls
-    the new ids' rows.
+    A collective: call it on every rank at the same point between steps. Each table gets the
+    ids of highest score over its owners (``replicas`` of them, or that fraction of its stored
+    rows; ties to the smaller id), or rank 0's ``ids`` for the tables that names. At staleness 0
+    this changes only what crosses the all-to-all; at staleness > 0 it flushes first.
 
     Args:
-        module: the model.
+        module: a ``DistributedModelParallel`` or anything holding sharded collections.
         ids: ``{table name: (n,) int64}`` replicated ids to use (rank 0's count).
 
     Returns:
-        ``{table name: number of replicated ids}``.
-
-    Raises:
-        ValueError: ``ids`` names a table without replicas, or its ids are not a 1-D
-            integer tensor (before any change or collective; call with the same
-            arguments on every rank).
+        ``{table name: number of replicated ids}``. ``ValueError`` (before any change or
+        collective) if ``ids`` names a table without replicas or holds non 1-D integer ids.
     """
     sets = replica_sets(module)
     names = {t.name for s in sets for t in s.tables}

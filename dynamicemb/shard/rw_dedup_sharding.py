@@ -1,21 +1,9 @@
-"""Row-wise EmbeddingBagCollection sharding of dynamic tables with ids deduplicated
-before the all-to-all.
-
-The sender sends each table's unique ids (occurrence counts as weights: the owner's
-``frequencies``); the owner looks up one row per received id and returns the rows
-(an all-to-all of rows, the reverse of the id all-to-all); the sender pools them with
-the inverse index and the per-sample weights. Pooling is SUM: TorchRec divides MEAN
-features afterwards, as it does for the reduce-scatter path. Gradients flow back
-through the row all-to-all, divided by the world size when TorchRec divides
-(``get_gradient_division``), so updates equal the reduce-scatter path's.
-
-Bookkeeping of a batch never sits in a queue: what the sender needs travels in the
-batch's sharding context (set by the sharded module's ``input_dist``), and what the
-owner needs goes from the lookup to the output dist, which TorchRec always runs
-back to back for a sharding.
-
-Used for row-wise shardings whose tables are all dynamic and share one dim.
-"""
+"""Row-wise EBC sharding of dynamic tables (all dynamic, one dim) with ids deduplicated
+before the all-to-all: owners return one row per unique id through an all-to-all of rows
+and the sender pools them (SUM; TorchRec divides MEAN afterwards), so outputs and updates
+equal the reduce-scatter path's. The sender's bookkeeping rides in the batch's sharding
+context; the owner's goes from the lookup to the output dist (TorchRec runs them back to
+back)."""
 
 from dataclasses import dataclass
 from typing import List, Optional
@@ -57,8 +45,7 @@ class SentIds:
 
 
 class _RowsAllToAll(torch.autograd.Function):
-    """``all_to_all_single`` of rows (dim 0 splits); backward sends the gradients the
-    other way, divided by the world size when TorchRec divides."""
+    """All-to-all of rows; backward returns the gradients, divided as TorchRec divides."""
 
     @staticmethod
     def forward(ctx, rows, output_splits, input_splits, pg):  # noqa: D102
@@ -79,9 +66,8 @@ class _RowsAllToAll(torch.autograd.Function):
 
 
 class DynamicEmbRwDedupInputDist(nn.Module):
-    """Makes each table's ids unique (over its features and samples), then routes
-    the unique ids with ``DynamicEmbRwSparseFeaturesDist``; ``take_sent()`` hands
-    the sender's bookkeeping of the last call to the sharded module."""
+    """Dedups each table's ids, then routes them (``DynamicEmbRwSparseFeaturesDist``);
+    ``take_sent()`` hands the sender's bookkeeping to the sharded module."""
 
     def __init__(self, inner: nn.Module, spans: List[tuple], replicas: Optional[ReplicaSet] = None) -> None:
         super().__init__()
@@ -138,8 +124,7 @@ class DynamicEmbRwDedupLookup(ReplicaPendingUpdates, DynamicEmbGroupedEmbeddings
         self._armed: Optional[ReplicaBatch] = None
 
     def arm(self, batch: Optional[ReplicaBatch]) -> None:
-        """The replicas' part of the batch the next ``forward`` serves (the sharded
-        module sets it)."""
+        """The replicas' part of the batch the next ``forward`` serves."""
         self._armed = batch
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
@@ -187,8 +172,7 @@ class DynamicEmbRwDedupOutputDist(nn.Module):
 
 
 def dedup_applies(sharding: RwPooledEmbeddingSharding) -> bool:
-    """Whether a row-wise EBC sharding can use the dedup path: every table dynamic,
-    one dim."""
+    """Whether a row-wise EBC sharding can dedup: every table dynamic, one dim."""
     tables = sharding.embedding_tables()
     return bool(tables) and all(
         t.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL for t in tables) and len(

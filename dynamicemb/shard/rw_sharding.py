@@ -58,9 +58,8 @@ def _input_dist(sharding, device: Optional[torch.device], is_sequence: bool, nee
 
 
 class DynamicEmbRwSequenceEmbeddingSharding(RwSequenceEmbeddingSharding):
-    """Row-wise EmbeddingCollection sharding with dynamic tables; tables with
-    ``replicas`` > 0 serve their replicated ids from replicas
-    (``dynamicemb.shard.replicas``; ``self.replicas`` holds the ids, None without)."""
+    """Row-wise EmbeddingCollection sharding with dynamic tables; ``self.replicas`` (None
+    without) serves the replicated ids of tables with ``replicas`` > 0."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

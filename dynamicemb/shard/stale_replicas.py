@@ -1,64 +1,15 @@
-"""Hot-row replicas with bounded staleness (``replica_staleness`` s > 0).
+"""Hot-row replicas with bounded staleness (``replica_staleness`` s > 0; docs/ARCHITECTURE.md).
 
-The replicated ids are those of ``replicas.py`` (a ``ReplicaSet``, chosen by
-``refresh_replicas``) and leave the all-to-all as there. What differs is where their
-rows come from and when their gradients reach the owners:
-
-- Every rank keeps a copy of every replicated row (``StaleCopies.rows``, (S, dim), a
-  leaf tensor; ``base``: the rows and optimizer states pulled). A lookup of a replicated id
-  reads the copy, with no exchange; the backward puts the step's gradients of the
-  copies in ``rows.grad`` and the lookup adds the step's occurrence counts to
-  ``counts``. The next lookup adds them to the window's ``pending`` gradients and
-  sets each copy to the pulled row moved by the table's optimizer step (its
-  kernel, ``step_rows``) for
-  ``pending`` from the pulled state (a write-back copy, as HET's cache: a rank reads
-  its own updates at once, the other ranks' at the next sync; and the step the owner
-  will apply if the other ranks' gradients match this rank's).
-- A sync runs at the lookup of the first batch after s counted steps (training
-  lookups since the last sync: the same number on every rank, so every rank runs
-  the collectives at the same batch). The counts are all-reduced (one int64 per
-  replicated id); each rank sends its accumulated gradients of the ids some rank
-  used (A of them) to their owners (one ``all_to_all_single``), which divide them by
-  the world size when TorchRec divides (as the all-to-all's backward does), sum
-  them in rank order and apply the sums in one training call of their lookup (the
-  ids with the window's counts as frequencies, then the fused backward: one
-  optimizer step on those rows). Then every owner reads its replicated rows and
-  their optimizer states (``read_rows``, ``read_optimizer_states``: nothing changes;
-  an id it has not stored reads the initializer's row and the initial state, what
-  an insert stores, and is flagged not stored) and sends them to every rank (one
-  ``all_to_all_single``), which replaces its copies and states. An eval lookup reads
-  the copies, but the eval initializer's row for an id not stored at the pull and
-  not trained on this rank since: what eval without replicas reads.
-
-Between syncs no rank changes the owner row of a replicated id (every rank, the
-owner too, reads and trains its copy): with SGD the owner row after a sync is the
-row before minus the learning rate times the window's summed gradient, the
-gradients of each window applied at its end, and rank r's copy during a window is
-that row minus the learning rate times r's own gradients so far in the window (not
-divided by the world size: each rank's gradients estimate the mean the owner
-applies). With Adagrad the copy is the same one step on r's window sum, so a copy
-never runs ahead of what the owner's windowed step can follow. A copy lags
-its owner by at most s - 1 steps of the other ranks' gradients. Per s steps the
-replicas cost one count all-reduce, one push of A gradient rows and one pull of S
-rows (and their optimizer states) to the W - 1 other ranks; at staleness 0 the rows
-and gradients of the A ids in use cross every step.
-
-Checkpoints apply pending gradients first and loads drop the copies (the lookups
-are ``PendingUpdates``: ``DynamicEmbDump``, ``incremental_dump``, the state dict
-hooks, ``DynamicEmbLoad``); ``refresh_replicas`` flushes before changing the ids;
-``flush_replicas(model)`` flushes by hand (before ``export_keys_values``). The next
-lookup after a flush, a refresh or a load pulls the copies again. A flush is a
-training call of the owners' tables: it advances their ``train_steps`` and clocks
-by one, as a batch does.
-
-Optimizers: a delayed update is defined where the update of a row depends only on
-the gradients it is given: SGD (a window's gradients applied as one sum move the
-row by exactly their sum) and Adagrad / row-wise Adagrad (their accumulator sums
-the squares of the gradients applied: the window's sum is one Adagrad step, as a
-parameter server applies pushed gradients). Adam is refused: its bias correction
-counts the table's optimizer calls (every flush is one more, for every row) and its
-moments assume one gradient per step. Weight decay is refused too: it would decay a
-replicated row once per window, not at every step that uses it.
+Every rank keeps a write-back copy of every replicated row (``StaleCopies``), read with no
+exchange and moved each training step by the table's optimizer on this rank's window
+gradients. At the first lookup after s training steps (the same batch everywhere) the
+window's gradients go to the owners, which apply them in one fused optimizer step, and every
+rank pulls the rows and optimizer states again: a copy lags its owner by at most s - 1 steps
+of the other ranks' gradients. Checkpoints flush first and loads drop the copies
+(``PendingUpdates``); a flush is a training call of the owners' tables (it advances
+``train_steps`` and clocks by one). Only optimizers whose window sum is one step are allowed
+(``DELAYED_OPTIMIZERS``); Adam (bias correction counts calls) and weight decay (once per
+window) are refused.
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -107,17 +58,11 @@ def _check_optimizers(tables: Dict[str, BatchedDynamicEmbeddingTables], names: L
 
 class StaleCopies:
     """Copies of a sharding's replicated rows, their pending gradients and counts
-    (one per ``ReplicaSet`` with staleness > 0; ``replicas.stale``).
-
-    Args:
-        replicas: the sharding's replicated ids (``replicas.staleness`` > 0).
-        lookup: the sharding's lookup on this rank (its grouped forward applies
-            the owners' updates; its kernels hold the owner rows).
-        dim: the sharding's embedding width.
+    (``replicas.stale`` of a ``ReplicaSet`` with staleness > 0).
 
     Raises:
-        ValueError: a replicated table's optimizer cannot apply gradients late
-            (``DELAYED_OPTIMIZERS``, no weight decay).
+        ValueError: a replicated table's optimizer is not in ``DELAYED_OPTIMIZERS`` or has
+            weight decay.
     """
 
     def __init__(self, replicas: ReplicaSet, lookup: DynamicEmbGroupedEmbeddingsLookup,
@@ -135,8 +80,7 @@ class StaleCopies:
         self.drop()
 
     def drop(self) -> None:
-        """Forgets the copies, the pending gradients and counts (local; after a
-        flush, a change of the ids or before rows are loaded)."""
+        """Forgets the copies, pending gradients and counts (local)."""
         self.rows: Optional[torch.Tensor] = None  # (S, dim) leaf; None: pull first
         self.base: Optional[torch.Tensor] = None  # (S, dim + state floats) pulled rows and states
         self.pending: Optional[torch.Tensor] = None  # (S, dim) gradients applied to the copies
@@ -146,21 +90,15 @@ class StaleCopies:
         self.steps = 0  # training lookups since the last sync, the same on every rank
 
     def take_traffic(self) -> Tuple[int, int, int]:
-        """(counts all-reduced, rows pulled, gradient rows pushed) since the last call
-        (``IdCounters.add_replicas``)."""
+        """(counts all-reduced, rows pulled, gradient rows pushed) since the last call."""
         traffic, self._traffic = tuple(self._traffic), [0, 0, 0]
         return traffic
 
     # ----------------------------------------------------------- a batch
     def serve(self, batch: Optional[ReplicaBatch], features: KeyedJaggedTensor) -> torch.Tensor:
-        """Owner side of a batch: syncs when a window is over (or the copies are
-        gone), looks up the received ids, and gives the batch the copies
-        (``batch.rows``, all S slots). A training lookup (grad enabled, module in
-        training) counts one step and adds the batch's counts.
-
-        Returns:
-            (received ids, dim): the rows of the received ids, in their order.
-        """
+        """Owner side of a batch: syncs when a window is over (or the copies are gone),
+        looks up the received ids and sets ``batch.rows`` to the copies (all S slots). A training
+        lookup (grad enabled, module training) counts one step. Returns (received ids, dim) rows."""
         if batch is None:
             raise RuntimeError("replicas: the lookup needs its batch's ReplicaBatch (run the "
                                "module through the dynamic sharded collections)")
@@ -179,10 +117,8 @@ class StaleCopies:
         return rows
 
     def _eval_copies(self) -> torch.Tensor:
-        """(S, dim) what an eval lookup reads of each replicated id: its copy, but for
-        an id its owner had not stored at the pull and this rank has not trained
-        since, the eval initializer's row (what eval without replicas reads; the
-        pulled copy holds the row an insert would store)."""
+        """(S, dim) eval rows: the copies, but the eval initializer's row for ids not stored at
+        the pull and not trained here since (what eval without replicas reads)."""
         rows = self.rows.detach()
         unseen = ~self.stored & (self.counts == 0)
         if not bool(unseen.any()):
@@ -199,15 +135,13 @@ class StaleCopies:
 
     # ------------------------------------------------------------ a sync
     def sync(self) -> None:
-        """Applies the pending gradients (if any step is pending), then pulls every
-        replicated row from its owner. A collective of the sharding's ranks."""
+        """Flushes the pending gradients, then pulls every replicated row (a collective)."""
         self.flush()
         self._pull()
 
     def flush(self) -> None:
-        """Applies the pending gradients to the owner rows and drops the copies (a
-        collective when a step is pending, nothing otherwise: the step count is the
-        same on every rank)."""
+        """Applies the pending gradients to the owner rows and drops the copies; a collective
+        only when a step is pending (the step count is the same on every rank)."""
         if self.steps == 0:
             return
         replicas, pg = self.replicas, self.replicas.pg
@@ -225,8 +159,7 @@ class StaleCopies:
         self.drop()
 
     def _window_gradients(self) -> torch.Tensor:
-        """(S, dim) this rank's gradients of the copies since the last sync: those
-        applied to the copies and the last step's (not applied yet)."""
+        """(S, dim) this rank's gradients of the copies since the last sync."""
         total = torch.zeros(self.replicas.num_slots, self.dim)
         if self.pending is not None:
             total += self.pending
@@ -235,9 +168,8 @@ class StaleCopies:
         return total
 
     def _update_copies(self) -> None:
-        """Moves the last step's gradients of the copies (``rows.grad``) to
-        ``pending`` and sets each copy to its pulled row after one step of its
-        table's optimizer on ``pending`` from the pulled state."""
+        """Adds ``rows.grad`` to ``pending``; each copy becomes its pulled row after one optimizer
+        step on ``pending``."""
         grad = self.rows.grad
         if grad is None:
             return
@@ -255,10 +187,8 @@ class StaleCopies:
                     self.rows[first:last] = values[:, :self.dim].cpu()
 
     def _push(self, grads: torch.Tensor, owners: torch.Tensor) -> torch.Tensor:
-        """Sends each rank's gradients (A, dim) of the active ids to their owners
-        (``owners`` (A,)); returns the sums of this rank's ids (in active order),
-        each rank's part divided by the world size when TorchRec divides, summed in
-        rank order (as the owner's kernel sums rows the all-to-all brings)."""
+        """Sends (A, dim) gradients to their ``owners`` (A,); returns the sums of this rank's ids
+        in active order (parts divided as TorchRec divides, summed in rank order)."""
         world_size, rank = self.replicas.world_size, self.replicas.rank
         sizes = torch.bincount(owners, minlength=world_size).tolist()
         by_owner = torch.argsort(owners, stable=True)
@@ -275,9 +205,8 @@ class StaleCopies:
         return total
 
     def _apply_owned(self, slots: torch.Tensor, counts: torch.Tensor, grads: torch.Tensor) -> None:
-        """One training call of the lookup on the owned ids of ``slots`` (frequencies
-        ``counts``) whose backward gives their rows ``grads``: the fused optimizer
-        applies each sum once. The lookup trains for it whatever its mode."""
+        """One training call of the lookup on the owned ``slots`` whose backward applies ``grads``
+        (whatever the module's mode)."""
         if slots.numel() == 0:
             return
         names = self.replicas.feature_names
@@ -298,8 +227,7 @@ class StaleCopies:
             self.lookup.train(was_training)
 
     def _pull(self) -> None:
-        """Every rank's copies and states = the owners' rows and optimizer states of
-        every replicated id, and whether the owner stores it."""
+        """Sets every copy and state to its owner's row and optimizer state, and ``stored``."""
         replicas = self.replicas
         world_size, num_slots = replicas.world_size, replicas.num_slots
         width = self.dim + self._state_width + 1  # the last column: stored (1.0) or not
@@ -323,9 +251,8 @@ class StaleCopies:
         self._bounds.insert(0, 0)
 
     def _read(self, slots: torch.Tensor) -> torch.Tensor:
-        """(len(slots), dim + state width + 1) the owner rows and optimizer states of
-        this rank's ``slots`` (ascending; states zero-padded to the widest), then 1.0
-        where the owner stores the id (0.0: the row and state an insert would store)."""
+        """(len(slots), dim + state width + 1): owner rows, optimizer states (zero-padded) and
+        1.0 where the owner stores the id (0.0: what an insert would store)."""
         replicas = self.replicas
         parts = []
         tables = replicas.table_of_slot[slots]
@@ -344,22 +271,17 @@ class StaleCopies:
 
 def attach_copies(replicas: Optional[ReplicaSet], lookup: DynamicEmbGroupedEmbeddingsLookup,
                   dim: int) -> None:
-    """Gives a sharding's replicas their copies (``replicas.stale``) when its tables
-    ask for staleness > 0; nothing otherwise."""
+    """Gives ``replicas`` their ``StaleCopies`` when its staleness is > 0."""
     if replicas is not None and replicas.staleness > 0:
         replicas.stale = StaleCopies(replicas, lookup, dim)
 
 
 def flush_replicas(module: nn.Module) -> int:
-    """Applies the gradients every stale replica of ``module`` (a
-    ``DistributedModelParallel`` or anything holding sharded collections) holds
-    for its owner; the next lookup pulls the copies again. A collective: call it on
-    every rank at the same point between steps (``DynamicEmbDump``, the state
-    dict, ``incremental_dump`` and ``refresh_replicas`` do it themselves; call it
-    before ``export_keys_values`` or ``import_keys_values``).
+    """Applies every stale replica's pending gradients in ``module`` to the owner rows.
 
-    Returns:
-        The number of shardings whose pending steps were applied.
+    A collective: call it on every rank at the same point between steps, e.g. before
+    ``export_keys_values`` or ``import_keys_values`` (checkpoints and ``refresh_replicas`` flush
+    by themselves). Returns the number of shardings whose pending steps were applied.
     """
     flushed = 0
     for replicas in replica_sets(module):

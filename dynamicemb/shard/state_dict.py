@@ -1,13 +1,7 @@
-"""Dynamic tables in a DMP state dict, saved and loaded by ``torch.distributed.checkpoint``.
-
-A sharded module's ``state_dict()`` holds, beside each dynamic table's empty
-placeholder ``<table>.weight``, an entry ``<table>.dynamic_state``: a
-``DynamicTableState`` that DCP saves as one int64 tensor of records (a header
-with the clocks, then one record per row and per admission counter) and loads
-into whatever world size and sharding the loading model has (each rank keeps the
-rows its placement gives it, as ``DynamicEmbLoad`` does). ``docs/CHECKPOINTS.md``
-describes the format and its memory.
-"""
+"""Dynamic tables in a DMP state dict: beside each dynamic table's empty ``<table>.weight``
+placeholder, ``<table>.dynamic_state``, a ``DynamicTableState`` that
+``torch.distributed.checkpoint`` saves as int64 records and loads into any world size and
+sharding (``docs/CHECKPOINTS.md`` has the format)."""
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -33,8 +27,7 @@ CHUNK_RECORDS = 1 << 16
 #: table's shards, next word = its ``dist_type`` as an index of ``DIST_TYPE_CODES``
 #: (a pickled entry holds one rank's rows; DCP's records have none).
 SHARD = 3
-#: ``dist_type`` values by their code in the shard record (0, what entries pickled
-#: before the word existed hold, is ``hash``, the only placement then).
+#: ``dist_type`` values by their code in the shard record (older entries hold 0: ``hash``).
 DIST_TYPE_CODES = (DynamicEmbDistType.HASH, DynamicEmbDistType.ROUNDROBIN,
                    DynamicEmbDistType.HASH_ROUNDROBIN)
 
@@ -90,22 +83,14 @@ class _Receiver:
 
 
 class DynamicTableState(torch.Tensor):
-    """The state dict entry of one dynamic table on this rank (an empty tensor to
-    every other code).
+    """The state dict entry of one dynamic table on this rank (an empty tensor to other code).
 
-    ``torch.distributed.checkpoint.save`` writes the rank's records in chunks of
-    ``CHUNK_RECORDS`` (exported when DCP plans the save: one copy of the rank's
-    rows until DCP has taken the last chunk); ``torch.distributed.checkpoint.load``
-    empties the table when it plans the load, then imports each chunk it reads
-    (keeping the keys this rank owns) and restores the clocks. Pickling it
-    (``torch.save`` or ``copy.deepcopy`` of the state dict) gives a plain int64
-    tensor of the table's records on this rank (header, rows, admission counters:
-    one copy of the rows, whatever ``DynamicEmbDump`` did before or does after),
-    which ``torch.load(..., weights_only=True)`` reads and ``load_state_dict``
-    imports (``import_pickled_entries``).
-
-    Attributes:
-        table: the table's name.
+    ``dcp.save`` writes the rank's records in chunks of ``CHUNK_RECORDS`` (exported when DCP
+    plans the save, kept until DCP takes the last chunk); ``dcp.load`` empties the table when it
+    plans the load, then imports each chunk (keeping the keys this rank owns) and restores the
+    clocks. Pickling it (``torch.save``, ``copy.deepcopy``) gives a plain int64 tensor of this
+    rank's records (``torch.load(..., weights_only=True)`` reads it, ``load_state_dict``
+    imports it). ``table`` is the table's name.
     """
 
     size = None  # DCP compares a loading tensor's size() with the saved one; ours is not known
@@ -133,8 +118,7 @@ class DynamicTableState(torch.Tensor):
         return pickled_records(self.kernel, self.table, self.record_layout).__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> torch.Tensor:
-        """``copy.deepcopy`` of a state dict: the records as pickling gives them (a
-        snapshot of the rows, as ``deepcopy`` of a static table's weight is)."""
+        """A snapshot of the records, as pickling gives them."""
         return pickled_records(self.kernel, self.table, self.record_layout)
 
     # ---------------------------------------------------------------- save
@@ -181,8 +165,7 @@ class DynamicTableState(torch.Tensor):
 
 
 def _place(kernel: nn.Module, table: str, count: int) -> Tuple[int, int]:
-    """(this rank's first record, records over all ranks) of a table: the ranks of a
-    row-wise table pack their records in rank order."""
+    """(this rank's first record, records over all ranks); row-wise ranks pack in rank order."""
     if kernel.num_shards(table) == 1:
         return 0, count
     counts: List[Optional[int]] = [None] * dist.get_world_size(kernel._pg)
@@ -249,19 +232,16 @@ def _check_records(key: str, table: str, kernel: nn.Module, layout: RecordLayout
 
 def import_pickled_entries(module: nn.Module, state_dict: Dict[str, Any], prefix: str,
                            container: str) -> None:
-    """Takes every ``<container>.<table>.dynamic_state`` entry out of ``state_dict`` and
-    loads what it carries into ``module``'s tables on this rank.
+    """Takes every ``<container>.<table>.dynamic_state`` entry out of ``state_dict`` and loads
+    it into ``module``'s tables on this rank, checking every entry before any table changes.
 
-    An entry is a ``DynamicTableState`` (of this table: loaded by ``dcp.load``
-    already, nothing to do; of another model's table: its rows are copied) or a
-    plain int64 tensor of records (a pickled state dict: its rows replace the
-    table's; an empty tensor, what older versions pickled for a dumped table,
-    leaves the table as it is for ``DynamicEmbLoad``). Every entry is checked
-    before any table changes.
+    A ``DynamicTableState`` of this table was loaded by ``dcp.load`` already; one of another
+    model's table is copied; a plain int64 tensor of records (a pickled state dict) replaces
+    the table's rows, and an empty one leaves the table as it is.
 
     Raises:
-        ValueError: an entry of a table not stored on this rank, of another dim or
-            optimizer, or holding keys another rank owns (naming the entry).
+        ValueError: naming the entry: a table not stored on this rank, another dim or
+            optimizer, or keys another rank owns.
     """
     kernels = {f"{prefix}{container}.{name}{STATE_SUFFIX}": (name, kernel)
                for name, kernel in shard_kernels(module)}
@@ -299,11 +279,9 @@ def import_pickled_entries(module: nn.Module, state_dict: Dict[str, Any], prefix
 
 
 def register_state_hooks(sharded: nn.Module, container: str) -> None:
-    """Adds ``<container>.<table>.dynamic_state`` entries to ``sharded``'s state
-    dicts, and loads them (``import_pickled_entries``) out of a state dict before
-    TorchRec loads the rest. Stale replicas' pending gradients are applied before
-    a state dict is taken (a collective then, as DCP's save is) and dropped before
-    one is loaded."""
+    """Adds ``<container>.<table>.dynamic_state`` entries to ``sharded``'s state dicts and
+    loads them before TorchRec loads the rest. Stale replicas' pending gradients are applied
+    before a state dict is taken (a collective then) and dropped before one is loaded."""
     def add_entries(module: nn.Module, destination: Dict[str, Any], prefix: str, _meta) -> None:
         for pending in pending_updates(module):
             pending.flush_pending()

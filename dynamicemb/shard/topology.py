@@ -1,12 +1,6 @@
-"""Which ranks of a job share this machine's cores, and the threads each may use.
-
-TorchRec's view of the job is nodes of ``LOCAL_WORLD_SIZE`` ranks
-(``torchrec.distributed.comm.get_local_size``); the planner, the sharding plans and
-DMP read it from there. The machine's view can differ: several ``torchrun`` agents
-on one host (``--nnodes 2`` tried on one machine) are two nodes to TorchRec, while
-the ranks of both share one set of cores. Thread counts follow the cores; sharding
-follows the nodes.
-"""
+"""Which ranks share this machine's cores, and the threads each may use. TorchRec's nodes
+(``LOCAL_WORLD_SIZE`` ranks) can differ from machines (several ``torchrun`` agents on one
+host share its cores): thread counts follow the cores, sharding follows the nodes."""
 
 import os
 import socket
@@ -29,16 +23,9 @@ def _host_key() -> Tuple[str, Tuple[int, ...]]:
 
 
 def host_ranks(group: Optional[dist.ProcessGroup] = None) -> List[int]:
-    """The ranks of ``group`` that run on this machine with the same cores as this
-    rank (one all-gather; every rank of ``group`` must call it).
-
-    Args:
-        group: the process group (default: the default group). Without an
-            initialized process group, this process alone.
-
-    Returns:
-        Their ranks in ``group``, ascending; this rank included.
-    """
+    """The ranks of ``group`` (default: the default group) on this machine with this rank's
+    cores, ascending, this rank included. One all-gather: every rank must call it; without a
+    process group, ``[0]``."""
     if not dist.is_available() or not dist.is_initialized():
         return [0]
     keys: List = [None] * dist.get_world_size(group)
@@ -48,14 +35,8 @@ def host_ranks(group: Optional[dist.ProcessGroup] = None) -> List[int]:
 
 
 def threads_per_rank(group: Optional[dist.ProcessGroup] = None) -> int:
-    """Intra-op threads for this rank: the cores it may run on divided among the
-    ranks of ``group`` that share them (``host_ranks``), at least 1.
-
-    ``LOCAL_WORLD_SIZE`` is not used: with several agents on one machine it counts
-    one agent's ranks, and every agent's ranks would take all the cores.
-
-    Args:
-        group: the process group (default: the default group); collective.
+    """Intra-op threads for this rank: its cores divided among the ``host_ranks`` of ``group``
+    (a collective), at least 1. Not ``LOCAL_WORLD_SIZE``, which counts one agent's ranks only.
 
     Example::
 
