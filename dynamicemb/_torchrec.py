@@ -12,11 +12,7 @@ _HOW = (
 
 
 def require_torchrec(what: str) -> None:
-    """Raises an ``ImportError`` that says how to install TorchRec when it is missing.
-
-    Args:
-        what: the importing package, for the message.
-    """
+    """Raises an ``ImportError`` naming ``what`` and how to install TorchRec if it is missing."""
     try:
         import torchrec  # noqa: F401, PLC0415
     except ImportError as err:

@@ -1,8 +1,5 @@
-"""Upstream dynamicemb's names in the modules that carry its module paths: names
-defined in another layer are imported when first used (so no import cycle and no
-TorchRec import until asked), and names this package does not provide are refused
-with an ``ImportError`` that says what to use instead (``docs/MIGRATING.md``); so are
-upstream's internal modules (``refuse_module``)."""
+"""Upstream's names in the modules at its paths: imported lazily, or refused with an
+``ImportError`` saying what to use instead (``docs/MIGRATING.md``)."""
 
 import importlib
 from typing import Any, Callable, Iterable, Mapping
@@ -86,18 +83,9 @@ REFUSED: Mapping[str, str] = {
 
 def module_getattr(module: str, lazy: Mapping[str, str],
                    refused: Iterable[str]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` (PEP 562) for upstream's names.
-
-    Args:
-        module: the module's ``__name__``, for the messages.
-        lazy: name -> ``"package.module:attribute"`` it is, imported on first use.
-        refused: names of ``REFUSED`` that upstream's module of this path has.
-
-    Returns:
-        The ``__getattr__``: a lazy name's object; ``ImportError`` for a refused
-        name (``from module import name`` shows its message); ``AttributeError``
-        for any other name.
-    """
+    """A module ``__getattr__`` (PEP 562) for ``module``: ``lazy`` maps names to
+    ``"package.module:attribute"`` imported on first use; ``refused`` names (keys of
+    ``REFUSED``) raise ``ImportError``, other names ``AttributeError``."""
     refused = frozenset(refused)
     unknown = refused - set(REFUSED)
     if unknown:
@@ -116,12 +104,8 @@ def module_getattr(module: str, lazy: Mapping[str, str],
 
 
 def refuse_module(module: str) -> None:
-    """Raises the ``ImportError`` of one of upstream's internal modules (called by the
-    module file of that path, so ``import`` and ``from ... import`` show the message).
-
-    Args:
-        module: the module's ``__name__`` (``dynamicemb.<name>``, a key of ``REFUSED_MODULES``).
-    """
+    """Raises the ``ImportError`` of upstream's internal module ``module``
+    (``dynamicemb.<name>``, ``<name>`` a key of ``REFUSED_MODULES``)."""
     name = module.rpartition(".")[2]
     raise ImportError(f"{module} is upstream dynamicemb's internal module and is not provided "
                       f"here: {REFUSED_MODULES[name]} (docs/MIGRATING.md)", name=module)

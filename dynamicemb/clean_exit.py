@@ -1,27 +1,8 @@
 """A clean interpreter exit for processes with a Gloo process group.
 
-The abort it prevents ("terminate called without an active exception", SIGABRT,
-after the work is done): a Gloo worker thread (``ProcessGroupGloo::runLoop``)
-releases the last reference to a finished work object (e.g. ``AsyncAlltoallWork``)
-a moment *after* the caller's ``wait()`` returned. When that work holds tensors whose
-Python objects are kept alive by C++ (PyTorch's PyObject preservation), releasing
-them takes the GIL; if the main thread is already in ``Py_FinalizeEx`` by then,
-``take_gil`` ends the worker thread with ``pthread_exit``, whose forced unwind
-through a ``noexcept`` C++ frame calls ``std::terminate``. The process group's
-C++ destructor drains the work queue and joins these threads, but only if it runs
-while the interpreter is alive: ``destroy_process_group()`` drops only the
-registry's references, and a model (TorchRec's ``ShardingEnv``), a reference cycle
-or a global can keep the group until finalization.
-
-``install()`` (run when ``dynamicemb`` is imported) registers an ``atexit`` hook
-that runs while the interpreter is still whole: it destroys the default process
-group if the program did not (when every group is Gloo), collects garbage so that
-an unreferenced group's destructor joins its worker threads there, and, for a group
-that something still holds, lets the worker threads take the GIL for a moment to
-release what they hold. One such holder is PyTorch itself: importing ``torch._dynamo``
-(``dynamicemb`` does, for its ``torch.compiler.disable``) after a group exists keeps
-that group alive (measured with torch 2.13); import ``dynamicemb`` before
-``init_process_group``, as scripts do, and the group is freed.
+``install()`` frees the groups at exit while the interpreter is whole, or a Gloo worker
+may abort it (``docs/ARCHITECTURE.md``, "A clean exit"). Import ``dynamicemb`` before
+``init_process_group``: importing ``torch._dynamo`` after a group exists keeps it alive.
 """
 
 import atexit
@@ -33,8 +14,7 @@ import weakref
 __all__ = ["install", "release_process_groups"]
 
 _installed = False
-# Seconds the hook lets a still-referenced group's worker threads run (they need the
-# GIL once, for microseconds, to release a finished work).
+# Seconds a still-referenced group's worker threads get the GIL to release their work.
 GRACE_S = 0.05
 
 
@@ -56,21 +36,15 @@ def _live_groups():
 
 
 def _all_gloo(dist) -> bool:
-    """Whether every registered group runs on Gloo only (the race is Gloo's; an NCCL
-    group is left to its own shutdown, whose teardown may involve the peers)."""
+    """Whether every registered group is Gloo (NCCL groups are left to their own shutdown)."""
     from torch.distributed.distributed_c10d import _world  # noqa: PLC0415
 
     return all(dist.get_backend(group) == "gloo" for group in list(_world.pg_map))
 
 
 def release_process_groups() -> bool:
-    """Destroys the default process group (and every other) if it is still
-    initialized and all Gloo, collects garbage, and gives the worker threads of any
-    group that is still referenced ``GRACE_S`` seconds to finish with the GIL.
-
-    Returns:
-        True if no process group object outlives the call (its threads are joined).
-    """
+    """Destroys every process group if all are Gloo, collects garbage, and gives the
+    threads of a group still referenced ``GRACE_S`` seconds; True if none outlives it."""
     if "torch.distributed" not in sys.modules:  # never initialized in this process
         return True
     import torch.distributed as dist  # noqa: PLC0415

@@ -1,10 +1,5 @@
-"""Upstream dynamicemb's module path ``dynamicemb.dynamicemb_config``: its configuration
-names.
-
-The code lives in ``dynamicemb.compat.dynamicemb_config``, with the ``__getattr__`` that
-refuses upstream's names not provided here; this module only re-exports it
-(``docs/MIGRATING.md``).
-"""
+"""Upstream's module path ``dynamicemb.dynamicemb_config``: re-exports
+``dynamicemb.compat.dynamicemb_config``."""
 
 from dynamicemb.compat.dynamicemb_config import (  # noqa: F401
     BATCH_SIZE_PER_DUMP,

@@ -10,21 +10,14 @@ __all__ = ["expire"]
 
 
 def expire(model: nn.Module) -> Dict[str, int]:
-    """Frees the expired rows (``DynamicEmbTableOptions.ttl``) of every dynamic table
-    this rank holds in ``model``, in every tier: sharded TorchRec modules (any
-    sharding) and ``BatchedDynamicEmbeddingTables`` anywhere inside it. Each rank
-    sweeps its own rows; no collective, so ranks may call it at different times.
+    """Frees, in every tier, the expired rows (``DynamicEmbTableOptions.ttl``) of every
+    dynamic table this rank holds in ``model``. Not a collective.
 
     Args:
         model: a module holding dynamic tables (e.g. a ``DistributedModelParallel``).
 
     Returns:
         Rows freed on this rank per table name (tables with a ttl only).
-
-    Example::
-
-        if step % 1000 == 0:
-            dynamicemb.expire(model)
     """
     modules = {id(t.module): t.module for t in local_tables(model).values()}
     freed: Dict[str, int] = {}

@@ -1,12 +1,6 @@
-"""The fused optimizer object of ``BatchedDynamicEmbeddingTables``.
-
-Updates happen inside backward; this object exists so that training code and
-TorchRec see an optimizer as usual: ``param_groups`` with ``lr`` (LR schedulers
-work on it), and ``step()`` / ``zero_grad()`` that have nothing left to do.
-
-Upstream dynamicemb's names live here too: ``EmbOptimType`` is
-``DynamicEmbOptimType`` (FBGEMM's members; ``SGD`` means ``EXACT_SGD``) and
-``OptimizerArgs`` is ``DynamicEmbOptimizerArgs``.
+"""The fused optimizer object of ``BatchedDynamicEmbeddingTables``: updates run in
+backward, LR schedulers act on its ``param_groups``' ``lr``. Also upstream's names
+``EmbOptimType`` and ``OptimizerArgs``.
 """
 
 from dataclasses import asdict
@@ -26,16 +20,9 @@ OptimizerArgs = DynamicEmbOptimizerArgs
 
 def get_optimizer_state_dim(optimizer_type, dim: int, element_dtype: torch.dtype = torch.float32
                             ) -> int:
-    """Optimizer-state columns a row of ``dim`` columns carries (upstream's function).
-
-    Args:
-        optimizer_type: ``EmbOptimType`` (ours or FBGEMM's) or its name.
-        dim: embedding columns.
-        element_dtype: the states' dtype: float32 (the only one stored here).
-
-    Raises:
-        ValueError: an optimizer not supported here, ``dim`` < 1, or another dtype.
-    """
+    """Optimizer-state columns a row of ``dim`` (>= 1) columns carries (upstream's);
+    ``optimizer_type`` is an ``EmbOptimType`` (ours or FBGEMM's) or its name,
+    ``element_dtype`` float32 only. Raises ``ValueError`` otherwise."""
     from dynamicemb.ops.interface import optimizer_state_dim  # ops imports this module
 
     if element_dtype != torch.float32:
@@ -46,11 +33,8 @@ def get_optimizer_state_dim(optimizer_type, dim: int, element_dtype: torch.dtype
 
 
 class DynamicEmbFusedOptimizer(torch.optim.Optimizer):
-    """One param group per physical table group, holding its tables' placeholders.
-
-    Args:
-        groups: (placeholder parameters, table names, optimizer args) per group.
-    """
+    """One param group per physical table group: ``groups`` holds (placeholder
+    parameters, table names, optimizer args) of each."""
 
     def __init__(self, groups: List[Tuple[List[torch.nn.Parameter], List[str], DynamicEmbOptimizerArgs]]):
         param_groups = []

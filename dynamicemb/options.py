@@ -1,9 +1,4 @@
-"""Configuration of dynamic embedding tables: dataclasses validated on creation.
-
-Names follow upstream NVIDIA dynamicemb so its users feel at home; every option
-does what it says, and options that need a part not built yet are refused with
-an error rather than accepted and ignored.
-"""
+"""Table configuration: dataclasses with upstream dynamicemb's names, validated on creation."""
 
 import abc
 import dataclasses
@@ -47,8 +42,7 @@ class DynamicEmbInitializerMode(str, Enum):
 
 
 class DynamicEmbPoolingMode(UpstreamIntValues, str, Enum):
-    """How a bag's rows are combined. Upstream's (and FBGEMM's) integers: 0 SUM,
-    1 MEAN, 2 NONE."""
+    """How a bag's rows are combined (upstream's and FBGEMM's integers: 0 SUM, 1 MEAN, 2 NONE)."""
 
     SUM = "sum"
     MEAN = "mean"
@@ -59,13 +53,10 @@ class DynamicEmbPoolingMode(UpstreamIntValues, str, Enum):
         return ("SUM", "MEAN", "NONE")
 
 
-# Not @unique on purpose: SGD is an alias of EXACT_SGD (FBGEMM's EmbOptimType.SGD,
-# upstream dynamicemb's default, is the same rule for dynamic rows).
+# Not @unique: SGD (FBGEMM's, upstream's default) is an alias of EXACT_SGD.
 class DynamicEmbOptimType(str, Enum):
-    """Fused optimizers; names as FBGEMM's ``EmbOptimType`` (which is also accepted).
-
-    ``SGD`` is an alias of ``EXACT_SGD``. Other FBGEMM optimizers are refused.
-    """
+    """Fused optimizers, named as FBGEMM's ``EmbOptimType`` (also accepted; its other
+    optimizers are refused). ``SGD`` is an alias of ``EXACT_SGD``."""
 
     EXACT_SGD = "exact_sgd"
     SGD = "exact_sgd"
@@ -75,8 +66,7 @@ class DynamicEmbOptimType(str, Enum):
 
     @classmethod
     def of(cls, value) -> "DynamicEmbOptimType":
-        """Accepts this enum, its value or name (any case), or any enum with a
-        matching name (FBGEMM's ``EmbOptimType``)."""
+        """This enum, its value or name (any case), or an enum with a matching name."""
         if isinstance(value, cls):
             return value
         name = getattr(value, "name", None)
@@ -94,15 +84,13 @@ class DynamicEmbOptimType(str, Enum):
 
 @unique
 class DynamicEmbWeightDecayMode(UpstreamIntValues, str, Enum):
-    """How ``weight_decay`` acts (FBGEMM's ``WeightDecayMode``, which is also accepted,
-    as are its integers 0 NONE, 1 L2, 2 DECOUPLE).
+    """How ``weight_decay`` acts. FBGEMM's ``WeightDecayMode`` and its integers (0 NONE,
+    1 L2, 2 DECOUPLE) are accepted; its COUNTER, COWCLIP and DECOUPLE_GLOBAL are refused.
 
     - ``NONE``: no weight decay (``weight_decay`` must be 0).
-    - ``L2``: ``g + weight_decay * w`` before the update (torch.optim's ``weight_decay``).
+    - ``L2``: ``g + weight_decay * w`` before the update (torch.optim's).
     - ``DECOUPLE``: the row is scaled by ``1 - lr * weight_decay`` before the update
       (``torch.optim.AdamW``; FBGEMM's and upstream's Adam).
-
-    FBGEMM's COUNTER, COWCLIP and DECOUPLE_GLOBAL are refused.
     """
 
     NONE = "none"
@@ -132,15 +120,14 @@ class DynamicEmbWeightDecayMode(UpstreamIntValues, str, Enum):
 
 @dataclass
 class DynamicEmbInitializerArgs:
-    """Initializer of new rows.
+    """Initializer of new rows: a row is a pure function of (seed, table, key, column).
 
     Args:
-        mode: the distribution.
         mean, std_dev: NORMAL and TRUNCATED_NORMAL.
         lower, upper: UNIFORM bounds (default ±sqrt(1 / max_capacity) of the table)
             and TRUNCATED_NORMAL bounds (default mean ± 2 std_dev).
         value: CONSTANT.
-        seed: rows are a pure function of (seed, table, key, column).
+        seed: in [0, 2**63).
     """
 
     mode: DynamicEmbInitializerMode = DynamicEmbInitializerMode.UNIFORM
@@ -177,22 +164,17 @@ def _zeros() -> DynamicEmbInitializerArgs:
 
 @dataclass
 class DynamicEmbOptimizerArgs:
-    """Per-table optimizer settings (HugeCTR's ``opt_params``); overrides the module's.
-    Also importable as ``dynamicemb.optimizer.OptimizerArgs`` (upstream's name).
+    """Per-table optimizer settings (HugeCTR's ``opt_params``), overriding the module's;
+    upstream's ``dynamicemb.optimizer.OptimizerArgs``.
 
     Args:
-        optimizer: the update rule (``SGD`` is ``EXACT_SGD``).
-        learning_rate, eps, beta1, beta2: its hyper-parameters (an optimizer uses
-            those it has, as in FBGEMM).
-        weight_decay: weight decay coefficient, applied as ``weight_decay_mode`` says.
-        weight_decay_mode: ``L2`` or ``DECOUPLE`` (``DynamicEmbWeightDecayMode`` or
-            FBGEMM's ``WeightDecayMode``). None: FBGEMM's rule for the same fused
-            params, i.e. ``DECOUPLE`` for ADAM; the other optimizers have no weight
-            decay in FBGEMM, so a ``weight_decay`` > 0 without a mode is refused.
+        learning_rate, eps, beta1, beta2: hyper-parameters (each optimizer uses its own).
+        weight_decay, weight_decay_mode: coefficient and ``L2`` or ``DECOUPLE``; mode
+            None: ``DECOUPLE`` for ADAM (FBGEMM's rule), refused for other optimizers.
         initial_accumulator_value: initial Adagrad state.
-        gradient_clipping, max_gradient: clamp the gradient of the module's output to
-            ``[-max_gradient, max_gradient]`` elementwise before the update and the
-            per-sample weights' gradient (FBGEMM's CPU kernel's and upstream's rule).
+        gradient_clipping, max_gradient: clamp the output's gradient elementwise to
+            ``[-max_gradient, max_gradient]`` before the update and the per-sample
+            weights' gradient (FBGEMM's CPU rule, upstream's).
     """
 
     optimizer: DynamicEmbOptimType = DynamicEmbOptimType.EXACT_SGD
@@ -229,12 +211,8 @@ class DynamicEmbOptimizerArgs:
 
     @property
     def decay_mode(self) -> DynamicEmbWeightDecayMode:
-        """The weight decay form in effect (``NONE`` when ``weight_decay`` is 0).
-
-        Raises:
-            ValueError: ``weight_decay`` > 0 that would not apply (mode ``NONE``, or
-                no mode for an optimizer FBGEMM gives no weight decay).
-        """
+        """The weight decay in effect (``NONE`` when ``weight_decay`` is 0); ``ValueError``
+        for a ``weight_decay`` > 0 that would not apply."""
         mode = self.weight_decay_mode
         if self.weight_decay == 0:
             return DynamicEmbWeightDecayMode.NONE
@@ -252,26 +230,20 @@ class DynamicEmbOptimizerArgs:
 
 
 class AdmissionStrategy(abc.ABC):
-    """Upstream's base class of admission strategies (for annotations and
-    ``isinstance``): ``FrequencyAdmissionStrategy`` is the one strategy tables take
-    here; a strategy class of your own is refused by ``DynamicEmbTableOptions``."""
+    """Upstream's base class of admission strategies (annotations, ``isinstance``);
+    tables take only ``FrequencyAdmissionStrategy``."""
 
 
 @dataclass(frozen=True)
 class FrequencyAdmissionStrategy(AdmissionStrategy):
-    """Admit a key into its table once it was seen ``threshold`` times.
-
-    Until then a lookup of the key gets a transient initialized row that is not
-    stored and not updated. Occurrences are counted in a counter table: of
-    ``counter_capacity`` slots forgetting the least recently seen counts (LRU), or
-    the one ``DynamicEmbTableOptions.admission_counter`` describes (``KVCounter``:
-    forgetting the lowest counts, as upstream's).
+    """Admit a key into its table once it was seen ``threshold`` times; until then a
+    lookup gets a transient initialized row, neither stored nor updated.
 
     Args:
         threshold: occurrences (within and across batches) needed; 0 and 1 admit all.
-        counter_capacity: slots of the LRU counter table (without a ``KVCounter``).
-        initializer_args: rows of keys not admitted yet (None: the table's
-            training initializer).
+        counter_capacity: slots of the LRU counter table (unused when
+            ``DynamicEmbTableOptions.admission_counter`` gives a ``KVCounter``).
+        initializer_args: rows of keys not admitted yet (None: the training initializer).
     """
 
     threshold: int
@@ -296,15 +268,9 @@ class FrequencyAdmissionStrategy(AdmissionStrategy):
 
 @dataclass(frozen=True)
 class KVCounter:
-    """The admission counter table of one table on each rank (upstream's ``KVCounter``):
-    bounded, a full bucket forgets its lowest count. Its counts are saved by
-    checkpoints with the table.
-
-    Args:
-        capacity: counter slots per rank (e.g. ``get_sharded_table_capacity``).
-        bucket_capacity: slots per bucket (a multiple of 16).
-        key_type: ``torch.int64`` (the only key type; any int64 id is a key).
-    """
+    """Upstream's admission counter table, per table and rank: ``capacity`` slots (e.g.
+    ``get_sharded_table_capacity``) in buckets of ``bucket_capacity`` (a multiple of 16),
+    a full bucket forgetting its lowest count; int64 keys only; checkpoints save it."""
 
     capacity: int
     bucket_capacity: int = 1024
@@ -325,102 +291,73 @@ class DynamicEmbTableOptions:
     """Options of one dynamic embedding table.
 
     Args:
-        dim: embedding dimension. May be left ``None`` only in
-            ``DynamicEmbParameterConstraints``: the planner fills it from the table's
-            ``embedding_dim``.
-        max_capacity: most rows the table holds. May be left ``None`` only in
-            ``DynamicEmbParameterConstraints``: the planner fills it from the table's
-            ``num_embeddings`` (the global capacity, shared out among the ranks).
-        init_capacity: rows allocated at first on each rank (default: the rank's
-            ``max_capacity``; larger is capped to it); the table doubles when its
-            load passes ``max_load_factor``.
-        bucket_capacity: slots per hash bucket (multiple of 16), or upstream's
-            ``MAX_BUCKET_CAPACITY``: one bucket per table, of ``max_capacity``
-            rounded up to 16 slots, allocated at once (eviction then takes the
-            table's lowest score; a lookup scans the bucket, so keep it for small
-            tables). The module resolves it (``in_one_bucket``).
-        max_load_factor: growth threshold in (0, 1].
-        score_strategy: eviction scores (LRU/TIMESTAMP, STEP, LFU, CUSTOMIZED,
-            NO_EVICTION, LRU_LFU; upstream's integers and its compound tuple
-            ``(TIMESTAMP, LFU)``, in either order, too). None is the default, LRU
-            (upstream's scripts pass None for the tables they keep static).
-        ttl: row lifetime (None: rows live until evicted). A row not looked up for
-            more than ``ttl`` ticks of its table's time expires: a lookup sees a fresh
-            row, as for a never-seen id, and ``expire()`` frees it in every tier. The
-            time is the score's: training steps with STEP, the table's clock (one tick
-            per training batch of its group) with LRU/TIMESTAMP, NO_EVICTION and
-            LRU_LFU. LFU and CUSTOMIZED scores hold no time: refused.
+        dim: embedding dimension; None only in ``DynamicEmbParameterConstraints`` (the
+            planner takes ``embedding_dim``).
+        max_capacity: most rows the table holds; None only in
+            ``DynamicEmbParameterConstraints`` (the planner takes ``num_embeddings``,
+            the global capacity shared out among the ranks).
+        init_capacity: rows allocated at first per rank (None: the rank's
+            ``max_capacity``, which also caps it); the table doubles when its load
+            passes ``max_load_factor``, in (0, 1].
+        bucket_capacity: slots per hash bucket, a multiple of 16; or upstream's
+            ``MAX_BUCKET_CAPACITY``: one bucket of ``max_capacity`` rounded up to 16
+            slots, allocated at once (``in_one_bucket``); lookups scan it: small tables.
+        score_strategy: a ``DynamicEmbScoreStrategy``, upstream's integer, or its
+            compound ``(TIMESTAMP, LFU)`` in either order. None: LRU.
+        ttl: ticks a row may go without a lookup before it expires (None: never); it
+            then reads as a never-seen id, and ``expire()`` frees it in every tier.
+            Ticks are steps with STEP, the table's clock (one per training batch of its
+            group) with LRU, NO_EVICTION and LRU_LFU; refused with LFU and CUSTOMIZED.
         initializer_args: new rows in training.
-        eval_initializer_args: rows of unseen keys in eval (zeros by default).
+        eval_initializer_args: rows of unseen keys in eval (default zeros).
         safe_check_mode: what a failed insert does.
-        caching: keep hot rows in a device cache of ``local_hbm_for_values`` bytes
-            over a host store holding every row (rows a batch uses are promoted).
-        local_hbm_for_values: device bytes for value rows (embedding + optimizer
-            state) on each rank. None: every row in device memory. With
-            ``caching=False`` and a budget smaller than the table, rows beyond it
-            live in host memory only (no promotion); 0: a host-only table.
-        global_hbm_for_values: the same budget for the whole table: each of the
-            ranks holding it gets ``ceil(global / ranks)`` (set one of the two).
+        caching: a device cache of the HBM budget (required) over a host store holding
+            every row; rows a batch uses are promoted.
+        local_hbm_for_values: device bytes per rank for value rows (embedding +
+            optimizer state). None: all rows in device memory. Without ``caching``,
+            rows beyond it live in host memory only; 0: a host-only table.
+        global_hbm_for_values: the same for the whole table, ``ceil(global / ranks)``
+            per rank holding it; set at most one of the two.
         admit_strategy: admission of new keys (None: admit all).
-        admission_counter: a ``KVCounter`` for ``admit_strategy``'s counts. Without
-            ``admit_strategy`` every key is admitted and it counts nothing (as upstream).
+        admission_counter: a ``KVCounter`` holding ``admit_strategy``'s counts.
         training: False builds an inference table: no optimizer state, never inserts.
         optimizer_args: per-table optimizer (None: the module's settings).
-        dist_type: which rank stores a key of a row-wise table
-            (``DynamicEmbDistType`` or its value, ``dynamicemb.placement``): ``hash``
-            (default, splitmix64 of the key), ``roundrobin`` (``key % W``, upstream's
-            default) or ``hash_roundrobin`` (murmur3's fmix64 of the key, upstream's);
-            upstream's ``continuous`` (key ranges) is refused.
-        index_type: dtype of the ids given (int64 or int32; keys are int64).
+        dist_type: which rank stores a key of a row-wise table (``DynamicEmbDistType``
+            or its value; upstream's ``continuous`` is refused).
+        index_type: dtype of the ids given, int64 or int32 (keys are int64).
         embedding_dtype: dtype of stored rows; float32 only.
-        evict_strategy: upstream's name for the eviction rule, which follows
-            ``score_strategy`` (LRU for LRU, LFU for LFU and the compound, CUSTOMIZED
-            for the others): one that disagrees is overwritten with a warning, as
-            upstream overwrites it.
-        external_storage: a third tier below host memory
-            (``dynamicemb.storage.external``): a directory path (RocksDB there), a
-            ``"redis://host:port"`` or ``"redis+cluster://host:port[,...]"`` URL, a
-            ``RocksDBStorage``, ``RedisStorage`` or ``RedisClusterStorage`` spec, or an
-            open ``KVStore``. Rows the host store evicts
-            go down to it and come back when their keys return: no row is dropped
-            for lack of host memory. Not with NO_EVICTION (the host store must evict).
-            A new module starts on an empty store: one holding an earlier module's
-            rows is refused unless the spec says ``resume=True``; ``run=`` gives a
-            model namespaces of its own (``RocksDBStorage``, ``RedisStorage``,
-            ``RedisClusterStorage``).
-        local_host_for_values: host bytes for value rows (embedding + optimizer
-            state) on each rank, with ``external_storage``: the host store holds at
-            most this many bytes of rows (rounded down to a power-of-two number of
-            buckets, at least one), the rest lives in the external store. None: the
-            host store holds ``max_capacity`` rows.
-        placement: path of a placement file (``dynamicemb.placement``, written by
-            ``examples/dlrm/partition.py`` or ``write_placement``) for a
-            row-wise table: the ids its entry of the table's name lists are stored
-            on their rank there, every other id on its ``dist_type`` owner. The
-            file must be made for the table's number of shards (checked when the
-            table is sharded); unused when the table has one shard. None (default):
-            every id on its ``dist_type`` owner.
-        replicas: hot-row replicas of a row-wise table under
-            ``DistributedModelParallel`` (EmbeddingCollection; EmbeddingBagCollection
-            on its dedup path; ``dynamicemb.shard.replicas``): how many of its hottest ids every rank
-            serves from a replica instead of the all-to-all: an int >= 1 (ids), or a
-            float in (0, 1) (that fraction of the rows the table stores, all ranks
-            together). The ids are chosen from the owners' scores by
+        evict_strategy: upstream's eviction rule: it follows ``score_strategy``, and one
+            that disagrees is overwritten with a warning, as upstream does.
+        external_storage: a tier below host memory (``dynamicemb.storage.external``)
+            that receives the rows the host store evicts and gives them back: a
+            directory (RocksDB), ``"redis://host:port"``,
+            ``"redis+cluster://host:port[,...]"``, a ``RocksDBStorage``,
+            ``RedisStorage`` or ``RedisClusterStorage`` spec (``run=``; ``resume=True``
+            takes over an earlier module's rows, else refused), or an open ``KVStore``.
+            Not with NO_EVICTION.
+        local_host_for_values: with ``external_storage``, host bytes per rank for value
+            rows (rounded down to a power-of-two number of buckets, at least one).
+            None: ``max_capacity`` rows.
+        placement: path of a placement file (``dynamicemb.placement``) for a row-wise
+            table: the ids it lists for the table go to their rank there, the others to
+            their ``dist_type`` owner. Made for the table's shard count (checked when
+            sharded); unused with one shard.
+        replicas: hot ids of a row-wise table under ``DistributedModelParallel``
+            (EmbeddingCollection, or EmbeddingBagCollection on its dedup path;
+            ``dynamicemb.shard.replicas``) that every rank serves from a replica instead
+            of the all-to-all: an int count, or a float in (0, 1), a fraction of the
+            rows stored; 0: none. Chosen from the owners' scores by
             ``dynamicemb.shard.refresh_replicas`` (a collective) or given to it.
-            At ``replica_staleness`` 0 replicas are synchronous: trained rows equal
-            those of training without replicas (bit for bit with dedup). 0
-            (default): none.
-        replica_staleness: how many training steps a replica may lag its owner
-            (HET-GMP's ``--bound``; needs ``replicas`` > 0): an int >= 0. 0
-            (default): synchronous. s > 0: every rank keeps copies of the
-            replicated rows and accumulates their gradients; every s steps the
-            owners apply the accumulated gradients (one optimizer call) and the
-            copies are pulled again (``dynamicemb.shard.stale_replicas``). The
-            optimizer must be SGD, Adagrad or row-wise Adagrad without weight
-            decay (checked when the table is sharded); no ``admit_strategy``.
-        device_id: upstream's CUDA device index of the table, accepted for its
-            scripts: the module's ``device`` places the rows, as upstream's module
-            places them on its own device whatever this says.
+            With ``replica_staleness`` 0, trained rows equal those without replicas
+            (bit for bit with dedup).
+        replica_staleness: steps a replica may lag its owner (HET-GMP's ``--bound``);
+            0: synchronous. s > 0: ranks accumulate the replicas' gradients; every s
+            steps the owners apply them and the copies are pulled again
+            (``dynamicemb.shard.stale_replicas``). Needs
+            ``replicas``, no ``admit_strategy``, and SGD, Adagrad or row-wise Adagrad
+            without weight decay (checked when sharded).
+        device_id: upstream's CUDA device index, accepted and unused (the module's
+            ``device`` places the rows).
     """
 
     dim: Optional[int] = None
@@ -518,7 +455,6 @@ class DynamicEmbTableOptions:
                              "(the cache's bytes)")
 
     def _check_upstream_fields(self) -> None:
-        """Upstream's fields: what they ask for is done here, or refused."""
         self._check_external()
         accepted = [d.value for d in DynamicEmbDistType]
         if self.dist_type == "continuous":
@@ -578,17 +514,15 @@ class DynamicEmbTableOptions:
                              "external store would not expire; drop one of the two")
 
     def bucket_slots(self, rows: int) -> int:
-        """Slots per bucket of a table of ``rows`` rows: ``bucket_capacity``, or for
-        upstream's ``MAX_BUCKET_CAPACITY`` every slot (``rows`` rounded up to 16)."""
+        """Slots per bucket for ``rows`` rows: ``bucket_capacity``, or for
+        ``MAX_BUCKET_CAPACITY`` ``rows`` rounded up to 16."""
         if self.bucket_capacity == MAX_BUCKET_CAPACITY:
             return -(-max(int(rows), 1) // 16) * 16
         return self.bucket_capacity
 
     def in_one_bucket(self) -> "DynamicEmbTableOptions":
-        """These options with upstream's ``MAX_BUCKET_CAPACITY`` resolved for
-        ``max_capacity``: ``bucket_capacity``, ``max_capacity`` and ``init_capacity`` all
-        ``bucket_slots(max_capacity)`` (one bucket, allocated at once); ``self`` for
-        any other bucket capacity or while ``max_capacity`` is unset."""
+        """With ``MAX_BUCKET_CAPACITY``, a copy whose bucket, max and init capacities are
+        all ``bucket_slots(max_capacity)``; else (or without ``max_capacity``) ``self``."""
         if self.bucket_capacity != MAX_BUCKET_CAPACITY or self.max_capacity is None:
             return self
         slots = self.bucket_slots(self.max_capacity)
@@ -596,20 +530,13 @@ class DynamicEmbTableOptions:
                                    init_capacity=slots)
 
     def device_budget(self, num_shards: int = 1) -> Optional[int]:
-        """Device bytes for value rows on one of the ``num_shards`` ranks holding the
-        table: ``local_hbm_for_values``, else ``ceil(global_hbm_for_values /
-        num_shards)``, else None (every row in device memory)."""
+        """Device bytes for value rows per rank of ``num_shards`` (None: all rows on device)."""
         if self.local_hbm_for_values is not None or self.global_hbm_for_values is None:
             return self.local_hbm_for_values
         return -(-self.global_hbm_for_values // max(1, num_shards))
 
     def check_shape(self, table: str) -> None:
-        """Raises ``ValueError`` unless ``dim`` and ``max_capacity`` are set (a table
-        built outside the planner has no config to take them from).
-
-        Args:
-            table: the table's name, for the message.
-        """
+        """Raises ``ValueError`` naming ``table`` unless ``dim`` and ``max_capacity`` are set."""
         missing = [name for name in ("dim", "max_capacity") if getattr(self, name) is None]
         if missing:
             raise ValueError(
@@ -625,9 +552,8 @@ TTL_STRATEGIES = (DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.STEP,
 
 
 def score_strategy_of(value) -> DynamicEmbScoreStrategy:
-    """A score strategy from a member, its value, upstream's integer or upstream's
-    tuples: ``(X,)`` is ``X``; ``(TIMESTAMP, LFU)`` in either order is ``LRU_LFU``;
-    other compounds are refused."""
+    """A score strategy from a member, value, upstream integer or tuple: ``(X,)`` is
+    ``X``, ``(TIMESTAMP, LFU)`` in either order ``LRU_LFU``; other tuples are refused."""
     if isinstance(value, (tuple, list)):
         members = [DynamicEmbScoreStrategy(v) for v in value]
         if len(members) == 1:
@@ -640,8 +566,7 @@ def score_strategy_of(value) -> DynamicEmbScoreStrategy:
 
 
 def check_ttl(ttl, strategy: DynamicEmbScoreStrategy) -> None:
-    """Raises ``ValueError`` naming ``ttl`` unless it is None or a positive int that
-    ``strategy``'s scores can measure."""
+    """Raises ``ValueError`` unless ``ttl`` is None or a positive int ``strategy`` can measure."""
     if ttl is None:
         return
     if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl <= 0:

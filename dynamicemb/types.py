@@ -1,19 +1,5 @@
-"""Enums shared by every layer, defined once (string values), and upstream
-dynamicemb's ``dynamicemb.types`` names.
-
-Every enum that upstream NVIDIA dynamicemb defines with integer values also takes
-those integers (``DynamicEmbScoreStrategy(1)`` is ``STEP``), so scripts written
-for upstream run unchanged; unknown values are refused with the accepted ones.
-
-Upstream's other names in this module: its dtypes of stored data (``KEY_TYPE``,
-``EMBEDDING_TYPE``, ``SCORE_TYPE``, ``OPT_STATE_TYPE``) and ``MAX_BUCKET_CAPACITY``
-are defined here; ``DynamicEmbInitializerArgs``, ``DynamicEmbInitializerMode``,
-``Counter``, ``AdmissionStrategy``, ``BUCKET_ALIGNMENT`` and ``DEMB_TABLE_ALIGN_SIZE``
-are this package's objects of those names, imported on first use; ``ScoreStrategy`` is
-upstream's type of ``score_strategy``; the storage and cache interfaces,
-``MemoryType``, ``COUNTER_TYPE`` and ``torch_dtype_to_np_dtype`` are refused by name
-with what to use instead.
-"""
+"""Enums shared by every layer (string values, plus upstream's integers where it has
+them) and upstream's ``dynamicemb.types`` names (``docs/MIGRATING.md``)."""
 
 from enum import Enum, unique
 from typing import Tuple, Union
@@ -44,8 +30,7 @@ EMBEDDING_TYPE = torch.float32
 SCORE_TYPE = torch.int64
 #: dtype of optimizer states.
 OPT_STATE_TYPE = torch.float32
-#: Upstream's ``bucket_capacity`` meaning "one bucket per table": refused by
-#: ``DynamicEmbTableOptions`` (buckets here hold a multiple of 16 slots).
+#: Upstream's ``bucket_capacity`` meaning "one bucket per table" (``DynamicEmbTableOptions``).
 MAX_BUCKET_CAPACITY = 2**63 - 1
 
 __getattr__ = module_getattr(
@@ -64,12 +49,8 @@ __getattr__ = module_getattr(
 
 
 class UpstreamIntValues:
-    """Mixin for a string-valued enum whose upstream twin has integer values.
-
-    The enum lists its member names in upstream's integer order in
-    ``_upstream_order``; ``Enum(i)`` then returns the member upstream numbers ``i``.
-    Any other value is refused with a ``ValueError`` naming the accepted ones.
-    """
+    """Mixin: a string enum whose ``Enum(i)`` is the member upstream numbers ``i`` (names
+    in upstream's order in ``_upstream_order``); other values raise ``ValueError``."""
 
     @classmethod
     def _upstream_order(cls) -> Tuple[str, ...]:  # pragma: no cover - each enum overrides
@@ -85,23 +66,19 @@ class UpstreamIntValues:
                          f"or upstream's integer: {accepted}")
 
 
-# Not @unique on purpose: TIMESTAMP is an alias of LRU, kept for users of
-# upstream dynamicemb, where the LRU score is a timestamp.
+# Not @unique: TIMESTAMP, upstream's name, is an alias of LRU.
 class DynamicEmbScoreStrategy(UpstreamIntValues, str, Enum):
-    """How a slot's score is set; larger scores are kept when a bucket is full.
+    """How a slot's score is set; a full bucket keeps the larger scores.
 
     - ``LRU`` (alias ``TIMESTAMP``): a logical clock advanced by every inserting call.
-    - ``STEP``: the step given to ``set_step`` (e.g. the training iteration).
+    - ``STEP``: the step given to ``set_step``.
     - ``LFU``: how many times the key was seen.
     - ``CUSTOMIZED``: the caller's score.
-    - ``NO_EVICTION``: clock scores, but a full table grows up to its maximum
-      capacity and then reports failed inserts instead of evicting.
-    - ``LRU_LFU``: upstream's compound ``(TIMESTAMP, LFU)``: one word holding how many
-      times the key was seen (bits 62..32) above the clock of its last access (bits
-      31..0), so eviction takes the least frequent key, the least recent among equals.
+    - ``NO_EVICTION``: clock scores; a full table grows to its max, then fails inserts.
+    - ``LRU_LFU``: upstream's ``(TIMESTAMP, LFU)``: the count (bits 62..32) above the
+      last-access clock (bits 31..0); evicts the least frequent, then least recent.
 
-    Upstream's integers: 0 TIMESTAMP, 1 STEP, 2 CUSTOMIZED, 3 LFU, 4 NO_EVICTION
-    (the compound has none: upstream spells it as the tuple).
+    Upstream's integers: 0 TIMESTAMP, 1 STEP, 2 CUSTOMIZED, 3 LFU, 4 NO_EVICTION.
     """
 
     LRU = "lru"
@@ -119,13 +96,8 @@ class DynamicEmbScoreStrategy(UpstreamIntValues, str, Enum):
 
 @unique
 class DynamicEmbEvictStrategy(UpstreamIntValues, str, Enum):
-    """Upstream's name for the eviction rule, which it derives from the score strategy
-    (a ``DynamicEmbTableOptions.evict_strategy`` that disagrees with ``score_strategy``
-    is overwritten with a warning, as upstream overwrites it).
-
-    Upstream's integers (HierarchicalKV's): 0 LRU, 1 LFU, 2 EPOCH_LRU, 3 EPOCH_LFU,
-    4 CUSTOMIZED.
-    """
+    """Upstream's eviction rule, derived from the score strategy. Upstream's (HierarchicalKV's)
+    integers: 0 LRU, 1 LFU, 2 EPOCH_LRU, 3 EPOCH_LFU, 4 CUSTOMIZED."""
 
     LRU = "lru"
     LFU = "lfu"
@@ -139,9 +111,8 @@ class DynamicEmbEvictStrategy(UpstreamIntValues, str, Enum):
 
     @classmethod
     def of_score_strategy(cls, strategy: DynamicEmbScoreStrategy) -> "DynamicEmbEvictStrategy":
-        """The eviction rule upstream derives from a score strategy (TIMESTAMP: LRU,
-        LFU and LRU_LFU (frequency first): LFU, STEP / CUSTOMIZED / NO_EVICTION:
-        CUSTOMIZED)."""
+        """Upstream's rule for ``strategy``: LRU for LRU; LFU for LFU and LRU_LFU;
+        CUSTOMIZED for the others."""
         strategy = DynamicEmbScoreStrategy(strategy)
         if strategy == DynamicEmbScoreStrategy.LRU:
             return cls.LRU
@@ -152,13 +123,11 @@ class DynamicEmbEvictStrategy(UpstreamIntValues, str, Enum):
 
 @unique
 class DynamicEmbCheckMode(UpstreamIntValues, str, Enum):
-    """What a failed insert (no slot could be found) does.
+    """What a failed insert (no slot found) does (upstream's integers: 0, 1, 2 in order).
 
     - ``ERROR``: undo the call and raise ``RuntimeError``.
     - ``WARNING``: log a warning; the failed keys get no slot.
     - ``IGNORE``: count it only (``stats.failed_inserts``).
-
-    Upstream's integers: 0 ERROR, 1 WARNING, 2 IGNORE.
     """
 
     ERROR = "error"
@@ -172,17 +141,11 @@ class DynamicEmbCheckMode(UpstreamIntValues, str, Enum):
 
 @unique
 class DynamicEmbDistType(str, Enum):
-    """Which rank stores a key of a row-wise dynamic table (``dist_type``), of ``W``
-    ranks; every function reads the int64 key as an unsigned 64-bit word
-    (``dynamicemb.placement``).
+    """Which of ``W`` ranks stores a key, read as uint64, of a row-wise table.
 
-    - ``HASH`` (the default): ``splitmix64(key) % W``, splitmix64's finalizer.
-    - ``ROUNDROBIN``: ``key % W``, upstream's ``roundrobin`` (its default). A
-      negative key counts as ``key + 2**64``, as upstream's uint64 cast reads it.
-    - ``HASH_ROUNDROBIN``: ``fmix64(key) % W``, murmur3's finalizer, upstream's
-      ``hash_roundrobin``.
-
-    Upstream's ``continuous`` (key ranges) is refused by ``DynamicEmbTableOptions``.
+    - ``HASH`` (default): ``splitmix64(key) % W``.
+    - ``ROUNDROBIN``: ``key % W``, upstream's ``roundrobin`` (its default).
+    - ``HASH_ROUNDROBIN``: ``fmix64(key) % W`` (murmur3's), upstream's ``hash_roundrobin``.
     """
 
     HASH = "hash"
@@ -192,29 +155,19 @@ class DynamicEmbDistType(str, Enum):
 
 @unique
 class DynamicEmbGradientCheck(str, Enum):
-    """What a NaN or inf in the gradient of a training step does, on the CPU
-    (``gradient_check`` of ``BatchedDynamicEmbeddingTables``). What is checked is each
-    unique row's summed gradient: a non-finite gradient value (or per-sample weight)
-    reaches the sum of every row that reads it. Either way no NaN/inf enters a row or
-    its optimizer state, and the backward raises ``ValueError``.
+    """What a NaN or inf in a CPU step's summed row gradient does (``gradient_check`` of
+    ``BatchedDynamicEmbeddingTables``; GPU steps do not check): none enters a row or its
+    state, and backward raises ``ValueError``.
 
-    - ``ROWS`` (the default): the backward sums and updates each row in one pass; a
-      row whose sum is not finite keeps its value and state, every other row of the
-      batch is updated, then the error is raised.
-    - ``BATCH``: every row's sum is written and checked before any row changes; one
-      non-finite sum refuses the whole batch's update (no row or state changes). It
-      moves the summed gradients through memory once more: about 0.5 ms of a 6 ms
-      step at batch 65,536, dim 128 (benchmark/RESULTS.md, "The CPU backward's
-      gradient check").
-
-    A GPU step does not check gradient values (each check would wait for the device).
+    - ``ROWS`` (default): a row whose sum is not finite keeps its value and state; the
+      batch's other rows are updated.
+    - ``BATCH``: one non-finite sum refuses the whole batch's update (one more pass
+      over the summed gradients).
     """
 
     ROWS = "rows"
     BATCH = "batch"
 
 
-#: Upstream's type of ``score_strategy``: one strategy, or a tuple of them (the
-#: compound ``(TIMESTAMP, LFU)`` in either order; ``DynamicEmbTableOptions`` refuses
-#: other tuples).
+#: Upstream's type of ``score_strategy``: one strategy, or a tuple of them.
 ScoreStrategy = Union[DynamicEmbScoreStrategy, Tuple[DynamicEmbScoreStrategy, ...]]

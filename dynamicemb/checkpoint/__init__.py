@@ -1,8 +1,5 @@
-"""Checkpoints of dynamic tables: dump, load (with resharding) and incremental dump.
-
-``docs/CHECKPOINTS.md`` describes the API, the directory layout, the manifest and
-the binary files, and a save/resume recipe for a DMP model.
-"""
+"""Checkpoints of dynamic tables: dump, load (with resharding), incremental dump
+(``docs/CHECKPOINTS.md``)."""
 
 from dynamicemb.checkpoint.dump import DynamicEmbDump
 from dynamicemb.checkpoint.format import FORMAT_VERSION, CheckpointError, Manifest

@@ -10,12 +10,7 @@ __all__ = ["Collective"]
 
 
 class Collective:
-    """The ranks taking part in a dump or load.
-
-    Args:
-        pg: a process group; None: the default group when one is initialized, else
-            this process alone.
-    """
+    """The ranks of ``pg`` (None: the default group if initialized, else this process)."""
 
     def __init__(self, pg: Optional[dist.ProcessGroup] = None) -> None:
         self.pg = pg
@@ -43,8 +38,7 @@ class Collective:
         return box[0]
 
     def agree(self, error: Optional[str]) -> None:
-        """Raises ``CheckpointError`` on every rank if any rank passes an error, so
-        that all ranks stop at the same point (none waits in a later collective)."""
+        """Raises ``CheckpointError`` on every rank if any rank passes an error."""
         errors = [e for e in self.all_gather(error) if e is not None]
         if errors:
             raise CheckpointError(errors[0] if len(set(errors)) == 1 else "; ".join(sorted(set(errors))))

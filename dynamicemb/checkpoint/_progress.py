@@ -9,13 +9,7 @@ PROGRESS_MIN_BYTES = 256 << 20
 
 
 class Progress:
-    """Counts bytes; shows a tqdm bar when ``show`` and ``total`` >= the threshold.
-
-    Args:
-        description: the bar's label.
-        total: bytes expected.
-        show: whether this rank shows bars (rank 0).
-    """
+    """Counts bytes; shows a tqdm bar if ``show`` and ``total`` >= ``PROGRESS_MIN_BYTES``."""
 
     def __init__(self, description: str, total: int, show: bool) -> None:
         self._bar: Optional[object] = None

@@ -31,24 +31,21 @@ def DynamicEmbDump(  # noqa: N802 (upstream dynamicemb's name)
 ) -> str:
     """Writes every dynamic table of ``model`` to the checkpoint directory ``path``.
 
-    Call it on every rank of ``pg`` (a collective). Each rank flushes its device
-    caches and writes the rows it holds (keys, embeddings, optimizer states,
-    scores, admission counters) in chunks into a temporary version directory;
-    rank 0 then writes the manifest and switches ``path`` to the new version
-    atomically (``docs/CHECKPOINTS.md``). A dump killed at any point leaves the
-    previous checkpoint at ``path`` as it was.
+    A collective over ``pg``. Each rank writes the rows it holds (keys, embeddings,
+    optimizer states, scores, admission counters) into a new version; rank 0 then
+    switches ``path`` to it atomically: a dump killed at any point leaves the previous
+    checkpoint as it was (``docs/CHECKPOINTS.md``).
 
     Args:
-        path: the checkpoint directory (shared by every rank's filesystem view).
+        path: the checkpoint directory, seen by every rank.
         model: a DMP-sharded model, or any module containing
             ``BatchedDynamicEmbeddingTables``.
         table_names: only these tables, as names or upstream's ``{collection path:
             names}`` (default: every dynamic table).
-        optim: also save optimizer states.
-        counter: also save admission counters.
+        optim, counter: also save optimizer states, admission counters.
         pg: the ranks holding the model (default: the default group, or this
             process alone when torch.distributed is not initialized).
-        allow_overwrite: replace a checkpoint already at ``path``; False refuses.
+        allow_overwrite: replace a checkpoint already at ``path``.
 
     Returns:
         The new version directory (holding ``manifest.json``).
@@ -104,7 +101,7 @@ def DynamicEmbDump(  # noqa: N802 (upstream dynamicemb's name)
 
 def _check_tables(per_rank: List[Dict[str, str]],
                   table_names: Optional[Sequence[str]]) -> Optional[str]:
-    """What is wrong with the tables the ranks hold (on every rank alike), or None."""
+    """What is wrong with the tables the ranks hold, or None."""
     holders: Dict[str, List[int]] = {}
     for rank, names in enumerate(per_rank):
         for name, sharding in names.items():
@@ -180,7 +177,6 @@ def _write_table(directory: str, table: LocalTable, rank: int, optim: bool, coun
 
 
 def _write_counters(directory: str, module, name: str, rank: int) -> Dict[str, FieldWriter]:
-    """The admission counters of a table: small (at most the counter capacity)."""
     counters = module.export_admission_counters(name)
     writers = {}
     for f, tensor in (("counter_keys", counters.keys), ("counter_counts", counters.counts),
@@ -192,7 +188,7 @@ def _write_counters(directory: str, module, name: str, rank: int) -> Dict[str, F
 
 def _commit(path: str, tmp: str, gathered: List[Dict[str, Tuple[TableEntry, ShardEntry]]],
             world_size: int) -> str:
-    """Rank 0: the manifest from every rank's entries, then the atomic switch."""
+    """Rank 0: writes the manifest, then switches to the version."""
     tables: Dict[str, TableEntry] = {}
     for per_rank in gathered:
         for name, (entry, shard) in per_rank.items():

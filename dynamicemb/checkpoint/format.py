@@ -1,10 +1,6 @@
-"""The on-disk format of a checkpoint: the manifest and the binary field files.
-
-A checkpoint version is a directory holding ``manifest.json`` and, per (table,
-rank that held rows of it), one raw little-endian file per field, without header:
-the manifest gives each file's dtype, shape, byte size and CRC-32, so plain numpy
-reads it (``np.fromfile(f, dtype).reshape(shape)``). ``docs/CHECKPOINTS.md`` is
-the reference; this module is its only implementation.
+"""The on-disk format of a checkpoint (``docs/CHECKPOINTS.md``): ``manifest.json`` and,
+per table and saving rank, one headerless little-endian file per field, whose dtype,
+shape, size and CRC-32 the manifest gives.
 """
 
 import dataclasses
@@ -38,8 +34,7 @@ __all__ = [
 FORMAT_NAME = "dynamicemb-checkpoint"
 FORMAT_VERSION = 1
 
-#: Every field file's dtype (numpy notation, little-endian) and columns
-#: ("dim" / "state_dim": the table's; 0: a 1-D file).
+#: Every field file's dtype (numpy notation, little-endian).
 FIELD_DTYPES = {
     "keys": "<i8",
     "embeddings": "<f4",
@@ -79,15 +74,8 @@ def jsonable(value: Any) -> Any:
 
 @dataclass
 class FileEntry:
-    """One field file of a shard.
-
-    Attributes:
-        file: its name in the version directory.
-        dtype: numpy dtype string (little-endian).
-        shape: rows, or rows and columns.
-        bytes: its exact size.
-        crc32: ``zlib.crc32`` of its content.
-    """
+    """One field file of a shard: its name in the version, numpy dtype string, shape
+    (rows, or rows and columns), exact size and ``zlib.crc32``."""
 
     file: str
     dtype: str
@@ -98,16 +86,8 @@ class FileEntry:
 
 @dataclass
 class ShardEntry:
-    """The rows one rank held of a table.
-
-    Attributes:
-        rank: the saving rank.
-        rows: rows in its files.
-        counter_rows: admission counters in its files.
-        optimizer_step, score_clock, admission_clock: its ``TableClocks``.
-        train_steps: its module's ``train_steps``.
-        files: field name -> ``FileEntry``.
-    """
+    """The rows one rank held of a table: counts, its ``TableClocks``, its module's
+    ``train_steps`` and its files by field name."""
 
     rank: int
     rows: int
@@ -124,24 +104,14 @@ class TableEntry:
     """A saved table.
 
     Attributes:
-        dim: embedding columns.
         state_dim: optimizer-state columns per row (0 when states were not saved).
-        optimizer: the optimizer's settings (``DynamicEmbOptimizerArgs`` as JSON).
-        score_strategy: ``DynamicEmbScoreStrategy`` value.
-        options: the rank's ``DynamicEmbTableOptions`` as JSON (informative).
-        sharding: ``row_wise``, ``table_wise`` or ``unsharded`` when saved.
-        num_shards: its shards when saved.
-        rows: rows over all shards.
-        optim: whether optimizer states were saved.
-        counter: whether admission counters were saved.
+        optimizer, options: ``DynamicEmbOptimizerArgs`` and (informative) the rank's
+            ``DynamicEmbTableOptions`` as JSON.
         shards: one ``ShardEntry`` per rank that held rows of it.
-        dist_type: the ``DynamicEmbDistType`` value that placed its keys on the
-            shards (``hash`` in manifests written before the field existed, the only
-            placement then, whatever their ``options.dist_type`` says).
-        placement: the placement file that placed the ids it lists, when the
-            table had one: ``{"file": its name, "sha256": its digest,
-            "world_size": ..., "ids": ids placed}`` (informative: a load keeps the
-            rows each rank's routing in the loading model gives it); None: none.
+        dist_type: the placement of its keys on the shards (``hash`` when absent:
+            older manifests, whatever their ``options.dist_type`` says).
+        placement: ``{"file", "sha256", "world_size", "ids"}`` of the table's placement
+            file, or None (informative: a load routes rows as the loading model does).
     """
 
     dim: int
@@ -174,7 +144,7 @@ class Manifest:
 
     @classmethod
     def read(cls, path: str) -> "Manifest":
-        """Parses and checks ``path`` (format name and version first)."""
+        """Parses and checks ``path``; raises ``CheckpointError``."""
         try:
             with open(path, "rb") as f:
                 raw = json.loads(f.read().decode("utf-8"))
@@ -201,14 +171,8 @@ class Manifest:
 
 
 class FieldWriter:
-    """Appends chunks of one field to its file, counting bytes and the CRC-32.
-
-    Args:
-        directory: the version directory being written.
-        name: the file name.
-        dtype: numpy dtype string of the field.
-        columns: values per row (0: a 1-D field).
-    """
+    """Appends chunks of one field to its file, counting bytes and the CRC-32;
+    ``columns`` per row (0: a 1-D field)."""
 
     def __init__(self, directory: str, name: str, dtype: str, columns: int) -> None:
         self.name, self.dtype, self.columns = name, dtype, columns
@@ -262,12 +226,7 @@ def verify_file(directory: str, entry: FileEntry) -> Optional[str]:
 
 
 class FieldReader:
-    """Reads one field file in consecutive chunks of rows.
-
-    Args:
-        directory: the version directory.
-        entry: the file's manifest entry (verified before).
-    """
+    """Reads one field file (``entry`` verified before) in consecutive chunks of rows."""
 
     def __init__(self, directory: str, entry: FileEntry) -> None:
         self.dtype = np.dtype(entry.dtype)

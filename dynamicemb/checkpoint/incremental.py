@@ -17,13 +17,9 @@ def incremental_dump(
     score_threshold: Union[int, Mapping[str, int]],
     pg: Optional[dist.ProcessGroup] = None,
 ) -> Tuple[Dict[str, Tuple[torch.Tensor, torch.Tensor]], Dict[str, int]]:
-    """The rows of every dynamic table whose score is at least the threshold, and
-    the thresholds to pass next time.
-
-    With LRU or STEP scores a row's score says when it was last touched, so
-    passing back the returned thresholds yields exactly the rows touched (created
-    or updated) since the previous call. Call it on every rank of ``pg``; every
-    rank gets the rows of all ranks.
+    """The rows of every dynamic table scoring at least the threshold, and the
+    thresholds to pass next time: with LRU or STEP scores, exactly the rows created or
+    updated since the previous call. A collective over ``pg``.
 
     Args:
         model: a sharded or unsharded model with dynamic tables (LRU or STEP).
@@ -33,9 +29,8 @@ def incremental_dump(
 
     Returns:
         ``(rows, next_threshold)``: ``rows[table] = (keys (n,) int64, embeddings
-        (n, dim) float32)``, gathered from every rank in rank order;
-        ``next_threshold[table]`` the score the next training batch gives (the
-        smallest over ranks).
+        (n, dim) float32)`` of every rank in rank order; ``next_threshold[table]`` the
+        score the next training batch gives (the smallest over ranks).
 
     Example::
 

@@ -1,17 +1,9 @@
 """The checkpoint directory and its atomic switch from one version to the next.
 
-``path`` is a directory::
-
-    path/
-      CURRENT                 one line: the name of the current version directory
-      v000002-5f0c.../        the current version: manifest.json + field files
-      .tmp-9a1b.../           a dump in progress (or killed): never read
-
-A dump writes a ``.tmp-*`` directory, fsyncs it, renames it to ``v<seq>-<token>``
-and then replaces ``CURRENT`` with ``os.replace`` (atomic on POSIX). Only after
-that are older versions and stale temporary directories removed. Whenever the
-process dies, ``CURRENT`` names a complete version: the previous one until the
-replace, the new one after it. Concurrent dumps to one ``path`` are not supported.
+``path`` holds ``CURRENT``, naming the version directory ``v<seq>-<token>/``. A dump
+fsyncs a ``.tmp-*`` directory, renames it to a version, then ``os.replace``s
+``CURRENT`` (atomic on POSIX), so it always names a complete version. Concurrent
+dumps to one ``path`` are not supported.
 """
 
 import os
@@ -53,11 +45,7 @@ def has_checkpoint(path: str) -> bool:
 
 
 def current_version(path: str) -> str:
-    """The directory of the version ``CURRENT`` names.
-
-    Raises:
-        CheckpointError: no checkpoint at ``path``, or ``CURRENT`` names nothing valid.
-    """
+    """The directory of the version ``CURRENT`` names; ``CheckpointError`` if none."""
     pointer = os.path.join(path, POINTER)
     try:
         with open(pointer, "r", encoding="utf-8") as f:
@@ -70,12 +58,9 @@ def current_version(path: str) -> str:
 
 
 def begin_version(path: str, allow_overwrite: bool) -> str:
-    """Creates ``path`` if needed and an empty temporary version directory in it.
-
-    Raises:
-        CheckpointError: ``path`` is a file, or holds a checkpoint and
-            ``allow_overwrite`` is False, or is a non-empty directory of something else.
-    """
+    """Creates ``path`` if needed and an empty temporary version directory in it;
+    ``CheckpointError`` if ``path`` is a file, another non-empty directory, or a
+    checkpoint without ``allow_overwrite``."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointError(f"{path}: exists and is not a directory")
     if has_checkpoint(path):
@@ -96,9 +81,8 @@ def _next_sequence(path: str) -> int:
 
 
 def commit_version(path: str, tmp: str) -> str:
-    """Makes the complete, fsynced temporary directory ``tmp`` the current version,
-    then removes every other version and temporary directory. Returns the version
-    directory."""
+    """Makes the complete directory ``tmp`` the current version, removes the others and
+    returns the version directory."""
     fsync_dir(tmp)
     name = f"v{_next_sequence(path):06d}-{uuid.uuid4().hex[:12]}"
     version = os.path.join(path, name)

@@ -35,23 +35,18 @@ def DynamicEmbLoad(  # noqa: N802 (upstream dynamicemb's name)
 ) -> None:
     """Loads the checkpoint at ``path`` into the dynamic tables of ``model``.
 
-    Call it on every rank of ``pg`` (a collective). Each rank reads the manifest,
-    checks that every table it holds is in the checkpoint with the same dim,
-    optimizer and score strategy, and verifies the size and checksum of every file
-    it will read; only when every rank found everything in order does any table
-    change. Then each rank scans the saved shards of its tables and keeps the rows
-    its placement gives it (``owner_rank`` of the table's ``dist_type`` for row-wise
-    tables, every row for a table it holds whole): any saved world size, sharding
-    and ``dist_type`` loads into any other (the manifest records the saved one).
-    Scores, optimizer steps, score and admission clocks and ``train_steps`` are
-    restored; device caches start empty and fill lazily.
+    A collective over ``pg``. Every table must match its save (dim, score strategy,
+    with ``optim`` the optimizer) and every file its size and checksum on every rank
+    before any table changes. Each rank keeps the saved rows its placement gives it:
+    any saved world size, sharding and ``dist_type`` loads into any other. Scores,
+    optimizer steps, clocks and ``train_steps`` are restored; device caches start empty.
 
     Args:
         path: the checkpoint directory written by ``DynamicEmbDump``.
         model: the model to fill (sharded or not).
         table_names: only these tables, as names or upstream's ``{collection path:
-            names}`` (default: every dynamic table of the model,
-            each of which must be in the checkpoint).
+            names}`` (default: every dynamic table of the model, all of which must be
+            in the checkpoint).
         optim: load optimizer states and steps; False loads rows with fresh states
             (and optimizer step 0 unless merging).
         counter: load admission counters.
@@ -60,9 +55,8 @@ def DynamicEmbLoad(  # noqa: N802 (upstream dynamicemb's name)
             (clocks become the larger of both); default: replace the contents.
 
     Raises:
-        CheckpointError: on every rank, with no table changed, if the checkpoint is
-            missing, of another format version, does not match the model, or a file
-            it needs is missing, truncated or altered (the error names the file).
+        CheckpointError: on every rank, no table changed: no checkpoint, another format
+            version, a mismatch with the model, or a damaged file (named).
     """
     table_names = table_name_list(table_names)
     group = Collective(pg)
@@ -93,7 +87,7 @@ def DynamicEmbLoad(  # noqa: N802 (upstream dynamicemb's name)
 
 def _check_compatible(manifest: Manifest, tables: Dict[str, LocalTable],
                       table_names: Optional[Sequence[str]], optim: bool) -> None:
-    """Raises ``CheckpointError`` saying what differs between a table and its save."""
+    """Raises ``CheckpointError`` saying how a table differs from its save."""
     missing = sorted(set(table_names or ()) - set(manifest.tables))
     missing += sorted(n for n in tables if n not in manifest.tables and n not in missing)
     if missing:
@@ -153,8 +147,7 @@ def _verify_files(version: str, manifest: Manifest, tables: Dict[str, LocalTable
 
 def _load_rank(version: str, manifest: Manifest, tables: Dict[str, LocalTable], optim: bool,
                counter: bool, merge: bool, rank: int) -> None:
-    """Changes this rank's tables: empties them (unless merging), imports the rows
-    it owns, restores clocks and steps."""
+    """Empties this rank's tables (unless merging), imports its rows, restores clocks."""
     modules = {id(t.module): t.module for t in tables.values()}
     for module in modules.values():
         module.reset_cache_states()
@@ -183,7 +176,7 @@ def _load_rank(version: str, manifest: Manifest, tables: Dict[str, LocalTable], 
 
 def _import_rows(version: str, table: LocalTable, shard: ShardEntry, fields: List[str],
                  progress: Progress) -> None:
-    """The rows of one saved shard that this rank owns, chunk by chunk."""
+    """Imports the rows of one saved shard that this rank owns, chunk by chunk."""
     readers = {f: FieldReader(version, shard.files[f])
                for f in fields if f not in _COUNTER_FIELDS}
     try:
@@ -203,7 +196,7 @@ def _import_rows(version: str, table: LocalTable, shard: ShardEntry, fields: Lis
 
 
 def _import_counters(version: str, table: LocalTable, shard: ShardEntry) -> None:
-    """The admission counters of one saved shard that this rank owns."""
+    """Imports the admission counters of one saved shard that this rank owns."""
     saved = {}
     for f in _COUNTER_FIELDS:
         reader = FieldReader(version, shard.files[f])
@@ -220,8 +213,7 @@ def _import_counters(version: str, table: LocalTable, shard: ShardEntry) -> None
 
 def _restore_clocks(table: LocalTable, shards: List[ShardEntry], optim: bool,
                     merge: bool) -> None:
-    """The largest saved clocks of the table's shards (equal in synchronous
-    training); with ``merge``, the larger of those and the table's own."""
+    """Sets the largest saved clocks of the table's shards (with ``merge``, at least its own)."""
     current = table.module.table_clocks(table.name)
     floor = current if merge else TableClocks(0, 0, 0)
     saved = TableClocks(

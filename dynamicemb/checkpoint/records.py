@@ -1,11 +1,9 @@
 """One dynamic table as int64 records, the form ``torch.distributed.checkpoint`` carries.
 
-Each record is a row of ``RecordLayout.columns`` int64 words: ``kind``, ``key``,
-``score``, then the payload. A row record's payload is its embedding and optimizer
-state (float32, two per word); an admission counter's is its count (float64
-bits); the header record (one per saving rank, first) holds the clocks. Records
-of any saving rank load into any table of the same dim and optimizer (the header
-holds the saved dim and state columns in its key and score words).
+A record is ``RecordLayout.columns`` int64 words: ``kind``, ``key``, ``score``, then
+the payload: a row's embedding and optimizer state (float32, two per word), a
+counter's count (float64 bits), or, for the header (first, one per saving rank),
+the clocks; the header's key and score words hold the saved dim and state columns.
 """
 
 from dataclasses import dataclass
@@ -19,8 +17,7 @@ __all__ = ["HEADER", "ROW", "COUNTER", "VIRTUAL_COLUMNS", "VIRTUAL_ROWS", "Recor
            "TableLoad", "export_records"]
 
 ROW, COUNTER, HEADER = 0, 1, 2
-#: The extent a loading rank declares to DCP: it takes every saved chunk, whatever
-#: the saved row count (which the loading side cannot know beforehand).
+#: The extent a loading rank declares to DCP, so it takes every saved chunk.
 VIRTUAL_ROWS = 1 << 62
 VIRTUAL_COLUMNS = 1 << 20
 _FIXED = 3  # kind, key, score
@@ -29,12 +26,7 @@ _HEADER_WORDS = 4  # optimizer step, score clock, admission clock, train steps
 
 @dataclass(frozen=True)
 class RecordLayout:
-    """The record width of a table.
-
-    Attributes:
-        dim: embedding columns.
-        state_dim: optimizer-state columns.
-    """
+    """The record width of a table of ``dim`` + ``state_dim`` columns."""
 
     dim: int
     state_dim: int
@@ -66,9 +58,8 @@ class RecordLayout:
 
 
 def export_records(module, table: str, layout: RecordLayout, spare: int = 0) -> torch.Tensor:
-    """This module's records of ``table``: header, rows, counters, in one (n,
-    columns) int64 tensor allocated once (one copy of the rows; device caches are
-    flushed first), followed by ``spare`` zero records for the caller to fill."""
+    """This module's records of ``table`` (header, rows, counters) and ``spare`` zero
+    records, in one (n, columns) int64 tensor; device caches are flushed first."""
     module.flush()
     counters = module.export_admission_counters(table)
     rows = module.table_size(table)
@@ -94,19 +85,9 @@ def export_records(module, table: str, layout: RecordLayout, spare: int = 0) -> 
 
 
 class TableLoad:
-    """Loading one table from records that arrive chunk by chunk, in any order.
-
-    ``begin`` empties the table (rows, counters, device cache) and zeroes its
-    clocks; each ``add_records`` imports the rows and counters this rank owns and
-    sets the clocks to the largest saved so far (so they are right after the last
-    chunk, whatever imports did to them).
-
-    Args:
-        module: the ``BatchedDynamicEmbeddingTables`` holding the table.
-        table: its name.
-        layout: its record layout.
-        owns: ``owns(keys)`` -> bool mask of the keys (n,) this rank stores.
-    """
+    """Loads one table from records arriving chunk by chunk, in any order: ``begin``
+    empties it and zeroes its clocks; each ``add_records`` imports what this rank
+    ``owns(keys)`` ((n,) bool) and sets the clocks to the largest saved so far."""
 
     def __init__(self, module, table: str, layout: RecordLayout,
                  owns: Callable[[torch.Tensor], torch.Tensor]) -> None:

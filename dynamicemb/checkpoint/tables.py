@@ -16,18 +16,9 @@ __all__ = ["LocalTable", "PendingUpdates", "ShardKernel", "dynamic_modules", "lo
 
 @dataclass
 class LocalTable:
-    """A dynamic table stored (wholly or in part) on this rank.
-
-    Attributes:
-        name: the table's name.
-        module: the ``BatchedDynamicEmbeddingTables`` holding it.
-        sharding: ``row_wise``, ``table_wise`` or ``unsharded``.
-        num_shards: ranks sharing its rows (1 unless row-wise).
-        owns: ``owns(keys)`` -> bool mask of the keys (n,) int64 this rank stores.
-        dist_type: how its keys are placed on the shards (``dynamicemb.placement``).
-        placement: its placement file entry, which overrides ``dist_type`` for the
-            ids it lists (None: none).
-    """
+    """A dynamic table stored (wholly or in part) on this rank; ``owns(keys)`` is the
+    (n,) bool mask of the keys (n,) int64 this rank stores, ``sharding`` ``row_wise``,
+    ``table_wise`` or ``unsharded``."""
 
     name: str
     module: BatchedDynamicEmbeddingTables
@@ -39,10 +30,8 @@ class LocalTable:
 
 
 class ShardKernel:
-    """A module that runs this rank's shards of dynamic tables inside a sharded model:
-    what the checkpoint and lifetime code ask of one. ``dynamicemb.shard``'s TorchRec
-    kernels derive from it, so it is found by type (``shard_kernels``) and this layer
-    imports nothing of TorchRec."""
+    """What checkpoints ask of a sharded model's kernel of dynamic tables;
+    ``dynamicemb.shard``'s kernels derive from it, so this layer imports no TorchRec."""
 
     @property
     def emb_module(self) -> BatchedDynamicEmbeddingTables:
@@ -67,26 +56,20 @@ class ShardKernel:
 
 
 class PendingUpdates:
-    """A part of a sharded model that holds updates of owner rows not applied yet
-    (hot-row replicas with bounded staleness: accumulated gradients, and copies of
-    rows): checkpoints apply them before reading rows and drop them before writing
-    rows. ``dynamicemb.shard``'s replica lookups derive from it (found by type,
-    ``pending_updates``)."""
+    """Updates of owner rows not applied yet (stale hot-row replicas): checkpoints
+    flush them before reading rows and drop them before writing rows."""
 
     def flush_pending(self) -> None:
-        """Applies the pending updates to the owner rows (a collective of the
-        module's ranks when any is pending; call it on every rank)."""
+        """Applies them to the owner rows (a collective: call it on every rank)."""
         raise NotImplementedError
 
     def drop_pending(self) -> None:
-        """Forgets the pending updates and the copies of rows, which are read again
-        from their owners when next needed (before rows are loaded; every rank)."""
+        """Forgets them and the copies of rows, read again when next needed (every rank)."""
         raise NotImplementedError
 
 
 def pending_updates(module: nn.Module) -> Iterator[PendingUpdates]:
-    """Every ``PendingUpdates`` of ``module``'s sharded modules, in module order
-    (the same on every rank)."""
+    """Every ``PendingUpdates`` of ``module``, in module order (the same on every rank)."""
     for sharded in module.modules():
         for lookup in getattr(sharded, "_lookups", None) or ():
             if isinstance(lookup, PendingUpdates):
@@ -116,9 +99,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def dynamic_modules(model: nn.Module) -> List[BatchedDynamicEmbeddingTables]:
-    """The ``BatchedDynamicEmbeddingTables`` of ``model`` on this rank, each once:
-    those of sharded TorchRec modules' lookups, then the others anywhere inside it
-    (``model`` itself included)."""
+    """The ``BatchedDynamicEmbeddingTables`` of ``model`` on this rank, each once."""
     found: Dict[int, BatchedDynamicEmbeddingTables] = {}
     for _, kernel in shard_kernels(model):
         found.setdefault(id(kernel.emb_module), kernel.emb_module)
@@ -145,14 +126,8 @@ def table_name_list(table_names: Optional[Union[Sequence[str], Mapping[str, Sequ
 def local_tables(model: nn.Module,
                  table_names: Optional[Union[Sequence[str], Mapping[str, Sequence[str]]]] = None
                  ) -> Dict[str, LocalTable]:
-    """Every dynamic table of ``model`` on this rank, by name: those of sharded
-    TorchRec modules and of ``BatchedDynamicEmbeddingTables`` anywhere inside it
-    (``model`` itself included), restricted to ``table_names`` when given (names, or
-    upstream's ``{collection path: names}``, whose names are taken).
-
-    Raises:
-        ValueError: two modules of this rank hold a table of the same name.
-    """
+    """Every dynamic table of ``model`` on this rank, by name (only ``table_names`` if
+    given); ``ValueError`` if two modules hold a table of the same name."""
     found: Dict[str, LocalTable] = {}
     seen = set()
 

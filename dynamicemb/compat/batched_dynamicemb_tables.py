@@ -1,8 +1,5 @@
-"""The names of upstream's module path ``dynamicemb.batched_dynamicemb_tables``.
-
-``BatchedDynamicEmbeddingTablesV2`` is ``BatchedDynamicEmbeddingTables`` (the same
-class; see ``docs/MIGRATING.md`` for the differences from upstream's).
-"""
+"""Upstream's ``dynamicemb.batched_dynamicemb_tables``: ``BatchedDynamicEmbeddingTablesV2``
+is ``BatchedDynamicEmbeddingTables``."""
 
 from dynamicemb._upstream import module_getattr
 from dynamicemb.embedding.module import BatchedDynamicEmbeddingTables

@@ -1,12 +1,4 @@
-"""The code of upstream's module path ``dynamicemb.construct_twin_module``: its test
-helper ``ConstructTwinModule``, a DMP model of dynamic tables and its TorchRec twin
-holding the same rows, built with this package's public calls (upstream's
-``test_twin_module`` trains both and compares their outputs step by step).
-
-Both models shard every table row-wise over the default process group; the TorchRec
-twin keeps TorchRec's own sharders and kernels. The dynamic tables hold
-``scale_factor`` times the twin's rows, so that no row is evicted.
-"""
+"""Upstream's test helper ``dynamicemb.construct_twin_module``."""
 
 import copy
 import gc
@@ -48,35 +40,26 @@ def _uniform(weight: torch.Tensor) -> None:
 
 
 class ConstructTwinModule:
-    """A model of dynamic tables and its TorchRec twin with equal rows (upstream's).
-
-    Tables ``t_<i>`` are looked up by features ``f_<i>``. Call it on every rank of the
-    default process group.
+    """A DMP model of dynamic tables ``t_<i>`` (features ``f_<i>``) and its TorchRec twin
+    with equal rows, both row-wise over the default process group (call it on every rank).
 
     Args:
-        table_num: number of tables.
-        dims: each table's embedding dim.
+        table_num: tables; ``dims``, ``num_embeddings``, ``multi_hot_sizes``: one per table.
         num_embeddings: each table's rows in the TorchRec twin (ids ``0..n-1``).
         pooling_mode: TorchRec's ``PoolingType`` of pooled tables.
         is_pooled: ``EmbeddingBagCollection`` (True) or ``EmbeddingCollection``.
-        multi_hot_sizes: ids per sample of each table (upstream's planner hint;
-            checked for length only).
-        batch_size: upstream's planner hint (unused: both plans are row-wise).
+        multi_hot_sizes, batch_size: upstream's planner hints (unused).
         output_dtype: the outputs' ``SparseType``.
-        fwd_a2a_precision, bwd_a2a_precision: ``CommType.FP32`` (quantized
-            all-to-alls are refused).
+        fwd_a2a_precision, bwd_a2a_precision: ``CommType.FP32`` only.
         optimizer_kwargs: fused params with ``"optimizer"`` one of ``OPTIMIZERS``.
-        use_index_dedup: the ``EmbeddingCollection`` sharders' dedup (the TorchRec
-            twin's on CUDA only: TorchRec's is a CUDA operator).
-        init_fn: fills a ``(num_embeddings, dim)`` weight (default: uniform in
-            [0, 1)); rank 0's rows are broadcast, so both models hold the same.
-        rank, world_size: this rank and the default group's size.
-        scale_factor: the dynamic tables' capacity over ``num_embeddings`` (>= 1).
+        use_index_dedup: the ``EmbeddingCollection`` sharders' dedup (twin: CUDA only).
+        init_fn: fills a ``(num_embeddings, dim)`` weight (default: uniform in [0, 1));
+            rank 0's rows are broadcast.
+        rank, world_size: must be the default group's.
+        scale_factor: dynamic capacity over ``num_embeddings`` (>= 1; no eviction).
 
     Raises:
-        ValueError: lists of another length than ``table_num``, an unknown optimizer,
-            a quantized all-to-all, ``scale_factor`` < 1, or ``rank`` / ``world_size``
-            other than the default group's.
+        ValueError: for any argument outside the values above.
     """
 
     def __init__(self, table_num: int, dims: List[int], num_embeddings: List[int],
@@ -131,8 +114,7 @@ class ConstructTwinModule:
         if self._is_pooled:
             sharder = (DynamicEmbeddingBagCollectionSharder if dynamic
                        else EmbeddingBagCollectionSharder)(fused_params=fused)
-        else:  # TorchRec's dedup is a CUDA operator (FBGEMM's jagged_unique_indices): its
-            # twin deduplicates on CUDA only, which changes no result
+        else:  # TorchRec's dedup is a CUDA operator: its twin dedups on CUDA only
             dedup = self._use_index_dedup and (dynamic or device.type == "cuda")
             sharder = (DynamicEmbeddingCollectionSharder if dynamic else EmbeddingCollectionSharder)(
                 fused_params=fused, use_index_dedup=dedup)
@@ -149,14 +131,8 @@ class ConstructTwinModule:
                                         sharders=[sharder], device=device)
 
     def init_twin_embedding_model(self) -> None:
-        """Builds both models and gives them the same rows (``init_fn``'s on rank 0).
-
-        It first runs the cyclic garbage collector: TorchRec's sharded collections are
-        reference cycles, so the tables of models a test dropped are freed only by it,
-        which runs by counts of objects, not bytes (48 builds of upstream's twin test
-        in one process would otherwise hold them all).
-        """
-        gc.collect()
+        """Builds both models and gives them the same rows (``init_fn``'s on rank 0)."""
+        gc.collect()  # frees earlier models: sharded collections are reference cycles
         device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                   else torch.device("cpu"))
         self._torchrec_model = self._model(device, dynamic=False)

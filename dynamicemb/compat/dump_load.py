@@ -1,6 +1,4 @@
-"""The names of upstream's module path ``dynamicemb.dump_load``: its checkpoint
-functions (``dynamicemb.checkpoint``'s; ``docs/CHECKPOINTS.md``) and its two model
-walkers, ``find_sharded_modules`` and ``get_dynamic_emb_module``."""
+"""Upstream's ``dynamicemb.dump_load``: the checkpoint functions and two model walkers."""
 
 from typing import List, Tuple
 
@@ -14,18 +12,12 @@ __all__ = ["DynamicEmbDump", "DynamicEmbLoad", "find_sharded_modules", "get_dyna
 
 
 def find_sharded_modules(module: nn.Module, path: str = "") -> List[Tuple[str, str, nn.Module]]:
-    """TorchRec's sharded collections in a model (upstream's walker).
-
-    Args:
-        module: the model, DMP/DDP-wrapped or not.
-        path: prefix of the paths returned.
+    """TorchRec's outermost sharded collections in ``module`` (DMP/DDP-wrapped or not).
 
     Returns:
-        ``(path, name, sharded)`` for every ``ShardedEmbeddingCollection`` and
-        ``ShardedEmbeddingBagCollection``, in module order (not inside one another):
-        ``path`` is ``path + "model"`` followed by the module path with wrappers
-        left out (``"model.embedding_module"``, the paths of ``incremental_dump``),
-        ``name`` its attribute name (``"model"`` for the model itself).
+        ``(path, name, sharded)`` in module order: ``path`` is ``path + "model"`` and the
+        module path without wrappers (``"model.embedding_module"``), ``name`` its
+        attribute name (``"model"`` for the model itself).
     """
     from dynamicemb._torchrec import require_torchrec  # noqa: PLC0415
 
@@ -48,13 +40,6 @@ def find_sharded_modules(module: nn.Module, path: str = "") -> List[Tuple[str, s
 
 
 def get_dynamic_emb_module(model: nn.Module) -> List[BatchedDynamicEmbeddingTables]:
-    """The dynamic table modules of a model on this rank (upstream's
-    ``BatchedDynamicEmbeddingTablesV2``, which is ``BatchedDynamicEmbeddingTables``),
-    each once: in a sharded collection (e.g. one ``find_sharded_modules`` returned), a
-    DMP-wrapped model, or an unsharded model.
-
-    Returns:
-        The modules; ``m.table_names`` names each one's tables and
-        ``m.export_keys_values(name, device)`` returns their ``(keys, embeddings)``.
-    """
+    """The ``BatchedDynamicEmbeddingTables`` of ``model`` (sharded collection, DMP-wrapped
+    or unsharded model) on this rank, each once."""
     return dynamic_modules(model)

@@ -1,6 +1,4 @@
-"""The names of upstream's module path ``dynamicemb.dynamicemb_config``: its
-configuration names (this package's objects, and upstream's two constants); those
-not provided are refused by name, with what to use instead."""
+"""Upstream's ``dynamicemb.dynamicemb_config`` names; those not provided are refused."""
 
 from dynamicemb._upstream import module_getattr
 from dynamicemb.embedding.upstream_members import BATCH_SIZE_PER_DUMP
@@ -12,11 +10,9 @@ from dynamicemb.sizing import (BUCKET_ALIGNMENT, DEFAULT_BUCKET_CAPACITY, DEMB_T
 from dynamicemb.types import (DynamicEmbCheckMode, DynamicEmbDistType, DynamicEmbEvictStrategy,
                               DynamicEmbScoreStrategy, ScoreStrategy)
 
-#: Upstream's modulus of the DEBUG initializer: ``DynamicEmbInitializerMode.DEBUG``
-#: fills every element of a new row with ``key % DEBUG_EMB_INITIALIZER_MOD``.
+#: ``DynamicEmbInitializerMode.DEBUG`` fills a new row with ``key % DEBUG_EMB_INITIALIZER_MOD``.
 DEBUG_EMB_INITIALIZER_MOD = 100_000
-#: The ``dist_type`` values ``DynamicEmbTableOptions`` takes (upstream's name; its
-#: ``continuous`` is refused here, ``hash`` is this package's default).
+#: The ``dist_type`` values ``DynamicEmbTableOptions`` takes.
 SUPPORTED_DIST_TYPES = tuple(d.value for d in DynamicEmbDistType)
 
 __all__ = [

@@ -1,13 +1,5 @@
-"""Upstream's serving entry points (``dynamicemb.exportable_tables``), over
-``dynamicemb.inference``.
-
-``InferenceEmbeddingCollection`` takes upstream's arguments and call form (``keys``,
-per-feature ``offsets``, pooled ``(F * B, D)`` or per-id ``(N, D)`` outputs) and is
-filled with ``load_from_dynamicemb_file`` (a ``DynamicEmbDump`` directory here) or
-``load_from_embedding_table``; ``apply_inference_embedding_collection`` swaps a
-model's TorchRec ``EmbeddingCollection`` modules for it. ``docs/MIGRATING.md`` lists
-what differs.
-"""
+"""Upstream's serving entry points (``dynamicemb.exportable_tables``) over
+``dynamicemb.inference`` (``docs/MIGRATING.md``)."""
 
 from typing import Dict, List, Optional, Sequence
 
@@ -37,8 +29,7 @@ class InferenceEmbeddingCollection(nn.Module):
         table_names, feature_names, feature_table_map: as upstream (default one
             feature per table, tables ``table_0, ...``).
         output_dtype: the rows' and the output's dtype (float32, float16, bfloat16).
-        device: where rows live (default CPU; upstream's is the current GPU).
-        key_type: torch.int64 (uint64 keys are refused).
+        device: where rows live (default CPU). ``key_type``: torch.int64 only.
     """
 
     def __init__(self, table_options: List[DynamicEmbTableOptions], use_dynamic_hash: bool,
@@ -92,9 +83,8 @@ class InferenceEmbeddingCollection(nn.Module):
 
     def load_from_dynamicemb_file(self, save_dir: str,
                                   table_names: Optional[Sequence[str]] = None) -> None:
-        """Replaces the named tables' rows (default all) by those of a ``DynamicEmbDump``
-        checkpoint (any world size); the other tables keep theirs. Every file is
-        verified first: on ``CheckpointError`` nothing changes."""
+        """Replaces the named tables' rows (default all) by a ``DynamicEmbDump``
+        checkpoint's; on ``CheckpointError`` nothing changes."""
         names = list(table_names) if table_names is not None else self.table_names_
         unknown = sorted(set(names) - set(self.table_names_))
         if unknown:
@@ -106,9 +96,8 @@ class InferenceEmbeddingCollection(nn.Module):
         self._build({**self._current_rows(), **saved})
 
     def load_from_embedding_table(self, table_weights: torch.Tensor) -> None:
-        """Rows of every table from one (sum of capacities, dim) tensor, table after
-        table (a table's capacity: ``init_capacity`` or ``max_capacity``; the last
-        table takes what remains); ids are then row indices within their table."""
+        """Rows of every table from one (rows, dim) tensor, ``init_capacity or
+        max_capacity`` per table in order (the last takes the rest); ids index them."""
         caps = [o.init_capacity or o.max_capacity for o in self.table_options]
         dim = self.table_options[0].dim
         if table_weights.dim() != 2 or table_weights.shape[1] != dim:
@@ -130,8 +119,7 @@ class InferenceEmbeddingCollection(nn.Module):
         Args:
             keys (Tensor): (N,) int64 ids, feature-major.
             offsets (Tensor): (F * B + 1,) boundaries of each feature's ids per sample.
-            pooling_offsets (Tensor, optional): upstream's bag boundaries; here the
-                bags are ``offsets``' and a different shape is refused.
+            pooling_offsets (Tensor, optional): ``offsets``' shape (bags are ``offsets``').
             per_sample_weights (Tensor, optional): (N,) weights (sum pooling).
 
         Returns:
@@ -162,10 +150,9 @@ def create_inference_embedding_collection(embedding_configs, pooling_mode: int =
 
 def apply_inference_embedding_collection(model: nn.Module, dynamic_table_configs: Dict[str, bool],
                                          trained_emb_table_sizes: Dict[str, int]) -> nn.Module:
-    """Swaps every TorchRec ``EmbeddingCollection`` of ``model`` (in place) for an empty
-    ``InferenceEmbeddingCollection`` of its tables (fill it with
-    ``load_from_dynamicemb_file``). Sizes come from ``trained_emb_table_sizes`` where
-    given; the collection's tables must agree on ``dynamic_table_configs``."""
+    """Swaps every TorchRec ``EmbeddingCollection`` of ``model`` in place for an empty
+    ``InferenceEmbeddingCollection`` (sizes from ``trained_emb_table_sizes`` where given;
+    one ``dynamic_table_configs`` flag per collection)."""
     from torchrec.modules.embedding_modules import EmbeddingCollection  # noqa: PLC0415
 
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, EmbeddingCollection)]

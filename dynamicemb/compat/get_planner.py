@@ -1,7 +1,5 @@
-"""Upstream's ``get_planner`` (``dynamicemb.get_planner``): a
-``DynamicEmbeddingShardingPlanner`` for the default process group from table configs,
-the data-parallel table names and the dynamic tables' options (upstream's examples
-build their planner with it)."""
+"""Upstream's ``dynamicemb.get_planner``: a ``DynamicEmbeddingShardingPlanner`` for the
+default process group."""
 
 from typing import Dict, Iterable, List, Mapping, Sequence
 
@@ -29,8 +27,8 @@ from dynamicemb.planner import (  # noqa: E402
 
 __all__ = ["PIPELINE_COMPUTE_KERNELS", "get_planner", "get_planner_constraints"]
 
-#: pipeline type -> (compute kernels of data-parallel tables, of the other TorchRec
-#: tables); None leaves them to the planner. Upstream's choices.
+#: pipeline type -> (compute kernels of data-parallel tables, of other TorchRec tables);
+#: None leaves them to the planner.
 PIPELINE_COMPUTE_KERNELS: Dict[str, tuple] = {
     "prefetch": (["dense"], ["fused_uvm_caching"]),
     "native": (["dense"], ["fused", "fused_uvm"]),
@@ -44,22 +42,10 @@ def get_planner_constraints(
     dynamicemb_options_dict: Mapping[str, DynamicEmbTableOptions],
     pipeline_type: str = "none",
 ) -> Dict[str, ParameterConstraints]:
-    """The constraints ``get_planner`` plans with, one per table: data-parallel tables
-    are ``data_parallel``; tables with options are dynamic and ``row_wise``; the
-    others are TorchRec's, ``row_wise``. Ids are never bounds-checked.
-
-    Args:
-        eb_configs, data_parallel_embedding_table_names, dynamicemb_options_dict,
-            pipeline_type: as ``get_planner``'s.
-
-    Returns:
-        Table name -> its ``ParameterConstraints`` (``DynamicEmbParameterConstraints``
-        for dynamic tables).
-
-    Raises:
-        ValueError: an unknown ``pipeline_type``, a name that is not a table of
-            ``eb_configs``, or a table both data-parallel and dynamic.
-    """
+    """``get_planner``'s constraints (same arguments), by table name: data-parallel
+    tables ``data_parallel``, the others ``row_wise`` (``DynamicEmbParameterConstraints``
+    for dynamic ones); no bounds checks. ``ValueError``: an unknown ``pipeline_type``, a
+    name not in ``eb_configs``, or a table both data-parallel and dynamic."""
     if pipeline_type not in PIPELINE_COMPUTE_KERNELS:
         raise ValueError(f"pipeline_type must be one of {sorted(PIPELINE_COMPUTE_KERNELS)}, "
                          f"got {pipeline_type!r}")
@@ -104,23 +90,20 @@ def get_planner(
     """A planner for every rank of the default process group (upstream's call).
 
     Args:
-        eb_configs: the model's table configs (cross-checked with the model in ``plan``).
+        eb_configs: the model's table configs.
         data_parallel_embedding_table_names: tables replicated on every rank.
         dynamicemb_options_dict: table name -> options of a dynamic table.
-        device: the ranks' compute device (its type is the topology's).
-        pipeline_type: ``"none"``, ``"native"`` or ``"prefetch"``: the compute kernels
-            of TorchRec's own tables (``PIPELINE_COMPUTE_KERNELS``); ``"prefetch"``
-            needs CUDA (``fused_uvm_caching``).
-        ddr_cap, intra_host_bw, inter_host_bw: the topology's host memory per rank and
-            bandwidths (its device memory: the CUDA device's total memory).
+        device: the ranks' compute device.
+        pipeline_type: ``"none"``, ``"native"`` or ``"prefetch"`` (CUDA only): the
+            compute kernels of TorchRec's own tables (``PIPELINE_COMPUTE_KERNELS``).
+        ddr_cap, intra_host_bw, inter_host_bw: the topology's host bytes per rank and
+            bandwidths (device memory: the CUDA device's).
 
     Returns:
-        A ``DynamicEmbeddingShardingPlanner`` with a ``DynamicEmbeddingEnumerator`` and a
-        5% heuristic storage reservation; plan with ``collective_plan(model, sharders,
-        pg)`` or ``plan(model, sharders)``.
+        A ``DynamicEmbeddingShardingPlanner`` with a 5% heuristic storage reservation.
 
     Raises:
-        RuntimeError: the default process group is not initialized.
+        RuntimeError: no default process group.
         ValueError: see ``get_planner_constraints``, or ``"prefetch"`` off CUDA.
     """
     device = torch.device(device)

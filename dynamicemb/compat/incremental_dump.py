@@ -1,11 +1,6 @@
-"""The code of upstream's module path ``dynamicemb.incremental_dump``: ``get_score``,
-``set_score`` and an ``incremental_dump`` keyed by collection path, as upstream's.
-
-``from dynamicemb.incremental_dump import get_score, incremental_dump`` gives these;
-``from dynamicemb import incremental_dump`` gives the same dump keyed by table name
-(``dynamicemb.checkpoint``), which this module calls and regroups. A collection's
-path is upstream's: ``"model"`` for the model itself, else ``"model."`` and its
-module path inside the model with DMP/DDP unwrapped (``"model.embedding_module"``).
+"""Upstream's ``dynamicemb.incremental_dump``: ``get_score``, ``set_score`` and an
+``incremental_dump`` keyed by collection path: ``"model"`` for the model itself, else
+``"model."`` and its module path with DMP/DDP unwrapped (``"model.embedding_module"``).
 """
 
 from typing import Dict, List, Mapping, Optional, Tuple, Union
@@ -26,8 +21,7 @@ Rows = Tuple[torch.Tensor, torch.Tensor]
 
 
 def collection_tables(model: nn.Module) -> Dict[str, List[str]]:
-    """Upstream's collection path -> the dynamic tables it holds on this rank, for every
-    sharded TorchRec collection and unsharded ``BatchedDynamicEmbeddingTables``."""
+    """Collection path -> the dynamic tables it holds on this rank."""
     tables = local_tables(model)
     by_module: Dict[int, List[str]] = {}
     for name, table in tables.items():
@@ -48,7 +42,7 @@ def collection_tables(model: nn.Module) -> Dict[str, List[str]]:
 
 
 def _paths(model: nn.Module, group: Collective) -> Dict[str, List[str]]:
-    """``collection_tables`` merged over the ranks (a table-wise table is on one)."""
+    """``collection_tables`` merged over the ranks."""
     merged: Dict[str, set] = {}
     for per_rank in group.all_gather(collection_tables(model)):
         for path, names in per_rank.items():
@@ -58,16 +52,9 @@ def _paths(model: nn.Module, group: Collective) -> Dict[str, List[str]]:
 
 def get_score(model: nn.Module, pg: Optional[dist.ProcessGroup] = None
               ) -> Dict[str, Dict[str, int]]:
-    """Per collection path and table, the score the next training batch gives the rows
-    it touches (``next_score``: for a CUSTOMIZED table the score ``set_score``
-    registered; the smallest over ranks): pass it to
-    ``incremental_dump`` to get the rows touched from now on. Call it on every rank
-    of ``pg`` (the default group, or this process alone).
-
-    Raises:
-        CheckpointError: on every rank, if a table's scores do not order rows by time
-            (LFU, NO_EVICTION).
-    """
+    """Per collection path and table, the score the next training batch gives (the
+    smallest over ranks; CUSTOMIZED: ``set_score``'s), for ``incremental_dump``. A
+    collective over ``pg``; ``CheckpointError`` on every rank for LFU or NO_EVICTION."""
     group = Collective(pg)
     tables = local_tables(model)
     local: Dict[str, int] = {}
@@ -104,24 +91,20 @@ def incremental_dump(
     score_threshold: Union[int, Mapping[str, Mapping[str, int]]],
     pg: Optional[dist.ProcessGroup] = None,
 ) -> Tuple[Dict[str, Dict[str, Rows]], Dict[str, Dict[str, int]]]:
-    """The rows of dynamic tables scoring at least a threshold, by collection path and
-    table (upstream's shape), and the thresholds to pass next time. Call it on every
-    rank of ``pg``.
+    """``dynamicemb.incremental_dump`` by collection path and table (upstream's shape).
 
     Args:
-        model: a sharded or unsharded model with dynamic tables (LRU or STEP scores).
+        model, pg: as ``dynamicemb.incremental_dump``'s.
         score_threshold: one threshold for every table, or ``{path: {table: threshold}}``
             (``get_score``'s shape) naming the tables to dump.
-        pg: the ranks holding the model (the default group, or this process alone).
 
     Returns:
         ``(rows, next_threshold)``: ``rows[path][table] = (keys (n,) int64,
-        embeddings (n, dim) float32)`` gathered from every rank,
-        ``next_threshold[path][table]`` the next threshold.
+        embeddings (n, dim) float32)`` of every rank, ``next_threshold[path][table]``.
 
     Raises:
-        CheckpointError: on every rank, if ``score_threshold`` names a path or table
-            the model does not have, or a table's scores do not order rows by time.
+        CheckpointError: on every rank, for a path or table the model does not have, or
+            scores that do not order rows by time.
     """
     group = Collective(pg)
     paths = _paths(model, group)
@@ -142,20 +125,18 @@ def incremental_dump(
 
 
 def set_score(model: nn.Module, table_score: Union[int, Mapping[str, Mapping[str, int]]]) -> None:
-    """Registers the score the next training batches give the rows they touch, for
-    tables with the CUSTOMIZED score strategy (upstream's ``set_score``). Local to
-    this rank: call it on every rank, as upstream's.
+    """Registers the score the next training batches give the rows they touch in
+    CUSTOMIZED tables. Local to this rank: call it on every rank.
 
     Args:
         model: a sharded or unsharded model with dynamic tables.
         table_score: one score for every dynamic table on this rank, or
             ``{collection: {table: score}}``, a collection named by its path
-            (``get_score``'s, ``"model.embedding_module"``) or its attribute name
-            (``"embedding_module"``, upstream's).
+            (``"model.embedding_module"``) or its attribute name (``"embedding_module"``).
 
     Raises:
-        ValueError: a collection or table the model does not have on this rank, a
-            table without the CUSTOMIZED strategy, or a negative score (nothing is set).
+        ValueError: an unknown collection or table, a table not CUSTOMIZED, or a
+            negative score (nothing is set).
     """
     tables = local_tables(model)
     if isinstance(table_score, Mapping):

@@ -1,8 +1,5 @@
-"""The names of upstream's module path ``dynamicemb.key_value_table``: the classes of
-upstream's ``module.tables`` (``DynamicEmbStorage``, ``HybridStorage``: the views this
-package's ``module.tables`` returns, by layout); upstream's storage internals (its
-cache, table state, flat loads) are refused by name with what to use instead
-(``docs/MIGRATING.md``)."""
+"""Upstream's ``dynamicemb.key_value_table``: the classes of ``module.tables``; its storage
+internals are refused by name."""
 
 from dynamicemb._upstream import module_getattr
 from dynamicemb.embedding.upstream_members import DynamicEmbStorage, HybridStorage

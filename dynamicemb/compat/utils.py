@@ -1,7 +1,5 @@
-"""The names of upstream's module path ``dynamicemb.utils``: ``TORCHREC_TYPES``, the TorchRec
-collections a planner plans (upstream's examples collect ``eb_configs`` from the
-modules whose type is in it), and ``DTYPE_NUM_BYTES``. Its other names are refused by
-name with what to use instead."""
+"""Upstream's ``dynamicemb.utils``: ``TORCHREC_TYPES`` and ``DTYPE_NUM_BYTES``; its other
+names are refused."""
 
 import torch
 

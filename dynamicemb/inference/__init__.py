@@ -1,14 +1,5 @@
-"""Serving: frozen dynamic tables, lookup only, exportable.
-
-``InferenceEmbeddingTables`` is the inference twin of ``BatchedDynamicEmbeddingTables``
-(built from a live module or a ``DynamicEmbDump`` checkpoint); its lookups run the
-custom op ``torch.ops.dynamicemb.frozen_lookup``, registered when ``dynamicemb`` is
-imported, so ``torch.compile`` traces it and a program saved by ``torch.export.save``
-loads in a process that imports only ``dynamicemb``. ``to_inference`` swaps every
-dynamic module of a model for its twin. The TorchRec-facing collections
-(``InferenceEmbeddingCollection``, ``InferenceEmbeddingBagCollection``) live in
-``dynamicemb.inference.collections`` and import TorchRec.
-"""
+"""Serving: frozen dynamic tables, lookup only, exportable; the TorchRec-facing twins
+are in ``dynamicemb.inference.collections`` (which imports TorchRec)."""
 
 from dynamicemb.inference.checkpoint import read_rows
 from dynamicemb.inference.frozen import ROW_DTYPES

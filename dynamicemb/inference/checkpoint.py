@@ -1,10 +1,5 @@
-"""Frozen rows from a ``DynamicEmbDump`` checkpoint of any world size and sharding.
-
-Every shard of every wanted table is read (a serving process holds whole tables);
-the keys and embeddings files are verified (size and CRC-32) before the first byte
-is used, so a damaged checkpoint loads nothing. Optimizer states, scores and
-counters are never read.
-"""
+"""Frozen rows (keys and embeddings only) from a ``DynamicEmbDump`` checkpoint of any
+world size and sharding."""
 
 import os
 from typing import Dict, Optional, Sequence, Tuple
@@ -22,18 +17,13 @@ _FIELDS = ("keys", "embeddings")
 
 def read_rows(path: str, table_names: Optional[Sequence[str]] = None
               ) -> Tuple[Dict[str, Tuple[torch.Tensor, torch.Tensor]], Manifest]:
-    """Every saved row of the named tables (default: all the checkpoint holds).
-
-    Args:
-        path: the checkpoint directory written by ``DynamicEmbDump``.
-        table_names: the tables to read.
+    """Every saved row of ``table_names`` (default: all) of the checkpoint at ``path``.
 
     Returns:
         (table name -> (keys (n,) int64, embeddings (n, dim) float32), manifest).
 
     Raises:
-        CheckpointError: no checkpoint, a table it does not hold, or a file missing,
-            truncated or altered (the error names the file); nothing is read then.
+        CheckpointError: no checkpoint, a table it lacks, or a damaged file (named).
     """
     version = current_version(path)
     manifest = Manifest.read(os.path.join(version, MANIFEST))

@@ -1,5 +1,5 @@
 """TorchRec-facing inference twins: ``EmbeddingCollection`` and ``EmbeddingBagCollection``
-with frozen rows (imports TorchRec; ``dynamicemb.inference`` loads it only on demand)."""
+with frozen rows."""
 
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -27,17 +27,15 @@ def _options(config, eval_init: Optional[DynamicEmbInitializerArgs]) -> DynamicE
 
 
 def _lengths(features: KeyedJaggedTensor, names: Sequence[str]) -> List[torch.Tensor]:
-    """Each named feature's (B,) lengths. When the KJT holds exactly these features in
-    this order they are views of its lengths: no per-key split, so an exported model
-    holds no FBGEMM op (TorchRec's split computes offsets with one)."""
+    """Each named feature's (B,) lengths; views when the KJT holds exactly these
+    features in order (TorchRec's per-key split would put an FBGEMM op in the export)."""
     if list(features.keys()) == list(names):
         return list(features.lengths().view(len(names), -1).unbind(0))
     return [features[f].lengths() for f in names]
 
 
 def _sizes(lengths: List[torch.Tensor], total) -> List[int]:
-    """Ids per feature: data-dependent sizes that ``torch.export`` accepts (each a
-    size, all summing to ``total``)."""
+    """Ids per feature, as data-dependent sizes ``torch.export`` accepts."""
     sizes = [n.sum().item() for n in lengths]
     for size in sizes:
         torch._check_is_size(size)
@@ -68,8 +66,7 @@ class InferenceEmbeddingBagCollection(nn.Module):
         tables: the collection's ``EmbeddingBagConfig``s.
         rows: table name -> (keys (n,) int64, embeddings (n, dim)) for every table.
         eval_initializers: table name -> the row unseen ids get (default zeros).
-        dtype: how rows are stored (float32, float16, bfloat16).
-        device: where rows live.
+        dtype, device: as ``InferenceEmbeddingTables``'.
     """
 
     def __init__(self, tables: List[EmbeddingBagConfig], rows: Rows,
@@ -122,7 +119,7 @@ class InferenceEmbeddingCollection(nn.Module):
 
     Args:
         tables: the collection's ``EmbeddingConfig``s.
-        rows, eval_initializers, dtype, device: as ``InferenceEmbeddingBagCollection``.
+        rows, eval_initializers, dtype, device: as ``InferenceEmbeddingBagCollection``'s.
     """
 
     def __init__(self, tables: List[EmbeddingConfig], rows: Rows,
@@ -160,9 +157,8 @@ class InferenceEmbeddingCollection(nn.Module):
 
 def collection_twin(module: nn.Module, checkpoint: Optional[str], dtype: torch.dtype,
                     device: Optional[torch.device]) -> Optional[nn.Module]:
-    """The inference twin of an unsharded EC/EBC holding tables of ``checkpoint`` (its
-    other tables' rows from their weights: keys 0..num_embeddings-1); None for
-    other modules."""
+    """The inference twin of an unsharded EC/EBC with tables in ``checkpoint`` (other
+    tables' rows from their weights, keys 0..num_embeddings-1), else None."""
     if isinstance(module, ShardedModule):
         raise ValueError(
             f"{type(module).__name__} is sharded: dump the model with DynamicEmbDump and "

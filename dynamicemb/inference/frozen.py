@@ -1,9 +1,5 @@
-"""A frozen table group: a read-only scored hash table over compact stored rows.
-
-The index is the training table's layout (``docs/ARCHITECTURE.md``, "The scored hash
-table"), built once by the backend's ``upsert`` and then only read by ``find``; the
-rows are stored compactly in key order of arrival, in float32, float16 or bfloat16,
-with a slot -> row map beside the index. No optimizer state, no scores kept live.
+"""A frozen table group: the training table's hash index, built once and then only
+read, over rows stored compactly in ``ROW_DTYPES`` with a slot -> row map.
 """
 
 from typing import Dict, List, Sequence, Tuple
@@ -27,7 +23,7 @@ _LOAD = 0.75
 
 
 def check_row_dtype(dtype, what: str = "frozen rows") -> torch.dtype:
-    """``dtype`` if it is one of ``ROW_DTYPES``; else a ValueError naming it."""
+    """``dtype`` if it is one of ``ROW_DTYPES``; else ``ValueError``."""
     if dtype not in ROW_DTYPES:
         raise ValueError(f"{what} can be {[str(d) for d in ROW_DTYPES]}, got {dtype}")
     return dtype
@@ -39,14 +35,11 @@ def build_index(keys: torch.Tensor, tids: torch.Tensor, num_tables: int,
 
     Args:
         keys (Tensor): (n,) int64, unique per table.
-        tids (Tensor): (n,) int16 local table ids.
-        num_tables: tables sharing the index.
-        names: their names (for errors).
+        tids (Tensor): (n,) int16 local table ids of ``num_tables`` (named ``names``).
 
     Returns:
         The index arrays (``frozen_lookup``'s ``index``) and (C + 1,) int64 row of
-        each slot (-1: empty), row i being the i-th key given; the last entry is -1,
-        so the slot -1 of an absent key indexes it and reads "absent".
+        each slot (row i: the i-th key); -1 where empty and last, for an absent key.
 
     Raises:
         ValueError: a key given twice for one table (a damaged or merged dump).
@@ -89,10 +82,8 @@ class FrozenGroup(nn.Module):
     Args:
         names, options: the group's tables (local table id = position).
         rows: table name -> (keys (n,) int64, embeddings (n, dim)).
-        dtype: how rows are stored (``ROW_DTYPES``).
         feature_tables: each feature's table name (all of the module's features).
         feature_cols: each feature's first output column, -1 for other groups'.
-        device: where rows and index live.
     """
 
     def __init__(self, names: Sequence[str], options: Sequence[DynamicEmbTableOptions],

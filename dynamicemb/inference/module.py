@@ -1,9 +1,4 @@
-"""``InferenceEmbeddingTables``: frozen dynamic tables behind the training module's call.
-
-The calling convention is ``BatchedDynamicEmbeddingTables``' (FBGEMM's table-batched
-embedding), and so are the outputs: an eval forward of the trained module and a
-forward of its inference twin give the same tensor (bit for bit with float32 rows).
-"""
+"""``InferenceEmbeddingTables``: frozen dynamic tables behind the training module's call."""
 
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -25,10 +20,10 @@ Rows = Mapping[str, Tuple[torch.Tensor, torch.Tensor]]
 class InferenceEmbeddingTables(nn.Module):
     """Dynamic tables frozen for serving: lookup only, no optimizer state.
 
-    Ids a table holds get their stored row; unseen ids get the table's eval
-    initializer row (zeros by default), as the training module's eval does. Lookups
-    run ``torch.ops.dynamicemb.frozen_lookup``, so the module traces under
-    ``torch.compile`` (no graph break) and ``torch.export``.
+    Calls and outputs are ``BatchedDynamicEmbeddingTables``' in eval (bit for bit with
+    float32 rows): unseen ids get the table's eval initializer row. Lookups run
+    ``torch.ops.dynamicemb.frozen_lookup``, so ``torch.compile`` and ``torch.export``
+    trace the module.
 
     Args:
         table_options: one ``DynamicEmbTableOptions`` per table (``dim``,
@@ -36,15 +31,10 @@ class InferenceEmbeddingTables(nn.Module):
         table_names: the tables' names (their initializer streams; default ``t0, …``).
         feature_table_map: table of each feature (default: one feature per table).
         rows: table name -> (keys (n,) int64, embeddings (n, dim)) for every table.
-        pooling_mode: SUM, MEAN or NONE (one dim for all tables).
-        dtype: how rows are stored: float32 (exact), float16 or bfloat16 (rows
-            rounded once to 16 bits; lookups and pooling run in float32).
-        output_dtype: the output's dtype.
-        device: where rows and lookups live (default CPU).
-
-    Shape:
-        forward(indices (N,), offsets (F * B + 1,), per_sample_weights (N,)) ->
-        (B, sum of feature dims) for SUM/MEAN, (N, dim) for NONE.
+        pooling_mode: SUM, MEAN or NONE (NONE: one dim for all tables).
+        dtype: how rows are stored: float32 (exact), float16 or bfloat16 (rounded
+            once; lookups and pooling run in float32).
+        output_dtype, device: the output's dtype; where rows live (default CPU).
 
     Example::
 
@@ -81,7 +71,7 @@ class InferenceEmbeddingTables(nn.Module):
         self.groups = nn.ModuleList(self._groups(options, rows, device))
 
     def _groups(self, options, rows: Rows, device) -> List[FrozenGroup]:
-        """One frozen group per dim (its tables share one index)."""
+        """One frozen group per dim."""
         starts = [0]
         for d in self.feature_dims[:-1]:
             starts.append(starts[-1] + d)
@@ -99,8 +89,8 @@ class InferenceEmbeddingTables(nn.Module):
     @classmethod
     def from_module(cls, module: nn.Module, dtype: torch.dtype = torch.float32,
                     device: Optional[torch.device] = None) -> "InferenceEmbeddingTables":
-        """The inference twin of a ``BatchedDynamicEmbeddingTables`` (its current rows,
-        tables, features, pooling and output dtype; same device unless given)."""
+        """The inference twin of a ``BatchedDynamicEmbeddingTables`` (its current rows;
+        its device unless given)."""
         rows = {}
         for name in module.table_names:
             exported = module.export_keys_values(name)
@@ -152,7 +142,7 @@ class InferenceEmbeddingTables(nn.Module):
 
 
 def _check_tables(options, names, features, rows: Rows) -> None:
-    """ValueError naming what is wrong with the tables, features or rows."""
+    """Raises ``ValueError`` naming what is wrong with the tables, features or rows."""
     if not options:
         raise ValueError("table_options must name at least one table")
     if len(names) != len(options) or len(set(names)) != len(names):
@@ -173,8 +163,7 @@ def _check_tables(options, names, features, rows: Rows) -> None:
 
 
 def _check_batch(indices, offsets, weights, pooling: DynamicEmbPoolingMode) -> None:
-    """TypeError/ValueError for a batch of the wrong types or shapes (data checks run
-    in the op)."""
+    """Raises for a batch of the wrong types or shapes (the op checks the data)."""
     check_batch_types(indices, offsets, weights, "" if pooling == DynamicEmbPoolingMode.SUM
                       else f"this module uses {pooling.name}")
     if weights is not None and weights.dim() != 1:

@@ -1,12 +1,6 @@
-"""The frozen-table lookup as a PyTorch custom op: ``torch.ops.dynamicemb.frozen_lookup``.
-
-Registered with ``torch.library.custom_op`` when ``dynamicemb`` is imported, with a
-fake implementation for shape propagation, so ``torch.compile`` traces it without a
-graph break and ``torch.export`` records it as one node that a fresh process
-resolves after ``import dynamicemb``. The CPU and CUDA kernels are the training
-kernels' (``find``, ``init_rows``, ``pooled_forward``, ``sequence_forward``) reached
-through the backend seam (``dynamicemb.ops.for_device``); the compiled code loads at
-the first call, not at import. The CUDA registration has not run on a GPU here.
+"""``torch.ops.dynamicemb.frozen_lookup``, registered on import with a fake implementation
+(``torch.export`` records one node), over the training backend's kernels. The CUDA
+registration has not run on a GPU here.
 """
 
 from typing import List, Optional
@@ -51,15 +45,13 @@ def frozen_lookup(
         weights (Tensor, optional): (N,) float32 per-sample weights (SUM only).
         index: the hash table's arrays: keys and scores (C, 2) int64, table ids (C,)
             int16, digests (C,) uint8, occupied and pinned bits (buckets, words) int64.
-        row_of_slot (Tensor): (C + 1,) int64, the row of each slot, -1 where empty
-            and at the end (where an absent key's slot -1 points).
+        row_of_slot (Tensor): (C + 1,) int64 row of each slot, -1 where empty and last.
         rows (Tensor): (R, dim) float32, float16 or bfloat16 stored rows.
         feature_tids (Tensor): (F,) int16 table of each feature (the group's ids).
-        feature_cols (Tensor): (F,) int64 first output column of each feature, -1
-            for a feature of another group.
+        feature_cols (Tensor): (F,) int64 first output column of each feature (-1: none).
         init_ints, init_floats (Tensor): (T, 3) int64 (stream, mode code, seed) and
             (T, 5) float64 (mean, std_dev, lower, upper, value): each table's eval
-            initializer, the row an unseen id gets (``frozen.init_spec``).
+            initializer (``init_spec``).
         bucket_capacity: slots per bucket of the index.
         out_cols: columns of the output (every group's features).
         pooling: ``POOLING_CODES`` value.
@@ -138,10 +130,8 @@ def _lookup_tables(offsets, feature_tids, batch, n, num_tables):
 
 
 def _row_refs(ops, ids, tids, index, row_of_slot, rows, bucket_capacity, num_tables):
-    """Row references of the lookups (``row_ref.h``) and the transient rows they name:
-    float32 rows are read in place, 16-bit rows are widened into transient rows, and
-    unseen ids (reference -1) read their table's eval-initializer row, computed
-    where it is read."""
+    """Row references of the lookups (``row_ref.h``) and the transient rows they name
+    (16-bit rows widened; float32 rows are read in place)."""
     num_buckets = index[4].shape[0]
     memory = TableMemory([index[0][:, 0], index[0][:, 1], *index[1:]], rows, num_buckets,
                          num_buckets, bucket_capacity)

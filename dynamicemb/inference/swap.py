@@ -15,28 +15,21 @@ __all__ = ["to_inference"]
 def to_inference(model: nn.Module, *, checkpoint: Optional[str] = None,
                  dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None) -> nn.Module:
-    """Swaps, in place, every dynamic module of ``model`` for its inference twin, the
-    way TorchRec's inference helpers swap modules, and returns ``model`` in eval mode.
-
-    ``BatchedDynamicEmbeddingTables`` become ``InferenceEmbeddingTables`` (rows from
-    the module itself, or from ``checkpoint`` when given). With TorchRec loaded,
-    unsharded ``EmbeddingCollection``/``EmbeddingBagCollection`` modules become
-    ``InferenceEmbeddingCollection``/``InferenceEmbeddingBagCollection``: their
-    dynamic tables' rows come from ``checkpoint`` (a ``DynamicEmbDump`` of any world
-    size and sharding), their static tables' rows from their weights. A model
-    sharded by ``DistributedModelParallel`` is refused: dump it with
-    ``DynamicEmbDump`` and convert the unsharded model with ``checkpoint=``.
+    """Swaps, in place, every dynamic module of ``model`` for its inference twin and
+    returns ``model`` in eval mode: ``BatchedDynamicEmbeddingTables`` (rows from the
+    module or ``checkpoint``) and, with TorchRec and a ``checkpoint``, unsharded
+    ``EmbeddingCollection``/``EmbeddingBagCollection`` (static tables from their weights).
 
     Args:
-        model: the trained model (not sharded).
-        checkpoint: a ``DynamicEmbDump`` directory.
+        model: the trained model, not sharded (dump a DMP model with ``DynamicEmbDump``
+            and convert the unsharded one with ``checkpoint=``).
+        checkpoint: a ``DynamicEmbDump`` directory of any world size and sharding.
         dtype: how frozen rows are stored (float32, float16, bfloat16).
         device: where the twins live (default: each module's).
 
     Raises:
-        ValueError: a sharded model, a table missing from the checkpoint, a dtype
-            the twins cannot hold; nothing is swapped then.
-        CheckpointError: a damaged checkpoint; nothing is swapped then.
+        ValueError: a sharded model, a table missing from the checkpoint, another dtype.
+        CheckpointError: a damaged checkpoint. Either way nothing is swapped.
     """
     twins = {}
     for name, module in model.named_modules():

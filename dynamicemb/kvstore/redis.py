@@ -1,12 +1,6 @@
-"""Rows on one Redis (or Valkey) server (the ``redis`` package); several servers are
-a Redis Cluster (``redis_cluster.py``).
-
-Every lookup is one pipeline: a ``GET`` of the namespace's mark (see ``store``),
-then ``MGET``s; every write or delete one pipeline of Lua scripts (``EVAL``) that
-check the mark and only then ``MSET``/``DEL``, so a server that lost its data, or a
-namespace another module took over, is written nothing. Values are binary. Several
-ranks and tables share a server through namespaces: every key starts with
-``<namespace>:``.
+"""Rows on one Redis (or Valkey) server (the ``redis`` package), keys prefixed
+``<namespace>:``. A lookup is one pipeline (``GET`` of the mark, then ``MGET``s); a write
+or delete one pipeline of Lua scripts that check the mark, then ``MSET``/``DEL``.
 """
 
 import re
@@ -45,16 +39,8 @@ _PIPELINE_NOTE = re.compile(r"^Command # \d+ \(.*\) of pipeline caused error: ",
 
 
 class RedisStore(KVStore):
-    """Rows on a Redis server.
-
-    Args:
-        address: ``host:port`` of the server.
-        namespace: prefix of this store's keys (distinct per table group and rank).
-        row_width: floats per row.
-        timeout: seconds a connection or a reply may take before the verb fails.
-        resume: take over the rows an earlier module left in the namespace (see
-            ``KVStore.claim``); else a namespace holding them is refused.
-    """
+    """Rows on a Redis server, under the key prefix ``namespace`` (per table group and
+    rank); other arguments as ``RedisStorage``'s and ``KVStore``'s."""
 
     def __init__(self, address: str, namespace: str, row_width: int,
                  timeout: float = 5.0, resume: bool = False) -> None:
@@ -99,8 +85,7 @@ class RedisStore(KVStore):
         self._checked(_CHECKED_DEL, keys, [])
 
     def _checked(self, script: str, keys: List[bytes], values: List[bytes]) -> None:
-        """Runs ``script`` over ``keys`` (and ``values``) in calls of ``_BATCH`` keys,
-        one pipeline; each call writes only under this store's mark."""
+        """Runs ``script`` over ``keys`` (and ``values``), ``_BATCH`` per call, one pipeline."""
         if not keys:
             return
         pipe = self._client.pipeline(transaction=False)
@@ -114,8 +99,7 @@ class RedisStore(KVStore):
                 self._check_mark(self._where, reply or None)
 
     def _execute(self, pipe) -> list:
-        """``pipe.execute()``, a failure's message without redis-py's quote of the
-        command (binary keys)."""
+        """``pipe.execute()``, errors without redis-py's quote of the (binary) command."""
         try:
             return pipe.execute()
         except self._redis.RedisError as e:

@@ -1,29 +1,15 @@
 """Rows on a Redis Cluster (the ``redis`` package's cluster client).
 
-The cluster spreads keys over its primaries by hash slot, keeps a replica of each,
-fails over when a primary dies and moves slots between nodes online; this store
-only lays its keys out so that every call's checks stay inside one slot:
-
-- A namespace is cut into ``PARTITIONS`` partitions by a hash of (key, table id)
-  (``partition_of``). Partition ``p``'s keys start with the hash tag
-  ``{<namespace>.<pp>}`` (``pp``: ``p`` in two hex digits), so they share one slot,
-  and the partition holds its own **mark** (the tag, then ``MARK``) and **write
-  count** (the tag, then ``COUNT``) in that slot.
-- A read, a write or a delete is one script per partition (``EVAL``, every key it
-  touches declared) that checks the mark and the count, then reads (``MGET``) or
-  writes and advances the count. The cluster client's pipeline sends each node its commands
-  in one round trip and follows MOVED/ASK redirections (a slot being migrated).
-- The store remembers each partition's count; a partition whose count is not the
-  one it wrote last lost acknowledged writes (a primary died before its replica
-  had them): the call fails by name, as for a mark that is gone (a cluster restarted
-  empty) or another module's (``KVStore.claim``).
-- Writes are durable against one failure by default: after a call's writes, each
-  primary it wrote to is asked to ``WAIT`` until ``replicas_to_wait`` replicas have
-  them (a primary without any replica is noted once in the log: its writes are not
-  replicated). ``WAIT`` covers the writes of its connection: the client keeps one
-  connection per node and the store is used from one thread, so the ``WAIT``
-  follows the pipeline's writes on that connection. ``replicas_to_wait=0`` skips the wait: faster, and a failover may then
-  lose the last writes (detected by the counts, not prevented).
+- A namespace is cut into ``PARTITIONS`` partitions by ``partition_of``; partition
+  ``p``'s keys start with the hash tag ``{<namespace>.<pp>}`` (``p`` in two hex
+  digits), so they share one slot with the partition's **mark** (tag + ``MARK``) and
+  **write count** (tag + ``COUNT``).
+- A read, write or delete is one script per partition that checks the mark and the
+  count, then reads, or writes and advances the count; a count other than the one
+  this store wrote last means acknowledged writes were lost, and the call fails.
+- After a call's writes each primary written to is asked to ``WAIT`` for
+  ``replicas_to_wait`` replicas (a primary without one is logged once). ``WAIT``
+  covers its connection's writes: one connection per node, one thread per store.
 """
 
 import logging
@@ -82,8 +68,7 @@ return 1
 
 
 def _moving_errors() -> tuple:
-    """The replies of a command that did not run because its slot moves or its node
-    changed role: sent again (after reading the slot map, but for ASK and TRYAGAIN)."""
+    """Errors of a command that did not run because its slot moves or its node changed role."""
     from redis import exceptions as e
     return (e.AskError, e.TryAgainError, e.ClusterDownError, e.MasterDownError,
             e.ReadOnlyError, e.BusyLoadingError)
@@ -93,29 +78,18 @@ _MOVING = _moving_errors()
 
 
 def partition_of(keys: torch.Tensor, table_ids: torch.Tensor, partitions: int) -> torch.Tensor:
-    """The partition of each (key, table id): ``((key * 0x9E3779B97F4A7C15 mod 2**64)
-    >> 33 XOR table_id) mod partitions``.
-
-    Shape:
-        keys, table_ids: (n,); returns (n,) int64 in [0, partitions).
-    """
+    """(n,) int64 partition of each (key, table id) (n,): ``((key * 0x9E3779B97F4A7C15
+    mod 2**64) >> 33 XOR table_id) mod partitions``."""
     mixed = (keys.to(torch.int64) * _GOLDEN) >> 33  # arithmetic shift: keep 31 bits
     return ((mixed & 0x7FFFFFFF) ^ table_ids.to(torch.int64)) % partitions
 
 
 class RedisClusterStore(KVStore):
-    """Rows on a Redis Cluster (see the module docstring for the layout).
+    """Rows on a Redis Cluster; arguments as ``RedisStore``'s and ``RedisClusterStorage``'s.
 
     Args:
-        seeds: ``host:port`` of some of the cluster's nodes (the client learns the
-            rest from them).
+        seeds: ``host:port`` of some of the cluster's nodes.
         namespace: prefix of this store's keys (distinct per table group and rank).
-        row_width: floats per row.
-        timeout: seconds a connection or a reply may take before the verb fails.
-        resume: take over the rows an earlier module left (``KVStore.claim``).
-        replicas_to_wait: replicas each written primary must confirm before a write
-            call returns (``WAIT``); 0: none (a failover may lose the last writes).
-        wait_timeout: seconds a ``WAIT`` may take before the call fails.
     """
 
     def __init__(self, seeds: Sequence[str], namespace: str, row_width: int,
@@ -132,8 +106,7 @@ class RedisClusterStore(KVStore):
         self._tags = np.frombuffer(b"".join(tags), dtype=np.uint8).reshape(PARTITIONS, -1)
         self._marks = [t + MARK for t in tags]
         self._counts_keys = [t + COUNT for t in tags]
-        # the write count each partition has from us, and how many more a failed call
-        # may have added (its pipeline's fate per partition is not known)
+        # each partition's write count from us, and how many more a failed call may have added
         self._counts = [0] * PARTITIONS
         self._slack = [0] * PARTITIONS
         self._unreplicated: set = set()  # primaries noted to have no replica
@@ -175,8 +148,7 @@ class RedisClusterStore(KVStore):
         return f"partition {p} (node {node.name})"
 
     def _check(self, p: int, mark: Optional[bytes], count: Optional[bytes]) -> None:
-        """Raises unless partition ``p`` holds this store's mark and the write count
-        it wrote last (up to the writes a failed call may have made)."""
+        """Raises unless partition ``p`` holds this store's mark and last write count."""
         self._check_mark(self._where(p), mark)
         found = int(count or 0)
         if not self._counts[p] <= found <= self._counts[p] + self._slack[p]:
@@ -224,8 +196,7 @@ class RedisClusterStore(KVStore):
         self._write(_CHECKED_DEL, keys, None)
 
     def _write(self, script: str, keys: List[bytes], values: Optional[List[bytes]]) -> None:
-        """Checked scripts of ``_BATCH`` keys per partition in one pipeline (the k-th
-        call of a partition expects its count advanced k times), then ``WAIT``."""
+        """Checked scripts of ``_BATCH`` keys per partition in one pipeline, then ``WAIT``."""
         groups = self._by_partition(keys)
         self._settle(groups)
         commands, calls = [], []
@@ -251,8 +222,7 @@ class RedisClusterStore(KVStore):
         self._wait(calls)
 
     def _wait(self, partitions: List[int]) -> None:
-        """``WAIT`` on each primary written to, for ``replicas_to_wait`` replicas (a
-        primary known to have none is asked its ``ROLE`` instead, until it has one)."""
+        """``WAIT`` on each primary written to (one known to have no replica: ``ROLE``)."""
         if self.replicas_to_wait <= 0:
             return
         nodes = {n.name: n for n in (self._client.get_node_from_key(self._marks[p])
@@ -284,12 +254,9 @@ class RedisClusterStore(KVStore):
                                        f"{str(e)[:200]}") from e
 
     def _run(self, commands: List[Tuple[int, tuple]], writes: bool = False) -> list:
-        """The replies of ``(partition, command)`` pairs: one pipeline per node (the
-        node of the partition's slot in the client's map), in order. A command
-        redirected (MOVED, ASK) or refused while its slot moves (TRYAGAIN,
-        CLUSTERDOWN) did not run: it is sent again where the cluster says, after the
-        slot map is read again. A node that cannot be reached fails the call (reads
-        are tried again first; a write may have run)."""
+        """The replies of ``(partition, command)`` pairs, one pipeline per node. Commands
+        redirected or refused while their slot moves are sent again; an unreachable
+        node fails the call (after retries for reads; a write may have run)."""
         replies: list = [None] * len(commands)
         todo, asking, error = list(range(len(commands))), {}, None
         for attempt in range(_ATTEMPTS):

@@ -10,22 +10,9 @@ __all__ = ["RocksDBStore"]
 
 
 class RocksDBStore(KVStore):
-    """Rows in a RocksDB database of its own directory: nothing to start, it lives
-    as long as the directory.
-
-    Args:
-        path: the database's directory (created if absent).
-        row_width: floats per row.
-        sync: make every write durable at once (``WriteOptions.sync``); default off,
-            ``flush`` makes them durable.
-        resume: take over the rows an earlier module left in the directory (see
-            ``KVStore.claim``); else a directory holding them is refused.
-
-    Batched verbs: one multi-get per lookup, one ``WriteBatch`` per write. RocksDB
-    locks the directory while it is open (a second opener is refused by name); every
-    verb first checks that the directory still holds the database it opened (its
-    ``IDENTITY`` file, one ``stat``): one removed or replaced meanwhile lost the rows.
-    """
+    """Rows in a RocksDB database in directory ``path`` (created if absent, locked while
+    open; every verb checks it still holds this database). Arguments as
+    ``RocksDBStorage``'s and ``KVStore``'s."""
 
     def __init__(self, path: str, row_width: int, sync: bool = False,
                  resume: bool = False) -> None:
@@ -121,7 +108,7 @@ class RocksDBStore(KVStore):
         return f"remove the directory {self.path}"
 
     def clear(self) -> None:
-        """Removes every row (a range delete over all keys; the mark is written back)."""
+        """Removes every row (one range delete; the mark is written back)."""
         self._check_directory()
         self._db.delete_range(b"", b"\xff" * 32)
         self._db[MARK] = self.mark

@@ -1,20 +1,11 @@
 """What ``DynamicEmbTableOptions(external_storage=...)`` accepts, and opening it.
 
-- a directory path (``str`` or ``os.PathLike``): RocksDB there (``RocksDBStorage``);
-- ``"redis://host:port"``: that Redis server (``RedisStorage``);
-- ``"redis+cluster://host:port[,host:port...]"``: the Redis Cluster those nodes belong
-  to (``RedisClusterStorage``);
-- a ``RocksDBStorage``, ``RedisStorage`` or ``RedisClusterStorage`` spec with more settings;
-- an open ``KVStore`` (one table group only: its tables share it).
-
-A spec opens one store per table group and rank: RocksDB in the subdirectory
-``[<run>/]<namespace>`` of its path, Redis under the key prefix
-``[<run>/]<namespace>:``, where the namespace is the group's table names (and
-``rank<r>`` when torch.distributed runs) and ``run`` the spec's run name, if any.
-
-A store's rows belong to the module that opened it (``KVStore.claim``): a new module
-starts on an empty namespace; one holding an earlier module's rows is refused by
-name unless the spec says ``resume=True``.
+A directory path is ``RocksDBStorage``, ``"redis://host:port"`` ``RedisStorage``,
+``"redis+cluster://host:port[,...]"`` ``RedisClusterStorage``; an open ``KVStore`` serves
+one table group only. A spec opens one store per table group and rank, in namespace
+``[<run>/]<table names>[.rank<r>]`` (a RocksDB subdirectory, a Redis key prefix). One
+holding an earlier module's rows is refused unless the spec says ``resume=True``, which
+takes them over (not that module's host rows: ``DynamicEmbLoad`` continues a run exactly).
 """
 
 import os
@@ -45,16 +36,12 @@ def _in_run(run: Optional[str], namespace: str) -> str:
 
 @dataclass(frozen=True)
 class RocksDBStorage:
-    """RocksDB under ``path`` (a directory per table group and rank).
+    """RocksDB under the local directory ``path``.
 
     Args:
-        path: a local directory.
         sync: make every write durable at once (slower); else ``flush`` does.
-        run: this model's name in the store (a subdirectory of ``path``): models
-            sharing ``path`` with tables of the same names each take their own.
-        resume: take over the rows an earlier module left (its host-memory rows are
-            not among them: ``DynamicEmbLoad`` of a checkpoint is the exact way to
-            continue a run). Without it a directory holding rows is refused.
+        run: this model's name, so models sharing ``path`` and table names do not collide.
+        resume: take over the rows an earlier module left (module docstring).
     """
 
     path: str
@@ -76,16 +63,11 @@ class RocksDBStorage:
 
 @dataclass(frozen=True)
 class RedisStorage:
-    """One Redis (or Valkey) server (several: a Redis Cluster, ``RedisClusterStorage``).
+    """One Redis (or Valkey) server at ``address``, ``host:port``.
 
     Args:
-        address: ``host:port`` of the server.
         timeout: seconds a reply may take before the step fails.
-        run: this model's name on the server (a prefix of its namespaces): models
-            sharing a server with tables of the same names each take their own.
-        resume: take over the rows an earlier module left (its host-memory rows are
-            not among them: ``DynamicEmbLoad`` of a checkpoint is the exact way to
-            continue a run). Without it a namespace holding rows is refused.
+        run, resume: as ``RocksDBStorage``'s (``run`` prefixes the namespaces).
     """
 
     address: str
@@ -121,16 +103,14 @@ _SEVERAL_SERVERS = (
 
 @dataclass(frozen=True)
 class RedisClusterStorage:
-    """A Redis Cluster: slots, replicas and failover are the cluster's
-    (``dynamicemb.kvstore.redis_cluster``).
+    """A Redis Cluster (``dynamicemb.kvstore.redis_cluster``).
 
     Args:
         seeds: ``host:port`` of some of its nodes.
         timeout: seconds a reply may take before the step fails.
         run, resume: as ``RedisStorage``'s.
         replicas_to_wait: replicas each written primary must confirm before a write
-            returns (``WAIT``, default 1); 0 is faster, and a primary that fails then
-            may lose the last writes (detected at the next call, not prevented).
+            returns (``WAIT``); 0 is faster, but a failover may lose the last writes.
         wait_timeout: seconds a ``WAIT`` may take before the step fails.
     """
 
@@ -166,11 +146,7 @@ class RedisClusterStorage:
 
 
 def as_storage_spec(value: Any):
-    """The spec or store ``value`` names (see the module docstring).
-
-    Raises:
-        ValueError: ``value`` is none of them.
-    """
+    """The spec or store ``value`` names; ``ValueError`` if none (module docstring)."""
     if isinstance(value, (RocksDBStorage, RedisStorage, RedisClusterStorage, KVStore)):
         return value
     if isinstance(value, os.PathLike) or isinstance(value, str):
@@ -197,8 +173,7 @@ def namespace_of(table_names, rank: int = -1) -> str:
 
 
 def open_store(spec, namespace: str, row_width: int) -> KVStore:
-    """The store of one table group: ``spec`` opened in ``namespace``, or ``spec``
-    itself when it is an open store (its row width must match)."""
+    """``spec`` opened in ``namespace``, or ``spec`` itself if it is an open store."""
     if isinstance(spec, KVStore):
         if spec.row_width != row_width:
             raise ValueError(f"external store {spec.name} holds rows of {spec.row_width} floats, "

@@ -1,25 +1,10 @@
 """The external store's interface: batched verbs over whole tensors.
 
-A store holds rows of one physical group below its host store. A stored entry is
-``(table id, key) -> (score, row)``: the row is what the host store keeps for the
-key (embedding and optimizer state, float32) and the score its eviction score, so
-nothing is lost when a row goes down a tier and comes back.
-
-Stores speak bytes: ``KVStore`` packs a batch's keys and rows into fixed-size byte
-strings with tensor views (no Python arithmetic per key) and leaves four raw verbs
-to a backend (``_get``, ``_put``, ``_delete``, ``_scan``):
-
-- key: 8 bytes of the int64 key, then 2 bytes of the int16 table id (little endian),
-  after the store's namespace prefix where the backend needs one;
-- value: 8 bytes of the int64 score, then the row's ``row_width`` float32s.
-
-A store's rows belong to the module that opened it (``claim``): besides its rows a
-namespace holds one **mark** per server (the key ``MARK`` after the prefix, never a
-row's key: its length differs), naming the store object that owns it. Opening a
-namespace that holds a mark is refused unless the opener resumes from it (and then
-takes the mark over); every later call checks the mark in its existing round trip,
-so a server that lost its data (the mark went with it) or a namespace another
-module took over fails the call, before anything is written.
+A store holds one physical group's ``(table id, key) -> (score, row)`` below its host
+store. Packed key: namespace prefix, int64 key, int16 table id; value: int64 score,
+``row_width`` float32s (little endian). Each server of a namespace also holds a
+**mark** (``MARK`` after the prefix) naming the owning store object (``claim``); every
+call checks it, so a server that lost its data or a namespace taken over fails it.
 """
 
 import abc
@@ -45,21 +30,18 @@ MARK = b"\x00dynamicemb-owner"  # after the prefix: 17 bytes, so never a packed 
 
 
 class ExternalStorageError(RuntimeError):
-    """An external store failed (unreachable, full, too slow, locked by another
-    process, lost its data, owned by another module, or returned a row of the wrong
-    size). The message names the store and the table."""
+    """An external store failed (unreachable, full, too slow, locked, lost its data,
+    owned by another module, or returned a row of the wrong size), named in the message."""
 
 
 def brief_error(error: BaseException, limit: int = 200) -> str:
-    """The error's message, printable and at most ``limit`` characters (a store's
-    errors may quote a whole binary command)."""
+    """The error's message, printable, at most ``limit`` characters."""
     text = ascii(str(error))[1:-1]
     return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _describe_mark(mark: bytes) -> str:
-    """A mark as text for a message (marks are text this module wrote; anything
-    else is shown escaped and cut short)."""
+    """A mark as printable text, cut short."""
     text = ascii(mark.decode("utf-8", "replace"))[1:-1]
     return text if len(text) <= 160 else text[:160] + "..."
 
@@ -78,16 +60,9 @@ class StoredRows(NamedTuple):
 
 
 class KVStore(abc.ABC):
-    """A key-value store for rows of ``row_width`` float32s, by (table id, key).
-
-    Args:
-        name: how messages name the store (e.g. ``rocksdb:/data/emb``).
-        row_width: floats per row.
-
-    Every verb takes a whole batch; tensors are on the CPU (the tier moves them).
-    A backend calls ``claim`` when it opens, and checks its mark (``_check_mark``)
-    in every verb's round trip before it writes anything.
-    """
+    """A store of rows of ``row_width`` float32s by (table id, key), named ``name`` in
+    messages. Verbs take whole batches of CPU tensors. A backend calls ``claim`` when it
+    opens and ``_check_mark`` in every verb's round trip before it writes."""
 
     def __init__(self, name: str, row_width: int) -> None:
         if row_width <= 0:
@@ -102,16 +77,9 @@ class KVStore(abc.ABC):
 
     # ---------------------------------------------------------- ownership
     def claim(self, resume: bool = False) -> None:
-        """Makes this store object the owner of its namespace (backends call it when
-        they open). A namespace holding another store's mark is refused unless
-        ``resume``; with ``resume`` its rows are taken over (an earlier owner still
-        open fails its next call).
-
-        Raises:
-            ExternalStorageError: the namespace holds another module's rows and not
-                ``resume``; ``resume`` but some server holds no mark (it lost its
-                data); the store is unreachable; another module claimed it meanwhile.
-        """
+        """Makes this store object the owner of its namespace; ``resume`` takes over
+        another store's rows (whose next call fails), else they raise
+        ``ExternalStorageError`` (as do a lost mark, no connection, a racing claim)."""
         try:
             marks = self._read_marks()
             held = [(where, m) for where, m in marks if m is not None]
@@ -143,8 +111,7 @@ class KVStore(abc.ABC):
                                        f"{type(e).__name__}: {brief_error(e)}") from e
 
     def _check_mark(self, where: str, mark: Optional[bytes]) -> None:
-        """Raises unless ``mark`` (read from ``where`` in a call's round trip) is this
-        store's."""
+        """Raises unless ``mark``, read from ``where``, is this store's."""
         if mark == self.mark:
             return
         if mark is None:
@@ -169,7 +136,7 @@ class KVStore(abc.ABC):
             (found, ``StoredRows`` of the found keys in input order): found is (n,) bool.
 
         Raises:
-            ExternalStorageError: a stored value is not ``value_bytes`` long.
+            ExternalStorageError: a stored value of the wrong length.
         """
         values = self._get(self._pack_keys(keys, table_ids)) if keys.numel() else []
         found = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
@@ -189,7 +156,7 @@ class KVStore(abc.ABC):
 
     def put(self, keys: torch.Tensor, table_ids: torch.Tensor, rows: torch.Tensor,
             scores: torch.Tensor) -> None:
-        """Writes entries (inserting or overwriting).
+        """Inserts or overwrites entries.
 
         Args:
             keys (Tensor): (n,) int64, unique.
@@ -230,7 +197,7 @@ class KVStore(abc.ABC):
             yield StoredRows(key, tid, scores, rows)
 
     def clear(self) -> None:
-        """Removes every row of this store (its namespace only; the mark stays)."""
+        """Removes every row of its namespace (the mark stays)."""
         for chunk in self.scan():
             self.delete(chunk.keys, chunk.table_ids)
 
@@ -255,8 +222,7 @@ class KVStore(abc.ABC):
 
     @abc.abstractmethod
     def _scan(self, chunk: int) -> Iterator[tuple]:
-        """(keys, values) lists of at most ``chunk`` entries of this store's namespace;
-        keys as ``_pack_keys`` made them (the mark may be among them)."""
+        """(keys, values) lists of at most ``chunk`` packed entries (the mark may be one)."""
 
     @abc.abstractmethod
     def _read_marks(self) -> List[Tuple[str, Optional[bytes]]]:
@@ -264,12 +230,12 @@ class KVStore(abc.ABC):
 
     @abc.abstractmethod
     def _write_marks(self, mark: bytes, replace: bool) -> bool:
-        """Writes ``mark`` on every server; unless ``replace`` only where none is
-        (False, with nothing left written, when one was)."""
+        """Writes ``mark`` on every server; unless ``replace``, only if none has one
+        (else False, writing nothing)."""
 
     @abc.abstractmethod
     def _emptying_hint(self) -> str:
-        """How a user empties this namespace (for messages)."""
+        """How a user empties this namespace."""
 
     # ------------------------------------------------------------ packing
     def _key_prefix(self) -> bytes:
@@ -277,8 +243,8 @@ class KVStore(abc.ABC):
         return b""
 
     def _prefixes(self, keys: torch.Tensor, table_ids: torch.Tensor) -> np.ndarray:
-        """(len(prefix),) or (n, len(prefix)) uint8: the bytes before each packed key
-        (default: ``_key_prefix`` for every key; all of ``_key_prefix``'s length)."""
+        """(len(prefix),) or (n, len(prefix)) uint8: the bytes before each packed key,
+        all as long as ``_key_prefix``."""
         return np.frombuffer(self._key_prefix(), dtype=np.uint8)
 
     def _pack_keys(self, keys: torch.Tensor, table_ids: torch.Tensor) -> List[bytes]:
@@ -315,8 +281,7 @@ class KVStore(abc.ABC):
 
 
 def _columns(packed: np.ndarray, start: int, end: int, dtype: str) -> torch.Tensor:
-    """Bytes ``[start, end)`` of each row of ``packed`` (n, b) uint8, as ``dtype``
-    (a copy, as a tensor)."""
+    """A copy of bytes ``[start, end)`` of each row of ``packed`` (n, b) uint8, as ``dtype``."""
     return torch.from_numpy(packed[:, start:end].copy().view(dtype))
 
 
