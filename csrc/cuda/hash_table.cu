@@ -2,7 +2,7 @@
 // thread per key or slot over the per-key procedures of dynamicemb/table_view.h
 // (with the device's probe and atomic bit policies of common.cuh); the inserting
 // pass is the GPU's own warp-cooperative algorithm, which meets the per-key
-// contract written there. dynamicemb/_cuda.py launches them on PyTorch's current
+// contract written there. dynamicemb/ops/cuda/ launches them on PyTorch's current
 // stream; the Python side owns the tensors and the policy.
 //
 // Inserting calls are processed bucket by bucket: the caller sorts the keys of a

@@ -1,6 +1,7 @@
-"""Frequency admission: a key gets a stored row once seen ``threshold`` times (until then
-its lookups get transient rows). Counts live in a bounded ``Counter`` that forgets the least
-recently seen (LRU, ``counter_capacity``) or the lowest (``KVCounter``) counts first."""
+"""Frequency admission: a key gets a stored row once seen ``threshold`` times (until
+then its lookups read the rows an initializer computes). Counts live in a bounded
+``Counter`` that forgets the least recently seen (LRU, ``counter_capacity``) or the
+lowest (``KVCounter``) counts first."""
 
 import abc
 from typing import List, Optional
