@@ -3,7 +3,9 @@ tables this package builds (float32 rows, power-of-two bucket counts)."""
 
 from typing import Any
 
-from dynamicemb.ops.interface import num_buckets_for, optimizer_state_dim
+import torch
+
+from dynamicemb.ops.interface import RowFormat, num_buckets_for, optimizer_state_dim
 from dynamicemb.options import DynamicEmbOptimType
 from dynamicemb.types import MAX_BUCKET_CAPACITY
 
@@ -84,4 +86,4 @@ def get_table_value_bytes(embedding_config: Any, optimizer_type: Any, world_size
     dim = int(embedding_config.embedding_dim)
     state = optimizer_state_dim(DynamicEmbOptimType.of(optimizer_type), dim)
     rows = get_sharded_table_capacity(embedding_config, world_size, bucket_capacity) * world_size
-    return rows * (dim + state) * 4
+    return rows * RowFormat(torch.float32, dim, state).row_bytes

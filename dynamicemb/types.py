@@ -1,5 +1,5 @@
 """Enums shared by every layer (string values, plus upstream's integers where it has
-them) and upstream's ``dynamicemb.types`` names (``docs/MIGRATING.md``)."""
+them), the row dtypes, and upstream's ``dynamicemb.types`` names (``docs/MIGRATING.md``)."""
 
 from enum import Enum, unique
 from typing import Tuple, Union
@@ -17,9 +17,11 @@ __all__ = [
     "KEY_TYPE",
     "MAX_BUCKET_CAPACITY",
     "OPT_STATE_TYPE",
+    "ROW_DTYPES",
     "SCORE_TYPE",
     "ScoreStrategy",
     "UpstreamIntValues",
+    "check_row_dtype",
 ]
 
 #: dtype of stored keys (ids of int32 tables are widened to it).
@@ -30,6 +32,9 @@ EMBEDDING_TYPE = torch.float32
 SCORE_TYPE = torch.int64
 #: dtype of optimizer states.
 OPT_STATE_TYPE = torch.float32
+#: The dtypes a row's embedding can be stored in (``dynamicemb.ops.interface.RowFormat``);
+#: training tables accept float32 only for now, frozen (serving) tables all three.
+ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Upstream's ``bucket_capacity`` meaning "one bucket per table" (``DynamicEmbTableOptions``).
 MAX_BUCKET_CAPACITY = 2**63 - 1
 
@@ -46,6 +51,13 @@ __getattr__ = module_getattr(
     refused=("MemoryType", "COUNTER_TYPE", "torch_dtype_to_np_dtype",
              "Storage", "Cache", "CopyMode", "OptionsT", "OptimizerT"),
 )
+
+
+def check_row_dtype(dtype, what: str = "frozen rows") -> torch.dtype:
+    """``dtype`` if it is one of ``ROW_DTYPES``; else ``ValueError`` naming ``what``."""
+    if dtype not in ROW_DTYPES:
+        raise ValueError(f"{what} can be {[str(d) for d in ROW_DTYPES]}, got {dtype}")
+    return dtype
 
 
 class UpstreamIntValues:

@@ -3,6 +3,7 @@
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -12,6 +13,7 @@ from dynamicemb.checkpoint.format import (FIELD_DTYPES, CheckpointError, FieldWr
                                           ShardEntry, TableEntry, field_file_name, jsonable)
 from dynamicemb.checkpoint.layout import MANIFEST, begin_version, commit_version, discard
 from dynamicemb.checkpoint.tables import LocalTable, local_tables, pending_updates, table_name_list
+from dynamicemb.ops.interface import RowFormat
 from dynamicemb.placement import placement_record
 
 __all__ = ["DynamicEmbDump"]
@@ -133,8 +135,10 @@ def _write_rank(directory: str, tables: Dict[str, LocalTable], rank: int, optim:
 
 
 def _row_bytes(table: LocalTable, optim: bool) -> int:
+    """Bytes a row takes in the field files (the progress bar's unit): key, score, row."""
     state_dim = table.module.optimizer_state_dim(table.name) if optim else 0
-    return 16 + 4 * (table.module.dims[table.module.table_names.index(table.name)] + state_dim)
+    dim = table.module.dims[table.module.table_names.index(table.name)]
+    return 16 + RowFormat(torch.float32, dim, state_dim).row_bytes
 
 
 def _write_table(directory: str, table: LocalTable, rank: int, optim: bool, counter: bool,

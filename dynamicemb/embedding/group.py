@@ -18,7 +18,7 @@ from dynamicemb.embedding.initialization import RowInitializer
 from dynamicemb.embedding.records import ExportedRows, TableClocks
 from dynamicemb.ops import for_device
 from dynamicemb.ops.interface import (HOST_ROW_BIT, TRANSIENT_ROW_BIT, BatchPart,
-                                      DeviceSchedule, InitRows, OptimizerUpdate,
+                                      DeviceSchedule, InitRows, OptimizerUpdate, RowFormat,
                                       RowSources, num_buckets_for, optimizer_state_dim)
 from dynamicemb.options import (DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbTableOptions,
                                 DynamicEmbWeightDecayMode)
@@ -167,9 +167,9 @@ class TableGroup:
                 f"at most {self.ops.max_dim}")
         self.init = RowInitializer(table_names, options, self.dim, optimizer,
                                    self.state_dim)
-        row_bytes = (self.dim + self.state_dim) * 4
-        host_rows = host_budget_rows(options, row_bytes, table_names)
-        device_rows = device_budget_rows(options, row_bytes, table_names)
+        self.row_format = RowFormat(torch.float32, self.dim, self.state_dim)
+        host_rows = host_budget_rows(options, self.row_format.row_bytes, table_names)
+        device_rows = device_budget_rows(options, self.row_format.row_bytes, table_names)
         self.table = ScoredHashTable(  # the host store: index of record
             num_tables=len(table_indices),
             capacity=min(sum(o.init_capacity or o.max_capacity for o in options), host_rows),

@@ -2,10 +2,10 @@
 are in ``dynamicemb.inference.collections`` (which imports TorchRec)."""
 
 from dynamicemb.inference.checkpoint import read_rows
-from dynamicemb.inference.frozen import ROW_DTYPES
 from dynamicemb.inference.module import InferenceEmbeddingTables
 from dynamicemb.inference.ops import frozen_lookup
 from dynamicemb.inference.swap import to_inference
+from dynamicemb.types import ROW_DTYPES
 
 __all__ = ["InferenceEmbeddingTables", "ROW_DTYPES", "frozen_lookup", "read_rows",
            "to_inference"]

@@ -1,5 +1,6 @@
 """A frozen table group: the training table's hash index, built once and then only
-read, over rows stored compactly in ``ROW_DTYPES`` with a slot -> row map.
+read, over rows stored compactly in ``dynamicemb.types.ROW_DTYPES`` with a slot -> row
+map.
 """
 
 from typing import Dict, List, Sequence, Tuple
@@ -12,21 +13,11 @@ from dynamicemb.ops import for_device
 from dynamicemb.ops.interface import ScoreRule, num_buckets_for
 from dynamicemb.options import DynamicEmbTableOptions
 
-__all__ = ["ROW_DTYPES", "FrozenGroup", "check_row_dtype"]
-
-#: The dtypes a frozen table may store its rows in.
-ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+__all__ = ["FrozenGroup"]
 
 #: Slots per bucket and target load of a frozen index (loads land in [0.375, 0.75]).
 _BUCKET_CAPACITY = 128
 _LOAD = 0.75
-
-
-def check_row_dtype(dtype, what: str = "frozen rows") -> torch.dtype:
-    """``dtype`` if it is one of ``ROW_DTYPES``; else ``ValueError``."""
-    if dtype not in ROW_DTYPES:
-        raise ValueError(f"{what} can be {[str(d) for d in ROW_DTYPES]}, got {dtype}")
-    return dtype
 
 
 def build_index(keys: torch.Tensor, tids: torch.Tensor, num_tables: int,

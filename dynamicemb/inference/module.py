@@ -5,11 +5,12 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from dynamicemb.inference.frozen import FrozenGroup, check_row_dtype
+from dynamicemb.inference.frozen import FrozenGroup
 from dynamicemb.inference.ops import POOLING_CODES, frozen_lookup
 from dynamicemb.ops import resolve_device
 from dynamicemb.options import DynamicEmbPoolingMode, DynamicEmbTableOptions
 from dynamicemb.table.checks import check_batch_types
+from dynamicemb.types import check_row_dtype
 
 __all__ = ["InferenceEmbeddingTables"]
 

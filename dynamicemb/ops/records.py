@@ -1,11 +1,13 @@
 """What crosses the backend seam: a table's memory, the verbs' results, kernel arguments."""
 
+import operator
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional
 
 import torch
 
 from dynamicemb.options import DynamicEmbOptimType
+from dynamicemb.types import ROW_DTYPES
 
 __all__ = [
     "BatchPart",
@@ -17,6 +19,7 @@ __all__ = [
     "NewRows",
     "OptimizerUpdate",
     "PromotionPlan",
+    "RowFormat",
     "RowSources",
     "TableMemory",
     "Upserted",
@@ -76,6 +79,187 @@ class TableMemory:
     @property
     def digests(self) -> torch.Tensor:
         return self.meta[3]
+
+
+#: A row dtype's code in the kernels (``RowFormat.code``).
+_ROW_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+#: The quiet NaN the kernels' round to nearest gives every NaN
+#: (``csrc/dynamicemb/rounding_primitives.h``); torch's ``.to()`` varies by device.
+_CANONICAL_NAN = {torch.float16: 0x7E00, torch.bfloat16: 0x7FC0}
+
+
+def _align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """The byte layout of one stored row: ``dim`` embedding elements of ``dtype``, then
+    ``scale_bytes`` (reserved for an 8-bit row's per-row scale; 0 for now), then
+    ``state_dim`` float32 optimizer-state columns at a 4-byte aligned offset.
+
+    float32 rows are today's float32 ``(C, dim + state_dim)`` values, byte for byte;
+    16-bit rows are uint8 ``(C, row_bytes)``, which the table, growth and row copies
+    move unchanged. Only column slicing (``embeddings``, ``states``, ``pack``) reads the
+    layout; the kernels take ``code``, ``dim``, ``state_offset`` and ``row_bytes``.
+
+    Args:
+        dtype: torch.float32, torch.float16 or torch.bfloat16 (``types.ROW_DTYPES``).
+        dim: embedding columns, at least 1.
+        state_dim: float32 optimizer-state columns (SGD 0, row-wise Adagrad 1,
+            Adagrad ``dim``, Adam ``2 * dim``).
+        scale_bytes: bytes after the embedding; 0 for float32 rows.
+
+    Raises:
+        ValueError: another dtype, a non-integer or negative size, ``dim`` 0, or a
+            scale on a float32 row.
+
+    Example::
+
+        >>> fmt = RowFormat(torch.bfloat16, dim=128, state_dim=1)
+        >>> fmt.state_offset, fmt.row_bytes, fmt.tag
+        (256, 260, 'bfloat16[128]+f32[1]')
+    """
+
+    dtype: torch.dtype
+    dim: int
+    state_dim: int
+    scale_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ROW_DTYPES:
+            raise ValueError(f"a row's dtype can be {[str(d) for d in ROW_DTYPES]}, got "
+                             f"{self.dtype}")
+        for name in ("dim", "state_dim", "scale_bytes"):
+            value = getattr(self, name)
+            try:
+                if isinstance(value, bool):
+                    raise TypeError
+                value = operator.index(value)
+            except TypeError:
+                raise ValueError(f"{name} must be an int, got {value!r}") from None
+            if value < 0:
+                raise ValueError(f"{name} must not be negative, got {value}")
+            object.__setattr__(self, name, value)
+        if self.dim == 0:
+            raise ValueError("dim must be positive, got 0")
+        if self.dtype == torch.float32 and self.scale_bytes:
+            raise ValueError(f"float32 rows carry no scale, got scale_bytes={self.scale_bytes}")
+
+    @property
+    def elem_bytes(self) -> int:
+        """Bytes of one embedding element."""
+        return self.dtype.itemsize
+
+    @property
+    def code(self) -> int:
+        """The dtype's code in the kernels: 0 float32, 1 float16, 2 bfloat16."""
+        return _ROW_CODES[self.dtype]
+
+    @property
+    def scale_offset(self) -> int:
+        """Byte offset of the reserved scale: right after the embedding."""
+        return self.dim * self.elem_bytes
+
+    @property
+    def state_offset(self) -> int:
+        """Byte offset of the first state column: 4-byte aligned."""
+        return _align(self.scale_offset + self.scale_bytes, 4)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of a row: float32 rows ``4 * (dim + state_dim)``; rows without state
+        are padded only to a whole element (compact serving rows)."""
+        if self.state_dim:
+            return self.state_offset + 4 * self.state_dim
+        return _align(self.scale_offset + self.scale_bytes, self.elem_bytes)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype of the values array: float32, or uint8 for 16-bit rows."""
+        return torch.float32 if self.dtype == torch.float32 else torch.uint8
+
+    @property
+    def storage_width(self) -> int:
+        """Columns of the values array: ``dim + state_dim`` floats, or ``row_bytes``."""
+        if self.dtype == torch.float32:
+            return self.dim + self.state_dim
+        return self.row_bytes
+
+    @property
+    def tag(self) -> str:
+        """The layout in a few characters (stores and checkpoints record it), e.g.
+        ``"bfloat16[128]+f32[1]"``; a scale shows as ``+scale[<bytes>]``."""
+        scale = f"+scale[{self.scale_bytes}]" if self.scale_bytes else ""
+        return f"{str(self.dtype)[len('torch.'):]}[{self.dim}]{scale}+f32[{self.state_dim}]"
+
+    def embeddings(self, rows: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``rows``, a view.
+
+        Shape:
+            rows: (..., storage_width) ``storage_dtype``; returns (..., dim) ``dtype``.
+        """
+        self._check_rows(rows)
+        if self.dtype == torch.float32:
+            return rows[..., :self.dim]
+        return rows[..., :self.scale_offset].view(self.dtype)
+
+    def states(self, rows: torch.Tensor) -> torch.Tensor:
+        """The optimizer states of ``rows``, a view (an empty tensor when ``state_dim``
+        is 0).
+
+        Shape:
+            rows: (..., storage_width) ``storage_dtype``; returns (..., state_dim) float32.
+        """
+        self._check_rows(rows)
+        if self.dtype == torch.float32:
+            return rows[..., self.dim:]
+        if not self.state_dim:
+            return torch.empty(*rows.shape[:-1], 0, dtype=torch.float32, device=rows.device)
+        end = self.state_offset + 4 * self.state_dim
+        return rows[..., self.state_offset:end].view(torch.float32)
+
+    def pack(self, embeddings: torch.Tensor, states: Optional[torch.Tensor] = None
+             ) -> torch.Tensor:
+        """New rows of this format holding ``embeddings`` and ``states``; padding is 0.
+
+        Embeddings of another dtype are taken as float32 values, then rounded to nearest
+        (even) into ``dtype`` as the kernels' ``narrow_rn`` does, every NaN becoming its
+        canonical quiet NaN (0x7E00 float16, 0x7FC0 bfloat16).
+
+        Shape:
+            embeddings: (n, dim) floating; states: (n, state_dim) float32, or None when
+            ``state_dim`` is 0. Returns (n, storage_width) ``storage_dtype``.
+        """
+        n = embeddings.shape[0]
+        if embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
+            raise ValueError(f"embeddings must be (n, {self.dim}), got "
+                             f"{tuple(embeddings.shape)}")
+        if states is None and self.state_dim:
+            raise ValueError(f"{self.tag} rows need states (n, {self.state_dim})")
+        if states is not None and tuple(states.shape) != (n, self.state_dim):
+            raise ValueError(f"states must be ({n}, {self.state_dim}), got "
+                             f"{tuple(states.shape)}")
+        rows = torch.zeros(n, self.storage_width, dtype=self.storage_dtype,
+                           device=embeddings.device)
+        self.embeddings(rows).copy_(self._narrow(embeddings))
+        if self.state_dim:
+            self.states(rows).copy_(states)
+        return rows
+
+    def _narrow(self, embeddings: torch.Tensor) -> torch.Tensor:
+        if embeddings.dtype == self.dtype or self.dtype == torch.float32:
+            return embeddings
+        wide = embeddings.to(torch.float32)
+        narrow = wide.to(self.dtype)
+        narrow.view(torch.int16).masked_fill_(wide.isnan(), _CANONICAL_NAN[self.dtype])
+        return narrow
+
+    def _check_rows(self, rows: torch.Tensor) -> None:
+        if rows.dtype != self.storage_dtype or rows.dim() < 1 or \
+                rows.shape[-1] != self.storage_width:
+            raise ValueError(f"{self.tag} rows are (..., {self.storage_width}) "
+                             f"{self.storage_dtype}, got {tuple(rows.shape)} {rows.dtype}")
 
 
 class Upserted(NamedTuple):

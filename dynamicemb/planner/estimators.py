@@ -4,6 +4,7 @@ and a bandwidth for ``customized_kernel`` so the perf model can rank them."""
 import math
 from typing import List, Optional, Tuple
 
+import torch
 from torchrec.distributed.planner.estimator.config import EmbeddingPerfEstimatorConfig
 from torchrec.distributed.planner.shard_estimators import (
     EmbeddingStorageEstimator,
@@ -12,7 +13,8 @@ from torchrec.distributed.planner.shard_estimators import (
 from torchrec.distributed.planner.types import ShardingOption, Storage
 from torchrec.distributed.types import compute_storage_usage
 
-from dynamicemb.ops.interface import metadata_bytes_per_slot, num_buckets_for, optimizer_state_dim
+from dynamicemb.ops.interface import (RowFormat, metadata_bytes_per_slot, num_buckets_for,
+                                      optimizer_state_dim)
 from dynamicemb.options import DynamicEmbOptimType, DynamicEmbTableOptions
 from dynamicemb.planner.types import CUSTOMIZED_KERNEL, DynamicEmbParameterConstraints, resolve_options
 
@@ -68,7 +70,7 @@ def _slots_and_row_bytes(options: DynamicEmbTableOptions, rows: int,
     state_dim = optimizer_state_dim(DynamicEmbOptimType.of(optimizer), options.dim) if options.training else 0
     bucket = options.bucket_slots(rows)
     slots = num_buckets_for(rows, bucket) * bucket
-    return slots, (options.dim + state_dim) * 4
+    return slots, RowFormat(torch.float32, options.dim, state_dim).row_bytes
 
 
 def _external_rows(options: DynamicEmbTableOptions, slots: int, row_bytes: int) -> int:
