@@ -201,10 +201,14 @@ def test_input_checks_benchmark():
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
 def test_train_step_timer(optimizer):
     done = run("time_train_step.py", "--optimizer", optimizer, "--batch", "64", "--dim", "8",
-               "--ids", "1000", "--steps", "3")
+               "--ids", "1000", "--steps", "3", "--verbs")
     ms = float(re.search(rf"{optimizer} train step, batch 64, dim 8: median ([\d.]+) ms of 3",
                          done.stdout).group(1))
     assert positive_finite(ms)
+    verbs = dict(re.findall(r"^  (\w+) +([\d.]+) ms a step", done.stdout, re.M))
+    # the step's own verbs: the fused dedup and insert, the forward, the backward
+    assert {"dedup_upsert", "pooled_forward", "fused_backward"} <= set(verbs), done.stdout
+    assert all(0 <= float(v) <= 3 * ms + 0.05 for v in verbs.values()), done.stdout  # within a step
 
 
 def test_external_storage_benchmark():
