@@ -110,13 +110,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "init_rows",
       [](at::Tensor& values, const at::Tensor& slots, const c10::optional<at::Tensor>& status,
          const at::Tensor& keys, const at::Tensor& tids, int64_t dim, const py::object& spec,
-         double state_value) {
+         double state_value, const c10::optional<c::RowFormatArg>& row_format) {
         c::init_rows(values, slots, status, keys, tids, dim, spec.attr("ints").cast<at::Tensor>(),
-                     spec.attr("floats").cast<at::Tensor>(), state_value);
+                     spec.attr("floats").cast<at::Tensor>(), state_value, row_format);
       },
       "initial rows of keys (with a status: of the keys an inserting call stored)",
       py::arg("values"), py::arg("slots"), py::arg("status"), py::arg("keys"), py::arg("tids"),
-      py::arg("dim"), py::arg("spec"), py::arg("state_value"));
+      py::arg("dim"), py::arg("spec"), py::arg("state_value"),
+      py::arg("row_format") = py::none());
   m.def("check_offsets", &c::check_offsets,
         "0, or the first problem of an offsets tensor (with error: recorded there, None)",
         py::arg("offsets"), py::arg("num_indices"), py::arg("error") = py::none());
@@ -125,33 +126,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("erase", &c::erase, "erase keys");
   m.def("expire", &c::expire, "TTL sweep: empty slots last accessed before a time");
   // The lookups and the backward take the keywords of a step counted on the device
-  // (verbs.h): init (an InitRows), error (the error word), schedule (a DeviceSchedule).
+  // (verbs.h): init (an InitRows), error (the error word), schedule (a DeviceSchedule);
+  // and of 16-bit rows: row_format (a RowFormatArg) and, updating, rounding.
   m.def("pooled_forward", &c::pooled_forward, "pooled lookup (sum/mean)", py::arg("tiers"),
         py::arg("transient"), py::arg("row_ref"), py::arg("inverse"), py::arg("offsets"),
         py::arg("weights"), py::arg("feature_col"), py::arg("batch"), py::arg("dim"),
         py::arg("mean"), py::arg("out"), py::arg("init") = py::none(),
-        py::arg("error") = py::none());
+        py::arg("error") = py::none(), py::arg("row_format") = py::none());
   m.def("sequence_forward", &c::sequence_forward, "sequence lookup", py::arg("tiers"),
         py::arg("transient"), py::arg("row_ref"), py::arg("inverse"), py::arg("dim"),
-        py::arg("out"), py::arg("init") = py::none(), py::arg("error") = py::none());
+        py::arg("out"), py::arg("init") = py::none(), py::arg("error") = py::none(),
+        py::arg("row_format") = py::none());
   m.def("sum_gradients", &c::sum_gradients, "each unique row's summed gradient",
         py::arg("starts"), py::arg("rank"), py::arg("offsets"), py::arg("weights"),
         py::arg("feature_col"), py::arg("batch"), py::arg("mean"), py::arg("grad"),
         py::arg("sums"), py::arg("error") = py::none());
   m.def("update_rows", &c::update_rows, "optimizer update of rows from summed gradients",
         py::arg("tiers"), py::arg("row_ref"), py::arg("sums"), OPTIMIZER_ARGS,
-        py::arg("error") = py::none(), py::arg("schedule") = py::none());
+        py::arg("error") = py::none(), py::arg("schedule") = py::none(),
+        py::arg("row_format") = py::none(), py::arg("rounding") = py::none());
   m.def("sum_and_update_rows", &c::sum_and_update_rows,
         "each unique row's summed gradient applied where finite; returns the rows that were not",
         py::arg("tiers"), py::arg("row_ref"), py::arg("starts"), py::arg("rank"),
         py::arg("offsets"), py::arg("weights"), py::arg("feature_col"), py::arg("batch"),
         py::arg("mean"), py::arg("grad"), py::arg("dim"), OPTIMIZER_ARGS,
-        py::arg("error") = py::none(), py::arg("schedule") = py::none());
+        py::arg("error") = py::none(), py::arg("schedule") = py::none(),
+        py::arg("row_format") = py::none(), py::arg("rounding") = py::none());
   m.def("per_sample_weight_grad", &c::per_sample_weight_grad, "gradient of weights",
         py::arg("tiers"), py::arg("transient"), py::arg("row_ref"), py::arg("inverse"),
         py::arg("offsets"), py::arg("feature_col"), py::arg("batch"), py::arg("dim"),
         py::arg("grad"), py::arg("out"), py::arg("init") = py::none(),
-        py::arg("error") = py::none());
+        py::arg("error") = py::none(), py::arg("row_format") = py::none());
   m.def("occupied_slots", &c::occupied_slots, "occupied slots of a range");
   m.def("promotion_plan", &c::promotion_plan,
         "a padded batch's promotion into a cache: (cache_slots, plan, rank, order)");

@@ -25,6 +25,7 @@
 #include "cpu/aten.h"
 #include "cpu/checks.h"
 #include "cpu/dedup.h"
+#include "cpu/rows.h"
 #include "cpu/verbs.h"
 #include "dynamicemb/embedding.h"
 #include "dynamicemb/hash_primitives.h"
@@ -37,21 +38,6 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kParallelMinWork = 2048;
-// Random row reads are latency-bound: rows are prefetched this many lookups ahead.
-constexpr int64_t kPrefetchAhead = 8;
-
-// Prefetch every cache line of a row of `dim` floats.
-inline void prefetch_row(const void* row, int64_t dim, int rw = 0) {
-  const char* p = static_cast<const char*>(row);
-  const int64_t bytes = dim * static_cast<int64_t>(sizeof(float));
-  for (int64_t b = 0; b < bytes; b += 64) {
-    if (rw) {
-      __builtin_prefetch(p + b, 1);
-    } else {
-      __builtin_prefetch(p + b, 0);
-    }
-  }
-}
 
 // The attribute of a lambda that only prefetches, handed to the procedures of
 // embedding.h as their `before` hook: GCC finds such a function free of side
@@ -67,7 +53,8 @@ constexpr int64_t kStreamMinBytes = int64_t{8} << 20;
 
 // dst[0:n] = src[0:n], with streaming stores on the aligned body of dst. Callers
 // end their streaming with store_fence().
-inline void stream_copy(float* __restrict dst, const float* __restrict src, int64_t n) {
+inline __attribute__((always_inline)) void stream_copy(float* __restrict dst,
+                                                       const float* __restrict src, int64_t n) {
 #if defined(__AVX512F__)
   constexpr int64_t kLanes = 16;
 #elif defined(__AVX__)
@@ -102,33 +89,6 @@ inline void store_fence() {
 #endif
 }
 
-struct RowSource {
-  float* device;
-  float* host;
-  int64_t width;
-  const float* transient;
-  int64_t dim;
-  const int64_t* row_ref;
-
-  const float* row(int64_t u) const {
-    return row_of(row_ref[u], device, host, width, transient, dim);
-  }
-  float* stored_row(int64_t u) const { return stored_row_of(row_ref[u], device, host, width); }
-};
-
-RowSource row_source(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
-                     const at::Tensor& row_ref, int64_t dim) {
-  TORCH_CHECK(tiers.size() == 2, "tiers must be [device values, host values]");
-  for (const auto& t : tiers) {
-    check_tensor(t, at::kFloat, "values");
-    TORCH_CHECK(t.dim() == 2 && t.size(1) == tiers[0].size(1) && t.size(1) >= dim,
-                "values must be [*, width >= dim] with one width for both tiers");
-  }
-  check_tensor(transient, at::kFloat, "transient");
-  check_tensor(row_ref, at::kLong, "row_ref");
-  return RowSource{tiers[0].data_ptr<float>(), tiers[1].data_ptr<float>(), tiers[0].size(1),
-                   transient.data_ptr<float>(), dim, row_ref.data_ptr<int64_t>()};
-}
 
 // Bag geometry of the FBGEMM layout: bag k = feature * batch + sample.
 struct Bags {
@@ -155,66 +115,6 @@ bool refused(const c10::optional<at::Tensor>& error) {
   return error->data_ptr<int64_t>()[0] != 0;
 }
 
-// The lookups' reader of unique rows, one per thread, chosen once per call so that
-// the loops carry no branch for the rows they do not have. StoredRows reads each
-// referenced row (a call whose references are never negative). ComputedRows
-// computes the row of a negative reference (a key without a stored row) from its
-// table's initializer into the thread's scratch row, as the CUDA kernels'
-// RowReader does; a caller uses a row before it asks for the next.
-struct StoredRows {
-  RowSource src;
-  const float* row(int64_t u) const { return src.row(u); }
-  void prefetch(int64_t u) const { prefetch_row(src.row(u), src.dim); }
-};
-
-struct ComputedRows {
-  RowSource src;
-  const int64_t* keys;  // (U,) the unique keys of the references
-  const int16_t* tids;  // (U,) their table ids
-  PackedInits inits;
-  mutable std::vector<float> scratch;  // (dim,)
-
-  const float* row(int64_t u) const {
-    if (src.row_ref[u] >= 0) return src.row(u);
-    const int64_t t = tids[u], key = keys[u];
-    for (int64_t c = 0; c < src.dim; ++c) {
-      scratch[c] = inits.element(t, key, static_cast<int>(c));
-    }
-    return scratch.data();
-  }
-  void prefetch(int64_t u) const {
-    if (src.row_ref[u] >= 0) prefetch_row(src.row(u), src.dim);
-  }
-};
-
-// Calls body(make_rows), make_rows() giving a thread its reader: ComputedRows over
-// `init` (an InitRows) when it is given, else StoredRows.
-template <class Body>
-void with_rows(const RowSource& src, const c10::optional<InitRowsArg>& init, int64_t num_refs,
-               const Body& body) {
-  if (!init.has_value()) {
-    body([&] { return StoredRows{src}; });
-    return;
-  }
-  const at::Tensor& keys = std::get<0>(*init);
-  const at::Tensor& tids = std::get<1>(*init);
-  const at::Tensor& ints = std::get<0>(std::get<2>(*init));
-  const at::Tensor& floats = std::get<1>(std::get<2>(*init));
-  check_tensor(keys, at::kLong, "init keys");
-  check_tensor(tids, at::kShort, "init table_ids");
-  check_tensor(ints, at::kLong, "init ints");
-  check_tensor(floats, at::kFloat, "init floats");
-  TORCH_CHECK(keys.dim() == 1 && tids.sizes() == keys.sizes(),
-              "init keys and table_ids must be 1-D of one length");
-  TORCH_CHECK(keys.numel() == num_refs, "init keys must have one entry per row reference");
-  TORCH_CHECK(ints.dim() == 2 && ints.size(1) == 3 && floats.dim() == 2 &&
-                  floats.size(0) == ints.size(0) && floats.size(1) == 5,
-              "an InitSpec holds (T, 3) ints and (T, 5) floats");
-  const PackedInits inits{ints.data_ptr<int64_t>(), floats.data_ptr<float>()};
-  const int64_t* k = keys.data_ptr<int64_t>();
-  const int16_t* t = tids.data_ptr<int16_t>();
-  body([&] { return ComputedRows{src, k, t, inits, std::vector<float>(src.dim)}; });
-}
 
 }  // namespace
 
@@ -323,6 +223,52 @@ UniqueTuple dedup(const at::Tensor& keys, const at::Tensor& tids,
   return dedup_lookups(keys, tids, frequencies, group, refused, part);
 }
 
+namespace {
+
+// init_rows of 16-bit rows (uint8 values [C, row_bytes]): the initializer's elements
+// rounded to nearest, the state floats at the format's offset.
+void init_narrow_rows(at::Tensor& values, const at::Tensor& slots,
+                      const c10::optional<at::Tensor>& status, const at::Tensor& keys,
+                      const at::Tensor& tids, int64_t dim, const at::Tensor& init_ints,
+                      const at::Tensor& init_floats, double state_value,
+                      const RowFormatArg& row_format) {
+  const at::Tensor no_rows = at::empty({0}, at::kLong);
+  const RowSource src = row_source({values, values}, at::empty({0, dim}, at::kFloat), no_rows,
+                                   dim, row_format);
+  check_tensor(slots, at::kLong, "slots");
+  if (status) check_tensor(*status, at::kChar, "status");
+  check_tensor(keys, at::kLong, "keys");
+  check_tensor(tids, at::kShort, "table_ids");
+  check_tensor(init_ints, at::kLong, "init ints");
+  check_tensor(init_floats, at::kFloat, "init floats");
+  const int64_t n = slots.numel();
+  TORCH_CHECK((!status || status->numel() == n) && keys.numel() == n && tids.numel() == n,
+              "slots, status and keys need one length");
+  const int64_t state_floats = (src.row_bytes - src.state_offset) / 4;
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int8_t* st = status ? status->data_ptr<int8_t>() : nullptr;
+  const int64_t* k = keys.data_ptr<int64_t>();
+  const int16_t* t = tids.data_ptr<int16_t>();
+  const PackedInits inits{init_ints.data_ptr<int64_t>(), init_floats.data_ptr<float>()};
+  const float state = static_cast<float>(state_value);
+  with_element(src.code, [&](auto element) {
+    using E = decltype(element);
+#pragma omp parallel for schedule(static) if (n * dim >= kParallelMinWork)
+    for (int64_t i = 0; i < n; ++i) {
+      if (st != nullptr && st[i] != kInserted && st[i] != kEvictedAndInserted) continue;
+      char* row = src.device_bytes + s[i] * src.row_bytes;
+      E* e = reinterpret_cast<E*>(row);
+      for (int64_t c = 0; c < dim; ++c) {
+        e[c] = narrow_rn<E>(inits.element(t[i], k[i], static_cast<int>(c)));
+      }
+      float* f = src.state_of(row);
+      for (int64_t c = 0; c < state_floats; ++c) f[c] = state;
+    }
+  });
+}
+
+}  // namespace
+
 // The initial rows [initializer (dim) | state_value] of keys[i] of table tids[i] at
 // values[slots[i]], as demb_init_rows (PackedInits::new_row_element): every key's,
 // or with a status only those an inserting call just stored (kInserted,
@@ -331,7 +277,13 @@ UniqueTuple dedup(const at::Tensor& keys, const at::Tensor& tids,
 void init_rows(at::Tensor& values, const at::Tensor& slots,
                const c10::optional<at::Tensor>& status, const at::Tensor& keys,
                const at::Tensor& tids, int64_t dim, const at::Tensor& init_ints,
-               const at::Tensor& init_floats, double state_value) {
+               const at::Tensor& init_floats, double state_value,
+               const c10::optional<RowFormatArg>& row_format) {
+  if (row_format.has_value() && std::get<0>(*row_format) != kFloat32Rows) {
+    init_narrow_rows(values, slots, status, keys, tids, dim, init_ints, init_floats,
+                     state_value, *row_format);
+    return;
+  }
   check_tensor(values, at::kFloat, "values");
   check_tensor(slots, at::kLong, "slots");
   if (status) check_tensor(*status, at::kChar, "status");
@@ -422,8 +374,9 @@ void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tran
                     const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                     const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
                     at::Tensor& out, const c10::optional<InitRowsArg>& init,
-                    const c10::optional<at::Tensor>& error) {
-  const RowSource src = row_source(tiers, transient, row_ref, dim);
+                    const c10::optional<at::Tensor>& error,
+                    const c10::optional<RowFormatArg>& row_format) {
+  const RowSource src = row_source(tiers, transient, row_ref, dim, row_format);
   const Bags bags = bags_of(offsets, feature_col, batch);
   check_tensor(inverse, at::kLong, "inverse");
   check_tensor(out, at::kFloat, "out");
@@ -452,8 +405,9 @@ void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tran
 void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
                       const at::Tensor& row_ref, const at::Tensor& inverse, int64_t dim,
                       at::Tensor& out, const c10::optional<InitRowsArg>& init,
-                      const c10::optional<at::Tensor>& error) {
-  const RowSource src = row_source(tiers, transient, row_ref, dim);
+                      const c10::optional<at::Tensor>& error,
+                      const c10::optional<RowFormatArg>& row_format) {
+  const RowSource src = row_source(tiers, transient, row_ref, dim, row_format);
   check_tensor(inverse, at::kLong, "inverse");
   check_tensor(out, at::kFloat, "out");
   const int64_t* inv = inverse.data_ptr<int64_t>();
@@ -604,7 +558,7 @@ struct GradRuns {
   }
 
   // Prefetches the gradient rows kPrefetchAhead entries ahead of entry e.
-  void prefetch_ahead(int64_t e) const {
+  DEMB_PREFETCHES void prefetch_ahead(int64_t e) const {
     const int64_t ep = e + kPrefetchAhead;
     if (ep < first[num_unique]) prefetch_row(grad + pos[ep], dim);
   }
@@ -680,30 +634,36 @@ void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_ref
                  double beta2, double weight_decay, double step_size,
                  double bias_correction2_sqrt, double decay_scale,
                  const c10::optional<at::Tensor>& error,
-                 const c10::optional<ScheduleArg>& schedule) {
+                 const c10::optional<ScheduleArg>& schedule,
+                 const c10::optional<RowFormatArg>& row_format,
+                 const c10::optional<RoundingArg>& rounding) {
   check_tensor(sums, at::kFloat, "sums");
   TORCH_CHECK(sums.dim() == 2, "sums must be (>= unique rows, dim)");
   if (refused(error)) return;
   const int64_t dim = sums.size(1);
-  const at::Tensor no_transient = at::empty({0, dim}, tiers[0].options());
-  const RowSource src = row_source(tiers, no_transient, row_ref, dim);
+  const at::Tensor no_transient = at::empty({0, dim}, at::kFloat);
+  const RowSource src = row_source(tiers, no_transient, row_ref, dim, row_format);
   const int64_t num_unique = row_ref.numel();
   TORCH_CHECK(sums.size(0) >= num_unique, "sums must have a row per unique row");
   const int64_t* slot = row_ref.data_ptr<int64_t>();
   const int64_t state_floats = optimizer_state_dim(static_cast<int>(kind), dim);
-  TORCH_CHECK(src.width >= dim + state_floats, "value rows too narrow for the optimizer state");
-  const OptimizerParams p = update_params(kind, lr, eps, beta1, beta2, weight_decay, step_size,
-                                          bias_correction2_sqrt, decay_scale, schedule);
-  const float* acc = sums.data_ptr<float>();
-#pragma omp parallel for schedule(dynamic, 64) if (num_unique * dim >= kParallelMinWork)
-  for (int64_t u = 0; u < num_unique; ++u) {
-    if (!is_stored_ref(slot[u])) continue;
-    const int64_t up = u + 2;
-    if (up < num_unique && is_stored_ref(slot[up])) {
-      prefetch_row(src.stored_row(up), dim + state_floats, 1);
+  with_updates(src, rounding, num_unique, state_floats, [&](const auto& make_updates) {
+    const OptimizerParams p = update_params(kind, lr, eps, beta1, beta2, weight_decay,
+                                            step_size, bias_correction2_sqrt, decay_scale,
+                                            schedule);
+    const float* acc = sums.data_ptr<float>();
+#pragma omp parallel if (num_unique * dim >= kParallelMinWork)
+    {
+      const auto rows = make_updates();
+#pragma omp for schedule(dynamic, 64)
+      for (int64_t u = 0; u < num_unique; ++u) {
+        if (!is_stored_ref(slot[u])) continue;
+        const int64_t up = u + 2;
+        if (up < num_unique && is_stored_ref(slot[up])) rows.prefetch(up);
+        rows.apply(u, acc + u * dim, static_cast<int>(dim), p);
+      }
     }
-    optimizer_update(src.stored_row(u), acc + u * dim, static_cast<int>(dim), p);
-  }
+  });
 }
 
 // The checked-row backward, one pass: per unique row, its summed gradient
@@ -722,36 +682,39 @@ int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tens
                             double eps, double beta1, double beta2, double weight_decay,
                             double step_size, double bias_correction2_sqrt,
                             double decay_scale, const c10::optional<at::Tensor>& error,
-                            const c10::optional<ScheduleArg>& schedule) {
+                            const c10::optional<ScheduleArg>& schedule,
+                            const c10::optional<RowFormatArg>& row_format,
+                            const c10::optional<RoundingArg>& rounding) {
   if (refused(error)) return 0;  // its offsets are not read, the step not counted
   const GradRuns runs(starts, rank, offsets, weights, feature_col, batch, mean, grad, dim);
-  const at::Tensor no_transient = at::empty({0, dim}, tiers[0].options());
-  const RowSource src = row_source(tiers, no_transient, row_ref, dim);
+  const at::Tensor no_transient = at::empty({0, dim}, at::kFloat);
+  const RowSource src = row_source(tiers, no_transient, row_ref, dim, row_format);
   const int64_t num_unique = runs.num_unique;
   TORCH_CHECK(row_ref.numel() == num_unique, "one row_ref per unique row");
   const int64_t* slot = row_ref.data_ptr<int64_t>();
   const int64_t state_floats = optimizer_state_dim(static_cast<int>(kind), dim);
-  TORCH_CHECK(src.width >= dim + state_floats, "value rows too narrow for the optimizer state");
-  const OptimizerParams p = update_params(kind, lr, eps, beta1, beta2, weight_decay, step_size,
-                                          bias_correction2_sqrt, decay_scale, schedule);
   int64_t non_finite = 0;
+  with_updates(src, rounding, num_unique, state_floats, [&](const auto& make_updates) {
+    const OptimizerParams p = update_params(kind, lr, eps, beta1, beta2, weight_decay,
+                                            step_size, bias_correction2_sqrt, decay_scale,
+                                            schedule);
 #pragma omp parallel if (num_unique * dim >= kParallelMinWork) reduction(+ : non_finite)
-  {
-    std::vector<float> acc(dim);
+    {
+      const auto rows = make_updates();
+      std::vector<float> acc(dim);
 #pragma omp for schedule(dynamic, 64)
-    for (int64_t u = 0; u < num_unique; ++u) {
-      const int64_t up = u + 2;  // a row ahead, with write intent, while this one sums
-      if (up < num_unique && is_stored_ref(slot[up])) {
-        prefetch_row(src.stored_row(up), dim + state_floats, 1);
-      }
-      const bool finite = runs.sum(
-          u, acc.data(), [&](int64_t e) DEMB_PREFETCH_HOOK { runs.prefetch_ahead(e); });
-      non_finite += !finite;
-      if (finite && is_stored_ref(slot[u])) {
-        optimizer_update(src.stored_row(u), acc.data(), static_cast<int>(dim), p);
+      for (int64_t u = 0; u < num_unique; ++u) {
+        const int64_t up = u + 2;  // a row ahead, with write intent, while this one sums
+        if (up < num_unique && is_stored_ref(slot[up])) rows.prefetch(up);
+        const bool finite = runs.sum(
+            u, acc.data(), [&](int64_t e) DEMB_PREFETCH_HOOK { runs.prefetch_ahead(e); });
+        non_finite += !finite;
+        if (finite && is_stored_ref(slot[u])) {
+          rows.apply(u, acc.data(), static_cast<int>(dim), p);
+        }
       }
     }
-  }
+  });
   return non_finite;
 }
 
@@ -765,8 +728,9 @@ void per_sample_weight_grad(const std::vector<at::Tensor>& tiers,
                             const at::Tensor& feature_col, int64_t batch, int64_t dim,
                             const at::Tensor& grad, at::Tensor& out,
                             const c10::optional<InitRowsArg>& init,
-                            const c10::optional<at::Tensor>& error) {
-  const RowSource src = row_source(tiers, transient, row_ref, dim);
+                            const c10::optional<at::Tensor>& error,
+                            const c10::optional<RowFormatArg>& row_format) {
+  const RowSource src = row_source(tiers, transient, row_ref, dim, row_format);
   const Bags bags = bags_of(offsets, feature_col, batch);
   check_tensor(inverse, at::kLong, "inverse");
   check_tensor(grad, at::kFloat, "grad");

@@ -116,6 +116,13 @@ using InitRowsArg = std::tuple<at::Tensor, at::Tensor, std::tuple<at::Tensor, at
 // DeviceSchedule: (lr (1,) float64, step (1,) int64, advance, beta1, beta2,
 // decoupled_decay).
 using ScheduleArg = std::tuple<at::Tensor, at::Tensor, bool, double, double, double>;
+// RowFormat of 16-bit rows: (code: 1 float16, 2 bfloat16; state_offset in bytes), the
+// tiers then uint8 [*, row_bytes]; None: float32 rows in float32 tiers.
+using RowFormatArg = std::tuple<int64_t, int64_t>;
+// How an update narrows 16-bit rows: (keys (U,) int64, table_ids (U,) int16, spec
+// (T, 2) int64 of each table's (stream, seed), step (1,) int64 read when the call
+// starts, stochastic): rounding_primitives.h's bits, or round to nearest.
+using RoundingArg = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool>;
 
 // 0, or the first problem of an offsets tensor of num_indices lookups; with
 // `error`, the problem recorded in the word and None returned.
@@ -136,19 +143,22 @@ dedup(const at::Tensor& keys, const at::Tensor& tids,
 void init_rows(at::Tensor& values, const at::Tensor& slots,
                const c10::optional<at::Tensor>& status, const at::Tensor& keys,
                const at::Tensor& tids, int64_t dim, const at::Tensor& init_ints,
-               const at::Tensor& init_floats, double state_value);
+               const at::Tensor& init_floats, double state_value,
+               const c10::optional<RowFormatArg>& row_format = c10::nullopt);
 // Pooled lookup (sum or mean per bag) into out (batch, *) at each feature's column.
 void pooled_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
                     const at::Tensor& row_ref, const at::Tensor& inverse,
                     const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                     const at::Tensor& feature_col, int64_t batch, int64_t dim, bool mean,
                     at::Tensor& out, const c10::optional<InitRowsArg>& init,
-                    const c10::optional<at::Tensor>& error);
+                    const c10::optional<at::Tensor>& error,
+                    const c10::optional<RowFormatArg>& row_format);
 // Sequence lookup: out (N, dim) row j = row of lookup j.
 void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
                       const at::Tensor& row_ref, const at::Tensor& inverse, int64_t dim,
                       at::Tensor& out, const c10::optional<InitRowsArg>& init,
-                      const c10::optional<at::Tensor>& error);
+                      const c10::optional<at::Tensor>& error,
+                      const c10::optional<RowFormatArg>& row_format);
 // The backward, checked per batch, in two passes: each unique row's gradient
 // summed into sums (U, dim), returning how many sums hold NaN or inf; then the
 // optimizer's update of every stored row from its sum.
@@ -162,7 +172,9 @@ void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_ref
                  double beta2, double weight_decay, double step_size,
                  double bias_correction2_sqrt, double decay_scale,
                  const c10::optional<at::Tensor>& error,
-                 const c10::optional<ScheduleArg>& schedule);
+                 const c10::optional<ScheduleArg>& schedule,
+                 const c10::optional<RowFormatArg>& row_format,
+                 const c10::optional<RoundingArg>& rounding);
 // The backward, checked per row, in one pass: each unique row's gradient summed
 // and, when finite, applied to its stored row; returns how many rows were not.
 int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_ref,
@@ -173,7 +185,9 @@ int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tens
                             double eps, double beta1, double beta2, double weight_decay,
                             double step_size, double bias_correction2_sqrt,
                             double decay_scale, const c10::optional<at::Tensor>& error,
-                            const c10::optional<ScheduleArg>& schedule);
+                            const c10::optional<ScheduleArg>& schedule,
+                            const c10::optional<RowFormatArg>& row_format,
+                            const c10::optional<RoundingArg>& rounding);
 // Gradient of per-sample weights (SUM pooling): out (N,).
 void per_sample_weight_grad(const std::vector<at::Tensor>& tiers,
                             const at::Tensor& transient, const at::Tensor& row_ref,
@@ -181,7 +195,8 @@ void per_sample_weight_grad(const std::vector<at::Tensor>& tiers,
                             const at::Tensor& feature_col, int64_t batch, int64_t dim,
                             const at::Tensor& grad, at::Tensor& out,
                             const c10::optional<InitRowsArg>& init,
-                            const c10::optional<at::Tensor>& error);
+                            const c10::optional<at::Tensor>& error,
+                            const c10::optional<RowFormatArg>& row_format);
 
 }  // namespace cpu
 }  // namespace dynamicemb

@@ -187,17 +187,23 @@ DEMB_HD void adam_row(float* __restrict__ w, float* __restrict__ m, float* __res
   }
 }
 
-// Updates one value row; `row` points at the embedding, the state follows it.
-DEMB_HD void optimizer_update(float* row, const float* g, int dim,
+// Updates one row's embedding w (dim,) and its optimizer state (a 16-bit row's
+// embedding is widened into w first and narrowed back after: rounding_primitives.h).
+DEMB_HD void optimizer_update(float* w, float* state, const float* g, int dim,
                               const OptimizerParams& p) {
-  float* state = row + dim;
   switch (p.kind) {
-    case kSgd: sgd_row(row, g, dim, p); break;
-    case kAdam: adam_row(row, state, state + dim, g, dim, p); break;
-    case kAdagrad: adagrad_row(row, state, g, dim, p); break;
-    case kRowwiseAdagrad: rowwise_adagrad_row(row, state, g, dim, p); break;
+    case kSgd: sgd_row(w, g, dim, p); break;
+    case kAdam: adam_row(w, state, state + dim, g, dim, p); break;
+    case kAdagrad: adagrad_row(w, state, g, dim, p); break;
+    case kRowwiseAdagrad: rowwise_adagrad_row(w, state, g, dim, p); break;
     default: break;
   }
+}
+
+// Updates one float32 value row; `row` points at the embedding, the state follows it.
+DEMB_HD void optimizer_update(float* row, const float* g, int dim,
+                              const OptimizerParams& p) {
+  optimizer_update(row, row + dim, g, dim, p);
 }
 
 }  // namespace dynamicemb

@@ -1,0 +1,338 @@
+// How the CPU embedding kernels (embedding.cpp) read and write value rows.
+//
+// A row reference (dynamicemb/row_ref.h) names a slot of the device tier or the host
+// store, a transient row (float32, dim), or a row its initializer computes. Stored
+// rows have one format per call (RowFormat, dynamicemb/ops/records.py): float32
+// [embedding | state] in float32 tiers (code 0), or byte rows of a float16 (1) or
+// bfloat16 (2) embedding and a float32 state at `state_offset` in uint8 tiers. The
+// readers give the kernels every row as float32: 16-bit rows widened exactly
+// (rounding_primitives.h), so the math and its order are float32's on both formats.
+#pragma once
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "cpu/aten.h"
+#include "cpu/checks.h"
+#include "cpu/verbs.h"
+#include "dynamicemb/init_primitives.h"
+#include "dynamicemb/optimizer_primitives.h"
+#include "dynamicemb/rounding_primitives.h"
+#include "dynamicemb/row_ref.h"
+
+namespace dynamicemb {
+namespace cpu {
+namespace {
+
+// Random row reads are latency-bound: rows are prefetched this many lookups ahead.
+constexpr int64_t kPrefetchAhead = 8;
+
+// Functions that only prefetch are inlined where they are called: GCC finds a call of
+// one free of side effects (a prefetch is none) and drops it otherwise (the rows of
+// the update went unprefetched and the row-wise Adagrad backward took twice as long).
+#define DEMB_PREFETCHES inline __attribute__((always_inline))
+
+// Prefetch every cache line of `bytes` bytes from p.
+DEMB_PREFETCHES void prefetch_bytes(const void* p, int64_t bytes, int rw = 0) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) {
+    if (rw) {
+      __builtin_prefetch(c + b, 1);
+    } else {
+      __builtin_prefetch(c + b, 0);
+    }
+  }
+}
+
+// Prefetch every cache line of a row of `dim` floats.
+DEMB_PREFETCHES void prefetch_row(const void* row, int64_t dim, int rw = 0) {
+  prefetch_bytes(row, dim * static_cast<int64_t>(sizeof(float)), rw);
+}
+
+constexpr int64_t kFloat32Rows = 0, kFloat16Rows = 1, kBfloat16Rows = 2;
+
+struct RowSource {
+  float* device;  // float32 rows (code 0): [*, width] floats
+  float* host;
+  int64_t width;
+  const float* transient;
+  int64_t dim;
+  const int64_t* row_ref;
+  int64_t code;          // the stored rows' format (kFloat32Rows, ...)
+  char* device_bytes;    // every format: the tiers' bytes, row_bytes a row
+  char* host_bytes;
+  int64_t row_bytes;
+  int64_t state_offset;  // bytes from a row's start to its float32 state
+
+  const float* row(int64_t u) const {
+    return row_of(row_ref[u], device, host, width, transient, dim);
+  }
+  float* stored_row(int64_t u) const { return stored_row_of(row_ref[u], device, host, width); }
+  // The bytes of stored row u (any format).
+  char* stored_bytes(int64_t u) const {
+    const int64_t r = row_ref[u];
+    return r >= kHostRowBit ? host_bytes + (r - kHostRowBit) * row_bytes
+                            : device_bytes + r * row_bytes;
+  }
+  float* state_of(char* row) const { return reinterpret_cast<float*>(row + state_offset); }
+};
+
+// RowFormatArg: (code, state_offset) of 16-bit rows in uint8 tiers; None: float32.
+RowSource row_source(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
+                     const at::Tensor& row_ref, int64_t dim,
+                     const c10::optional<RowFormatArg>& format = c10::nullopt) {
+  TORCH_CHECK(tiers.size() == 2, "tiers must be [device values, host values]");
+  check_tensor(transient, at::kFloat, "transient");
+  check_tensor(row_ref, at::kLong, "row_ref");
+  const int64_t code = format ? std::get<0>(*format) : kFloat32Rows;
+  TORCH_CHECK(code == kFloat32Rows || code == kFloat16Rows || code == kBfloat16Rows,
+              "row format code must be 0 (float32), 1 (float16) or 2 (bfloat16), got ", code);
+  for (const auto& t : tiers) {
+    check_tensor(t, code == kFloat32Rows ? at::kFloat : at::kByte, "values");
+    TORCH_CHECK(t.dim() == 2 && t.size(1) == tiers[0].size(1),
+                "values must be [*, width] with one width for both tiers");
+  }
+  const int64_t row_bytes = tiers[0].size(1) * tiers[0].element_size();
+  const int64_t state_offset =
+      code == kFloat32Rows ? dim * static_cast<int64_t>(sizeof(float)) : std::get<1>(*format);
+  if (code == kFloat32Rows) {
+    TORCH_CHECK(tiers[0].size(1) >= dim, "values must be [*, width >= dim]");
+  } else {
+    TORCH_CHECK(state_offset >= dim * 2 && state_offset % 4 == 0 && state_offset <= row_bytes,
+                "a 16-bit row's state offset must be 4-byte aligned, within the row and after "
+                "its ", dim, " embedding elements, got ", state_offset, " of ", row_bytes);
+  }
+  RowSource src{nullptr, nullptr, 0, transient.data_ptr<float>(), dim,
+                row_ref.data_ptr<int64_t>(), code,
+                static_cast<char*>(tiers[0].data_ptr()), static_cast<char*>(tiers[1].data_ptr()),
+                row_bytes, state_offset};
+  if (code == kFloat32Rows) {
+    src.device = tiers[0].data_ptr<float>();
+    src.host = tiers[1].data_ptr<float>();
+    src.width = tiers[0].size(1);
+  }
+  return src;
+}
+
+// The lookups' reader of unique rows, one per thread, chosen once per call so that
+// the loops carry no branch for the rows they do not have. StoredRows reads each
+// referenced float32 row (a call whose references are never negative). ComputedRows
+// computes the row of a negative reference (a key without a stored row) from its
+// table's initializer into the thread's scratch row, as the CUDA kernels'
+// RowReader does. WidenedRows reads 16-bit rows widened into the scratch row, and a
+// computed row as the stored one would be (rounded to nearest, then widened). A
+// caller uses a row before it asks for the next.
+struct StoredRows {
+  RowSource src;
+  const float* row(int64_t u) const { return src.row(u); }
+  DEMB_PREFETCHES void prefetch(int64_t u) const { prefetch_row(src.row(u), src.dim); }
+};
+
+struct ComputedRows {
+  RowSource src;
+  const int64_t* keys;  // (U,) the unique keys of the references
+  const int16_t* tids;  // (U,) their table ids
+  PackedInits inits;
+  mutable std::vector<float> scratch;  // (dim,)
+
+  const float* row(int64_t u) const {
+    if (src.row_ref[u] >= 0) return src.row(u);
+    const int64_t t = tids[u], key = keys[u];
+    for (int64_t c = 0; c < src.dim; ++c) {
+      scratch[c] = inits.element(t, key, static_cast<int>(c));
+    }
+    return scratch.data();
+  }
+  DEMB_PREFETCHES void prefetch(int64_t u) const {
+    if (src.row_ref[u] >= 0) prefetch_row(src.row(u), src.dim);
+  }
+};
+
+template <class E>
+struct WidenedRows {
+  RowSource src;
+  const int64_t* keys;  // nullptr: no computed rows (references never negative)
+  const int16_t* tids;
+  PackedInits inits;
+  mutable std::vector<float> scratch;  // (dim,)
+
+  const float* row(int64_t u) const {
+    const int64_t r = src.row_ref[u];
+    float* w = scratch.data();
+    if (r < 0) {
+      const int64_t t = tids[u], key = keys[u];
+      for (int64_t c = 0; c < src.dim; ++c) {
+        w[c] = widen(narrow_rn<E>(inits.element(t, key, static_cast<int>(c))));
+      }
+      return w;
+    }
+    if (r >= kTransientRowBit && r < kHostRowBit) {
+      return src.transient + (r - kTransientRowBit) * src.dim;
+    }
+    const E* e = reinterpret_cast<const E*>(src.stored_bytes(u));
+    for (int64_t c = 0; c < src.dim; ++c) w[c] = widen(e[c]);
+    return w;
+  }
+  DEMB_PREFETCHES void prefetch(int64_t u) const {
+    if (is_stored_ref(src.row_ref[u])) {
+      prefetch_bytes(src.stored_bytes(u), src.dim * static_cast<int64_t>(sizeof(E)));
+    }
+  }
+};
+
+// Calls body(E{}) with E the element type of 16-bit rows of `code`.
+template <class Body>
+void with_element(int64_t code, const Body& body) {
+  if (code == kFloat16Rows) {
+    body(f16{});
+  } else {
+    body(bf16{});
+  }
+}
+
+// Calls body(make_rows), make_rows() giving a thread its reader: for float32 rows
+// ComputedRows over `init` (an InitRows) when it is given, else StoredRows; for
+// 16-bit rows WidenedRows.
+template <class Body>
+void with_rows(const RowSource& src, const c10::optional<InitRowsArg>& init, int64_t num_refs,
+               const Body& body) {
+  const int64_t* k = nullptr;
+  const int16_t* t = nullptr;
+  PackedInits inits{nullptr, nullptr};
+  if (init.has_value()) {
+    const at::Tensor& keys = std::get<0>(*init);
+    const at::Tensor& tids = std::get<1>(*init);
+    const at::Tensor& ints = std::get<0>(std::get<2>(*init));
+    const at::Tensor& floats = std::get<1>(std::get<2>(*init));
+    check_tensor(keys, at::kLong, "init keys");
+    check_tensor(tids, at::kShort, "init table_ids");
+    check_tensor(ints, at::kLong, "init ints");
+    check_tensor(floats, at::kFloat, "init floats");
+    TORCH_CHECK(keys.dim() == 1 && tids.sizes() == keys.sizes(),
+                "init keys and table_ids must be 1-D of one length");
+    TORCH_CHECK(keys.numel() == num_refs, "init keys must have one entry per row reference");
+    TORCH_CHECK(ints.dim() == 2 && ints.size(1) == 3 && floats.dim() == 2 &&
+                    floats.size(0) == ints.size(0) && floats.size(1) == 5,
+                "an InitSpec holds (T, 3) ints and (T, 5) floats");
+    inits = PackedInits{ints.data_ptr<int64_t>(), floats.data_ptr<float>()};
+    k = keys.data_ptr<int64_t>();
+    t = tids.data_ptr<int16_t>();
+  }
+  if (src.code != kFloat32Rows) {
+    with_element(src.code, [&](auto element) {
+      using E = decltype(element);
+      body([&] { return WidenedRows<E>{src, k, t, inits, std::vector<float>(src.dim)}; });
+    });
+  } else if (k == nullptr) {
+    body([&] { return StoredRows{src}; });
+  } else {
+    body([&] { return ComputedRows{src, k, t, inits, std::vector<float>(src.dim)}; });
+  }
+}
+
+// How an update writes a 16-bit row back (RoundingArg, verbs.h): stochastically from
+// rounding_bits(rounding_word(seed, stream, key, step), column), or to nearest.
+struct Rounding {
+  const int64_t* keys;  // (U,) each unique row's key
+  const int16_t* tids;  // (U,) its table id
+  const int64_t* spec;  // (T, 2): each table's (stream, seed)
+  int64_t step;
+  bool stochastic;
+};
+
+Rounding rounding_of(const c10::optional<RoundingArg>& arg, int64_t num_unique) {
+  TORCH_CHECK(arg.has_value(), "an update of 16-bit rows needs its rounding");
+  const at::Tensor& keys = std::get<0>(*arg);
+  const at::Tensor& tids = std::get<1>(*arg);
+  const at::Tensor& spec = std::get<2>(*arg);
+  const at::Tensor& step = std::get<3>(*arg);
+  check_tensor(keys, at::kLong, "rounding keys");
+  check_tensor(tids, at::kShort, "rounding table_ids");
+  check_tensor(spec, at::kLong, "rounding spec");
+  check_tensor(step, at::kLong, "rounding step");
+  TORCH_CHECK(keys.numel() >= num_unique && tids.numel() == keys.numel(),
+              "rounding keys and table_ids need an entry per unique row");
+  TORCH_CHECK(spec.dim() == 2 && spec.size(1) == 2, "rounding spec is (T, 2): stream, seed");
+  TORCH_CHECK(step.numel() == 1, "rounding step is (1,) int64");
+  const int16_t* t = tids.data_ptr<int16_t>();
+  for (int64_t u = 0; u < num_unique; ++u) {
+    TORCH_CHECK(0 <= t[u] && t[u] < spec.size(0), "rounding table id out of range");
+  }
+  return Rounding{keys.data_ptr<int64_t>(), t, spec.data_ptr<int64_t>(),
+                  step.data_ptr<int64_t>()[0], std::get<4>(*arg)};
+}
+
+// The optimizer's update of the 16-bit row of unique row u: its embedding widened into
+// w (dim,), updated in float32 with its state in place, narrowed back.
+template <class E>
+void update_narrow_row(char* row, float* state, const float* g, int dim,
+                       const OptimizerParams& p, float* __restrict__ w, const Rounding& r,
+                       int64_t u) {
+  E* e = reinterpret_cast<E*>(row);
+  for (int c = 0; c < dim; ++c) w[c] = widen(e[c]);
+  optimizer_update(w, state, g, dim, p);
+  if (!r.stochastic) {
+    for (int c = 0; c < dim; ++c) e[c] = narrow_rn<E>(w[c]);
+    return;
+  }
+  const int64_t* table = r.spec + 2 * r.tids[u];
+  const uint64_t word = rounding_word(static_cast<uint64_t>(table[1]), table[0], r.keys[u],
+                                      static_cast<uint64_t>(r.step));
+  for (int c = 0; c < dim; ++c) e[c] = narrow_sr<E>(w[c], rounding_bits(word, c));
+}
+
+
+// The backward's writer of stored rows, one per thread, chosen once per call:
+// Float32Updates updates float32 rows in place; NarrowUpdates<E> widens a 16-bit
+// row, updates it and its float32 state, and narrows it back (`Rounding`).
+struct Float32Updates {
+  RowSource src;
+  int64_t row_floats;  // dim + state floats
+  DEMB_PREFETCHES void prefetch(int64_t u) const {
+    prefetch_row(src.stored_row(u), row_floats, 1);
+  }
+  void apply(int64_t u, const float* g, int dim, const OptimizerParams& p) const {
+    optimizer_update(src.stored_row(u), g, dim, p);
+  }
+};
+
+template <class E>
+struct NarrowUpdates {
+  RowSource src;
+  Rounding rounding;
+  mutable std::vector<float> w;  // (dim,) the widened embedding
+  DEMB_PREFETCHES void prefetch(int64_t u) const {
+    prefetch_bytes(src.stored_bytes(u), src.row_bytes, 1);
+  }
+  void apply(int64_t u, const float* g, int dim, const OptimizerParams& p) const {
+    char* row = src.stored_bytes(u);
+    update_narrow_row<E>(row, src.state_of(row), g, dim, p, w.data(), rounding, u);
+  }
+};
+
+// Calls body(make_updates), make_updates() giving a thread its writer; checks that a
+// row holds the optimizer's state_floats. `rounding` (RoundingArg) is read for
+// 16-bit rows only.
+template <class Body>
+void with_updates(const RowSource& src, const c10::optional<RoundingArg>& rounding,
+                  int64_t num_unique, int64_t state_floats, const Body& body) {
+  if (src.code == kFloat32Rows) {
+    TORCH_CHECK(src.width >= src.dim + state_floats,
+                "value rows too narrow for the optimizer state");
+    body([&] { return Float32Updates{src, src.dim + state_floats}; });
+    return;
+  }
+  TORCH_CHECK(src.state_offset + state_floats * static_cast<int64_t>(sizeof(float)) <=
+                  src.row_bytes,
+              "value rows too narrow for the optimizer state");
+  const Rounding r = rounding_of(rounding, num_unique);
+  with_element(src.code, [&](auto element) {
+    using E = decltype(element);
+    body([&] { return NarrowUpdates<E>{src, r, std::vector<float>(src.dim)}; });
+  });
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace dynamicemb
