@@ -7,8 +7,8 @@ import torch
 
 from dynamicemb.ops.codes import ScoreRule
 from dynamicemb.ops.records import (BatchPart, Deduplicated, DeviceSchedule, InitSpec,
-                                    OptimizerUpdate, PromotionPlan, RowSources, TableMemory,
-                                    Upserted)
+                                    OptimizerUpdate, PromotionPlan, Rounding, RowFormat,
+                                    RowSources, TableMemory, Upserted)
 from dynamicemb.options import DynamicEmbInitializerMode
 
 __all__ = ["Backend"]
@@ -22,6 +22,8 @@ class Backend(abc.ABC):
 
     #: The widest embedding row its kernels update, or None for no limit.
     max_dim: Optional[int] = None
+    #: The embedding dtypes of the stored rows its kernels read and write (``RowFormat``).
+    row_dtypes: Tuple[torch.dtype, ...] = (torch.float32,)
     #: Whether reading a value of its tensors on the host costs nothing (the CPU) or
     #: waits for the device (a GPU: checks of data that need one are left out of a step).
     free_host_reads: bool = True
@@ -162,10 +164,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def init_rows(self, *, values: torch.Tensor, slots: torch.Tensor,
                   status: Optional[torch.Tensor], keys: torch.Tensor, table_ids: torch.Tensor,
-                  dim: int, spec: InitSpec, state_value: float = 0.0) -> None:
+                  dim: int, spec: InitSpec, state_value: float = 0.0,
+                  format: Optional[RowFormat] = None) -> None:
         """values[slots[i]] = the initial row of keys[i]: table ``table_ids[i]``'s initializer
         in ``spec`` for the first ``dim`` columns, ``state_value`` after; with ``status``,
-        only for keys INSERTED or EVICTED_AND_INSERTED."""
+        only for keys INSERTED or EVICTED_AND_INSERTED. ``format``: the rows' (None:
+        float32); a 16-bit row stores its initializer rounded to nearest."""
 
     @abc.abstractmethod
     def undo_upsert(self, *, memory: TableMemory, upserted: Upserted) -> None:
@@ -224,12 +228,14 @@ class Backend(abc.ABC):
                        grad: torch.Tensor, update: OptimizerUpdate,
                        error: Optional[torch.Tensor] = None,
                        schedule: Optional[DeviceSchedule] = None,
-                       sums: Optional[torch.Tensor] = None) -> int:
+                       sums: Optional[torch.Tensor] = None,
+                       rounding: Optional[Rounding] = None) -> int:
         """Sums each stored row's gradient and applies the optimizer in place (``offsets``
         None: sequence lookups); padding and rows not stored are skipped. ``schedule``:
         lr and step count read from device memory, not ``update``. ``sums`` (where
         ``free_host_reads``): (>= U, dim) float32 from ``sum_gradients`` for this batch,
-        read instead of summing ``grad`` again.
+        read instead of summing ``grad`` again. ``rounding``: how 16-bit rows
+        (``sources.format``) are written back, required for them; computed in float32.
 
         Returns:
             Where ``free_host_reads``: how many unique rows' sums (of those not in

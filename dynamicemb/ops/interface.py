@@ -10,8 +10,8 @@ from dynamicemb.ops.codes import (ALL_BITS, COMPOUND_COUNT_SHIFT, COMPOUND_TIME_
                                   offsets_problem, optimizer_code, optimizer_state_dim,
                                   score_rule)
 from dynamicemb.ops.records import (BatchPart, Deduplicated, DeviceSchedule, Entries, InitRows,
-                                    InitSpec, NewRows, OptimizerUpdate, PromotionPlan, RowFormat,
-                                    RowSources, TableMemory, Upserted)
+                                    InitSpec, NewRows, OptimizerUpdate, PromotionPlan, Rounding,
+                                    RowFormat, RowSources, TableMemory, Upserted)
 
 __all__ = [
     "ALL_BITS",
@@ -31,6 +31,7 @@ __all__ = [
     "NewRows",
     "OptimizerUpdate",
     "PromotionPlan",
+    "Rounding",
     "RowFormat",
     "RowSources",
     "ScoreRule",

@@ -73,8 +73,10 @@ class KernelBackend(Backend):
                                   order, host_slots, cached.slots, cached.status,
                                   cached.ev_keys, cached.ev_tids, refs)
 
-    def init_rows(self, *, values, slots, status, keys, table_ids, dim, spec, state_value=0.0):
-        self.kernels.init_rows(values, slots, status, keys, table_ids, dim, spec, state_value)
+    def init_rows(self, *, values, slots, status, keys, table_ids, dim, spec, state_value=0.0,
+                  format=None):
+        self.kernels.init_rows(values, slots, status, keys, table_ids, dim, spec, state_value,
+                               **self._formatted(format))
 
     def undo_upsert(self, *, memory, upserted):
         self.kernels.undo_upsert(memory.meta, memory.bucket_capacity, upserted.slots,
@@ -116,6 +118,18 @@ class KernelBackend(Backend):
     def check_offsets(self, *, offsets, num_indices, error=None):
         return self.kernels.check_offsets(offsets, num_indices, **self._counted(error=error))
 
+    def _formatted(self, format, rounding=None) -> dict:
+        """The keywords of stored rows of ``format`` (None or float32: none)."""
+        if format is None or format.dtype == torch.float32:
+            return _NO_ARGUMENTS
+        if format.dtype not in self.row_dtypes:
+            raise ValueError(f"{type(self).__name__} has no kernels for {format.dtype} rows "
+                             f"(it reads {[str(d) for d in self.row_dtypes]})")
+        found = {"row_format": (format.code, format.state_offset)}
+        if rounding is not None:
+            found["rounding"] = tuple(rounding)
+        return found
+
     def _counted(self, init=None, error=None, schedule=None) -> dict:
         """The given keyword arguments of a step counted on the device."""
         if init is None and error is None and schedule is None:
@@ -127,25 +141,28 @@ class KernelBackend(Backend):
                        batch, dim, mean, out, error=None):
         self.kernels.pooled_forward([sources.device, sources.host], sources.transient, row_ref,
                                     inverse, offsets, weights, feature_col, batch, dim, mean, out,
-                                    **self._counted(init=sources.init, error=error))
+                                    **self._counted(init=sources.init, error=error),
+                                    **self._formatted(sources.format))
 
     def sequence_forward(self, *, sources, row_ref, inverse, dim, out, error=None):
         self.kernels.sequence_forward([sources.device, sources.host], sources.transient,
                                       row_ref, inverse, dim, out,
-                                      **self._counted(init=sources.init, error=error))
+                                      **self._counted(init=sources.init, error=error),
+                                      **self._formatted(sources.format))
 
     def fused_backward(self, *, sources, row_ref, starts, rank, offsets, weights, feature_col,
                        batch, dim, mean, grad, update: OptimizerUpdate, error=None,
-                       schedule=None, sums=None):
+                       schedule=None, sums=None, rounding=None):
         if sums is not None:
             raise ValueError(f"{type(self).__name__} sums gradients in its update kernel")
+        formatted = self._formatted(sources.format, rounding)
         no_offsets = torch.empty(0, dtype=torch.int64, device=grad.device)
         self.kernels.fused_backward(
             [sources.device, sources.host], row_ref, starts, rank,
             no_offsets if offsets is None else offsets, weights, feature_col, batch, dim, mean,
             grad, optimizer_code(update.optimizer), update.lr, update.eps, update.beta1,
             update.beta2, update.weight_decay, update.step_size, update.bias_correction2_sqrt,
-            update.decay_scale, **self._counted(error=error, schedule=schedule))
+            update.decay_scale, **self._counted(error=error, schedule=schedule), **formatted)
         return 0  # values unchecked: a count would wait for the device
 
     def per_sample_weight_grad(self, *, sources, row_ref, inverse, offsets, feature_col,
@@ -153,4 +170,5 @@ class KernelBackend(Backend):
         self.kernels.per_sample_weight_grad([sources.device, sources.host], sources.transient,
                                             row_ref, inverse, offsets, feature_col, batch, dim,
                                             grad, out,
-                                            **self._counted(init=sources.init, error=error))
+                                            **self._counted(init=sources.init, error=error),
+                                            **self._formatted(sources.format))

@@ -357,14 +357,32 @@ class RowSources(NamedTuple):
 
     Shape:
         device: (C, width) the device tier's values; host: (H, width) the host store's
-        (empty with one tier); transient: (T, dim) the batch's transient rows; init:
-        rows computed from the initializers instead (``InitRows``), or None.
+        (empty with one tier); transient: (T, dim) float32, the batch's transient rows;
+        init: rows computed from the initializers instead (``InitRows``), or None;
+        format: the stored rows' ``RowFormat`` (None: float32 rows).
     """
 
     device: torch.Tensor
     host: torch.Tensor
     transient: torch.Tensor
     init: Optional[InitRows] = None
+    format: Optional["RowFormat"] = None
+
+
+class Rounding(NamedTuple):
+    """How an update writes 16-bit rows back (``rounding_primitives.h``).
+
+    Shape:
+        keys: (U,) int64 and table_ids: (U,) int16, each unique row's; spec: (T, 2) int64,
+        each table's (stream, seed); step: (1,) int64, read when the update starts.
+        stochastic: stochastic rounding (else round to nearest).
+    """
+
+    keys: torch.Tensor
+    table_ids: torch.Tensor
+    spec: torch.Tensor
+    step: torch.Tensor
+    stochastic: bool
 
 
 class BatchPart(NamedTuple):

@@ -12,8 +12,11 @@ writes the float32 result back rounded to nearest, or stochastically with the bi
 import pytest
 import torch
 
-from dynamicemb.ops import cpu_kernels
-from dynamicemb.ops.records import InitSpec, RowFormat
+from dynamicemb.ops import cpu_kernels, for_device
+from dynamicemb.ops.cpu import CpuBackend
+from dynamicemb.ops.records import InitSpec, OptimizerUpdate, Rounding, RowFormat, RowSources
+from dynamicemb.options import DynamicEmbOptimType
+from dynamicemb_testing.cuda_emulation import emulated_cuda
 from dynamicemb_testing.rounding_reference import narrow_rn, stochastic_round
 from test_cpu_counted_embedding import (HOST_ROW_BIT, TRANSIENT_ROW_BIT, UPDATES, Batch,
                                         _one_pass, _two_pass, backward_batch, host_scalars,
@@ -217,3 +220,61 @@ def test_bad_formats_are_refused():
     with pytest.raises(RuntimeError, match="rounding"):
         _cpu().update_rows(narrow, b.row_ref, sums, *optimizer_args(u, host_scalars(u, 1)),
                            row_format=(fmt.code, fmt.state_offset))
+
+
+# ------------------------------------------------------------------ the backend seam
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_backend_passes_the_format_and_the_rounding(dtype):
+    """``CpuBackend`` hands ``RowSources.format`` and ``Rounding`` to the verbs: its
+    forward and backward equal the extension's own calls with the keywords."""
+    u = UPDATES[4]  # row-wise Adagrad
+    b, grad = backward_batch(6, 3, 48, u, pooled=True, padded=False)
+    _, narrow, fmt = narrow_batch(b, dtype, b.tiers[0].shape[1] - DIM)
+    keywords = {"row_format": (fmt.code, fmt.state_offset)}
+    backend = CpuBackend()
+    sources = RowSources(narrow[0], narrow[1], torch.empty(0, DIM), b.init, fmt)
+    got, want = torch.zeros(b.batch, 3 * DIM), torch.zeros(b.batch, 3 * DIM)
+    backend.pooled_forward(sources=sources, row_ref=b.row_ref, inverse=b.inverse,
+                           offsets=b.offsets, weights=b.weights, feature_col=b.feature_col,
+                           batch=b.batch, dim=DIM, mean=False, out=got)
+    _cpu().pooled_forward(narrow, torch.empty(0, DIM), b.row_ref, b.inverse, b.offsets,
+                          b.weights, b.feature_col, b.batch, DIM, False, want, init=b.init,
+                          **keywords)
+    assert torch.equal(got, want)
+    rounding = Rounding(b.init.keys, b.init.table_ids, ROUNDING_SPEC,
+                        torch.tensor([7], dtype=torch.int64), True)
+    scalars = host_scalars(u, 1)
+    mine = [t.clone() for t in narrow]
+    backend.fused_backward(
+        sources=sources._replace(device=mine[0], host=mine[1]), row_ref=b.row_ref,
+        starts=b.starts, rank=b.rank, offsets=b.offsets, weights=b.weights,
+        feature_col=b.feature_col, batch=b.batch, dim=DIM, mean=False, grad=grad,
+        update=OptimizerUpdate(DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD, u.lr, u.eps, u.beta1,
+                               u.beta2, u.weight_decay, scalars[1], scalars[2], scalars[3]),
+        rounding=rounding)
+    _one_pass(b._replace(tiers=narrow), grad, False, optimizer_args(u, scalars),
+              rounding=tuple(rounding), **keywords)
+    for got_tier, want_tier in zip(mine, narrow):
+        assert torch.equal(got_tier, want_tier)
+    with pytest.raises(RuntimeError, match="rounding"):  # a 16-bit update needs it
+        backend.fused_backward(
+            sources=sources, row_ref=b.row_ref, starts=b.starts, rank=b.rank,
+            offsets=b.offsets, weights=b.weights, feature_col=b.feature_col, batch=b.batch,
+            dim=DIM, mean=False, grad=grad,
+            update=OptimizerUpdate(DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD, u.lr, u.eps,
+                                   u.beta1, u.beta2, u.weight_decay, *scalars[1:]))
+
+
+def test_a_backend_without_16_bit_kernels_refuses_the_rows():
+    """The CUDA kernels read float32 rows only (for now): 16-bit sources are refused by
+    name, before any kernel runs."""
+    b = make_batch(0, 1, 8, dim=DIM, width=DIM)
+    _, narrow, fmt = narrow_batch(b, torch.bfloat16, 0)
+    with emulated_cuda():
+        backend = for_device(torch.device("cpu"))  # the CUDA backend, kernels emulated
+        assert type(backend).__name__ == "CudaBackend"
+        with pytest.raises(ValueError, match="no kernels for torch.bfloat16 rows"):
+            backend.sequence_forward(
+                sources=RowSources(narrow[0], narrow[1], torch.empty(0, DIM), b.init, fmt),
+                row_ref=b.row_ref, inverse=b.inverse, dim=DIM,
+                out=torch.zeros(b.inverse.numel(), DIM))
