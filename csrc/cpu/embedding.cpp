@@ -225,6 +225,24 @@ UniqueTuple dedup(const at::Tensor& keys, const at::Tensor& tids,
 
 namespace {
 
+// init_rows' checks of everything but the values.
+void check_init_args(const at::Tensor& slots, const c10::optional<at::Tensor>& status,
+                     const at::Tensor& keys, const at::Tensor& tids,
+                     const at::Tensor& init_ints, const at::Tensor& init_floats) {
+  check_tensor(slots, at::kLong, "slots");
+  if (status) check_tensor(*status, at::kChar, "status");
+  check_tensor(keys, at::kLong, "keys");
+  check_tensor(tids, at::kShort, "table_ids");
+  check_tensor(init_ints, at::kLong, "init ints");
+  check_tensor(init_floats, at::kFloat, "init floats");
+  const int64_t n = slots.numel();
+  TORCH_CHECK((!status || status->numel() == n) && keys.numel() == n && tids.numel() == n,
+              "slots, status and keys need one length");
+  TORCH_CHECK(init_ints.dim() == 2 && init_ints.size(1) == 3 && init_floats.dim() == 2 &&
+                  init_floats.size(0) == init_ints.size(0) && init_floats.size(1) == 5,
+              "an InitSpec holds (T, 3) ints and (T, 5) floats");
+}
+
 // init_rows of 16-bit rows (uint8 values [C, row_bytes]): the initializer's elements
 // rounded to nearest, the state floats at the format's offset.
 void init_narrow_rows(at::Tensor& values, const at::Tensor& slots,
@@ -235,15 +253,8 @@ void init_narrow_rows(at::Tensor& values, const at::Tensor& slots,
   const at::Tensor no_rows = at::empty({0}, at::kLong);
   const RowSource src = row_source({values, values}, at::empty({0, dim}, at::kFloat), no_rows,
                                    dim, row_format);
-  check_tensor(slots, at::kLong, "slots");
-  if (status) check_tensor(*status, at::kChar, "status");
-  check_tensor(keys, at::kLong, "keys");
-  check_tensor(tids, at::kShort, "table_ids");
-  check_tensor(init_ints, at::kLong, "init ints");
-  check_tensor(init_floats, at::kFloat, "init floats");
+  check_init_args(slots, status, keys, tids, init_ints, init_floats);
   const int64_t n = slots.numel();
-  TORCH_CHECK((!status || status->numel() == n) && keys.numel() == n && tids.numel() == n,
-              "slots, status and keys need one length");
   const int64_t state_floats = (src.row_bytes - src.state_offset) / 4;
   const int64_t* s = slots.data_ptr<int64_t>();
   const int8_t* st = status ? status->data_ptr<int8_t>() : nullptr;
@@ -285,19 +296,9 @@ void init_rows(at::Tensor& values, const at::Tensor& slots,
     return;
   }
   check_tensor(values, at::kFloat, "values");
-  check_tensor(slots, at::kLong, "slots");
-  if (status) check_tensor(*status, at::kChar, "status");
-  check_tensor(keys, at::kLong, "keys");
-  check_tensor(tids, at::kShort, "table_ids");
-  check_tensor(init_ints, at::kLong, "init ints");
-  check_tensor(init_floats, at::kFloat, "init floats");
+  check_init_args(slots, status, keys, tids, init_ints, init_floats);
   const int64_t n = slots.numel();
-  TORCH_CHECK((!status || status->numel() == n) && keys.numel() == n && tids.numel() == n &&
-                  values.dim() == 2,
-              "slots, status and keys need one length; values [C, width]");
-  TORCH_CHECK(init_ints.dim() == 2 && init_ints.size(1) == 3 && init_floats.dim() == 2 &&
-                  init_floats.size(0) == init_ints.size(0) && init_floats.size(1) == 5,
-              "an InitSpec holds (T, 3) ints and (T, 5) floats");
+  TORCH_CHECK(values.dim() == 2, "values must be [C, width]");
   const int64_t width = values.size(1);
   TORCH_CHECK(0 <= dim && dim <= width, "dim must be in [0, ", width, "], got ", dim);
   float* v = values.data_ptr<float>();

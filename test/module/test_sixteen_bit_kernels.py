@@ -278,3 +278,13 @@ def test_a_backend_without_16_bit_kernels_refuses_the_rows():
                 sources=RowSources(narrow[0], narrow[1], torch.empty(0, DIM), b.init, fmt),
                 row_ref=b.row_ref, inverse=b.inverse, dim=DIM,
                 out=torch.zeros(b.inverse.numel(), DIM))
+
+
+def test_init_rows_of_16_bit_rows_check_the_spec():
+    fmt = RowFormat(torch.bfloat16, DIM, 1)
+    rows = fmt.pack(torch.zeros(4, DIM), torch.zeros(4, 1))
+    keys = torch.arange(2)
+    bad = InitSpec(torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, 4))  # (T, 4) floats
+    with pytest.raises(RuntimeError, match="InitSpec"):
+        _cpu().init_rows(rows, keys, None, keys, torch.zeros(2, dtype=torch.int16), DIM, bad,
+                         0.0, row_format=(fmt.code, fmt.state_offset))
