@@ -9,7 +9,8 @@ PIP := $(PY) -m pip
 DEPS_STAMP := $(VENV)/.deps-installed
 BUILD_STAMP := $(VENV)/.package-built
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
-PYTEST_ARGS ?=
+# the slowest tests are listed at the end of each run: the suite must stay under 20 minutes
+PYTEST_ARGS ?= --durations=20
 
 .PHONY: all demo test build bench guards gpu-check clean distclean
 
