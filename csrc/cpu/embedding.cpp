@@ -243,7 +243,7 @@ void check_init_args(const at::Tensor& slots, const c10::optional<at::Tensor>& s
               "an InitSpec holds (T, 3) ints and (T, 5) floats");
 }
 
-// init_rows of 16-bit rows (uint8 values [C, row_bytes]): the initializer's elements
+// init_rows of 16-bit rows (values [C, row_bytes / 4] words): the initializer's elements
 // rounded to nearest, the state floats at the format's offset.
 void init_narrow_rows(at::Tensor& values, const at::Tensor& slots,
                       const c10::optional<at::Tensor>& status, const at::Tensor& keys,

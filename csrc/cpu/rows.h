@@ -3,8 +3,8 @@
 // A row reference (dynamicemb/row_ref.h) names a slot of the device tier or the host
 // store, a transient row (float32, dim), or a row its initializer computes. Stored
 // rows have one format per call (RowFormat, dynamicemb/ops/records.py): float32
-// [embedding | state] in float32 tiers (code 0), or byte rows of a float16 (1) or
-// bfloat16 (2) embedding and a float32 state at `state_offset` in uint8 tiers. The
+// [embedding | state] (code 0), or a float16 (1) or bfloat16 (2) embedding and a
+// float32 state at `state_offset`; every tier stores rows as float32 words. The
 // readers give the kernels every row as float32: 16-bit rows widened exactly
 // (rounding_primitives.h), so the math and its order are float32's on both formats.
 #pragma once
@@ -53,14 +53,14 @@ DEMB_PREFETCHES void prefetch_row(const void* row, int64_t dim, int rw = 0) {
 constexpr int64_t kFloat32Rows = 0, kFloat16Rows = 1, kBfloat16Rows = 2;
 
 struct RowSource {
-  float* device;  // float32 rows (code 0): [*, width] floats
+  float* device;  // [*, width] 4-byte words (float32 rows: floats)
   float* host;
   int64_t width;
   const float* transient;
   int64_t dim;
   const int64_t* row_ref;
   int64_t code;          // the stored rows' format (kFloat32Rows, ...)
-  char* device_bytes;    // every format: the tiers' bytes, row_bytes a row
+  char* device_bytes;    // the tiers' bytes, row_bytes (4 * width) a row
   char* host_bytes;
   int64_t row_bytes;
   int64_t state_offset;  // bytes from a row's start to its float32 state
@@ -78,7 +78,7 @@ struct RowSource {
   float* state_of(char* row) const { return reinterpret_cast<float*>(row + state_offset); }
 };
 
-// RowFormatArg: (code, state_offset) of 16-bit rows in uint8 tiers; None: float32.
+// RowFormatArg: (code, state_offset) of 16-bit rows; None: float32.
 RowSource row_source(const std::vector<at::Tensor>& tiers, const at::Tensor& transient,
                      const at::Tensor& row_ref, int64_t dim,
                      const c10::optional<RowFormatArg>& format = c10::nullopt) {
@@ -89,7 +89,7 @@ RowSource row_source(const std::vector<at::Tensor>& tiers, const at::Tensor& tra
   TORCH_CHECK(code == kFloat32Rows || code == kFloat16Rows || code == kBfloat16Rows,
               "row format code must be 0 (float32), 1 (float16) or 2 (bfloat16), got ", code);
   for (const auto& t : tiers) {
-    check_tensor(t, code == kFloat32Rows ? at::kFloat : at::kByte, "values");
+    check_tensor(t, at::kFloat, "values");
     TORCH_CHECK(t.dim() == 2 && t.size(1) == tiers[0].size(1),
                 "values must be [*, width] with one width for both tiers");
   }
@@ -103,15 +103,10 @@ RowSource row_source(const std::vector<at::Tensor>& tiers, const at::Tensor& tra
                 "a 16-bit row's state offset must be 4-byte aligned, within the row and after "
                 "its ", dim, " embedding elements, got ", state_offset, " of ", row_bytes);
   }
-  RowSource src{nullptr, nullptr, 0, transient.data_ptr<float>(), dim,
-                row_ref.data_ptr<int64_t>(), code,
+  RowSource src{tiers[0].data_ptr<float>(), tiers[1].data_ptr<float>(), tiers[0].size(1),
+                transient.data_ptr<float>(), dim, row_ref.data_ptr<int64_t>(), code,
                 static_cast<char*>(tiers[0].data_ptr()), static_cast<char*>(tiers[1].data_ptr()),
                 row_bytes, state_offset};
-  if (code == kFloat32Rows) {
-    src.device = tiers[0].data_ptr<float>();
-    src.host = tiers[1].data_ptr<float>();
-    src.width = tiers[0].size(1);
-  }
   return src;
 }
 

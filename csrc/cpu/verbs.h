@@ -116,8 +116,8 @@ using InitRowsArg = std::tuple<at::Tensor, at::Tensor, std::tuple<at::Tensor, at
 // DeviceSchedule: (lr (1,) float64, step (1,) int64, advance, beta1, beta2,
 // decoupled_decay).
 using ScheduleArg = std::tuple<at::Tensor, at::Tensor, bool, double, double, double>;
-// RowFormat of 16-bit rows: (code: 1 float16, 2 bfloat16; state_offset in bytes), the
-// tiers then uint8 [*, row_bytes]; None: float32 rows in float32 tiers.
+// RowFormat of 16-bit rows: (code: 1 float16, 2 bfloat16; state_offset in bytes), in
+// float32-word tiers [*, row_bytes / 4]; None: float32 rows.
 using RowFormatArg = std::tuple<int64_t, int64_t>;
 // How an update narrows 16-bit rows: (keys (U,) int64, table_ids (U,) int16, spec
 // (T, 2) int64 of each table's (stream, seed), step (1,) int64 read when the call

@@ -98,10 +98,12 @@ class RowFormat:
     ``scale_bytes`` (reserved for an 8-bit row's per-row scale; 0 for now), then
     ``state_dim`` float32 optimizer-state columns at a 4-byte aligned offset.
 
-    float32 rows are today's float32 ``(C, dim + state_dim)`` values, byte for byte;
-    16-bit rows are uint8 ``(C, row_bytes)``, which the table, growth and row copies
-    move unchanged. Only column slicing (``embeddings``, ``states``, ``pack``) reads the
-    layout; the kernels take ``code``, ``dim``, ``state_offset`` and ``row_bytes``.
+    Every row is a whole number of 4-byte words and every tier stores rows as float32
+    words ``(C, row_bytes // 4)``: float32 rows are today's ``(C, dim + state_dim)``
+    values, byte for byte; a 16-bit row's words hold its 16-bit embedding and float32
+    state, which the table, growth, promotion and row copies move as words. Only column
+    slicing (``embeddings``, ``states``, ``pack``) reads the layout; the kernels take
+    ``code`` and ``state_offset``.
 
     Args:
         dtype: torch.float32, torch.float16 or torch.bfloat16 (``types.ROW_DTYPES``).
@@ -168,23 +170,19 @@ class RowFormat:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of a row: float32 rows ``4 * (dim + state_dim)``; rows without state
-        are padded only to a whole element (compact serving rows)."""
-        if self.state_dim:
-            return self.state_offset + 4 * self.state_dim
-        return _align(self.scale_offset + self.scale_bytes, self.elem_bytes)
+        """Bytes of a row, padded to a 4-byte word: float32 rows ``4 * (dim +
+        state_dim)``."""
+        return self.state_offset + 4 * self.state_dim
 
     @property
     def storage_dtype(self) -> torch.dtype:
-        """The dtype of the values array: float32, or uint8 for 16-bit rows."""
-        return torch.float32 if self.dtype == torch.float32 else torch.uint8
+        """The dtype of the values array: float32 words for every row dtype."""
+        return torch.float32
 
     @property
     def storage_width(self) -> int:
-        """Columns of the values array: ``dim + state_dim`` floats, or ``row_bytes``."""
-        if self.dtype == torch.float32:
-            return self.dim + self.state_dim
-        return self.row_bytes
+        """Columns (4-byte words) of the values array: ``row_bytes // 4``."""
+        return self.row_bytes // 4
 
     @property
     def tag(self) -> str:
@@ -202,7 +200,7 @@ class RowFormat:
         self._check_rows(rows)
         if self.dtype == torch.float32:
             return rows[..., :self.dim]
-        return rows[..., :self.scale_offset].view(self.dtype)
+        return rows.view(torch.uint8)[..., :self.scale_offset].view(self.dtype)
 
     def states(self, rows: torch.Tensor) -> torch.Tensor:
         """The optimizer states of ``rows``, a view (an empty tensor when ``state_dim``
@@ -212,12 +210,7 @@ class RowFormat:
             rows: (..., storage_width) ``storage_dtype``; returns (..., state_dim) float32.
         """
         self._check_rows(rows)
-        if self.dtype == torch.float32:
-            return rows[..., self.dim:]
-        if not self.state_dim:
-            return torch.empty(*rows.shape[:-1], 0, dtype=torch.float32, device=rows.device)
-        end = self.state_offset + 4 * self.state_dim
-        return rows[..., self.state_offset:end].view(torch.float32)
+        return rows[..., self.state_offset // 4:]
 
     def pack(self, embeddings: torch.Tensor, states: Optional[torch.Tensor] = None
              ) -> torch.Tensor:

@@ -209,9 +209,10 @@ def test_bad_formats_are_refused():
     with pytest.raises(RuntimeError, match="format code"):
         _cpu().sequence_forward(narrow, torch.empty(0, DIM), b.row_ref, b.inverse, DIM, out,
                                 init=b.init, row_format=(3, fmt.state_offset))
-    with pytest.raises(RuntimeError, match="values"):  # float32 tiers named 16-bit
-        _cpu().sequence_forward(wide.tiers, torch.empty(0, DIM), b.row_ref, b.inverse, DIM,
-                                out, init=b.init, row_format=(fmt.code, fmt.state_offset))
+    with pytest.raises(RuntimeError, match="values"):  # rows are float32 words, not bytes
+        _cpu().sequence_forward([t.view(torch.uint8) for t in narrow], torch.empty(0, DIM),
+                                b.row_ref, b.inverse, DIM, out, init=b.init,
+                                row_format=(fmt.code, fmt.state_offset))
     with pytest.raises(RuntimeError, match="state offset"):
         _cpu().sequence_forward(narrow, torch.empty(0, DIM), b.row_ref, b.inverse, DIM, out,
                                 init=b.init, row_format=(fmt.code, 2))

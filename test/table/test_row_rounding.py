@@ -166,7 +166,7 @@ def test_narrow_rn_equals_torch(check, tmp_path, values):
         assert bool(torch.isnan(values[nan].to(dtype)).all())  # torch's bits are a NaN too
         assert torch.equal(got, _u16(ref.narrow_rn(values, dtype))), dtype
         packed = RowFormat(dtype, 1, 0).pack(values[:, None])
-        assert torch.equal(got, _u16(packed.view(dtype).flatten())), dtype
+        assert torch.equal(got, _u16(RowFormat(dtype, 1, 0).embeddings(packed).flatten())), dtype
 
 
 @pytest.mark.parametrize("bits", ["random", "zero", "max", "half"])
@@ -321,17 +321,13 @@ def test_row_format_layout(dtype, dim):
         fmt = RowFormat(dtype, dim, state_dim)
         assert fmt.elem_bytes == size and fmt.scale_offset == dim * size
         assert fmt.state_offset == 4 * math.ceil(dim * size / 4)
-        if state_dim:
-            assert fmt.row_bytes == fmt.state_offset + 4 * state_dim
-        else:
-            assert fmt.row_bytes == dim * size  # compact: no padding past the last element
-        assert fmt.row_bytes % (4 if state_dim else size) == 0
+        assert fmt.row_bytes == fmt.state_offset + 4 * state_dim  # whole 4-byte words
         assert fmt.code == {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[dtype]
         if dtype == torch.float32:  # today's rows, byte for byte
             assert fmt.row_bytes == (dim + state_dim) * 4
             assert (fmt.storage_dtype, fmt.storage_width) == (torch.float32, dim + state_dim)
-        else:
-            assert (fmt.storage_dtype, fmt.storage_width) == (torch.uint8, fmt.row_bytes)
+        else:  # stored as float32 words, like float32 rows
+            assert (fmt.storage_dtype, fmt.storage_width) == (torch.float32, fmt.row_bytes // 4)
         name = str(dtype).split(".")[1]
         assert fmt.tag == f"{name}[{dim}]+f32[{state_dim}]"
 
@@ -341,7 +337,7 @@ def test_row_format_known_sizes():
     bf16, f32 = torch.bfloat16, torch.float32
     assert [RowFormat(bf16, 128, s).row_bytes for s in (0, 1, 128, 256)] == [256, 260, 768, 1280]
     assert [RowFormat(f32, 128, s).row_bytes for s in (0, 1, 128, 256)] == [512, 516, 1024, 1536]
-    assert RowFormat(torch.float16, 3, 0).row_bytes == 6
+    assert RowFormat(torch.float16, 3, 0).row_bytes == 8  # padded to a word
     assert (RowFormat(torch.float16, 3, 1).state_offset, RowFormat(torch.float16, 3, 1).row_bytes) \
         == (8, 12)
     scaled = RowFormat(bf16, 5, 2, scale_bytes=8)  # a later 8-bit row's scale goes here
@@ -388,9 +384,7 @@ def test_row_format_pack_round_trip(dtype, dim):
             assert float(fmt.states(rows[1])[0]) == -1.0  # a single row, too
         assert bool((fmt.embeddings(rows[1]).float() == 2.0).all())
         if dtype != torch.float32:
-            end = fmt.scale_offset
-            pad = torch.cat([rows[:, end:fmt.state_offset], rows[:, fmt.state_offset + 4 *
-                                                                 state_dim:]], 1)
+            pad = rows.view(torch.uint8)[:, fmt.scale_offset:fmt.state_offset]
             assert not bool(pad.any())
 
 
