@@ -232,7 +232,8 @@ struct Rounding {
   const int64_t* keys;  // (U,) each unique row's key
   const int16_t* tids;  // (U,) its table id
   const int64_t* spec;  // (T, 2): each table's (stream, seed)
-  int64_t step;
+  const int64_t* step_at;  // (1,) read when a thread's writer is made, after the
+  int64_t step;            // schedule's advance (update_params): the update's step
   bool stochastic;
 };
 
@@ -255,7 +256,7 @@ Rounding rounding_of(const c10::optional<RoundingArg>& arg, int64_t num_unique) 
     TORCH_CHECK(0 <= t[u] && t[u] < spec.size(0), "rounding table id out of range");
   }
   return Rounding{keys.data_ptr<int64_t>(), t, spec.data_ptr<int64_t>(),
-                  step.data_ptr<int64_t>()[0], std::get<4>(*arg)};
+                  step.data_ptr<int64_t>(), 0, std::get<4>(*arg)};
 }
 
 // The optimizer's update of the 16-bit row of unique row u: its embedding widened into
@@ -324,7 +325,11 @@ void with_updates(const RowSource& src, const c10::optional<RoundingArg>& roundi
   const Rounding r = rounding_of(rounding, num_unique);
   with_element(src.code, [&](auto element) {
     using E = decltype(element);
-    body([&] { return NarrowUpdates<E>{src, r, std::vector<float>(src.dim)}; });
+    body([&] {
+      Rounding now = r;
+      now.step = *r.step_at;
+      return NarrowUpdates<E>{src, now, std::vector<float>(src.dim)};
+    });
   });
 }
 

@@ -120,8 +120,9 @@ using ScheduleArg = std::tuple<at::Tensor, at::Tensor, bool, double, double, dou
 // float32-word tiers [*, row_bytes / 4]; None: float32 rows.
 using RowFormatArg = std::tuple<int64_t, int64_t>;
 // How an update narrows 16-bit rows: (keys (U,) int64, table_ids (U,) int16, spec
-// (T, 2) int64 of each table's (stream, seed), step (1,) int64 read when the call
-// starts, stochastic): rounding_primitives.h's bits, or round to nearest.
+// (T, 2) int64 of each table's (stream, seed), step (1,) int64 read after the
+// schedule's advance (it may be the schedule's step), stochastic):
+// rounding_primitives.h's bits, or round to nearest.
 using RoundingArg = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool>;
 
 // 0, or the first problem of an offsets tensor of num_indices lookups; with

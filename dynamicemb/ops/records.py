@@ -367,7 +367,8 @@ class Rounding(NamedTuple):
 
     Shape:
         keys: (U,) int64 and table_ids: (U,) int16, each unique row's; spec: (T, 2) int64,
-        each table's (stream, seed); step: (1,) int64, read when the update starts.
+        each table's (stream, seed); step: (1,) int64, read after the update's schedule
+        advanced its step (it may be that step's tensor).
         stochastic: stochastic rounding (else round to nearest).
     """
 

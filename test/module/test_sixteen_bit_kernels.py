@@ -18,9 +18,10 @@ from dynamicemb.ops.records import InitSpec, OptimizerUpdate, Rounding, RowForma
 from dynamicemb.options import DynamicEmbOptimType
 from dynamicemb_testing.cuda_emulation import emulated_cuda
 from dynamicemb_testing.rounding_reference import narrow_rn, stochastic_round
-from test_cpu_counted_embedding import (HOST_ROW_BIT, TRANSIENT_ROW_BIT, UPDATES, Batch,
-                                        _one_pass, _two_pass, backward_batch, host_scalars,
-                                        make_batch, optimizer_args, transient_rows)
+from test_cpu_counted_embedding import (GARBAGE, HOST_ROW_BIT, TRANSIENT_ROW_BIT, UPDATES,
+                                        Batch, _one_pass, _two_pass, backward_batch,
+                                        host_scalars, make_batch, optimizer_args,
+                                        schedule_of, transient_rows)
 
 DTYPES = [torch.float16, torch.bfloat16]
 DIM = 8
@@ -175,6 +176,28 @@ def test_stochastic_rounding_follows_the_step_and_the_key():
                   row_format=(fmt.code, fmt.state_offset), rounding=rounding)
         results.append(tiers[0])
     assert not torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("passes", [_one_pass, _two_pass], ids=["one_pass", "two_passes"])
+def test_rounding_reads_the_step_after_the_schedule_advanced_it(passes):
+    """A rounding whose step is the schedule's step tensor rounds with the advanced count,
+    as the CUDA update does after ``demb_place_grads`` advanced it."""
+    u = UPDATES[1]  # Adam: its schedule advances the step
+    b, grad = backward_batch(3, 2, 64, u, pooled=True, padded=False)
+    _, narrow, fmt = narrow_batch(b, torch.bfloat16, b.tiers[0].shape[1] - DIM)
+    results = []
+    for shared in (True, False):
+        tiers = [t.clone() for t in narrow]
+        schedule = schedule_of(u, 6)
+        step = schedule.step if shared else torch.tensor([7], dtype=torch.int64)
+        rounding = (b.init.keys, b.init.table_ids, ROUNDING_SPEC, step, True)
+        passes(b._replace(tiers=tiers), grad, False, optimizer_args(u, GARBAGE),
+               schedule=tuple(schedule), row_format=(fmt.code, fmt.state_offset),
+               rounding=rounding)
+        assert int(schedule.step) == 7
+        results.append(tiers)
+    for shared, alone in zip(*results):
+        assert torch.equal(shared, alone)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
