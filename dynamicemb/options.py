@@ -17,6 +17,7 @@ from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicE
                               DynamicEmbEvictStrategy, DynamicEmbScoreStrategy, UpstreamIntValues)
 
 __all__ = [
+    "ACCEPTED_ROW_DTYPES",
     "AdmissionStrategy",
     "DynamicEmbInitializerArgs",
     "DynamicEmbInitializerMode",
@@ -28,6 +29,11 @@ __all__ = [
     "FrequencyAdmissionStrategy",
     "KVCounter",
 ]
+
+
+#: ``embedding_dtype`` values a table takes (``types.ROW_DTYPES`` once every tier
+#: stores 16-bit rows: issue 54).
+ACCEPTED_ROW_DTYPES: Tuple[torch.dtype, ...] = (torch.float32,)
 
 
 @unique
@@ -325,7 +331,13 @@ class DynamicEmbTableOptions:
         dist_type: which rank stores a key of a row-wise table (``DynamicEmbDistType``
             or its value; upstream's ``continuous`` is refused).
         index_type: dtype of the ids given, int64 or int32 (keys are int64).
-        embedding_dtype: dtype of stored rows; float32 only.
+        embedding_dtype: dtype of stored rows' embeddings (None: float32); optimizer
+            states stay float32.
+        stochastic_rounding: 16-bit rows: an update writes its float32 result back
+            rounded stochastically, with bits hashed from (``rounding_seed``, table,
+            key, update count, column), the same on every backend, cache size and
+            placement; False: to nearest.
+        rounding_seed: the seed of ``stochastic_rounding``'s bits.
         evict_strategy: upstream's eviction rule: it follows ``score_strategy``, and one
             that disagrees is overwritten with a warning, as upstream does.
         external_storage: a tier below host memory (``dynamicemb.storage.external``)
@@ -379,6 +391,8 @@ class DynamicEmbTableOptions:
     dist_type: DynamicEmbDistType = DynamicEmbDistType.HASH
     index_type: Optional[torch.dtype] = None
     embedding_dtype: Optional[torch.dtype] = None
+    stochastic_rounding: bool = True
+    rounding_seed: int = 0
     evict_strategy: Optional[DynamicEmbEvictStrategy] = None
     external_storage: Any = None
     ttl: Optional[int] = None
@@ -419,6 +433,11 @@ class DynamicEmbTableOptions:
             self.placement = os.fspath(self.placement)
             load_placement(self.placement)  # refuses a missing or corrupt file now
         self._check_replicas()
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        """The stored embeddings' dtype: ``embedding_dtype``, float32 when None."""
+        return torch.float32 if self.embedding_dtype is None else self.embedding_dtype
 
     def _check_replicas(self) -> None:
         replicas = self.replicas
@@ -471,9 +490,17 @@ class DynamicEmbTableOptions:
                              f"{self.device_id!r}")
         if self.index_type not in (None, torch.int64, torch.int32):
             raise ValueError(f"index_type must be torch.int64 or torch.int32, got {self.index_type}")
-        if self.embedding_dtype not in (None, torch.float32):
+        if self.embedding_dtype is not None and self.embedding_dtype not in ACCEPTED_ROW_DTYPES:
             raise ValueError(f"embedding_dtype {self.embedding_dtype} is not supported: rows are "
-                             "stored in float32 (output_dtype sets the output's dtype)")
+                             f"stored in {[str(d) for d in ACCEPTED_ROW_DTYPES]} "
+                             "(output_dtype sets the output's dtype)")
+        if not isinstance(self.stochastic_rounding, bool):
+            raise ValueError(f"stochastic_rounding must be a bool, got "
+                             f"{self.stochastic_rounding!r}")
+        if isinstance(self.rounding_seed, bool) or not isinstance(self.rounding_seed, int) or \
+                not 0 <= self.rounding_seed < 1 << 63:
+            raise ValueError(f"rounding_seed must be an int in [0, 2**63), got "
+                             f"{self.rounding_seed!r}")
         if self.admit_strategy is not None and not isinstance(self.admit_strategy,
                                                               FrequencyAdmissionStrategy):
             raise ValueError("admit_strategy must be a FrequencyAdmissionStrategy (strategy "

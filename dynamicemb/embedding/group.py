@@ -14,12 +14,13 @@ from typing import Iterator, List, NamedTuple, Optional
 import torch
 
 from dynamicemb.embedding.admission import Admission
-from dynamicemb.embedding.initialization import RowInitializer
+from dynamicemb.embedding.initialization import RowInitializer, init_stream
 from dynamicemb.embedding.records import ExportedRows, TableClocks
 from dynamicemb.ops import for_device
 from dynamicemb.ops.interface import (HOST_ROW_BIT, TRANSIENT_ROW_BIT, BatchPart,
-                                      DeviceSchedule, InitRows, OptimizerUpdate, RowFormat,
-                                      RowSources, num_buckets_for, optimizer_state_dim)
+                                      DeviceSchedule, InitRows, OptimizerUpdate, Rounding,
+                                      RowFormat, RowSources, num_buckets_for,
+                                      optimizer_state_dim)
 from dynamicemb.options import (DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbTableOptions,
                                 DynamicEmbWeightDecayMode)
 from dynamicemb.storage import TieredStorage, TierMetrics
@@ -52,6 +53,9 @@ def group_key(options: DynamicEmbTableOptions, optimizer: DynamicEmbOptimizerArg
         options.ttl,
         options.external_storage,
         options.local_host_for_values is None,
+        options.row_dtype,
+        options.stochastic_rounding,
+        options.rounding_seed,
     )
 
 
@@ -167,7 +171,7 @@ class TableGroup:
                 f"at most {self.ops.max_dim}")
         self.init = RowInitializer(table_names, options, self.dim, optimizer,
                                    self.state_dim)
-        self.row_format = RowFormat(torch.float32, self.dim, self.state_dim)
+        self.row_format = RowFormat(first.row_dtype, self.dim, self.state_dim)
         host_rows = host_budget_rows(options, self.row_format.row_bytes, table_names)
         device_rows = device_budget_rows(options, self.row_format.row_bytes, table_names)
         self.table = ScoredHashTable(  # the host store: index of record
@@ -177,7 +181,8 @@ class TableGroup:
             bucket_capacity=first.bucket_capacity,
             score_strategy=first.score_strategy,
             max_load_factor=first.max_load_factor,
-            value_dim=self.dim + self.state_dim,
+            value_dim=self.row_format.storage_width,
+            value_dtype=self.row_format.storage_dtype,
             check_mode=first.safe_check_mode,
             device=device,
             ttl=first.ttl,
@@ -189,7 +194,7 @@ class TableGroup:
                 num_buckets_for(host_rows, first.bucket_capacity) * first.bucket_capacity),
         )
         self.storage = TieredStorage.build(
-            self.table, first.caching, device_rows, device=device,
+            self.table, self.row_format, first.caching, device_rows, device=device,
             new_rows=self.init.new_rows(device),
             external=external_tier(first, self.table, table_names))
         if first.admit_strategy is not None and 2 * len(table_indices) > MAX_TABLES + 1:
@@ -202,9 +207,17 @@ class TableGroup:
                                          [o.admission_counter for o in options], device))
         # On the rows' device: indexed by each batch's table ids.
         self.custom_scores = torch.zeros(len(table_indices), dtype=torch.int64, device=device)
-        # Adam's step count: set on the host, advanced in device memory by a backward
-        # of a step counted on the device (its learning rate is read there too)
+        # The update count (Adam's step; 16-bit rows' rounding step): set on the host,
+        # advanced in device memory by a backward of a step counted on the device (its
+        # learning rate is read there too)
         self._optimizer_step = DeviceCounters([0], device)
+        self._counts_updates = (optimizer.optimizer == DynamicEmbOptimType.ADAM
+                                or self.row_format.dtype != torch.float32)
+        # each table's (stream, seed) of 16-bit rows' stochastic rounding (rounding_word)
+        self._rounding_spec = torch.tensor(
+            [[init_stream(n), o.rounding_seed] for n, o in zip(table_names, options)],
+            dtype=torch.int64, device=device)
+        self._stochastic = first.stochastic_rounding
         self._lr: Optional[torch.Tensor] = None
         self._lr_written: Optional[float] = None
         self._no_transient = torch.empty(0, self.dim, dtype=torch.float32, device=device)
@@ -222,7 +235,8 @@ class TableGroup:
 
     @property
     def adam_step(self) -> int:
-        """Backward passes Adam applied (its bias correction; 0 for other optimizers)."""
+        """Updates the group applied, counted with Adam (its bias correction) or 16-bit
+        rows (their rounding step); 0 otherwise."""
         return self._optimizer_step.value(0)
 
     @adam_step.setter
@@ -337,7 +351,7 @@ class TableGroup:
         if not self.storage.external.holds_rows or refs.numel() == 0 or int(refs.min()) >= 0:
             return self._no_transient
         missing = (refs < 0).nonzero().squeeze(1)
-        found, rows = self.storage.rows_below(keys[missing], tids[missing], self.dim)
+        found, rows = self.storage.rows_below(keys[missing], tids[missing])
         refs[missing[found]] = TRANSIENT_ROW_BIT + torch.arange(
             found.numel(), dtype=torch.int64, device=self.device)
         return rows
@@ -384,7 +398,7 @@ class TableGroup:
     def optimizer_states(self, local: int, keys: torch.Tensor) -> torch.Tensor:
         """(n, state_dim): stored rows' states, else the optimizer's initial state."""
         refs = self.storage.resolve(keys, self._tids(local, keys))
-        return self.storage.columns_of(refs, self.dim, float(self.init.initial_state))
+        return self.storage.states_of(refs, float(self.init.initial_state))
 
     def export(self, local: int, min_score: Optional[int]) -> ExportedRows:
         """Every stored row of one table scoring at least ``min_score``."""
@@ -403,24 +417,24 @@ class TableGroup:
     def _rows_of(self, local: int, exported) -> ExportedRows:
         mine = exported.table_ids == local
         values = exported.values[mine]
-        return ExportedRows(keys=exported.keys[mine], embeddings=values[:, :self.dim],
-                            optimizer_states=values[:, self.dim:],
+        return ExportedRows(keys=exported.keys[mine],
+                            embeddings=self.row_format.embeddings(values),
+                            optimizer_states=self.row_format.states(values),
                             scores=exported.scores[mine])
 
     def import_rows(self, local: int, keys: torch.Tensor, embeddings: torch.Tensor,
                     optimizer_states: Optional[torch.Tensor],
                     scores: Optional[torch.Tensor]) -> None:
-        """Inserts or overwrites rows (shapes checked by the caller); states default
-        to the optimizer's initial state; ``scores`` are stored exactly, else the
-        strategy scores the insert."""
+        """Inserts or overwrites rows (shapes checked by the caller); embeddings of
+        another dtype are rounded to nearest into the rows' (``RowFormat.pack``); states
+        default to the optimizer's initial state; ``scores`` are stored exactly, else
+        the strategy scores the insert."""
         n = keys.numel()
-        rows = torch.zeros(n, self.dim + self.state_dim, dtype=torch.float32,
-                           device=self.device)
-        rows[:, :self.dim] = embeddings
-        if optimizer_states is not None:
-            rows[:, self.dim:] = optimizer_states
-        else:
-            rows[:, self.dim:] = float(self.init.initial_state)
+        if optimizer_states is None:
+            optimizer_states = torch.full((n, self.state_dim), float(self.init.initial_state))
+        rows = self.row_format.pack(embeddings.to(self.device),
+                                    optimizer_states.to(self.device, torch.float32)
+                                    if self.state_dim else None)
         tids = torch.full((n,), local, dtype=torch.int64, device=self.device)
         if scores is not None:
             self.storage.import_rows(keys, tids, rows, scores.to(self.device, torch.int64),
@@ -551,15 +565,19 @@ class TableGroup:
         # the step size, bias correction and decay are computed from the learning
         # rate and Adam's step in device memory (``DeviceSchedule``)
         schedule = DeviceSchedule(self.device_lr(lr), self._optimizer_step.on_device(),
-                                  advance=opt.optimizer == DynamicEmbOptimType.ADAM,
+                                  advance=self._counts_updates,
                                   beta1=opt.beta1, beta2=opt.beta2,
                                   decoupled_decay=self._decoupled_decay())
         update = self._update(lr)
+        rounding = None
+        if self.row_format.dtype != torch.float32:  # the update count names the bits
+            rounding = Rounding(lookup.keys, lookup.tids, self._rounding_spec, schedule.step,
+                                self._stochastic)
         return self.ops.fused_backward(
             sources=self.storage.sources(self._no_transient), row_ref=lookup.row_ref,
             starts=lookup.starts, rank=lookup.rank, offsets=offsets, weights=weights,
             feature_col=feature_col, batch=batch, dim=self.dim, mean=mean, grad=grad,
-            update=update, error=error, schedule=schedule, sums=sums)
+            update=update, error=error, schedule=schedule, sums=sums, rounding=rounding)
 
     def _decoupled_decay(self) -> float:
         opt = self.optimizer
@@ -576,7 +594,8 @@ class TableGroup:
 
     def step_rows(self, values: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
         """One step of the group's optimizer, in place, on rows a caller holds (not
-        stored here): what a backward does to a stored row, by the same kernel.
+        stored here): what a backward does to a stored row, by the same kernel, in
+        float32 (a 16-bit group's stored rows would then be rounded).
 
         Args:
             values (Tensor): (n, dim + state_dim) float32 on the group's device, each
@@ -590,7 +609,8 @@ class TableGroup:
         n = values.shape[0]
         each = torch.arange(n, dtype=torch.int64, device=self.device)  # a lookup a row
         self.ops.fused_backward(
-            sources=RowSources(device=values, host=values[:0], transient=self._no_transient),
+            sources=RowSources(device=values, host=values[:0], transient=self._no_transient,
+                               format=RowFormat(torch.float32, self.dim, self.state_dim)),
             row_ref=each, starts=torch.arange(n + 1, dtype=torch.int64, device=self.device),
             rank=each, offsets=None, weights=None,
             feature_col=torch.zeros(1, dtype=torch.int64, device=self.device), batch=n,

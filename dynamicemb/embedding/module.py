@@ -336,7 +336,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             ``ExportedRows``, or ``(keys, embeddings)`` when ``device`` is given.
 
         Shape:
-            keys: (n,) int64; embeddings: (n, dim) float32.
+            keys: (n,) int64; embeddings: (n, dim) of the table's ``embedding_dtype``.
         """
         if device is None:
             if batch_size is not None:
@@ -364,7 +364,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             train: an absent key's row is the training initializer's (else the eval's).
 
         Returns:
-            (n, dim) float32 on the module's device.
+            (n, dim) float32 on the module's device (16-bit rows widened exactly).
         """
         group, local = self._location(table_name)
         return group.read_rows(local, self._keys(keys), train)
@@ -410,7 +410,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
 
         Args:
             keys (Tensor): (n,) int64.
-            embeddings (Tensor): (n, dim) float32.
+            embeddings (Tensor): (n, dim) floating; rounded to nearest into 16-bit rows.
             optimizer_states (Tensor, optional): (n, state_dim); default: the
                 optimizer's initial state.
             scores (Tensor, optional): (n,) int64 >= 0 stored exactly, whatever the

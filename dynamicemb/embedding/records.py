@@ -40,8 +40,9 @@ class TableClocks(NamedTuple):
     sharing a group share them).
 
     Attributes:
-        optimizer_step: backward passes the group's optimizer applied (Adam's bias
-            correction; 0 for the other optimizers).
+        optimizer_step: backward passes the group's optimizer applied, counted with
+            Adam (its bias correction) and with 16-bit rows (their rounding step); 0
+            otherwise.
         score_clock: the host store's clock (the LRU score of the latest inserting call).
         admission_clock: the admission counters' clock (0 without admission).
     """

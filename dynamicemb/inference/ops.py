@@ -8,8 +8,8 @@ from typing import List, Optional
 import torch
 
 from dynamicemb.ops import for_device
-from dynamicemb.ops.interface import (TRANSIENT_ROW_BIT, Backend, InitRows, InitSpec, RowSources,
-                                      TableMemory)
+from dynamicemb.ops.interface import (TRANSIENT_ROW_BIT, Backend, InitRows, InitSpec, RowFormat,
+                                      RowSources, TableMemory)
 
 __all__ = ["POOLING_CODES", "frozen_lookup"]
 
@@ -104,8 +104,9 @@ def _lookup(ops: Backend, ids, offsets, weights, index, row_of_slot, rows, featu
                                                                      dtype=torch.float32)
     init = InitRows(ids.contiguous(), tids.contiguous(),
                     InitSpec(init_ints, init_floats.to(torch.float32)))
-    sources = RowSources(stored, stored.new_empty((0, rows.shape[1])), transient, init)
     dim = rows.shape[1]
+    sources = RowSources(stored, stored.new_empty((0, dim)), transient,
+                         RowFormat(torch.float32, dim, 0), init)
     if pooling == _NONE:
         out = torch.empty(ids.numel(), dim, dtype=torch.float32, device=ids.device)
         ops.sequence_forward(sources=sources, row_ref=refs, inverse=inverse, dim=dim, out=out)

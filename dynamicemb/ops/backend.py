@@ -164,12 +164,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def init_rows(self, *, values: torch.Tensor, slots: torch.Tensor,
                   status: Optional[torch.Tensor], keys: torch.Tensor, table_ids: torch.Tensor,
-                  dim: int, spec: InitSpec, state_value: float = 0.0,
-                  format: Optional[RowFormat] = None) -> None:
+                  dim: int, spec: InitSpec, format: RowFormat,
+                  state_value: float = 0.0) -> None:
         """values[slots[i]] = the initial row of keys[i]: table ``table_ids[i]``'s initializer
         in ``spec`` for the first ``dim`` columns, ``state_value`` after; with ``status``,
-        only for keys INSERTED or EVICTED_AND_INSERTED. ``format``: the rows' (None:
-        float32); a 16-bit row stores its initializer rounded to nearest."""
+        only for keys INSERTED or EVICTED_AND_INSERTED. ``format``: the rows'; a 16-bit
+        row stores its initializer rounded to nearest."""
 
     @abc.abstractmethod
     def undo_upsert(self, *, memory: TableMemory, upserted: Upserted) -> None:

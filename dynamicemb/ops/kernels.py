@@ -73,8 +73,8 @@ class KernelBackend(Backend):
                                   order, host_slots, cached.slots, cached.status,
                                   cached.ev_keys, cached.ev_tids, refs)
 
-    def init_rows(self, *, values, slots, status, keys, table_ids, dim, spec, state_value=0.0,
-                  format=None):
+    def init_rows(self, *, values, slots, status, keys, table_ids, dim, spec, format,
+                  state_value=0.0):
         self.kernels.init_rows(values, slots, status, keys, table_ids, dim, spec, state_value,
                                **self._formatted(format))
 
@@ -119,8 +119,8 @@ class KernelBackend(Backend):
         return self.kernels.check_offsets(offsets, num_indices, **self._counted(error=error))
 
     def _formatted(self, format, rounding=None) -> dict:
-        """The keywords of stored rows of ``format`` (None or float32: none)."""
-        if format is None or format.dtype == torch.float32:
+        """The keywords of stored rows of ``format`` (float32: none)."""
+        if format.dtype == torch.float32:
             return _NO_ARGUMENTS
         if format.dtype not in self.row_dtypes:
             raise ValueError(f"{type(self).__name__} has no kernels for {format.dtype} rows "

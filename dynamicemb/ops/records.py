@@ -351,15 +351,15 @@ class RowSources(NamedTuple):
     Shape:
         device: (C, width) the device tier's values; host: (H, width) the host store's
         (empty with one tier); transient: (T, dim) float32, the batch's transient rows;
-        init: rows computed from the initializers instead (``InitRows``), or None;
-        format: the stored rows' ``RowFormat`` (None: float32 rows).
+        format: the stored rows' ``RowFormat`` (width: its ``storage_width``); init: rows
+        computed from the initializers instead (``InitRows``), or None.
     """
 
     device: torch.Tensor
     host: torch.Tensor
     transient: torch.Tensor
+    format: RowFormat
     init: Optional[InitRows] = None
-    format: Optional["RowFormat"] = None
 
 
 class Rounding(NamedTuple):

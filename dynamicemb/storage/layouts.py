@@ -46,9 +46,9 @@ class Layout:
     def describe(self, host: str) -> str:
         return f"one tier: {host}"
 
-    def sources(self, transient: torch.Tensor, init=None) -> RowSources:
-        """The row arrays the kernels read references from."""
-        return RowSources(self.host.values, self._empty, transient, init)
+    def sources(self, transient: torch.Tensor, format, init=None) -> RowSources:
+        """The row arrays the kernels read references from, rows of ``format``."""
+        return RowSources(self.host.values, self._empty, transient, format, init)
 
     def refs(self, host_slots: torch.Tensor, all_stored: bool = False) -> torch.Tensor:
         """Device references of host slots (-1: not stored; ``all_stored``: none is -1)."""
@@ -95,8 +95,8 @@ class HostOnly(Layout):
     def describe(self, host: str) -> str:
         return f"host store only: {host}"
 
-    def sources(self, transient: torch.Tensor, init=None) -> RowSources:
-        return RowSources(self._empty, self.host.values, transient, init)
+    def sources(self, transient: torch.Tensor, format, init=None) -> RowSources:
+        return RowSources(self._empty, self.host.values, transient, format, init)
 
     def refs(self, host_slots: torch.Tensor, all_stored: bool = False) -> torch.Tensor:
         host_slots = self.crossing.to_device(host_slots)
@@ -128,8 +128,8 @@ class _DeviceTier(HostOnly, abc.ABC):
         row_bytes = self.host.value_dim * self.host.values.element_size()
         return f"device {self.kind} of {cap} rows ({cap * row_bytes} B) over a {host}"
 
-    def sources(self, transient: torch.Tensor, init=None) -> RowSources:
-        return RowSources(self.tier.values, self.host.values, transient, init)
+    def sources(self, transient: torch.Tensor, format, init=None) -> RowSources:
+        return RowSources(self.tier.values, self.host.values, transient, format, init)
 
     def resolve(self, keys, tids, refs):
         found = self.tier.find(keys, tids, checked=True)

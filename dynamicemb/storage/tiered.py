@@ -9,7 +9,7 @@ from typing import Iterator, List, NamedTuple, Optional, Tuple
 import torch
 
 from dynamicemb.ops import for_device, resolve_device
-from dynamicemb.ops.interface import HOST_ROW_BIT, InsertStatus, NewRows, RowSources
+from dynamicemb.ops.interface import HOST_ROW_BIT, InsertStatus, NewRows, RowFormat, RowSources
 from dynamicemb.kvstore.store import ExternalStorageError
 from dynamicemb.storage.external.tier import Staged
 from dynamicemb.storage.layouts import Cache, Crossing, HostOnly, Layout, OneTier, Placement
@@ -52,17 +52,19 @@ class TieredStorage:
     Args:
         host: the host store (index of record).
         layout: where rows live beside it (``dynamicemb.storage.layouts``).
+        row_format: the stored rows' ``RowFormat`` (every tier's).
         counts, crossing: the group's traffic counts, and the host store's and device
             tier's devices.
         new_rows: what a new key's row starts as (``commit``); None: zeros.
         external: the ``ExternalTier`` below the host store (None: ``NothingBelow``).
     """
 
-    def __init__(self, host: ScoredHashTable, layout: Layout, counts: TierCounts,
-                 crossing: Crossing, new_rows: Optional[NewRows] = None,
+    def __init__(self, host: ScoredHashTable, layout: Layout, row_format: RowFormat,
+                 counts: TierCounts, crossing: Crossing, new_rows: Optional[NewRows] = None,
                  external=None) -> None:
         self.host = host
         self.layout = layout
+        self.row_format = row_format
         self.counts = counts
         self.crossing = crossing
         self.device = crossing.device
@@ -85,17 +87,23 @@ class TieredStorage:
         return device_rows is not None and (caching or device_rows < host_rows)
 
     @classmethod
-    def build(cls, host: ScoredHashTable, caching: bool, device_rows: Optional[int],
-              device: Optional[torch.device] = None,
+    def build(cls, host: ScoredHashTable, row_format: RowFormat, caching: bool,
+              device_rows: Optional[int], device: Optional[torch.device] = None,
               new_rows: Optional[NewRows] = None, external=None) -> "TieredStorage":
         """The layout for a device budget of ``device_rows`` rows (None: unlimited), the device
-        tier on ``device`` (default: the host store's), over an ``external`` tier or none."""
+        tier on ``device`` (default: the host store's), over an ``external`` tier or none;
+        rows of ``row_format``, whose ``storage_width`` is the host store's ``value_dim``."""
+        if host.value_dim != row_format.storage_width or \
+                host.value_dtype != row_format.storage_dtype:
+            raise ValueError(f"{row_format.tag} rows are {row_format.storage_width} "
+                             f"{row_format.storage_dtype} columns, the host store's "
+                             f"{host.value_dim} {host.value_dtype}")
         crossing = Crossing(host.device, host.device if device is None
                             else resolve_device(device))
         counts = TierCounts(host.num_tables, crossing.device)
 
         def made(layout: Layout) -> "TieredStorage":
-            return cls(host, layout, counts, crossing, new_rows, external)
+            return cls(host, layout, row_format, counts, crossing, new_rows, external)
         if not cls.host_store_off_device(caching, device_rows, host.max_capacity()):
             return made(OneTier(host, counts, crossing))
         if device_rows < 16:  # smaller than one bucket: no device tier at all
@@ -131,7 +139,7 @@ class TieredStorage:
     def sources(self, transient: torch.Tensor, init=None) -> RowSources:
         """The row arrays kernels read references from, with a batch's transient rows
         (``init``: ``InitRows``, rows computed from the initializers instead)."""
-        return self.layout.sources(transient, init)
+        return self.layout.sources(transient, self.row_format, init)
 
     @property
     def generation(self) -> Tuple[int, int, int]:
@@ -157,11 +165,11 @@ class TieredStorage:
         unique = self.ops.dedup(keys=keys, table_ids=tids, error=error, part=part)
         return unique, self.resolve(unique.keys, unique.table_ids)
 
-    def columns_of(self, refs: torch.Tensor, start: int, fill: float) -> torch.Tensor:
-        """(n, width - start) float32 on ``device``: columns ``start:`` of the rows ``refs``
+    def states_of(self, refs: torch.Tensor, fill: float) -> torch.Tensor:
+        """(n, state_dim) float32 on ``device``: the optimizer states of the rows ``refs``
         name, ``fill`` where a reference names none."""
         sources = self.sources(torch.empty(0, 0, device=self.device))
-        out = torch.full((refs.numel(), self.host.value_dim - start), fill,
+        out = torch.full((refs.numel(), self.row_format.state_dim), fill,
                          dtype=torch.float32, device=self.device)
         on_host = refs >= HOST_ROW_BIT
         first = (refs >= 0) & ~on_host  # the first source: device tier, or the one tier
@@ -169,7 +177,7 @@ class TieredStorage:
                                    (on_host, sources.host, HOST_ROW_BIT)):
             if bool(mask.any()):
                 at = (refs[mask] - offset).to(rows.device)
-                out[mask] = rows[at, start:].float().to(self.device)
+                out[mask] = self.row_format.states(rows[at]).to(self.device)
         return out
 
     # ----------------------------------------------------------- training
@@ -275,7 +283,7 @@ class TieredStorage:
             spec, dim, state = self.new_rows
             self.ops.init_rows(values=self.host.values, slots=host_slots, status=result.status,
                                keys=keys, table_ids=tids, dim=dim, spec=spec,
-                               state_value=state)
+                               format=self.row_format, state_value=state)
         if prepared.staged is not None:  # over the new rows
             self._restore_below(prepared.staged, host_slots, keys, tids)
         several = self.host.num_tables > 1  # then counted per table with masks
@@ -422,13 +430,14 @@ class TieredStorage:
         stored[absent] = found.to(stored.device)
         return stored
 
-    def rows_below(self, keys: torch.Tensor, tids: torch.Tensor,
-                   width: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def rows_below(self, keys: torch.Tensor, tids: torch.Tensor
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Positions among ``keys`` (absent from the host store) whose row the external tier
-        holds, and those rows' first ``width`` floats, on ``device``."""
+        holds, and those rows' embeddings in float32 (exact), on ``device``."""
         found, below = self.external.get(self._on_host(keys), self._on_host(tids))
         at = found.nonzero().squeeze(1).to(self.device)
-        return at, below.rows[:, :width].to(self.device, torch.float32).contiguous()
+        rows = self.row_format.embeddings(below.rows)
+        return at, rows.to(self.device, torch.float32).contiguous()
 
     def clear_table(self, tid: int, chunk_slots: int = 1 << 20) -> None:
         """Removes every row of local table ``tid`` from every tier."""

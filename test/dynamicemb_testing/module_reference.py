@@ -13,11 +13,14 @@ module's table into a dict comparable with the reference.
 """
 
 import math
+import zlib
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from dynamicemb_testing import rounding_reference
 
 from dynamicemb import (
     BatchedDynamicEmbeddingTables,
@@ -138,6 +141,29 @@ class RefTable:
     eval_init: Optional[RowFn] = None  # eval rows of unseen ids (None: zeros)
     rows: Dict[int, torch.Tensor] = field(default_factory=dict)
     states: Dict[int, torch.Tensor] = field(default_factory=dict)
+    # 16-bit rows (``embedding_dtype``): rows hold values of ``row_dtype``, stored rounded
+    # to nearest, updated in float32 and written back with ``rounding_reference``'s bits
+    # (the table's ``stream``: the CRC-32 of its name) or to nearest
+    row_dtype: torch.dtype = torch.float32
+    stochastic: bool = True
+    seed: int = 0
+    stream: int = 0
+
+    def stored(self, rows: torch.Tensor) -> torch.Tensor:
+        """(n, dim) float32 rows as this table stores them (rounded to nearest)."""
+        if self.row_dtype == torch.float32:
+            return rows
+        return rounding_reference.narrow_rn(rows.to(torch.float32), self.row_dtype).float()
+
+    def written(self, key: int, row: torch.Tensor, step: int) -> torch.Tensor:
+        """(dim,) an updated float32 row as the update at ``step`` writes it back."""
+        if self.row_dtype == torch.float32:
+            return row
+        if not self.stochastic:
+            return self.stored(row)
+        keys = torch.tensor([key], dtype=torch.int64)
+        return rounding_reference.stochastic_round(row[None], keys, self.seed, self.stream,
+                                                   step, self.row_dtype)[0].float()
 
 
 class DenseReference:
@@ -163,7 +189,7 @@ class DenseReference:
                     states: Optional[torch.Tensor] = None) -> None:
         t = self.tables[table]
         for i, key in enumerate(keys.tolist()):
-            t.rows[key] = embeddings[i].detach().to(torch.float32).clone()
+            t.rows[key] = t.stored(embeddings[i].detach().to(torch.float32)[None])[0].clone()
             t.states[key] = (initial_state(t.optimizer, t.dim) if states is None
                              else states[i].detach().to(torch.float32).clone())
 
@@ -179,10 +205,11 @@ class DenseReference:
         if training:
             if t.init is None:
                 raise KeyError(f"reference has no row for {key} and no initializer")
-            t.rows[key] = t.init(key).to(torch.float32)
+            t.rows[key] = t.stored(t.init(key).to(torch.float32)[None])[0]
             t.states[key] = initial_state(t.optimizer, t.dim)
             return t.rows[key]
-        return t.eval_init(key) if t.eval_init is not None else torch.zeros(t.dim)
+        row = t.eval_init(key) if t.eval_init is not None else torch.zeros(t.dim)
+        return t.stored(row.to(torch.float32)[None])[0]
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
                 weights: Optional[torch.Tensor] = None, training: bool = True) -> torch.Tensor:
@@ -259,9 +286,10 @@ class DenseReference:
         for table, (m, pos) in matrices.items():
             t = self.tables[table]
             for key, i in pos.items():
-                t.rows[key], t.states[key] = apply_optimizer(
+                row, t.states[key] = apply_optimizer(
                     t.optimizer, self.lrs[table], self.step, t.rows[key], t.states[key],
                     grads[table][i])
+                t.rows[key] = t.written(key, row, self.step)
 
     def export(self, table: int) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
         t = self.tables[table]
@@ -301,6 +329,9 @@ def make_tables(
                                    init=initializer_row(init, spec.dim)))
     module = BatchedDynamicEmbeddingTables(
         options, feature_table_map=ftm, pooling_mode=pooling, **asdict(optimizer), **module_kw)
+    for t, o, name in zip(ref_tables, options, module.table_names):
+        t.row_dtype, t.stochastic, t.seed = o.row_dtype, o.stochastic_rounding, o.rounding_seed
+        t.stream = zlib.crc32(name.encode("utf-8"))
     return module, DenseReference(ref_tables, ftm, pooling)
 
 
@@ -347,7 +378,7 @@ def random_batch(
 def export_dict(module: BatchedDynamicEmbeddingTables, name: str) -> Dict[int, tuple]:
     """key -> (embedding, optimizer state, score) of a module's table, on CPU."""
     ex = module.export_keys_values(name)
-    embeddings, states = ex.embeddings.cpu(), ex.optimizer_states.cpu()
+    embeddings, states = ex.embeddings.cpu().float(), ex.optimizer_states.cpu()
     return {k: (embeddings[i], states[i], int(score))
             for i, (k, score) in enumerate(zip(ex.keys.tolist(), ex.scores.tolist()))}
 

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynamicemb import DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbPoolingMode
+from dynamicemb.ops import for_device
 from dynamicemb_testing.module_reference import (
     OPTIMIZER_ARGS,
     OPTIMIZERS,
@@ -233,3 +234,31 @@ def test_streamed_outputs_match_dense(pooling, weighted, device):
         want = ref.forward(indices, offsets, weights, training=False)
         torch.testing.assert_close(out.cpu(), want, **TOL, msg=lambda m: f"step {step}: {m}")
         del out
+
+
+HALF_GRID = [(opt, dtype, stochastic) for opt in OPTIMIZERS
+             for dtype in (torch.bfloat16, torch.float16) for stochastic in (True, False)]
+
+
+@pytest.mark.parametrize("opt,dtype,stochastic", HALF_GRID,
+                         ids=[f"{o.name}-{str(d)[6:]}-{'sr' if s else 'rn'}"
+                              for o, d, s in HALF_GRID])
+def test_sixteen_bit_training_matches_rounded_dense(opt, dtype, stochastic, device,
+                                                   sixteen_bit_rows):
+    """16-bit rows train as the float32 reference whose every stored row is rounded the
+    same way (to nearest when stored, then each update stochastically with the hash of
+    (seed, table, key, update count, column), or to nearest): pooled and sequence
+    lookups, two groups of two dtypes' tables."""
+    if dtype not in for_device(device).row_dtypes:
+        pytest.skip(f"{device} has no kernels for {dtype} rows yet")
+    half = dict(embedding_dtype=dtype, stochastic_rounding=stochastic, rounding_seed=7)
+    for pooling in (SUM, NONE):
+        specs, ftm = layout("mixed", pooling)
+        specs = [replace(specs[0], options=half), specs[1], replace(specs[2], options=half)]
+        module, ref = make_tables(specs, ftm, pooling, OPTIMIZER_ARGS[opt], device=device)
+        assert module.table_size(module.table_names[0]) == 0
+        pools = pools_for(specs, seed=zlib.crc32(f"{opt.name}{dtype}".encode()) % 1000)
+        import_initial_rows(module, ref, pools, torch.Generator().manual_seed(2))
+        train_and_compare(module, ref, pools, seed=3, weighted=pooling == SUM)
+        exported = module.export_keys_values(module.table_names[0])
+        assert exported.embeddings.dtype == dtype

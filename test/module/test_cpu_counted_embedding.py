@@ -20,7 +20,7 @@ from dynamicemb.ops import cpu_kernels
 from dynamicemb.ops.codes import offsets_problem
 from dynamicemb.ops.cpu import CpuBackend
 from dynamicemb.ops.records import (DeviceSchedule, InitRows, InitSpec, OptimizerUpdate,
-                                    RowSources)
+                                    RowFormat, RowSources)
 from dynamicemb.options import DynamicEmbOptimType
 from dynamicemb_testing.cuda_emulation import emulated_cuda
 
@@ -436,7 +436,8 @@ def test_cpu_backend_passes_error_and_schedule(checked):
                                      batch=b.batch, mean=False, grad=grad, out=sums,
                                      error=kw.get("error")) == 0
         return ops.fused_backward(
-            sources=RowSources(batch_.tiers[0], batch_.tiers[1], no_transient(b)),
+            sources=RowSources(batch_.tiers[0], batch_.tiers[1], no_transient(b),
+                               RowFormat(torch.float32, b.dim, batch_.tiers[0].shape[1] - b.dim)),
             row_ref=b.row_ref, starts=b.starts, rank=b.rank, offsets=b.offsets,
             weights=b.weights, feature_col=b.feature_col, batch=b.batch, dim=b.dim,
             mean=False, grad=grad, update=update, sums=sums, **kw)

@@ -256,7 +256,7 @@ def test_cpu_backend_passes_the_format_and_the_rounding(dtype):
     _, narrow, fmt = narrow_batch(b, dtype, b.tiers[0].shape[1] - DIM)
     keywords = {"row_format": (fmt.code, fmt.state_offset)}
     backend = CpuBackend()
-    sources = RowSources(narrow[0], narrow[1], torch.empty(0, DIM), b.init, fmt)
+    sources = RowSources(narrow[0], narrow[1], torch.empty(0, DIM), fmt, b.init)
     got, want = torch.zeros(b.batch, 3 * DIM), torch.zeros(b.batch, 3 * DIM)
     backend.pooled_forward(sources=sources, row_ref=b.row_ref, inverse=b.inverse,
                            offsets=b.offsets, weights=b.weights, feature_col=b.feature_col,
@@ -299,7 +299,7 @@ def test_a_backend_without_16_bit_kernels_refuses_the_rows():
         assert type(backend).__name__ == "CudaBackend"
         with pytest.raises(ValueError, match="no kernels for torch.bfloat16 rows"):
             backend.sequence_forward(
-                sources=RowSources(narrow[0], narrow[1], torch.empty(0, DIM), b.init, fmt),
+                sources=RowSources(narrow[0], narrow[1], torch.empty(0, DIM), fmt, b.init),
                 row_ref=b.row_ref, inverse=b.inverse, dim=DIM,
                 out=torch.zeros(b.inverse.numel(), DIM))
 

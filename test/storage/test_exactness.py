@@ -19,6 +19,8 @@ from dynamicemb import (
     DynamicEmbScoreStrategy,
     DynamicEmbTableOptions,
 )
+from dynamicemb.ops import for_device
+from dynamicemb.ops.interface import RowFormat
 from dynamicemb.storage.layouts import HostOnly
 from dynamicemb_testing.devices import EMULATED, SIMT, backend_device, devices
 
@@ -65,7 +67,8 @@ def touched_keys(batches) -> int:
 
 def make_module(device, optimizer, strategy, pooling, caching=False, device_rows=None,
                 max_capacity=8192, **options):
-    row_bytes = (DIM + STATE_FLOATS[optimizer]) * 4
+    row_bytes = RowFormat(options.get("embedding_dtype") or torch.float32, DIM,
+                          STATE_FLOATS[optimizer]).row_bytes
     options = DynamicEmbTableOptions(
         dim=DIM,
         max_capacity=max_capacity,
@@ -146,6 +149,31 @@ def test_any_cache_size_trains_identically(optimizer, strategy, pooling, prefetc
             assert torch.equal(got, want), name
         assert_identical(snapshot(module), expected)
         module.flush()
+        assert_identical(snapshot(module), expected)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_sixteen_bit_rows_train_identically_whatever_the_cache(optimizer, dtype, device,
+                                                               sixteen_bit_rows):
+    """16-bit rows (stochastic rounding) with prefetch, a growing host store (some keys
+    failing in full buckets) and every layout train as the single tier, bit for bit:
+    the rounding bits follow the key and the update count, not where the row is."""
+    if dtype not in for_device(device).row_dtypes:
+        pytest.skip(f"{device} has no kernels for {dtype} rows yet")
+    batches = power_law_batches(seed=3)
+    half = dict(embedding_dtype=dtype, init_capacity=64, max_load_factor=1.0)
+    strategy = DynamicEmbScoreStrategy.LRU
+    reference = make_module(device, optimizer, strategy, "sum", **half)
+    expected_out = train(reference, batches, prefetch=False)
+    expected = snapshot(reference)
+    assert expected["a"][1].dtype == dtype
+    stats = reference._groups[0].table.stats  # internal: the scenario happened
+    assert stats.growths >= 3 and stats.failed_inserts > 0
+    for name, (caching, rows) in layouts(touched_keys(batches)).items():
+        module = make_module(device, optimizer, strategy, "sum", caching, rows, **half)
+        for got, want in zip(train(module, batches, prefetch=True), expected_out):
+            assert torch.equal(got, want), name
         assert_identical(snapshot(module), expected)
 
 
