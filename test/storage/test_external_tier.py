@@ -13,6 +13,7 @@ from dynamicemb import (BatchedDynamicEmbeddingTables, DynamicEmbDump, DynamicEm
                         DynamicEmbInitializerArgs, DynamicEmbOptimType, DynamicEmbScoreStrategy,
                         FrequencyAdmissionStrategy,
                         DynamicEmbTableOptions, incremental_dump)
+from dynamicemb.ops.interface import RowFormat
 from dynamicemb.storage.external import ExternalStorageError, RedisStorage, RocksDBStorage
 from test_exactness import STATE_FLOATS, assert_identical, power_law_batches, snapshot, train
 
@@ -22,15 +23,16 @@ LRU, LFU = DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.LFU
 
 
 def make_module(optimizer, strategy, external=None, host_rows=HOST_ROWS, device_rows=None,
-                pooling="sum", admit=None, init_capacity=None, max_load_factor=0.5):
-    row_bytes = (DIM + STATE_FLOATS[optimizer]) * 4
+                pooling="sum", admit=None, init_capacity=None, max_load_factor=0.5,
+                dtype=torch.float32):
+    row_bytes = RowFormat(dtype, DIM, STATE_FLOATS[optimizer]).row_bytes
     options = DynamicEmbTableOptions(
         dim=DIM, max_capacity=8192, bucket_capacity=16, score_strategy=strategy,
         initializer_args=DynamicEmbInitializerArgs(mode="normal", std_dev=0.1, seed=11),
         caching=device_rows is not None,
         local_hbm_for_values=None if device_rows is None else device_rows * row_bytes,
         external_storage=external, admit_strategy=admit, init_capacity=init_capacity,
-        max_load_factor=max_load_factor,
+        max_load_factor=max_load_factor, embedding_dtype=dtype,
         local_host_for_values=None if external is None else host_rows * row_bytes)
     return BatchedDynamicEmbeddingTables(
         [options, options], table_names=["a", "b"], pooling_mode=pooling,
@@ -48,19 +50,22 @@ def below(module):
     return sum(x.external_writes for x in m), sum(x.external_reads for x in m)
 
 
-@pytest.mark.parametrize("optimizer,strategy,device_rows,pooling", [
-    (DynamicEmbOptimType.EXACT_SGD, LRU, None, "sum"),
-    (DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD, LFU, None, "none"),
-    (DynamicEmbOptimType.ADAM, LRU, 64, "sum"),
-    (DynamicEmbOptimType.EXACT_ADAGRAD, LFU, 64, "sum"),
-], ids=["sgd-lru", "rowwise-lfu-seq", "adam-lru-cache", "adagrad-lfu-cache"])
+@pytest.mark.parametrize("optimizer,strategy,device_rows,pooling,dtype", [
+    (DynamicEmbOptimType.EXACT_SGD, LRU, None, "sum", torch.float32),
+    (DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD, LFU, None, "none", torch.float32),
+    (DynamicEmbOptimType.ADAM, LRU, 64, "sum", torch.float32),
+    (DynamicEmbOptimType.EXACT_ADAGRAD, LFU, 64, "sum", torch.float32),
+    (DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD, LFU, None, "none", torch.bfloat16),
+    (DynamicEmbOptimType.ADAM, LRU, 64, "sum", torch.float16),
+], ids=["sgd-lru", "rowwise-lfu-seq", "adam-lru-cache", "adagrad-lfu-cache",
+        "bf16-rowwise-lfu-seq", "f16-adam-lru-cache"])
 def test_rows_split_with_rocksdb_train_identically(tmp_path, optimizer, strategy, device_rows,
-                                                   pooling):
+                                                   pooling, dtype, sixteen_bit_rows):
     data = batches()
-    reference = make_module(optimizer, strategy, pooling=pooling)
+    reference = make_module(optimizer, strategy, pooling=pooling, dtype=dtype)
     expected_out = train(reference, data, prefetch=False)
     module = make_module(optimizer, strategy, RocksDBStorage(str(tmp_path / "db")),
-                         device_rows=device_rows, pooling=pooling)
+                         device_rows=device_rows, pooling=pooling, dtype=dtype)
     outputs = train(module, data, prefetch=False)
     for got, want in zip(outputs, expected_out):
         assert torch.equal(got, want)
