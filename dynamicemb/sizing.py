@@ -7,7 +7,7 @@ import torch
 
 from dynamicemb.ops.interface import RowFormat, num_buckets_for, optimizer_state_dim
 from dynamicemb.options import DynamicEmbOptimType
-from dynamicemb.types import MAX_BUCKET_CAPACITY
+from dynamicemb.types import MAX_BUCKET_CAPACITY, row_dtype_of_data_type
 
 __all__ = [
     "BUCKET_ALIGNMENT",
@@ -65,25 +65,24 @@ def get_sharded_table_capacity(embedding_config: Any, world_size: int,
 
 def get_table_value_bytes(embedding_config: Any, optimizer_type: Any, world_size: int,
                           bucket_capacity: int = DEFAULT_BUCKET_CAPACITY) -> int:
-    """Bytes of the float32 value rows (embedding and optimizer state) of a whole table over
+    """Bytes of the value rows (embedding and optimizer state) of a whole table over
     ``world_size`` ranks; ``global_hbm_for_values`` set to this keeps every row in device memory.
 
     Args:
         embedding_config: the table's TorchRec config (``num_embeddings``, ``embedding_dim``;
-            ``data_type`` must be FP32).
+            ``data_type`` FP32, FP16 or BF16: the rows' dtype).
         optimizer_type: ``EmbOptimType`` (ours or FBGEMM's).
         world_size: ranks sharing the table.
         bucket_capacity: as in ``get_sharded_table_capacity``.
 
     Raises:
-        ValueError: ``data_type`` is not FP32, or an argument ``get_sharded_table_capacity``
+        ValueError: another ``data_type``, or an argument ``get_sharded_table_capacity``
             refuses.
     """
     data_type = getattr(embedding_config, "data_type", None)
-    if data_type is not None and getattr(data_type, "name", data_type) != "FP32":
-        raise ValueError(f"table {embedding_config.name!r}: data_type "
-                         f"{getattr(data_type, 'name', data_type)}; dynamic tables store float32")
+    dtype = (torch.float32 if data_type is None
+             else row_dtype_of_data_type(data_type, embedding_config.name))
     dim = int(embedding_config.embedding_dim)
     state = optimizer_state_dim(DynamicEmbOptimType.of(optimizer_type), dim)
     rows = get_sharded_table_capacity(embedding_config, world_size, bucket_capacity) * world_size
-    return rows * RowFormat(torch.float32, dim, state).row_bytes
+    return rows * RowFormat(dtype, dim, state).row_bytes

@@ -22,6 +22,7 @@ __all__ = [
     "ScoreStrategy",
     "UpstreamIntValues",
     "check_row_dtype",
+    "row_dtype_of_data_type",
 ]
 
 #: dtype of stored keys (ids of int32 tables are widened to it).
@@ -32,8 +33,7 @@ EMBEDDING_TYPE = torch.float32
 SCORE_TYPE = torch.int64
 #: dtype of optimizer states.
 OPT_STATE_TYPE = torch.float32
-#: The dtypes a row's embedding can be stored in (``dynamicemb.ops.interface.RowFormat``);
-#: training tables accept float32 only for now, frozen (serving) tables all three.
+#: The dtypes a row's embedding can be stored in (``dynamicemb.ops.interface.RowFormat``).
 ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Upstream's ``bucket_capacity`` meaning "one bucket per table" (``DynamicEmbTableOptions``).
 MAX_BUCKET_CAPACITY = 2**63 - 1
@@ -183,3 +183,14 @@ class DynamicEmbGradientCheck(str, Enum):
 
 #: Upstream's type of ``score_strategy``: one strategy, or a tuple of them.
 ScoreStrategy = Union[DynamicEmbScoreStrategy, Tuple[DynamicEmbScoreStrategy, ...]]
+
+
+def row_dtype_of_data_type(data_type, table: str) -> torch.dtype:
+    """The row dtype of a TorchRec config's ``data_type`` (``DataType`` or its name):
+    FP32, FP16 or BF16; else ``ValueError`` naming the table."""
+    name = str(getattr(data_type, "name", data_type)).upper()
+    dtypes = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"table {table!r}: data_type={name} in the table's config; dynamic "
+                         f"tables store {sorted(dtypes)} rows")
+    return dtypes[name]

@@ -2,20 +2,22 @@
 refused, never dropped. A keyword for a feature dynamic tables lack is accepted only at the
 value that leaves it off; an unknown keyword is a ``TypeError``."""
 
-from typing import Any, Dict, Mapping, Optional, Tuple
+import dataclasses
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from dynamicemb.options import DynamicEmbOptimizerArgs
+from dynamicemb.options import DynamicEmbOptimizerArgs, DynamicEmbTableOptions
+from dynamicemb.types import ROW_DTYPES
 
-__all__ = ["OPTIMIZER_KEYWORDS", "check_tbe_keywords", "module_kwargs", "output_dtype_of"]
+__all__ = ["OPTIMIZER_KEYWORDS", "check_tbe_keywords", "module_kwargs", "output_dtype_of",
+           "with_precision"]
 
 #: Keywords that make up ``DynamicEmbOptimizerArgs``.
 OPTIMIZER_KEYWORDS = tuple(DynamicEmbOptimizerArgs.__dataclass_fields__)
 
 #: Keywords accepted with any value: dynamic tables already do what they ask.
 _ALWAYS_HONOURED = {
-    "stochastic_rounding": "rows are float32, so there is nothing to round",
     "bounds_check_mode": "ids are raw keys, so no id is out of bounds",
     "prefetch_pipeline": "prefetch() is always safe (results equal no prefetch)",
     "use_index_dedup": "the module always deduplicates the ids of a batch",
@@ -53,8 +55,8 @@ _OFF_ONLY: Dict[str, Tuple[tuple, str]] = {
 #: TorchRec's UVM-cache keywords: dynamic tables cache by their own options.
 _UVM_CACHE = ("cache_algorithm", "cache_load_factor", "cache_sets", "cache_reserved_memory")
 
-#: Keywords naming a dtype that must be float32 (rows and cached rows are float32).
-_FLOAT32_ONLY = ("weights_precision", "cache_precision")
+#: Keywords naming the rows' dtype (``with_precision``): float32, float16 or bfloat16.
+_ROW_PRECISIONS = ("weights_precision", "cache_precision")
 
 #: Keywords naming the dtype of ids or offsets given (int64 or int32 both work).
 _INDEX_DTYPES = ("embedding_table_index_type", "embedding_table_offset_type")
@@ -110,10 +112,13 @@ def check_tbe_keywords(kwargs: Mapping[str, Any]) -> None:
             raise ValueError(f"{name} configures TorchRec's UVM cache; a dynamic table caches by "
                              "its DynamicEmbTableOptions (caching, local_hbm_for_values or "
                              "global_hbm_for_values)")
-        elif name in _FLOAT32_ONLY:
-            if _as_dtype(value) != torch.float32:
-                raise ValueError(f"{name}={value} is not supported: dynamic tables store float32 "
-                                 "rows")
+        elif name in _ROW_PRECISIONS:
+            if _as_dtype(value) not in ROW_DTYPES:
+                raise ValueError(f"{name}={value} is not supported: dynamic tables store "
+                                 f"{[str(d) for d in ROW_DTYPES]} rows")
+        elif name == "stochastic_rounding":
+            if not isinstance(value, bool):
+                raise ValueError(f"stochastic_rounding must be a bool, got {value!r}")
         elif name in _INDEX_DTYPES:
             if _as_dtype(value) not in (torch.int64, torch.int32):
                 raise ValueError(f"{name} must be torch.int64 or torch.int32, got {value}")
@@ -147,3 +152,36 @@ def module_kwargs(fused_params: Optional[Mapping[str, Any]],
     check_tbe_keywords({k: v for k, v in kwargs.items()
                         if k not in OPTIMIZER_KEYWORDS and k != "output_dtype"})
     return kwargs
+
+
+def with_precision(options: Sequence[DynamicEmbTableOptions], kwargs: Mapping[str, Any],
+                   names: Sequence[str]) -> List[DynamicEmbTableOptions]:
+    """The tables' options under FBGEMM's precision keywords (checked by
+    ``check_tbe_keywords``): ``weights_precision`` is every table's ``embedding_dtype``,
+    ``cache_precision`` must be it too (a cache holds the rows themselves), and
+    ``stochastic_rounding=False`` rounds every table's updates to nearest.
+
+    Raises:
+        ValueError: a table's ``embedding_dtype`` differs from a precision keyword
+            (both named).
+    """
+    out = list(options)
+    if "weights_precision" in kwargs:
+        dtype = _as_dtype(kwargs["weights_precision"])
+        for t, o in enumerate(out):
+            if o.embedding_dtype is not None and o.embedding_dtype != dtype:
+                raise ValueError(f"table {names[t]!r}: embedding_dtype={o.embedding_dtype} but "
+                                 f"weights_precision={kwargs['weights_precision']} ({dtype}); "
+                                 f"give one dtype")
+            if o.embedding_dtype is None and dtype != torch.float32:
+                out[t] = dataclasses.replace(o, embedding_dtype=dtype)
+    if "cache_precision" in kwargs:
+        dtype = _as_dtype(kwargs["cache_precision"])
+        for t, o in enumerate(out):
+            if o.row_dtype != dtype:
+                raise ValueError(f"table {names[t]!r}: cache_precision={kwargs['cache_precision']} "
+                                 f"({dtype}) but its rows are {o.row_dtype}: a cache holds the "
+                                 f"rows in their dtype (set weights_precision or embedding_dtype)")
+    if kwargs.get("stochastic_rounding") is False:
+        out = [dataclasses.replace(o, stochastic_rounding=False) for o in out]
+    return out

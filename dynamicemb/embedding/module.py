@@ -12,7 +12,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from dynamicemb.embedding.fused_params import check_tbe_keywords, output_dtype_of
+from dynamicemb.embedding.fused_params import check_tbe_keywords, output_dtype_of, with_precision
 from dynamicemb.embedding.group import TableGroup, group_key
 from dynamicemb.embedding.records import ExportedCounters, ExportedRows, TableClocks
 from dynamicemb.embedding.state import load_tables_state, tables_state
@@ -67,8 +67,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             backward. A GPU step does not check gradient values.
         **tbe_kwargs: other keywords of FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen``
             and upstream's ``BatchedDynamicEmbeddingTablesV2`` (``prefetch_pipeline``,
-            ``stochastic_rounding``, ``max_norm``, ...): each is accepted where dynamic
-            tables do what it asks and refused otherwise (``fused_params.py``).
+            ``max_norm``, ...): each is accepted where dynamic tables do what it asks and
+            refused otherwise (``fused_params.py``); ``weights_precision`` (FP32, FP16,
+            BF16) sets the tables' ``embedding_dtype``, ``stochastic_rounding=False``
+            their rounding.
 
     Every argument after ``feature_table_map`` is keyword-only (upstream's positional
     order differs).
@@ -134,7 +136,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             raise ValueError("table_names must be unique, one per table")
         for name, options in zip(self.table_names, self.table_options):
             options.check_shape(name)
-        self.table_options = [o.in_one_bucket() for o in self.table_options]
+        self.table_options = [o.in_one_bucket() for o in with_precision(
+            self.table_options, tbe_kwargs, self.table_names)]
         self.feature_table_map = list(feature_table_map) if feature_table_map is not None else list(
             range(num_tables))
         if not self.feature_table_map or not all(

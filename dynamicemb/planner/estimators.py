@@ -26,8 +26,8 @@ def dynamic_table_bytes(options: DynamicEmbTableOptions, rows: int,
                         num_shards: int = 1) -> Tuple[int, int]:
     """(device bytes, host bytes) of one rank's share of a dynamic table.
 
-    ``rows`` round up to whole power-of-two buckets; each slot is a float32 value row
-    (embedding and optimizer state) plus its metadata (``metadata_bytes_per_slot``, as
+    ``rows`` round up to whole power-of-two buckets; each slot is a value row of the
+    options' ``embedding_dtype`` (embedding and float32 optimizer state) plus its metadata (``metadata_bytes_per_slot``, as
     ``ScoredHashTable.memory_bytes`` counts). Without ``local_hbm_for_values`` all is on the
     device. Otherwise the device holds that budget of rows (a cache when ``caching``) with their
     index, plus every row's index; the host holds the other value rows (every row when
@@ -70,7 +70,7 @@ def _slots_and_row_bytes(options: DynamicEmbTableOptions, rows: int,
     state_dim = optimizer_state_dim(DynamicEmbOptimType.of(optimizer), options.dim) if options.training else 0
     bucket = options.bucket_slots(rows)
     slots = num_buckets_for(rows, bucket) * bucket
-    return slots, RowFormat(torch.float32, options.dim, state_dim).row_bytes
+    return slots, RowFormat(options.row_dtype, options.dim, state_dim).row_bytes
 
 
 def _external_rows(options: DynamicEmbTableOptions, slots: int, row_bytes: int) -> int:

@@ -15,7 +15,7 @@ from torchrec.distributed.types import (EmbeddingModuleShardingPlan, ModuleShard
 from torchrec.distributed.utils import add_params_from_parameter_sharding, get_device_type
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
-from dynamicemb.embedding.fused_params import module_kwargs
+from dynamicemb.embedding.fused_params import module_kwargs, with_precision
 
 from dynamicemb.planner.estimators import DynamicEmbPerfConfig, DynamicEmbStorageEstimator
 from dynamicemb.planner.types import (
@@ -56,14 +56,15 @@ def _planner_arguments(args: tuple, eb_configs, kwargs: Dict[str, Any]):
     return eb_configs, kwargs
 
 
-def _check_table_params(name: str, sharding: ParameterSharding,
+def _check_table_params(name: str, sharding: ParameterSharding, options,
                         sharders: List[ModuleSharder]) -> None:
     """Refuses at plan time the per-table params of a dynamic table's constraint
     (``cache_params``, ``output_dtype``, ...) that its kernel cannot honour."""
     for sharder in sharders:
         try:
-            module_kwargs(add_params_from_parameter_sharding(dict(sharder.fused_params or {}),
-                                                             sharding))
+            kwargs = module_kwargs(add_params_from_parameter_sharding(
+                dict(sharder.fused_params or {}), sharding))
+            with_precision([options], kwargs, [name])
         except (TypeError, ValueError) as err:
             raise type(err)(f"table {name!r}: {err}") from None
 
@@ -219,5 +220,5 @@ class DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
             for name, sharding in list(module_plan.items()):
                 if name in options:
                     module_plan[name] = to_dynamic_sharding(sharding, options[name])
-                    _check_table_params(name, sharding, dynamic_sharders)
+                    _check_table_params(name, sharding, options[name], dynamic_sharders)
         return plan

@@ -5,12 +5,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
+import torch
 from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ParameterSharding, ShardingType
 
 from dynamicemb.options import DynamicEmbTableOptions
+from dynamicemb.types import row_dtype_of_data_type
 
 __all__ = [
     "DYNAMICEMB_OPTIONS_KEY",
@@ -139,24 +141,29 @@ class DynamicEmbParameterConstraints(ParameterConstraints):
 
 def resolve_options(options: DynamicEmbTableOptions, table: str, embedding_dim: int,
                     num_embeddings: int, data_type: Any = None) -> DynamicEmbTableOptions:
-    """A dynamic table's options with ``dim`` and ``max_capacity`` (the global capacity) taken
-    from its TorchRec config where they are None; ``options`` itself when nothing is missing.
+    """A dynamic table's options with ``dim``, ``max_capacity`` (the global capacity) and
+    ``embedding_dtype`` taken from its TorchRec config where they are None; ``options``
+    itself when nothing is missing.
 
     Args:
         options: the options a constraint (or ``to_dynamic_sharding``) gave.
         table: the table's name, for messages.
         embedding_dim, num_embeddings, data_type: the table's config fields (``data_type``
-            None: not checked).
+            FP32, FP16 or BF16; None: not checked).
 
     Raises:
-        ValueError: a set field differs from the config, or ``data_type`` is not FP32.
+        ValueError: a set field differs from the config, or ``data_type`` is another.
     """
-    if data_type is not None and getattr(data_type, "name", data_type) != "FP32":
-        raise ValueError(
-            f"table {table!r}: data_type={getattr(data_type, 'name', data_type)} in the table's "
-            f"config, but dynamic tables store float32 rows; use DataType.FP32 (output_dtype "
-            f"sets the output's dtype)")
     fills = {}
+    if data_type is not None:
+        dtype = row_dtype_of_data_type(data_type, table)
+        if options.embedding_dtype is None and dtype != torch.float32:
+            fills["embedding_dtype"] = dtype
+        elif options.row_dtype != dtype:
+            raise ValueError(
+                f"table {table!r}: dynamicemb_options.embedding_dtype={options.row_dtype} but "
+                f"data_type={getattr(data_type, 'name', data_type)} in the table's config "
+                f"(leave embedding_dtype unset to take the config's)")
     for field, config_field, value in (("dim", "embedding_dim", embedding_dim),
                                        ("max_capacity", "num_embeddings", num_embeddings)):
         given = getattr(options, field)

@@ -309,7 +309,11 @@ def test_sizing_helpers_match_the_tables_built(rows, world, bucket):
     # upstream's MAX_BUCKET_CAPACITY (one bucket per rank): its size, the share rounded to 16
     assert dynamicemb.get_sharded_table_capacity(config, world, 2**63 - 1) == -(-share // 16) * 16
     with pytest.raises(ValueError, match="data_type"):
-        dynamicemb.get_table_value_bytes(_Config(rows, 8, "FP16"), FbgemmOptimType.ADAM, world)
+        dynamicemb.get_table_value_bytes(_Config(rows, 8, "INT8"), FbgemmOptimType.ADAM, world)
+    # FP16 rows: 2-byte elements, float32 states (dim 8 SGD: 16 B against 32 B a row)
+    assert 2 * dynamicemb.get_table_value_bytes(_Config(rows, 8, "FP16"), FbgemmOptimType.SGD,
+                                                world, bucket) == \
+        dynamicemb.get_table_value_bytes(config, FbgemmOptimType.SGD, world, bucket)
     assert [dynamicemb.align_to_table_size(n) for n in (0, 1, 16, 17)] == [16, 16, 16, 32]
 
 

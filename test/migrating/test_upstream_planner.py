@@ -25,6 +25,7 @@ from dynamicemb.planner import (
     DynamicEmbParameterConstraints,
     DynamicEmbParameterSharding,
 )
+from dynamicemb.planner.estimators import dynamic_table_bytes
 from dynamicemb.shard import DynamicEmbeddingCollectionSharder
 from dynamicemb.shard.kernel import _rank_options
 
@@ -98,10 +99,34 @@ def test_eb_configs_are_cross_checked_with_the_model(field, value):
         DynamicEmbeddingShardingPlanner(_configs(), TOPOLOGY, topology=TOPOLOGY)
 
 
-def test_non_fp32_dynamic_table_is_refused():
-    model = Model(_configs(data_type=DataType.FP16))
+@pytest.mark.parametrize("data_type,dtype", [(DataType.FP16, torch.float16),
+                                             (DataType.BF16, torch.bfloat16)])
+def test_a_16_bit_config_plans_a_16_bit_dynamic_table(data_type, dtype, sixteen_bit_rows):
+    """A config's FP16/BF16 ``data_type`` is the dynamic table's ``embedding_dtype``, and
+    the storage estimate counts its 2-byte elements."""
+    def plan_of(data_type):
+        model = Model(_configs(data_type=data_type))
+        plan = _plan(DynamicEmbeddingShardingPlanner(TOPOLOGY, constraints=_constraints()), model)
+        return plan.plan["embedding_module"]["user"]
+    half, full = plan_of(data_type), plan_of(DataType.FP32)
+    assert half.dynamicemb_options.embedding_dtype == dtype
+    assert full.dynamicemb_options.row_dtype == torch.float32
+    # what the planner's storage estimate counts: 2-byte elements, float32 state
+    sizes = [dynamic_table_bytes(p.dynamicemb_options, ROWS // 2)[0] for p in (half, full)]
+    assert sizes[0] < 0.7 * sizes[1], sizes
+    constraints = _constraints()
+    constraints["user"].dynamicemb_options = DynamicEmbTableOptions(
+        global_hbm_for_values=1 << 16, embedding_dtype=torch.float32)
+    with pytest.raises(ValueError, match=f"embedding_dtype=torch.float32 but data_type="
+                                         f"{data_type.name}"):
+        _plan(DynamicEmbeddingShardingPlanner(TOPOLOGY, constraints=constraints),
+              Model(_configs(data_type=data_type)))
+
+
+def test_another_data_type_of_a_dynamic_table_is_refused():
+    model = Model(_configs(data_type=DataType.INT8))
     planner = DynamicEmbeddingShardingPlanner(TOPOLOGY, constraints=_constraints())
-    with pytest.raises(ValueError, match="data_type=FP16"):
+    with pytest.raises(ValueError, match="data_type=INT8"):
         _plan(planner, model)
 
 

@@ -152,8 +152,9 @@ REFUSED = {
     "max_norm": 1.0, "momentum": 0.5, "eta": 0.01, "counter_based_regularization": object(),
     "cowclip_regularization": object(), "global_weight_decay": object(),
     "cache_load_factor": 0.2, "cache_algorithm": 0, "cache_sets": 8,
-    "cache_reserved_memory": 1.0, "weights_precision": SparseType.FP16,
-    "cache_precision": SparseType.FP16, "embedding_table_index_type": torch.float32,
+    "cache_reserved_memory": 1.0, "weights_precision": SparseType.INT8,
+    "cache_precision": SparseType.INT8, "embedding_table_index_type": torch.float32,
+    "stochastic_rounding": 1,
     "uvm_host_mapped": True, "use_experimental_tbe": True, "multipass_prefetch_config": object(),
     "optimizer_state_dtypes": {"momentum1": SparseType.BF16}, "ensemble_mode": object(),
 }

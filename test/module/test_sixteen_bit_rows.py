@@ -119,3 +119,25 @@ def test_rounding_seed_and_mode_change_the_rows(device, stochastic):
             step(module, torch.arange(64))
         results.append(module.read_rows("t0", torch.arange(64)))
     assert torch.equal(results[0], results[1]) != stochastic
+
+
+def test_fbgemm_precision_keywords_set_the_tables_dtype(device):
+    """``weights_precision`` (FBGEMM's) gives every table its dtype; ``cache_precision``
+    must be the rows' dtype; ``stochastic_rounding=False`` rounds to nearest."""
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    options = [DynamicEmbTableOptions(dim=8, max_capacity=64),
+               DynamicEmbTableOptions(dim=8, max_capacity=64, embedding_dtype=torch.float16)]
+    module = BatchedDynamicEmbeddingTables(options[:1], weights_precision=SparseType.BF16,
+                                           cache_precision=SparseType.BF16,
+                                           stochastic_rounding=False, device=device)
+    assert [o.row_dtype for o in module.table_options] == [torch.bfloat16]
+    assert not module.table_options[0].stochastic_rounding
+    assert module._groups[0].row_format.dtype == torch.bfloat16  # internal: what it stores
+    with pytest.raises(ValueError, match=r"embedding_dtype=torch.float16.*weights_precision"):
+        BatchedDynamicEmbeddingTables(options, weights_precision=SparseType.BF16, device=device)
+    with pytest.raises(ValueError, match=r"cache_precision.*rows are torch.float32"):
+        BatchedDynamicEmbeddingTables(options[:1], cache_precision=SparseType.FP16,
+                                      device=device)
+    module = BatchedDynamicEmbeddingTables(options[1:], weights_precision=SparseType.FP16,
+                                           device=device)
+    assert module.table_options[0].stochastic_rounding  # FBGEMM's default: on
