@@ -23,8 +23,9 @@ from dynamicemb import DynamicEmbDump, DynamicEmbLoad
 SLOTS = ("a", "b")
 LATEST = "latest.json"
 # The arguments that shape the model and its sharding: a resume must repeat them.
-MODEL_ARGS = ("data", "data_dir", "scale", "collection", "embedding_dim", "dense_arch", "over_arch",
-              "optimizer", "dynamic_threshold", "cache_fraction", "batch_size", "seed")
+MODEL_ARGS = ("data", "data_dir", "scale", "collection", "embedding_dim", "embedding_dtype",
+              "dense_arch", "over_arch", "optimizer", "dynamic_threshold", "cache_fraction",
+              "batch_size", "seed")
 
 
 def latest(directory: str) -> Optional[Dict]:
@@ -92,8 +93,9 @@ def load(directory: str, dmp, dense_optimizer, args) -> Dict:
     record = latest(directory)
     if record is None:
         raise ValueError(f"--resume: {directory} holds no checkpoint ({LATEST} is missing)")
-    differ = {k: (record["model_args"].get(k), getattr(args, k)) for k in MODEL_ARGS
-              if record["model_args"].get(k) != getattr(args, k)}
+    recorded = {"embedding_dtype": "fp32", **record["model_args"]}  # older runs: float32
+    differ = {k: (recorded.get(k), getattr(args, k)) for k in MODEL_ARGS
+              if recorded.get(k) != getattr(args, k)}
     if differ:
         raise ValueError("--resume: the checkpoint was made with other arguments "
                          + ", ".join(f"--{k.replace('_', '-')} {a!r} (now {b!r})"

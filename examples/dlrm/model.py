@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import nn
 from torchrec import (
+    DataType,
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     EmbeddingCollection,
@@ -29,8 +30,18 @@ from dynamicemb import (
 )
 from dynamicemb.planner import DynamicEmbParameterConstraints
 
-__all__ = ["PooledEmbeddingCollection", "TableSpec", "build_model", "constraints_for",
-           "feature_names", "num_dense", "table_specs", "to_kjt"]
+__all__ = ["EMBEDDING_DTYPES", "PooledEmbeddingCollection", "TableSpec", "build_model",
+           "constraints_for", "feature_names", "num_dense", "row_bytes", "table_specs", "to_kjt"]
+
+#: ``--embedding-dtype`` -> the tables' TorchRec ``data_type``.
+EMBEDDING_DTYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16, "bf16": DataType.BF16}
+
+
+def row_bytes(dim: int, state_floats: int, data_type: DataType) -> int:
+    """Bytes of a stored row: the embedding in ``data_type`` padded to 4 bytes, then the
+    float32 optimizer state."""
+    elem = 4 if data_type == DataType.FP32 else 2
+    return -(-dim * elem // 4) * 4 + 4 * state_floats
 
 
 @dataclass(frozen=True)
@@ -107,7 +118,7 @@ class PooledEmbeddingCollection(nn.Module):
 
 def build_model(tables: Sequence[TableSpec], dim: int, dense_arch: Sequence[int],
                 over_arch: Sequence[int], dense_features: int = NUM_DENSE,
-                collection: str = "ebc") -> DLRMTrain:
+                collection: str = "ebc", data_type: DataType = DataType.FP32) -> DLRMTrain:
     """The unsharded model (tables on ``meta``; DMP materializes them).
 
     Args:
@@ -118,6 +129,8 @@ def build_model(tables: Sequence[TableSpec], dim: int, dense_arch: Sequence[int]
         dense_features: dense features per sample (``num_dense``).
         collection: ``"ebc"`` (pooled tables) or ``"ec"`` (sequence tables summed per
             sample by ``PooledEmbeddingCollection``).
+        data_type: the dynamic tables' (``EMBEDDING_DTYPES``); static tables stay FP32
+            (FBGEMM's CPU kernels have no BF16 rows).
     """
     if dense_arch[-1] != dim:
         raise ValueError(f"the dense arch must end at the embedding dim {dim}, got {list(dense_arch)}")
@@ -127,17 +140,23 @@ def build_model(tables: Sequence[TableSpec], dim: int, dense_arch: Sequence[int]
     if collection == "ec":
         ebc = PooledEmbeddingCollection(EmbeddingCollection(tables=[
             EmbeddingConfig(name=f"t_{t.feature}", embedding_dim=dim, num_embeddings=t.rows,
-                            feature_names=[t.feature]) for t in tables], device=meta))
+                            feature_names=[t.feature], data_type=_dtype(t, data_type))
+            for t in tables], device=meta))
     else:
         ebc = EmbeddingBagCollection(tables=[
             EmbeddingBagConfig(name=f"t_{t.feature}", embedding_dim=dim, num_embeddings=t.rows,
-                               feature_names=[t.feature]) for t in tables], device=meta)
+                               feature_names=[t.feature], data_type=_dtype(t, data_type))
+            for t in tables], device=meta)
     return DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=dense_features,
                           dense_arch_layer_sizes=list(dense_arch),
                           over_arch_layer_sizes=list(over_arch)))
 
 
-def constraints_for(tables: Sequence[TableSpec], dim: int, state_floats: int,
+def _dtype(table: TableSpec, data_type: DataType) -> DataType:
+    return data_type if table.dynamic else DataType.FP32
+
+
+def constraints_for(tables: Sequence[TableSpec], dim: int, row_bytes: int,
                     cache_fraction: float, score_strategy: DynamicEmbScoreStrategy,
                     admission_threshold: int, placement: Optional[str] = None,
                     replicas: float = 0, staleness: int = 0) -> Dict[str, DynamicEmbParameterConstraints]:
@@ -146,7 +165,7 @@ def constraints_for(tables: Sequence[TableSpec], dim: int, state_floats: int,
     Args:
         placement: a placement file (``examples/dlrm/partition.py``) for every dynamic
             table (None: ids on their key-hash owner).
-        state_floats: optimizer state floats per row (sizes the cache budget).
+        row_bytes: bytes of a stored row (``row_bytes``: sizes the cache budget).
         cache_fraction: the device cache of a dynamic table holds this fraction of its
             rows (1.0 or more: every row in device memory, no cache).
         admission_threshold: occurrences before a new id gets a row (1: admit all).
@@ -160,7 +179,7 @@ def constraints_for(tables: Sequence[TableSpec], dim: int, state_floats: int,
         caching = cache_fraction < 1.0
         options = DynamicEmbTableOptions(
             dim=dim, max_capacity=t.rows, score_strategy=score_strategy, caching=caching,
-            local_hbm_for_values=(max(16, int(t.rows * cache_fraction)) * (dim + state_floats) * 4
+            local_hbm_for_values=(max(16, int(t.rows * cache_fraction)) * row_bytes
                                   if caching else None),
             admit_strategy=(FrequencyAdmissionStrategy(threshold=admission_threshold)
                             if admission_threshold > 1 else None), placement=placement,

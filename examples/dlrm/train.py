@@ -55,7 +55,8 @@ from dynamicemb.shard import (
     threads_per_rank,
 )
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from model import build_model, constraints_for, num_dense, table_specs, to_kjt
+from model import (EMBEDDING_DTYPES, build_model, constraints_for, num_dense, row_bytes,
+                   table_specs, to_kjt)
 from movielens import MovieLens
 from partition import RoutedBatches
 from dynamicemb.placement import TablePlacement, table_placement
@@ -91,6 +92,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--collection", choices=["ebc", "ec"], default="ebc",
                    help="EmbeddingBagCollection, or EmbeddingCollection + sum pooling")
     p.add_argument("--embedding-dim", type=int, default=16)
+    p.add_argument("--embedding-dtype", choices=sorted(EMBEDDING_DTYPES), default="fp32",
+                   help="the dynamic tables' rows (TorchRec data_type; 16-bit rows train "
+                        "with stochastic rounding, optimizer states stay float32; static "
+                        "tables stay fp32)")
+    p.add_argument("--amp", action="store_true",
+                   help="autocast the model in bfloat16 on a CPU, float16 on a GPU")
     p.add_argument("--dense-arch", default="64,16", help="bottom MLP widths (last = dim)")
     p.add_argument("--over-arch", default="64,32,1", help="top MLP widths (last = 1)")
     p.add_argument("--lr", type=float, default=0.05, help="embedding learning rate")
@@ -220,7 +227,9 @@ def _datasets_of(args, rank: int, world: int, batch_size: int):
 
 def shard(args, model, tables, device: torch.device, world: int) -> DistributedModelParallel:
     optimizer, _ = OPTIMIZERS[args.optimizer]
-    constraints = constraints_for(tables, args.embedding_dim, _state_floats(args),
+    constraints = constraints_for(tables, args.embedding_dim,
+                                  row_bytes(args.embedding_dim, _state_floats(args),
+                                            EMBEDDING_DTYPES[args.embedding_dtype]),
                                   args.cache_fraction, DynamicEmbScoreStrategy[args.score_strategy.upper()],
                                   args.admission_threshold, args.placement,
                                   # placement: replicas on, the ids come from the file
@@ -248,6 +257,13 @@ def to_batch(batch, tables, device) -> TorchRecBatch:
                          labels=batch.labels.to(device))
 
 
+def _autocast(args, device: torch.device):
+    """``--amp``: the model's forward under autocast (bfloat16 on a CPU, float16 on a GPU);
+    else a context that changes nothing."""
+    dtype = torch.bfloat16 if device.type == "cpu" else torch.float16
+    return torch.autocast(device.type, dtype=dtype, enabled=args.amp)
+
+
 def evaluate(args, dmp, evals, tables, device) -> float:
     """Eval AUC over every rank's eval samples (torchmetrics syncs the ranks), after
     stale replicas' pending gradients reached their owners (a collective).
@@ -261,7 +277,8 @@ def evaluate(args, dmp, evals, tables, device) -> float:
     dmp.eval()
     with torch.no_grad():
         for batch in in_step(evals, _describe(args, "eval")):
-            _, (_, logits, labels) = dmp(to_batch(batch, tables, device))
+            with _autocast(args, device):
+                _, (_, logits, labels) = dmp(to_batch(batch, tables, device))
             auroc.update(torch.sigmoid(logits), labels.long())
             positives, total = positives + int(labels.sum()), total + labels.numel()
     dmp.train()
@@ -341,7 +358,8 @@ def run(args, device: torch.device) -> None:
     tables = table_specs(args)
     model = build_model(tables, args.embedding_dim, [int(x) for x in args.dense_arch.split(",")],
                         [int(x) for x in args.over_arch.split(",")], dense_features=num_dense(args),
-                        collection=args.collection)
+                        collection=args.collection,
+                        data_type=EMBEDDING_DTYPES[args.embedding_dtype])
     dmp = shard(args, model, tables, device, world)
     dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                       lambda params: torch.optim.Adagrad(params, lr=args.dense_lr))
@@ -365,7 +383,8 @@ def run(args, device: torch.device) -> None:
         serving.write(args.serving_artifact, dmp, lambda: build_model(
             tables, args.embedding_dim, [int(x) for x in args.dense_arch.split(",")],
             [int(x) for x in args.over_arch.split(",")], dense_features=num_dense(args),
-            collection=args.collection), tables, sample)
+            collection=args.collection, data_type=EMBEDDING_DTYPES[args.embedding_dtype]),
+            tables, sample)
     report = table_report(dmp, tables)
     history["alltoall_ids_per_step"], history["alltoall_dynamic_ids_per_step"] = \
         alltoall_per_step(progress)
@@ -435,7 +454,8 @@ def _train_epochs(args, dmp, dense_opt, train, evals, tables, device, progress, 
             if args.replicas not in (0, "placement") and \
                     progress["step"] % args.replicas_refresh == 1 % args.replicas_refresh:
                 _refresh_replicas(args, dmp, train, tables)  # a collective, between steps
-            loss, _ = dmp(to_batch(batch, tables, device))
+            with _autocast(args, device):
+                loss, _ = dmp(to_batch(batch, tables, device))
             loss.backward()
             dense_opt.step()
             dense_opt.zero_grad()
