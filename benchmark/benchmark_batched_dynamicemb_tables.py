@@ -79,19 +79,23 @@ def make_batches(args, batch_size: int, num_embeddings: int) -> List[Tuple[torch
 STATE_FLOATS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 0, "adam": 2}  # x dim, +1 rowwise
 
 
-def row_bytes(args, optimizer: str) -> int:
+def row_bytes(args, optimizer: str, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of a stored row: the embedding in ``dtype`` padded to 4 bytes, then the
+    float32 optimizer state."""
     state = STATE_FLOATS[optimizer] * args.embedding_dim + (optimizer == "rowwise_adagrad")
-    return (args.embedding_dim + state) * 4
+    return -(-args.embedding_dim * dtype.itemsize // 4) * 4 + 4 * state
 
 
 def make_dynamicemb(args, num_embeddings: int, optimizer: str,
-                    cache_rows: Optional[int] = None) -> BatchedDynamicEmbeddingTables:
+                    cache_rows: Optional[int] = None,
+                    dtype: torch.dtype = torch.float32) -> BatchedDynamicEmbeddingTables:
     # A bucketed hash table cannot hold N keys in exactly N slots (buckets fill
     # unevenly), so the dynamic table gets 2x slots: its real bytes are reported.
     options = DynamicEmbTableOptions(
         dim=args.embedding_dim, max_capacity=2 * num_embeddings, max_load_factor=1.0,
-        caching=cache_rows is not None,
-        local_hbm_for_values=None if cache_rows is None else cache_rows * row_bytes(args, optimizer))
+        caching=cache_rows is not None, embedding_dtype=dtype,
+        local_hbm_for_values=(None if cache_rows is None
+                              else cache_rows * row_bytes(args, optimizer, dtype)))
     module = BatchedDynamicEmbeddingTables(
         [options], feature_table_map=[0] * args.num_features,
         optimizer=OPTIMIZERS[optimizer], learning_rate=0.01)
@@ -105,9 +109,12 @@ def make_dynamicemb(args, num_embeddings: int, optimizer: str,
     return module
 
 
-def make_torchrec(args, num_embeddings: int, optimizer: str) -> Optional[torch.nn.Module]:
-    """FBGEMM's CPU TBE with the same optimizer, or None where it has none (Adam on CPU)."""
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+def make_torchrec(args, num_embeddings: int, optimizer: str,
+                  weights_precision: str = "FP32") -> Optional[torch.nn.Module]:
+    """FBGEMM's CPU TBE with the same optimizer and ``weights_precision`` (a ``SparseType``
+    name; FP16 rounds stochastically, FBGEMM's default), or None where it has none (Adam
+    on CPU)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice,
@@ -126,6 +133,7 @@ def make_torchrec(args, num_embeddings: int, optimizer: str) -> Optional[torch.n
         feature_table_map=[0] * args.num_features,
         optimizer=cpu_optimizers[optimizer],
         learning_rate=0.01,
+        weights_precision=SparseType[weights_precision],
     )
 
 

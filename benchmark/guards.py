@@ -25,6 +25,8 @@ when any guard fails.
   resident (SGD, the P2 batches).
 - P4 a 2-rank ``EmbeddingCollection`` with dedup (gloo) / TorchRec's static tables
   with the same dedup (``benchmark_embedding_collection.py``, a short run).
+- P6 a training step of bfloat16 and float16 rows (SGD, row-wise Adagrad) / FBGEMM's
+  CPU TBE with FP16 weights (goal 0.5), and / our float32 step (goal 1.0).
 - P5 the CUDA step's host syncs and kernel launches, counted on CPU under the
   emulation (``benchmark_step_overhead.py``): 0 syncs; at most 20 launches of the
   step's own with all rows on the device, 30 with a 10% cache. ``P5 cpu``: the same
@@ -271,6 +273,38 @@ def guard_training(reps: int, optimizers: List[str]) -> List[Verdict]:
     return found
 
 
+# ----------------------------------------------------------------- P6
+HALF_OPTIMIZERS = ("sgd", "rowwise_adagrad")
+
+
+def guard_sixteen_bit(reps: int) -> List[Verdict]:
+    """P6: training steps of bfloat16 and float16 rows (stochastic rounding) against
+    FBGEMM's CPU TBE with FP16 weights (its stochastic rounding, the default; goal 0.5)
+    and against our own float32 step (goal 1.0), the P2 batches."""
+    args = _bench_args(reps)
+    num_embeddings, batch = 1 << 20, 65536
+    batches = tables_bench.make_batches(args, batch, num_embeddings)
+    grad = torch.randn(batch, args.embedding_dim, generator=torch.Generator().manual_seed(2))
+    found = []
+    for optimizer in HALF_OPTIMIZERS:
+        theirs = tables_bench.make_torchrec(args, num_embeddings, optimizer, "FP16")
+        full = tables_bench.make_dynamicemb(args, num_embeddings, optimizer)
+        for dtype in (torch.bfloat16, torch.float16):
+            ours = tables_bench.make_dynamicemb(args, num_embeddings, optimizer, dtype=dtype)
+            name = f"P6 {optimizer} {str(dtype)[6:]}"
+            ratios = paired_ratios(_trainer(ours, batches, grad), _trainer(theirs, batches, grad),
+                                   reps)
+            found.append(verdict(name, "train step / FBGEMM CPU TBE with FP16 rows, batch "
+                                 "65,536, 1M ids, dim 128", ratios, 0.5))
+            ratios = paired_ratios(_trainer(ours, batches, grad), _trainer(full, batches, grad),
+                                   reps)
+            found.append(verdict(f"{name} / f32", "train step / our float32 rows' step",
+                                 ratios, 1.0))
+            del ours
+        del theirs, full
+    return found
+
+
 # ----------------------------------------------------------------- P4
 def guard_collection(iterations: int) -> List[Verdict]:
     """The EmbeddingCollection benchmark on 2 gloo ranks, dedup on: the dynamic table's
@@ -325,7 +359,7 @@ def guard_step_counts() -> List[Verdict]:
     return found
 
 
-GUARDS = ("P1", "P2", "P3", "P4", "P5")
+GUARDS = ("P1", "P2", "P3", "P4", "P5", "P6")
 
 
 def main() -> int:
@@ -350,6 +384,8 @@ def main() -> int:
         verdicts += guard_collection(max(args.reps, 5))
     if "P5" in args.only:
         verdicts += guard_step_counts()
+    if "P6" in args.only:
+        verdicts += guard_sixteen_bit(args.reps)
     print(f"\n{'guard':<24} ratio    [quartiles]      goal         verdict    what "
           f"({torch.get_num_threads()} threads, {time.perf_counter() - started:.0f} s)")
     for v in verdicts:
