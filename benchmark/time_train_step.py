@@ -19,6 +19,7 @@ from dynamicemb.ops import for_device
 OPTIMIZERS = {"sgd": DynamicEmbOptimType.EXACT_SGD, "adagrad": DynamicEmbOptimType.EXACT_ADAGRAD,
               "rowwise_adagrad": DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD,
               "adam": DynamicEmbOptimType.ADAM}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def main() -> None:
@@ -28,11 +29,14 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--ids", type=int, default=1 << 20)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="the rows' embedding_dtype")
     parser.add_argument("--verbs", action="store_true", help="time each backend verb too")
     args = parser.parse_args()
     torch.manual_seed(0)
     module = BatchedDynamicEmbeddingTables(
-        [DynamicEmbTableOptions(dim=args.dim, max_capacity=2 * args.ids)],
+        [DynamicEmbTableOptions(dim=args.dim, max_capacity=2 * args.ids,
+                                embedding_dtype=DTYPES[args.dtype])],
         optimizer=OPTIMIZERS[args.optimizer], learning_rate=0.01)
     offsets = torch.arange(args.batch + 1)
     # alternately uniform and power-law ids, as the guards' batches
@@ -51,7 +55,7 @@ def main() -> None:
         start = time.perf_counter()
         step(batches[r % len(batches)])
         times.append(time.perf_counter() - start)
-    print(f"{args.optimizer} train step, batch {args.batch}, dim {args.dim}: "
+    print(f"{args.optimizer} train step, {args.dtype} rows, batch {args.batch}, dim {args.dim}: "
           f"median {statistics.median(times) * 1e3:.2f} ms of {args.steps}")
     for verb, seconds in sorted(spent.items(), key=lambda item: -sum(item[1])):
         print(f"  {verb:<24} {sum(seconds) / args.steps * 1e3:7.3f} ms a step "

@@ -9,6 +9,8 @@
 // (rounding_primitives.h), so the math and its order are float32's on both formats.
 #pragma once
 
+#include <immintrin.h>
+
 #include <cstdint>
 #include <tuple>
 #include <vector>
@@ -51,6 +53,27 @@ DEMB_PREFETCHES void prefetch_row(const void* row, int64_t dim, int rw = 0) {
 }
 
 constexpr int64_t kFloat32Rows = 0, kFloat16Rows = 1, kBfloat16Rows = 2;
+
+// w[0, n) = the n elements of e widened (exactly: every ISA gives the same floats).
+inline void widen_row(const bf16* e, float* __restrict__ w, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(e);
+  for (int64_t c = 0; c < n; ++c) {  // a shift: vectorized
+    const uint32_t u = static_cast<uint32_t>(bits[c]) << 16;
+    __builtin_memcpy(w + c, &u, sizeof u);
+  }
+}
+
+inline void widen_row(const f16* e, float* __restrict__ w, int64_t n) {
+  int64_t c = 0;
+#if defined(__F16C__)
+  // vcvtph2ps is exact, and quiets a NaN as widen(f16) does
+  for (; c + 8 <= n; c += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e + c));
+    _mm256_storeu_ps(w + c, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; c < n; ++c) w[c] = widen(e[c]);
+}
 
 struct RowSource {
   float* device;  // [*, width] 4-byte words (float32 rows: floats)
@@ -165,8 +188,7 @@ struct WidenedRows {
     if (r >= kTransientRowBit && r < kHostRowBit) {
       return src.transient + (r - kTransientRowBit) * src.dim;
     }
-    const E* e = reinterpret_cast<const E*>(src.stored_bytes(u));
-    for (int64_t c = 0; c < src.dim; ++c) w[c] = widen(e[c]);
+    widen_row(reinterpret_cast<const E*>(src.stored_bytes(u)), w, src.dim);
     return w;
   }
   DEMB_PREFETCHES void prefetch(int64_t u) const {
@@ -266,7 +288,7 @@ void update_narrow_row(char* row, float* state, const float* g, int dim,
                        const OptimizerParams& p, float* __restrict__ w, const Rounding& r,
                        int64_t u) {
   E* e = reinterpret_cast<E*>(row);
-  for (int c = 0; c < dim; ++c) w[c] = widen(e[c]);
+  widen_row(e, w, dim);
   optimizer_update(w, state, g, dim, p);
   if (!r.stochastic) {
     for (int c = 0; c < dim; ++c) e[c] = narrow_rn<E>(w[c]);

@@ -312,3 +312,25 @@ def test_init_rows_of_16_bit_rows_check_the_spec():
     with pytest.raises(RuntimeError, match="InitSpec"):
         _cpu().init_rows(rows, keys, None, keys, torch.zeros(2, dtype=torch.int16), DIM, bad,
                          0.0, row_format=(fmt.code, fmt.state_offset))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_16_bit_pattern_widens_exactly(dtype):
+    """A forward reads each of the 65,536 bit patterns as torch widens it (subnormals,
+    infinities, both zeros; NaN as a NaN), through the vector and the scalar paths
+    (dim 24: three 8-element blocks, dim 5: a tail only)."""
+    patterns = torch.arange(-32768, 32768, dtype=torch.int64).to(torch.int16).view(dtype)
+    want = patterns.float()
+    for dim in (24, 5):
+        n = patterns.numel() // dim
+        fmt = RowFormat(dtype, dim, 0)
+        rows = fmt.pack(torch.zeros(n, dim, dtype=dtype))
+        fmt.embeddings(rows).copy_(patterns[:n * dim].reshape(n, dim))
+        out = torch.empty(n, dim)
+        refs = torch.arange(n, dtype=torch.int64)
+        _cpu().sequence_forward([rows, rows[:0]], torch.empty(0, dim), refs, refs, dim, out,
+                                row_format=(fmt.code, fmt.state_offset))
+        expected = want[:n * dim].reshape(n, dim)
+        nan = expected.isnan()
+        assert torch.equal(out.isnan(), nan)
+        assert torch.equal(out[~nan].view(torch.int32), expected[~nan].view(torch.int32))

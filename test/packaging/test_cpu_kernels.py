@@ -22,6 +22,7 @@ REFERENCE_SUITES = (
     "test/table/test_dedup_find_or_insert.py",
     "test/module/test_against_dense.py",
     "test/storage/test_exactness.py",
+    "test/module/test_sixteen_bit_kernels.py",
 )
 
 # The suites under pytest in a process that first says which copy it runs (one process:
