@@ -1,8 +1,10 @@
-"""DynamicEmbDump / DynamicEmbLoad carry a table's embedding dtype (float32, float16,
-bfloat16) in the manifest and the embeddings files; a load into a table of another dtype
-is refused naming both, unless asked to convert (round to nearest); manifests written
-before 16-bit rows read as float32. Round trips per dtype are in ``test_roundtrip.py``."""
+"""Checkpoints carry a table's embedding dtype (float32, float16, bfloat16): the manifest,
+the embeddings files and the state dict record it; a load into a table of another dtype
+is refused naming both, unless asked to convert (round to nearest); checkpoints written
+before 16-bit rows read as float32. Round trips per dtype are in ``test_roundtrip.py``
+and ``test_state_dict.py``."""
 
+import io
 import json
 import os
 
@@ -10,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from dynamicemb import CheckpointError, DynamicEmbDump, DynamicEmbLoad, DynamicEmbOptimType
+from dynamicemb import (CheckpointError, DynamicEmbDump, DynamicEmbLoad, DynamicEmbOptimType,
+                        convert_row_dtypes)
 from dynamicemb.checkpoint import Manifest, current_version
 from dynamicemb.inference import read_rows
 from dynamicemb_testing.checkpoint_testing import (DTYPES, assert_same, bits, make_tables,
@@ -147,3 +150,43 @@ def test_a_manifest_whose_dtype_is_wrong_is_refused(tmp_path, change, message):
     with pytest.raises(CheckpointError, match=message):
         DynamicEmbLoad(path, target, convert_dtype=True)
     assert_same(snapshot(target), before)
+
+
+# ---------------------------------------------------------------------- state_dict
+def _through_bytes(state):
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+def test_state_dict_of_another_dtype_is_refused_or_converted(pair):
+    saved = _trained(pair[0])
+    state = _through_bytes(saved.state_dict())
+    table = state["_extra_state"]["tables"]["a"]
+    assert table["embedding_dtype"] == NAMES[pair[0]] and table["embeddings"].dtype == pair[0]
+    target = _trained(pair[1], range(40, 42))
+    before = snapshot(target)
+    with pytest.raises(ValueError) as err:
+        target.load_state_dict(state)
+    message = str(err.value)
+    assert f"embedding_dtype '{NAMES[pair[0]]}' saved, '{NAMES[pair[1]]}' in the module" in message
+    assert "convert_row_dtypes" in message
+    assert_same(snapshot(target), before)
+    converted = convert_row_dtypes(state, target)
+    assert state["_extra_state"]["tables"]["a"]["embeddings"].dtype == pair[0]  # unchanged
+    target.load_state_dict(converted)
+    _assert_converted(snapshot(target), snapshot(saved), pair[1])
+
+
+def test_a_state_without_the_dtype_reads_as_float32():
+    saved = _trained(torch.float32)
+    state = _through_bytes(saved.state_dict())
+    for table in state["_extra_state"]["tables"].values():
+        del table["embedding_dtype"]
+    loaded = make_tables(OPTIMIZER)
+    loaded.load_state_dict(state)
+    assert_same(snapshot(loaded), snapshot(saved))
+    with pytest.raises(ValueError, match="embedding_dtype 'float32' saved, 'bfloat16'"):
+        make_tables(OPTIMIZER, dtype=torch.bfloat16).load_state_dict(state)
