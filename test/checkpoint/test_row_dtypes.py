@@ -1,8 +1,9 @@
 """Checkpoints carry a table's embedding dtype (float32, float16, bfloat16): the manifest,
-the embeddings files and the state dict record it; a load into a table of another dtype
-is refused naming both, unless asked to convert (round to nearest); checkpoints written
-before 16-bit rows read as float32. Round trips per dtype are in ``test_roundtrip.py``
-and ``test_state_dict.py``."""
+the embeddings files, the state dict and the DCP records record it; a load into a table
+of another dtype is refused naming both, unless asked to convert (round to nearest);
+checkpoints written before 16-bit rows read as float32. Round trips per dtype through
+every path are in ``test_roundtrip.py``, ``test_state_dict.py``, ``test_incremental.py``
+and ``test_dmp_state_dict.py``."""
 
 import io
 import json
@@ -15,6 +16,7 @@ import torch
 from dynamicemb import (CheckpointError, DynamicEmbDump, DynamicEmbLoad, DynamicEmbOptimType,
                         convert_row_dtypes)
 from dynamicemb.checkpoint import Manifest, current_version
+from dynamicemb.checkpoint.records import HEADER, RecordLayout, TableLoad, export_records
 from dynamicemb.inference import read_rows
 from dynamicemb_testing.checkpoint_testing import (DTYPES, assert_same, bits, make_tables,
                                                   snapshot, train)
@@ -190,3 +192,50 @@ def test_a_state_without_the_dtype_reads_as_float32():
     assert_same(snapshot(loaded), snapshot(saved))
     with pytest.raises(ValueError, match="embedding_dtype 'float32' saved, 'bfloat16'"):
         make_tables(OPTIMIZER, dtype=torch.bfloat16).load_state_dict(state)
+
+
+# ------------------------------------------------------------------- DCP records
+def _records_load(module, records):
+    load = TableLoad(module, "a", RecordLayout.of(module, "a"),
+                     lambda keys: torch.ones(keys.shape, dtype=torch.bool))
+    load.begin()
+    load.add_records(records)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_records_round_trip_bit_for_bit(dtype):
+    """The records DCP carries: a table's rows in its dtype, clocks and train steps."""
+    saved = _trained(dtype)
+    records = export_records(saved, "a", RecordLayout.of(saved, "a"))
+    loaded = make_tables(OPTIMIZER, dtype=dtype)
+    train(loaded, range(40, 42))
+    _records_load(loaded, records)
+    got, want = snapshot(loaded), snapshot(saved)
+    assert got["train_steps"] == want["train_steps"]
+    assert got["a"]["clocks"] == want["a"]["clocks"]
+    for x, y in zip(got["a"]["rows"], want["a"]["rows"]):
+        assert x.dtype == y.dtype and torch.equal(bits(x), bits(y))
+
+
+def test_float32_records_keep_the_layout_they_had_before_16_bit_rows():
+    """A float32 header's key word is the bare dim, as every record written before the
+    dtype was: such records load as float32 and are refused by a bfloat16 table."""
+    saved = _trained(torch.float32)
+    records = export_records(saved, "a", RecordLayout.of(saved, "a"))
+    assert records[0, :3].tolist() == [HEADER, 8, 1]
+    assert records.shape[1] == 3 + 4 + 1  # kind, key, score; 8 + 1 float32 columns padded
+    _records_load(make_tables(OPTIMIZER), records)
+    with pytest.raises(ValueError) as err:
+        _records_load(make_tables(OPTIMIZER, dtype=torch.bfloat16), records)
+    assert "float32 embeddings" in str(err.value) and "bfloat16 embeddings" in str(err.value)
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+def test_records_of_another_dtype_are_refused_naming_both(pair):
+    saved = _trained(pair[0])
+    records = export_records(saved, "a", RecordLayout.of(saved, "a"))
+    with pytest.raises(ValueError) as err:
+        _records_load(make_tables(OPTIMIZER, dtype=pair[1]), records)
+    message, layout = str(err.value), "dim 8 + 1 optimizer-state columns"
+    assert f"saved with {layout}, {NAMES[pair[0]]} embeddings" in message
+    assert f"this table has {layout}, {NAMES[pair[1]]} embeddings" in message
