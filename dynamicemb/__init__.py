@@ -12,7 +12,7 @@ from dynamicemb import incremental_dump as _upstream_incremental_dump  # noqa: F
 from dynamicemb import clean_exit as _clean_exit
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTablesV2
 from dynamicemb.checkpoint import (CheckpointError, DynamicEmbDump, DynamicEmbLoad,
-                                   incremental_dump)
+                                   convert_row_dtypes, incremental_dump)
 from dynamicemb.embedding import (BatchedDynamicEmbeddingTables, ExportedCounters, ExportedRows,
                                   TableClocks, pad_lookups)
 from dynamicemb.embedding.admission import Counter
@@ -90,6 +90,7 @@ __all__ = [
     "ScoredHashTable",
     "TableClocks",
     "align_to_table_size",
+    "convert_row_dtypes",
     "expire",
     "get_sharded_table_capacity",
     "get_table_value_bytes",

@@ -18,6 +18,7 @@ __all__ = [
     "MAX_BUCKET_CAPACITY",
     "OPT_STATE_TYPE",
     "ROW_DTYPES",
+    "ROW_DTYPE_NAMES",
     "SCORE_TYPE",
     "ScoreStrategy",
     "UpstreamIntValues",
@@ -35,6 +36,9 @@ SCORE_TYPE = torch.int64
 OPT_STATE_TYPE = torch.float32
 #: The dtypes a row's embedding can be stored in (``dynamicemb.ops.interface.RowFormat``).
 ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Each of ``ROW_DTYPES`` by the name checkpoints and state dicts record it under.
+ROW_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16",
+                   torch.bfloat16: "bfloat16"}
 #: Upstream's ``bucket_capacity`` meaning "one bucket per table" (``DynamicEmbTableOptions``).
 MAX_BUCKET_CAPACITY = 2**63 - 1
 

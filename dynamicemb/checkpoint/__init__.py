@@ -1,6 +1,7 @@
 """Checkpoints of dynamic tables: dump, load (with resharding), incremental dump
 (``docs/CHECKPOINTS.md``)."""
 
+from dynamicemb.checkpoint.convert import convert_row_dtypes
 from dynamicemb.checkpoint.dump import DynamicEmbDump
 from dynamicemb.checkpoint.format import FORMAT_VERSION, CheckpointError, Manifest
 from dynamicemb.checkpoint.incremental import incremental_dump
@@ -13,6 +14,7 @@ __all__ = [
     "DynamicEmbLoad",
     "FORMAT_VERSION",
     "Manifest",
+    "convert_row_dtypes",
     "current_version",
     "incremental_dump",
 ]

@@ -3,18 +3,19 @@
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from dynamicemb.checkpoint._collective import Collective
 from dynamicemb.checkpoint._progress import Progress
-from dynamicemb.checkpoint.format import (FIELD_DTYPES, CheckpointError, FieldWriter, Manifest,
-                                          ShardEntry, TableEntry, field_file_name, jsonable)
+from dynamicemb.checkpoint.format import (EMBEDDING_FILE_DTYPES, FIELD_DTYPES, CheckpointError,
+                                          FieldWriter, Manifest, ShardEntry, TableEntry,
+                                          field_file_name, jsonable)
 from dynamicemb.checkpoint.layout import MANIFEST, begin_version, commit_version, discard
 from dynamicemb.checkpoint.tables import LocalTable, local_tables, pending_updates, table_name_list
 from dynamicemb.ops.interface import RowFormat
 from dynamicemb.placement import placement_record
+from dynamicemb.types import ROW_DTYPE_NAMES
 
 __all__ = ["DynamicEmbDump"]
 
@@ -33,8 +34,9 @@ def DynamicEmbDump(  # noqa: N802 (upstream dynamicemb's name)
 ) -> str:
     """Writes every dynamic table of ``model`` to the checkpoint directory ``path``.
 
-    A collective over ``pg``. Each rank writes the rows it holds (keys, embeddings,
-    optimizer states, scores, admission counters) into a new version; rank 0 then
+    A collective over ``pg``. Each rank writes the rows it holds (keys, embeddings in
+    the table's dtype, optimizer states, scores, admission counters) into a new
+    version, and the manifest records each table's dtype; rank 0 then
     switches ``path`` to it atomically: a dump killed at any point leaves the previous
     checkpoint as it was (``docs/CHECKPOINTS.md``).
 
@@ -134,11 +136,19 @@ def _write_rank(directory: str, tables: Dict[str, LocalTable], rank: int, optim:
         progress.close()
 
 
+def _row_format(table: LocalTable, optim: bool) -> RowFormat:
+    """The layout of the table's rows with the states the dump saves."""
+    module = table.module
+    options = module.table_options[module.table_names.index(table.name)]
+    state_dim = module.optimizer_state_dim(table.name) if optim else 0
+    return RowFormat(options.row_dtype, options.dim, state_dim)
+
+
 def _row_bytes(table: LocalTable, optim: bool) -> int:
-    """Bytes a row takes in the field files (the progress bar's unit): key, score, row."""
-    state_dim = table.module.optimizer_state_dim(table.name) if optim else 0
-    dim = table.module.dims[table.module.table_names.index(table.name)]
-    return 16 + RowFormat(torch.float32, dim, state_dim).row_bytes
+    """Bytes a row takes in the field files (the progress bar's unit): key, score,
+    embedding (in the table's dtype) and states, unpadded."""
+    fmt = _row_format(table, optim)
+    return 16 + fmt.scale_offset + 4 * fmt.state_dim
 
 
 def _write_table(directory: str, table: LocalTable, rank: int, optim: bool, counter: bool,
@@ -146,10 +156,12 @@ def _write_table(directory: str, table: LocalTable, rank: int, optim: bool, coun
     module, name = table.module, table.name
     options = module.table_options[module.table_names.index(name)]
     state_dim = module.optimizer_state_dim(name) if optim else 0
+    dtype = ROW_DTYPE_NAMES[options.row_dtype]
     columns = {"keys": 0, "embeddings": options.dim, "scores": 0}
     if state_dim:
         columns["optimizer_states"] = state_dim
-    writers = {f: FieldWriter(directory, field_file_name(name, rank, f), FIELD_DTYPES[f], c)
+    file_dtypes = dict(FIELD_DTYPES, embeddings=EMBEDDING_FILE_DTYPES[dtype])
+    writers = {f: FieldWriter(directory, field_file_name(name, rank, f), file_dtypes[f], c)
                for f, c in columns.items()}
     try:
         row_bytes = _row_bytes(table, optim)
@@ -176,7 +188,7 @@ def _write_table(directory: str, table: LocalTable, rank: int, optim: bool, coun
                        score_strategy=options.score_strategy.value, options=jsonable(options),
                        sharding=table.sharding, num_shards=table.num_shards, rows=shard.rows,
                        optim=optim, counter=with_counters, dist_type=table.dist_type.value,
-                       placement=placement_record(table.placement))
+                       placement=placement_record(table.placement), embedding_dtype=dtype)
     return entry, shard
 
 
@@ -198,8 +210,10 @@ def _commit(path: str, tmp: str, gathered: List[Dict[str, Tuple[TableEntry, Shar
         for name, (entry, shard) in per_rank.items():
             merged = tables.setdefault(name, entry)
             if merged is not entry:
-                if (merged.dim, merged.state_dim) != (entry.dim, entry.state_dim):
-                    raise CheckpointError(f"table {name!r} has different dims on different ranks")
+                if (merged.dim, merged.state_dim, merged.embedding_dtype) != (
+                        entry.dim, entry.state_dim, entry.embedding_dtype):
+                    raise CheckpointError(f"table {name!r} has different dims or dtypes on "
+                                          f"different ranks")
                 merged.rows += shard.rows
             merged.shards.append(shard)
     manifest = Manifest(world_size=world_size, tables=tables)

@@ -1,6 +1,10 @@
 """The on-disk format of a checkpoint (``docs/CHECKPOINTS.md``): ``manifest.json`` and,
 per table and saving rank, one headerless little-endian file per field, whose dtype,
 shape, size and CRC-32 the manifest gives.
+
+The embeddings file has the table's row dtype; numpy has no bfloat16, so a bfloat16
+table's file holds the bfloat16 bits as ``"<u2"`` (the only field of that dtype), which
+``FieldReader`` reads back as bfloat16.
 """
 
 import dataclasses
@@ -16,6 +20,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "EMBEDDING_FILE_DTYPES",
     "FIELD_DTYPES",
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -34,16 +39,21 @@ __all__ = [
 FORMAT_NAME = "dynamicemb-checkpoint"
 FORMAT_VERSION = 1
 
-#: Every field file's dtype (numpy notation, little-endian).
+#: Every field file's dtype (numpy notation, little-endian) but the embeddings'.
 FIELD_DTYPES = {
     "keys": "<i8",
-    "embeddings": "<f4",
     "optimizer_states": "<f4",
     "scores": "<i8",
     "counter_keys": "<i8",
     "counter_counts": "<f8",
     "counter_scores": "<i8",
 }
+
+#: The embeddings file's dtype by the table's row dtype (``TableEntry.embedding_dtype``):
+#: bfloat16 rows as their bits, ``"<u2"``.
+EMBEDDING_FILE_DTYPES = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
+#: The file dtype whose values are bfloat16 bits.
+_BFLOAT16_BITS = np.dtype("<u2")
 
 _READ_BLOCK = 8 << 20  # bytes per read when verifying a file
 
@@ -112,6 +122,11 @@ class TableEntry:
             older manifests, whatever their ``options.dist_type`` says).
         placement: ``{"file", "sha256", "world_size", "ids"}`` of the table's placement
             file, or None (informative: a load routes rows as the loading model does).
+        embedding_dtype: the saved rows' dtype (``ROW_DTYPE_NAMES``), which the
+            embeddings files have (``EMBEDDING_FILE_DTYPES``). Absent means float32: the
+            manifest of a float32 table leaves it out, as manifests did before 16-bit
+            rows, so that it stays readable by those versions (which refuse a 16-bit
+            table's manifest for the unknown field instead of misreading its files).
     """
 
     dim: int
@@ -127,6 +142,7 @@ class TableEntry:
     shards: List[ShardEntry] = field(default_factory=list)
     dist_type: str = "hash"
     placement: Optional[Dict[str, Any]] = None
+    embedding_dtype: str = "float32"
 
 
 @dataclass
@@ -140,7 +156,11 @@ class Manifest:
     byte_order: str = "little"
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+        raw = dataclasses.asdict(self)
+        for table in raw["tables"].values():
+            if table["embedding_dtype"] == "float32":  # see TableEntry.embedding_dtype
+                del table["embedding_dtype"]
+        return json.dumps(raw, indent=1, sort_keys=True)
 
     @classmethod
     def read(cls, path: str) -> "Manifest":
@@ -164,10 +184,27 @@ class Manifest:
                 shards = [ShardEntry(**{**s, "files": {k: FileEntry(**v) for k, v in s["files"].items()}})
                           for s in t["shards"]]
                 tables[name] = TableEntry(**{**t, "shards": shards})
+                _check_embeddings_files(path, name, tables[name])
             return cls(world_size=raw["world_size"], tables=tables, format=raw["format"],
                        format_version=raw["format_version"], byte_order=raw["byte_order"])
         except (KeyError, TypeError) as err:
             raise CheckpointError(f"{path}: malformed manifest ({err!r})") from None
+
+
+def _check_embeddings_files(path: str, name: str, table: TableEntry) -> None:
+    """Raises ``CheckpointError`` unless the table's dtype is known and its embeddings
+    files have that dtype's file dtype."""
+    expected = EMBEDDING_FILE_DTYPES.get(table.embedding_dtype)
+    if expected is None:
+        raise CheckpointError(f"{path}: table {name!r} has embedding_dtype "
+                              f"{table.embedding_dtype!r}; this dynamicemb reads "
+                              f"{sorted(EMBEDDING_FILE_DTYPES)}")
+    for shard in table.shards:
+        entry = shard.files.get("embeddings")
+        if entry is not None and entry.dtype != expected:
+            raise CheckpointError(f"{path}: table {name!r} rank {shard.rank}: embeddings file "
+                                  f"of dtype {entry.dtype!r}, its {table.embedding_dtype} rows "
+                                  f"are stored as {expected!r}")
 
 
 class FieldWriter:
@@ -182,8 +219,16 @@ class FieldWriter:
         self._file: BinaryIO = open(os.path.join(directory, name), "wb")
 
     def write(self, chunk: torch.Tensor) -> None:
-        """Appends ``chunk``: (m,) or (m, columns), converted to the field's dtype."""
-        array = np.ascontiguousarray(chunk.detach().cpu().numpy(), dtype=np.dtype(self.dtype))
+        """Appends ``chunk``: (m,) or (m, columns), converted to the field's dtype; a
+        bfloat16 chunk (a ``"<u2"`` field only) as its bits."""
+        chunk = chunk.detach().cpu()
+        bits = np.dtype(self.dtype) == _BFLOAT16_BITS
+        if bits != (chunk.dtype == torch.bfloat16):
+            raise ValueError(f"{self.name}: a {self.dtype!r} field takes "
+                             f"{'only' if bits else 'no'} bfloat16 values, got {chunk.dtype}")
+        if bits:
+            chunk = chunk.view(torch.uint16)
+        array = np.ascontiguousarray(chunk.numpy(), dtype=np.dtype(self.dtype))
         if array.size == 0:
             return
         data = memoryview(array.reshape(-1)).cast("B")
@@ -226,7 +271,8 @@ def verify_file(directory: str, entry: FileEntry) -> Optional[str]:
 
 
 class FieldReader:
-    """Reads one field file (``entry`` verified before) in consecutive chunks of rows."""
+    """Reads one field file (``entry`` verified before) in consecutive chunks of rows; a
+    ``"<u2"`` file's values are bfloat16 bits, read as bfloat16."""
 
     def __init__(self, directory: str, entry: FileEntry) -> None:
         self.dtype = np.dtype(entry.dtype)
@@ -240,7 +286,8 @@ class FieldReader:
         array = np.fromfile(self._file, dtype=self.dtype, count=rows * width)
         if self.columns:
             array = array.reshape(-1, self.columns)
-        return torch.from_numpy(array.astype(self.dtype.newbyteorder("="), copy=False))
+        values = torch.from_numpy(array.astype(self.dtype.newbyteorder("="), copy=False))
+        return values.view(torch.bfloat16) if self.dtype == _BFLOAT16_BITS else values
 
     def close(self) -> None:
         self._file.close()

@@ -29,8 +29,10 @@ def incremental_dump(
 
     Returns:
         ``(rows, next_threshold)``: ``rows[table] = (keys (n,) int64, embeddings
-        (n, dim) float32)`` of every rank in rank order; ``next_threshold[table]`` the
-        score the next training batch gives (the smallest over ranks).
+        (n, dim) in the table's dtype)`` of every rank in rank order (the stored rows,
+        bit for bit: float16/bfloat16 tables give float16/bfloat16 rows);
+        ``next_threshold[table]`` the score the next training batch gives (the smallest
+        over ranks).
 
     Example::
 

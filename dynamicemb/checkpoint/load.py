@@ -13,6 +13,7 @@ from dynamicemb.checkpoint.format import (CheckpointError, FieldReader, Manifest
 from dynamicemb.checkpoint.layout import MANIFEST, current_version
 from dynamicemb.checkpoint.tables import LocalTable, local_tables, pending_updates, table_name_list
 from dynamicemb.embedding import TableClocks
+from dynamicemb.types import ROW_DTYPE_NAMES
 
 __all__ = ["DynamicEmbLoad"]
 
@@ -32,13 +33,15 @@ def DynamicEmbLoad(  # noqa: N802 (upstream dynamicemb's name)
     pg: Optional[dist.ProcessGroup] = None,
     *,
     merge: bool = False,
+    convert_dtype: bool = False,
 ) -> None:
     """Loads the checkpoint at ``path`` into the dynamic tables of ``model``.
 
     A collective over ``pg``. Every table must match its save (dim, score strategy,
-    with ``optim`` the optimizer) and every file its size and checksum on every rank
-    before any table changes. Each rank keeps the saved rows its placement gives it:
-    any saved world size, sharding and ``dist_type`` loads into any other. Scores,
+    embedding dtype unless ``convert_dtype``, with ``optim`` the optimizer) and every
+    file its size and checksum on every rank before any table changes. Each rank keeps
+    the saved rows its placement gives it: any saved world size, sharding and
+    ``dist_type`` loads into any other. Scores,
     optimizer steps, clocks and ``train_steps`` are restored; device caches start empty.
 
     Args:
@@ -53,6 +56,10 @@ def DynamicEmbLoad(  # noqa: N802 (upstream dynamicemb's name)
         pg: the ranks holding the model (see ``DynamicEmbDump``).
         merge: keep the tables' current rows and write the saved ones over them
             (clocks become the larger of both); default: replace the contents.
+        convert_dtype: load rows saved in another embedding dtype, rounded to nearest
+            (even) into the table's (float16/bfloat16 into float32: exact); default:
+            refuse them, naming both dtypes. Optimizer states are float32 in every
+            table and load unchanged.
 
     Raises:
         CheckpointError: on every rank, no table changed: no checkpoint, another format
@@ -66,7 +73,7 @@ def DynamicEmbLoad(  # noqa: N802 (upstream dynamicemb's name)
         version = current_version(path)
         manifest = Manifest.read(os.path.join(version, MANIFEST))
         tables = local_tables(model, table_names)
-        _check_compatible(manifest, tables, table_names, optim)
+        _check_compatible(manifest, tables, table_names, optim, convert_dtype)
         error = _verify_files(version, manifest, tables, optim, counter)
     except (CheckpointError, ValueError, OSError) as err:
         error = str(err)
@@ -86,7 +93,8 @@ def DynamicEmbLoad(  # noqa: N802 (upstream dynamicemb's name)
 
 
 def _check_compatible(manifest: Manifest, tables: Dict[str, LocalTable],
-                      table_names: Optional[Sequence[str]], optim: bool) -> None:
+                      table_names: Optional[Sequence[str]], optim: bool,
+                      convert_dtype: bool) -> None:
     """Raises ``CheckpointError`` saying how a table differs from its save."""
     missing = sorted(set(table_names or ()) - set(manifest.tables))
     missing += sorted(n for n in tables if n not in manifest.tables and n not in missing)
@@ -100,6 +108,11 @@ def _check_compatible(manifest: Manifest, tables: Dict[str, LocalTable],
         differences = []
         if saved.dim != options.dim:
             differences.append(f"dim {saved.dim} saved, {options.dim} in the model")
+        dtype = ROW_DTYPE_NAMES[options.row_dtype]
+        if saved.embedding_dtype != dtype and not convert_dtype:
+            differences.append(f"embedding dtype {saved.embedding_dtype} saved, {dtype} in the "
+                               f"model (pass convert_dtype=True to round the saved rows to "
+                               f"nearest {dtype})")
         if saved.score_strategy != options.score_strategy.value:
             differences.append(f"score strategy {saved.score_strategy} saved, "
                                f"{options.score_strategy.value} in the model")

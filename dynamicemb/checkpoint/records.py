@@ -1,20 +1,26 @@
 """One dynamic table as int64 records, the form ``torch.distributed.checkpoint`` carries.
 
 A record is ``RecordLayout.columns`` int64 words: ``kind``, ``key``, ``score``, then
-the payload: a row's embedding and optimizer state (float32, two per word), a
+the payload: a row's bytes as the table stores them (``RowFormat``: the embedding in
+the table's dtype, then float32 optimizer state, zero-padded to whole words), a
 counter's count (float64 bits), or, for the header (first, one per saving rank),
-the clocks; the header's key and score words hold the saved dim and state columns.
+the clocks. The header's key word holds the saved dim in its low 32 bits and the row
+dtype's code (``RowFormat.code``: 0 float32, 1 float16, 2 bfloat16) above them, so
+records written before 16-bit rows read as float32; its score word holds the state
+columns.
 """
 
 from dataclasses import dataclass
-from typing import Callable, List
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 
 from dynamicemb.embedding import TableClocks
+from dynamicemb.ops.interface import RowFormat
+from dynamicemb.types import ROW_DTYPE_NAMES, ROW_DTYPES
 
-__all__ = ["HEADER", "ROW", "COUNTER", "VIRTUAL_COLUMNS", "VIRTUAL_ROWS", "RecordLayout",
-           "TableLoad", "export_records"]
+__all__ = ["HEADER", "ROW", "COUNTER", "MIN_COLUMNS", "VIRTUAL_COLUMNS", "VIRTUAL_ROWS",
+           "RecordLayout", "TableLoad", "export_records"]
 
 ROW, COUNTER, HEADER = 0, 1, 2
 #: The extent a loading rank declares to DCP, so it takes every saved chunk.
@@ -22,39 +28,75 @@ VIRTUAL_ROWS = 1 << 62
 VIRTUAL_COLUMNS = 1 << 20
 _FIXED = 3  # kind, key, score
 _HEADER_WORDS = 4  # optimizer step, score clock, admission clock, train steps
+#: Fewest columns of any table's records (the header's).
+MIN_COLUMNS = _FIXED + _HEADER_WORDS
+_DIM_BITS = 32
+_DTYPE_OF_CODE = {RowFormat(dtype, 1, 0).code: dtype for dtype in ROW_DTYPES}
 
 
 @dataclass(frozen=True)
 class RecordLayout:
-    """The record width of a table of ``dim`` + ``state_dim`` columns."""
+    """The records of a table of ``dim`` embedding columns in ``dtype`` and
+    ``state_dim`` float32 optimizer-state columns."""
 
     dim: int
     state_dim: int
+    dtype: torch.dtype
 
     @classmethod
     def of(cls, module, table: str) -> "RecordLayout":
-        return cls(module.dims[module.table_names.index(table)], module.optimizer_state_dim(table))
+        options = module.table_options[module.table_names.index(table)]
+        return cls(options.dim, module.optimizer_state_dim(table), options.row_dtype)
+
+    @property
+    def format(self) -> RowFormat:
+        return RowFormat(self.dtype, self.dim, self.state_dim)
+
+    @property
+    def header_key(self) -> int:
+        """The header's key word: the dim, and the dtype's code above it."""
+        return self.dim | self.format.code << _DIM_BITS
 
     @property
     def value_words(self) -> int:
-        return (self.dim + self.state_dim + 1) // 2
+        return -(-self.format.row_bytes // 8)
 
     @property
     def columns(self) -> int:
         return _FIXED + max(self.value_words, _HEADER_WORDS)
 
     def describe(self) -> str:
-        return f"dim {self.dim} + {self.state_dim} optimizer-state columns"
+        return (f"dim {self.dim} + {self.state_dim} optimizer-state columns, "
+                f"{ROW_DTYPE_NAMES[self.dtype]} embeddings")
 
-    def pack_values(self, values: torch.Tensor) -> torch.Tensor:
-        """(n, dim + state_dim) float32 -> (n, value_words) int64 (bit copies)."""
-        if values.shape[1] % 2:
-            values = torch.cat([values, values.new_zeros(values.shape[0], 1)], 1)
-        return values.contiguous().view(torch.int64)
+    def pack_values(self, embeddings: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """Rows as record words (bit copies of the stored rows).
 
-    def unpack_values(self, words: torch.Tensor) -> torch.Tensor:
-        """(n, value_words) int64 -> (n, dim + state_dim) float32."""
-        return words.contiguous().view(torch.float32)[:, :self.dim + self.state_dim]
+        Shape:
+            embeddings: (n, dim) ``dtype``; states: (n, state_dim) float32; returns
+            (n, value_words) int64.
+        """
+        rows = self.format.pack(embeddings, states if self.state_dim else None)
+        if rows.shape[1] % 2:
+            rows = torch.cat([rows, rows.new_zeros(rows.shape[0], 1)], 1)
+        return rows.view(torch.int64)
+
+    def unpack_values(self, words: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Record words as rows: views of ``embeddings`` (n, dim) ``dtype`` and
+        ``states`` (n, state_dim) float32 of ``words`` (n, value_words) int64."""
+        rows = words.contiguous().view(torch.float32)[:, :self.format.storage_width]
+        return self.format.embeddings(rows), self.format.states(rows)
+
+    def difference(self, header: Sequence[int]) -> str:
+        """What differs between this layout and the one a header's ``[key, score]``
+        words name ("" if nothing)."""
+        code, dim = header[0] >> _DIM_BITS, header[0] & ((1 << _DIM_BITS) - 1)
+        if code not in _DTYPE_OF_CODE:
+            return f"saved with an unknown row dtype (code {code})"
+        saved = RecordLayout(dim, header[1], _DTYPE_OF_CODE[code])
+        if saved == self:
+            return ""
+        return f"saved with {saved.describe()}, this table has {self.describe()}"
 
 
 def export_records(module, table: str, layout: RecordLayout, spare: int = 0) -> torch.Tensor:
@@ -66,15 +108,15 @@ def export_records(module, table: str, layout: RecordLayout, spare: int = 0) -> 
     m = counters.keys.numel()
     out = torch.zeros(1 + rows + m + spare, layout.columns, dtype=torch.int64)
     clocks = module.table_clocks(table)
-    out[0, :_FIXED] = torch.tensor([HEADER, layout.dim, layout.state_dim])
+    out[0, :_FIXED] = torch.tensor([HEADER, layout.header_key, layout.state_dim])
     out[0, _FIXED:_FIXED + _HEADER_WORDS] = torch.tensor(list(clocks) + [module.train_steps])
     filled = 1
     for chunk in module.iter_keys_values(table):
         n = chunk.keys.numel()
         part = out[filled:filled + n]
         part[:, 1], part[:, 2] = chunk.keys, chunk.scores
-        values = torch.cat([chunk.embeddings, chunk.optimizer_states], 1).cpu()
-        part[:, _FIXED:_FIXED + layout.value_words] = layout.pack_values(values)
+        part[:, _FIXED:_FIXED + layout.value_words] = layout.pack_values(
+            chunk.embeddings.cpu(), chunk.optimizer_states.cpu())
         filled += n
     if filled != 1 + rows:
         raise RuntimeError(f"table {table!r} changed while it was exported")
@@ -101,19 +143,28 @@ class TableLoad:
         self.module.set_train_steps(0)
 
     def add_records(self, records: torch.Tensor) -> None:
-        """Imports one chunk of saved records (r, columns) int64."""
+        """Imports one chunk of saved records (r, columns) int64; ``ValueError`` if a
+        header names another layout (dim, state columns, dtype: both named) or the
+        records have another width."""
         kind = records[:, 0]
         for header in records[kind == HEADER, 1:_FIXED + _HEADER_WORDS].tolist():
-            if header[:2] != [self.layout.dim, self.layout.state_dim]:
-                raise ValueError(
-                    f"dynamic table {self.name!r}: saved with dim {header[0]} + {header[1]} "
-                    f"optimizer-state columns, this table has {self.layout.describe()}")
+            difference = self.layout.difference(header[:2])
+            if difference:
+                raise ValueError(f"dynamic table {self.name!r}: {difference}; load with the "
+                                 f"same dim, optimizer and embedding dtype, or use "
+                                 f"DynamicEmbLoad (optim=False, convert_dtype=True)")
             self.clocks = [max(a, b) for a, b in zip(self.clocks, header[2:])]
+        if records.shape[1] != self.layout.columns:
+            raise ValueError(
+                f"dynamic table {self.name!r}: saved records have {records.shape[1]} columns, "
+                f"this table's have {self.layout.columns} ({self.layout.describe()}); load "
+                f"with the same dim, optimizer and embedding dtype, or use DynamicEmbLoad")
         rows = records[(kind == ROW) & self.owns(records[:, 1])]
         if rows.shape[0]:
-            values = self.layout.unpack_values(rows[:, _FIXED:_FIXED + self.layout.value_words])
-            self.module.import_keys_values(self.name, rows[:, 1], values[:, :self.layout.dim],
-                                           values[:, self.layout.dim:], scores=rows[:, 2])
+            embeddings, states = self.layout.unpack_values(
+                rows[:, _FIXED:_FIXED + self.layout.value_words])
+            self.module.import_keys_values(self.name, rows[:, 1], embeddings, states,
+                                           scores=rows[:, 2])
         counters = records[(kind == COUNTER) & self.owns(records[:, 1])]
         if counters.shape[0]:
             self.module.import_admission_counters(

@@ -41,8 +41,8 @@ class StorageView:
         (default the module's); device caches are flushed first.
 
         Yields:
-            ``(keys (n,) int64, embeddings (n, dim) float32, optimizer_states (n, state_dim)
-            float32, scores)``, scores in upstream's layout (``upstream_scores``).
+            ``(keys (n,) int64, embeddings (n, dim) in the table's dtype, optimizer_states
+            (n, state_dim) float32, scores)``, scores in upstream's layout (``upstream_scores``).
 
         Raises:
             ValueError: ``table_id`` out of range or ``batch_size`` < 1.
@@ -151,7 +151,7 @@ def incremental_dump(module, named_thresholds: Union[int, Mapping[str, int], Non
 
     Returns:
         ``(rows, next_thresholds)``: ``rows[table] = (keys (n,) int64, embeddings
-        (n, dim) float32)`` on the CPU.
+        (n, dim) in the table's dtype)`` on the CPU.
 
     Raises:
         ValueError: an unknown table, or one whose scores do not order rows by time

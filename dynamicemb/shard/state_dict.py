@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from dynamicemb.checkpoint.records import (COUNTER, HEADER, ROW, VIRTUAL_COLUMNS, VIRTUAL_ROWS,
-                                           RecordLayout, TableLoad, export_records)
+from dynamicemb.checkpoint.records import (COUNTER, HEADER, MIN_COLUMNS, ROW, VIRTUAL_COLUMNS,
+                                           VIRTUAL_ROWS, RecordLayout, TableLoad, export_records)
 from dynamicemb.checkpoint.tables import pending_updates, shard_kernels
 from dynamicemb.types import DynamicEmbDistType
 
@@ -55,12 +55,12 @@ class _Rows:
         self.target, self.rows = target, rows
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        layout = self.target.record_layout
-        if dim != 1 or start != 0 or length != layout.columns:
-            raise ValueError(
-                f"dynamic table {self.target.load.name!r}: saved records have {length} columns, "
-                f"this table's have {layout.columns} ({layout.describe()}); load with the "
-                f"same dim and optimizer, or use DynamicEmbLoad(optim=False)")
+        """A buffer of the saved chunk's width: ``TableLoad.add_records`` compares the
+        layout its headers name (dim, state columns, dtype) and its width with the
+        table's."""
+        if dim != 1 or start != 0:
+            raise ValueError(f"dynamic table {self.target.load.name!r}: unexpected narrow of "
+                             f"columns {start}:{start + length}")
         buffer = torch.Tensor._make_subclass(
             _Filled, torch.empty(self.rows, length, dtype=torch.int64))
         buffer.on_filled = self.target.load.add_records
@@ -187,7 +187,7 @@ def _check_records(key: str, table: str, kernel: nn.Module, layout: RecordLayout
                    records: torch.Tensor) -> None:
     """Refuses a pickled entry this rank's table cannot take whole (nothing changes)."""
     where = f"state dict entry {key!r} (dynamic table {table!r})"
-    if records.dtype != torch.int64 or records.dim() != 2 or records.shape[1] != layout.columns:
+    if records.dtype != torch.int64 or records.dim() != 2 or records.shape[1] < MIN_COLUMNS:
         raise ValueError(
             f"{where}: expected ({layout.columns} columns) int64 records of "
             f"{layout.describe()}, got a {records.dtype} tensor of shape {tuple(records.shape)}; "
@@ -207,11 +207,15 @@ def _check_records(key: str, table: str, kernel: nn.Module, layout: RecordLayout
             f"one rank's rows); load each rank's file into the same rank of the same sharding, "
             f"or reshard with torch.distributed.checkpoint (dcp.save / dcp.load) or "
             f"DynamicEmbDump / DynamicEmbLoad")
-    if headers[0, 1:3].tolist() != [layout.dim, layout.state_dim]:
+    difference = layout.difference(headers[0, 1:3].tolist())
+    if difference:
         raise ValueError(
-            f"{where}: saved with dim {int(headers[0, 1])} + {int(headers[0, 2])} "
-            f"optimizer-state columns, this table has {layout.describe()}; load with the same "
-            f"dim and optimizer, or use DynamicEmbLoad(optim=False)")
+            f"{where}: {difference}; load with the same dim, optimizer and embedding dtype, "
+            f"or use DynamicEmbLoad (optim=False, convert_dtype=True)")
+    if records.shape[1] != layout.columns:
+        raise ValueError(f"{where}: {records.shape[1]} columns, records of "
+                         f"{layout.describe()} have {layout.columns}; load a state dict "
+                         f"saved from the same model, or use DynamicEmbLoad")
     code = int(records[-1, 3])
     saved = DIST_TYPE_CODES[code].value if 0 <= code < len(DIST_TYPE_CODES) else f"code {code}"
     if shards > 1 and saved != kernel.dist_type(table).value:

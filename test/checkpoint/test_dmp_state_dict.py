@@ -3,7 +3,8 @@ on 2 gloo ranks and loaded on 2 and on 1, saved on 1 and loaded on 2, each follo
 by training equal to the uninterrupted run; a mixed static + dynamic collection
 with either optimizer enum; a pickled state dict (torch.save, then DynamicEmbDump:
 upstream's example's order) restores the tables exactly, and is refused on another
-rank or optimizer. One 2-rank spawn."""
+rank or optimizer; bfloat16 tables round-trip bit for bit and float32 tables refuse
+them. One 2-rank spawn."""
 
 from dynamicemb_testing import state_dict_workers
 from dynamicemb_testing.dist_utils import run_distributed

@@ -5,9 +5,10 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from dynamicemb_testing.checkpoint_testing import make_tables, train
+from dynamicemb_testing.checkpoint_testing import DTYPES, make_tables, train
 from dynamicemb import DynamicEmbDump
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "CHECKPOINTS.md")
@@ -20,8 +21,10 @@ def doc_block(heading: str) -> str:
     return re.search(r"```python\n(.*?)```", after, re.S).group(1)
 
 
-def test_numpy_only_reader_reads_a_dump(tmp_path):
-    module = make_tables()
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_numpy_only_reader_reads_a_dump(tmp_path, dtype, sixteen_bit_rows):
+    """Of tables of each dtype: 16-bit rows widened exactly."""
+    module = make_tables(dtype=dtype)
     train(module, range(4))
     DynamicEmbDump(str(tmp_path / "ck"), module)
     reader = doc_block("## Reading a dump with numpy only")
@@ -39,4 +42,5 @@ def test_numpy_only_reader_reads_a_dump(tmp_path):
     saved = module.export_keys_values("a")
     assert torch.equal(keys.sort().values, saved.keys.sort().values)
     order, ref = keys.argsort(), saved.keys.argsort()
-    assert torch.equal(rows[order], saved.embeddings[ref])
+    assert rows.dtype == torch.float32
+    assert torch.equal(rows[order], saved.embeddings[ref].float())

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dynamicemb_testing.checkpoint_testing import batch, make_tables, train
+from dynamicemb_testing.checkpoint_testing import DTYPES, batch, bits, make_tables, train
 from dynamicemb import DynamicEmbScoreStrategy, incremental_dump
 
 
@@ -18,11 +18,13 @@ def _touched(steps, table):
     return keys
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("strategy", [DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.STEP,
                                       DynamicEmbScoreStrategy.LRU_LFU])
-def test_rows_touched_since_the_threshold(strategy, caching):
-    module = make_tables(strategy=strategy, caching=caching, admission=False)
+def test_rows_touched_since_the_threshold(strategy, caching, dtype, sixteen_bit_rows):
+    """The rows come as stored: in the table's dtype, bit for bit."""
+    module = make_tables(strategy=strategy, caching=caching, admission=False, dtype=dtype)
     train(module, range(4))
     everything, threshold = incremental_dump(module, 0)
     assert set(everything["a"][0].tolist()) == _touched(range(4), "a")
@@ -33,8 +35,9 @@ def test_rows_touched_since_the_threshold(strategy, caching):
         assert set(keys.tolist()) == _touched(range(4, 6), table)
         stored = module.export_keys_values(table)
         expected = dict(zip(stored.keys.tolist(), stored.embeddings))
+        assert rows.dtype == dtype
         for k, row in zip(keys.tolist(), rows):
-            assert torch.equal(row, expected[k])
+            assert torch.equal(bits(row), bits(expected[k]))
     nothing, _ = incremental_dump(module, threshold)
     assert nothing["a"][0].numel() == 0
 

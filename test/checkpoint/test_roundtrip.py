@@ -7,24 +7,32 @@ import os
 import pytest
 import torch
 
-from dynamicemb_testing.checkpoint_testing import OPTIMIZERS, assert_same, batch, make_tables, snapshot, train
+from dynamicemb_testing.checkpoint_testing import (DTYPES, OPTIMIZERS, assert_same, batch,
+                                                  make_tables, snapshot, train)
 from dynamicemb import (CheckpointError, DynamicEmbDump, DynamicEmbLoad, DynamicEmbOptimType,
                         DynamicEmbScoreStrategy)
 from dynamicemb.checkpoint import Manifest, current_version
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("caching", [False, True], ids=["one_tier", "cache"])
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.value)
-def test_round_trip_is_exact_and_training_resumes_identically(tmp_path, optimizer, caching):
-    saved = make_tables(optimizer, caching)
+def test_round_trip_is_exact_and_training_resumes_identically(tmp_path, optimizer, caching, dtype,
+                                                               sixteen_bit_rows):
+    """Rows (in their dtype), states, scores, counters and clocks (the optimizer step
+    names a 16-bit table's rounding bits) come back bit for bit."""
+    saved = make_tables(optimizer, caching, dtype=dtype)
     train(saved, range(8))
     DynamicEmbDump(str(tmp_path / "ck"), saved)
-    loaded = make_tables(optimizer, caching)
+    loaded = make_tables(optimizer, caching, dtype=dtype)
     train(loaded, range(100, 103))  # different contents first: the load must replace them
     DynamicEmbLoad(str(tmp_path / "ck"), loaded)
     before = snapshot(saved)
     assert_same(snapshot(loaded), before)
     assert before["a"]["rows"][0].numel() > 0 and before["b"]["counters"][0].numel() > 0
+    counted = dtype != torch.float32 or optimizer == DynamicEmbOptimType.ADAM
+    assert before["a"]["rows"][1].dtype == dtype
+    assert before["a"]["clocks"].optimizer_step == (8 if counted else 0)
     # everything training depends on came back: 4 more steps agree bit for bit
     assert torch.equal(train(loaded, range(8, 12)), train(saved, range(8, 12)))
     assert_same(snapshot(loaded), snapshot(saved))

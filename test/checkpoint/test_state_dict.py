@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from dynamicemb_testing.checkpoint_testing import OPTIMIZERS, assert_same, make_tables, snapshot, train
+from dynamicemb_testing.checkpoint_testing import (DTYPES, OPTIMIZERS, assert_same, make_tables,
+                                                  snapshot, train)
 from dynamicemb import DynamicEmbOptimType, DynamicEmbScoreStrategy
 
 
@@ -19,13 +20,18 @@ def _through_bytes(state):
     return torch.load(buffer, weights_only=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("caching", [False, True], ids=["one_tier", "cache"])
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.value)
-def test_round_trip_is_exact_and_training_resumes_identically(optimizer, caching):
-    saved = make_tables(optimizer, caching)
+def test_round_trip_is_exact_and_training_resumes_identically(optimizer, caching, dtype,
+                                                               sixteen_bit_rows):
+    """Rows in their dtype (a bfloat16 tensor loads with weights_only=True), states,
+    scores, counters and clocks (the optimizer step names 16-bit rounding bits)."""
+    saved = make_tables(optimizer, caching, dtype=dtype)
     train(saved, range(8))
     state = _through_bytes(saved.state_dict())
-    loaded = make_tables(optimizer, caching)
+    assert state["_extra_state"]["tables"]["a"]["embeddings"].dtype == dtype
+    loaded = make_tables(optimizer, caching, dtype=dtype)
     train(loaded, range(100, 103))  # other contents first: the load must replace them
     assert not loaded.load_state_dict(state).missing_keys
     before = snapshot(saved)

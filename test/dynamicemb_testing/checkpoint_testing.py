@@ -10,23 +10,27 @@ from dynamicemb import (BatchedDynamicEmbeddingTables, DynamicEmbInitializerArgs
 
 OPTIMIZERS = [DynamicEmbOptimType.EXACT_SGD, DynamicEmbOptimType.ADAM,
               DynamicEmbOptimType.EXACT_ADAGRAD, DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD]
+#: Row dtypes of the round trips; 16-bit ones need the ``sixteen_bit_rows`` fixture.
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NUM_FEATURES = 3  # features 0, 1 -> table "a" (dim 8); feature 2 -> table "b" (dim 4)
 
 
 def make_tables(optimizer=DynamicEmbOptimType.ADAM, caching: bool = False,
                 strategy=DynamicEmbScoreStrategy.LRU, admission: bool = True,
-                dims=(8, 4), capacity: int = 1024) -> BatchedDynamicEmbeddingTables:
-    """Two tables ("a": 2 features, "b": 1 feature with frequency admission); with
-    ``caching`` a device cache of 32 rows over the host store."""
+                dims=(8, 4), capacity: int = 1024,
+                dtype: Optional[torch.dtype] = None) -> BatchedDynamicEmbeddingTables:
+    """Two tables ("a": 2 features, "b": 1 feature with frequency admission) of rows in
+    ``dtype`` (``embedding_dtype``; None: float32); with ``caching`` a device cache of
+    32 float32 rows' bytes over the host store."""
     budget = 32 * 4 * (max(dims) * 3 + 1) if caching else None
     init = DynamicEmbInitializerArgs(mode="normal", std_dev=0.1)
     options = [
         DynamicEmbTableOptions(dim=dims[0], max_capacity=capacity, score_strategy=strategy,
                                initializer_args=init, caching=caching,
-                               local_hbm_for_values=budget),
+                               local_hbm_for_values=budget, embedding_dtype=dtype),
         DynamicEmbTableOptions(dim=dims[1], max_capacity=capacity, score_strategy=strategy,
                                initializer_args=init, caching=caching,
-                               local_hbm_for_values=budget,
+                               local_hbm_for_values=budget, embedding_dtype=dtype,
                                admit_strategy=FrequencyAdmissionStrategy(threshold=2)
                                if admission else None),
     ]
@@ -72,14 +76,22 @@ def snapshot(module: BatchedDynamicEmbeddingTables) -> Dict[str, object]:
     return state
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits: floating tensors as integers of their size (so that -0.0 differs
+    from 0.0 and a dtype change shows); others as they are."""
+    if not t.is_floating_point():
+        return t
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def assert_same(a: Dict[str, object], b: Dict[str, object], skip_clocks: Optional[bool] = False) -> None:
-    """Bit-for-bit equality of two snapshots."""
+    """Bit-for-bit equality of two snapshots (dtypes included)."""
     assert a["train_steps"] == b["train_steps"]
     for name in a:
         if name == "train_steps":
             continue
         for x, y in zip(a[name]["rows"] + a[name]["counters"], b[name]["rows"] + b[name]["counters"]):
-            assert torch.equal(x, y), name
+            assert x.dtype == y.dtype and torch.equal(bits(x), bits(y)), name
         if not skip_clocks:
             assert a[name]["clocks"] == b[name]["clocks"], name
 

@@ -3,6 +3,7 @@
 A collection mixing a static TorchRec table ("st", FBGEMM's kernel) with the dynamic
 tables of ``checkpoint_workers`` ("rw" row-wise, "tw" table-wise)."""
 
+import contextlib
 import copy
 import os
 
@@ -18,9 +19,12 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import dynamicemb
+import dynamicemb.options
 from dynamicemb import DynamicEmbDump, DynamicEmbInitializerArgs, DynamicEmbTableOptions
 from dynamicemb.planner import to_dynamic_sharding
 from dynamicemb.shard import DynamicEmbeddingCollectionSharder, get_dynamic_tables
+from dynamicemb.types import ROW_DTYPES
+from dynamicemb_testing.checkpoint_testing import bits
 from dynamicemb_testing.shard_workers import EcModel
 
 CPU = torch.device("cpu")
@@ -37,8 +41,9 @@ DYNAMIC = ("rw", "tw")
 
 
 def build(world_size: int, optimizer=FbgemmEmbOptimType.EXACT_ROWWISE_ADAGRAD,
-          pg=None) -> DistributedModelParallel:
-    """The mixed collection on the ranks of ``pg`` (default: every rank)."""
+          pg=None, dtype=None) -> DistributedModelParallel:
+    """The mixed collection on the ranks of ``pg`` (default: every rank), its dynamic
+    tables' rows in ``dtype`` (None: float32)."""
     ec = EmbeddingCollection(tables=[
         EmbeddingConfig(name=n, num_embeddings=ROWS, embedding_dim=8, feature_names=f)
         for n, f in TABLES.items()], device=torch.device("meta"))
@@ -52,7 +57,7 @@ def build(world_size: int, optimizer=FbgemmEmbOptimType.EXACT_ROWWISE_ADAGRAD,
     init = DynamicEmbInitializerArgs(mode="normal", std_dev=0.1)
     for name in DYNAMIC:
         plan[name] = to_dynamic_sharding(plan[name], DynamicEmbTableOptions(
-            dim=8, max_capacity=ROWS, initializer_args=init))
+            dim=8, max_capacity=ROWS, initializer_args=init, embedding_dtype=dtype))
     torch.manual_seed(0)  # the static table's initial rows
     env = ShardingEnv.from_process_group(pg if pg is not None else dist.group.WORLD)
     return DistributedModelParallel(EcModel(ec), plan=ShardingPlan({"ec": plan}), env=env,
@@ -109,7 +114,7 @@ def assert_rows(got: dict, want: dict, exact: bool) -> None:
         assert got[name][0].numel() > 0, name
         for i, (x, y) in enumerate(zip(got[name], want[name])):
             if exact or i in (0, 3):  # keys and scores always: no row dropped
-                assert torch.equal(x, y), (name, i)
+                assert x.dtype == y.dtype and torch.equal(bits(x), bits(y)), (name, i)
             else:
                 torch.testing.assert_close(x, y)
 
@@ -198,11 +203,52 @@ def _check_enums(world_size: int) -> None:
     assert_rows(rows_a, rows_b, exact=True)
 
 
+@contextlib.contextmanager
+def _sixteen_bit_rows():
+    """Tables take 16-bit rows in this rank, as the ``sixteen_bit_rows`` fixture lets
+    them in the test's process (issue 54's gate)."""
+    accepted = dynamicemb.options.ACCEPTED_ROW_DTYPES
+    dynamicemb.options.ACCEPTED_ROW_DTYPES = ROW_DTYPES
+    try:
+        yield
+    finally:
+        dynamicemb.options.ACCEPTED_ROW_DTYPES = accepted
+
+
+def _clocks(dmp) -> dict:
+    return {n: m.table_clocks(n) for n, m in get_dynamic_tables(dmp).items()}
+
+
+def _check_sixteen_bit(world_size: int, directory: str) -> None:
+    """bfloat16 dynamic tables through DCP: rows, states, scores and clocks (the
+    optimizer step names the rounding bits) come back bit for bit and training goes on
+    identically; float32 tables refuse the records, naming both dtypes."""
+    path = os.path.join(directory, "ck-bf16")
+    with _sixteen_bit_rows():
+        ref = build(world_size, dtype=torch.bfloat16)
+        train(ref, range(3))
+        dcp.save(dcp_state(ref), checkpoint_id=path)
+        loaded = build(world_size, dtype=torch.bfloat16)
+        train(loaded, range(20, 22))  # other contents first: the load replaces them
+        dcp_load(loaded, path)
+        want = dynamic_rows(ref)
+        assert want["rw"][1].dtype == torch.bfloat16
+        assert_rows(dynamic_rows(loaded), want, exact=True)
+        assert _clocks(loaded) == _clocks(ref) and all(
+            c.optimizer_step == 3 for c in _clocks(ref).values()), _clocks(loaded)
+        assert torch.equal(train(loaded, range(3, 5)), train(ref, range(3, 5)))
+        assert_rows(dynamic_rows(loaded), dynamic_rows(ref), exact=True)
+    other = {"model": build(world_size).state_dict()}
+    _expect_refusal(lambda: dcp.load(other, checkpoint_id=path), "dynamic table",
+                    "bfloat16 embeddings, this table has", "float32 embeddings")
+
+
 def dcp_round_trips(rank: int, world_size: int, directory: str) -> None:
     """One spawn of 2 ranks: both optimizer enums on the mixed collection; DCP save
     on 2 ranks, loaded on 2 (exact) and on 1 (a 1-rank group); saved on 1, loaded
     on 2. Each load is followed by 5 steps equal to the uninterrupted run, and
-    the dynamic rows then equal its rows (keys and scores exactly)."""
+    the dynamic rows then equal its rows (keys and scores exactly). Then bfloat16
+    tables, saved and loaded on 2 ranks."""
     _check_enums(world_size)
     ck2, ck1 = os.path.join(directory, "ck2"), os.path.join(directory, "ck1")
     ref = build(world_size)
@@ -244,3 +290,4 @@ def dcp_round_trips(rank: int, world_size: int, directory: str) -> None:
     dcp_load(widened, ck1)
     torch.testing.assert_close(train(widened, range(4, 9)), box[0][0])
     assert_rows(dynamic_rows(widened), box[0][1], exact=False)
+    _check_sixteen_bit(world_size, directory)
