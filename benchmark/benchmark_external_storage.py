@@ -31,6 +31,12 @@ import torch
 
 from dynamicemb import (BatchedDynamicEmbeddingTables, DynamicEmbInitializerArgs,
                         DynamicEmbOptimType, DynamicEmbTableOptions, RedisStorage, RocksDBStorage)
+from dynamicemb.ops.interface import RowFormat
+
+
+def float32_rows(width: int) -> str:
+    """The format tag of rows of ``width`` float32 words (what a raw store benchmark puts)."""
+    return RowFormat(torch.float32, width, 0).tag
 
 
 def parse_args():
@@ -166,13 +172,14 @@ def part_stores(args):
     print("| store | verb | ours (M rows/s) | raw (M rows/s) | ours / raw (medians) | "
           "paired ratio |\n|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="bench-rocks-") as d:
-        store = RocksDBStorage(d).open("bench", args.width)
+        store = RocksDBStorage(d).open("bench", args.width, float32_rows(args.width))
         bench_store("RocksDB", store, args)
         store.close()
     server = redis_or_none()
     if server is not None:
         try:
-            store = RedisStorage(server.address).open("bench", args.width)
+            store = RedisStorage(server.address).open("bench", args.width,
+                                                      float32_rows(args.width))
             bench_store("Redis (loopback)", store, args)
             store.close()
         finally:

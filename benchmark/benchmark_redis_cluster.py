@@ -32,12 +32,13 @@ from dynamicemb_testing.redis_servers import RedisClusterServers, RedisServer  #
 
 
 def part_stores(args, server, cluster) -> None:
+    rows = (args.width, ext.float32_rows(args.width))
     stores = {
-        "one server": RedisStorage(server.address).open("bench", args.width),
+        "one server": RedisStorage(server.address).open("bench", *rows),
         "cluster, WAIT 1 replica": RedisClusterStorage(tuple(cluster.seeds), run="w").open(
-            "bench", args.width),
+            "bench", *rows),
         "cluster, no WAIT": RedisClusterStorage(tuple(cluster.seeds), run="n",
-                                                replicas_to_wait=0).open("bench", args.width),
+                                                replicas_to_wait=0).open("bench", *rows),
     }
     gen = torch.Generator().manual_seed(0)
     times = {(name, verb): [] for name in stores for verb in ("put", "get")}

@@ -78,7 +78,7 @@ class InferenceEmbeddingCollection(nn.Module):
             tids, order = g.index_table_ids[slots].long(), g.row_of_slot[slots].long()
             for local, name in enumerate(g.names):
                 mine = tids == local
-                rows[name] = (keys[slots][mine], g.rows[order[mine]].float())
+                rows[name] = (keys[slots][mine], g.embeddings()[order[mine]].float())
         return rows
 
     def load_from_dynamicemb_file(self, save_dir: str,

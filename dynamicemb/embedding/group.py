@@ -77,18 +77,19 @@ def host_budget_rows(options: List[DynamicEmbTableOptions], row_bytes: int,
 
 
 def external_tier(options: DynamicEmbTableOptions, host: ScoredHashTable,
-                  table_names: List[str]) -> Optional[ExternalTier]:
-    """The external tier of a group whose first table's ``options`` name a store."""
+                  table_names: List[str], row_format: RowFormat) -> Optional[ExternalTier]:
+    """The external tier of a group of rows of ``row_format`` whose first table's
+    ``options`` name a store."""
     if options.external_storage is None:
         return None
     dist = torch.distributed
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
     try:
         store = open_store(options.external_storage, namespace_of(table_names, rank),
-                           host.value_dim)
-    except ExternalStorageError as e:  # locked, unreachable, or another module's rows
+                           host.value_dim, row_format.tag)
+    except ExternalStorageError as e:  # locked, unreachable, another module's rows or format
         raise ExternalStorageError(f"{e} (tables {table_names})") from e
-    return ExternalTier(store, host, str(table_names))
+    return ExternalTier(store, host, str(table_names), row_format)
 
 
 def device_budget_rows(options: List[DynamicEmbTableOptions], row_bytes: int,
@@ -196,7 +197,7 @@ class TableGroup:
         self.storage = TieredStorage.build(
             self.table, self.row_format, first.caching, device_rows, device=device,
             new_rows=self.init.new_rows(device),
-            external=external_tier(first, self.table, table_names))
+            external=external_tier(first, self.table, table_names, self.row_format))
         if first.admit_strategy is not None and 2 * len(table_indices) > MAX_TABLES + 1:
             raise ValueError(  # keys not admitted read spec rows T + t (int16 table ids)
                 f"tables {table_names}: a group with admission holds at most "

@@ -71,7 +71,7 @@ class InferenceEmbeddingBagCollection(nn.Module):
 
     def __init__(self, tables: List[EmbeddingBagConfig], rows: Rows,
                  eval_initializers: Optional[Mapping[str, DynamicEmbInitializerArgs]] = None,
-                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None
+                 dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None
                  ) -> None:
         super().__init__()
         unknown = sorted({c.pooling.name for c in tables if c.pooling not in _POOLING})
@@ -124,7 +124,7 @@ class InferenceEmbeddingCollection(nn.Module):
 
     def __init__(self, tables: List[EmbeddingConfig], rows: Rows,
                  eval_initializers: Optional[Mapping[str, DynamicEmbInitializerArgs]] = None,
-                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None
+                 dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None
                  ) -> None:
         super().__init__()
         inits = dict(eval_initializers or {})
@@ -155,7 +155,7 @@ class InferenceEmbeddingCollection(nn.Module):
         return out
 
 
-def collection_twin(module: nn.Module, checkpoint: Optional[str], dtype: torch.dtype,
+def collection_twin(module: nn.Module, checkpoint: Optional[str], dtype: Optional[torch.dtype],
                     device: Optional[torch.device]) -> Optional[nn.Module]:
     """The inference twin of an unsharded EC/EBC with tables in ``checkpoint`` (other
     tables' rows from their weights, keys 0..num_embeddings-1), else None."""

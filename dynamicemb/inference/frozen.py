@@ -1,6 +1,8 @@
 """A frozen table group: the training table's hash index, built once and then only
 read, over rows stored compactly in ``dynamicemb.types.ROW_DTYPES`` with a slot -> row
-map.
+map. A row is the embedding alone, ``RowFormat(dtype, dim, 0)``: whole 4-byte words, so
+a 16-bit row of an odd dim carries one element of padding, and the kernels read the
+rows in place.
 """
 
 from typing import Dict, List, Sequence, Tuple
@@ -10,7 +12,7 @@ from torch import nn
 
 from dynamicemb.embedding.initialization import init_spec
 from dynamicemb.ops import for_device
-from dynamicemb.ops.interface import ScoreRule, num_buckets_for
+from dynamicemb.ops.interface import RowFormat, ScoreRule, num_buckets_for
 from dynamicemb.options import DynamicEmbTableOptions
 
 __all__ = ["FrozenGroup"]
@@ -72,9 +74,15 @@ class FrozenGroup(nn.Module):
 
     Args:
         names, options: the group's tables (local table id = position).
-        rows: table name -> (keys (n,) int64, embeddings (n, dim)).
+        rows: table name -> (keys (n,) int64, embeddings (n, dim) floating point).
+        dtype: the stored rows' dtype (``ROW_DTYPES``); embeddings of another dtype are
+            rounded to nearest once, as ``RowFormat.pack`` does.
         feature_tables: each feature's table name (all of the module's features).
         feature_cols: each feature's first output column, -1 for other groups'.
+
+    Attributes:
+        rows: (R, P) ``dtype``, the words of ``row_format`` (P: ``dim``, or ``dim + 1``
+            for 16-bit rows of an odd ``dim``; ``embeddings()`` leaves the padding out).
     """
 
     def __init__(self, names: Sequence[str], options: Sequence[DynamicEmbTableOptions],
@@ -84,6 +92,7 @@ class FrozenGroup(nn.Module):
         super().__init__()
         self.names = list(names)
         self.dim = options[0].dim
+        self.row_format = RowFormat(dtype, self.dim, 0)
         keys = [rows[n][0].to(device, torch.int64).reshape(-1) for n in names]
         tids = torch.cat([torch.full((k.numel(),), t, dtype=torch.int16, device=device)
                           for t, k in enumerate(keys)])
@@ -92,8 +101,8 @@ class FrozenGroup(nn.Module):
                                   "index_occupied", "index_pinned")):
             self.register_buffer(name, index[i])
         self.register_buffer("row_of_slot", row_of_slot)
-        self.register_buffer("rows", torch.cat(
-            [rows[n][1].to(device=device, dtype=dtype) for n in names]).contiguous())
+        embeddings = torch.cat([rows[n][1].to(device) for n in names])
+        self.register_buffer("rows", self.row_format.pack(embeddings).view(dtype))
         local = {n: t for t, n in enumerate(names)}
         self.register_buffer("feature_tids", torch.tensor(
             [local.get(n, 0) for n in feature_tables], dtype=torch.int16, device=device))
@@ -107,6 +116,10 @@ class FrozenGroup(nn.Module):
         """The index arrays in ``frozen_lookup``'s order."""
         return [self.index_keys_scores, self.index_table_ids, self.index_digests,
                 self.index_occupied, self.index_pinned]
+
+    def embeddings(self) -> torch.Tensor:
+        """(R, dim) ``rows`` without their padding, a view."""
+        return self.rows[:, :self.dim]
 
     def memory_bytes(self) -> Dict[str, int]:
         """Bytes of the index (metadata and slot -> row map) and of the rows."""

@@ -22,9 +22,9 @@ class InferenceEmbeddingTables(nn.Module):
     """Dynamic tables frozen for serving: lookup only, no optimizer state.
 
     Calls and outputs are ``BatchedDynamicEmbeddingTables``' in eval (bit for bit with
-    float32 rows): unseen ids get the table's eval initializer row. Lookups run
-    ``torch.ops.dynamicemb.frozen_lookup``, so ``torch.compile`` and ``torch.export``
-    trace the module.
+    rows of the tables' own dtype): unseen ids get the table's eval initializer row, as
+    a stored row would hold it. Lookups run ``torch.ops.dynamicemb.frozen_lookup``, so
+    ``torch.compile`` and ``torch.export`` trace the module.
 
     Args:
         table_options: one ``DynamicEmbTableOptions`` per table (``dim``,
@@ -33,8 +33,9 @@ class InferenceEmbeddingTables(nn.Module):
         feature_table_map: table of each feature (default: one feature per table).
         rows: table name -> (keys (n,) int64, embeddings (n, dim)) for every table.
         pooling_mode: SUM, MEAN or NONE (NONE: one dim for all tables).
-        dtype: how rows are stored: float32 (exact), float16 or bfloat16 (rounded
-            once; lookups and pooling run in float32).
+        dtype: how rows are stored: float32, float16 or bfloat16 (rows of another
+            dtype rounded to nearest once; lookups and pooling run in float32); None:
+            the tables' ``row_dtype`` (``embedding_dtype``), one for all tables.
         output_dtype, device: the output's dtype; where rows live (default CPU).
 
     Example::
@@ -47,7 +48,7 @@ class InferenceEmbeddingTables(nn.Module):
                  table_names: Optional[Sequence[str]] = None,
                  feature_table_map: Optional[Sequence[int]] = None, *, rows: Rows,
                  pooling_mode: DynamicEmbPoolingMode = DynamicEmbPoolingMode.SUM,
-                 dtype: torch.dtype = torch.float32,
+                 dtype: Optional[torch.dtype] = None,
                  output_dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None) -> None:
         super().__init__()
@@ -57,7 +58,7 @@ class InferenceEmbeddingTables(nn.Module):
         features = list(feature_table_map) if feature_table_map is not None else list(
             range(len(options)))
         _check_tables(options, names, features, rows)
-        self.dtype = check_row_dtype(dtype)
+        self.dtype = check_row_dtype(_tables_dtype(options, names) if dtype is None else dtype)
         self.output_dtype = check_row_dtype(output_dtype, "output_dtype")
         self.pooling_mode = DynamicEmbPoolingMode(pooling_mode)
         self.table_names = names
@@ -88,10 +89,10 @@ class InferenceEmbeddingTables(nn.Module):
         return groups
 
     @classmethod
-    def from_module(cls, module: nn.Module, dtype: torch.dtype = torch.float32,
+    def from_module(cls, module: nn.Module, dtype: Optional[torch.dtype] = None,
                     device: Optional[torch.device] = None) -> "InferenceEmbeddingTables":
         """The inference twin of a ``BatchedDynamicEmbeddingTables`` (its current rows;
-        its device unless given)."""
+        rows of its tables' dtype and its device unless given)."""
         rows = {}
         for name in module.table_names:
             exported = module.export_keys_values(name)
@@ -135,11 +136,20 @@ class InferenceEmbeddingTables(nn.Module):
         out = None
         for g in self.groups:
             part = frozen_lookup(indices, offsets, per_sample_weights, g.index(),
-                                 g.row_of_slot, g.rows, g.feature_tids, g.feature_cols,
+                                 g.row_of_slot, g.rows, g.dim, g.feature_tids, g.feature_cols,
                                  g.init_ints, g.init_floats, 128, self.out_cols,
                                  POOLING_CODES[self.pooling_mode.name])
             out = part if out is None else out + part
         return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
+
+
+def _tables_dtype(options, names) -> torch.dtype:
+    """The row dtype of every table; ``ValueError`` when they differ."""
+    dtypes = {o.row_dtype for o in options}
+    if len(dtypes) > 1:
+        raise ValueError(f"tables {names} store rows of {sorted(map(str, dtypes))}: give the "
+                         f"twin one dtype")
+    return dtypes.pop()
 
 
 def _check_tables(options, names, features, rows: Rows) -> None:

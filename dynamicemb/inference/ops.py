@@ -1,6 +1,8 @@
 """``torch.ops.dynamicemb.frozen_lookup``, registered on import with a fake implementation
-(``torch.export`` records one node), over the training backend's kernels. The CUDA
-registration has not run on a GPU here.
+(``torch.export`` records one node), over the training backend's kernels. The kernels
+read 16-bit rows in place where the backend has kernels for them (``Backend.row_dtypes``:
+the CPU's); elsewhere (the CUDA backend today) each lookup widens the rows it reads. The
+CUDA registration has not run on a GPU here.
 """
 
 from typing import List, Optional
@@ -29,6 +31,7 @@ def frozen_lookup(
     index: List[torch.Tensor],
     row_of_slot: torch.Tensor,
     rows: torch.Tensor,
+    dim: int,
     feature_tids: torch.Tensor,
     feature_cols: torch.Tensor,
     init_ints: torch.Tensor,
@@ -46,7 +49,11 @@ def frozen_lookup(
         index: the hash table's arrays: keys and scores (C, 2) int64, table ids (C,)
             int16, digests (C,) uint8, occupied and pinned bits (buckets, words) int64.
         row_of_slot (Tensor): (C + 1,) int64 row of each slot, -1 where empty and last.
-        rows (Tensor): (R, dim) float32, float16 or bfloat16 stored rows.
+        rows (Tensor): (R, P) float32, float16 or bfloat16 stored rows: ``dim``
+            embedding elements padded to whole 4-byte words (P: ``dim``, or ``dim + 1``
+            for 16-bit rows of an odd ``dim``), the float32 words of
+            ``RowFormat(rows.dtype, dim, 0)`` viewed as ``rows.dtype``.
+        dim: embedding columns of a row.
         feature_tids (Tensor): (F,) int16 table of each feature (the group's ids).
         feature_cols (Tensor): (F,) int64 first output column of each feature (-1: none).
         init_ints, init_floats (Tensor): (T, 3) int64 (stream, mode code, seed) and
@@ -58,33 +65,34 @@ def frozen_lookup(
 
     Returns:
         (B, out_cols) float32 pooled bags (columns of other groups are zero), or
-        (N, dim) for pooling NONE.
+        (N, dim) for pooling NONE. An id without a row reads its table's initializer's
+        row as a stored row of ``rows.dtype`` would hold it (rounded to nearest).
     """
     return _lookup(for_device(ids.device), ids, offsets, weights, index, row_of_slot, rows,
-                   feature_tids, feature_cols, init_ints, init_floats, bucket_capacity,
+                   dim, feature_tids, feature_cols, init_ints, init_floats, bucket_capacity,
                    out_cols, pooling)
 
 
 @frozen_lookup.register_kernel("cuda")
-def _frozen_lookup_cuda(ids, offsets, weights, index, row_of_slot, rows, feature_tids,
+def _frozen_lookup_cuda(ids, offsets, weights, index, row_of_slot, rows, dim, feature_tids,
                         feature_cols, init_ints, init_floats, bucket_capacity, out_cols,
                         pooling):
     return _lookup(for_device(ids.device), ids, offsets, weights, index, row_of_slot, rows,
-                   feature_tids, feature_cols, init_ints, init_floats, bucket_capacity,
+                   dim, feature_tids, feature_cols, init_ints, init_floats, bucket_capacity,
                    out_cols, pooling)
 
 
 @frozen_lookup.register_fake
-def _frozen_lookup_fake(ids, offsets, weights, index, row_of_slot, rows, feature_tids,
+def _frozen_lookup_fake(ids, offsets, weights, index, row_of_slot, rows, dim, feature_tids,
                         feature_cols, init_ints, init_floats, bucket_capacity, out_cols,
                         pooling):
     if pooling == _NONE:
-        return ids.new_empty((ids.shape[0], rows.shape[1]), dtype=torch.float32)
+        return ids.new_empty((ids.shape[0], dim), dtype=torch.float32)
     batch = (offsets.shape[0] - 1) // feature_tids.shape[0]
     return ids.new_empty((batch, out_cols), dtype=torch.float32)
 
 
-def _lookup(ops: Backend, ids, offsets, weights, index, row_of_slot, rows, feature_tids,
+def _lookup(ops: Backend, ids, offsets, weights, index, row_of_slot, rows, dim, feature_tids,
             feature_cols, init_ints, init_floats, bucket_capacity, out_cols, pooling):
     num_features = feature_tids.numel()
     batch = (offsets.numel() - 1) // num_features
@@ -97,16 +105,12 @@ def _lookup(ops: Backend, ids, offsets, weights, index, row_of_slot, rows, featu
         raise ValueError(f"per_sample_weights must have shape ({ids.numel()},) like ids, "
                          f"got {tuple(weights.shape)}")
     tids = _lookup_tables(offsets, feature_tids, batch, ids.numel(), init_ints.shape[0])
-    refs, transient = _row_refs(ops, ids, tids, index, row_of_slot, rows, bucket_capacity,
-                                init_ints.shape[0])
-    inverse = torch.arange(ids.numel(), dtype=torch.int64, device=ids.device)
-    stored = rows if rows.dtype == torch.float32 else rows.new_empty((0, rows.shape[1]),
-                                                                     dtype=torch.float32)
+    refs = _row_refs(ops, ids, tids, index, row_of_slot, rows, bucket_capacity,
+                     init_ints.shape[0])
     init = InitRows(ids.contiguous(), tids.contiguous(),
                     InitSpec(init_ints, init_floats.to(torch.float32)))
-    dim = rows.shape[1]
-    sources = RowSources(stored, stored.new_empty((0, dim)), transient,
-                         RowFormat(torch.float32, dim, 0), init)
+    sources, refs = _sources(ops, rows, dim, refs, init)
+    inverse = torch.arange(ids.numel(), dtype=torch.int64, device=ids.device)
     if pooling == _NONE:
         out = torch.empty(ids.numel(), dim, dtype=torch.float32, device=ids.device)
         ops.sequence_forward(sources=sources, row_ref=refs, inverse=inverse, dim=dim, out=out)
@@ -131,18 +135,37 @@ def _lookup_tables(offsets, feature_tids, batch, n, num_tables):
 
 
 def _row_refs(ops, ids, tids, index, row_of_slot, rows, bucket_capacity, num_tables):
-    """Row references of the lookups (``row_ref.h``) and the transient rows they name
-    (16-bit rows widened; float32 rows are read in place)."""
+    """(N,) row references of the lookups (``row_ref.h``): row r of ``rows``, or -1."""
     num_buckets = index[4].shape[0]
     memory = TableMemory([index[0][:, 0], index[0][:, 1], *index[1:]], rows, num_buckets,
                          num_buckets, bucket_capacity)
     slots = ops.find(memory=memory, keys=ids, table_ids=tids, one_table=num_tables == 1)
-    refs = row_of_slot[slots]  # slot -1 reads the sentinel -1: one gather, no mask
-    if rows.dtype == torch.float32:
-        return refs, rows.new_empty((0, rows.shape[1]))
+    return row_of_slot[slots]  # slot -1 reads the sentinel -1: one gather, no mask
+
+
+def _sources(ops: Backend, rows, dim, refs, init):
+    """(``RowSources``, row references) of a lookup: the stored rows in place as the
+    words of ``RowFormat(rows.dtype, dim, 0)``; for a backend without kernels for
+    ``rows.dtype`` every row the lookup reads as a float32 transient row instead (stored
+    rows widened exactly, initializers' rows rounded as stored ones), which the kernels
+    read as these rows."""
+    fmt = RowFormat(rows.dtype, dim, 0)
+    padded = fmt.storage_width * 4 // fmt.elem_bytes
+    if rows.dim() != 2 or rows.shape[1] != padded or not rows.is_contiguous():
+        raise ValueError(f"rows must be contiguous (R, {padded}) {rows.dtype} for dim {dim}, "
+                         f"got {tuple(rows.shape)}")
+    words = rows.view(torch.float32)  # (R, storage_width): the tiers' float32 words
+    none = torch.empty(0, dim, dtype=torch.float32, device=rows.device)
+    if rows.dtype in ops.row_dtypes:
+        return RowSources(words, words[:0], none, fmt, init), refs
+    wide = RowFormat(torch.float32, dim, 0)
+    n = refs.numel()
+    transient = torch.empty(n, dim, dtype=torch.float32, device=rows.device)
+    ops.sequence_forward(sources=RowSources(none, none, none, wide, init),
+                         row_ref=torch.full_like(refs, -1), dim=dim, out=transient,
+                         inverse=torch.arange(n, device=rows.device))
+    transient = fmt.embeddings(fmt.pack(transient)).float()  # rounded as stored
     held = (refs >= 0).nonzero().squeeze(1)
-    transient = rows[refs[held]].float()
-    refs[held] = TRANSIENT_ROW_BIT + torch.arange(held.numel(), device=ids.device)
-    return refs, transient
-
-
+    transient[held] = fmt.embeddings(words[refs[held]]).float()
+    refs = TRANSIENT_ROW_BIT + torch.arange(n, device=rows.device)
+    return RowSources(none, none, transient, wide, None), refs

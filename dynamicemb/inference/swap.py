@@ -13,7 +13,7 @@ __all__ = ["to_inference"]
 
 
 def to_inference(model: nn.Module, *, checkpoint: Optional[str] = None,
-                 dtype: torch.dtype = torch.float32,
+                 dtype: Optional[torch.dtype] = None,
                  device: Optional[torch.device] = None) -> nn.Module:
     """Swaps, in place, every dynamic module of ``model`` for its inference twin and
     returns ``model`` in eval mode: ``BatchedDynamicEmbeddingTables`` (rows from the
@@ -24,7 +24,8 @@ def to_inference(model: nn.Module, *, checkpoint: Optional[str] = None,
         model: the trained model, not sharded (dump a DMP model with ``DynamicEmbDump``
             and convert the unsharded one with ``checkpoint=``).
         checkpoint: a ``DynamicEmbDump`` directory of any world size and sharding.
-        dtype: how frozen rows are stored (float32, float16, bfloat16).
+        dtype: how frozen rows are stored (float32, float16, bfloat16); None: as each
+            module's tables store them (float32 for TorchRec's).
         device: where the twins live (default: each module's).
 
     Raises:

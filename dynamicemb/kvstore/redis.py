@@ -42,9 +42,9 @@ class RedisStore(KVStore):
     """Rows on a Redis server, under the key prefix ``namespace`` (per table group and
     rank); other arguments as ``RedisStorage``'s and ``KVStore``'s."""
 
-    def __init__(self, address: str, namespace: str, row_width: int,
+    def __init__(self, address: str, namespace: str, row_width: int, row_format: str,
                  timeout: float = 5.0, resume: bool = False) -> None:
-        super().__init__(f"redis://{address}/{namespace}", row_width)
+        super().__init__(f"redis://{address}/{namespace}", row_width, row_format)
         try:
             import redis
         except ImportError as e:  # pragma: no cover - pinned in requirements.txt

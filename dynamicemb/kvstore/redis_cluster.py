@@ -92,10 +92,11 @@ class RedisClusterStore(KVStore):
         namespace: prefix of this store's keys (distinct per table group and rank).
     """
 
-    def __init__(self, seeds: Sequence[str], namespace: str, row_width: int,
+    def __init__(self, seeds: Sequence[str], namespace: str, row_width: int, row_format: str,
                  timeout: float = 5.0, resume: bool = False, replicas_to_wait: int = 1,
                  wait_timeout: float = 2.0) -> None:
-        super().__init__(f"redis+cluster://{','.join(seeds)}/{namespace}", row_width)
+        super().__init__(f"redis+cluster://{','.join(seeds)}/{namespace}", row_width,
+                         row_format)
         if not seeds:
             raise ValueError("RedisClusterStore needs at least one host:port")
         if any(c in namespace for c in ":*?[]{}\\"):

@@ -14,9 +14,9 @@ class RocksDBStore(KVStore):
     open; every verb checks it still holds this database). Arguments as
     ``RocksDBStorage``'s and ``KVStore``'s."""
 
-    def __init__(self, path: str, row_width: int, sync: bool = False,
+    def __init__(self, path: str, row_width: int, row_format: str, sync: bool = False,
                  resume: bool = False) -> None:
-        super().__init__(f"rocksdb:{path}", row_width)
+        super().__init__(f"rocksdb:{path}", row_width, row_format)
         try:
             import rocksdict
         except ImportError as e:  # pragma: no cover - pinned in requirements.txt

@@ -5,7 +5,8 @@ A directory path is ``RocksDBStorage``, ``"redis://host:port"`` ``RedisStorage``
 one table group only. A spec opens one store per table group and rank, in namespace
 ``[<run>/]<table names>[.rank<r>]`` (a RocksDB subdirectory, a Redis key prefix). One
 holding an earlier module's rows is refused unless the spec says ``resume=True``, which
-takes them over (not that module's host rows: ``DynamicEmbLoad`` continues a run exactly).
+takes them over if they have the module's row format (not that module's host rows:
+``DynamicEmbLoad`` continues a run exactly).
 """
 
 import os
@@ -55,10 +56,12 @@ class RocksDBStorage:
         object.__setattr__(self, "path", os.fspath(self.path))
         _check_run("RocksDBStorage", self.run, self.resume)
 
-    def open(self, namespace: str, row_width: int) -> KVStore:
+    def open(self, namespace: str, row_width: int, row_format: str) -> KVStore:
+        """The store of ``namespace``, rows of ``row_width`` words of format ``row_format``
+        (``KVStore``'s arguments)."""
         from dynamicemb.kvstore.rocksdb import RocksDBStore
         return RocksDBStore(os.path.join(self.path, _in_run(self.run, namespace)), row_width,
-                            sync=self.sync, resume=self.resume)
+                            row_format, sync=self.sync, resume=self.resume)
 
 
 @dataclass(frozen=True)
@@ -88,9 +91,10 @@ class RedisStorage:
             raise ValueError(f"RedisStorage timeout must be positive, got {self.timeout}")
         object.__setattr__(self, "address", address)
 
-    def open(self, namespace: str, row_width: int) -> KVStore:
+    def open(self, namespace: str, row_width: int, row_format: str) -> KVStore:
+        """As ``RocksDBStorage.open``."""
         from dynamicemb.kvstore.redis import RedisStore
-        return RedisStore(self.address, _in_run(self.run, namespace), row_width,
+        return RedisStore(self.address, _in_run(self.run, namespace), row_width, row_format,
                           timeout=self.timeout, resume=self.resume)
 
 
@@ -137,10 +141,11 @@ class RedisClusterStorage:
             raise ValueError(f"replicas_to_wait must be an int >= 0, got {self.replicas_to_wait!r}")
         object.__setattr__(self, "seeds", seeds)
 
-    def open(self, namespace: str, row_width: int) -> KVStore:
+    def open(self, namespace: str, row_width: int, row_format: str) -> KVStore:
+        """As ``RocksDBStorage.open``."""
         from dynamicemb.kvstore.redis_cluster import RedisClusterStore
         return RedisClusterStore(self.seeds, _in_run(self.run, namespace), row_width,
-                                 timeout=self.timeout, resume=self.resume,
+                                 row_format, timeout=self.timeout, resume=self.resume,
                                  replicas_to_wait=self.replicas_to_wait,
                                  wait_timeout=self.wait_timeout)
 
@@ -172,11 +177,10 @@ def namespace_of(table_names, rank: int = -1) -> str:
     return name if rank < 0 else f"{name}.rank{rank}"
 
 
-def open_store(spec, namespace: str, row_width: int) -> KVStore:
-    """``spec`` opened in ``namespace``, or ``spec`` itself if it is an open store."""
+def open_store(spec, namespace: str, row_width: int, row_format: str) -> KVStore:
+    """``spec`` opened in ``namespace`` for rows of ``row_width`` words of format
+    ``row_format`` (a ``RowFormat.tag``), or ``spec`` itself if it is an open store
+    (``ExternalTier`` checks that its rows are the group's)."""
     if isinstance(spec, KVStore):
-        if spec.row_width != row_width:
-            raise ValueError(f"external store {spec.name} holds rows of {spec.row_width} floats, "
-                             f"the table group needs {row_width}")
         return spec
-    return spec.open(namespace, row_width)
+    return spec.open(namespace, row_width, row_format)

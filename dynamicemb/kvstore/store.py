@@ -2,14 +2,17 @@
 
 A store holds one physical group's ``(table id, key) -> (score, row)`` below its host
 store. Packed key: namespace prefix, int64 key, int16 table id; value: int64 score,
-``row_width`` float32s (little endian). Each server of a namespace also holds a
-**mark** (``MARK`` after the prefix) naming the owning store object (``claim``); every
-call checks it, so a server that lost its data or a namespace taken over fails it.
+``row_width`` float32 words (little endian; a 16-bit row's words hold its 16-bit
+embedding and float32 state, ``RowFormat``). Each server of a namespace also holds a
+**mark** (``MARK`` after the prefix) naming the owning store object and the format of
+its rows (``claim``); every call checks it, so a server that lost its data or a
+namespace taken over fails it, and a module of another row format cannot take it over.
 """
 
 import abc
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -20,13 +23,17 @@ import numpy as np
 import torch
 
 __all__ = ["ExternalStorageError", "KVStore", "StoredRows", "KEY_BYTES", "MARK", "SCORE_BYTES",
-           "brief_error"]
+           "UNRECORDED_FORMAT", "brief_error", "marked_format"]
 
 logger = logging.getLogger(__name__)
 
 KEY_BYTES = 10  # int64 key + int16 table id
 SCORE_BYTES = 8
 MARK = b"\x00dynamicemb-owner"  # after the prefix: 17 bytes, so never a packed row key
+#: The row format of a mark that names none (written before formats were recorded).
+UNRECORDED_FORMAT = "float32"
+_FORMAT = re.compile(r"[A-Za-z0-9_.+\[\]]+")  # a RowFormat tag: no spaces, no commas
+_MARKED_FORMAT = re.compile(rb"rows ([^\s,]+), ")  # how a mark starts that names one
 
 
 class ExternalStorageError(RuntimeError):
@@ -38,6 +45,21 @@ def brief_error(error: BaseException, limit: int = 200) -> str:
     """The error's message, printable, at most ``limit`` characters."""
     text = ascii(str(error))[1:-1]
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def marked_format(mark: bytes) -> str:
+    """The row format tag a mark records; ``UNRECORDED_FORMAT`` for a mark written
+    before formats were recorded (its rows are float32)."""
+    found = _MARKED_FORMAT.match(mark)
+    return found.group(1).decode() if found else UNRECORDED_FORMAT
+
+
+def _same_format(recorded: str, mine: str) -> bool:
+    """Whether rows recorded as ``recorded`` are rows of format ``mine``: an unrecorded
+    format (float32 rows of the store's width) matches every float32 tag."""
+    if recorded == UNRECORDED_FORMAT:
+        return mine.startswith(UNRECORDED_FORMAT + "[")
+    return recorded == mine
 
 
 def _describe_mark(mark: bytes) -> str:
@@ -60,29 +82,57 @@ class StoredRows(NamedTuple):
 
 
 class KVStore(abc.ABC):
-    """A store of rows of ``row_width`` float32s by (table id, key), named ``name`` in
-    messages. Verbs take whole batches of CPU tensors. A backend calls ``claim`` when it
-    opens and ``_check_mark`` in every verb's round trip before it writes."""
+    """A store of rows of ``row_width`` float32 words by (table id, key), named ``name``
+    in messages. Verbs take whole batches of CPU tensors. A backend calls ``claim`` when
+    it opens and ``_check_mark`` in every verb's round trip before it writes.
 
-    def __init__(self, name: str, row_width: int) -> None:
-        if row_width <= 0:
-            raise ValueError(f"row_width must be positive, got {row_width}")
+    Args:
+        name: the store in messages.
+        row_width: 4-byte words of a row (``RowFormat.storage_width``).
+        row_format: the rows' layout, ``RowFormat.tag`` (e.g. ``"bfloat16[128]+f32[1]"``),
+            recorded in the mark: a module of another format cannot resume the rows.
+
+    Raises:
+        ValueError: a width below 1, or a format that is no tag.
+    """
+
+    def __init__(self, name: str, row_width: int, row_format: str) -> None:
+        if isinstance(row_width, bool) or not isinstance(row_width, int) or row_width <= 0:
+            raise ValueError(f"row_width must be a positive int, got {row_width!r}")
+        if not isinstance(row_format, str) or not _FORMAT.fullmatch(row_format):
+            raise ValueError(f"row_format must be a RowFormat tag such as "
+                             f"'bfloat16[128]+f32[1]', got {row_format!r}")
         self.name = name
         self.row_width = row_width
+        self.row_format = row_format
         self.value_bytes = SCORE_BYTES + 4 * row_width
-        # This store object's mark: unique per open, readable in another run's message.
-        self.mark = (f"opened by pid {os.getpid()} on {socket.gethostname()} at "
+        # This store object's mark: its rows' format, then unique per open, readable in
+        # another run's message.
+        self.mark = (f"rows {row_format}, opened by pid {os.getpid()} on "
+                     f"{socket.gethostname()} at "
                      f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, "
                      f"owner {uuid.uuid4().hex}").encode()
 
     # ---------------------------------------------------------- ownership
     def claim(self, resume: bool = False) -> None:
         """Makes this store object the owner of its namespace; ``resume`` takes over
-        another store's rows (whose next call fails), else they raise
-        ``ExternalStorageError`` (as do a lost mark, no connection, a racing claim)."""
+        another store's rows (whose next call fails) when they have this store's row
+        format, else they raise ``ExternalStorageError`` (as do rows of another format,
+        a lost mark, no connection, a racing claim), changing nothing."""
         try:
             marks = self._read_marks()
             held = [(where, m) for where, m in marks if m is not None]
+            other = next(((where, marked_format(m)) for where, m in held
+                          if not _same_format(marked_format(m), self.row_format)), None)
+            if resume and other is not None:
+                raise ExternalStorageError(
+                    f"external store {self.name}: resume=True, but {other[0]} holds rows of "
+                    f"format {other[1]}" + (" (written before formats were recorded)"
+                                            if other[1] == UNRECORDED_FORMAT else "")
+                    + f" and this module's rows are {self.row_format}: a module resumes "
+                    f"only rows of its own format (embedding dtype, dim and optimizer "
+                    f"state). Give this model a run name of its own (run=...) or empty the "
+                    f"store ({self._emptying_hint()}), and load a checkpoint (DynamicEmbLoad)")
             if held and not resume:
                 raise ExternalStorageError(
                     f"external store {self.name} already holds the rows of another module "
@@ -277,7 +327,8 @@ class KVStore(abc.ABC):
         return scores, rows
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r}, row_width={self.row_width})"
+        return (f"{type(self).__name__}({self.name!r}, row_width={self.row_width}, "
+                f"row_format={self.row_format!r})")
 
 
 def _columns(packed: np.ndarray, start: int, end: int, dtype: str) -> torch.Tensor:

@@ -28,11 +28,14 @@ def _batch(seed: int, batch: int = 6, id_range: int = 120):
     return torch.randint(0, id_range, (n,), generator=g), offsets, torch.rand(n, generator=g)
 
 
-def _trained(pooling=DynamicEmbPoolingMode.SUM) -> BatchedDynamicEmbeddingTables:
-    """Three tables (two dims unless NONE), one with a random eval initializer, trained
-    a few steps on ids 0..79 (eval batches also ask for unseen ids)."""
-    dims = [4, 4, 4] if pooling == DynamicEmbPoolingMode.NONE else [4, 8, 4]
-    options = [DynamicEmbTableOptions(dim=d, max_capacity=512) for d in dims]
+def _trained(pooling=DynamicEmbPoolingMode.SUM, dtype=torch.float32,
+             dims=None) -> BatchedDynamicEmbeddingTables:
+    """Three tables of rows of ``dtype`` (two dims unless NONE), one with a random eval
+    initializer, trained a few steps on ids 0..79 (eval batches also ask for unseen ids)."""
+    if dims is None:
+        dims = [4, 4, 4] if pooling == DynamicEmbPoolingMode.NONE else [4, 8, 4]
+    options = [DynamicEmbTableOptions(dim=d, max_capacity=512, embedding_dtype=dtype)
+               for d in dims]
     options[1].eval_initializer_args = DynamicEmbInitializerArgs(mode="normal", seed=7)
     module = BatchedDynamicEmbeddingTables(options, ["a", "b", "c"], FEATURES,
                                            pooling_mode=pooling, optimizer="adam",
@@ -56,7 +59,90 @@ def test_twin_equals_eval_exactly_in_float32(pooling):
     assert twin.num_rows() == sum(module.table_size(n) for n in module.table_names)
 
 
-@pytest.mark.parametrize("dtype", sorted(TOLERANCE, key=str))
+SIXTEEN_BIT = sorted(TOLERANCE, key=str)
+
+
+def _dims(pooling, odd: bool):
+    """Dims of ``_trained``'s tables; odd ones pad a 16-bit row to whole words."""
+    if pooling == DynamicEmbPoolingMode.NONE:
+        return [5, 5, 5] if odd else [4, 4, 4]
+    return [5, 8, 3] if odd else [4, 8, 4]
+
+
+@pytest.mark.parametrize("odd", [False, True], ids=["even-dims", "odd-dims"])
+@pytest.mark.parametrize("pooling", POOLINGS)
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=str)
+def test_twin_of_16bit_tables_equals_eval_exactly(dtype, pooling, odd, sixteen_bit_rows):
+    """A twin of 16-bit tables holds their rows as they are (no rounding, half the bytes,
+    an odd dim padded to a word) and gives their eval outputs bit for bit, unseen ids'
+    initializer rows included (rounded as the table's)."""
+    dims = _dims(pooling, odd)
+    module = _trained(pooling, dtype, dims)
+    twin = InferenceEmbeddingTables.from_module(module)  # rows of the tables' dtype
+    for g in twin.groups:
+        assert g.rows.dtype == dtype and g.rows.shape[1] == g.dim + g.dim % 2
+        for t, name in enumerate(g.names):
+            exported = module.export_keys_values(name)
+            mine = g.index_table_ids[g.row_of_slot[:-1] >= 0] == t
+            assert int(mine.sum()) == exported.keys.numel()
+    for seed in (10, 11):
+        indices, offsets, weights = _batch(seed)
+        assert torch.equal(twin(indices, offsets), module(indices, offsets))
+        if pooling == DynamicEmbPoolingMode.SUM:
+            assert torch.equal(twin(indices, offsets, weights), module(indices, offsets, weights))
+    assert twin.memory_bytes()["rows"] == sum(
+        module.table_size(n) * 2 * (d + d % 2) for n, d in zip("abc", dims))
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=str)
+def test_16bit_rows_are_frozen_rounded_to_nearest(dtype):
+    """Float32 rows frozen into 16 bits are rounded to nearest once, as the tables'
+    imports round them."""
+    module = _trained(dims=[5, 8, 3])
+    twin = InferenceEmbeddingTables.from_module(module, dtype=dtype)
+    for g in twin.groups:
+        keys = g.index_keys_scores[:, 0]
+        held = (g.row_of_slot[:-1] >= 0).nonzero().squeeze(1)
+        for t, name in enumerate(g.names):
+            at = held[g.index_table_ids[held] == t]
+            exported = module.export_keys_values(name)
+            order = torch.argsort(exported.keys)
+            want = exported.embeddings[order][torch.searchsorted(exported.keys[order],
+                                                                 keys[at])]
+            assert torch.equal(g.embeddings()[g.row_of_slot[at]], want.to(dtype))
+
+
+@pytest.mark.parametrize("pooling", POOLINGS)
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=str)
+def test_a_backend_without_16bit_kernels_serves_the_same(dtype, pooling, sixteen_bit_rows,
+                                                         monkeypatch):
+    """Where the backend's kernels read float32 rows only (CUDA's today), each lookup
+    widens the rows it reads: the outputs are the in-place path's, bit for bit."""
+    from dynamicemb.ops import for_device
+    module = _trained(pooling, dtype, _dims(pooling, odd=True))
+    twin = InferenceEmbeddingTables.from_module(module)
+    indices, offsets, weights = _batch(17)
+    if pooling != DynamicEmbPoolingMode.SUM:
+        weights = None
+    want = twin(indices, offsets, weights)
+    monkeypatch.setattr(for_device("cpu"), "row_dtypes", (torch.float32,))
+    assert torch.equal(twin(indices, offsets, weights), want)
+
+
+def test_export_of_16bit_rows_of_an_odd_dim(sixteen_bit_rows):
+    """The op's fake gives (N, dim), not the padded rows' width."""
+    module = _trained(DynamicEmbPoolingMode.NONE, torch.bfloat16, [5, 5, 5])
+    twin = InferenceEmbeddingTables.from_module(module)
+    batch = _batch(18)[:2]
+    program = torch.export.export(twin, batch)
+    (node,) = [n for n in program.graph.nodes if "frozen_lookup" in str(n.target)]
+    assert tuple(node.meta["val"].shape) == (batch[0].numel(), 5)
+    assert torch.equal(program.module()(*batch), module(*batch))
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(*batch), module(*batch))
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=str)
 def test_16bit_rows_within_their_rounding(dtype):
     module = _trained()
     twin = InferenceEmbeddingTables.from_module(module, dtype=dtype)
@@ -87,6 +173,17 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="no rows given for table 'b'"):
         InferenceEmbeddingTables([DynamicEmbTableOptions(dim=4, max_capacity=8)], ["b"],
                                  rows=rows)
+
+
+def test_tables_of_several_row_dtypes_need_one_for_the_twin(sixteen_bit_rows):
+    options = [DynamicEmbTableOptions(dim=4, max_capacity=8),
+               DynamicEmbTableOptions(dim=4, max_capacity=8, embedding_dtype=torch.bfloat16)]
+    rows = {n: (torch.tensor([1, 2]), torch.ones(2, 4)) for n in "ab"}
+    with pytest.raises(ValueError, match=r"tables \['a', 'b'\] store rows of "
+                       r"\['torch.bfloat16', 'torch.float32'\]: give the twin one dtype"):
+        InferenceEmbeddingTables(options, ["a", "b"], rows=rows)
+    twin = InferenceEmbeddingTables(options, ["a", "b"], rows=rows, dtype=torch.bfloat16)
+    assert [g.rows.dtype for g in twin.groups] == [torch.bfloat16]
 
 
 class _Model(torch.nn.Module):

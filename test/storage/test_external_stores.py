@@ -2,6 +2,7 @@
 against a dict model, namespaces, scans, clear, bad rows (a Redis Cluster:
 test_redis_cluster.py)."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -10,10 +11,16 @@ import torch
 pytest.importorskip("rocksdict", reason="the external stores are tested against the real rocksdict (requirements.txt pins it)")
 pytest.importorskip("redis", reason="the external stores are tested against the real redis (requirements.txt pins it)")
 
+from dynamicemb.ops.interface import RowFormat
 from dynamicemb.storage.external import ExternalStorageError, KVStore, RedisStorage, as_storage_spec
 from dynamicemb.kvstore.redis_cluster import partition_of
 
 WIDTH = 5
+FLOAT32 = RowFormat(torch.float32, WIDTH, 0).tag  # rows of WIDTH float32 words
+# 16-bit rows of WIDTH words too: a dim-8 embedding and a float32 state
+BF16, F16 = (RowFormat(d, 8, 1).tag for d in (torch.bfloat16, torch.float16))
+#: A mark as versions before the row format was recorded wrote it.
+OLD_MARK = b"opened by pid 1 on oldhost at 2024-01-01 00:00:00 UTC, owner 0123abcd"
 
 
 def entries(n: int, seed: int, offset: int = 0):
@@ -45,7 +52,7 @@ def scanned(store: KVStore, chunk: int = 7):
 
 @pytest.fixture
 def store(store_spec):
-    s = store_spec.open("suite", WIDTH)
+    s = store_spec.open("suite", WIDTH, FLOAT32)
     yield s
     s.close()
 
@@ -90,7 +97,7 @@ def test_rows_are_bit_exact(store):
 
 
 def test_namespaces_are_apart_and_clear_empties_one(store_spec):
-    a, b = store_spec.open("a", WIDTH), store_spec.open("b", WIDTH)
+    a, b = store_spec.open("a", WIDTH, FLOAT32), store_spec.open("b", WIDTH, FLOAT32)
     keys, tids, rows, scores = entries(50, seed=2)
     a.put(keys, tids, rows, scores)
     b.put(keys[:5], tids[:5], rows[:5], scores[:5])
@@ -102,11 +109,18 @@ def test_namespaces_are_apart_and_clear_empties_one(store_spec):
 
 
 def test_a_row_of_another_width_is_refused_by_name(store_spec):
-    wide = store_spec.open("w", WIDTH + 1)
+    wide_format = RowFormat(torch.float32, WIDTH + 1, 0).tag
+    wide = store_spec.open("w", WIDTH + 1, wide_format)
     keys, tids, rows, scores = entries(8, seed=3)
     wide.put(keys, tids, torch.cat([rows, rows[:, :1]], 1), scores)
     wide.close()  # RocksDB: one process opens a database once at a time
-    narrow = replace(store_spec, resume=True).open("w", WIDTH)
+    # its mark names its format: a resume of another refuses by name, before any read
+    with pytest.raises(ExternalStorageError, match=rf"format {re.escape(wide_format)} and "
+                       rf"this module's rows are {re.escape(FLOAT32)}"):
+        replace(store_spec, resume=True).open("w", WIDTH, FLOAT32)
+    # a value of another size (damage: written by hand here) is refused where it is read
+    narrow = replace(store_spec, run="n").open("w", WIDTH, FLOAT32)
+    narrow._put(narrow._pack_keys(keys, tids), [bytes(32)] * keys.numel())
     with pytest.raises(ExternalStorageError, match=r"\[32\] bytes, expected 28"):
         narrow.get(keys, tids)
     with pytest.raises(ExternalStorageError, match=narrow.name.split("/")[0]):

@@ -229,7 +229,8 @@ def test_an_unreachable_store_fails_the_construction_by_name():
 
 def test_a_stored_row_of_the_wrong_size_fails_the_step_and_undoes_it(tmp_path):
     from dynamicemb.kvstore.rocksdb import RocksDBStore
-    store = RocksDBStore(str(tmp_path / "db"), DIM + STATE_FLOATS[DynamicEmbOptimType.ADAM])
+    adam = RowFormat(torch.float32, DIM, STATE_FLOATS[DynamicEmbOptimType.ADAM])
+    store = RocksDBStore(str(tmp_path / "db"), adam.storage_width, adam.tag)
     module = make_module(DynamicEmbOptimType.ADAM, LRU, store)
     data = batches(steps=3)
     train(module, data[:2], prefetch=False)

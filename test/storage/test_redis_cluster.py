@@ -5,6 +5,7 @@ memory, a primary killed during training (nothing lost), the marks and write cou
 (a cluster restarted empty, lost writes, another module's namespace), and clear
 errors for an unreachable cluster."""
 
+import re
 import time
 
 import pytest
@@ -14,11 +15,13 @@ pytest.importorskip("redis", reason="the external stores are tested against the 
 
 from dynamicemb import DynamicEmbOptimType, DynamicEmbScoreStrategy
 from dynamicemb.kvstore.redis_cluster import COUNT, PARTITIONS, partition_of
+from dynamicemb.kvstore.store import marked_format
 from dynamicemb.storage.external import (ExternalStorageError, RedisClusterStorage,
                                          as_storage_spec)
 from dynamicemb_testing.redis_servers import REDIS_SERVER, RedisClusterServers, free_port
 from test_exactness import assert_identical, snapshot, train
-from test_external_stores import WIDTH, as_dict, entries, scanned, stored
+from test_external_stores import (BF16, F16, FLOAT32, OLD_MARK, WIDTH, as_dict, entries,
+                                  scanned, stored)
 from test_external_tier import batches, below, make_module
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None,
@@ -38,7 +41,7 @@ def _spec(cluster, run, **kw):
 
 
 def test_verbs_against_a_dict_and_scan(cluster):
-    store = _spec(cluster, "verbs").open("suite", WIDTH)
+    store = _spec(cluster, "verbs").open("suite", WIDTH, FLOAT32)
     keys, tids, rows, scores = entries(3000, seed=1)
     store.put(keys, tids, rows, scores)
     want = as_dict(keys, tids, rows, scores)
@@ -123,7 +126,7 @@ def snapshot_after(module, data):
 
 
 def test_a_cluster_restarted_empty_and_lost_writes_fail_by_name(cluster):
-    store = _spec(cluster, "lost").open("t", WIDTH)
+    store = _spec(cluster, "lost").open("t", WIDTH, FLOAT32)
     keys, tids, rows, scores = entries(500, seed=2)
     store.put(keys, tids, rows, scores)
     import redis
@@ -144,7 +147,7 @@ def test_a_cluster_restarted_empty_and_lost_writes_fail_by_name(cluster):
 def test_a_node_that_lost_its_data_is_named_and_refuses_a_resume(cluster):
     """FLUSHALL on one primary (its replica follows): the partitions on it lost their
     mark; the calls that touch them and a resume name them."""
-    store = _spec(cluster, "flushed").open("t", WIDTH)
+    store = _spec(cluster, "flushed").open("t", WIDTH, FLOAT32)
     keys, tids, rows, scores = entries(2000, seed=4)
     store.put(keys, tids, rows, scores)
     import redis
@@ -153,23 +156,48 @@ def test_a_node_that_lost_its_data_is_named_and_refuses_a_resume(cluster):
     with pytest.raises(ExternalStorageError, match=rf"node 127.0.0.1:{port}\) no longer holds"):
         store.get(keys, tids)
     with pytest.raises(ExternalStorageError, match=r"hold none of the earlier module's rows"):
-        _spec(cluster, "flushed", resume=True).open("t", WIDTH)
+        _spec(cluster, "flushed", resume=True).open("t", WIDTH, FLOAT32)
     store.close()
 
 
 def test_another_module_s_namespace_is_refused_then_resumed(cluster):
-    first = _spec(cluster, "owned").open("t", WIDTH)
+    first = _spec(cluster, "owned").open("t", WIDTH, FLOAT32)
     keys, tids, rows, scores = entries(200, seed=3)
     first.put(keys, tids, rows, scores)
     with pytest.raises(ExternalStorageError, match="already holds the rows of another module"):
-        _spec(cluster, "owned").open("t", WIDTH)
-    second = _spec(cluster, "owned", resume=True).open("t", WIDTH)
+        _spec(cluster, "owned").open("t", WIDTH, FLOAT32)
+    second = _spec(cluster, "owned", resume=True).open("t", WIDTH, FLOAT32)
     found, got = second.get(keys, tids)
     assert bool(found.all()) and stored(got) == as_dict(keys, tids, rows, scores)
     with pytest.raises(ExternalStorageError, match="another module took"):
         first.put(keys, tids, rows, scores)
     first.close()
     second.close()
+
+
+def test_the_row_format_is_recorded_in_every_partition(cluster):
+    """bfloat16 rows: a float16 resume (same width) is refused naming both formats and
+    changes nothing; marks of an older version (no format) hold float32 rows."""
+    first = _spec(cluster, "format").open("t", WIDTH, BF16)
+    keys, tids, rows, scores = entries(300, seed=5)
+    first.put(keys, tids, rows, scores)
+    assert {marked_format(m) for _, m in first._read_marks()} == {BF16}
+    with pytest.raises(ExternalStorageError, match=rf"holds rows of format {re.escape(BF16)} "
+                       rf"and this module's rows are {re.escape(F16)}"):
+        _spec(cluster, "format", resume=True).open("t", WIDTH, F16)
+    found, got = first.get(keys, tids)  # its marks and write counts are as they were
+    assert bool(found.all()) and stored(got) == as_dict(keys, tids, rows, scores)
+    first.put(keys[:5], tids[:5], rows[:5], scores[:5])
+    assert first._write_marks(OLD_MARK, replace=True)  # as an older version marked it
+    with pytest.raises(ExternalStorageError, match=r"format float32 \(written before formats "
+                       rf"were recorded\) and this module's rows are {re.escape(BF16)}"):
+        _spec(cluster, "format", resume=True).open("t", WIDTH, BF16)
+    resumed = _spec(cluster, "format", resume=True).open("t", WIDTH, FLOAT32)
+    assert {marked_format(m) for _, m in resumed._read_marks()} == {FLOAT32}
+    found, got = resumed.get(keys, tids)
+    assert bool(found.all()) and stored(got) == as_dict(keys, tids, rows, scores)
+    first.close()
+    resumed.close()
 
 
 def test_an_unreachable_cluster_fails_the_construction_by_name():

@@ -4,7 +4,10 @@ or taken over on request), two live modules never mix, a locked directory and a
 server that lost its data fail by name, and nothing changes when they do."""
 
 import gc
+import os
+import re
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +16,8 @@ pytest.importorskip("rocksdict", reason="the external stores are tested against 
 pytest.importorskip("redis", reason="the external stores are tested against the real redis (requirements.txt pins it)")
 
 from dynamicemb import DynamicEmbDump, DynamicEmbLoad, DynamicEmbOptimType
+from dynamicemb.kvstore.store import MARK, marked_format
+from dynamicemb.ops.interface import RowFormat
 from dynamicemb.storage.external import ExternalStorageError, RedisStorage, RocksDBStorage
 from test_exactness import assert_identical, snapshot, train
 from test_external_tier import LRU, batches, below, make_module
@@ -186,28 +191,28 @@ def test_a_redis_error_names_no_raw_key_bytes(redis_servers):
 def test_store_level_takeover_and_loss(kind, tmp_path, redis_servers):
     """The verbs of a store another one took over, or whose servers lost their data,
     fail by name and write nothing."""
-    from test_external_stores import WIDTH, entries
+    from test_external_stores import FLOAT32, WIDTH, entries
     if kind == "rocksdb":
         spec = RocksDBStorage(str(tmp_path / "db"))
     else:
         (server,) = redis_servers(1)
         spec = RedisStorage(server.address, timeout=2.0)
     keys, tids, rows, scores = entries(64, seed=1)
-    first = spec.open("ns", WIDTH)
+    first = spec.open("ns", WIDTH, FLOAT32)
     first.put(keys, tids, rows, scores)
     refused = ("another module or process has it open" if kind == "rocksdb"  # its lock
                else "already holds the rows of another module")  # the mark
     with pytest.raises(ExternalStorageError, match=refused):
-        spec.open("ns", WIDTH)
+        spec.open("ns", WIDTH, FLOAT32)
     if kind == "rocksdb":
         first.close()
         with pytest.raises(ExternalStorageError, match="already holds the rows of another"):
-            spec.open("ns", WIDTH)
-        resumed = RocksDBStorage(spec.path, resume=True).open("ns", WIDTH)
+            spec.open("ns", WIDTH, FLOAT32)
+        resumed = RocksDBStorage(spec.path, resume=True).open("ns", WIDTH, FLOAT32)
         assert bool(resumed.get(keys, tids)[0].all())
         resumed.close()
         return
-    second = RedisStorage(spec.address, resume=True).open("ns", WIDTH)
+    second = RedisStorage(spec.address, resume=True).open("ns", WIDTH, FLOAT32)
     for verb in (lambda: first.get(keys, tids), lambda: first.delete(keys, tids),
                  lambda: first.put(keys, tids, rows * 0, scores), lambda: list(first.scan())):
         with pytest.raises(ExternalStorageError, match="another module took server"):
@@ -221,6 +226,128 @@ def test_store_level_takeover_and_loss(kind, tmp_path, redis_servers):
     with pytest.raises(ExternalStorageError, match=f"server {server.address} no longer holds"):
         second.put(keys, tids, rows, scores)
     assert redis.Redis(host="127.0.0.1", port=server.port).dbsize() == 0
+
+
+def _store_spec(kind, tmp_path, redis_servers):
+    if kind == "rocksdb":
+        return RocksDBStorage(str(tmp_path / "db"))
+    (server,) = redis_servers(1)
+    return RedisStorage(server.address, timeout=2.0)
+
+
+def raw_mark(spec, namespace="ns"):
+    """The mark namespace ``namespace`` of ``spec`` holds, read past the store classes."""
+    if isinstance(spec, RocksDBStorage):
+        import rocksdict
+        db = rocksdict.Rdict(os.path.join(spec.path, namespace),
+                             rocksdict.Options(raw_mode=True))
+        try:
+            return db.get(MARK)
+        finally:
+            db.close()
+    import redis
+    host, port = spec.address.rsplit(":", 1)
+    client = redis.Redis(host=host, port=int(port))
+    try:
+        return client.get(namespace.encode() + b":" + MARK)
+    finally:
+        client.close()
+
+
+def _close_if_rocksdb(store):
+    if "rocksdb" in store.name:  # a directory is open once at a time
+        store.close()
+
+
+@pytest.mark.parametrize("kind", ["rocksdb", "redis"])
+def test_the_row_format_is_recorded_and_another_is_refused_by_name(kind, tmp_path,
+                                                                   redis_servers):
+    """bfloat16 and float16 rows of one width (and float32 rows of it): a resume by
+    another format is refused, naming both, and changes nothing."""
+    from test_external_stores import BF16, F16, FLOAT32, WIDTH, entries
+    spec = _store_spec(kind, tmp_path, redis_servers)
+    keys, tids, rows, scores = entries(64, seed=2)
+    for bad in ("bfloat16 rows", "", None):
+        with pytest.raises(ValueError, match="row_format must be a RowFormat tag"):
+            spec.open("ns", WIDTH, bad)
+    first = spec.open("ns", WIDTH, BF16)
+    first.put(keys, tids, rows, scores)
+    assert [marked_format(m) for _, m in first._read_marks()] == [BF16]
+    _close_if_rocksdb(first)
+    mark = raw_mark(spec)
+    for other in (F16, FLOAT32):
+        with pytest.raises(ExternalStorageError, match=rf"{re.escape(first.name)}: resume=True, "
+                           rf"but .* holds rows of format {re.escape(BF16)} and this module's "
+                           rf"rows are {re.escape(other)}"):
+            replace(spec, resume=True).open("ns", WIDTH, other)
+        assert raw_mark(spec) == mark  # nothing changed
+    if kind == "redis":  # the first store still owns its rows
+        found, got = first.get(keys, tids)
+        assert bool(found.all()) and torch.equal(got.rows, rows)
+    resumed = replace(spec, resume=True).open("ns", WIDTH, BF16)
+    found, got = resumed.get(keys, tids)
+    assert bool(found.all()) and torch.equal(got.rows.view(torch.int32), rows.view(torch.int32))
+    resumed.close()
+
+
+@pytest.mark.parametrize("kind", ["rocksdb", "redis"])
+def test_a_store_without_a_recorded_format_holds_float32_rows(kind, tmp_path, redis_servers):
+    """A mark an older version wrote names no format: its rows are float32 ones."""
+    from test_external_stores import BF16, FLOAT32, OLD_MARK, WIDTH, entries
+    spec = _store_spec(kind, tmp_path, redis_servers)
+    keys, tids, rows, scores = entries(64, seed=4)
+    old = spec.open("ns", WIDTH, FLOAT32)
+    old.put(keys, tids, rows, scores)
+    assert old._write_marks(OLD_MARK, replace=True)  # as an older version marked it
+    _close_if_rocksdb(old)
+    assert marked_format(raw_mark(spec)) == "float32"
+    with pytest.raises(ExternalStorageError, match=r"holds rows of format float32 \(written "
+                       rf"before formats were recorded\) and this module's rows are "
+                       rf"{re.escape(BF16)}"):
+        replace(spec, resume=True).open("ns", WIDTH, BF16)
+    assert raw_mark(spec) == OLD_MARK  # nothing changed
+    resumed = replace(spec, resume=True).open("ns", WIDTH, FLOAT32)
+    found, got = resumed.get(keys, tids)
+    assert bool(found.all()) and torch.equal(got.rows, rows)
+    _close_if_rocksdb(resumed)
+    assert marked_format(raw_mark(spec)) == FLOAT32  # recorded from now on
+    if kind == "redis":
+        resumed.close()
+
+
+@pytest.mark.parametrize("resumed_as,refused", [(torch.float16, True), (torch.bfloat16, False)])
+def test_a_module_resumes_rows_of_its_own_format_only(tmp_path, sixteen_bit_rows, resumed_as,
+                                                      refused):
+    """A bfloat16 module's rows below: a float16 module (rows of the same width) is
+    refused by both formats and its tables, a bfloat16 one takes them over."""
+    path = str(tmp_path / "rows")
+    first = make_module(ADAM, LRU, path, dtype=torch.bfloat16)
+    train(first, batches(steps=6), prefetch=False)
+    assert below(first)[0] > 0
+    kept = {t: first.table_size(t) for t in "ab"}
+    del first
+    gc.collect()  # closes its database
+    spec = RocksDBStorage(path, resume=True)
+    mine = RowFormat(resumed_as, 8, 16).tag
+    if refused:
+        with pytest.raises(ExternalStorageError, match=rf"holds rows of format "
+                           rf"{re.escape(RowFormat(torch.bfloat16, 8, 16).tag)} and this "
+                           rf"module's rows are {re.escape(mine)}.*{TABLES}"):
+            make_module(ADAM, LRU, spec, dtype=resumed_as)
+        resumed_as = torch.bfloat16  # nothing changed: the rows are there to resume
+    resumed = make_module(ADAM, LRU, spec, dtype=resumed_as)
+    assert all(0 < resumed.table_size(t) < kept[t] for t in "ab")  # the rows below
+
+
+def test_an_open_store_of_another_format_is_refused_by_name(tmp_path, sixteen_bit_rows):
+    from dynamicemb.kvstore.rocksdb import RocksDBStore
+    bf16, f16 = (RowFormat(d, 8, 16) for d in (torch.bfloat16, torch.float16))
+    store = RocksDBStore(str(tmp_path / "db"), f16.storage_width, f16.tag)
+    words = f16.storage_width  # = bf16's
+    with pytest.raises(ValueError, match=rf"holds rows of format {re.escape(f16.tag)} \({words} "
+                       rf"words\), tables {TABLES} need {re.escape(bf16.tag)} \({words} words\)"):
+        make_module(ADAM, LRU, store, dtype=torch.bfloat16)
+    store.close()
 
 
 def test_bad_run_names_are_refused():

@@ -8,7 +8,7 @@ from typing import Iterator, NamedTuple, Optional
 
 import torch
 
-from dynamicemb.ops.interface import Entries
+from dynamicemb.ops.interface import Entries, RowFormat
 from dynamicemb.kvstore.store import ExternalStorageError, KVStore
 from dynamicemb.kvstore.store import brief_error as _brief
 from dynamicemb.table import ScoredHashTable
@@ -34,15 +34,22 @@ class Staged(NamedTuple):
 
 
 class ExternalTier:
-    """A ``KVStore`` under a host store; ``label`` names its tables in messages."""
+    """A ``KVStore`` under a host store of rows of ``row_format``; ``label`` names its
+    tables in messages.
+
+    Raises:
+        ValueError: the store holds rows of another width or format.
+    """
 
     #: rows live below: reads and writes go to the store
     holds_rows = True
 
-    def __init__(self, store: KVStore, host: ScoredHashTable, label: str) -> None:
-        if store.row_width != host.value_dim:
-            raise ValueError(f"external store {store.name} holds rows of {store.row_width} "
-                             f"floats, tables {label} need {host.value_dim}")
+    def __init__(self, store: KVStore, host: ScoredHashTable, label: str,
+                 row_format: RowFormat) -> None:
+        if store.row_width != host.value_dim or store.row_format != row_format.tag:
+            raise ValueError(f"external store {store.name} holds rows of format "
+                             f"{store.row_format} ({store.row_width} words), tables {label} "
+                             f"need {row_format.tag} ({host.value_dim} words)")
         self.store = store
         self.host = host
         self.label = label
