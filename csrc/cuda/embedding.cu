@@ -1,13 +1,23 @@
 // CUDA kernels of the embedding lookup and the fused backward, over the shared
-// per-row primitives (init_primitives.h, optimizer_primitives.h, row_ref.h).
+// per-row primitives (init_primitives.h, optimizer_primitives.h, row_ref.h,
+// rounding_primitives.h).
 //
 // Float sums run in the CPU kernels' order (a bag's rows in input order, a
 // unique row's gradients in rank order), so the two backends agree to the
 // rounding of a fused multiply-add. Host-tier rows are read through the
 // unified address space (pinned host memory is addressable from the GPU).
+//
+// Stored rows have one format per launch (RowFormat, dynamicemb/ops/records.py):
+// float32 [embedding | state], or a float16 / bfloat16 embedding and a float32
+// state at state_offset bytes; every tier holds rows as float32 words, `width` of
+// them a row. A kernel that reads or writes stored rows switches once on the format
+// (a launch-uniform branch) into a template over the stored element E (float, f16,
+// bf16), so the loops carry no branch on it: 16-bit elements are widened exactly and
+// the math is float32's, in float32's order (csrc/cpu/rows.h).
 #include "cuda/common.cuh"
 #include "dynamicemb/init_primitives.h"
 #include "dynamicemb/optimizer_primitives.h"
+#include "dynamicemb/rounding_primitives.h"
 #include "dynamicemb/row_ref.h"
 
 using namespace dynamicemb;
@@ -15,24 +25,33 @@ using namespace dynamicemb::cuda;
 
 static_assert(kSquareLanes == kWarp, "row-wise Adagrad sums a row's squares a lane per sum");
 
-// Row arguments of the lookup kernels: the two tiers' values (one width), the
-// batch's transient rows (dim wide), the row reference of each unique row, and
-// for a call whose references may be negative the unique keys, their table ids
-// and the tables' initializers (init_ints (T, 3): stream,
-// mode, seed; init_floats (T, 5): mean, std_dev, lower, upper, value), else null.
+// The element type of the stored rows' embedding: RowFormat.code.
+enum RowDtype : int { kFloat32Rows = 0, kFloat16Rows = 1, kBfloat16Rows = 2 };
+
+// Row arguments of the lookup kernels: the two tiers' values (one width in float32
+// words, one format: row_dtype, a RowFormat.code, and state_offset, the bytes before
+// a row's state, which a lookup does not read), the batch's transient rows (float32,
+// dim wide), the row reference of each unique row, and for a call whose references
+// may be negative the unique keys, their table ids and the tables' initializers
+// (init_ints (T, 3): stream, mode, seed; init_floats (T, 5): mean, std_dev, lower,
+// upper, value), else null.
 #define DEMB_ROW_PARAMS                                                                   \
-  const float *device_rows, const float *host_rows, int64_t width, const float *transient, \
-      int64_t dim, const int64_t *row_ref, const int64_t *init_keys,                       \
-      const int16_t *init_tids, const int64_t *init_ints, const float *init_floats
-#define DEMB_ROWS                                                                     \
-  RowReader {                                                                         \
+  const float *device_rows, const float *host_rows, int64_t width, int row_dtype,         \
+      int64_t state_offset, const float *transient, int64_t dim, const int64_t *row_ref,  \
+      const int64_t *init_keys, const int16_t *init_tids, const int64_t *init_ints,       \
+      const float *init_floats
+#define DEMB_ROWS(E)                                                                  \
+  RowReader<E> {                                                                      \
     device_rows, host_rows, width, transient, dim, row_ref, init_keys, init_tids,     \
         init_ints, init_floats                                                        \
   }
 
-// Reads element c of unique row u. A negative reference (given the initializers
-// whenever one may occur) is a key without a stored row: its row is its table's
-// initializer's, computed here (initializers are functions of the key).
+// Reads element c of unique row u, stored rows' elements being E. A negative
+// reference (given the initializers whenever one may occur) is a key without a
+// stored row: its row is its table's initializer's, computed here (initializers are
+// functions of the key) and read as a stored one would be (rounded to nearest into
+// E, widened). Transient rows are float32.
+template <class E>
 struct RowReader {
   const float* device_rows;
   const float* host_rows;
@@ -48,10 +67,14 @@ struct RowReader {
   __device__ __forceinline__ float at(int64_t u, int64_t c) const {
     const int64_t r = row_ref[u];
     if (r < 0 && init_ints != nullptr) {
-      return PackedInits{init_ints, init_floats}.element(init_tids[u], init_keys[u],
-                                                         static_cast<int>(c));
+      return widen(narrow_rn<E>(PackedInits{init_ints, init_floats}.element(
+          init_tids[u], init_keys[u], static_cast<int>(c))));
     }
-    return row_of(r, device_rows, host_rows, width, transient, dim)[c];
+    const float* words = row_of(r, device_rows, host_rows, width, transient, dim);
+    if constexpr (sizeof(E) != sizeof(float)) {
+      if (is_stored_ref(r)) return widen(reinterpret_cast<const E*>(words)[c]);
+    }
+    return words[c];  // float32 rows, and transient rows of any format
   }
 };
 
@@ -80,13 +103,36 @@ extern "C" __global__ void demb_check_offsets(const int64_t* offsets, int64_t nu
   if (code) atomicMax(error, 4 - code);
 }
 
-// The initial rows of keys, one warp per key (lanes over the columns):
-// values[slots[i], c] = key i's table's initializer's value for c < dim and
-// state_value for the optimizer state after it (c < width), for every i < n, or
-// with a status (null: none) for each i whose status is kInserted or
-// kEvictedAndInserted, the others left alone: the host needs no count of the new
-// keys, and a steady step's warps (hits) return after one read.
-extern "C" __global__ void demb_init_rows(float* values, int64_t width, const int64_t* slots,
+// Row i's initial values, by its warp's lanes: the initializer's elements of `key`
+// in table t (rounded to nearest into E) and state_value in every state word (from
+// state_offset bytes to the row's end). A 16-bit row's padding before its state is
+// left as it is. Float32 rows: a lane per word of [embedding | state].
+template <class E>
+__device__ __forceinline__ void init_row(float* row, int64_t width, int64_t dim,
+                                         int64_t state_offset, const PackedInits& inits,
+                                         int16_t t, int64_t key, float state_value) {
+  if constexpr (sizeof(E) == sizeof(float)) {
+    for (int64_t c = lane_id(); c < width; c += kWarp) {
+      row[c] = inits.new_row_element(t, key, c, dim, state_value);
+    }
+    return;
+  }
+  E* embedding = reinterpret_cast<E*>(row);
+  for (int64_t c = lane_id(); c < dim; c += kWarp) {
+    embedding[c] = narrow_rn<E>(inits.element(t, key, static_cast<int>(c)));
+  }
+  for (int64_t c = state_offset / 4 + lane_id(); c < width; c += kWarp) row[c] = state_value;
+}
+
+// The initial rows of keys, one warp per key (lanes over the columns): row
+// slots[i] of values (rows of format row_dtype, state_offset: DEMB_ROW_PARAMS) =
+// key i's table's initializer's values, then state_value in its optimizer state
+// (init_row), for every i < n, or with a status (null: none) for each i whose
+// status is kInserted or kEvictedAndInserted, the others left alone: the host
+// needs no count of the new keys, and a steady step's warps (hits) return after
+// one read.
+extern "C" __global__ void demb_init_rows(float* values, int64_t width, int row_dtype,
+                                          int64_t state_offset, const int64_t* slots,
                                           const int8_t* status, const int64_t* keys,
                                           const int16_t* tids, int64_t n, int64_t dim,
                                           const int64_t* init_ints, const float* init_floats,
@@ -96,8 +142,35 @@ extern "C" __global__ void demb_init_rows(float* values, int64_t width, const in
   if (status != nullptr && status[i] != kInserted && status[i] != kEvictedAndInserted) return;
   float* row = values + slots[i] * width;
   const PackedInits inits{init_ints, init_floats};
-  for (int64_t c = lane_id(); c < width; c += kWarp) {
-    row[c] = inits.new_row_element(tids[i], keys[i], c, dim, state_value);
+  switch (row_dtype) {
+    case kFloat16Rows:
+      return init_row<f16>(row, width, dim, state_offset, inits, tids[i], keys[i], state_value);
+    case kBfloat16Rows:
+      return init_row<bf16>(row, width, dim, state_offset, inits, tids[i], keys[i], state_value);
+    default:
+      return init_row<float>(row, width, dim, state_offset, inits, tids[i], keys[i],
+                             state_value);
+  }
+}
+
+// Pools the columns of one bag (lookups begin to end - 1), a column per lane, into
+// dst: the (weighted) sum in input order, or mean; zeros for an empty bag.
+template <class E>
+__device__ __forceinline__ void pool_bag_columns(const RowReader<E>& rows, const int64_t* inverse,
+                                                 const float* weights, int64_t begin,
+                                                 int64_t end, bool mean, float* dst) {
+  const float inv_len = end > begin ? 1.f / static_cast<float>(end - begin) : 0.f;
+  for (int64_t c = lane_id(); c < rows.dim; c += kWarp) {
+    float acc = 0.f;
+    for (int64_t j = begin; j < end; ++j) {
+      const float x = rows.at(inverse[j], c);
+      if (j == begin) {
+        acc = weights ? weights[j] * x : x;
+      } else {
+        acc = fmaf(weights ? weights[j] : 1.f, x, acc);
+      }
+    }
+    dst[c] = mean ? acc * inv_len : acc;
   }
 }
 
@@ -116,19 +189,13 @@ extern "C" __global__ void demb_pooled_forward(DEMB_ROW_PARAMS, const int64_t* i
   float* dst = out + (k % batch) * out_width + col;
   const bool bad = refused(error);
   const int64_t begin = bad ? 0 : offsets[k], end = bad ? 0 : offsets[k + 1];
-  const float inv_len = end > begin ? 1.f / static_cast<float>(end - begin) : 0.f;
-  const RowReader rows = DEMB_ROWS;
-  for (int64_t c = lane_id(); c < dim; c += kWarp) {
-    float acc = 0.f;
-    for (int64_t j = begin; j < end; ++j) {
-      const float x = rows.at(inverse[j], c);
-      if (j == begin) {
-        acc = weights ? weights[j] * x : x;
-      } else {
-        acc = fmaf(weights ? weights[j] : 1.f, x, acc);
-      }
-    }
-    dst[c] = mean ? acc * inv_len : acc;
+  switch (row_dtype) {
+    case kFloat16Rows:
+      return pool_bag_columns(DEMB_ROWS(f16), inverse, weights, begin, end, mean, dst);
+    case kBfloat16Rows:
+      return pool_bag_columns(DEMB_ROWS(bf16), inverse, weights, begin, end, mean, dst);
+    default:
+      return pool_bag_columns(DEMB_ROWS(float), inverse, weights, begin, end, mean, dst);
   }
 }
 
@@ -144,7 +211,12 @@ extern "C" __global__ void demb_sequence_forward(DEMB_ROW_PARAMS, const int64_t*
   }
   const int64_t j = e / dim;
   if (inverse[j] < 0) return;
-  out[e] = DEMB_ROWS.at(inverse[j], e - j * dim);
+  const int64_t u = inverse[j], c = e - j * dim;
+  switch (row_dtype) {
+    case kFloat16Rows: out[e] = DEMB_ROWS(f16).at(u, c); break;
+    case kBfloat16Rows: out[e] = DEMB_ROWS(bf16).at(u, c); break;
+    default: out[e] = DEMB_ROWS(float).at(u, c); break;
+  }
 }
 
 // Where each lookup's gradient is and how it is scaled, placed at its rank:
@@ -247,6 +319,92 @@ extern "C" __global__ void demb_piece_sums(const int64_t* starts, const int64_t*
   }
 }
 
+// Row-wise Adagrad's step scale for a row whose lanes summed `squares` (lane j:
+// columns j, j + 32, ...): the sums folded in rowwise_square_sum's order, the row's
+// accumulator state[0] advanced (rowwise_scale) and written by lane 0.
+__device__ __forceinline__ float rowwise_warp_scale(float squares, float* state, int d,
+                                                    const OptimizerParams& p) {
+  for (int half = kWarp / 2; half > 0; half /= 2) {
+    squares += __shfl_xor_sync(kFullMask, squares, half);  // lane j < half: + lane j + half
+  }
+  squares = __shfl_sync(kFullMask, squares, 0);  // lane 0 folded in the shared order
+  float sum = state[0];
+  __syncwarp();  // every lane read the accumulator before lane 0 writes it
+  const float scale = rowwise_scale(&sum, squares, d, p);
+  if (lane_id() == 0) state[0] = sum;
+  return scale;
+}
+
+// The optimizer's update of a float32 row (its state after its d floats) from its
+// summed gradient acc (d,), a column per lane.
+__device__ __forceinline__ void update_float32_row(float* row, const float* acc, int d,
+                                                   const OptimizerParams& p) {
+  float* state = row + d;
+  if (p.kind == kRowwiseAdagrad) {
+    float squares = 0.f;
+    for (int c = lane_id(); c < d; c += kWarp) {
+      const float gi = rowwise_gradient(row, acc, c, p);
+      squares += gi * gi;
+    }
+    const float scale = rowwise_warp_scale(squares, state, d, p);
+    for (int c = lane_id(); c < d; c += kWarp) rowwise_step(row, acc, c, scale, p);
+    return;
+  }
+  for (int c = lane_id(); c < d; c += kWarp) {  // element-wise rules, a column per lane
+    switch (p.kind) {
+      case kSgd: sgd_row(row + c, acc + c, 1, p); break;
+      case kAdam: adam_row(row + c, state + c, state + d + c, acc + c, 1, p); break;
+      case kAdagrad: adagrad_row(row + c, state + c, acc + c, 1, p); break;
+      default: break;
+    }
+  }
+}
+
+// How an update writes a 16-bit row's elements back: stochastically, column c with
+// rounding_bits(word, c) of its row's rounding_word, or to nearest.
+struct RowRounding {
+  uint64_t word;
+  bool stochastic;
+
+  template <class E>
+  __device__ __forceinline__ E narrow(float x, int c) const {
+    return stochastic ? narrow_sr<E>(x, rounding_bits(word, c)) : narrow_rn<E>(x);
+  }
+};
+
+// The update of a row with a 16-bit embedding (E) and a float32 state: each lane
+// widens its columns, updates them as update_float32_row does, and narrows them back.
+template <class E>
+__device__ __forceinline__ void update_narrow_row(E* row, float* state, const float* acc,
+                                                  int d, const OptimizerParams& p,
+                                                  const RowRounding& rounding) {
+  if (p.kind == kRowwiseAdagrad) {
+    float squares = 0.f;
+    for (int c = lane_id(); c < d; c += kWarp) {
+      const float w = widen(row[c]);
+      const float gi = rowwise_gradient(&w, acc + c, 0, p);
+      squares += gi * gi;
+    }
+    const float scale = rowwise_warp_scale(squares, state, d, p);
+    for (int c = lane_id(); c < d; c += kWarp) {
+      float w = widen(row[c]);
+      rowwise_step(&w, acc + c, 0, scale, p);
+      row[c] = rounding.narrow<E>(w, c);
+    }
+    return;
+  }
+  for (int c = lane_id(); c < d; c += kWarp) {
+    float w = widen(row[c]);
+    switch (p.kind) {
+      case kSgd: sgd_row(&w, acc + c, 1, p); break;
+      case kAdam: adam_row(&w, state + c, state + d + c, acc + c, 1, p); break;
+      case kAdagrad: adagrad_row(&w, state + c, acc + c, 1, p); break;
+      default: break;
+    }
+    row[c] = rounding.narrow<E>(w, c);
+  }
+}
+
 // One warp per unique row u: sums its lookups' scaled gradients (entries
 // starts[u] to starts[u + 1] - 1 of pos/scale, in rank order; or, for a hot
 // row, its pieces' partial sums first_piece[u] to first_piece[u + 1] - 1) and
@@ -256,19 +414,29 @@ extern "C" __global__ void demb_piece_sums(const int64_t* starts, const int64_t*
 // (null: none): the learning rate and the optimizer's step count in device memory,
 // from which the step's scalars are computed here (schedule_step) instead of
 // taken from the arguments. Shared memory: dim floats per warp.
+//
+// Rows of format row_dtype (DEMB_ROW_PARAMS); a 16-bit row is written back with
+// RowRounding: round_keys (U,) and round_tids (U,) each unique row's key and table
+// id, round_spec (T, 2) each table's (stream, seed), round_step (1,) the update's
+// step, read here, after demb_place_grads advanced the schedule's; stochastic, else
+// to nearest. Float32 rows read none of them (null).
 extern "C" __global__ void demb_fused_update(float* device_rows, float* host_rows, int64_t width,
-                                             int64_t dim, const int64_t* row_ref,
-                                             int64_t num_unique, const int64_t* starts,
-                                             const int64_t* pos, const float* scale,
-                                             const float* grad, const int64_t* first_piece,
-                                             const float* partial, int kind, float lr,
-                                             float eps, float beta1, float beta2,
-                                             float weight_decay, float one_minus_beta1,
-                                             float one_minus_beta2, float step_size,
-                                             float bias_correction2_sqrt, float decay_scale,
-                                             const double* lr_at, const int64_t* step_at,
-                                             double beta1_exact, double beta2_exact,
-                                             double decoupled_decay) {
+                                             int row_dtype, int64_t state_offset, int64_t dim,
+                                             const int64_t* row_ref, int64_t num_unique,
+                                             const int64_t* starts, const int64_t* pos,
+                                             const float* scale, const float* grad,
+                                             const int64_t* first_piece, const float* partial,
+                                             int kind, float lr, float eps, float beta1,
+                                             float beta2, float weight_decay,
+                                             float one_minus_beta1, float one_minus_beta2,
+                                             float step_size, float bias_correction2_sqrt,
+                                             float decay_scale, const double* lr_at,
+                                             const int64_t* step_at, double beta1_exact,
+                                             double beta2_exact, double decoupled_decay,
+                                             const int64_t* round_keys,
+                                             const int16_t* round_tids,
+                                             const int64_t* round_spec,
+                                             const int64_t* round_step, bool stochastic) {
   extern __shared__ float shared_acc[];
   const int64_t u = global_warp();
   if (u >= num_unique) return;
@@ -293,38 +461,42 @@ extern "C" __global__ void demb_fused_update(float* device_rows, float* host_row
     schedule_step(p, *lr_at, *step_at, beta1_exact, beta2_exact, decoupled_decay);
   }
   float* row = stored_row_of(row_ref[u], device_rows, host_rows, width);
-  float* state = row + dim;
   const int d = static_cast<int>(dim);
-  if (kind == kRowwiseAdagrad) {  // rowwise_square_sum's order: a sum per lane, folded
-    float squares = 0.f;
-    for (int c = lane_id(); c < d; c += kWarp) {
-      const float gi = rowwise_gradient(row, acc, c, p);
-      squares += gi * gi;
-    }
-    for (int half = kWarp / 2; half > 0; half /= 2) {
-      squares += __shfl_xor_sync(kFullMask, squares, half);  // lane j < half: + lane j + half
-    }
-    squares = __shfl_sync(kFullMask, squares, 0);  // lane 0 folded in the shared order
-    float sum = state[0];
-    __syncwarp();  // every lane read the accumulator before lane 0 writes it
-    const float scale = rowwise_scale(&sum, squares, d, p);
-    if (lane_id() == 0) state[0] = sum;
-    for (int c = lane_id(); c < d; c += kWarp) rowwise_step(row, acc, c, scale, p);
+  if (row_dtype == kFloat32Rows) {
+    update_float32_row(row, acc, d, p);
     return;
   }
-  for (int c = lane_id(); c < d; c += kWarp) {  // element-wise rules, a column per lane
-    switch (kind) {
-      case kSgd: sgd_row(row + c, acc + c, 1, p); break;
-      case kAdam: adam_row(row + c, state + c, state + d + c, acc + c, 1, p); break;
-      case kAdagrad: adagrad_row(row + c, state + c, acc + c, 1, p); break;
-      default: break;
-    }
+  RowRounding rounding{0, stochastic};
+  if (stochastic) {
+    const int64_t* table = round_spec + 2 * round_tids[u];  // (stream, seed)
+    rounding.word = rounding_word(static_cast<uint64_t>(table[1]), table[0], round_keys[u],
+                                  static_cast<uint64_t>(*round_step));
+  }
+  float* state = row + state_offset / 4;
+  if (row_dtype == kFloat16Rows) {
+    update_narrow_row(reinterpret_cast<f16*>(row), state, acc, d, p, rounding);
+  } else {
+    update_narrow_row(reinterpret_cast<bf16*>(row), state, acc, d, p, rounding);
   }
 }
 
-// Gradient of per-sample weights, one warp per bag, a lookup per lane:
-// out[j] = dot(grad[b, col(f):+dim], row of inverse[j]), summed in column order.
-// A refused batch (error) writes nothing: its offsets are not read.
+// The weights' gradients of one bag's lookups begin to end - 1, a lookup per lane:
+// out[j] = dot(gk (dim,), row of inverse[j]), summed in column order.
+template <class E>
+__device__ __forceinline__ void bag_weight_grads(const RowReader<E>& rows, const int64_t* inverse,
+                                                 int64_t begin, int64_t end, const float* gk,
+                                                 float* out) {
+  for (int64_t j = begin + lane_id(); j < end; j += kWarp) {
+    if (inverse[j] < 0) continue;
+    float dot = 0.f;
+    for (int64_t c = 0; c < rows.dim; ++c) dot = fmaf(gk[c], rows.at(inverse[j], c), dot);
+    out[j] = dot;
+  }
+}
+
+// Gradient of per-sample weights, one warp per bag (bag_weight_grads): out[j] =
+// dot(grad[b, col(f):+dim], row of inverse[j]) for each lookup j of bag k = f *
+// batch + b. A refused batch (error) writes nothing: its offsets are not read.
 extern "C" __global__ void demb_per_sample_weight_grad(DEMB_ROW_PARAMS, const int64_t* inverse,
                                                        const int64_t* offsets,
                                                        const int64_t* feature_col,
@@ -336,11 +508,10 @@ extern "C" __global__ void demb_per_sample_weight_grad(DEMB_ROW_PARAMS, const in
   const int64_t col = feature_col[k / batch];
   if (col < 0) return;
   const float* gk = grad + (k % batch) * grad_width + col;
-  const RowReader rows = DEMB_ROWS;
-  for (int64_t j = offsets[k] + lane_id(); j < offsets[k + 1]; j += kWarp) {
-    if (inverse[j] < 0) continue;
-    float dot = 0.f;
-    for (int64_t c = 0; c < dim; ++c) dot = fmaf(gk[c], rows.at(inverse[j], c), dot);
-    out[j] = dot;
+  const int64_t begin = offsets[k], end = offsets[k + 1];
+  switch (row_dtype) {
+    case kFloat16Rows: return bag_weight_grads(DEMB_ROWS(f16), inverse, begin, end, gk, out);
+    case kBfloat16Rows: return bag_weight_grads(DEMB_ROWS(bf16), inverse, begin, end, gk, out);
+    default: return bag_weight_grads(DEMB_ROWS(float), inverse, begin, end, gk, out);
   }
 }

@@ -50,16 +50,26 @@ struct bf16 {
 };
 static_assert(sizeof(f16) == 2 && sizeof(bf16) == 2, "16-bit row elements");
 
+// A float's bits and back: the device's reinterpreting moves (NVRTC has no
+// __builtin_memcpy), the host's memcpy.
 DEMB_HD uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
   uint32_t u;
   __builtin_memcpy(&u, &x, sizeof u);
   return u;
+#endif
 }
 
 DEMB_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
   float x;
   __builtin_memcpy(&x, &u, sizeof x);
   return x;
+#endif
 }
 
 // ------------------------------------------------------------------ widening (exact)

@@ -20,6 +20,7 @@ import torch
 
 from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions
 from dynamicemb.ops.cuda import _KERNELS, cuda_source_root
+from dynamicemb.ops.records import DeviceSchedule, InitRows, InitSpec, RowFormat
 from dynamicemb_testing.cuda_emulation import emulated_cuda
 from dynamicemb_testing.scripts import ROOT
 
@@ -98,6 +99,70 @@ def test_every_launch_matches_its_kernel_signature():
         want = signature(name, sources, macros)
         for got in launches:
             assert mismatch(name, got, want) is None, mismatch(name, got, want)
+
+
+# The kernels that read or write stored rows: what a 16-bit row format changes.
+ROW_KERNELS = {"demb_init_rows", "demb_pooled_forward", "demb_sequence_forward",
+               "demb_per_sample_weight_grad", "demb_fused_update"}
+
+
+def _launch_row_kernels_on_16_bit_rows(kernels, fmt: RowFormat) -> None:
+    """Each verb of ``ROW_KERNELS`` over 4 bfloat16 rows of one table (``kernels``: the
+    emulation's ``CudaKernels``), a 16-bit update rounding stochastically."""
+    dim, words = fmt.dim, fmt.row_bytes // 4
+    values, host = torch.zeros(8, words), torch.zeros(0, words)
+    keys, tids = torch.arange(4), torch.zeros(4, dtype=torch.int16)
+    spec = InitSpec(torch.tensor([[5, 2, 11]]), torch.tensor([[0.0, 1.0, -1.0, 1.0, 0.0]]))
+    row_format = (fmt.code, fmt.state_offset)
+    kernels.init_rows(values, torch.arange(4), None, keys, tids, dim, spec, 0.0,
+                      row_format=row_format)
+    tiers, transient, row_ref = [values, host], torch.zeros(0, dim), torch.tensor([0, 1, 2, -1])
+    inverse, offsets, feature_col = torch.arange(4), torch.tensor([0, 2, 4]), torch.tensor([0])
+    init = InitRows(keys, tids, spec)
+    kernels.pooled_forward(tiers, transient, row_ref, inverse, offsets, None, feature_col, 2,
+                           dim, False, torch.zeros(2, dim), init=init, row_format=row_format)
+    kernels.sequence_forward(tiers, transient, row_ref, inverse, dim, torch.zeros(4, dim),
+                             init=init, row_format=row_format)
+    grad = torch.ones(2, dim)
+    kernels.per_sample_weight_grad(tiers, transient, row_ref, inverse, offsets, feature_col, 2,
+                                   dim, grad, torch.zeros(4), init=init, row_format=row_format)
+    schedule = DeviceSchedule(torch.tensor([0.1], dtype=torch.float64),
+                              torch.zeros(1, dtype=torch.int64), True, 0.9, 0.999, 0.0)
+    rounding = (keys, tids, torch.tensor([[5, 1]]), schedule.step, True)
+    kernels.fused_backward(tiers, row_ref, torch.arange(5), torch.arange(4), offsets, None,
+                           feature_col, 2, dim, False, grad, 3, 0.1, 1e-8, 0.9, 0.999, 0.0,
+                           0.1, 1.0, 1.0, schedule=schedule, row_format=row_format,
+                           rounding=rounding)
+
+
+def test_16_bit_row_launches_match_their_kernel_signatures():
+    """A 16-bit row format reaches the row kernels as (row_dtype int, state_offset
+    int64), and a 16-bit update its rounding's four pointers and flag: each launch fits
+    its signature, and carries the format and the rounding (no null pointer)."""
+    sources = _sources()
+    macros = _parameter_macros(sources)
+    fmt = RowFormat(torch.bfloat16, dim=7, state_dim=1)  # an odd dim: padding before state
+    given = {}
+    with emulated_cuda() as kernels:
+        launch = kernels._launch
+
+        def recorded(name, device, threads, args, *rest, **kw):
+            given[name] = list(args)
+            return launch(name, device, threads, args, *rest, **kw)
+
+        kernels._launch = recorded
+        _launch_row_kernels_on_16_bit_rows(kernels, fmt)
+    assert ROW_KERNELS <= set(given)
+    for name in ROW_KERNELS:
+        want = signature(name, sources, macros)
+        got = tuple(type(x) for x in given[name])
+        assert mismatch(name, got, want) is None, mismatch(name, got, want)
+        # DEMB_ROW_PARAMS and demb_fused_update: (rows, rows, width, row_dtype,
+        # state_offset); demb_init_rows: (values, width, row_dtype, state_offset)
+        first = 2 if name == "demb_init_rows" else 3
+        assert given[name][first:first + 2] == [fmt.code, fmt.state_offset], name
+    *pointers, stochastic = given["demb_fused_update"][-5:]
+    assert all(isinstance(x, np.uint64) and int(x) for x in pointers) and stochastic
 
 
 def test_a_shifted_or_mistyped_argument_is_caught():

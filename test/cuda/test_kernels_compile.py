@@ -4,7 +4,9 @@ Each file of csrc/cuda is built for sm_80 (A100) and sm_90 (H100/H200) twice: by
 (with every warning an error), and by NVRTC, the compiler CuPy uses at run time, with
 the exact code string and options ``CudaKernels`` hands CuPy (``kernel_program``) plus
 the architecture CuPy adds. NVRTC comes from the ``nvidia-cuda-nvrtc`` wheel
-(requirements.txt) or the system; it needs no GPU.
+(requirements.txt) or the system; it needs no GPU. The row kernels of embedding.cu switch
+on the row format into their float32, float16 and bfloat16 instantiations, so each build
+compiles all three.
 """
 
 import ctypes

@@ -219,7 +219,7 @@ def test_a_removed_syncwarp_is_caught(tmp_path):
     accumulator before the other lanes read it: they scale their columns by the new
     one and the rows differ (the verbs' emulation passes)."""
     lib = broken(tmp_path, "embedding.cu",
-                 "    __syncwarp();  // every lane read the accumulator before lane 0 writes it\n",
+                 "  __syncwarp();  // every lane read the accumulator before lane 0 writes it\n",
                  "")
     want = trained(None, ROWWISE)
     assert same(trained(EmulatedCudaKernels(), ROWWISE), want)

@@ -35,9 +35,9 @@ __all__ = ["EmulatedCudaKernels", "cuda_seams", "emulated_cuda", "real_cpu", "se
 
 # DEMB_TABLE_PARAMS: keys column, tids, digests, occupied, pinned, num_buckets, bc
 _TABLE_ARGS = 7
-# DEMB_ROW_PARAMS: device rows, host rows, width, transient, dim, row_ref, and the
-# computed rows' unique keys, table ids, init ints and init floats
-_ROW_ARGS = 10
+# DEMB_ROW_PARAMS: device rows, host rows, width, row dtype, state offset, transient,
+# dim, row_ref, and the computed rows' unique keys, table ids, init ints and init floats
+_ROW_ARGS = 12
 # kNoBucket of csrc/dynamicemb/hash_primitives.h: a padding position's bucket
 _NO_BUCKET = 0x7FFFFFFF
 _FAILED = 3  # InsertStatus.FAILED
@@ -114,17 +114,22 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         scores = torch.as_strided(keys, keys.shape, keys.stride(), keys.storage_offset() + 1)
         return [keys, scores] + [self._t(args[first + i]) for i in range(1, 5)]
 
+    def _tiers(self, args: list) -> list:
+        """[device values, host values] from device rows, host rows and width at
+        ``args[0:3]`` (an empty (0, width) array for a null tier)."""
+        empty = torch.empty(0, int(args[2]), dtype=torch.float32)
+        return [empty if t is None else t for t in (self._t(args[0]), self._t(args[1]))]
+
     def _rows(self, args: list) -> dict:
-        """The row arguments of the CPU's lookups from DEMB_ROW_PARAMS at ``args[0:10]``:
-        tiers, transient, row_ref, dim and init (the computed rows' InitRows)."""
-        width, dim = int(args[2]), int(args[4])
-        device, host, transient = (self._t(args[i]) for i in (0, 1, 3))
-        empty = torch.empty(0, width, dtype=torch.float32)
-        row_ref = self._ids(args[5])
+        """The row arguments of the CPU's lookups from DEMB_ROW_PARAMS at ``args[0:12]``:
+        tiers, row_format, transient, row_ref, dim and init (the computed rows'
+        InitRows)."""
+        dim, transient = int(args[6]), self._t(args[5])
+        row_ref = self._ids(args[7])
         init = None
-        if int(args[8]) and row_ref.numel():
-            init = (self._t(args[6]), self._t(args[7]), (self._t(args[8]), self._t(args[9])))
-        return {"tiers": [empty if device is None else device, empty if host is None else host],
+        if int(args[10]) and row_ref.numel():
+            init = (self._t(args[8]), self._t(args[9]), (self._t(args[10]), self._t(args[11])))
+        return {"tiers": self._tiers(args), "row_format": (int(args[3]), int(args[4])),
                 "transient": torch.empty(0, dim) if transient is None else transient,
                 "row_ref": row_ref, "dim": dim, "init": init}
 
@@ -291,9 +296,9 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         self._cpu.check_offsets(self._t(a[0]), int(a[2]), error=self._t(a[3]))
 
     def run_init_rows(self, a):
-        spec = records.InitSpec(self._t(a[8]), self._t(a[9]))
-        self._cpu.init_rows(self._t(a[0]), *(self._t(a[i]) for i in range(2, 6)), int(a[7]),
-                            spec, float(a[10]))
+        spec = records.InitSpec(self._t(a[10]), self._t(a[11]))
+        self._cpu.init_rows(self._t(a[0]), *(self._t(a[i]) for i in range(4, 8)), int(a[9]),
+                            spec, float(a[12]), row_format=(int(a[2]), int(a[3])))
 
     def run_pooled_forward(self, a):
         r = _ROW_ARGS
@@ -344,23 +349,23 @@ class EmulatedCudaKernels(cuda_backend.CudaKernels):
         if placed is None:  # a refused batch: nothing placed, nothing updated
             return
         rank, offsets, weights, feature_col, batch, mean = placed
-        width, dim, starts = int(a[2]), int(a[3]), self._t(a[6])
-        empty = torch.empty(0, width, dtype=torch.float32)
-        device_rows, host_rows = self._t(a[0]), self._t(a[1])
+        row_format, dim, starts = (int(a[3]), int(a[4])), int(a[5]), self._t(a[8])
         # rows with no entry are padding (the kernel skips them), all after the real ones
-        num_unique = int((starts[1:int(a[5]) + 1] > starts[:int(a[5])]).sum())
+        num_unique = int((starts[1:int(a[7]) + 1] > starts[:int(a[7])]).sum())
         sums = torch.empty(num_unique, dim, dtype=torch.float32)
         self._cpu.sum_gradients(starts[:num_unique + 1], rank, offsets, weights, feature_col,
-                                batch, mean, self._t(a[9]), sums)
-        schedule = None if not int(a[23]) else (  # read from device memory
-            self._t(a[23]), self._t(a[24]), False, float(a[25]), float(a[26]), float(a[27]))
+                                batch, mean, self._t(a[11]), sums)
+        schedule = None if not int(a[25]) else (  # read from device memory
+            self._t(a[25]), self._t(a[26]), False, float(a[27]), float(a[28]), float(a[29]))
+        rounding = None if not int(a[30]) else (  # its step read after place_grads' advance
+            self._t(a[30]), self._t(a[31]), self._t(a[32]), self._t(a[33]), bool(a[34]))
         self._cpu.update_rows(
-            [empty if device_rows is None else device_rows,
-             empty if host_rows is None else host_rows], self._t(a[4])[:num_unique], sums,
+            self._tiers(a), self._t(a[6])[:num_unique], sums,
             # beta as 1 - the kernel's (1 - beta): the float32 1 - beta the kernel
             # multiplies by is what a float32 beta would lose 1e-5 of
-            int(a[12]), float(a[13]), float(a[14]), 1.0 - float(a[18]), 1.0 - float(a[19]),
-            float(a[17]), float(a[20]), float(a[21]), float(a[22]), schedule=schedule)
+            int(a[14]), float(a[15]), float(a[16]), 1.0 - float(a[20]), 1.0 - float(a[21]),
+            float(a[19]), float(a[22]), float(a[23]), float(a[24]), schedule=schedule,
+            row_format=row_format, rounding=rounding)
 
 
 _REAL_PTR = cuda_backend._ptr

@@ -1,12 +1,22 @@
-"""The CPU extension's embedding verbs over 16-bit rows (``row_format``, ``rounding``).
+"""The embedding verbs over 16-bit rows (``row_format``, ``rounding``): the CPU
+extension's, and the CUDA kernels' emulated by the CPU verbs (``cuda-emulated``) and run
+from their own source (``cuda-simt``, ``dynamicemb_testing/simt.py``).
 
 A float16 or bfloat16 row is widened exactly and computed in float32, so each verb on
-16-bit rows must give what the same verb gives on float32 rows holding the widened
-values (``test_cpu_counted_embedding.py`` checks those against the CUDA kernels):
-bit for bit in the forward, the weights' gradient and the optimizer states; a row an
-initializer computes reads as if stored (rounded to nearest, then widened); an update
-writes the float32 result back rounded to nearest, or stochastically with the bits of
-``rounding_reference`` (the Python twin of ``rounding_primitives.h``).
+16-bit rows must give what the same backend's verb gives on float32 rows holding the
+widened values: bit for bit in the forward, the weights' gradient and the optimizer
+states; a row an initializer computes reads as if stored (rounded to nearest, then
+widened); an update writes the float32 result back rounded to nearest, or
+stochastically with the bits of ``rounding_reference`` (the Python twin of
+``rounding_primitives.h``), at the step the schedule advanced to.
+
+Each backend is checked against its own float32 verbs: the CPU build contracts some
+float32 expressions into fused multiply-adds where the kernels' CPU build does not (Adam,
+Adagrad, weight decay, the normal initializer) and the CPU's weights' gradient adds its
+products unfused where the kernels write ``fmaf``, so float32 results of those differ
+between the backends by rounding, and 16-bit results with them. Where the float32
+arithmetic is the same on both, the three give the same bits
+(``test_cpu_emulated_and_simt_agree_bit_for_bit``).
 """
 
 import pytest
@@ -16,21 +26,59 @@ from dynamicemb.ops import cpu_kernels, for_device
 from dynamicemb.ops.cpu import CpuBackend
 from dynamicemb.ops.records import InitSpec, OptimizerUpdate, Rounding, RowFormat, RowSources
 from dynamicemb.options import DynamicEmbOptimType
-from dynamicemb_testing.cuda_emulation import emulated_cuda
+from dynamicemb_testing.devices import EMULATED, SIMT, backend_device
 from dynamicemb_testing.rounding_reference import narrow_rn, stochastic_round
 from test_cpu_counted_embedding import (GARBAGE, HOST_ROW_BIT, TRANSIENT_ROW_BIT, UPDATES,
-                                        Batch, _one_pass, _two_pass, backward_batch,
-                                        host_scalars, make_batch, optimizer_args,
-                                        schedule_of, transient_rows)
+                                        Batch, Update, _one_pass, _two_pass, backward_batch,
+                                        host_scalars, make_batch, optimizer_args, schedule_of)
 
 DTYPES = [torch.float16, torch.bfloat16]
 DIM = 8
 # (stream, seed) of the batch's three tables
 ROUNDING_SPEC = torch.tensor([[5, 1], [6, 2], [7, 3]], dtype=torch.int64)
+BACKENDS = ["cpu", EMULATED, SIMT]
 
 
 def _cpu():
     return cpu_kernels.load()
+
+
+@pytest.fixture(params=BACKENDS)
+def kernels(request):
+    """The verbs of a backend: the CPU extension, or ``CudaKernels`` emulated or running
+    the kernels' source (used within the emulation)."""
+    if request.param == "cpu":
+        yield _cpu()
+        return
+    with backend_device(request.param) as device:
+        yield for_device(device).kernels
+
+
+def _fused(kernels, b: Batch, grad, mean, args, schedule=None, **kw):
+    """``CudaKernels.fused_backward`` as the CPU's passes are called."""
+    kernels.fused_backward(b.tiers, b.row_ref, b.starts, b.rank, b.offsets, b.weights,
+                           b.feature_col, b.batch, b.dim, mean, grad, *args,
+                           schedule=schedule, **kw)
+    return 0
+
+
+@pytest.fixture(params=["cpu-one-pass", "cpu-two-passes", EMULATED, SIMT])
+def update(request):
+    """A backend's backward: ``update(b, grad, mean, args, schedule=None, **keywords)``
+    updates b's tiers (the CPU's in one pass or two; CUDA's fused_backward)."""
+    if request.param.startswith("cpu"):
+        passes = _one_pass if request.param == "cpu-one-pass" else _two_pass
+
+        def cpu_update(b, grad, mean, args, schedule=None, **kw):
+            if schedule is not None:
+                kw["schedule"] = tuple(schedule)
+            return passes(b, grad, mean, args, **kw)
+
+        yield cpu_update
+        return
+    with backend_device(request.param) as device:
+        kernels = for_device(device).kernels
+        yield lambda *args, **kw: _fused(kernels, *args, **kw)
 
 
 def narrow_batch(b: Batch, dtype: torch.dtype, state_dim: int):
@@ -48,39 +96,47 @@ def narrow_batch(b: Batch, dtype: torch.dtype, state_dim: int):
     return b._replace(tiers=wide), narrow, fmt
 
 
-def computed_as_stored(b: Batch, dtype: torch.dtype):
+def computed_as_stored(kernels, b: Batch, dtype: torch.dtype):
     """(transient, row_ref) of b where each computed row (a negative reference) is a
-    transient row holding what the initializer stores in a 16-bit row."""
-    transient, refs = transient_rows(b)
+    transient row holding what the initializer stores in a 16-bit row, made by the
+    backend's own ``init_rows``."""
+    u = b.row_ref.numel()
+    transient = torch.zeros(u, b.dim)
+    kernels.init_rows(transient, torch.arange(u), None, b.init.keys.contiguous(),
+                      b.init.table_ids.contiguous(), b.dim, InitSpec(*b.init.spec), 0.0)
+    refs = torch.where(b.row_ref < 0, TRANSIENT_ROW_BIT + torch.arange(u), b.row_ref)
     return narrow_rn(transient, dtype).float(), refs
+
+
+def format_arg(fmt: RowFormat):
+    return (fmt.code, fmt.state_offset)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("mean,weighted", [(False, False), (True, False), (False, True)])
-def test_pooled_and_sequence_forward(dtype, seed, mean, weighted):
+def test_pooled_and_sequence_forward(kernels, dtype, seed, mean, weighted):
     b = make_batch(seed, 4, 64, dim=DIM, width=DIM + 1, weighted=weighted)
     wide, narrow, fmt = narrow_batch(b, dtype, 1)
-    transient, refs = computed_as_stored(wide, dtype)
-    fmt_arg = (fmt.code, fmt.state_offset)
+    transient, refs = computed_as_stored(kernels, wide, dtype)
     width = 4 * DIM
     got, want = torch.full((b.batch, width), 7.0), torch.full((b.batch, width), 7.0)
-    _cpu().pooled_forward(narrow, torch.empty(0, DIM), b.row_ref, b.inverse, b.offsets,
-                          b.weights, b.feature_col, b.batch, DIM, mean, got, init=b.init,
-                          row_format=fmt_arg)
-    _cpu().pooled_forward(wide.tiers, transient, refs, b.inverse, b.offsets, b.weights,
-                          b.feature_col, b.batch, DIM, mean, want)
+    kernels.pooled_forward(narrow, torch.empty(0, DIM), b.row_ref, b.inverse, b.offsets,
+                           b.weights, b.feature_col, b.batch, DIM, mean, got, init=b.init,
+                           row_format=format_arg(fmt))
+    kernels.pooled_forward(wide.tiers, transient, refs, b.inverse, b.offsets, b.weights,
+                           b.feature_col, b.batch, DIM, mean, want)
     assert torch.equal(got, want)
     n = b.inverse.numel()
     got, want = torch.full((n, DIM), 7.0), torch.full((n, DIM), 7.0)
-    _cpu().sequence_forward(narrow, torch.empty(0, DIM), b.row_ref, b.inverse, DIM, got,
-                            init=b.init, row_format=fmt_arg)
-    _cpu().sequence_forward(wide.tiers, transient, refs, b.inverse, DIM, want)
+    kernels.sequence_forward(narrow, torch.empty(0, DIM), b.row_ref, b.inverse, DIM, got,
+                             init=b.init, row_format=format_arg(fmt))
+    kernels.sequence_forward(wide.tiers, transient, refs, b.inverse, DIM, want)
     assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_transient_rows_stay_float32(dtype):
+def test_transient_rows_stay_float32(kernels, dtype):
     """Transient rows (an external tier's, read for eval) are float32 and read as such."""
     b = make_batch(3, 2, 32, dim=DIM, width=DIM, failed=0.0)
     wide, narrow, fmt = narrow_batch(b, dtype, 0)
@@ -90,26 +146,27 @@ def test_transient_rows_stay_float32(dtype):
                        b.row_ref)
     n = b.inverse.numel()
     got, want = torch.zeros(n, DIM), torch.zeros(n, DIM)
-    _cpu().sequence_forward(narrow, transient, refs, b.inverse, DIM, got,
-                            row_format=(fmt.code, fmt.state_offset))
-    _cpu().sequence_forward(wide.tiers, transient, refs, b.inverse, DIM, want)
+    kernels.sequence_forward(narrow, transient, refs, b.inverse, DIM, got,
+                             row_format=format_arg(fmt))
+    kernels.sequence_forward(wide.tiers, transient, refs, b.inverse, DIM, want)
     assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_per_sample_weight_grad(dtype):
+def test_per_sample_weight_grad(kernels, dtype):
     b = make_batch(4, 3, 40, dim=DIM, width=DIM + 2 * DIM, weighted=True)
     wide, narrow, fmt = narrow_batch(b, dtype, 2 * DIM)
-    transient, refs = computed_as_stored(wide, dtype)
+    transient, refs = computed_as_stored(kernels, wide, dtype)
     grad = torch.randn(b.batch, 3 * DIM, generator=torch.Generator().manual_seed(9))
     n = b.inverse.numel()
     got, want = torch.zeros(n), torch.zeros(n)
-    _cpu().per_sample_weight_grad(narrow, torch.empty(0, DIM), b.row_ref, b.inverse, b.offsets,
-                                  b.feature_col, b.batch, DIM, grad, got, init=b.init,
-                                  row_format=(fmt.code, fmt.state_offset))
-    _cpu().per_sample_weight_grad(wide.tiers, transient, refs, b.inverse, b.offsets,
-                                  b.feature_col, b.batch, DIM, grad, want)
+    kernels.per_sample_weight_grad(narrow, torch.empty(0, DIM), b.row_ref, b.inverse,
+                                   b.offsets, b.feature_col, b.batch, DIM, grad, got,
+                                   init=b.init, row_format=format_arg(fmt))
+    kernels.per_sample_weight_grad(wide.tiers, transient, refs, b.inverse, b.offsets,
+                                   b.feature_col, b.batch, DIM, grad, want)
     assert torch.equal(got, want)
+    assert got.any()
 
 
 def expected_rows(wide_after, before_narrow, fmt, b: Batch, step: int, stochastic: bool):
@@ -137,23 +194,27 @@ def expected_rows(wide_after, before_narrow, fmt, b: Batch, step: int, stochasti
     return expected
 
 
+def rounding_at(b: Batch, step, stochastic: bool):
+    """The batch's rounding (``Rounding`` as a tuple) at ``step``, an int or a (1,) tensor."""
+    if not isinstance(step, torch.Tensor):
+        step = torch.tensor([step], dtype=torch.int64)
+    return (b.init.keys, b.init.table_ids, ROUNDING_SPEC, step, stochastic)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("u", UPDATES, ids=lambda u: f"kind{u.kind}-wd{u.weight_decay}-"
                          f"dec{u.decoupled}")
-@pytest.mark.parametrize("passes", [_one_pass, _two_pass], ids=["one_pass", "two_passes"])
 @pytest.mark.parametrize("stochastic", [True, False])
-def test_update_rounds_the_float32_update(dtype, u, passes, stochastic):
+def test_update_rounds_the_float32_update(update, dtype, u, stochastic):
     b, grad = backward_batch(2, 3, 48, u, pooled=True, padded=False)
     state_dim = b.tiers[0].shape[1] - DIM
     wide, narrow, fmt = narrow_batch(b, dtype, state_dim)
     before = [t.clone() for t in narrow]
     args = optimizer_args(u, host_scalars(u, 3))
     step = 41
-    rounding = (b.init.keys, b.init.table_ids, ROUNDING_SPEC,
-                torch.tensor([step], dtype=torch.int64), stochastic)
-    got_bad = passes(b._replace(tiers=narrow), grad, False, args,
-                     row_format=(fmt.code, fmt.state_offset), rounding=rounding)
-    want_bad = passes(wide, grad, False, args)
+    got_bad = update(b._replace(tiers=narrow), grad, False, args, row_format=format_arg(fmt),
+                     rounding=rounding_at(b, step, stochastic))
+    want_bad = update(wide, grad, False, args)
     assert got_bad == want_bad
     want = expected_rows(wide.tiers, before, fmt, b, step, stochastic)
     for got_tier, want_tier in zip(narrow, want):
@@ -170,18 +231,15 @@ def test_stochastic_rounding_follows_the_step_and_the_key():
     results = []
     for step in (1, 2):
         tiers = [t.clone() for t in narrow]
-        rounding = (b.init.keys, b.init.table_ids, ROUNDING_SPEC,
-                    torch.tensor([step], dtype=torch.int64), True)
         _one_pass(b._replace(tiers=tiers), grad, False, optimizer_args(u, host_scalars(u, 1)),
-                  row_format=(fmt.code, fmt.state_offset), rounding=rounding)
+                  row_format=format_arg(fmt), rounding=rounding_at(b, step, True))
         results.append(tiers[0])
     assert not torch.equal(results[0], results[1])
 
 
-@pytest.mark.parametrize("passes", [_one_pass, _two_pass], ids=["one_pass", "two_passes"])
-def test_rounding_reads_the_step_after_the_schedule_advanced_it(passes):
-    """A rounding whose step is the schedule's step tensor rounds with the advanced count,
-    as the CUDA update does after ``demb_place_grads`` advanced it."""
+def test_rounding_reads_the_step_after_the_schedule_advanced_it(update):
+    """A rounding whose step is the schedule's step tensor rounds with the advanced count
+    (on CUDA ``demb_place_grads`` advances it, then ``demb_fused_update`` reads it)."""
     u = UPDATES[1]  # Adam: its schedule advances the step
     b, grad = backward_batch(3, 2, 64, u, pooled=True, padded=False)
     _, narrow, fmt = narrow_batch(b, torch.bfloat16, b.tiers[0].shape[1] - DIM)
@@ -190,10 +248,9 @@ def test_rounding_reads_the_step_after_the_schedule_advanced_it(passes):
         tiers = [t.clone() for t in narrow]
         schedule = schedule_of(u, 6)
         step = schedule.step if shared else torch.tensor([7], dtype=torch.int64)
-        rounding = (b.init.keys, b.init.table_ids, ROUNDING_SPEC, step, True)
-        passes(b._replace(tiers=tiers), grad, False, optimizer_args(u, GARBAGE),
-               schedule=tuple(schedule), row_format=(fmt.code, fmt.state_offset),
-               rounding=rounding)
+        update(b._replace(tiers=tiers), grad, False, optimizer_args(u, GARBAGE),
+               schedule=schedule, row_format=format_arg(fmt),
+               rounding=rounding_at(b, step, True))
         assert int(schedule.step) == 7
         results.append(tiers)
     for shared, alone in zip(*results):
@@ -202,7 +259,7 @@ def test_rounding_reads_the_step_after_the_schedule_advanced_it(passes):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("state_dim", [0, 1, 2 * DIM])
-def test_init_rows_round_to_nearest(dtype, state_dim):
+def test_init_rows_round_to_nearest(kernels, dtype, state_dim):
     fmt = RowFormat(dtype, DIM, state_dim)
     spec = InitSpec(torch.tensor([[5, 0, 11], [6, 2, 12]], dtype=torch.int64),
                     torch.tensor([[0.5, 0.1, -1, 1, 0], [0, 1, -0.25, 0.75, 0]]))
@@ -213,18 +270,90 @@ def test_init_rows_round_to_nearest(dtype, state_dim):
     slots = torch.randperm(capacity, generator=g)[:n]
     status = torch.randint(0, 4, (n,), generator=g).to(torch.int8)  # hits, inserts, ...
     wide = torch.full((capacity, DIM + state_dim), 3.0)
-    _cpu().init_rows(wide, slots, status, keys, tids, DIM, spec, 0.25)
+    kernels.init_rows(wide, slots, status, keys, tids, DIM, spec, 0.25)
     before = fmt.pack(torch.full((capacity, DIM), 3.0),
                       torch.full((capacity, state_dim), 3.0) if state_dim else None)
     got = before.clone()
-    _cpu().init_rows(got, slots, status, keys, tids, DIM, spec, 0.25,
-                     row_format=(fmt.code, fmt.state_offset))
+    kernels.init_rows(got, slots, status, keys, tids, DIM, spec, 0.25,
+                      row_format=format_arg(fmt))
     want = fmt.pack(narrow_rn(wide[:, :DIM], dtype),
                     wide[:, DIM:].contiguous() if state_dim else None)
     assert torch.equal(got, want)
     assert not torch.equal(got, before)
 
 
+# --------------------------------------------------------- the backends side by side
+# Initializers whose float32 arithmetic is the same on every backend (uniform: one
+# fmaf; constant; debug), unlike the normal's mean + std * z.
+EXACT_SPEC = InitSpec(torch.tensor([[5, 2, 11], [6, 3, 12], [7, 4, 13]], dtype=torch.int64),
+                      torch.tensor([[0, 1, -0.5, 0.75, 0], [0, 1, 0, 0, 0.3],
+                                    [0, 1, 0, 0, 0]]))
+# SGD and row-wise Adagrad without weight decay: float32 updates the same on every backend.
+EXACT_UPDATES = [UPDATES[0], Update(3, 0.05, 1e-8, 0.9, 0.999, 0.0, 0.0)]
+
+
+def _each_backend(run):
+    """[run(name, kernels) for the CPU, emulated and SIMT kernels]."""
+    results = [run("cpu", _cpu())]
+    for name in (EMULATED, SIMT):
+        with backend_device(name) as device:
+            results.append(run(name, for_device(device).kernels))
+    return results
+
+
+def _same(results) -> bool:
+    first = results[0]
+    return all(all(torch.equal(x, y) for x, y in zip(first, other)) for other in results[1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_emulated_and_simt_agree_bit_for_bit(dtype):
+    """The forward, init_rows and the updates (stochastic and to nearest, padded unique
+    rows) on 16-bit rows give the same bits on the three backends."""
+    b, grad = backward_batch(8, 3, 48, EXACT_UPDATES[1], pooled=True, padded=True)
+    b = b._replace(init=b.init._replace(spec=EXACT_SPEC))
+    _, narrow, fmt = narrow_batch(b, dtype, 1)
+    row_format = format_arg(fmt)
+    n = b.inverse.numel()
+
+    def forward(_, kernels):
+        pooled = torch.full((b.batch, 3 * DIM), 7.0)
+        kernels.pooled_forward(narrow, torch.empty(0, DIM), b.row_ref, b.inverse, b.offsets,
+                               b.weights, b.feature_col, b.batch, DIM, True, pooled,
+                               init=b.init, row_format=row_format)
+        sequence = torch.full((n, DIM), 7.0)
+        kernels.sequence_forward(narrow, torch.empty(0, DIM), b.row_ref, b.inverse, DIM,
+                                 sequence, init=b.init, row_format=row_format)
+        rows = [t.clone() for t in narrow]
+        kernels.init_rows(rows[0], torch.arange(12), None, b.init.keys[:12].contiguous(),
+                          b.init.table_ids[:12].contiguous(), DIM, EXACT_SPEC, 0.5,
+                          row_format=row_format)
+        return pooled, sequence, rows[0]
+
+    assert _same(_each_backend(forward))
+    for u in EXACT_UPDATES:
+        state_dim = 1 if u.kind == 3 else 0
+        b_u = b._replace(tiers=[t[:, :DIM + state_dim].contiguous() for t in b.tiers])
+        _, narrow_u, fmt_u = narrow_batch(b_u, dtype, state_dim)
+        for stochastic in (True, False):
+            def step(name, kernels):
+                tiers = [t.clone() for t in narrow_u]
+                batch = b_u._replace(tiers=tiers)
+                args = optimizer_args(u, host_scalars(u, 2))
+                keywords = {"row_format": format_arg(fmt_u),
+                            "rounding": rounding_at(b_u, 2, stochastic)}
+                if name == "cpu":
+                    _one_pass(batch, grad, False, args, **keywords)
+                else:
+                    _fused(kernels, batch, grad, False, args, **keywords)
+                return tiers
+
+            results = _each_backend(step)
+            assert _same(results), (u, stochastic)
+            assert not torch.equal(results[0][0], narrow_u[0])
+
+
+# ------------------------------------------------------------------ argument checks
 def test_bad_formats_are_refused():
     b = make_batch(0, 1, 8, dim=DIM, width=DIM + 1)
     wide, narrow, fmt = narrow_batch(b, torch.bfloat16, 1)
@@ -235,7 +364,7 @@ def test_bad_formats_are_refused():
     with pytest.raises(RuntimeError, match="values"):  # rows are float32 words, not bytes
         _cpu().sequence_forward([t.view(torch.uint8) for t in narrow], torch.empty(0, DIM),
                                 b.row_ref, b.inverse, DIM, out, init=b.init,
-                                row_format=(fmt.code, fmt.state_offset))
+                                row_format=format_arg(fmt))
     with pytest.raises(RuntimeError, match="state offset"):
         _cpu().sequence_forward(narrow, torch.empty(0, DIM), b.row_ref, b.inverse, DIM, out,
                                 init=b.init, row_format=(fmt.code, 2))
@@ -243,65 +372,85 @@ def test_bad_formats_are_refused():
     sums = torch.zeros(b.row_ref.numel(), DIM)
     with pytest.raises(RuntimeError, match="rounding"):
         _cpu().update_rows(narrow, b.row_ref, sums, *optimizer_args(u, host_scalars(u, 1)),
-                           row_format=(fmt.code, fmt.state_offset))
+                           row_format=format_arg(fmt))
+
+
+def test_cuda_kernels_refuse_bad_formats_before_a_launch():
+    """The launches check a format as the CPU verbs do, and a 16-bit update's rounding."""
+    b, grad = backward_batch(0, 1, 8, UPDATES[0], pooled=True, padded=False)
+    _, narrow, fmt = narrow_batch(b, torch.bfloat16, 0)
+    out = torch.zeros(b.inverse.numel(), DIM)
+    with backend_device(EMULATED) as device:
+        kernels = for_device(device).kernels
+        with pytest.raises(ValueError, match="format code"):
+            kernels.sequence_forward(narrow, torch.empty(0, DIM), b.row_ref, b.inverse, DIM,
+                                     out, init=b.init, row_format=(3, fmt.state_offset))
+        with pytest.raises(ValueError, match="state offset"):
+            kernels.sequence_forward(narrow, torch.empty(0, DIM), b.row_ref, b.inverse, DIM,
+                                     out, init=b.init, row_format=(fmt.code, 6))
+        with pytest.raises(ValueError, match="needs its rounding"):
+            _fused(kernels, b._replace(tiers=narrow), grad, False,
+                   optimizer_args(UPDATES[0], host_scalars(UPDATES[0], 1)),
+                   row_format=format_arg(fmt))
+        assert not kernels.launches  # refused before any kernel ran
 
 
 # ------------------------------------------------------------------ the backend seam
+@pytest.mark.parametrize("device_name", ["cpu", EMULATED])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cpu_backend_passes_the_format_and_the_rounding(dtype):
-    """``CpuBackend`` hands ``RowSources.format`` and ``Rounding`` to the verbs: its
-    forward and backward equal the extension's own calls with the keywords."""
+def test_backend_passes_the_format_and_the_rounding(device_name, dtype):
+    """``KernelBackend`` (the CPU's and the CUDA one) hands ``RowSources.format`` and
+    ``Rounding`` to the verbs: its forward and backward equal the CPU extension's own
+    calls with the keywords."""
     u = UPDATES[4]  # row-wise Adagrad
     b, grad = backward_batch(6, 3, 48, u, pooled=True, padded=False)
     _, narrow, fmt = narrow_batch(b, dtype, b.tiers[0].shape[1] - DIM)
-    keywords = {"row_format": (fmt.code, fmt.state_offset)}
-    backend = CpuBackend()
+    keywords = {"row_format": format_arg(fmt)}
     sources = RowSources(narrow[0], narrow[1], torch.empty(0, DIM), fmt, b.init)
     got, want = torch.zeros(b.batch, 3 * DIM), torch.zeros(b.batch, 3 * DIM)
-    backend.pooled_forward(sources=sources, row_ref=b.row_ref, inverse=b.inverse,
-                           offsets=b.offsets, weights=b.weights, feature_col=b.feature_col,
-                           batch=b.batch, dim=DIM, mean=False, out=got)
+    rounding = Rounding(b.init.keys, b.init.table_ids, ROUNDING_SPEC,
+                        torch.tensor([7], dtype=torch.int64), True)
+    scalars = host_scalars(u, 1)
+    update = OptimizerUpdate(DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD, u.lr, u.eps, u.beta1,
+                             u.beta2, u.weight_decay, scalars[1], scalars[2], scalars[3])
+    mine = [t.clone() for t in narrow]
+    with backend_device(device_name) as device:
+        backend = for_device(device)
+        assert dtype in backend.row_dtypes
+        backend.pooled_forward(sources=sources, row_ref=b.row_ref, inverse=b.inverse,
+                               offsets=b.offsets, weights=b.weights, feature_col=b.feature_col,
+                               batch=b.batch, dim=DIM, mean=False, out=got)
+        backend.fused_backward(
+            sources=sources._replace(device=mine[0], host=mine[1]), row_ref=b.row_ref,
+            starts=b.starts, rank=b.rank, offsets=b.offsets, weights=b.weights,
+            feature_col=b.feature_col, batch=b.batch, dim=DIM, mean=False, grad=grad,
+            update=update, rounding=rounding)
+        with pytest.raises((RuntimeError, ValueError), match="rounding"):  # 16-bit needs it
+            backend.fused_backward(
+                sources=sources, row_ref=b.row_ref, starts=b.starts, rank=b.rank,
+                offsets=b.offsets, weights=b.weights, feature_col=b.feature_col,
+                batch=b.batch, dim=DIM, mean=False, grad=grad, update=update)
     _cpu().pooled_forward(narrow, torch.empty(0, DIM), b.row_ref, b.inverse, b.offsets,
                           b.weights, b.feature_col, b.batch, DIM, False, want, init=b.init,
                           **keywords)
     assert torch.equal(got, want)
-    rounding = Rounding(b.init.keys, b.init.table_ids, ROUNDING_SPEC,
-                        torch.tensor([7], dtype=torch.int64), True)
-    scalars = host_scalars(u, 1)
-    mine = [t.clone() for t in narrow]
-    backend.fused_backward(
-        sources=sources._replace(device=mine[0], host=mine[1]), row_ref=b.row_ref,
-        starts=b.starts, rank=b.rank, offsets=b.offsets, weights=b.weights,
-        feature_col=b.feature_col, batch=b.batch, dim=DIM, mean=False, grad=grad,
-        update=OptimizerUpdate(DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD, u.lr, u.eps, u.beta1,
-                               u.beta2, u.weight_decay, scalars[1], scalars[2], scalars[3]),
-        rounding=rounding)
-    _one_pass(b._replace(tiers=narrow), grad, False, optimizer_args(u, scalars),
+    _two_pass(b._replace(tiers=narrow), grad, False, optimizer_args(u, scalars),
               rounding=tuple(rounding), **keywords)
     for got_tier, want_tier in zip(mine, narrow):
         assert torch.equal(got_tier, want_tier)
-    with pytest.raises(RuntimeError, match="rounding"):  # a 16-bit update needs it
-        backend.fused_backward(
-            sources=sources, row_ref=b.row_ref, starts=b.starts, rank=b.rank,
-            offsets=b.offsets, weights=b.weights, feature_col=b.feature_col, batch=b.batch,
-            dim=DIM, mean=False, grad=grad,
-            update=OptimizerUpdate(DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD, u.lr, u.eps,
-                                   u.beta1, u.beta2, u.weight_decay, *scalars[1:]))
 
 
 def test_a_backend_without_16_bit_kernels_refuses_the_rows():
-    """The CUDA kernels read float32 rows only (for now): 16-bit sources are refused by
-    name, before any kernel runs."""
+    """A backend whose ``row_dtypes`` lack a dtype refuses its rows by name, before any
+    kernel runs."""
     b = make_batch(0, 1, 8, dim=DIM, width=DIM)
     _, narrow, fmt = narrow_batch(b, torch.bfloat16, 0)
-    with emulated_cuda():
-        backend = for_device(torch.device("cpu"))  # the CUDA backend, kernels emulated
-        assert type(backend).__name__ == "CudaBackend"
-        with pytest.raises(ValueError, match="no kernels for torch.bfloat16 rows"):
-            backend.sequence_forward(
-                sources=RowSources(narrow[0], narrow[1], torch.empty(0, DIM), fmt, b.init),
-                row_ref=b.row_ref, inverse=b.inverse, dim=DIM,
-                out=torch.zeros(b.inverse.numel(), DIM))
+    float32_only = type("Float32Backend", (CpuBackend,), {"row_dtypes": (torch.float32,)})()
+    with pytest.raises(ValueError, match="no kernels for torch.bfloat16 rows"):
+        float32_only.sequence_forward(
+            sources=RowSources(narrow[0], narrow[1], torch.empty(0, DIM), fmt, b.init),
+            row_ref=b.row_ref, inverse=b.inverse, dim=DIM,
+            out=torch.zeros(b.inverse.numel(), DIM))
 
 
 def test_init_rows_of_16_bit_rows_check_the_spec():

@@ -47,6 +47,7 @@ class CudaBackend(KernelBackend):
 
     #: The widest embedding a group may have (the fused update's shared memory).
     max_dim = MAX_DIM
+    row_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     free_host_reads = False
 
     def __init__(self) -> None:

@@ -87,10 +87,31 @@ def _table_args(meta: Sequence[torch.Tensor], bc: int) -> list:
             np.int64(num_buckets), np.int32(bc)]
 
 
+def _row_format_args(values: torch.Tensor, dim: int, row_format=None) -> list:
+    """``row_dtype, state_offset`` of the kernels (csrc/cuda/embedding.cu) for stored rows
+    ``values`` (C, width) of ``row_format`` (``(code, state_offset)``, ``RowFormat``'s; None:
+    float32), checked against the rows' width in 4-byte words."""
+    row_bytes = 4 * values.size(1)
+    if row_format is None or int(row_format[0]) == 0:
+        if values.size(1) < dim:
+            raise ValueError(f"value rows ({values.size(1)} wide) are narrower than dim {dim}")
+        return [np.int32(0), np.int64(4 * dim)]
+    code, state_offset = (int(x) for x in row_format)
+    if code not in (1, 2):
+        raise ValueError(f"row format code must be 0 (float32), 1 (float16) or 2 (bfloat16), "
+                         f"got {code}")
+    if not (2 * dim <= state_offset <= row_bytes and state_offset % 4 == 0):
+        raise ValueError(f"a 16-bit row's state offset must be 4-byte aligned, within the row "
+                         f"and after its {dim} embedding elements, got {state_offset} of "
+                         f"{row_bytes}")
+    return [np.int32(code), np.int64(state_offset)]
+
+
 def _row_args(tiers: Sequence[torch.Tensor], transient: torch.Tensor,
-              row_ref: torch.Tensor, dim: int, init=None) -> list:
+              row_ref: torch.Tensor, dim: int, init=None, row_format=None) -> list:
     """The DEMB_ROW_PARAMS of csrc/cuda/embedding.cu; a host tier must be pinned or
-    empty. ``init`` (``InitRows``): negative references' rows computed, not read."""
+    empty. ``init`` (``InitRows``): negative references' rows computed, not read;
+    ``row_format``: the stored rows' ``(code, state_offset)`` (None: float32)."""
     if len(tiers) != 2:
         raise ValueError("tiers must be [device values, host values]")
     device, host = tiers
@@ -99,8 +120,7 @@ def _row_args(tiers: Sequence[torch.Tensor], transient: torch.Tensor,
         raise ValueError("a host tier read by CUDA kernels must be in pinned memory")
     if host.numel() and host.size(1) != device.size(1):
         raise ValueError("both tiers must have one row width")
-    if device.size(1) < dim:
-        raise ValueError(f"value rows ({device.size(1)} wide) are narrower than dim {dim}")
+    row_format_args = _row_format_args(device, dim, row_format)
     _expect(row_ref, torch.int64, "row_ref")
     computed = [_ptr(None)] * 4
     if init is not None:
@@ -110,8 +130,8 @@ def _row_args(tiers: Sequence[torch.Tensor], transient: torch.Tensor,
             raise ValueError("init keys must have one entry per row reference")
         computed = [_ptr(init.keys), _ptr(init.table_ids), _ptr(init.spec.ints),
                     _ptr(init.spec.floats)]
-    return [_ptr(device), _ptr(host), np.int64(device.size(1)), _ptr(transient),
-            np.int64(dim), _ptr(row_ref)] + computed
+    return ([_ptr(device), _ptr(host), np.int64(device.size(1))] + row_format_args +
+            [_ptr(transient), np.int64(dim), _ptr(row_ref)] + computed)
 
 
 def _expect_init_spec(spec) -> None:
