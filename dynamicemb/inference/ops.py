@@ -1,8 +1,6 @@
 """``torch.ops.dynamicemb.frozen_lookup``, registered on import with a fake implementation
-(``torch.export`` records one node), over the training backend's kernels. The kernels
-read 16-bit rows in place where the backend has kernels for them (``Backend.row_dtypes``:
-the CPU's); elsewhere (the CUDA backend today) each lookup widens the rows it reads. The
-CUDA registration has not run on a GPU here.
+(``torch.export`` records one node), over the training backend's kernels, which read
+16-bit rows in place. The CUDA registration has not run on a GPU here.
 """
 
 from typing import List, Optional
@@ -10,8 +8,8 @@ from typing import List, Optional
 import torch
 
 from dynamicemb.ops import for_device
-from dynamicemb.ops.interface import (TRANSIENT_ROW_BIT, Backend, InitRows, InitSpec, RowFormat,
-                                      RowSources, TableMemory)
+from dynamicemb.ops.interface import (Backend, InitRows, InitSpec, RowFormat, RowSources,
+                                      TableMemory)
 
 __all__ = ["POOLING_CODES", "frozen_lookup"]
 
@@ -109,7 +107,7 @@ def _lookup(ops: Backend, ids, offsets, weights, index, row_of_slot, rows, dim, 
                      init_ints.shape[0])
     init = InitRows(ids.contiguous(), tids.contiguous(),
                     InitSpec(init_ints, init_floats.to(torch.float32)))
-    sources, refs = _sources(ops, rows, dim, refs, init)
+    sources = _sources(rows, dim, init)
     inverse = torch.arange(ids.numel(), dtype=torch.int64, device=ids.device)
     if pooling == _NONE:
         out = torch.empty(ids.numel(), dim, dtype=torch.float32, device=ids.device)
@@ -143,12 +141,9 @@ def _row_refs(ops, ids, tids, index, row_of_slot, rows, bucket_capacity, num_tab
     return row_of_slot[slots]  # slot -1 reads the sentinel -1: one gather, no mask
 
 
-def _sources(ops: Backend, rows, dim, refs, init):
-    """(``RowSources``, row references) of a lookup: the stored rows in place as the
-    words of ``RowFormat(rows.dtype, dim, 0)``; for a backend without kernels for
-    ``rows.dtype`` every row the lookup reads as a float32 transient row instead (stored
-    rows widened exactly, initializers' rows rounded as stored ones), which the kernels
-    read as these rows."""
+def _sources(rows, dim, init) -> RowSources:
+    """A lookup's ``RowSources``: the stored rows in place as the words of
+    ``RowFormat(rows.dtype, dim, 0)``."""
     fmt = RowFormat(rows.dtype, dim, 0)
     padded = fmt.storage_width * 4 // fmt.elem_bytes
     if rows.dim() != 2 or rows.shape[1] != padded or not rows.is_contiguous():
@@ -156,16 +151,4 @@ def _sources(ops: Backend, rows, dim, refs, init):
                          f"got {tuple(rows.shape)}")
     words = rows.view(torch.float32)  # (R, storage_width): the tiers' float32 words
     none = torch.empty(0, dim, dtype=torch.float32, device=rows.device)
-    if rows.dtype in ops.row_dtypes:
-        return RowSources(words, words[:0], none, fmt, init), refs
-    wide = RowFormat(torch.float32, dim, 0)
-    n = refs.numel()
-    transient = torch.empty(n, dim, dtype=torch.float32, device=rows.device)
-    ops.sequence_forward(sources=RowSources(none, none, none, wide, init),
-                         row_ref=torch.full_like(refs, -1), dim=dim, out=transient,
-                         inverse=torch.arange(n, device=rows.device))
-    transient = fmt.embeddings(fmt.pack(transient)).float()  # rounded as stored
-    held = (refs >= 0).nonzero().squeeze(1)
-    transient[held] = fmt.embeddings(words[refs[held]]).float()
-    refs = TRANSIENT_ROW_BIT + torch.arange(n, device=rows.device)
-    return RowSources(none, none, transient, wide, None), refs
+    return RowSources(words, words[:0], none, fmt, init)

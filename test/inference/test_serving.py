@@ -112,23 +112,6 @@ def test_16bit_rows_are_frozen_rounded_to_nearest(dtype):
             assert torch.equal(g.embeddings()[g.row_of_slot[at]], want.to(dtype))
 
 
-@pytest.mark.parametrize("pooling", POOLINGS)
-@pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=str)
-def test_a_backend_without_16bit_kernels_serves_the_same(dtype, pooling, sixteen_bit_rows,
-                                                         monkeypatch):
-    """Where the backend's kernels read float32 rows only (CUDA's today), each lookup
-    widens the rows it reads: the outputs are the in-place path's, bit for bit."""
-    from dynamicemb.ops import for_device
-    module = _trained(pooling, dtype, _dims(pooling, odd=True))
-    twin = InferenceEmbeddingTables.from_module(module)
-    indices, offsets, weights = _batch(17)
-    if pooling != DynamicEmbPoolingMode.SUM:
-        weights = None
-    want = twin(indices, offsets, weights)
-    monkeypatch.setattr(for_device("cpu"), "row_dtypes", (torch.float32,))
-    assert torch.equal(twin(indices, offsets, weights), want)
-
-
 def test_export_of_16bit_rows_of_an_odd_dim(sixteen_bit_rows):
     """The op's fake gives (N, dim), not the padded rows' width."""
     module = _trained(DynamicEmbPoolingMode.NONE, torch.bfloat16, [5, 5, 5])

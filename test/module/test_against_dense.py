@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynamicemb import DynamicEmbOptimizerArgs, DynamicEmbOptimType, DynamicEmbPoolingMode
-from dynamicemb.ops import for_device
 from dynamicemb_testing.module_reference import (
     OPTIMIZER_ARGS,
     OPTIMIZERS,
@@ -249,8 +248,6 @@ def test_sixteen_bit_training_matches_rounded_dense(opt, dtype, stochastic, devi
     same way (to nearest when stored, then each update stochastically with the hash of
     (seed, table, key, update count, column), or to nearest): pooled and sequence
     lookups, two groups of two dtypes' tables."""
-    if dtype not in for_device(device).row_dtypes:
-        pytest.skip(f"{device} has no kernels for {dtype} rows yet")
     half = dict(embedding_dtype=dtype, stochastic_rounding=stochastic, rounding_seed=7)
     for pooling in (SUM, NONE):
         specs, ftm = layout("mixed", pooling)

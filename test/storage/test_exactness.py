@@ -19,7 +19,6 @@ from dynamicemb import (
     DynamicEmbScoreStrategy,
     DynamicEmbTableOptions,
 )
-from dynamicemb.ops import for_device
 from dynamicemb.ops.interface import RowFormat
 from dynamicemb.storage.layouts import HostOnly
 from dynamicemb_testing.devices import EMULATED, SIMT, backend_device, devices
@@ -159,8 +158,6 @@ def test_sixteen_bit_rows_train_identically_whatever_the_cache(optimizer, dtype,
     """16-bit rows (stochastic rounding) with prefetch, a growing host store (some keys
     failing in full buckets) and every layout train as the single tier, bit for bit:
     the rounding bits follow the key and the update count, not where the row is."""
-    if dtype not in for_device(device).row_dtypes:
-        pytest.skip(f"{device} has no kernels for {dtype} rows yet")
     batches = power_law_batches(seed=3)
     half = dict(embedding_dtype=dtype, init_capacity=64, max_load_factor=1.0)
     strategy = DynamicEmbScoreStrategy.LRU
