@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 __all__ = ["REFUSED", "REFUSED_MODULES", "module_getattr", "refuse_module"]
 
-_TORCH_DTYPES = "tables take torch dtypes (rows are float32)"
+_TORCH_DTYPES = "tables take torch dtypes (embedding_dtype: float32, float16 or bfloat16)"
 #: The external tier as it is accepted today (``DynamicEmbTableOptions.external_storage``).
 _EXTERNAL_STORAGE = ("external storage is supported: external_storage takes a directory path "
                      "(RocksDB), 'redis://host:port' (Redis), 'redis+cluster://host:port,...' "
@@ -69,7 +69,7 @@ REFUSED: Mapping[str, str] = {
     "string_to_evict_strategy": "use DynamicEmbEvictStrategy(name)",
     "MemoryType": "Counter.memory_usage() takes no memory type and returns all bytes held",
     "COUNTER_TYPE": "admission counts are float64 here (export_admission_counters(name).counts)",
-    "torch_dtype_to_np_dtype": "call .numpy() on the exported tensors (keys int64, rows float32)",
+    "torch_dtype_to_np_dtype": "call .numpy() on the exported tensors (keys int64, rows of the table's dtype)",
     "tabulate": "it is upstream's printing helper; format tables with your own code",
     **{name: _STORAGE_INTERFACE
        for name in ("DynamicEmbCache", "DynamicEmbTableState", "flush_cache", "eval_lookup")},

@@ -13,11 +13,11 @@ import torch
 
 from dynamicemb.kvstore.spec import as_storage_spec
 from dynamicemb.placement import load_placement
-from dynamicemb.types import (MAX_BUCKET_CAPACITY, DynamicEmbCheckMode, DynamicEmbDistType,
-                              DynamicEmbEvictStrategy, DynamicEmbScoreStrategy, UpstreamIntValues)
+from dynamicemb.types import (MAX_BUCKET_CAPACITY, ROW_DTYPES, DynamicEmbCheckMode,
+                              DynamicEmbDistType, DynamicEmbEvictStrategy, DynamicEmbScoreStrategy,
+                              UpstreamIntValues)
 
 __all__ = [
-    "ACCEPTED_ROW_DTYPES",
     "AdmissionStrategy",
     "DynamicEmbInitializerArgs",
     "DynamicEmbInitializerMode",
@@ -29,11 +29,6 @@ __all__ = [
     "FrequencyAdmissionStrategy",
     "KVCounter",
 ]
-
-
-#: ``embedding_dtype`` values a table takes (``types.ROW_DTYPES`` once every tier
-#: stores 16-bit rows: issue 54).
-ACCEPTED_ROW_DTYPES: Tuple[torch.dtype, ...] = (torch.float32,)
 
 
 @unique
@@ -490,10 +485,10 @@ class DynamicEmbTableOptions:
                              f"{self.device_id!r}")
         if self.index_type not in (None, torch.int64, torch.int32):
             raise ValueError(f"index_type must be torch.int64 or torch.int32, got {self.index_type}")
-        if self.embedding_dtype is not None and self.embedding_dtype not in ACCEPTED_ROW_DTYPES:
+        if self.embedding_dtype is not None and self.embedding_dtype not in ROW_DTYPES:
             raise ValueError(f"embedding_dtype {self.embedding_dtype} is not supported: rows are "
-                             f"stored in {[str(d) for d in ACCEPTED_ROW_DTYPES]} "
-                             "(output_dtype sets the output's dtype)")
+                             f"stored in {[str(d) for d in ROW_DTYPES]} (output_dtype sets the "
+                             "output's dtype)")
         if not isinstance(self.stochastic_rounding, bool):
             raise ValueError(f"stochastic_rounding must be a bool, got "
                              f"{self.stochastic_rounding!r}")

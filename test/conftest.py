@@ -32,11 +32,3 @@ def make_pair(device):
     """``make_pair(**kw)`` -> ``Pair`` of a real table on ``device`` and its reference model."""
     return functools.partial(Pair, device=device)
 
-
-@pytest.fixture
-def sixteen_bit_rows(monkeypatch):
-    """Tables take float16 and bfloat16 ``embedding_dtype`` in this test, before the
-    options accept them (issue 54 opens them once every tier stores them)."""
-    import dynamicemb.options
-    from dynamicemb.types import ROW_DTYPES
-    monkeypatch.setattr(dynamicemb.options, "ACCEPTED_ROW_DTYPES", ROW_DTYPES)

@@ -22,7 +22,7 @@ def doc_block(heading: str) -> str:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_numpy_only_reader_reads_a_dump(tmp_path, dtype, sixteen_bit_rows):
+def test_numpy_only_reader_reads_a_dump(tmp_path, dtype):
     """Of tables of each dtype: 16-bit rows widened exactly."""
     module = make_tables(dtype=dtype)
     train(module, range(4))

@@ -22,7 +22,7 @@ def _touched(steps, table):
 @pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("strategy", [DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.STEP,
                                       DynamicEmbScoreStrategy.LRU_LFU])
-def test_rows_touched_since_the_threshold(strategy, caching, dtype, sixteen_bit_rows):
+def test_rows_touched_since_the_threshold(strategy, caching, dtype):
     """The rows come as stored: in the table's dtype, bit for bit."""
     module = make_tables(strategy=strategy, caching=caching, admission=False, dtype=dtype)
     train(module, range(4))

@@ -17,8 +17,7 @@ from dynamicemb.checkpoint import Manifest, current_version
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("caching", [False, True], ids=["one_tier", "cache"])
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.value)
-def test_round_trip_is_exact_and_training_resumes_identically(tmp_path, optimizer, caching, dtype,
-                                                               sixteen_bit_rows):
+def test_round_trip_is_exact_and_training_resumes_identically(tmp_path, optimizer, caching, dtype):
     """Rows (in their dtype), states, scores, counters and clocks (the optimizer step
     names a 16-bit table's rounding bits) come back bit for bit."""
     saved = make_tables(optimizer, caching, dtype=dtype)

@@ -29,11 +29,6 @@ PAIRS = [(torch.bfloat16, torch.float32), (torch.float32, torch.float16),
 OPTIMIZER = DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD
 
 
-@pytest.fixture(autouse=True)
-def _gate(sixteen_bit_rows):
-    """Every test here builds 16-bit tables."""
-
-
 def _pair_id(pair):
     return f"{NAMES[pair[0]]}-to-{NAMES[pair[1]]}"
 

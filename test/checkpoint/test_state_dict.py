@@ -23,8 +23,7 @@ def _through_bytes(state):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("caching", [False, True], ids=["one_tier", "cache"])
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.value)
-def test_round_trip_is_exact_and_training_resumes_identically(optimizer, caching, dtype,
-                                                               sixteen_bit_rows):
+def test_round_trip_is_exact_and_training_resumes_identically(optimizer, caching, dtype):
     """Rows in their dtype (a bfloat16 tensor loads with weights_only=True), states,
     scores, counters and clocks (the optimizer step names 16-bit rounding bits)."""
     saved = make_tables(optimizer, caching, dtype=dtype)

@@ -10,7 +10,7 @@ from dynamicemb import (BatchedDynamicEmbeddingTables, DynamicEmbInitializerArgs
 
 OPTIMIZERS = [DynamicEmbOptimType.EXACT_SGD, DynamicEmbOptimType.ADAM,
               DynamicEmbOptimType.EXACT_ADAGRAD, DynamicEmbOptimType.EXACT_ROWWISE_ADAGRAD]
-#: Row dtypes of the round trips; 16-bit ones need the ``sixteen_bit_rows`` fixture.
+#: Row dtypes of the round trips.
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NUM_FEATURES = 3  # features 0, 1 -> table "a" (dim 8); feature 2 -> table "b" (dim 4)
 

@@ -3,7 +3,6 @@
 A collection mixing a static TorchRec table ("st", FBGEMM's kernel) with the dynamic
 tables of ``checkpoint_workers`` ("rw" row-wise, "tw" table-wise)."""
 
-import contextlib
 import copy
 import os
 
@@ -19,11 +18,9 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import dynamicemb
-import dynamicemb.options
 from dynamicemb import DynamicEmbDump, DynamicEmbInitializerArgs, DynamicEmbTableOptions
 from dynamicemb.planner import to_dynamic_sharding
 from dynamicemb.shard import DynamicEmbeddingCollectionSharder, get_dynamic_tables
-from dynamicemb.types import ROW_DTYPES
 from dynamicemb_testing.checkpoint_testing import bits
 from dynamicemb_testing.shard_workers import EcModel
 
@@ -203,18 +200,6 @@ def _check_enums(world_size: int) -> None:
     assert_rows(rows_a, rows_b, exact=True)
 
 
-@contextlib.contextmanager
-def _sixteen_bit_rows():
-    """Tables take 16-bit rows in this rank, as the ``sixteen_bit_rows`` fixture lets
-    them in the test's process (issue 54's gate)."""
-    accepted = dynamicemb.options.ACCEPTED_ROW_DTYPES
-    dynamicemb.options.ACCEPTED_ROW_DTYPES = ROW_DTYPES
-    try:
-        yield
-    finally:
-        dynamicemb.options.ACCEPTED_ROW_DTYPES = accepted
-
-
 def _clocks(dmp) -> dict:
     return {n: m.table_clocks(n) for n, m in get_dynamic_tables(dmp).items()}
 
@@ -224,20 +209,19 @@ def _check_sixteen_bit(world_size: int, directory: str) -> None:
     optimizer step names the rounding bits) come back bit for bit and training goes on
     identically; float32 tables refuse the records, naming both dtypes."""
     path = os.path.join(directory, "ck-bf16")
-    with _sixteen_bit_rows():
-        ref = build(world_size, dtype=torch.bfloat16)
-        train(ref, range(3))
-        dcp.save(dcp_state(ref), checkpoint_id=path)
-        loaded = build(world_size, dtype=torch.bfloat16)
-        train(loaded, range(20, 22))  # other contents first: the load replaces them
-        dcp_load(loaded, path)
-        want = dynamic_rows(ref)
-        assert want["rw"][1].dtype == torch.bfloat16
-        assert_rows(dynamic_rows(loaded), want, exact=True)
-        assert _clocks(loaded) == _clocks(ref) and all(
-            c.optimizer_step == 3 for c in _clocks(ref).values()), _clocks(loaded)
-        assert torch.equal(train(loaded, range(3, 5)), train(ref, range(3, 5)))
-        assert_rows(dynamic_rows(loaded), dynamic_rows(ref), exact=True)
+    ref = build(world_size, dtype=torch.bfloat16)
+    train(ref, range(3))
+    dcp.save(dcp_state(ref), checkpoint_id=path)
+    loaded = build(world_size, dtype=torch.bfloat16)
+    train(loaded, range(20, 22))  # other contents first: the load replaces them
+    dcp_load(loaded, path)
+    want = dynamic_rows(ref)
+    assert want["rw"][1].dtype == torch.bfloat16
+    assert_rows(dynamic_rows(loaded), want, exact=True)
+    assert _clocks(loaded) == _clocks(ref) and all(
+        c.optimizer_step == 3 for c in _clocks(ref).values()), _clocks(loaded)
+    assert torch.equal(train(loaded, range(3, 5)), train(ref, range(3, 5)))
+    assert_rows(dynamic_rows(loaded), dynamic_rows(ref), exact=True)
     other = {"model": build(world_size).state_dict()}
     _expect_refusal(lambda: dcp.load(other, checkpoint_id=path), "dynamic table",
                     "bfloat16 embeddings, this table has", "float32 embeddings")

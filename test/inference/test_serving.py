@@ -72,7 +72,7 @@ def _dims(pooling, odd: bool):
 @pytest.mark.parametrize("odd", [False, True], ids=["even-dims", "odd-dims"])
 @pytest.mark.parametrize("pooling", POOLINGS)
 @pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=str)
-def test_twin_of_16bit_tables_equals_eval_exactly(dtype, pooling, odd, sixteen_bit_rows):
+def test_twin_of_16bit_tables_equals_eval_exactly(dtype, pooling, odd):
     """A twin of 16-bit tables holds their rows as they are (no rounding, half the bytes,
     an odd dim padded to a word) and gives their eval outputs bit for bit, unseen ids'
     initializer rows included (rounded as the table's)."""
@@ -112,7 +112,7 @@ def test_16bit_rows_are_frozen_rounded_to_nearest(dtype):
             assert torch.equal(g.embeddings()[g.row_of_slot[at]], want.to(dtype))
 
 
-def test_export_of_16bit_rows_of_an_odd_dim(sixteen_bit_rows):
+def test_export_of_16bit_rows_of_an_odd_dim():
     """The op's fake gives (N, dim), not the padded rows' width."""
     module = _trained(DynamicEmbPoolingMode.NONE, torch.bfloat16, [5, 5, 5])
     twin = InferenceEmbeddingTables.from_module(module)
@@ -158,7 +158,7 @@ def test_bad_input_is_refused():
                                  rows=rows)
 
 
-def test_tables_of_several_row_dtypes_need_one_for_the_twin(sixteen_bit_rows):
+def test_tables_of_several_row_dtypes_need_one_for_the_twin():
     options = [DynamicEmbTableOptions(dim=4, max_capacity=8),
                DynamicEmbTableOptions(dim=4, max_capacity=8, embedding_dtype=torch.bfloat16)]
     rows = {n: (torch.tensor([1, 2]), torch.ones(2, 4)) for n in "ab"}

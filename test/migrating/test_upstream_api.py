@@ -136,8 +136,8 @@ REFUSED_OPTIONS = [
     (dict(dist_type="continuous"), "dist_type"),
     (dict(dist_type="random"), "dist_type"),
     (dict(external_storage=object()), "external_storage"),
-    (dict(embedding_dtype=torch.float16), "embedding_dtype"),
-    (dict(embedding_dtype=torch.bfloat16), "embedding_dtype"),
+    (dict(embedding_dtype=torch.int8), "embedding_dtype"),
+    (dict(embedding_dtype=torch.float64), "embedding_dtype"),
     (dict(index_type=torch.float32), "index_type"),
     (dict(index_type=torch.uint8), "index_type"),
     (dict(admit_strategy=object()), "FrequencyAdmissionStrategy"),
@@ -181,6 +181,11 @@ def test_supported_upstream_options():
     for dist in ("roundrobin", "hash_roundrobin"):
         _options(dist_type=dist)
     _options(index_type=torch.int32, embedding_dtype=torch.float32)
+    # upstream's 16-bit tables: the rows are stored in that dtype
+    for dtype in (torch.float16, torch.bfloat16):
+        half = BatchedDynamicEmbeddingTables([_options(embedding_dtype=dtype)], learning_rate=0.1)
+        half(torch.tensor([5, 7]), torch.tensor([0, 1, 2])).sum().backward()
+        assert half.export_keys_values("t0").embeddings.dtype == dtype
     # upstream's scripts pass None for tables they keep static: the default, LRU
     assert _options(score_strategy=None).score_strategy == DynamicEmbScoreStrategy.LRU
     # device_id (upstream's CUDA index, its module fills it): the module's device places rows

@@ -101,7 +101,7 @@ def test_eb_configs_are_cross_checked_with_the_model(field, value):
 
 @pytest.mark.parametrize("data_type,dtype", [(DataType.FP16, torch.float16),
                                              (DataType.BF16, torch.bfloat16)])
-def test_a_16_bit_config_plans_a_16_bit_dynamic_table(data_type, dtype, sixteen_bit_rows):
+def test_a_16_bit_config_plans_a_16_bit_dynamic_table(data_type, dtype):
     """A config's FP16/BF16 ``data_type`` is the dynamic table's ``embedding_dtype``, and
     the storage estimate counts its 2-byte elements."""
     def plan_of(data_type):

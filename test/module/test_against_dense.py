@@ -242,8 +242,7 @@ HALF_GRID = [(opt, dtype, stochastic) for opt in OPTIMIZERS
 @pytest.mark.parametrize("opt,dtype,stochastic", HALF_GRID,
                          ids=[f"{o.name}-{str(d)[6:]}-{'sr' if s else 'rn'}"
                               for o, d, s in HALF_GRID])
-def test_sixteen_bit_training_matches_rounded_dense(opt, dtype, stochastic, device,
-                                                   sixteen_bit_rows):
+def test_sixteen_bit_training_matches_rounded_dense(opt, dtype, stochastic, device):
     """16-bit rows train as the float32 reference whose every stored row is rounded the
     same way (to nearest when stored, then each update stochastically with the hash of
     (seed, table, key, update count, column), or to nearest): pooled and sequence

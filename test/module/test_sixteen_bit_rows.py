@@ -14,11 +14,6 @@ DTYPES = [torch.bfloat16, torch.float16]
 DIM = 128
 
 
-@pytest.fixture(autouse=True)
-def _rows(sixteen_bit_rows):
-    """Every test here builds 16-bit tables."""
-
-
 def module_of(device, dtypes, optimizer=DynamicEmbOptimType.EXACT_SGD, **options):
     tables = [DynamicEmbTableOptions(
         dim=DIM, max_capacity=4096, embedding_dtype=d,

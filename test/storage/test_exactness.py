@@ -153,8 +153,7 @@ def test_any_cache_size_trains_identically(optimizer, strategy, pooling, prefetc
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_sixteen_bit_rows_train_identically_whatever_the_cache(optimizer, dtype, device,
-                                                               sixteen_bit_rows):
+def test_sixteen_bit_rows_train_identically_whatever_the_cache(optimizer, dtype, device):
     """16-bit rows (stochastic rounding) with prefetch, a growing host store (some keys
     failing in full buckets) and every layout train as the single tier, bit for bit:
     the rounding bits follow the key and the update count, not where the row is."""

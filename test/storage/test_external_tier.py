@@ -60,7 +60,7 @@ def below(module):
 ], ids=["sgd-lru", "rowwise-lfu-seq", "adam-lru-cache", "adagrad-lfu-cache",
         "bf16-rowwise-lfu-seq", "f16-adam-lru-cache"])
 def test_rows_split_with_rocksdb_train_identically(tmp_path, optimizer, strategy, device_rows,
-                                                   pooling, dtype, sixteen_bit_rows):
+                                                   pooling, dtype):
     data = batches()
     reference = make_module(optimizer, strategy, pooling=pooling, dtype=dtype)
     expected_out = train(reference, data, prefetch=False)

@@ -316,7 +316,7 @@ def test_a_store_without_a_recorded_format_holds_float32_rows(kind, tmp_path, re
 
 
 @pytest.mark.parametrize("resumed_as,refused", [(torch.float16, True), (torch.bfloat16, False)])
-def test_a_module_resumes_rows_of_its_own_format_only(tmp_path, sixteen_bit_rows, resumed_as,
+def test_a_module_resumes_rows_of_its_own_format_only(tmp_path, resumed_as,
                                                       refused):
     """A bfloat16 module's rows below: a float16 module (rows of the same width) is
     refused by both formats and its tables, a bfloat16 one takes them over."""
@@ -339,7 +339,7 @@ def test_a_module_resumes_rows_of_its_own_format_only(tmp_path, sixteen_bit_rows
     assert all(0 < resumed.table_size(t) < kept[t] for t in "ab")  # the rows below
 
 
-def test_an_open_store_of_another_format_is_refused_by_name(tmp_path, sixteen_bit_rows):
+def test_an_open_store_of_another_format_is_refused_by_name(tmp_path):
     from dynamicemb.kvstore.rocksdb import RocksDBStore
     bf16, f16 = (RowFormat(d, 8, 16) for d in (torch.bfloat16, torch.float16))
     store = RocksDBStore(str(tmp_path / "db"), f16.storage_width, f16.tag)
