@@ -287,7 +287,8 @@ def evaluate(args, dmp, evals, tables, device) -> float:
 
 
 def table_report(dmp, tables) -> Dict[str, Dict]:
-    """Per dynamic table, summed over ranks: rows held, cache lookups/hits, evictions."""
+    """Per dynamic table, summed over ranks: rows held, cache lookups/hits, evictions;
+    the rows' dtype."""
     local = get_dynamic_tables(dmp)
     report = {}
     for t in tables:
@@ -301,9 +302,12 @@ def table_report(dmp, tables) -> Dict[str, Dict]:
                               dtype=torch.float64)
         dist.all_reduce(counts)
         rows, lookups, hits, evictions = counts.tolist()
+        dtype = (None if module is None
+                 else module.table_options[module.table_names.index(name)].row_dtype)
         report[name] = {"rows": int(rows), "max_rows": t.rows,
                         "hit_rate": round(hits / lookups, 4) if lookups else None,
-                        "evictions": int(evictions)}
+                        "evictions": int(evictions),
+                        "dtype": None if dtype is None else str(dtype)[len("torch."):]}
     return report
 
 

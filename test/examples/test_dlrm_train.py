@@ -1,4 +1,5 @@
-"""The main job (examples/dlrm/train.py) at a tiny size: 2 gloo ranks under torchrun."""
+"""The main job (examples/dlrm/train.py) at a tiny size: 2 gloo ranks under torchrun;
+float32, bfloat16 and float16 (autocast) rows."""
 
 import argparse
 import json
@@ -34,6 +35,8 @@ for path in sys.argv[1:]:
         print("failed to serve", path, traceback.format_exc(), flush=True)
 """
 COLLECTIONS = ["ebc", "ec"]
+#: each collection's run stores its dynamic rows in (the served twin keeps them)
+DTYPES = {"ebc": "fp32", "ec": "bf16"}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ def trained(tmp_path_factory):
         jobs[collection] = out, torchrun(
             "--num-samples", 40000, "--eval-samples", 8000, "--batch-size", 512, "--eval-every", 20,
             "--cache-fraction", 0.3, "--collection", collection, "--out", out,
-            "--serving-artifact", out / "serving")
+            "--embedding-dtype", DTYPES[collection], "--serving-artifact", out / "serving")
     served = run_python(["-c", _SERVER, *(out / "serving" for out, _ in jobs.values())], timeout=600)
     return jobs, served
 
@@ -61,6 +64,8 @@ def test_training_learns_and_reports(trained, collection):
     assert summary["samples"] == 40000
     dynamic = summary["dynamic_tables"]
     assert dynamic and all(0 < t["rows"] <= t["max_rows"] for t in dynamic.values())
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}[DTYPES[collection]]
+    assert all(t["dtype"] == dtype for t in dynamic.values())
     # a cache of 30% of the rows: it evicted to the host store, and every id is kept
     assert all(t["evictions"] > 0 and 0 < t["hit_rate"] < 1 for t in dynamic.values())
     assert (tmp_path / "plot.png").stat().st_size > 1000
@@ -82,15 +87,20 @@ def test_training_from_tsv_and_parquet_files(tmp_path):
     parquet = tmp_path / "train.parquet"
     dlrm_data.write_parquet(str(parquet), data)
     for kind, files in (("tsv", train_tsv), ("parquet", parquet)):
+        half = ("--embedding-dtype", "fp16", "--amp") if kind == "parquet" else ()
         done = torchrun("--data", kind, "--train-files", files, "--eval-files", eval_tsv if kind == "tsv"
-                        else parquet, "--batch-size", 256, "--eval-every", 5, "--out", tmp_path / kind)
+                        else parquet, "--batch-size", 256, "--eval-every", 5, "--out", tmp_path / kind,
+                        *half)
         assert done.returncode == 0, done.stderr[-3000:]
         summary = json.loads((tmp_path / kind / "summary.json").read_text())
         assert summary["samples"] >= 5000 and summary["eval_auc"] is not None
+        dtypes = {t["dtype"] for t in summary["dynamic_tables"].values()}
+        assert dtypes == {"float16" if half else "float32"}, dtypes
 
 
+# bfloat16 rows: a resume must restore the update count their rounding bits follow
 SMALL = ("--num-samples", 20000, "--eval-samples", 4000, "--batch-size", 512, "--eval-every", 5,
-         "--cache-fraction", 0.3)
+         "--cache-fraction", 0.3, "--embedding-dtype", "bf16")
 
 
 @pytest.fixture(scope="module")
