@@ -264,16 +264,18 @@ void init_narrow_rows(at::Tensor& values, const at::Tensor& slots,
   const float state = static_cast<float>(state_value);
   with_element(src.code, [&](auto element) {
     using E = decltype(element);
-#pragma omp parallel for schedule(static) if (n * dim >= kParallelMinWork)
-    for (int64_t i = 0; i < n; ++i) {
-      if (st != nullptr && st[i] != kInserted && st[i] != kEvictedAndInserted) continue;
-      char* row = src.device_bytes + s[i] * src.row_bytes;
-      E* e = reinterpret_cast<E*>(row);
-      for (int64_t c = 0; c < dim; ++c) {
-        e[c] = narrow_rn<E>(inits.element(t[i], k[i], static_cast<int>(c)));
+#pragma omp parallel if (n * dim >= kParallelMinWork)
+    {
+      std::vector<float> w(dim);  // the initializer's row, then narrowed
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; ++i) {
+        if (st != nullptr && st[i] != kInserted && st[i] != kEvictedAndInserted) continue;
+        char* row = src.device_bytes + s[i] * src.row_bytes;
+        for (int64_t c = 0; c < dim; ++c) w[c] = inits.element(t[i], k[i], static_cast<int>(c));
+        narrow_row_rn(w.data(), reinterpret_cast<E*>(row), dim);
+        float* f = src.state_of(row);
+        for (int64_t c = 0; c < state_floats; ++c) f[c] = state;
       }
-      float* f = src.state_of(row);
-      for (int64_t c = 0; c < state_floats; ++c) f[c] = state;
     }
   });
 }

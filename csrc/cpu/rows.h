@@ -75,6 +75,30 @@ inline void widen_row(const f16* e, float* __restrict__ w, int64_t n) {
   for (; c < n; ++c) w[c] = widen(e[c]);
 }
 
+// e[0, n) = w's n floats rounded to nearest (narrow_rn: every ISA gives the same bits).
+inline void narrow_row_rn(const float* w, bf16* __restrict__ e, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) e[c] = narrow_rn<bf16>(w[c]);  // vectorized
+}
+
+inline void narrow_row_rn(const float* w, f16* __restrict__ e, int64_t n) {
+  int64_t c = 0;
+#if defined(__F16C__)
+  // vcvtps2ph rounds to nearest even as narrow_rn (subnormals, overflow to inf); a NaN
+  // keeps its payload there, so NaN lanes take the canonical NaN
+  const __m256i canonical = _mm256_set1_epi32(kF16CanonicalNan);
+  for (; c + 8 <= n; c += 8) {
+    const __m256 x = _mm256_loadu_ps(w + c);
+    const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256i wide = _mm256_blendv_epi8(_mm256_cvtepu16_epi32(h), canonical, nan);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(wide),
+                                            _mm256_extracti128_si256(wide, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(e + c), packed);
+  }
+#endif
+  for (; c < n; ++c) e[c] = narrow_rn<f16>(w[c]);
+}
+
 struct RowSource {
   float* device;  // [*, width] 4-byte words (float32 rows: floats)
   float* host;
@@ -174,15 +198,16 @@ struct WidenedRows {
   const int16_t* tids;
   PackedInits inits;
   mutable std::vector<float> scratch;  // (dim,)
+  mutable std::vector<E> narrow;       // (dim,) a computed row as stored
 
   const float* row(int64_t u) const {
     const int64_t r = src.row_ref[u];
     float* w = scratch.data();
     if (r < 0) {
       const int64_t t = tids[u], key = keys[u];
-      for (int64_t c = 0; c < src.dim; ++c) {
-        w[c] = widen(narrow_rn<E>(inits.element(t, key, static_cast<int>(c))));
-      }
+      for (int64_t c = 0; c < src.dim; ++c) w[c] = inits.element(t, key, static_cast<int>(c));
+      narrow_row_rn(w, narrow.data(), src.dim);
+      widen_row(narrow.data(), w, src.dim);
       return w;
     }
     if (r >= kTransientRowBit && r < kHostRowBit) {
@@ -239,7 +264,10 @@ void with_rows(const RowSource& src, const c10::optional<InitRowsArg>& init, int
   if (src.code != kFloat32Rows) {
     with_element(src.code, [&](auto element) {
       using E = decltype(element);
-      body([&] { return WidenedRows<E>{src, k, t, inits, std::vector<float>(src.dim)}; });
+      body([&] {
+        return WidenedRows<E>{src, k, t, inits, std::vector<float>(src.dim),
+                              std::vector<E>(src.dim)};
+      });
     });
   } else if (k == nullptr) {
     body([&] { return StoredRows{src}; });
@@ -291,7 +319,7 @@ void update_narrow_row(char* row, float* state, const float* g, int dim,
   widen_row(e, w, dim);
   optimizer_update(w, state, g, dim, p);
   if (!r.stochastic) {
-    for (int c = 0; c < dim; ++c) e[c] = narrow_rn<E>(w[c]);
+    narrow_row_rn(w, e, dim);
     return;
   }
   const int64_t* table = r.spec + 2 * r.tids[u];

@@ -483,3 +483,35 @@ def test_every_16_bit_pattern_widens_exactly(dtype):
         nan = expected.isnan()
         assert torch.equal(out.isnan(), nan)
         assert torch.equal(out[~nan].view(torch.int32), expected[~nan].view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_updates_narrow_every_kind_of_float_as_the_reference(dtype, stochastic):
+    """An SGD step at lr 1 from zero rows writes -sum narrowed: random float bits (NaN,
+    infinities, subnormals of both dtypes, overflow, ties) through the vector and the
+    scalar paths (dim 24 and 5) round as ``rounding_reference`` says."""
+    g = torch.Generator().manual_seed(7)
+    bits = torch.randint(-2**31, 2**31, (6000,), generator=g, dtype=torch.int64)
+    ties = (torch.randint(0, 2**15, (2000,), generator=g) << 16) | 0x8000  # bf16 ties
+    halves = (torch.randint(0, 2**18, (2000,), generator=g) << 13) | 0x1000  # f16 ties
+    x = torch.cat([bits, ties, halves]).to(torch.int32).view(torch.float32)
+    x = torch.cat([x, x * 2.0**-20, x * 2.0**-120, torch.tensor([0.0, -0.0, 65520.0, 7e4])])
+    for dim in (24, 5):
+        n = x.numel() // dim
+        want_rows = x[:n * dim].reshape(n, dim)
+        fmt = RowFormat(dtype, dim, 0)
+        rows = fmt.pack(torch.zeros(n, dim))
+        refs = torch.arange(n, dtype=torch.int64)
+        keys = refs * 7919 - 5
+        rounding = (keys, torch.zeros(n, dtype=torch.int16), ROUNDING_SPEC, torch.tensor([9]),
+                    stochastic)
+        sums = -want_rows.contiguous()
+        _cpu().update_rows([rows, rows[:0]], refs, sums, 0, 1.0, 1e-8, 0.9, 0.999, 0.0, 1.0,
+                           1.0, 1.0, row_format=(fmt.code, fmt.state_offset), rounding=rounding)
+        updated = torch.zeros(n, dim) - sums  # the float32 step (-0.0 becomes +0.0)
+        if stochastic:
+            want = stochastic_round(updated, keys, 1, 5, 9, dtype)
+        else:
+            want = narrow_rn(updated, dtype)
+        assert torch.equal(fmt.embeddings(rows).view(torch.int16), want.view(torch.int16))
