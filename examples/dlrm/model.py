@@ -159,7 +159,8 @@ def _dtype(table: TableSpec, data_type: DataType) -> DataType:
 def constraints_for(tables: Sequence[TableSpec], dim: int, row_bytes: int,
                     cache_fraction: float, score_strategy: DynamicEmbScoreStrategy,
                     admission_threshold: int, placement: Optional[str] = None,
-                    replicas: float = 0, staleness: int = 0) -> Dict[str, DynamicEmbParameterConstraints]:
+                    replicas: float = 0, staleness: int = 0,
+                    stochastic: bool = True) -> Dict[str, DynamicEmbParameterConstraints]:
     """Planner constraints making the dynamic tables dynamic (row-wise by key hash).
 
     Args:
@@ -171,6 +172,7 @@ def constraints_for(tables: Sequence[TableSpec], dim: int, row_bytes: int,
         admission_threshold: occurrences before a new id gets a row (1: admit all).
         replicas: hot-row replicas of every dynamic table (``DynamicEmbTableOptions``).
         staleness: their ``replica_staleness`` (0: synchronous).
+        stochastic: 16-bit rows' ``stochastic_rounding`` (else to nearest).
     """
     out = {}
     for t in tables:
@@ -183,7 +185,8 @@ def constraints_for(tables: Sequence[TableSpec], dim: int, row_bytes: int,
                                   if caching else None),
             admit_strategy=(FrequencyAdmissionStrategy(threshold=admission_threshold)
                             if admission_threshold > 1 else None), placement=placement,
-            replicas=replicas, replica_staleness=staleness if replicas else 0)
+            replicas=replicas, replica_staleness=staleness if replicas else 0,
+            stochastic_rounding=stochastic)
         out[f"t_{t.feature}"] = DynamicEmbParameterConstraints(
             use_dynamicemb=True, sharding_types=["row_wise"], dynamicemb_options=options)
     return out

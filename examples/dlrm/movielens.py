@@ -237,9 +237,11 @@ class MovieLens:
     """The training or held-out ratings of MovieLens-100K as the job's :class:`Batch` es.
 
     Sample ``i`` of the split (in the split's order: shuffled for ``"train"``, by
-    ``(user, item)`` for ``"eval"``) goes to rank ``i % world_size``; each rank's batches
-    are consecutive runs of its samples, the last one possibly smaller. Every pass yields
-    the same batches.
+    ``(user, item)`` for ``"eval"``) goes to rank ``i % world_size``; the last
+    ``len % world_size`` samples are left out, so that every rank has as many samples and
+    the ranks' batches have one size at each step (TorchRec's pooled all-to-all takes one
+    batch size). Each rank's batches are consecutive runs of its samples, the last one
+    possibly smaller. Every pass yields the same batches.
 
     Args:
         batch_size (int): samples per batch.
@@ -253,7 +255,8 @@ class MovieLens:
     Attributes:
         cardinalities (Tuple[int, ...]): distinct values of each feature in the whole
             data set (both splits): the tables' rows.
-        num_samples (int): the split's samples over all ranks.
+        num_samples (int): the split's samples over all ranks (a multiple of
+            ``world_size``).
 
     Raises:
         DataError: as :func:`load_movielens`.
@@ -274,6 +277,7 @@ class MovieLens:
         order = np.flatnonzero(held_out if split == "eval" else ~held_out)
         if split == "train":  # a stable sort: equal hashes keep the (user, item) order
             order = order[np.argsort(_mix(pairs[order] ^ _salt(seed, _ORDER)), kind="stable")]
+        order = order[:len(order) - len(order) % world_size]  # one count per rank
         self.num_samples = len(order)
         self._mine = order[rank::world_size]
 

@@ -96,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the dynamic tables' rows (TorchRec data_type; 16-bit rows train "
                         "with stochastic rounding, optimizer states stay float32; static "
                         "tables stay fp32)")
+    p.add_argument("--rounding", choices=["stochastic", "nearest"], default="stochastic",
+                   help="how updates write 16-bit rows back")
     p.add_argument("--amp", action="store_true",
                    help="autocast the model in bfloat16 on a CPU, float16 on a GPU")
     p.add_argument("--dense-arch", default="64,16", help="bottom MLP widths (last = dim)")
@@ -234,7 +236,7 @@ def shard(args, model, tables, device: torch.device, world: int) -> DistributedM
                                   args.admission_threshold, args.placement,
                                   # placement: replicas on, the ids come from the file
                                   1 if args.replicas == "placement" else args.replicas,
-                                  args.staleness)
+                                  args.staleness, stochastic=args.rounding == "stochastic")
     sharder = (DynamicEmbeddingCollectionSharder if args.collection == "ec"
                else DynamicEmbeddingBagCollectionSharder)
     sharders = [sharder(fused_params={"optimizer": optimizer, "learning_rate": args.lr, "eps": 1e-8})]
