@@ -235,13 +235,13 @@ class TableGroup:
         self.table.set_step(steps)
 
     @property
-    def adam_step(self) -> int:
+    def update_count(self) -> int:
         """Updates the group applied, counted with Adam (its bias correction) or 16-bit
         rows (their rounding step); 0 otherwise."""
         return self._optimizer_step.value(0)
 
-    @adam_step.setter
-    def adam_step(self, value: int) -> None:
+    @update_count.setter
+    def update_count(self, value: int) -> None:
         self._optimizer_step.set(0, value)
 
     def device_lr(self, lr: float) -> torch.Tensor:
@@ -453,10 +453,10 @@ class TableGroup:
     def clocks(self) -> TableClocks:
         """The group's optimizer step and score and admission clocks."""
         admission = 0 if self.admission is None else self.admission.counter.clock
-        return TableClocks(self.adam_step, self.table.clock, admission)
+        return TableClocks(self.update_count, self.table.clock, admission)
 
     def set_clocks(self, clocks: TableClocks) -> None:
-        self.adam_step = int(clocks.optimizer_step)
+        self.update_count = int(clocks.optimizer_step)
         self.table.set_clock(clocks.score_clock)
         if self.admission is not None:
             self.admission.counter.set_clock(clocks.admission_clock)

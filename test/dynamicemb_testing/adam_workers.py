@@ -231,7 +231,7 @@ def sharded_vs_unsharded(rank: int, world_size: int, fused: Dict, dedup: bool,
                 assert bool((got.optimizer_states[:, dim:] > 0).all()), name
     if adam:  # both sides counted one Adam step per group per backward
         for module in [*tables.values(), ref_ec, ref_ebc]:
-            assert all(g.adam_step == STEPS for g in module._groups)
+            assert all(g.update_count == STEPS for g in module._groups)
 
 
 # Fused params beyond Adam's defaults, as TorchRec passes them to the sharded kernels.
