@@ -21,7 +21,8 @@ examples:
       --tables users,items,items,ages --table-sizes 1000000,50000,50000,100 --dynamic users
 """
 
-_BYTES_PER_VALUE = 4  # float32 embedding values
+#: bytes of an embedding value of each ``--embedding-dtype``
+_BYTES_PER_VALUE = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
 def _positive_ints(text: str, option: str) -> List[int]:
@@ -35,14 +36,16 @@ def _positive_ints(text: str, option: str) -> List[int]:
 
 
 def _table_bytes(args: argparse.Namespace) -> Optional[List[int]]:
-    """size * dim * 4 per table, or None when neither --table-sizes nor --dim is given."""
+    """size * dim * (bytes of an --embedding-dtype value) per table, or None when neither
+    --table-sizes nor --dim is given."""
     if args.table_sizes is None and args.dim is None:
         return None
     if args.table_sizes is None or args.dim is None:
         raise ValueError("--table-sizes and --dim go together")
     if args.dim < 1:
         raise ValueError(f"--dim must be positive, got {args.dim}")
-    return [size * args.dim * _BYTES_PER_VALUE for size in _positive_ints(args.table_sizes, "--table-sizes")]
+    value = _BYTES_PER_VALUE[args.embedding_dtype]
+    return [size * args.dim * value for size in _positive_ints(args.table_sizes, "--table-sizes")]
 
 
 def _gpu_bytes(placements: Dict[int, LookupPlacement], table_bytes: Sequence[int],
@@ -182,11 +185,17 @@ def _add_translate(commands: argparse._SubParsersAction) -> None:
     translate.set_defaults(run=_translate)
 
 
+def _add_embedding_dtype(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--embedding-dtype", choices=sorted(_BYTES_PER_VALUE), default="fp32",
+                        help="the rows' dtype, for table bytes")
+
+
 def _add_show(commands: argparse._SubParsersAction) -> None:
     show = commands.add_parser("show", help="list each GPU's groups and lookups")
     show.add_argument("plan", help="plan file (JSON)")
     show.add_argument("--table-sizes", help="rows per table, comma separated (lookup i is table i)")
     show.add_argument("--dim", type=int, help="embedding dimension, for the per-GPU byte estimate")
+    _add_embedding_dtype(show)
     show.set_defaults(run=_show)
 
 
@@ -205,7 +214,9 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     generate.add_argument("--num-gpus", type=int, required=True)
     generate.add_argument("--dp-threshold", type=int, default=6000,
                           help="dp_and_localized: tables of at most this many rows are data parallel")
-    generate.add_argument("--dim", type=int, help="greedy: embedding dimension (table bytes: rows * dim * 4)")
+    generate.add_argument("--dim", type=int, help="greedy: embedding dimension (table bytes: rows * "
+                          "dim * 4, or 2 with --embedding-dtype fp16/bf16)")
+    _add_embedding_dtype(generate)
     generate.add_argument("--memory-per-gpu", type=int, help="greedy: bytes per GPU for tables")
     generate.add_argument("-o", "--output", default="-", help="output file ('-', the default: stdout)")
     generate.add_argument("--spelling", choices=["new", "old"], default="new",

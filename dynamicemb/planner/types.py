@@ -142,8 +142,9 @@ class DynamicEmbParameterConstraints(ParameterConstraints):
 def resolve_options(options: DynamicEmbTableOptions, table: str, embedding_dim: int,
                     num_embeddings: int, data_type: Any = None) -> DynamicEmbTableOptions:
     """A dynamic table's options with ``dim``, ``max_capacity`` (the global capacity) and
-    ``embedding_dtype`` taken from its TorchRec config where they are None; ``options``
-    itself when nothing is missing.
+    ``embedding_dtype`` taken from its TorchRec config where they are None (a config's
+    FP32, the default, leaves ``embedding_dtype`` to the options); ``options`` itself
+    when nothing is missing.
 
     Args:
         options: the options a constraint (or ``to_dynamic_sharding``) gave.
@@ -152,14 +153,15 @@ def resolve_options(options: DynamicEmbTableOptions, table: str, embedding_dim: 
             FP32, FP16 or BF16; None: not checked).
 
     Raises:
-        ValueError: a set field differs from the config, or ``data_type`` is another.
+        ValueError: a set field differs from the config (a 16-bit ``data_type`` from
+            ``embedding_dtype``), or ``data_type`` is another.
     """
     fills = {}
-    if data_type is not None:
+    if data_type is not None:  # FP32 is every config's default: options may set 16 bits
         dtype = row_dtype_of_data_type(data_type, table)
         if options.embedding_dtype is None and dtype != torch.float32:
             fills["embedding_dtype"] = dtype
-        elif options.row_dtype != dtype:
+        elif dtype != torch.float32 and options.row_dtype != dtype:
             raise ValueError(
                 f"table {table!r}: dynamicemb_options.embedding_dtype={options.row_dtype} but "
                 f"data_type={getattr(data_type, 'name', data_type)} in the table's config "

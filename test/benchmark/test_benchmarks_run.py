@@ -202,7 +202,8 @@ def test_input_checks_benchmark():
 def test_train_step_timer(optimizer):
     done = run("time_train_step.py", "--optimizer", optimizer, "--batch", "64", "--dim", "8",
                "--ids", "1000", "--steps", "3", "--verbs")
-    ms = float(re.search(rf"{optimizer} train step, batch 64, dim 8: median ([\d.]+) ms of 3",
+    ms = float(re.search(rf"{optimizer} train step, float32 rows, batch 64, dim 8: median "
+                         rf"([\d.]+) ms of 3",
                          done.stdout).group(1))
     assert positive_finite(ms)
     verbs = dict(re.findall(r"^  (\w+) +([\d.]+) ms a step", done.stdout, re.M))

@@ -5,7 +5,6 @@ checkpoints written before 16-bit rows read as float32. Round trips per dtype th
 every path are in ``test_roundtrip.py``, ``test_state_dict.py``, ``test_incremental.py``
 and ``test_dmp_state_dict.py``."""
 
-import io
 import json
 import os
 
@@ -19,7 +18,7 @@ from dynamicemb.checkpoint import Manifest, current_version
 from dynamicemb.checkpoint.records import HEADER, RecordLayout, TableLoad, export_records
 from dynamicemb.inference import read_rows
 from dynamicemb_testing.checkpoint_testing import (DTYPES, assert_same, bits, make_tables,
-                                                  snapshot, train)
+                                                  snapshot, through_bytes, train)
 from dynamicemb_testing.rounding_reference import narrow_rn
 
 NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -150,17 +149,10 @@ def test_a_manifest_whose_dtype_is_wrong_is_refused(tmp_path, change, message):
 
 
 # ---------------------------------------------------------------------- state_dict
-def _through_bytes(state):
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
 @pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
 def test_state_dict_of_another_dtype_is_refused_or_converted(pair):
     saved = _trained(pair[0])
-    state = _through_bytes(saved.state_dict())
+    state = through_bytes(saved.state_dict())
     table = state["_extra_state"]["tables"]["a"]
     assert table["embedding_dtype"] == NAMES[pair[0]] and table["embeddings"].dtype == pair[0]
     target = _trained(pair[1], range(40, 42))
@@ -179,7 +171,7 @@ def test_state_dict_of_another_dtype_is_refused_or_converted(pair):
 
 def test_a_state_without_the_dtype_reads_as_float32():
     saved = _trained(torch.float32)
-    state = _through_bytes(saved.state_dict())
+    state = through_bytes(saved.state_dict())
     for table in state["_extra_state"]["tables"].values():
         del table["embedding_dtype"]
     loaded = make_tables(OPTIMIZER)

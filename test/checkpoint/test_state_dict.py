@@ -2,22 +2,14 @@
 torch.save and torch.load(weights_only=True), continued training equal to training
 that never stopped, and clear refusals of other modules' states."""
 
-import io
 
 import pytest
 import torch
 from torch import nn
 
 from dynamicemb_testing.checkpoint_testing import (DTYPES, OPTIMIZERS, assert_same, make_tables,
-                                                  snapshot, train)
+                                                  snapshot, through_bytes, train)
 from dynamicemb import DynamicEmbOptimType, DynamicEmbScoreStrategy
-
-
-def _through_bytes(state):
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -28,7 +20,7 @@ def test_round_trip_is_exact_and_training_resumes_identically(optimizer, caching
     scores, counters and clocks (the optimizer step names 16-bit rounding bits)."""
     saved = make_tables(optimizer, caching, dtype=dtype)
     train(saved, range(8))
-    state = _through_bytes(saved.state_dict())
+    state = through_bytes(saved.state_dict())
     assert state["_extra_state"]["tables"]["a"]["embeddings"].dtype == dtype
     loaded = make_tables(optimizer, caching, dtype=dtype)
     train(loaded, range(100, 103))  # other contents first: the load must replace them
@@ -45,7 +37,7 @@ def test_scores_of_other_strategies_round_trip(strategy):
     saved = make_tables(strategy=strategy)
     train(saved, range(6))
     loaded = make_tables(strategy=strategy)
-    loaded.load_state_dict(_through_bytes(saved.state_dict()))
+    loaded.load_state_dict(through_bytes(saved.state_dict()))
     assert_same(snapshot(loaded), snapshot(saved))
     assert torch.equal(train(loaded, range(6, 9)), train(saved, range(6, 9)))
 
@@ -59,7 +51,7 @@ def test_a_parent_module_carries_the_tables():
 
     saved, loaded = Model(), Model()
     train(saved.tables, range(4))
-    state = _through_bytes(saved.state_dict())
+    state = through_bytes(saved.state_dict())
     assert "tables._extra_state" in state and "dense.weight" in state
     loaded.load_state_dict(state)
     assert_same(snapshot(loaded.tables), snapshot(saved.tables))

@@ -1,5 +1,6 @@
 """Factories and comparisons shared by the checkpoint tests (no pytest here)."""
 
+import io
 from typing import Dict, Optional
 
 import torch
@@ -107,3 +108,11 @@ def base_module():
     module.import_keys_values("a", keys, torch.randn(BASE_ROWS, 64, generator=g),
                               torch.rand(BASE_ROWS, 128, generator=g), scores=keys % 1000)
     return module
+
+
+def through_bytes(state):
+    """``state`` saved by ``torch.save`` and loaded back with ``weights_only=True``."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)

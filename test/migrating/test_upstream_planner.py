@@ -121,6 +121,11 @@ def test_a_16_bit_config_plans_a_16_bit_dynamic_table(data_type, dtype):
                                          f"{data_type.name}"):
         _plan(DynamicEmbeddingShardingPlanner(TOPOLOGY, constraints=constraints),
               Model(_configs(data_type=data_type)))
+    # a config's FP32 is its default: the options' 16 bits stand
+    constraints["user"].dynamicemb_options = DynamicEmbTableOptions(
+        global_hbm_for_values=1 << 16, embedding_dtype=dtype)
+    plan = _plan(DynamicEmbeddingShardingPlanner(TOPOLOGY, constraints=constraints), Model())
+    assert plan.plan["embedding_module"]["user"].dynamicemb_options.embedding_dtype == dtype
 
 
 def test_another_data_type_of_a_dynamic_table_is_refused():

@@ -90,6 +90,10 @@ def test_show_estimates_bytes(capsys, mixed_plan, tmp_path):
     path.write_text(distributed([10, 20], 2).to_json())
     code, out, _ = run(capsys, "show", path, "--table-sizes", "10,20", "--dim", 1)
     assert code == 0 and "GPU 1  ~60 bytes" in out and "  group 0  mp  shard 1/2  lookups [0, 1]" in out
+    # 16-bit rows: half the bytes
+    code, out, _ = run(capsys, "show", path, "--table-sizes", "10,20", "--dim", 1,
+                       "--embedding-dtype", "bf16")
+    assert code == 0 and "GPU 1  ~30 bytes" in out
 
 
 @pytest.mark.parametrize("argv, fragments", [

@@ -151,35 +151,13 @@ def test_any_cache_size_trains_identically(optimizer, strategy, pooling, prefetc
         assert_identical(snapshot(module), expected)
 
 
-@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.name)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_sixteen_bit_rows_train_identically_whatever_the_cache(optimizer, dtype, device):
-    """16-bit rows (stochastic rounding) with prefetch, a growing host store (some keys
-    failing in full buckets) and every layout train as the single tier, bit for bit:
-    the rounding bits follow the key and the update count, not where the row is."""
-    batches = power_law_batches(seed=3)
-    half = dict(embedding_dtype=dtype, init_capacity=64, max_load_factor=1.0)
+def growing_trains_alike_in_every_layout(device, optimizer, seed: int, **options):
+    """A host store that grows from 64 rows per table (load factor 1: some keys fail in
+    full buckets) gets the same calls whatever the tiers above it: every layout, with
+    prefetch, trains as the single tier. Returns the single tier's snapshot."""
+    batches = power_law_batches(seed=seed)
+    grows = dict(init_capacity=64, max_load_factor=1.0, **options)
     strategy = DynamicEmbScoreStrategy.LRU
-    reference = make_module(device, optimizer, strategy, "sum", **half)
-    expected_out = train(reference, batches, prefetch=False)
-    expected = snapshot(reference)
-    assert expected["a"][1].dtype == dtype
-    stats = reference._groups[0].table.stats  # internal: the scenario happened
-    assert stats.growths >= 3 and stats.failed_inserts > 0
-    for name, (caching, rows) in layouts(touched_keys(batches)).items():
-        module = make_module(device, optimizer, strategy, "sum", caching, rows, **half)
-        for got, want in zip(train(module, batches, prefetch=True), expected_out):
-            assert torch.equal(got, want), name
-        assert_identical(snapshot(module), expected)
-
-
-def test_a_growing_host_store_trains_identically_whatever_the_cache(device):
-    """A host store that grows from 64 rows per table (load factor 1: some keys fail
-    in full buckets) gets the same calls whatever the tiers above it: every layout
-    trains as the single tier."""
-    batches = power_law_batches(seed=5)
-    optimizer, strategy = DynamicEmbOptimType.ADAM, DynamicEmbScoreStrategy.LRU
-    grows = dict(init_capacity=64, max_load_factor=1.0)
     reference = make_module(device, optimizer, strategy, "sum", **grows)
     expected_out = train(reference, batches, prefetch=False)
     expected = snapshot(reference)
@@ -190,6 +168,21 @@ def test_a_growing_host_store_trains_identically_whatever_the_cache(device):
         for got, want in zip(train(module, batches, prefetch=True), expected_out):
             assert torch.equal(got, want), name
         assert_identical(snapshot(module), expected)
+    return expected
+
+
+def test_a_growing_host_store_trains_identically_whatever_the_cache(device):
+    growing_trains_alike_in_every_layout(device, DynamicEmbOptimType.ADAM, seed=5)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_sixteen_bit_rows_train_identically_whatever_the_cache(optimizer, dtype, device):
+    """16-bit rows (stochastic rounding): the rounding bits follow the key and the
+    update count, not where the row is."""
+    expected = growing_trains_alike_in_every_layout(device, optimizer, seed=3,
+                                                    embedding_dtype=dtype)
+    assert expected["a"][1].dtype == dtype
 
 
 @pytest.mark.parametrize("strategy", [DynamicEmbScoreStrategy.LRU, DynamicEmbScoreStrategy.LFU],
