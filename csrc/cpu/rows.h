@@ -99,6 +99,33 @@ inline void narrow_row_rn(const float* w, f16* __restrict__ e, int64_t n) {
   for (; c < n; ++c) e[c] = narrow_rn<f16>(w[c]);
 }
 
+// e[0, n) = w's n floats rounded stochastically (narrow_sr) with rounding_bits(word, c).
+inline void narrow_row_sr(const float* w, bf16* __restrict__ e, int64_t n, uint64_t word) {
+  for (int64_t c = 0; c < n; ++c) e[c] = narrow_sr<bf16>(w[c], rounding_bits(word, c));
+}
+
+// float16: a first pass rounds the lanes whose result is a finite normal number, the
+// bulk of a row, in f16_bits_sr's normal branch alone (vectorized); a second pass
+// gives the others (zeros, subnormals, overflow, inf, NaN) the whole function.
+inline void narrow_row_sr(const float* w, f16* __restrict__ e, int64_t n, uint64_t word) {
+  uint16_t* h = reinterpret_cast<uint16_t*>(e);
+  // |x| in [2^-14, the largest |x| whose rounding up stays below 2^16): a normal result
+  constexpr uint32_t kLow = 0x38800000u, kHigh = 0x47800000u - 0x2000u;
+  uint32_t others = 0;  // (a bool reduction is not vectorized)
+  for (int64_t c = 0; c < n; ++c) {
+    const uint32_t u = float_bits(w[c]);
+    const uint32_t a = u & 0x7FFFFFFFu;
+    const uint32_t r = rounding_bits(word, c) & 0x1FFFu;
+    others |= static_cast<uint32_t>(a - kLow > kHigh - kLow);
+    h[c] = static_cast<uint16_t>(((u >> 16) & 0x8000u) | (((a + r) >> 13) - (112u << 10)));
+  }
+  if (!others) return;
+  for (int64_t c = 0; c < n; ++c) {
+    const uint32_t a = float_bits(w[c]) & 0x7FFFFFFFu;
+    if (a - kLow > kHigh - kLow) e[c] = narrow_sr<f16>(w[c], rounding_bits(word, c));
+  }
+}
+
 struct RowSource {
   float* device;  // [*, width] 4-byte words (float32 rows: floats)
   float* host;
@@ -325,7 +352,7 @@ void update_narrow_row(char* row, float* state, const float* g, int dim,
   const int64_t* table = r.spec + 2 * r.tids[u];
   const uint64_t word = rounding_word(static_cast<uint64_t>(table[1]), table[0], r.keys[u],
                                       static_cast<uint64_t>(r.step));
-  for (int c = 0; c < dim; ++c) e[c] = narrow_sr<E>(w[c], rounding_bits(word, c));
+  narrow_row_sr(w, e, dim, word);
 }
 
 
