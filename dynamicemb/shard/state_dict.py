@@ -86,9 +86,9 @@ class DynamicTableState(torch.Tensor):
     """The state dict entry of one dynamic table on this rank (an empty tensor to other code).
 
     ``dcp.save`` writes the rank's records in chunks of ``CHUNK_RECORDS`` (exported when DCP
-    plans the save, kept until DCP takes the last chunk); ``dcp.load`` empties the table when it
-    plans the load, then imports each chunk (keeping the keys this rank owns) and restores the
-    clocks. Pickling it (``torch.save``, ``copy.deepcopy``) gives a plain int64 tensor of this
+    plans the save, kept until DCP takes the last chunk); ``dcp.load`` empties the table once
+    the first chunk it reads has passed the checks (a refused load changes nothing), then
+    imports each chunk (keeping the keys this rank owns) and restores the clocks. Pickling it (``torch.save``, ``copy.deepcopy``) gives a plain int64 tensor of this
     rank's records (``torch.load(..., weights_only=True)`` reads it, ``load_state_dict``
     imports it). ``table`` is the table's name.
     """

@@ -207,7 +207,8 @@ def _clocks(dmp) -> dict:
 def _check_sixteen_bit(world_size: int, directory: str) -> None:
     """bfloat16 dynamic tables through DCP: rows, states, scores and clocks (the
     optimizer step names the rounding bits) come back bit for bit and training goes on
-    identically; float32 tables refuse the records, naming both dtypes."""
+    identically; float32 and float16 tables refuse the records, naming both dtypes, and
+    keep their rows."""
     path = os.path.join(directory, "ck-bf16")
     ref = build(world_size, dtype=torch.bfloat16)
     train(ref, range(3))
@@ -222,9 +223,14 @@ def _check_sixteen_bit(world_size: int, directory: str) -> None:
         c.optimizer_step == 3 for c in _clocks(ref).values()), _clocks(loaded)
     assert torch.equal(train(loaded, range(3, 5)), train(ref, range(3, 5)))
     assert_rows(dynamic_rows(loaded), dynamic_rows(ref), exact=True)
-    other = {"model": build(world_size).state_dict()}
-    _expect_refusal(lambda: dcp.load(other, checkpoint_id=path), "dynamic table",
-                    "bfloat16 embeddings, this table has", "float32 embeddings")
+    for dtype, name in ((None, "float32"), (torch.float16, "float16")):  # other width; same width
+        other = build(world_size, dtype=dtype)
+        train(other, range(30, 32))
+        before = dynamic_rows(other)
+        _expect_refusal(lambda: dcp.load({"model": other.state_dict()}, checkpoint_id=path),
+                        "dynamic table", "bfloat16 embeddings, this table has",
+                        f"{name} embeddings")
+        assert_rows(dynamic_rows(other), before, exact=True)  # nothing lost
 
 
 def dcp_round_trips(rank: int, world_size: int, directory: str) -> None:
