@@ -174,6 +174,102 @@ __device__ __forceinline__ void pool_bag_columns(const RowReader<E>& rows, const
   }
 }
 
+// 16-byte loads of stored rows: kChunk<E> adjacent columns a lane (4 float32 or 8
+// 16-bit elements), widened from one uint4.
+template <class E>
+constexpr int kChunk = 16 / static_cast<int>(sizeof(E));
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<uint64_t>(p) & 15u) == 0;
+}
+
+// Whether every stored row of this launch can be read a uint4 at a time: rows of
+// whole 16-byte lines (width a multiple of 4 words) in 16-byte aligned tiers, dim a
+// multiple of kChunk<E>. Launch-uniform.
+template <class E>
+__device__ __forceinline__ bool reads_chunks(const RowReader<E>& rows) {
+  return rows.width % 4 == 0 && rows.dim % kChunk<E> == 0 && aligned16(rows.device_rows) &&
+         aligned16(rows.host_rows);
+}
+
+// x[0, kChunk<E>) = the (widened) elements of one uint4 of stored elements E.
+__device__ __forceinline__ void widen_chunk(const uint4& v, float* x, float) {
+  x[0] = bits_float(v.x), x[1] = bits_float(v.y), x[2] = bits_float(v.z), x[3] = bits_float(v.w);
+}
+template <class E>
+__device__ __forceinline__ void widen_chunk(const uint4& v, float* x, E) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // little endian: the lower half is the lower column
+    x[2 * i] = widen(E{static_cast<uint16_t>(words[i] & 0xFFFFu)});
+    x[2 * i + 1] = widen(E{static_cast<uint16_t>(words[i] >> 16)});
+  }
+}
+
+// x[0, kChunk<E>) = columns [c0, c0 + kChunk<E>) of unique row u: one 16-byte load
+// of a stored row (reads_chunks), an element at a time from a transient or computed one.
+template <class E>
+__device__ __forceinline__ void read_chunk(const RowReader<E>& rows, int64_t u, int64_t c0,
+                                           float* x) {
+  const int64_t r = rows.row_ref[u];
+  if (is_stored_ref(r)) {
+    const float* words = row_of(r, rows.device_rows, rows.host_rows, rows.width,
+                                rows.transient, rows.dim);
+    const uint4 v = reinterpret_cast<const uint4*>(words)[c0 / kChunk<E>];
+    return widen_chunk(v, x, E{});
+  }
+#pragma unroll
+  for (int i = 0; i < kChunk<E>; ++i) x[i] = rows.at(u, c0 + i);
+}
+
+// pool_bag_columns with kChunk<E> columns a lane, each row's chunk one 16-byte load
+// (reads_chunks); the same sums in the same order, column by column.
+template <class E>
+__device__ __forceinline__ void pool_bag_chunks(const RowReader<E>& rows, const int64_t* inverse,
+                                                const float* weights, int64_t begin, int64_t end,
+                                                bool mean, float* dst) {
+  constexpr int kN = kChunk<E>;
+  const float inv_len = end > begin ? 1.f / static_cast<float>(end - begin) : 0.f;
+  const bool wide_stores = aligned16(dst);  // uniform in the warp: dst is the bag's
+  for (int64_t c0 = int64_t{lane_id()} * kN; c0 < rows.dim; c0 += kWarp * kN) {
+    float acc[kN] = {};  // an empty bag's zeros
+    float x[kN];
+    for (int64_t j = begin; j < end; ++j) {
+      read_chunk(rows, inverse[j], c0, x);
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        if (j == begin) {
+          acc[i] = weights ? weights[j] * x[i] : x[i];
+        } else {
+          acc[i] = fmaf(weights ? weights[j] : 1.f, x[i], acc[i]);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kN; ++i) acc[i] = mean ? acc[i] * inv_len : acc[i];
+    if (wide_stores) {
+#pragma unroll
+      for (int q = 0; q < kN; q += 4) {
+        reinterpret_cast<uint4*>(dst + c0 + q)[0] = uint4{float_bits(acc[q]), float_bits(acc[q + 1]),
+                                                          float_bits(acc[q + 2]),
+                                                          float_bits(acc[q + 3])};
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kN; ++i) dst[c0 + i] = acc[i];
+    }
+  }
+}
+
+// A bag pooled with 16-byte loads where the launch's rows allow them.
+template <class E>
+__device__ __forceinline__ void pool_bag_rows(const RowReader<E>& rows, const int64_t* inverse,
+                                         const float* weights, int64_t begin, int64_t end,
+                                         bool mean, float* dst) {
+  if (reads_chunks(rows)) return pool_bag_chunks(rows, inverse, weights, begin, end, mean, dst);
+  pool_bag_columns(rows, inverse, weights, begin, end, mean, dst);
+}
+
 // Pooled lookup, one warp per bag k = f * batch + b: out[b, col(f) + c] = the
 // (weighted) sum, or mean, of the bag's rows. Empty bags write zeros.
 // A batch the input check refused (error) pools to zeros: its offsets are not read.
@@ -190,12 +286,9 @@ extern "C" __global__ void demb_pooled_forward(DEMB_ROW_PARAMS, const int64_t* i
   const bool bad = refused(error);
   const int64_t begin = bad ? 0 : offsets[k], end = bad ? 0 : offsets[k + 1];
   switch (row_dtype) {
-    case kFloat16Rows:
-      return pool_bag_columns(DEMB_ROWS(f16), inverse, weights, begin, end, mean, dst);
-    case kBfloat16Rows:
-      return pool_bag_columns(DEMB_ROWS(bf16), inverse, weights, begin, end, mean, dst);
-    default:
-      return pool_bag_columns(DEMB_ROWS(float), inverse, weights, begin, end, mean, dst);
+    case kFloat16Rows: return pool_bag_rows(DEMB_ROWS(f16), inverse, weights, begin, end, mean, dst);
+    case kBfloat16Rows: return pool_bag_rows(DEMB_ROWS(bf16), inverse, weights, begin, end, mean, dst);
+    default: return pool_bag_rows(DEMB_ROWS(float), inverse, weights, begin, end, mean, dst);
   }
 }
 

@@ -27,7 +27,9 @@
 #define __any_sync(mask, p) ::simt::any_sync(SIMT_SITE, (mask), (p))
 #define __syncwarp(...) ::simt::syncwarp(SIMT_SITE __VA_OPT__(, ) __VA_ARGS__)
 
-struct uint4 {
+// 16-byte aligned as CUDA's: a misaligned uint4 access is a fault on the device
+// and, under the runtime's UBSan, here.
+struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
 

@@ -115,11 +115,15 @@ def format_arg(fmt: RowFormat):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("mean,weighted", [(False, False), (True, False), (False, True)])
-def test_pooled_and_sequence_forward(kernels, dtype, seed, mean, weighted):
+@pytest.mark.parametrize("state_dim", [1, 0], ids=["20-byte-rows", "16-byte-rows"])
+def test_pooled_and_sequence_forward(kernels, dtype, seed, mean, weighted, state_dim):
+    """16-byte rows are read a uint4 at a time by the CUDA pooled forward, 20-byte rows
+    an element at a time; the output's odd width leaves every other bag's columns off
+    16 bytes (written a float at a time, the others a uint4 at a time)."""
     b = make_batch(seed, 4, 64, dim=DIM, width=DIM + 1, weighted=weighted)
-    wide, narrow, fmt = narrow_batch(b, dtype, 1)
+    wide, narrow, fmt = narrow_batch(b, dtype, state_dim)
     transient, refs = computed_as_stored(kernels, wide, dtype)
-    width = 4 * DIM
+    width = 4 * DIM + 1
     got, want = torch.full((b.batch, width), 7.0), torch.full((b.batch, width), 7.0)
     kernels.pooled_forward(narrow, torch.empty(0, DIM), b.row_ref, b.inverse, b.offsets,
                            b.weights, b.feature_col, b.batch, DIM, mean, got, init=b.init,
@@ -132,6 +136,19 @@ def test_pooled_and_sequence_forward(kernels, dtype, seed, mean, weighted):
     kernels.sequence_forward(narrow, torch.empty(0, DIM), b.row_ref, b.inverse, DIM, got,
                              init=b.init, row_format=format_arg(fmt))
     kernels.sequence_forward(wide.tiers, transient, refs, b.inverse, DIM, want)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mean,weighted", [(False, False), (True, False), (False, True)])
+def test_float32_rows_pool_alike_in_chunks_and_columns(kernels, mean, weighted):
+    """float32 rows of 8 columns (32 bytes: the CUDA pooled forward reads them a uint4 at a
+    time) pool as the same rows in tiers 9 columns wide (read a float at a time)."""
+    b = make_batch(3, 4, 64, dim=DIM, width=DIM + 1, weighted=weighted)
+    narrow = [t[:, :DIM].contiguous() for t in b.tiers]
+    got, want = torch.full((b.batch, 4 * DIM), 7.0), torch.full((b.batch, 4 * DIM), 7.0)
+    for tiers, out in ((narrow, got), (b.tiers, want)):
+        kernels.pooled_forward(tiers, torch.empty(0, DIM), b.row_ref, b.inverse, b.offsets,
+                               b.weights, b.feature_col, b.batch, DIM, mean, out, init=b.init)
     assert torch.equal(got, want)
 
 
