@@ -39,6 +39,13 @@ namespace {
 
 constexpr int64_t kParallelMinWork = 2048;
 
+// The update prefetches the stored row this many unique rows ahead (with write intent),
+// while it sums the gradients of the rows before it: at 2 the row loads stalled the
+// update (perf annotate), at 16 it was slower again; at 8 the fused
+// backward of row-wise Adagrad took 2.8-3.2 ms a step against 3.2-3.4 at 2, SGD's
+// 2.0-2.2 against 2.55 (benchmark/RESULTS.md, issue 55).
+constexpr int64_t kUpdateAhead = 8;
+
 // The attribute of a lambda that only prefetches, handed to the procedures of
 // embedding.h as their `before` hook: GCC finds such a function free of side
 // effects (a prefetch is none) and drops the calls to it unless it is inlined
@@ -661,7 +668,7 @@ void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_ref
 #pragma omp for schedule(dynamic, 64)
       for (int64_t u = 0; u < num_unique; ++u) {
         if (!is_stored_ref(slot[u])) continue;
-        const int64_t up = u + 2;
+        const int64_t up = u + kUpdateAhead;
         if (up < num_unique && is_stored_ref(slot[up])) rows.prefetch(up);
         rows.apply(u, acc + u * dim, static_cast<int>(dim), p);
       }
@@ -707,7 +714,7 @@ int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tens
       std::vector<float> acc(dim);
 #pragma omp for schedule(dynamic, 64)
       for (int64_t u = 0; u < num_unique; ++u) {
-        const int64_t up = u + 2;  // a row ahead, with write intent, while this one sums
+        const int64_t up = u + kUpdateAhead;  // with write intent, while this one sums
         if (up < num_unique && is_stored_ref(slot[up])) rows.prefetch(up);
         const bool finite = runs.sum(
             u, acc.data(), [&](int64_t e) DEMB_PREFETCH_HOOK { runs.prefetch_ahead(e); });

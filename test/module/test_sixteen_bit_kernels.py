@@ -484,7 +484,8 @@ def test_init_rows_of_16_bit_rows_check_the_spec():
 def test_every_16_bit_pattern_widens_exactly(dtype):
     """A forward reads each of the 65,536 bit patterns as torch widens it (subnormals,
     infinities, both zeros; NaN as a NaN), through the vector and the scalar paths
-    (dim 24: three 8-element blocks, dim 5: a tail only)."""
+    (dim 24: a 16-element block where AVX-512 is built in, then 8-element blocks;
+    dim 5: a tail only)."""
     patterns = torch.arange(-32768, 32768, dtype=torch.int64).to(torch.int16).view(dtype)
     want = patterns.float()
     for dim in (24, 5):
