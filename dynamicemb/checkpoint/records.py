@@ -11,7 +11,7 @@ columns.
 """
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 
@@ -127,23 +127,19 @@ def export_records(module, table: str, layout: RecordLayout, spare: int = 0) -> 
 
 
 class TableLoad:
-    """Loads one table from records arriving chunk by chunk, in any order. ``begin``
-    changes nothing; the table is emptied (clocks zeroed) when the first chunk has passed
-    its checks, so that a refused load leaves the table as it was. Chunks before the
-    first header (a rank's records start with one) wait for it: a header's dtype is what
-    tells float16 records from bfloat16 ones of the same width. Each ``add_records``
-    imports what this rank ``owns(keys)`` ((n,) bool) and sets the clocks to the
-    largest saved so far."""
+    """Loads one table from records arriving chunk by chunk, in any order. The table is
+    emptied (clocks zeroed) when the first chunk with a header has passed its checks, so
+    that a refused load leaves the table as it was; chunks before it (a rank's records
+    start with a header) are held until then: a header's dtype is what tells float16
+    records from bfloat16 ones of the same width. Each ``add_records`` imports what this
+    rank ``owns(keys)`` ((n,) bool) and sets the clocks to the largest saved so far."""
 
     def __init__(self, module, table: str, layout: RecordLayout,
                  owns: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.module, self.name, self.layout, self.owns = module, table, layout, owns
         self.clocks: List[int] = [0] * _HEADER_WORDS
-        self._waiting: Optional[List[torch.Tensor]] = None  # None: the table is emptied
-
-    def begin(self) -> None:
-        """Starts a load: the table changes once a chunk with a matching header arrives."""
-        self._waiting = []
+        self._emptied = False
+        self._held: List[torch.Tensor] = []  # chunks that came before the first header
 
     def add_records(self, records: torch.Tensor) -> None:
         """Imports one chunk of saved records (r, columns) int64; ``ValueError`` if a
@@ -162,17 +158,18 @@ class TableLoad:
                 f"dynamic table {self.name!r}: saved records have {records.shape[1]} columns, "
                 f"this table's have {self.layout.columns} ({self.layout.describe()}); load "
                 f"with the same dim, optimizer and embedding dtype, or use DynamicEmbLoad")
-        if self._waiting is not None:
+        if not self._emptied:
             if not headers:
-                self._waiting.append(records)
+                self._held.append(records)
                 return
-            waiting, self._waiting = self._waiting, None
+            self._emptied = True
             self.module.reset_cache_states()
             self.module.clear_table(self.name)
             self.module.set_table_clocks(self.name, TableClocks(0, 0, 0))
             self.module.set_train_steps(0)
-            for held in waiting:
-                self._import(held)
+            held, self._held = self._held, []
+            for chunk in held:
+                self._import(chunk)
         for header in headers:
             self.clocks = [max(a, b) for a, b in zip(self.clocks, header[2:])]
         self._import(records)

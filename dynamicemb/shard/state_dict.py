@@ -159,7 +159,6 @@ class DynamicTableState(torch.Tensor):
         kernel, table = self.kernel, self.table
         self._load = TableLoad(kernel.emb_module, table, self.record_layout,
                                lambda keys: kernel.owns(table, keys))
-        self._load.begin()
         return [ChunkStorageMetadata(offsets=torch.Size([0, 0]),
                                      sizes=torch.Size([VIRTUAL_ROWS, VIRTUAL_COLUMNS]))]
 
@@ -276,7 +275,6 @@ def import_pickled_entries(module: nn.Module, state_dict: Dict[str, Any], prefix
     for table, kernel, layout, records in loads:
         load = TableLoad(kernel.emb_module, table, layout,
                          lambda keys, kernel=kernel, table=table: kernel.owns(table, keys))
-        load.begin()
         records = records[:-1]  # the shard record: checked
         for start in range(0, records.shape[0], CHUNK_RECORDS):
             load.add_records(records[start:start + CHUNK_RECORDS])

@@ -186,7 +186,6 @@ def _records_load(module, records, chunks=1):
     """``records`` through a TableLoad as ``chunks`` chunks, the header's chunk last."""
     load = TableLoad(module, "a", RecordLayout.of(module, "a"),
                      lambda keys: torch.ones(keys.shape, dtype=torch.bool))
-    load.begin()
     for chunk in reversed(torch.tensor_split(records, chunks)):
         load.add_records(chunk)
 
