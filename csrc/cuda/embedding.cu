@@ -292,23 +292,22 @@ extern "C" __global__ void demb_pooled_forward(DEMB_ROW_PARAMS, const int64_t* i
   }
 }
 
-// Sequence lookup, one thread per element: out[j, c] = row of inverse[j]
-// (positions with inverse < 0 are left as they are; a refused batch's are zeros).
+// Sequence lookup, one warp per lookup j: out[j] = the row of inverse[j], pooled as a bag
+// of one (the same bits: its first term is written, not added), so with 16-byte loads
+// where the launch's rows allow them. Lookups with inverse < 0 are left as they are; a
+// refused batch's rows are zeros (its inverse is not read).
 extern "C" __global__ void demb_sequence_forward(DEMB_ROW_PARAMS, const int64_t* inverse,
                                                  int64_t n, float* out, const int64_t* error) {
-  const int64_t e = global_thread();
-  if (e >= n * dim) return;
-  if (refused(error)) {
-    out[e] = 0.f;
-    return;
-  }
-  const int64_t j = e / dim;
-  if (inverse[j] < 0) return;
-  const int64_t u = inverse[j], c = e - j * dim;
+  const int64_t j = global_warp();
+  if (j >= n) return;
+  const bool bad = refused(error);
+  if (!bad && inverse[j] < 0) return;
+  const int64_t end = bad ? j : j + 1;
+  float* dst = out + j * dim;
   switch (row_dtype) {
-    case kFloat16Rows: out[e] = DEMB_ROWS(f16).at(u, c); break;
-    case kBfloat16Rows: out[e] = DEMB_ROWS(bf16).at(u, c); break;
-    default: out[e] = DEMB_ROWS(float).at(u, c); break;
+    case kFloat16Rows: return pool_bag_rows(DEMB_ROWS(f16), inverse, nullptr, j, end, false, dst);
+    case kBfloat16Rows: return pool_bag_rows(DEMB_ROWS(bf16), inverse, nullptr, j, end, false, dst);
+    default: return pool_bag_rows(DEMB_ROWS(float), inverse, nullptr, j, end, false, dst);
   }
 }
 

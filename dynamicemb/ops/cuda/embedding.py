@@ -95,7 +95,7 @@ class EmbeddingKernels(KernelLauncher):
                          error=None, row_format=None) -> None:
         rows = _row_args(tiers, transient, row_ref, dim, init, row_format)
         n = inverse.numel()
-        self._launch("demb_sequence_forward", out.device, n * dim,
+        self._launch("demb_sequence_forward", out.device, 32 * n,  # a warp per lookup
                      rows + [_ptr(inverse), _i64(n), _ptr(out), _error_arg(error)])
 
     def fused_backward(self, tiers, row_ref, starts, rank, offsets, weights, feature_col,
