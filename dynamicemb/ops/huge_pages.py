@@ -18,10 +18,10 @@ import torch
 
 __all__ = ["empty", "zeros"]
 
-_MADV_HUGEPAGE = 14  # Linux
 _HUGE_PAGE = 2 << 20
 # Smaller arrays hold no whole huge page.
 _MIN_BYTES = _HUGE_PAGE
+
 
 def _wanted(nbytes: int, device: torch.device) -> bool:
     return (
