@@ -122,14 +122,23 @@ inline void group_by_unique(const int64_t* inverse, int64_t n, int64_t unique, i
 }
 
 // The unique arrays of a padded dedup past its U pairs: key 0, table 0, count 0
-// (what csrc/cuda/dedup.cu writes there). With `starts` (room for n + 2 entries,
-// [0, U + 1] written by group_by_unique), its entries up to n hold the lookup
-// count, as the scan of zero occurrences gives on the GPU.
-inline void pad_unique(const DedupOut& out, int64_t unique, int64_t n, int64_t* starts) {
+// (what csrc/cuda/dedup.cu writes there).
+inline void pad_pairs(const DedupOut& out, int64_t unique, int64_t n) {
   std::fill(out.keys + unique, out.keys + n, 0);
   std::fill(out.tids + unique, out.tids + n, int16_t{0});
   std::fill(out.counts + unique, out.counts + n, 0);
-  if (starts != nullptr) std::fill(starts + unique + 1, starts + n + 1, starts[unique]);
+}
+
+// `starts` (room for n + 2 entries, [0, U + 1] written by group_by_unique) past
+// U + 1, up to n: the lookup count, as the scan of zero occurrences gives on the GPU.
+inline void pad_starts(int64_t* starts, int64_t unique, int64_t n) {
+  std::fill(starts + unique + 1, starts + n + 1, starts[unique]);
+}
+
+// pad_pairs, and pad_starts with `starts` (nullptr: none).
+inline void pad_unique(const DedupOut& out, int64_t unique, int64_t n, int64_t* starts) {
+  pad_pairs(out, unique, n);
+  if (starts != nullptr) pad_starts(starts, unique, n);
 }
 
 // A padded dedup's outputs for a batch the module's input check refused: no
