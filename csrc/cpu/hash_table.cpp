@@ -180,17 +180,14 @@ void upsert_all(const CpuTableView& v, const UpsertArgs& a, const Rule& rule, in
                 const int32_t* buckets, int64_t* outcomes) {  // += (kNumCounted,)
   const int threads = n >= kParallelMinKeys ? omp_get_max_threads() : 1;
   std::vector<Counted> counted(threads);
-  // each thread's keys, in input order, and their hashes: room for all n (+1 for
-  // the place written past the last key a thread owns); allocated here, where a
-  // failure throws before any thread starts
-  std::unique_ptr<int64_t[]> mine(new int64_t[threads * (n + 1)]);
-  std::unique_ptr<uint64_t[]> hashes(new uint64_t[threads * (n + 1)]);
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num();
     const int nt = omp_get_num_threads();
-    int64_t* my_keys = mine.get() + t * (n + 1);
-    uint64_t* my_hashes = hashes.get() + t * (n + 1);
+    // this thread's keys, in input order, and their hashes: room for its share and
+    // more, doubled in the rare case it owns more (a well-predicted branch)
+    std::vector<int64_t> mine(n / nt + 64);
+    std::vector<uint64_t> hashes(mine.size());
     int64_t count = 0;
     for (int64_t i = 0; i < n; ++i) {
       if (buckets != nullptr && buckets[i] == kNoBucket) {
@@ -202,12 +199,16 @@ void upsert_all(const CpuTableView& v, const UpsertArgs& a, const Rule& rule, in
         continue;
       }
       const uint64_t h = hash_key(a.keys[i], a.tids[i]);
-      my_keys[count] = i;
-      my_hashes[count] = h;
+      if (count == static_cast<int64_t>(mine.size())) {
+        mine.resize(2 * mine.size());
+        hashes.resize(mine.size());
+      }
+      mine[count] = i;
+      hashes[count] = h;
       count += v.owner_of(bucket_of(h, v.num_buckets), nt) == t;
     }
     counted[t].fill(0);
-    const ListFeed feed{my_keys, my_hashes, count};
+    const ListFeed feed{mine.data(), hashes.data(), count};
     upsert_owned(v, a, rule, feed, counted[t].data());
   }
   for (const auto& c : counted) {

@@ -251,6 +251,43 @@ def test_upsert_matches_cuda(rule, evicts):
     assert twins.state["cpu"]["outcomes"][EVICTED if evicts else FAILED] > 0
 
 
+@pytest.mark.parametrize("evicts", [True, False], ids=["evicts", "no-eviction"])
+def test_upsert_threads_with_one_thread_owning_most_keys(evicts):
+    """A pass large enough for two threads (each owns half the buckets) whose keys fall
+    mostly in the first thread's half: its list of keys outgrows its share, and its
+    buckets fill (evictions or failures), while the other thread has few keys. Repeated
+    keys hit their first occurrence's slot."""
+    rng = random.Random(11)
+    num_buckets, n = 64, 6000
+    candidates = torch.tensor(rng.sample(range(1 << 40), 4 * n), dtype=torch.int64)
+    tids = torch.zeros(candidates.numel(), dtype=torch.int16)
+    first_half = torch.bitwise_and(cpu_kernels.load().hash_keys(candidates, tids),
+                                   num_buckets - 1) < num_buckets // 2
+    keys = torch.cat([candidates[first_half][:n * 9 // 10], candidates[~first_half][:n // 10]])
+    keys = keys[torch.randperm(keys.numel(), generator=torch.Generator().manual_seed(3))]
+    keys[::50] = keys[1::50]  # some keys twice
+    tids = torch.zeros(keys.numel(), dtype=torch.int16)
+    scores = torch.arange(keys.numel(), dtype=torch.int64) % 997 + 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        twins = Twins(num_buckets=num_buckets, bc=128)
+        with emulated_cuda() as kernels:
+            # inserts; then, in the reverse order, hits, and for the keys the full
+            # buckets refused, evictions of rows not yet hit (or failures)
+            for call, order in enumerate((keys, keys.flip(0))):
+                def make(memory, state, order=order):
+                    return (memory.meta, memory.bucket_capacity, order, tids, scores, 0, evicts,
+                            True, None, state["outcomes"], state["size"], None, 0)
+                got, want = run_both(twins, kernels, "upsert", make)
+                assert_same_pass(got, want, f"call {call}")
+                twins.check(f"call {call}")
+    finally:
+        torch.set_num_threads(threads)
+    outcomes = twins.state["cpu"]["outcomes"]
+    assert outcomes[HIT] > 0 and outcomes[EVICTED if evicts else FAILED] > 0
+
+
 @pytest.mark.parametrize("which", [HIT, INSERTED, EVICTED, FAILED])
 def test_erase_where_matches_cuda(which):
     """Erases the keys of one status of a step's call (victims: from a second table,
