@@ -168,14 +168,15 @@ def test_dedup_upsert_matches_cuda(rule, evicts, seed, ttl):
 
 
 def test_dedup_upsert_threads():
-    """A batch large enough for the overlapped dedup and pass (two threads)."""
+    """Batches large enough for the overlapped dedup and pass (two threads), every rule,
+    some with a part."""
     rng = random.Random(7)
     twins = Twins(num_buckets=64, bc=128)
     with emulated_cuda() as kernels:
-        for rule, n in ((0, 6000), (1, 9000), (3, 5000)):
+        for rule, n in ((0, 6000), (1, 9000), (2, 7001), (3, 5000), (0, 8191)):
             keys, tids = batch(rng, n, pool=12000, tables=2)
             frequencies = torch.tensor([rng.randrange(1, 3) for _ in range(n)], dtype=torch.int64)
-            part = maybe_part(rng, n, with_part=rule == 1)
+            part = maybe_part(rng, n, with_part=rule in (1, 2))
             args = dedup_upsert_args(keys, tids, frequencies, rule, 0, True, False,
                                      torch.zeros(1, dtype=torch.int64), part, ttl=rule)
             got, want = run_both(twins, kernels, "dedup_upsert", args)
