@@ -117,15 +117,18 @@ inline void narrow_row_rn(const float* w, f16* __restrict__ e, int64_t n) {
   for (; c < n; ++c) e[c] = narrow_rn<f16>(w[c]);
 }
 
-// e[0, n) = w's n floats rounded stochastically (narrow_sr) with rounding_bits(word, c).
-inline void narrow_row_sr(const float* w, bf16* __restrict__ e, int64_t n, uint64_t word) {
-  for (int64_t c = 0; c < n; ++c) e[c] = narrow_sr<bf16>(w[c], rounding_bits(word, c));
+// e[0, n) = w's n floats rounded stochastically (narrow_sr), element c with
+// rounding_bits(word, col + c): the row's columns from `col`.
+inline void narrow_row_sr(const float* w, bf16* __restrict__ e, int64_t n, uint64_t word,
+                          int64_t col) {
+  for (int64_t c = 0; c < n; ++c) e[c] = narrow_sr<bf16>(w[c], rounding_bits(word, col + c));
 }
 
 // float16: a first pass rounds the lanes whose result is a finite normal number, the
 // bulk of a row, in f16_bits_sr's normal branch alone (vectorized); a second pass
 // gives the others (zeros, subnormals, overflow, inf, NaN) the whole function.
-inline void narrow_row_sr(const float* w, f16* __restrict__ e, int64_t n, uint64_t word) {
+inline void narrow_row_sr(const float* w, f16* __restrict__ e, int64_t n, uint64_t word,
+                          int64_t col) {
   uint16_t* h = reinterpret_cast<uint16_t*>(e);
   // |x| in [2^-14, the largest |x| whose rounding up stays below 2^16): a normal result
   constexpr uint32_t kLow = 0x38800000u, kHigh = 0x47800000u - 0x2000u;
@@ -133,14 +136,14 @@ inline void narrow_row_sr(const float* w, f16* __restrict__ e, int64_t n, uint64
   for (int64_t c = 0; c < n; ++c) {
     const uint32_t u = float_bits(w[c]);
     const uint32_t a = u & 0x7FFFFFFFu;
-    const uint32_t r = rounding_bits(word, c) & 0x1FFFu;
+    const uint32_t r = rounding_bits(word, col + c) & 0x1FFFu;
     others |= static_cast<uint32_t>(a - kLow > kHigh - kLow);
     h[c] = static_cast<uint16_t>(((u >> 16) & 0x8000u) | (((a + r) >> 13) - (112u << 10)));
   }
   if (!others) return;
   for (int64_t c = 0; c < n; ++c) {
     const uint32_t a = float_bits(w[c]) & 0x7FFFFFFFu;
-    if (a - kLow > kHigh - kLow) e[c] = narrow_sr<f16>(w[c], rounding_bits(word, c));
+    if (a - kLow > kHigh - kLow) e[c] = narrow_sr<f16>(w[c], rounding_bits(word, col + c));
   }
 }
 
@@ -354,23 +357,70 @@ Rounding rounding_of(const c10::optional<RoundingArg>& arg, int64_t num_unique) 
                   step.data_ptr<int64_t>(), 0, std::get<4>(*arg)};
 }
 
-// The optimizer's update of the 16-bit row of unique row u: its embedding widened into
-// w (dim,), updated in float32 with its state in place, narrowed back.
+// Row blocks of the fused 16-bit step (step_narrow_row): one float32 block stays in
+// registers from its widening to its narrowing.
+constexpr int kStepBlock = 32;
+
+// e[0, n) narrowed back from x, stochastically (columns from col) or to nearest.
+template <class E>
+inline void narrow_block(const float* x, E* e, int n, const Rounding& r, uint64_t word,
+                         int64_t col) {
+  if (r.stochastic) {
+    narrow_row_sr(x, e, n, word, col);
+  } else {
+    narrow_row_rn(x, e, n);
+  }
+}
+
+// The element steps of SGD and row-wise Adagrad (rowwise_step; SGD's with scale = lr)
+// on a 16-bit row, a block at a time: widened, stepped and narrowed, where the
+// generic update widens the whole row into memory, updates it there and narrows it
+// back (three passes over it). The same operations per element: the same bits.
+template <class E>
+void step_narrow_row(E* e, const float* g, int dim, float scale, const OptimizerParams& p,
+                     const Rounding& r, uint64_t word) {
+  float x[kStepBlock];
+  int c = 0;
+  for (; c + kStepBlock <= dim; c += kStepBlock) {  // whole blocks: constant trip counts
+    widen_row(e + c, x, kStepBlock);
+    for (int i = 0; i < kStepBlock; ++i) rowwise_step(x, g + c, i, scale, p);
+    narrow_block(x, e + c, kStepBlock, r, word, c);
+  }
+  if (c < dim) {
+    const int n = dim - c;
+    widen_row(e + c, x, n);
+    for (int i = 0; i < n; ++i) rowwise_step(x, g + c, i, scale, p);
+    narrow_block(x, e + c, n, r, word, c);
+  }
+}
+
+// The optimizer's update of the 16-bit row of unique row u, in float32 with its
+// state in place: SGD and row-wise Adagrad by blocks (step_narrow_row; row-wise
+// Adagrad's scale from the row widened into w first), the others on the row
+// widened into w (dim,) and narrowed back.
 template <class E>
 void update_narrow_row(char* row, float* state, const float* g, int dim,
                        const OptimizerParams& p, float* __restrict__ w, const Rounding& r,
                        int64_t u) {
   E* e = reinterpret_cast<E*>(row);
-  widen_row(e, w, dim);
-  optimizer_update(w, state, g, dim, p);
-  if (!r.stochastic) {
-    narrow_row_rn(w, e, dim);
+  uint64_t word = 0;
+  if (r.stochastic) {
+    const int64_t* table = r.spec + 2 * r.tids[u];
+    word = rounding_word(static_cast<uint64_t>(table[1]), table[0], r.keys[u],
+                         static_cast<uint64_t>(r.step));
+  }
+  if (p.kind == kSgd) {
+    step_narrow_row(e, g, dim, p.lr, p, r, word);
     return;
   }
-  const int64_t* table = r.spec + 2 * r.tids[u];
-  const uint64_t word = rounding_word(static_cast<uint64_t>(table[1]), table[0], r.keys[u],
-                                      static_cast<uint64_t>(r.step));
-  narrow_row_sr(w, e, dim, word);
+  widen_row(e, w, dim);
+  if (p.kind == kRowwiseAdagrad) {
+    const float scale = rowwise_scale(state, rowwise_square_sum(w, g, dim, p), dim, p);
+    step_narrow_row(e, g, dim, scale, p, r, word);
+    return;
+  }
+  optimizer_update(w, state, g, dim, p);
+  narrow_block(w, e, dim, r, word, 0);
 }
 
 

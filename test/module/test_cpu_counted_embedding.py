@@ -305,8 +305,7 @@ def optimizer_args(u: Update, scalars):
 GARBAGE = (123.0, 456.0, 789.0, 0.5)
 
 
-def backward_batch(seed, features, batch, u: Update, pooled: bool, padded: bool):
-    dim = 8
+def backward_batch(seed, features, batch, u: Update, pooled: bool, padded: bool, dim: int = 8):
     b = make_batch(seed, features, batch, dim=dim, width=dim + _state(u.kind, dim),
                    weighted=pooled, padded=padded)
     for t in b.tiers:  # optimizer state starts non-negative (sums of squares)

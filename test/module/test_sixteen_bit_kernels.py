@@ -222,9 +222,12 @@ def rounding_at(b: Batch, step, stochastic: bool):
 @pytest.mark.parametrize("u", UPDATES, ids=lambda u: f"kind{u.kind}-wd{u.weight_decay}-"
                          f"dec{u.decoupled}")
 @pytest.mark.parametrize("stochastic", [True, False])
-def test_update_rounds_the_float32_update(update, dtype, u, stochastic):
-    b, grad = backward_batch(2, 3, 48, u, pooled=True, padded=False)
-    state_dim = b.tiers[0].shape[1] - DIM
+@pytest.mark.parametrize("dim", [DIM, 72], ids=["dim8", "dim72"])
+def test_update_rounds_the_float32_update(update, dtype, u, stochastic, dim):
+    """Dim 72: rows the CPU steps in blocks of 32 columns (two whole blocks and a part),
+    each block rounded with its own columns' bits."""
+    b, grad = backward_batch(2, 3, 48, u, pooled=True, padded=False, dim=dim)
+    state_dim = b.tiers[0].shape[1] - dim
     wide, narrow, fmt = narrow_batch(b, dtype, state_dim)
     before = [t.clone() for t in narrow]
     args = optimizer_args(u, host_scalars(u, 3))
@@ -508,14 +511,15 @@ def test_every_16_bit_pattern_widens_exactly(dtype):
 def test_updates_narrow_every_kind_of_float_as_the_reference(dtype, stochastic):
     """An SGD step at lr 1 from zero rows writes -sum narrowed: random float bits (NaN,
     infinities, subnormals of both dtypes, overflow, ties) through the vector and the
-    scalar paths (dim 24 and 5) round as ``rounding_reference`` says."""
+    scalar paths (dim 24 and 5; dim 72 in blocks of 32 columns and a part) round as
+    ``rounding_reference`` says."""
     g = torch.Generator().manual_seed(7)
     bits = torch.randint(-2**31, 2**31, (6000,), generator=g, dtype=torch.int64)
     ties = (torch.randint(0, 2**15, (2000,), generator=g) << 16) | 0x8000  # bf16 ties
     halves = (torch.randint(0, 2**18, (2000,), generator=g) << 13) | 0x1000  # f16 ties
     x = torch.cat([bits, ties, halves]).to(torch.int32).view(torch.float32)
     x = torch.cat([x, x * 2.0**-20, x * 2.0**-120, torch.tensor([0.0, -0.0, 65520.0, 7e4])])
-    for dim in (24, 5):
+    for dim in (72, 24, 5):
         n = x.numel() // dim
         want_rows = x[:n * dim].reshape(n, dim)
         fmt = RowFormat(dtype, dim, 0)
