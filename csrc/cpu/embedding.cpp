@@ -58,45 +58,6 @@ constexpr int64_t kUpdateAhead = 8;
 // ordinary stores would first read every output line from memory.
 constexpr int64_t kStreamMinBytes = int64_t{8} << 20;
 
-// dst[0:n] = src[0:n], with streaming stores on the aligned body of dst. Callers
-// end their streaming with store_fence().
-inline __attribute__((always_inline)) void stream_copy(float* __restrict dst,
-                                                       const float* __restrict src, int64_t n) {
-#if defined(__AVX512F__)
-  constexpr int64_t kLanes = 16;
-#elif defined(__AVX__)
-  constexpr int64_t kLanes = 8;
-#elif defined(__SSE2__)
-  constexpr int64_t kLanes = 4;
-#else
-  constexpr int64_t kLanes = 1;
-#endif
-  int64_t c = 0;
-  for (; c < n && reinterpret_cast<uintptr_t>(dst + c) % (kLanes * sizeof(float)); ++c) {
-    dst[c] = src[c];
-  }
-  for (; c + kLanes <= n; c += kLanes) {
-#if defined(__AVX512F__)
-    _mm512_stream_ps(dst + c, _mm512_loadu_ps(src + c));
-#elif defined(__AVX__)
-    _mm256_stream_ps(dst + c, _mm256_loadu_ps(src + c));
-#elif defined(__SSE2__)
-    _mm_stream_ps(dst + c, _mm_loadu_ps(src + c));
-#else
-    dst[c] = src[c];
-#endif
-  }
-  for (; c < n; ++c) dst[c] = src[c];
-}
-
-// Orders this thread's streaming stores before its later stores.
-inline void store_fence() {
-#if defined(__SSE2__)
-  _mm_sfence();
-#endif
-}
-
-
 // Bag geometry of the FBGEMM layout: bag k = feature * batch + sample.
 struct Bags {
   const int64_t* offsets;
@@ -357,7 +318,7 @@ void pool_bags(const Bags& bags, int64_t num_features, const int64_t* inv, const
         };
         if (stream && end - begin == 1 && !w && !mean) {
           before(begin);  // a lone unweighted row goes straight from the table
-          stream_copy(dst, row_at(begin), dim);
+          rows.stream_to(dst, inv[begin]);
           continue;
         }
         // the first row is written, not added: `out` need not be zeroed
@@ -438,10 +399,10 @@ void sequence_forward(const std::vector<at::Tensor>& tiers, const at::Tensor& tr
         const int64_t jp = j + kPrefetchAhead;
         if (jp < n && inv[jp] >= 0) rows.prefetch(inv[jp]);
         if (inv[j] < 0) continue;
-        const float* row = rows.row(inv[j]);
         if (stream) {
-          stream_copy(o + j * dim, row, dim);
+          rows.stream_to(o + j * dim, inv[j]);
         } else {
+          const float* row = rows.row(inv[j]);
           std::copy(row, row + dim, o + j * dim);
         }
       }

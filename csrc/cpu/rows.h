@@ -205,6 +205,87 @@ RowSource row_source(const std::vector<at::Tensor>& tiers, const at::Tensor& tra
   return src;
 }
 
+// dst[0:n] = src[0:n], with streaming stores on the aligned body of dst. Callers
+// end their streaming with store_fence().
+inline __attribute__((always_inline)) void stream_copy(float* __restrict dst,
+                                                       const float* __restrict src, int64_t n) {
+#if defined(__AVX512F__)
+  constexpr int64_t kLanes = 16;
+#elif defined(__AVX__)
+  constexpr int64_t kLanes = 8;
+#elif defined(__SSE2__)
+  constexpr int64_t kLanes = 4;
+#else
+  constexpr int64_t kLanes = 1;
+#endif
+  int64_t c = 0;
+  for (; c < n && reinterpret_cast<uintptr_t>(dst + c) % (kLanes * sizeof(float)); ++c) {
+    dst[c] = src[c];
+  }
+  for (; c + kLanes <= n; c += kLanes) {
+#if defined(__AVX512F__)
+    _mm512_stream_ps(dst + c, _mm512_loadu_ps(src + c));
+#elif defined(__AVX__)
+    _mm256_stream_ps(dst + c, _mm256_loadu_ps(src + c));
+#elif defined(__SSE2__)
+    _mm_stream_ps(dst + c, _mm_loadu_ps(src + c));
+#else
+    dst[c] = src[c];
+#endif
+  }
+  for (; c < n; ++c) dst[c] = src[c];
+}
+
+// Orders this thread's streaming stores before its later stores.
+inline void store_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+
+// dst[0, n) = the n elements of e widened (widen_row's floats), with streaming stores
+// on the aligned body of dst, as stream_copy: a 16-bit row goes to a large output
+// without a float32 copy in between.
+inline void stream_widen(float* __restrict dst, const bf16* e, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(e);
+  int64_t c = 0;
+#if defined(__AVX512F__)
+  for (; c < n && reinterpret_cast<uintptr_t>(dst + c) % 64; ++c) dst[c] = widen(e[c]);
+  for (; c + 16 <= n; c += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + c));
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + c),
+                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+#elif defined(__AVX2__)
+  for (; c < n && reinterpret_cast<uintptr_t>(dst + c) % 32; ++c) dst[c] = widen(e[c]);
+  for (; c + 8 <= n; c += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + c));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + c),
+                        _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+#endif
+  for (; c < n; ++c) dst[c] = widen(e[c]);
+}
+
+inline void stream_widen(float* __restrict dst, const f16* e, int64_t n) {
+  int64_t c = 0;
+#if defined(__AVX512F__)
+  for (; c < n && reinterpret_cast<uintptr_t>(dst + c) % 64; ++c) dst[c] = widen(e[c]);
+  for (; c + 16 <= n; c += 16) {  // vcvtph2ps: exact, a NaN quieted as widen(f16) does
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(e + c));
+    _mm512_stream_ps(dst + c, _mm512_cvtph_ps(h));
+  }
+#elif defined(__F16C__) && defined(__AVX__)
+  for (; c < n && reinterpret_cast<uintptr_t>(dst + c) % 32; ++c) dst[c] = widen(e[c]);
+  for (; c + 8 <= n; c += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e + c));
+    _mm256_stream_ps(dst + c, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; c < n; ++c) dst[c] = widen(e[c]);
+}
+
 // The lookups' reader of unique rows, one per thread, chosen once per call so that
 // the loops carry no branch for the rows they do not have. StoredRows reads each
 // referenced float32 row (a call whose references are never negative). ComputedRows
@@ -212,10 +293,12 @@ RowSource row_source(const std::vector<at::Tensor>& tiers, const at::Tensor& tra
 // table's initializer into the thread's scratch row, as the CUDA kernels'
 // RowReader does. WidenedRows reads 16-bit rows widened into the scratch row, and a
 // computed row as the stored one would be (rounded to nearest, then widened). A
-// caller uses a row before it asks for the next.
+// caller uses a row before it asks for the next. stream_to(dst, u) writes row u to a
+// large output with streaming stores (stream_copy), a 16-bit row widened on the way.
 struct StoredRows {
   RowSource src;
   const float* row(int64_t u) const { return src.row(u); }
+  void stream_to(float* dst, int64_t u) const { stream_copy(dst, row(u), src.dim); }
   DEMB_PREFETCHES void prefetch(int64_t u) const { prefetch_row(src.row(u), src.dim); }
 };
 
@@ -234,6 +317,7 @@ struct ComputedRows {
     }
     return scratch.data();
   }
+  void stream_to(float* dst, int64_t u) const { stream_copy(dst, row(u), src.dim); }
   DEMB_PREFETCHES void prefetch(int64_t u) const {
     if (src.row_ref[u] >= 0) prefetch_row(src.row(u), src.dim);
   }
@@ -263,6 +347,13 @@ struct WidenedRows {
     }
     widen_row(reinterpret_cast<const E*>(src.stored_bytes(u)), w, src.dim);
     return w;
+  }
+  void stream_to(float* dst, int64_t u) const {
+    if (is_stored_ref(src.row_ref[u])) {
+      stream_widen(dst, reinterpret_cast<const E*>(src.stored_bytes(u)), src.dim);
+    } else {
+      stream_copy(dst, row(u), src.dim);
+    }
   }
   DEMB_PREFETCHES void prefetch(int64_t u) const {
     if (is_stored_ref(src.row_ref[u])) {

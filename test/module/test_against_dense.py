@@ -206,17 +206,21 @@ def test_random_layouts_match_dense(layout_, seed, batch, weighted, device):
 STREAMED = [(SUM, False), (SUM, True), (MEAN, False), (NONE, False)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("pooling,weighted", STREAMED,
                          ids=[f"{p.name}-{'w' if w else 'nw'}" for p, w in STREAMED])
-def test_streamed_outputs_match_dense(pooling, weighted, device):
+def test_streamed_outputs_match_dense(pooling, weighted, dtype, device):
     """Outputs of 8 MiB and more are written with streaming stores (``kStreamMinBytes``
     in ``csrc/cpu/embedding.cpp``): columns at odd offsets (dims 7 and 33), empty bags,
-    lone rows copied straight from the table, sums and means built in a local row.
-    Unseen ids read the eval initializer's zeros."""
+    lone rows copied straight from the table (16-bit rows widened on the way), sums and
+    means built in a local row. Unseen ids read the eval initializer's zeros."""
+    half = {} if dtype == torch.float32 else dict(options=dict(embedding_dtype=dtype))
     if pooling == NONE:
-        specs, ftm, batch = [TableSpec(dim=33, max_capacity=4096)], [0, 0], 20000
+        specs, ftm, batch = [TableSpec(dim=33, max_capacity=4096, **half)], [0, 0], 20000
     else:
-        specs = [TableSpec(dim=7, max_capacity=4096), TableSpec(dim=33, max_capacity=4096)]
+        specs = [TableSpec(dim=7, max_capacity=4096, **half),
+                 TableSpec(dim=33, max_capacity=4096, **half)]
         ftm, batch = [0, 1, 0], 45000
     module, ref = make_tables(specs, ftm, pooling, OPTIMIZER_ARGS[DynamicEmbOptimType.EXACT_SGD], device=device)
     pools = [id_pool(200, 41), id_pool(200, 42)][: len(specs)]
