@@ -485,10 +485,36 @@ void step_narrow_row(E* e, const float* g, int dim, float scale, const Optimizer
   }
 }
 
+// rowwise_square_sum of a 16-bit row, its blocks widened in turn: a block is one
+// round of the lanes (column c + j adds to lane j), so the order is that function's.
+template <class E>
+float square_sum_narrow(const E* e, const float* g, int dim, const OptimizerParams& p) {
+  static_assert(kStepBlock == kSquareLanes, "a block is one round of the lanes");
+  float lanes[kSquareLanes] = {};
+  float x[kStepBlock];
+  int c = 0;
+  for (; c + kStepBlock <= dim; c += kStepBlock) {
+    widen_row(e + c, x, kStepBlock);
+    for (int j = 0; j < kStepBlock; ++j) {
+      const float gi = rowwise_gradient(x, g + c, j, p);
+      lanes[j] += gi * gi;
+    }
+  }
+  if (c < dim) {
+    const int n = dim - c;
+    widen_row(e + c, x, n);
+    for (int j = 0; j < n; ++j) {
+      const float gi = rowwise_gradient(x, g + c, j, p);
+      lanes[j] += gi * gi;
+    }
+  }
+  return fold_square_lanes(lanes);
+}
+
 // The optimizer's update of the 16-bit row of unique row u, in float32 with its
 // state in place: SGD and row-wise Adagrad by blocks (step_narrow_row; row-wise
-// Adagrad's scale from the row widened into w first), the others on the row
-// widened into w (dim,) and narrowed back.
+// Adagrad's scale from square_sum_narrow first), the others on the row widened into
+// w (dim,) and narrowed back.
 template <class E>
 void update_narrow_row(char* row, float* state, const float* g, int dim,
                        const OptimizerParams& p, float* __restrict__ w, const Rounding& r,
@@ -504,12 +530,12 @@ void update_narrow_row(char* row, float* state, const float* g, int dim,
     step_narrow_row(e, g, dim, p.lr, p, r, word);
     return;
   }
-  widen_row(e, w, dim);
   if (p.kind == kRowwiseAdagrad) {
-    const float scale = rowwise_scale(state, rowwise_square_sum(w, g, dim, p), dim, p);
+    const float scale = rowwise_scale(state, square_sum_narrow(e, g, dim, p), dim, p);
     step_narrow_row(e, g, dim, scale, p, r, word);
     return;
   }
+  widen_row(e, w, dim);
   optimizer_update(w, state, g, dim, p);
   narrow_block(w, e, dim, r, word, 0);
 }

@@ -120,6 +120,14 @@ DEMB_HD float rowwise_gradient(const float* __restrict__ w, const float* __restr
   return g[i] + p.weight_decay * w[i];
 }
 
+// The kSquareLanes running sums folded in halves into lanes[0], which it returns.
+DEMB_HD float fold_square_lanes(float* lanes) {
+  for (int half = kSquareLanes / 2; half > 0; half /= 2) {
+    for (int j = 0; j < half; ++j) lanes[j] += lanes[j + half];
+  }
+  return lanes[0];
+}
+
 DEMB_HD float rowwise_square_sum(const float* __restrict__ w, const float* __restrict__ g,
                                  int dim, const OptimizerParams& p) {
   float lanes[kSquareLanes] = {};
@@ -145,10 +153,7 @@ DEMB_HD float rowwise_square_sum(const float* __restrict__ w, const float* __res
       lanes[j] += gi * gi;
     }
   }
-  for (int half = kSquareLanes / 2; half > 0; half /= 2) {
-    for (int j = 0; j < half; ++j) lanes[j] += lanes[j + half];
-  }
-  return lanes[0];
+  return fold_square_lanes(lanes);
 }
 
 // The accumulator after a row's squares were summed, and the step it gives.
