@@ -107,16 +107,6 @@ DEMB_HD uint16_t bf16_bits_rn(uint32_t u) {
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// |x| below 2^-14 in float16 subnormal units (2^-24), shifted left by `frac` bits and
-// truncated: (float32 bits without sign) -> fixed point. frac <= 16.
-DEMB_HD uint32_t f16_subnormal_units(uint32_t a, int frac) {
-  const uint32_t exp = a >> 23;
-  const uint32_t mant = exp ? (a & 0x7FFFFFu) | 0x800000u : a & 0x7FFFFFu;
-  const int shift = static_cast<int>(exp ? exp : 1u) - 126 + frac;  // value = mant 2^(e-150)
-  if (shift >= 0) return mant << shift;
-  return -shift >= 32 ? 0u : mant >> -shift;
-}
-
 DEMB_HD uint16_t f16_bits_rn(uint32_t u) {
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7FFFFFFFu;
@@ -143,15 +133,23 @@ DEMB_HD uint16_t bf16_bits_sr(uint32_t u, uint32_t r16) {
   return static_cast<uint16_t>(((u >> 16) & 0x8000u) | ((a + (r16 & 0xFFFFu)) >> 16));
 }
 
+// Branch-free: every lane computes the normal and the subnormal result and selects
+// one, so that a CPU loop over a row vectorizes (variable shifts and blends).
 DEMB_HD uint16_t f16_bits_sr(uint32_t u, uint32_t r16) {
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t a = u & 0x7FFFFFFFu;
-  if (a >= 0x7F800000u) return f16_bits_rn(u);
-  if (a >= 0x38800000u) {
-    const uint32_t h = ((a + (r16 & 0x1FFFu)) >> 13) - (112u << 10);
-    return static_cast<uint16_t>(sign | (h >= 0x7C00u ? 0x7C00u : h));
-  }
-  return static_cast<uint16_t>(sign | ((f16_subnormal_units(a, 16) + (r16 & 0xFFFFu)) >> 16));
+  const uint32_t nh = ((a + (r16 & 0x1FFFu)) >> 13) - (112u << 10);
+  const uint32_t normal = nh < 0x7C00u ? nh : 0x7C00u;  // inf stays inf
+  // below 2^-14: |x| / 2^-24 with 16 fraction bits, truncated (|x| = mant 2^(exp-150));
+  // a lane at or above 2^-14 computes a value it does not use (its shifts masked)
+  const uint32_t exp = a >> 23;
+  const uint32_t mant = (a & 0x7FFFFFu) | (exp ? 0x800000u : 0u);
+  const int shift = static_cast<int>(exp ? exp : 1u) - 110;
+  const uint32_t units =
+      shift >= 0 ? mant << (shift & 31) : mant >> (-shift < 31 ? -shift : 31);
+  const uint32_t sub = (units + (r16 & 0xFFFFu)) >> 16;
+  const uint32_t h = sign | (a >= 0x38800000u ? normal : sub);
+  return static_cast<uint16_t>(a > 0x7F800000u ? kF16CanonicalNan : h);
 }
 
 // E is the stored element: float (rows stay float32: identity), f16 or bf16.
