@@ -257,3 +257,32 @@ def test_guards_count_the_gpu_step_and_write_verdicts(tmp_path):
     assert not verdict("x", "", [7.0, 8.0, 9.0], None).failed  # reported only
     # a ratio belongs to a machine kind: the CPU and the kernel copy are named
     assert done.stdout.startswith("CPU: ") and "kernels: dynamicemb._C_" in done.stdout
+
+
+def test_guards_ratios_are_rounds_of_both_orders(monkeypatch):
+    """``paired_ratios`` runs pairs in alternating order (A B | B A | ...) and gives one
+    ratio per round of two pairs: each side's two times, once after itself and once
+    after the other. Two equal sides whose call takes 1 s after itself and 2 s after the
+    other give pairs of 0.5 and 2.0 (the old per-pair list, whose median is either) and
+    rounds of exactly 1.0."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+    try:
+        import guards
+    finally:
+        sys.path.pop(0)
+    clock = {"now": 0.0, "last": None}
+    calls = []
+
+    def side(name):
+        def call(i):
+            calls.append((name, i))
+            clock["now"] += 1.0 if clock["last"] == name else 2.0
+            clock["last"] = name
+        return call
+
+    monkeypatch.setattr(guards.time, "perf_counter", lambda: clock["now"])
+    ratios = guards.paired_ratios(side("A"), side("B"), reps=6, warmup=2)
+    assert ratios == [1.0, 1.0, 1.0]
+    assert [n for n, _ in calls[:8]] == ["A", "B", "B", "A", "A", "B", "B", "A"]
+    assert [i for _, i in calls] == [i for i in range(2 + 6) for _ in range(2)]
+    assert guards.paired_ratios(side("A"), side("B"), reps=1) == [1.0]  # at least a round
