@@ -118,33 +118,53 @@ inline void narrow_row_rn(const float* w, f16* __restrict__ e, int64_t n) {
 }
 
 // e[0, n) = w's n floats rounded stochastically (narrow_sr), element c with
-// rounding_bits(word, col + c): the row's columns from `col`.
+// rounding_bits(word, col + c): the row's columns from `col`, counted in 32-bit lanes
+// (column_bits). Both types first round every lane as their _sr function rounds its
+// bulk case (vectorized); when a lane is another case a second pass gives every lane
+// the whole function (branch-free, vectorized too: a scalar repair of the odd lanes,
+// branching on each, cost a float16 step 5-10%; the whole function in the first pass
+// cost a bfloat16 row's narrowing a third).
+//
+// bfloat16: the bulk case is a finite x; inf and NaN go to the second pass.
 inline void narrow_row_sr(const float* w, bf16* __restrict__ e, int64_t n, uint64_t word,
                           int64_t col) {
-  for (int64_t c = 0; c < n; ++c) e[c] = narrow_sr<bf16>(w[c], rounding_bits(word, col + c));
+  uint16_t* h = reinterpret_cast<uint16_t*>(e);
+  const uint32_t base = rounding_base(word), first = static_cast<uint32_t>(col);
+  const int m = static_cast<int>(n);
+  uint32_t others = 0;  // (a bool reduction is not vectorized)
+  for (int c = 0; c < m; ++c) {
+    const uint32_t u = float_bits(w[c]);
+    const uint32_t a = u & 0x7FFFFFFFu;
+    const uint32_t r = column_bits(base, first + static_cast<uint32_t>(c));
+    others |= static_cast<uint32_t>(a >= 0x7F800000u);
+    h[c] = static_cast<uint16_t>(((u >> 16) & 0x8000u) | ((a + r) >> 16));
+  }
+  if (!others) return;
+  for (int c = 0; c < m; ++c) {
+    h[c] = bf16_bits_sr(float_bits(w[c]), column_bits(base, first + static_cast<uint32_t>(c)));
+  }
 }
 
-// float16: a first pass rounds every lane as f16_bits_sr rounds a finite normal
-// result, the bulk of a row (vectorized); when a lane is another case (zero,
-// subnormal, overflow, inf, NaN) a second pass gives every lane the whole function
-// (branch-free, vectorized too: a scalar repair of the odd lanes, branching on each,
-// cost a float16 step 5-10%).
+// float16: the bulk case is a finite normal result; zero, subnormal, overflow, inf and
+// NaN go to the second pass.
 inline void narrow_row_sr(const float* w, f16* __restrict__ e, int64_t n, uint64_t word,
                           int64_t col) {
   uint16_t* h = reinterpret_cast<uint16_t*>(e);
+  const uint32_t base = rounding_base(word), first = static_cast<uint32_t>(col);
+  const int m = static_cast<int>(n);
   // |x| in [2^-14, the largest |x| whose rounding up stays below 2^16): a normal result
   constexpr uint32_t kLow = 0x38800000u, kHigh = 0x47800000u - 0x2000u;
-  uint32_t others = 0;  // (a bool reduction is not vectorized)
-  for (int64_t c = 0; c < n; ++c) {
+  uint32_t others = 0;
+  for (int c = 0; c < m; ++c) {
     const uint32_t u = float_bits(w[c]);
     const uint32_t a = u & 0x7FFFFFFFu;
-    const uint32_t r = rounding_bits(word, col + c) & 0x1FFFu;
+    const uint32_t r = column_bits(base, first + static_cast<uint32_t>(c)) & 0x1FFFu;
     others |= static_cast<uint32_t>(a - kLow > kHigh - kLow);
     h[c] = static_cast<uint16_t>(((u >> 16) & 0x8000u) | (((a + r) >> 13) - (112u << 10)));
   }
   if (!others) return;
-  for (int64_t c = 0; c < n; ++c) {
-    h[c] = f16_bits_sr(float_bits(w[c]), rounding_bits(word, col + c));
+  for (int c = 0; c < m; ++c) {
+    h[c] = f16_bits_sr(float_bits(w[c]), column_bits(base, first + static_cast<uint32_t>(c)));
   }
 }
 
