@@ -1,13 +1,14 @@
 // CPU bucket probe: the digest match of hash_primitives.h, 64 slots at a time
 // (AVX-512BW or AVX2 where the build targets them) and 16 at a time with SSE2 for
-// the rest of a bucket. Returns exactly what probe_bucket_scalar returns. The CPU
-// loops hand it to the per-key procedures of table_view.h as DigestProbe.
+// the rest of a bucket. Returns exactly what probe_bucket_scalar returns; the victim
+// of a full bucket exactly what choose_victim returns. The CPU loops hand both to the
+// per-key procedures of table_view.h as DigestProbe.
 #pragma once
 
 #include "dynamicemb/hash_primitives.h"
 #include "dynamicemb/table_view.h"
 
-#if defined(__AVX2__) || defined(__AVX512BW__)
+#if defined(__AVX2__) || defined(__AVX512BW__) || defined(__AVX512F__)
 #include <immintrin.h>
 #elif defined(__SSE2__)
 #include <emmintrin.h>
@@ -150,12 +151,50 @@ inline int probe_bucket(const Keys& keys, const int16_t* tids, const uint8_t* di
                               : probe_range(keys, tids, digests, start, key, tid, digest, 0, bc);
 }
 
-// The probe policy (table_view.h) of the CPU loops: probe_bucket.
+// choose_victim's slot of a full bucket, 8 slots a round where the build targets
+// AVX-512 (bc is a multiple of 16): each lane keeps the lowest unpinned score it saw
+// and its slot (a strict compare: the lowest of its slots with that score), then the
+// lanes' minimum, ties to the lowest slot. The scalar loop, a branch on each slot's
+// pin and score, was most of a cache insert's time (P3: 60% of the cache's upsert).
+inline int victim_slot(const SlotField<uint64_t>& scores, const uint64_t* pinned, int bc) {
+#if defined(__AVX512F__)
+  if (bc % 8 == 0) {
+    // scores.p[2 j] is slot j's score: the even words of two loads of 8
+    const __m512i even = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m512i eight = _mm512_set1_epi64(8);
+    __m512i best = _mm512_set1_epi64(-1);
+    __m512i slot = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    __m512i j = slot;
+    __mmask8 seen = 0;  // lanes that saw an unpinned slot
+    for (int b = 0; b < bc; b += 8) {
+      const uint64_t* p = scores.p + static_cast<int64_t>(b) * kSlotWords;
+      const __m512i s = _mm512_permutex2var_epi64(_mm512_loadu_si512(p), even,
+                                                  _mm512_loadu_si512(p + 8));
+      const __mmask8 unpinned = static_cast<__mmask8>(~(pinned[b >> 6] >> (b & 63)));
+      const __mmask8 take = unpinned & (_mm512_cmplt_epu64_mask(s, best) | ~seen);
+      best = _mm512_mask_mov_epi64(best, take, s);
+      slot = _mm512_mask_mov_epi64(slot, take, j);
+      seen |= unpinned;
+      j = _mm512_add_epi64(j, eight);
+    }
+    if (seen == 0) return -1;
+    const uint64_t least = _mm512_mask_reduce_min_epu64(seen, best);
+    const __mmask8 ties = seen & _mm512_cmpeq_epu64_mask(best, _mm512_set1_epi64(least));
+    return static_cast<int>(_mm512_mask_reduce_min_epi64(ties, slot));
+  }
+#endif
+  return choose_victim(scores, pinned, bc);
+}
+
+// The probe policy (table_view.h) of the CPU loops: probe_bucket and victim_slot.
 struct DigestProbe {
   template <class Keys>
   int operator()(const Keys& keys, const int16_t* tids, const uint8_t* digests, int bc,
                  int64_t key, int16_t tid, uint8_t digest, int start, int first) const {
     return probe_bucket(keys, tids, digests, bc, key, tid, digest, start, first);
+  }
+  int victim(const SlotField<uint64_t>& scores, const uint64_t* pinned, int bc) const {
+    return victim_slot(scores, pinned, bc);
   }
 };
 

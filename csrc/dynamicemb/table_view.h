@@ -105,6 +105,9 @@ DEMB_HD bool holds_key(const TableView& v, int64_t s, int64_t key, int16_t tid,
 // table) and `first`: the first digest match at or after `start` that the caller
 // found on the bucket as it is now, whose slot did not hold the key (-1: none
 // up to the end), or kFirstUnknown. A probe may skip what `first` rules out.
+// A probe that upsert_one takes also chooses a full bucket's victim, exactly as
+// choose_victim does:
+//   probe.victim(scores, pinned, bc)
 constexpr int kFirstUnknown = -2;
 
 struct ScalarProbe {
@@ -113,6 +116,9 @@ struct ScalarProbe {
                          int64_t key, int16_t tid, uint8_t digest, int start,
                          int /*first*/) const {
     return probe_bucket_scalar(keys, tids, digests, bc, key, tid, digest, start);
+  }
+  DEMB_HD int victim(const SlotField<uint64_t>& scores, const uint64_t* pinned, int bc) const {
+    return choose_victim(scores, pinned, bc);
   }
 };
 
@@ -194,7 +200,7 @@ DEMB_HD_INLINED int8_t upsert_one(const TableView& v, const Probe& probe, const 
   int8_t outcome = kInserted;
   j = first_clear_bit_from(occupied, v.bc, home.start);
   if (j < 0) {
-    j = opt.evicts ? choose_victim(v.scores + base, pinned, v.bc) : -1;
+    j = opt.evicts ? probe.victim(v.scores + base, pinned, v.bc) : -1;
     if (j < 0) {
       out.slots[i] = -1;
       out.status[i] = kFailed;
