@@ -128,7 +128,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> promotion_plan(
         mine.hot += kind == kProbeHotMiss;
       }
     }
-    for (int64_t i = end + (n - end) * me / nt; i < end + (n - end) * (me + 1) / nt; ++i) {
+    // bounds in locals: the stores below may alias the shared `end` and `n` for the
+    // compiler, which recomputed a division for every position (9% of the plan)
+    const int64_t pad_from = end + (n - end) * me / nt, pad_to = end + (n - end) * (me + 1) / nt;
+    for (int64_t i = pad_from; i < pad_to; ++i) {
       cs[i] = -1;
       r[i] = kRankLeftOut;
       o[i] = i;
