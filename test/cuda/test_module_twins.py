@@ -88,3 +88,47 @@ def test_large_batch_matches_cpu():
         (want * grad).sum().backward()
         (got * grad.to(CUDA)).sum().backward()
     assert_same_tables(cpu, gpu, tol=dict(rtol=1e-4, atol=1e-5))
+
+
+def ordered_bits(rows: torch.Tensor) -> torch.Tensor:
+    """16-bit floats as integers in the floats' order (sign and magnitude to a line,
+    both zeros at 0): adjacent values differ by one."""
+    bits = rows.view(torch.int16).int()
+    return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_sixteen_bit_rows_match_cpu(opt, dtype):
+    """16-bit rows trained with stochastic rounding: the GPU's rows are the CPU's, the
+    rounding bits following (table, key, step, column), not the backend. Each float32
+    update is the same arithmetic in the same order on both, so a row differs only
+    where a fused multiply-add rounded that update differently and the rounding
+    crossed a 16-bit step: by one step, in a few elements at most. Dim 72: the CPU's
+    blocks of 32 columns and a part, the GPU's 16-byte loads of 8 columns."""
+    options = dict(embedding_dtype=dtype)
+    specs = [TableSpec(dim=72, options=options), TableSpec(dim=8, init_value=-0.5, options=options)]
+    ftm = [0, 1, 0]
+    cpu, gpu = twin_modules(specs, ftm, DynamicEmbPoolingMode.SUM, ARGS[opt])
+    pools = [id_pool(300, 7 * t + 3) for t in range(len(specs))]
+    gen = torch.Generator().manual_seed(5)
+    for step in range(6):
+        indices, offsets, _ = random_batch([pools[t] for t in ftm], 64, gen)
+        want = cpu(indices, offsets)
+        got = gpu(indices.to(CUDA), offsets.to(CUDA))
+        # rows read exactly, summed in float32 in the same order
+        torch.testing.assert_close(got.detach().cpu(), want.detach(), **TOL,
+                                   msg=lambda m: f"step {step} output: {m}")
+        grad = torch.randn(want.shape, generator=gen)
+        (want * grad).sum().backward()
+        (got * grad.to(CUDA)).sum().backward()
+    for name in cpu.table_names:
+        want, got = cpu.export_keys_values(name), gpu.export_keys_values(name)
+        w, g = want.keys.argsort(), got.keys.cpu().argsort()
+        assert torch.equal(want.keys[w], got.keys.cpu()[g]), f"table {name}: keys differ"
+        assert want.embeddings.dtype == got.embeddings.dtype == dtype
+        steps = (ordered_bits(want.embeddings[w]) - ordered_bits(got.embeddings.cpu()[g])).abs()
+        assert int(steps.max()) <= 1, f"table {name}: rows differ by more than one 16-bit step"
+        differ = int((steps > 0).sum())
+        assert differ <= steps.numel() // 100, f"table {name}: {differ} elements differ"
+        torch.testing.assert_close(got.optimizer_states.cpu()[g], want.optimizer_states[w], **TOL)
