@@ -521,6 +521,10 @@ struct GradRuns {
                 "rank must be below starts[-1]");
   }
 
+  // Whether unique row u has no lookup (its run is empty: a padded batch's rows past
+  // its unique count, or a row whose lookups another group took).
+  bool empty(int64_t u) const { return first[u] == first[u + 1]; }
+
   // acc (dim,) = run u's sum, in rank order; returns whether every value is finite.
   template <class Before>
   bool sum(int64_t u, float* __restrict__ acc, const Before& before) const {
@@ -641,7 +645,8 @@ void update_rows(const std::vector<at::Tensor>& tiers, const at::Tensor& row_ref
 // (sum_gradients' order) in a thread-local row, then, when every value of the sum
 // is finite, the optimizer's update of the stored row (update_rows'), so its
 // results are those of the two passes bit for bit. A row whose sum holds NaN or
-// inf keeps its value and state; rows not stored are summed (checked), not updated.
+// inf keeps its value and state; rows not stored are summed (checked), not updated;
+// rows with no lookup (padding) are skipped.
 // `error` and `schedule` as in update_rows (the step advances even when some rows
 // are not finite, as the host's count does). Returns how many rows had a
 // non-finite sum (0 for a refused batch).
@@ -675,6 +680,11 @@ int64_t sum_and_update_rows(const std::vector<at::Tensor>& tiers, const at::Tens
       std::vector<float> acc(dim);
 #pragma omp for schedule(dynamic, 64)
       for (int64_t u = 0; u < num_unique; ++u) {
+        // a row with no lookup is padding (every unique row has one), skipped as
+        // CUDA's demb_fused_update skips it: the rows past a padded batch's unique
+        // count, about two thirds of a power-law batch's, each cost a memset of acc
+        // and a finiteness pass
+        if (runs.empty(u)) continue;
         const int64_t up = u + kUpdateAhead;  // with write intent, while this one sums
         if (up < num_unique && is_stored_ref(slot[up])) rows.prefetch(up);
         const bool finite = runs.sum(

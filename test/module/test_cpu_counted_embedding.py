@@ -398,6 +398,27 @@ def test_backward_without_schedule_ignores_an_unset_word(passes):
     assert any(not torch.equal(m, t) for m, t in zip(got.tiers, b.tiers))
 
 
+@pytest.mark.parametrize("u", UPDATES, ids=lambda u: f"kind{u.kind}-wd{u.weight_decay}")
+def test_the_one_pass_skips_rows_without_lookups_as_cuda_does(u):
+    """A unique row with no lookup is padding (every unique row of a batch has one): the
+    one pass leaves it as CUDA's backward does, even where a row is stored there (where
+    weight decay or Adam's moments would move it by a step with a zero gradient)."""
+    b, grad = backward_batch(7, 3, 17, u, True, True)
+    free = sorted(set(range(b.tiers[0].shape[0])) - set(b.row_ref.tolist()))[0]
+    b = b._replace(row_ref=torch.cat([b.row_ref, torch.tensor([free])]),
+                   starts=torch.cat([b.starts, b.starts[-1:]]))
+    got, emulated = _clone(b), _clone(b)
+    args = optimizer_args(u, host_scalars(u, 3))
+    assert _one_pass(got, grad, False, args) == 0
+    with emulated_cuda() as emu:
+        emu.fused_backward(emulated.tiers, b.row_ref, b.starts, b.rank, b.offsets, b.weights,
+                           b.feature_col, b.batch, b.dim, False, grad, *args)
+    for mine, theirs in zip(got.tiers, emulated.tiers):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got.tiers[0][free], b.tiers[0][free])
+    assert any(not torch.equal(m, t) for m, t in zip(got.tiers, b.tiers))  # the others moved
+
+
 def test_one_pass_counts_non_finite_rows_and_still_advances():
     u = UPDATES[1]
     b, grad = backward_batch(6, 3, 17, u, True, False)
