@@ -25,6 +25,10 @@ namespace dynamicemb {
 namespace cpu {
 namespace {
 
+// Positions a thread takes at a time in the loops over a sorted order, whose work
+// (score reads, row copies) is all at its front.
+constexpr int kOrderChunk = 256;
+
 void check_positions(const at::Tensor& t, at::ScalarType dtype, const char* name, int64_t n) {
   check_tensor(t, dtype, name);
   TORCH_CHECK(t.numel() == n, name, " must hold ", n, " entries, got ", t.numel());
@@ -208,9 +212,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> promotion_order(
   int64_t* os = out_scores.data_ptr<int64_t>();
   int32_t* ob = buckets.data_ptr<int32_t>();
   // A key's score is a miss in the host store's large array: prefetched a few
-  // positions ahead so that the misses overlap.
+  // positions ahead so that the misses overlap. Dynamic chunks: the order puts every
+  // position that reads a score first (the rest is padding), which a static split
+  // gave to one thread.
   constexpr int64_t kAhead = 16;
-#pragma omp parallel for schedule(static) if (n >= kParallelMinKeys)
+#pragma omp parallel for schedule(dynamic, kOrderChunk) if (n >= kParallelMinKeys)
   for (int64_t q = 0; q < n; ++q) {
     if (q + kAhead < n && hs[o[q + kAhead]] >= 0) {
       prefetch(words + kSlotWords * hs[o[q + kAhead]] + 1);
@@ -249,7 +255,8 @@ void promote_rows(const std::vector<at::Tensor>& host_meta, int64_t host_bc,
   const int64_t* ek = ev_keys.data_ptr<int64_t>();
   const int16_t* et = ev_tids.data_ptr<int16_t>();
   int64_t* out = refs.data_ptr<int64_t>();
-#pragma omp parallel for schedule(static) if (n >= kParallelMinKeys)
+  // dynamic chunks: the positions that copy rows are the order's first `taken`
+#pragma omp parallel for schedule(dynamic, kOrderChunk) if (n >= kParallelMinKeys)
   for (int64_t q = 0; q < n; ++q) {
     const int64_t i = o[q];
     int64_t home_slot = -1;
