@@ -46,6 +46,11 @@ constexpr int64_t kParallelMinWork = 2048;
 // 2.0-2.2 against 2.55 (benchmark/RESULTS.md, issue 55).
 constexpr int64_t kUpdateAhead = 8;
 
+// Rows a thread takes at a time when it initializes new rows: dynamic chunks, the
+// rows an inserting call stored being anywhere among its positions (a padded batch's
+// all in its first U of N).
+constexpr int64_t kInitChunk = 256;
+
 // The attribute of a lambda that only prefetches, handed to the procedures of
 // embedding.h as their `before` hook: GCC finds such a function free of side
 // effects (a prefetch is none) and drops the calls to it unless it is inlined
@@ -235,11 +240,11 @@ void init_narrow_rows(at::Tensor& values, const at::Tensor& slots,
 #pragma omp parallel if (n * dim >= kParallelMinWork)
     {
       std::vector<float> w(dim);  // the initializer's row, then narrowed
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, kInitChunk)
       for (int64_t i = 0; i < n; ++i) {
         if (st != nullptr && st[i] != kInserted && st[i] != kEvictedAndInserted) continue;
         char* row = src.device_bytes + s[i] * src.row_bytes;
-        for (int64_t c = 0; c < dim; ++c) w[c] = inits.element(t[i], k[i], static_cast<int>(c));
+        inits.row(t[i], k[i], w.data(), static_cast<int>(dim));
         narrow_row_rn(w.data(), reinterpret_cast<E*>(row), dim);
         float* f = src.state_of(row);
         for (int64_t c = 0; c < state_floats; ++c) f[c] = state;
@@ -279,14 +284,13 @@ void init_rows(at::Tensor& values, const at::Tensor& slots,
   const int64_t* ints = init_ints.data_ptr<int64_t>();
   const float* floats = init_floats.data_ptr<float>();
   const float state = static_cast<float>(state_value);
-#pragma omp parallel for schedule(static) if (n * width >= kParallelMinWork)
+  const PackedInits inits{ints, floats};
+#pragma omp parallel for schedule(dynamic, kInitChunk) if (n * width >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) {
     if (st != nullptr && st[i] != kInserted && st[i] != kEvictedAndInserted) continue;
-    const PackedInits inits{ints, floats};
     float* row = v + s[i] * width;
-    for (int64_t c = 0; c < width; ++c) {
-      row[c] = inits.new_row_element(t[i], k[i], c, dim, state);
-    }
+    inits.row(t[i], k[i], row, static_cast<int>(dim));
+    for (int64_t c = dim; c < width; ++c) row[c] = state;  // new_row_element's state columns
   }
 }
 

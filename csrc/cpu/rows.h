@@ -332,10 +332,7 @@ struct ComputedRows {
 
   const float* row(int64_t u) const {
     if (src.row_ref[u] >= 0) return src.row(u);
-    const int64_t t = tids[u], key = keys[u];
-    for (int64_t c = 0; c < src.dim; ++c) {
-      scratch[c] = inits.element(t, key, static_cast<int>(c));
-    }
+    inits.row(tids[u], keys[u], scratch.data(), static_cast<int>(src.dim));
     return scratch.data();
   }
   void stream_to(float* dst, int64_t u) const { stream_copy(dst, row(u), src.dim); }
@@ -357,8 +354,7 @@ struct WidenedRows {
     const int64_t r = src.row_ref[u];
     float* w = scratch.data();
     if (r < 0) {
-      const int64_t t = tids[u], key = keys[u];
-      for (int64_t c = 0; c < src.dim; ++c) w[c] = inits.element(t, key, static_cast<int>(c));
+      inits.row(tids[u], keys[u], w, static_cast<int>(src.dim));
       narrow_row_rn(w, narrow.data(), src.dim);
       widen_row(narrow.data(), w, src.dim);
       return w;

@@ -24,7 +24,7 @@ import torch
 
 from dynamicemb.ops import cpu_kernels, for_device
 from dynamicemb.ops.cpu import CpuBackend
-from dynamicemb.ops.records import InitSpec, OptimizerUpdate, Rounding, RowFormat, RowSources
+from dynamicemb.ops.records import InitRows, InitSpec, OptimizerUpdate, Rounding, RowFormat, RowSources
 from dynamicemb.options import DynamicEmbOptimType
 from dynamicemb_testing.devices import EMULATED, SIMT, backend_device
 from dynamicemb_testing.rounding_reference import narrow_rn, stochastic_round
@@ -371,6 +371,50 @@ def test_cpu_emulated_and_simt_agree_bit_for_bit(dtype):
             results = _each_backend(step)
             assert _same(results), (u, stochastic)
             assert not torch.equal(results[0][0], narrow_u[0])
+
+
+# every initializer: uniform, constant and debug exactly; normal and truncated normal
+# (mean + std * Box-Muller with the host's logf, sqrtf, cosf) within float32 rounding
+ALL_MODES_SPEC = InitSpec(
+    torch.tensor([[5, 2, 11], [6, 3, 12], [7, 4, 13], [8, 0, 14], [9, 1, 15]], dtype=torch.int64),
+    torch.tensor([[0, 1, -0.5, 0.75, 0], [0, 1, 0, 0, 0.3], [0, 1, 0, 0, 0],
+                  [0.1, 0.5, 0, 0, 0], [0, 0.2, -0.1, 0.3, 0]]))
+
+
+@pytest.mark.parametrize("dim", [DIM, 72, 5])
+def test_float32_init_rows_are_the_cuda_sources_on_every_backend(dim):
+    """init_rows and a forward's computed rows (failed inserts) of float32 rows: the CPU's
+    whole-row initializer (its row's bits hashed once, its columns vectorized) gives the
+    per-element values of the CUDA source run on the CPU, for every initializer mode, the
+    state columns state_value."""
+    n, width = 400, dim + 2
+    keys = torch.randint(-2**62, 2**62, (n,), generator=torch.Generator().manual_seed(4))
+    tids = (torch.arange(n) % 5).to(torch.int16)
+    refs = -1 - torch.arange(n)  # every row computed, none stored
+
+    def init(_, kernels):
+        values = torch.full((n + 3, width), 9.0)
+        kernels.init_rows(values, torch.arange(n) + 3, None, keys, tids, dim, ALL_MODES_SPEC,
+                          0.25)
+        out = torch.full((n, dim), 7.0)
+        kernels.sequence_forward([values, values[:0]], torch.empty(0, dim), refs,
+                                 torch.arange(n), dim, out,
+                                 init=InitRows(keys, tids, ALL_MODES_SPEC))
+        return values, out
+
+    results = _each_backend(init)
+    normal = (tids == 3) | (tids == 4)
+    for values, out in results:
+        assert torch.equal(values[:3], torch.full((3, width), 9.0))
+        assert torch.equal(values[3:, dim:], torch.full((n, 2), 0.25))
+        assert torch.equal(out, values[3:, :dim])
+    (want, _), others = results[0], results[1:]
+    for got, _ in others:
+        assert torch.equal(got[3:][~normal], want[3:][~normal])
+        torch.testing.assert_close(got[3:][normal], want[3:][normal], rtol=1e-6, atol=1e-6)
+    assert want[3:][tids == 0, :dim].abs().max() > 0.1  # uniform rows in [-0.5, 0.75)
+    truncated = want[3:][tids == 4, :dim]
+    assert truncated.min() >= -0.1 and truncated.max() <= 0.3
 
 
 # ------------------------------------------------------------------ argument checks
