@@ -46,6 +46,11 @@ constexpr int64_t kParallelMinWork = 2048;
 // 2.0-2.2 against 2.55 (benchmark/RESULTS.md, issue 55).
 constexpr int64_t kUpdateAhead = 8;
 
+// Whether an inserting call's status stored a new row (init_rows initializes it).
+inline bool new_row_status(int8_t status) {
+  return status == kInserted || status == kEvictedAndInserted;
+}
+
 // Rows a thread takes at a time when it initializes new rows: dynamic chunks, the
 // rows an inserting call stored being anywhere among its positions (a padded batch's
 // all in its first U of N).
@@ -242,7 +247,11 @@ void init_narrow_rows(at::Tensor& values, const at::Tensor& slots,
       std::vector<float> w(dim);  // the initializer's row, then narrowed
 #pragma omp for schedule(dynamic, kInitChunk)
       for (int64_t i = 0; i < n; ++i) {
-        if (st != nullptr && st[i] != kInserted && st[i] != kEvictedAndInserted) continue;
+        const int64_t ahead = i + kPrefetchAhead;  // as init_rows' float32 loop
+        if (ahead < n && s[ahead] >= 0 && (st == nullptr || new_row_status(st[ahead]))) {
+          prefetch_bytes(src.device_bytes + s[ahead] * src.row_bytes, src.row_bytes, 1);
+        }
+        if (st != nullptr && !new_row_status(st[i])) continue;
         char* row = src.device_bytes + s[i] * src.row_bytes;
         inits.row(t[i], k[i], w.data(), static_cast<int>(dim));
         narrow_row_rn(w.data(), reinterpret_cast<E*>(row), dim);
@@ -287,7 +296,13 @@ void init_rows(at::Tensor& values, const at::Tensor& slots,
   const PackedInits inits{ints, floats};
 #pragma omp parallel for schedule(dynamic, kInitChunk) if (n * width >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) {
-    if (st != nullptr && st[i] != kInserted && st[i] != kEvictedAndInserted) continue;
+    // the rows are cold: each line written waits for its read for ownership unless
+    // requested ahead
+    const int64_t ahead = i + kPrefetchAhead;
+    if (ahead < n && s[ahead] >= 0 && (st == nullptr || new_row_status(st[ahead]))) {
+      prefetch_row(v + s[ahead] * width, width, 1);
+    }
+    if (st != nullptr && !new_row_status(st[i])) continue;
     float* row = v + s[i] * width;
     inits.row(t[i], k[i], row, static_cast<int>(dim));
     for (int64_t c = dim; c < width; ++c) row[c] = state;  // new_row_element's state columns

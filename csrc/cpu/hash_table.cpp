@@ -144,13 +144,18 @@ void upsert_owned(const CpuTableView& v, const UpsertArgs& a, const Rule& rule, 
       const KeyHome& at = home[r] = home_of(v, feed.hash(p + r));
       prefetch(v.digests + at.base + at.start);
       prefetch(v.pinned_of(at.bucket));
+      prefetch(v.occupied_of(at.bucket));
     }
     for (int r = 0; r < m; ++r) {
       const KeyHome& at = home[r];
       const int j = hints[r] = next_digest_match(v.digests + at.base, v.bc, at.digest, at.start);
-      if (j >= 0) {
-        prefetch(&v.keys[at.base + j]);  // and its score, in the same line
-        if (!a.opt.one_table) prefetch(v.tids + at.base + j);
+      // the slot the key is in, or, when no digest matches (a new key), the one an
+      // insert takes: its key, score and table id are written there
+      const int slot = j >= 0 ? j : first_clear_bit_from(v.occupied_of(at.bucket), v.bc, at.start);
+      if (slot >= 0) {
+        __builtin_prefetch(&v.keys[at.base + slot], 1);  // and its score, in the same line
+        // an insert writes the table id; a hit reads it with several tables
+        if (j < 0 || !a.opt.one_table) __builtin_prefetch(v.tids + at.base + slot, 1);
       }
     }
     for (int r = 0; r < m; ++r) {
