@@ -142,7 +142,11 @@ void upsert_owned(const CpuTableView& v, const UpsertArgs& a, const Rule& rule, 
   for (int64_t m; (m = feed.ready(p, kUpsertChunk)) > 0; p += m) {
     for (int r = 0; r < m; ++r) {
       const KeyHome& at = home[r] = home_of(v, feed.hash(p + r));
-      prefetch(v.digests + at.base + at.start);
+      // every digest line of the bucket: a new key's probe reads them all (2.5 ms a
+      // step against 3.7 for ~32K new keys, when only the start group's came early)
+      const uint8_t* digests = v.digests + at.base;
+      for (int line = 0; line < v.bc; line += 64) prefetch(digests + line);
+      prefetch(digests + v.bc - 1);  // a bucket across a line boundary (bc 48, 80...)
       prefetch(v.pinned_of(at.bucket));
       prefetch(v.occupied_of(at.bucket));
     }
